@@ -1,0 +1,209 @@
+"""The memory-resource interface, the upstream-adaptor base, alignment helpers and the
+out-of-memory error. Nothing here touches CUDA; concrete resources live beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "ALIGNMENT",
+    "DeviceMemoryResource",
+    "OutOfMemoryError",
+    "ReservedMemoryInfo",
+    "UpstreamResourceAdaptor",
+    "align_up",
+    "format_bytes",
+]
+
+#: Every allocation is aligned to (and every size rounded up to) this many bytes,
+#: the alignment cudaMalloc guarantees.
+ALIGNMENT = 256
+_ALIGN_MASK = ALIGNMENT - 1
+
+
+def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """Round ``nbytes`` up to a multiple of ``alignment`` (a power of two)."""
+    return (nbytes + alignment - 1) & ~(alignment - 1)
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable binary size: ``format_bytes(3 << 30) == '3.00 GiB'``."""
+    if n is None:
+        return "unlimited"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:
+    """Validate an allocation size: a non-negative int (bools and floats refused)."""
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"{what} must be an int, got {nbytes!r} ({type(nbytes).__name__})")
+        nbytes = nbytes.__index__()
+    if nbytes < 0:
+        raise ValueError(f"{what} must be >= 0, got {nbytes}")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class ReservedMemoryInfo:
+    """What a pooling resource holds from its upstream.
+
+    ``reserved_bytes`` is taken from upstream, ``free_bytes`` of that is not handed out,
+    ``largest_free_block`` is the biggest single allocation that would succeed without growing.
+    """
+
+    reserved_bytes: int
+    free_bytes: int
+    largest_free_block: int
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - largest_free_block / free_bytes`` (0 when nothing is free)."""
+        if self.free_bytes <= 0:
+            return 0.0
+        return 1.0 - self.largest_free_block / self.free_bytes
+
+
+class OutOfMemoryError(MemoryError):
+    """A resource could not satisfy an allocation.
+
+    A :class:`MemoryError` (what RMM raises for ``rmm::out_of_memory``) that also carries
+    the numbers needed to understand the failure.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        requested: int = 0,
+        resource: str = "",
+        stream: int | None = None,
+        pool_size: int | None = None,
+        maximum_pool_size: int | None = None,
+        free_bytes: int | None = None,
+        largest_free_block: int | None = None,
+    ):
+        super().__init__(message)
+        self.requested = requested
+        self.resource = resource
+        self.stream = stream
+        self.pool_size = pool_size
+        self.maximum_pool_size = maximum_pool_size
+        self.free_bytes = free_bytes
+        self.largest_free_block = largest_free_block
+
+    def __reduce__(self):
+        return (
+            _rebuild_oom,
+            (
+                self.args[0] if self.args else "",
+                {
+                    "requested": self.requested,
+                    "resource": self.resource,
+                    "stream": self.stream,
+                    "pool_size": self.pool_size,
+                    "maximum_pool_size": self.maximum_pool_size,
+                    "free_bytes": self.free_bytes,
+                    "largest_free_block": self.largest_free_block,
+                },
+            ),
+        )
+
+
+def _rebuild_oom(message, fields):
+    return OutOfMemoryError(message, **fields)
+
+
+class DeviceMemoryResource:
+    """Base class of every memory resource.
+
+    A resource hands out 256-byte aligned pointers (Python ints) and takes them back with
+    the size they were allocated with. Subclass it in plain Python and override
+    :meth:`allocate` and :meth:`deallocate` to make a custom resource.
+
+    Attributes
+    ----------
+    device_id : int
+        The CUDA device that was current when the resource was made (0 for host memory on a
+        host without a GPU).
+
+    Examples
+    --------
+    >>> class Counting(DeviceMemoryResource):
+    ...     def __init__(self, upstream):
+    ...         super().__init__(device_id=upstream.device_id)
+    ...         self.upstream, self.n = upstream, 0
+    ...     def allocate(self, nbytes, stream=DEFAULT_STREAM):
+    ...         self.n += 1
+    ...         return self.upstream.allocate(nbytes, stream)
+    ...     def deallocate(self, ptr, nbytes, stream=DEFAULT_STREAM):
+    ...         self.upstream.deallocate(ptr, nbytes, stream)
+    """
+
+    device_id: int = 0
+
+    def __init__(self, device_id: int | None = None):
+        if device_id is not None:
+            self.device_id = device_id
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        """Allocate ``nbytes`` on ``stream`` and return the pointer as an int."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement allocate()")
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        """Free ``ptr``, which was allocated with ``nbytes``, in stream order on ``stream``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement deallocate()")
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo | None:
+        """What this resource (or the nearest pooling resource below it) holds from upstream.
+
+        ``None`` for resources that do not pool.
+        """
+        return None
+
+    @property
+    def is_host_memory(self) -> bool:
+        """True when the pointers are host memory (SystemMemoryResource and what wraps it)."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} device={self.device_id}>"
+
+
+class UpstreamResourceAdaptor(DeviceMemoryResource):
+    """A resource built on another one, its *upstream*.
+
+    ``upstream_mr`` is kept alive for as long as the adaptor lives; ``get_upstream()`` returns it.
+    """
+
+    def __init__(self, upstream_mr: DeviceMemoryResource):
+        if not isinstance(upstream_mr, DeviceMemoryResource):
+            raise TypeError(
+                f"upstream_mr must be a DeviceMemoryResource, got {type(upstream_mr).__name__}"
+            )
+        super().__init__(device_id=upstream_mr.device_id)
+        self.upstream_mr = upstream_mr
+
+    def get_upstream(self) -> DeviceMemoryResource:
+        return self.upstream_mr
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo | None:
+        return self.upstream_mr.reserved_memory_info()
+
+    @property
+    def is_host_memory(self) -> bool:
+        return self.upstream_mr.is_host_memory
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} device={self.device_id} upstream={self.upstream_mr!r}>"

@@ -1,0 +1,182 @@
+"""CUDA streams as seen by memory resources: ``Stream``, the default streams and ``CudaStreamPool``.
+
+Streams are identified by their integer handle; a resource keys stream-ordered free lists on
+:meth:`Stream.order_key`, which makes the per-thread default stream one stream per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = [
+    "DEFAULT_STREAM",
+    "LEGACY_DEFAULT_STREAM",
+    "PER_THREAD_DEFAULT_STREAM",
+    "CudaStreamPool",
+    "Stream",
+    "as_stream",
+]
+
+# cudaStreamLegacy and cudaStreamPerThread are these fixed handle values in the CUDA runtime.
+_LEGACY_HANDLE = 1
+_PER_THREAD_HANDLE = 2
+
+
+def _handle_of(obj: Any) -> int:
+    """The integer stream handle of a foreign stream object."""
+    if isinstance(obj, bool):
+        raise TypeError(f"cannot make a Stream from {obj!r}")
+    if isinstance(obj, int):
+        if obj < 0:
+            raise ValueError(f"stream handle must be >= 0, got {obj}")
+        return obj
+    proto = getattr(obj, "__cuda_stream__", None)
+    if proto is not None:
+        version, handle = proto() if callable(proto) else proto
+        return int(handle)
+    # CuPy streams expose .ptr, Numba streams .handle (a ctypes c_void_p or int),
+    # cuda-python's CUstream/cudaStream_t convert with int().
+    ptr = getattr(obj, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    handle = getattr(obj, "handle", None)
+    if handle is not None:
+        value = getattr(handle, "value", handle)
+        return int(value or 0)
+    try:
+        return int(obj)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"cannot make a Stream from {type(obj).__name__}: expected an int handle, "
+            "a Stream, a CuPy/Numba/cuda-python stream or an object with __cuda_stream__"
+        ) from None
+
+
+class Stream:
+    """A CUDA stream.
+
+    ``Stream()`` creates a new non-blocking stream (needs a GPU); ``Stream(obj)`` wraps an
+    existing one: an int handle, a CuPy or Numba stream, a cuda-python ``CUstream`` /
+    ``cudaStream_t`` or anything with ``__cuda_stream__``. A wrapped stream keeps ``obj``
+    alive and is never destroyed by this object.
+    """
+
+    __slots__ = ("handle", "_owner", "_owned", "__weakref__")
+
+    def __init__(self, obj: Any = None):
+        if obj is None:
+            from dask_rmm import _cuda
+
+            self.handle = _cuda.stream_create(non_blocking=True)
+            self._owner = None
+            self._owned = True
+        elif isinstance(obj, Stream):
+            self.handle = obj.handle
+            self._owner = obj
+            self._owned = False
+        else:
+            self.handle = _handle_of(obj)
+            self._owner = obj
+            self._owned = False
+
+    @classmethod
+    def _from_handle(cls, handle: int) -> Stream:
+        s = cls.__new__(cls)
+        s.handle = handle
+        s._owner = None
+        s._owned = False
+        return s
+
+    def is_default(self) -> bool:
+        """True for the legacy and per-thread default streams (handles 0, 1 and 2)."""
+        return self.handle <= _PER_THREAD_HANDLE
+
+    def is_per_thread_default(self) -> bool:
+        return self.handle == _PER_THREAD_HANDLE
+
+    def order_key(self) -> int | tuple[str, int]:
+        """What stream-ordered allocators key free lists on: the handle, except that the
+        per-thread default stream is a different stream in each thread."""
+        if self.handle == _PER_THREAD_HANDLE:
+            return ("ptds", threading.get_ident())
+        return self.handle
+
+    def synchronize(self) -> None:
+        """Wait for all work on this stream.
+
+        On a host without CUDA nothing can have been queued on a default stream, so
+        synchronizing one is a no-op there.
+        """
+        from dask_rmm import _cuda
+
+        if self.handle <= _PER_THREAD_HANDLE and not _cuda.is_available():
+            return
+        _cuda.stream_synchronize(self.handle)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+    @property
+    def value(self) -> int:
+        return self.handle
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.handle == self.handle
+
+    def __hash__(self) -> int:
+        return hash(self.handle)
+
+    def __repr__(self) -> str:
+        names = {0: "DEFAULT_STREAM", _LEGACY_HANDLE: "LEGACY_DEFAULT_STREAM",
+                 _PER_THREAD_HANDLE: "PER_THREAD_DEFAULT_STREAM"}
+        return f"<Stream {names.get(self.handle, hex(self.handle))}>"
+
+    def __del__(self):
+        if getattr(self, "_owned", False):
+            try:
+                from dask_rmm import _cuda
+
+                _cuda.stream_destroy(self.handle)
+            except Exception:
+                pass
+
+
+DEFAULT_STREAM = Stream._from_handle(0)
+LEGACY_DEFAULT_STREAM = Stream._from_handle(_LEGACY_HANDLE)
+PER_THREAD_DEFAULT_STREAM = Stream._from_handle(_PER_THREAD_HANDLE)
+
+
+def as_stream(obj: Any) -> Stream:
+    """``obj`` as a :class:`Stream` (``None`` means the default stream)."""
+    if obj is None:
+        return DEFAULT_STREAM
+    if isinstance(obj, Stream):
+        return obj
+    return Stream(obj)
+
+
+class CudaStreamPool:
+    """A fixed set of streams handed out round-robin, as RMM's ``CudaStreamPool``."""
+
+    def __init__(self, pool_size: int = 16):
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
+        self._streams = [Stream() for _ in range(pool_size)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def get_stream(self, stream_id: int | None = None) -> Stream:
+        """The next stream round-robin, or stream ``stream_id`` (wrapping around the pool size)."""
+        if stream_id is not None:
+            return self._streams[stream_id % len(self._streams)]
+        with self._lock:
+            s = self._streams[self._next]
+            self._next = (self._next + 1) % len(self._streams)
+        return s
+
+    def get_pool_size(self) -> int:
+        return len(self._streams)

@@ -1,0 +1,51 @@
+import pickle
+
+import pytest
+
+from dask_rmm.mr import OutOfMemoryError, SystemMemoryResource
+from dask_rmm.mr.base import ReservedMemoryInfo, align_up, check_nbytes, format_bytes
+
+
+def test_align_up():
+    assert [align_up(n) for n in (0, 1, 255, 256, 257)] == [0, 256, 256, 256, 512]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", None, True])
+def test_check_nbytes_refuses(bad):
+    with pytest.raises((TypeError, ValueError), match="nbytes"):
+        check_nbytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(3 << 30) == "3.00 GiB"
+    assert format_bytes(100) == "100 B"
+
+
+def test_oom_pickles_with_fields():
+    e = OutOfMemoryError("x", requested=5, pool_size=7, resource="Pool")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert isinstance(e2, MemoryError)
+    assert (e2.requested, e2.pool_size, e2.resource, str(e2)) == (5, 7, "Pool", "x")
+
+
+def test_fragmentation():
+    assert ReservedMemoryInfo(100, 0, 0).fragmentation == 0.0
+    assert ReservedMemoryInfo(100, 80, 20).fragmentation == pytest.approx(0.75)
+
+
+def test_system_resource_roundtrip_and_bad_frees():
+    import ctypes
+
+    mr = SystemMemoryResource()
+    p = mr.allocate(1000)
+    assert p % 256 == 0
+    ctypes.memset(p, 7, 1000)
+    with pytest.raises(ValueError, match="wrong size"):
+        mr.deallocate(p, 999)
+    with pytest.raises(ValueError, match="not owned"):
+        mr.deallocate(p + 256, 1000)
+    mr.deallocate(p, 1000)
+    with pytest.raises(ValueError, match="double free"):
+        mr.deallocate(p, 1000)
+    assert mr.allocate(0) == 0
+    mr.deallocate(0, 0)
