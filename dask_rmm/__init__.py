@@ -1,48 +1,66 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
-``import dask_rmm`` never imports distributed and never touches CUDA; the Dask parts
-(RMMPlugin, cluster_report) are imported on first use.
+``import dask_rmm`` never imports distributed and never touches CUDA; every public name is
+imported on first use from the module the table names.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from dask_rmm import mr
-from dask_rmm.stream import (
-    DEFAULT_STREAM,
-    LEGACY_DEFAULT_STREAM,
-    PER_THREAD_DEFAULT_STREAM,
-    CudaStreamPool,
-    Stream,
-)
-
 __version__ = "0.1.0"
 
-# name -> module holding it; imported when first asked for.
-_LAZY = {
+# public name -> module holding it. A name that is the module's own last component
+# (``statistics``) is the module itself.
+_EXPORTS = {
+    "mr": "dask_rmm.mr",
+    "statistics": "dask_rmm.statistics",
+    "allocators": "dask_rmm.allocators",
+    "Stream": "dask_rmm.stream",
+    "CudaStreamPool": "dask_rmm.stream",
+    "DEFAULT_STREAM": "dask_rmm.stream",
+    "LEGACY_DEFAULT_STREAM": "dask_rmm.stream",
+    "PER_THREAD_DEFAULT_STREAM": "dask_rmm.stream",
+    "CUDAError": "dask_rmm._cuda",
+    "DeviceBuffer": "dask_rmm.device_buffer",
+    "copy_ptr_to_host": "dask_rmm.device_buffer",
+    "copy_host_to_ptr": "dask_rmm.device_buffer",
+    "copy_device_to_ptr": "dask_rmm.device_buffer",
+    "to_device": "dask_rmm.device_buffer",
+    "parse_device_bytes": "dask_rmm.config",
+    "RMMError": "dask_rmm.initialize",
+    "reinitialize": "dask_rmm.initialize",
+    "is_initialized": "dask_rmm.initialize",
+    "register_reinitialize_hook": "dask_rmm.initialize",
+    "unregister_reinitialize_hook": "dask_rmm.initialize",
+    "enable_logging": "dask_rmm.initialize",
+    "disable_logging": "dask_rmm.initialize",
+    "get_log_filenames": "dask_rmm.initialize",
+    "set_logging_level": "dask_rmm.logger",
+    "get_logging_level": "dask_rmm.logger",
+    "set_flush_level": "dask_rmm.logger",
+    "get_flush_level": "dask_rmm.logger",
+    "flush_on": "dask_rmm.logger",
+    "should_log": "dask_rmm.logger",
+    "flush_logger": "dask_rmm.logger",
+    "level_enum": "dask_rmm.logger",
     "RMMPlugin": "dask_rmm.plugin",
     "cluster_report": "dask_rmm.cluster",
     "ClusterMemoryReport": "dask_rmm.cluster",
 }
 
-__all__ = sorted(
-    [
-        "DEFAULT_STREAM",
-        "LEGACY_DEFAULT_STREAM",
-        "PER_THREAD_DEFAULT_STREAM",
-        "CudaStreamPool",
-        "Stream",
-        "mr",
-        *_LAZY,
-    ]
-)
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
+    module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dask_rmm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    mod = importlib.import_module(module)
+    value = mod if module.rsplit(".", 1)[-1] == name else getattr(mod, name)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    return __all__
