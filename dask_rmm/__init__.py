@@ -7,6 +7,7 @@ imported on first use from the module the table names.
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -64,3 +65,26 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+def _register_dask_serializers() -> None:
+    """Make distributed import ``dask_rmm.serialize`` the first time it (de)serializes an object
+    of a dask_rmm type (distributed's own lazy registration, keyed on the top-level package)."""
+    from distributed.protocol import (
+        cuda_deserialize,
+        cuda_serialize,
+        dask_deserialize,
+        dask_serialize,
+    )
+
+    def register() -> None:
+        importlib.import_module("dask_rmm.serialize")
+
+    for dispatch in (cuda_serialize, cuda_deserialize, dask_serialize, dask_deserialize):
+        dispatch.register_lazy("dask_rmm", register)
+
+
+# Only when distributed is already loaded (always so in workers): importing dask_rmm never
+# imports distributed itself.
+if "distributed.protocol" in sys.modules:
+    _register_dask_serializers()

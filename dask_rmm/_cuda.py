@@ -1,26 +1,89 @@
 """The one module that imports ``cuda.bindings``: checked wrappers over the CUDA runtime.
 
-Every call returns plain Python values or raises :class:`CUDAError`; no ``(err, value)``
-tuple leaves this module. Importing it never touches the driver.
+Every call takes and returns plain Python ints (pointers, stream/event/pool handles) or raises
+:class:`CUDAError`; no ``(err, value)`` tuple leaves this module. Importing it never touches the
+driver, and cuda-python itself is imported on first use. On a host without a usable driver or
+device every call raises :class:`CUDAUnavailableError`. Memory-resource policy (ownership,
+out-of-memory errors, device binding) lives in ``dask_rmm.mr``, not here.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any, NamedTuple
 
 __all__ = [
+    "CPU_DEVICE_ID",
     "CUDAError",
     "CUDAUnavailableError",
+    "PointerAttributes",
     "check",
+    "device_get_default_mem_pool",
+    "device_synchronize",
+    "device_total_memory",
+    "event_create",
+    "event_destroy",
+    "event_query",
+    "event_record",
+    "event_synchronize",
+    "free",
+    "free_async",
+    "free_host",
     "get_device",
+    "get_device_attribute",
     "get_device_count",
     "is_available",
+    "malloc",
+    "malloc_async",
+    "malloc_from_pool_async",
+    "malloc_host",
+    "malloc_managed",
+    "mem_advise_preferred_location",
+    "mem_get_info",
+    "mem_pool_create",
+    "mem_pool_destroy",
+    "mem_pool_export_to_shareable_handle",
+    "mem_pool_get_attribute",
+    "mem_pool_get_release_threshold",
+    "mem_pool_import_from_shareable_handle",
+    "mem_pool_set_release_threshold",
+    "mem_pool_trim_to",
+    "mem_prefetch_async",
+    "memcpy",
+    "memcpy_async",
+    "memset",
+    "memset_async",
+    "pointer_attributes",
+    "require_cuda",
+    "set_device",
+    "stream_create",
+    "stream_destroy",
+    "stream_query",
+    "stream_synchronize",
+    "stream_wait_event",
 ]
+
+#: ``cudaCpuDeviceId``: pass as ``device`` to :func:`mem_prefetch_async` to move pages to the host.
+CPU_DEVICE_ID = -1
+
+# Values fixed by the CUDA runtime API (and so usable before cuda-python is imported).
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
+_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
+_MEM_ATTACH_GLOBAL = 1  # cudaMemAttachGlobal
+_ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 
 class CUDAError(RuntimeError):
-    """A CUDA runtime call failed. ``error_name`` is CUDA's name for the error
-    (``"cudaErrorMemoryAllocation"``), ``call`` the function that failed."""
+    """A CUDA runtime call failed.
+
+    Attributes
+    ----------
+    error_name : str
+        CUDA's name for the error, e.g. ``"cudaErrorMemoryAllocation"``.
+    call : str
+        The runtime function (or operation) that failed.
+    """
 
     def __init__(self, error_name: str, call: str, message: str | None = None):
         self.error_name = error_name
@@ -62,11 +125,47 @@ def _error_name(err) -> str:
         return str(err)
 
 
+def _fail(err, call: str):
+    """Raise for a failed call: CUDAUnavailableError without a usable GPU, else CUDAError.
+
+    The runtime's last-error slot is cleared first, as RMM does, so that a handled failure
+    (an out-of-memory the caller turns into MemoryError) does not surface later in another
+    library's ``cudaGetLastError`` check.
+    """
+    name = _error_name(err)
+    if not is_available():
+        require_cuda(call)
+    try:
+        _rt().cudaGetLastError()
+    except Exception:  # pragma: no cover - clearing is best effort
+        pass
+    raise CUDAError(name, call)
+
+
 def check(result, call: str):
-    """Turn cuda-python's ``(err, *values)`` into the value(s) or raise CUDAError."""
+    """Turn cuda-python's ``(err, *values)`` into the value(s) or raise.
+
+    Parameters
+    ----------
+    result : tuple
+        What a ``cuda.bindings.runtime`` function returned.
+    call : str
+        The function's name, for the error message.
+
+    Returns
+    -------
+    None, the single value, or a tuple of the values.
+
+    Raises
+    ------
+    CUDAUnavailableError
+        On a host without a usable driver or device.
+    CUDAError
+        For any other failure, carrying CUDA's error name.
+    """
     err = result[0]
-    if err != 0:  # cudaSuccess; cudaError_t compares with ints
-        raise CUDAError(_error_name(err), call)
+    if err:  # cudaError_t is an int enum; cudaSuccess is 0
+        _fail(err, call)
     if len(result) == 1:
         return None
     if len(result) == 2:
@@ -108,6 +207,63 @@ def require_cuda(what: str) -> None:
         )
 
 
+# --- hot calls ---------------------------------------------------------------------------------
+# The runtime functions on allocation and stream-ordering paths are bound to module globals on
+# first use, so that afterwards a wrapper is one global lookup and the binding call.
+
+_HOT = (
+    "cudaGetDevice",
+    "cudaSetDevice",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaMallocManaged",
+    "cudaHostAlloc",
+    "cudaFreeHost",
+    "cudaMallocAsync",
+    "cudaFreeAsync",
+    "cudaMallocFromPoolAsync",
+    "cudaMemcpyAsync",
+    "cudaEventRecord",
+    "cudaStreamWaitEvent",
+    "cudaStreamSynchronize",
+)
+
+
+def _bind_hot() -> None:
+    rt = _rt()
+    g = globals()
+    for name in _HOT:
+        g["_" + name] = getattr(rt, name)
+
+
+def _lazy(name: str):
+    def first_call(*args):
+        _bind_hot()
+        return globals()["_" + name](*args)
+
+    first_call.__name__ = name
+    return first_call
+
+
+_cudaGetDevice = _lazy("cudaGetDevice")
+_cudaSetDevice = _lazy("cudaSetDevice")
+_cudaMalloc = _lazy("cudaMalloc")
+_cudaFree = _lazy("cudaFree")
+_cudaMallocManaged = _lazy("cudaMallocManaged")
+_cudaHostAlloc = _lazy("cudaHostAlloc")
+_cudaFreeHost = _lazy("cudaFreeHost")
+_cudaMallocAsync = _lazy("cudaMallocAsync")
+_cudaFreeAsync = _lazy("cudaFreeAsync")
+_cudaMallocFromPoolAsync = _lazy("cudaMallocFromPoolAsync")
+_cudaMemcpyAsync = _lazy("cudaMemcpyAsync")
+_cudaEventRecord = _lazy("cudaEventRecord")
+_cudaStreamWaitEvent = _lazy("cudaStreamWaitEvent")
+_cudaStreamSynchronize = _lazy("cudaStreamSynchronize")
+
+
+# --- devices -----------------------------------------------------------------------------------
+
+
 def get_device_count() -> int:
     """Number of CUDA devices (0 on a host without a driver or GPU)."""
     if not is_available():
@@ -117,5 +273,463 @@ def get_device_count() -> int:
 
 def get_device() -> int:
     """The calling thread's current CUDA device."""
-    require_cuda("cudaGetDevice")
-    return check(_rt().cudaGetDevice(), "cudaGetDevice")
+    err, device = _cudaGetDevice()
+    if err:
+        _fail(err, "cudaGetDevice")
+    return device
+
+
+def _check_device(device: Any) -> int:
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device must be an int, got {device!r} ({type(device).__name__})")
+    require_cuda(f"device {device}")
+    count = get_device_count()
+    if not 0 <= device < count:
+        raise ValueError(f"device {device} does not exist: this host has {count} CUDA device(s)")
+    return device
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` the calling thread's current device (``cudaSetDevice``)."""
+    err, = _cudaSetDevice(device)
+    if err:
+        _check_device(device)
+        _fail(err, f"cudaSetDevice({device})")
+
+
+def device_synchronize() -> None:
+    """Wait for all work on the current device."""
+    check(_rt().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def mem_get_info() -> tuple[int, int]:
+    """``(free, total)`` bytes of the current device (``cudaMemGetInfo``)."""
+    free_bytes, total = check(_rt().cudaMemGetInfo(), "cudaMemGetInfo")
+    return int(free_bytes), int(total)
+
+
+def device_total_memory(device: int | None = None) -> int:
+    """Total memory of ``device`` (default: the current device) in bytes."""
+    if device is None:
+        return mem_get_info()[1]
+    device = _check_device(device)
+    current = get_device()
+    if current == device:
+        return mem_get_info()[1]
+    set_device(device)
+    try:
+        return mem_get_info()[1]
+    finally:
+        set_device(current)
+
+
+def _device_attr(name_or_enum: Any):
+    rt = _rt()
+    if isinstance(name_or_enum, str):
+        name = name_or_enum if name_or_enum.startswith("cudaDevAttr") else "cudaDevAttr" + name_or_enum
+        attr = getattr(rt.cudaDeviceAttr, name, None)
+        if attr is None:
+            raise ValueError(
+                f"unknown device attribute {name_or_enum!r}: expected a cudaDeviceAttr name such as "
+                "'PageableMemoryAccess' or 'cudaDevAttrMemoryPoolsSupported'"
+            )
+        return attr
+    if isinstance(name_or_enum, bool):
+        raise TypeError(f"device attribute must be a name or cudaDeviceAttr, got {name_or_enum!r}")
+    return name_or_enum
+
+
+def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
+    """A device attribute (``cudaDeviceGetAttribute``) as an int.
+
+    Parameters
+    ----------
+    name_or_enum : str or cudaDeviceAttr or int
+        ``"PageableMemoryAccess"``, ``"cudaDevAttrPageableMemoryAccess"`` or the enum member.
+    device : int, optional
+        The device to ask; default the current device.
+
+    Examples
+    --------
+    >>> get_device_attribute("MemoryPoolsSupported")  # doctest: +SKIP
+    1
+    """
+    attr = _device_attr(name_or_enum)
+    require_cuda("cudaDeviceGetAttribute")
+    device = get_device() if device is None else _check_device(device)
+    return int(check(_rt().cudaDeviceGetAttribute(attr, device), "cudaDeviceGetAttribute"))
+
+
+# --- allocation --------------------------------------------------------------------------------
+
+
+def malloc(nbytes: int) -> int:
+    """``cudaMalloc``: device memory on the current device."""
+    err, ptr = _cudaMalloc(nbytes)
+    if err:
+        _fail(err, "cudaMalloc")
+    return ptr
+
+
+def free(ptr: int) -> None:
+    """``cudaFree`` (synchronizes the device)."""
+    err, = _cudaFree(ptr)
+    if err:
+        _fail(err, "cudaFree")
+
+
+def malloc_managed(nbytes: int) -> int:
+    """``cudaMallocManaged(cudaMemAttachGlobal)``: unified memory; free with :func:`free`."""
+    err, ptr = _cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL)
+    if err:
+        _fail(err, "cudaMallocManaged")
+    return ptr
+
+
+def malloc_host(nbytes: int, flags: int = 0) -> int:
+    """``cudaHostAlloc``: page-locked host memory; free with :func:`free_host`."""
+    err, ptr = _cudaHostAlloc(nbytes, flags)
+    if err:
+        _fail(err, "cudaHostAlloc")
+    return ptr
+
+
+def free_host(ptr: int) -> None:
+    """``cudaFreeHost``."""
+    err, = _cudaFreeHost(ptr)
+    if err:
+        _fail(err, "cudaFreeHost")
+
+
+def malloc_async(nbytes: int, stream_handle: int) -> int:
+    """``cudaMallocAsync`` from the current device's current memory pool."""
+    err, ptr = _cudaMallocAsync(nbytes, stream_handle)
+    if err:
+        _fail(err, "cudaMallocAsync")
+    return ptr
+
+
+def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
+    """``cudaMallocFromPoolAsync`` from an explicit memory pool."""
+    err, ptr = _cudaMallocFromPoolAsync(nbytes, pool, stream_handle)
+    if err:
+        _fail(err, "cudaMallocFromPoolAsync")
+    return ptr
+
+
+def free_async(ptr: int, stream_handle: int) -> None:
+    """``cudaFreeAsync``: return ``ptr`` to its pool in stream order."""
+    err, = _cudaFreeAsync(ptr, stream_handle)
+    if err:
+        _fail(err, "cudaFreeAsync")
+
+
+# --- memory pools (stream-ordered allocator) ---------------------------------------------------
+
+_HANDLE_TYPES = {"none": 0, "posix_file_descriptor": 1, "win32": 2, "win32_kmt": 4, "fabric": 8}
+
+
+def _handle_type(value: int | str) -> int:
+    if isinstance(value, str):
+        if value not in _HANDLE_TYPES:
+            raise ValueError(
+                f"unknown IPC handle type {value!r}; expected one of {sorted(_HANDLE_TYPES)}"
+            )
+        return _HANDLE_TYPES[value]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"IPC handle type must be a name or an int, got {value!r}")
+    return value
+
+
+def _pool_attr(name: str):
+    rt = _rt()
+    attr = getattr(rt.cudaMemPoolAttr, "cudaMemPoolAttr" + name, None)
+    if attr is None:
+        raise ValueError(
+            f"unknown memory pool attribute {name!r}: expected one of ReleaseThreshold, "
+            "ReservedMemCurrent, ReservedMemHigh, UsedMemCurrent, UsedMemHigh"
+        )
+    return attr
+
+
+def mem_pool_create(
+    device: int | None = None,
+    *,
+    release_threshold: int | None = None,
+    handle_types: int | str = 0,
+    max_size: int = 0,
+) -> int:
+    """Create an explicit device memory pool (``cudaMemPoolCreate``) and return its handle.
+
+    Parameters
+    ----------
+    device : int, optional
+        Where the pool's memory lives; default the current device.
+    release_threshold : int, optional
+        Bytes the pool keeps reserved across synchronizations (``cudaMemPoolAttrReleaseThreshold``);
+        default CUDA's (0: release everything unused at each synchronization).
+    handle_types : int or str
+        IPC export handle types: ``0``/``"none"``, ``"posix_file_descriptor"`` (1), ``"fabric"`` (8)...
+    max_size : int
+        Maximum pool size in bytes; 0 lets CUDA choose.
+    """
+    handle_types = _handle_type(handle_types)
+    rt = _rt()
+    require_cuda("cudaMemPoolCreate")
+    device = get_device() if device is None else _check_device(device)
+    props = rt.cudaMemPoolProps()
+    props.allocType = rt.cudaMemAllocationType.cudaMemAllocationTypePinned
+    props.handleTypes = rt.cudaMemAllocationHandleType(handle_types)
+    props.location.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
+    props.location.id = device
+    props.maxSize = max_size
+    pool = int(check(rt.cudaMemPoolCreate(props), "cudaMemPoolCreate"))
+    if release_threshold is not None:
+        try:
+            mem_pool_set_release_threshold(pool, release_threshold)
+        except BaseException:
+            rt.cudaMemPoolDestroy(pool)
+            raise
+    return pool
+
+
+def mem_pool_destroy(pool: int) -> None:
+    """``cudaMemPoolDestroy``; outstanding allocations keep the memory until freed."""
+    check(_rt().cudaMemPoolDestroy(pool), "cudaMemPoolDestroy")
+
+
+def device_get_default_mem_pool(device: int | None = None) -> int:
+    """The handle of ``device``'s default memory pool (what ``cudaMallocAsync`` uses)."""
+    require_cuda("cudaDeviceGetDefaultMemPool")
+    device = get_device() if device is None else _check_device(device)
+    return int(check(_rt().cudaDeviceGetDefaultMemPool(device), "cudaDeviceGetDefaultMemPool"))
+
+
+def mem_pool_set_release_threshold(pool: int, nbytes: int) -> None:
+    """Set ``cudaMemPoolAttrReleaseThreshold``."""
+    from cuda.bindings import driver
+
+    rt = _rt()
+    check(
+        rt.cudaMemPoolSetAttribute(pool, _pool_attr("ReleaseThreshold"), driver.cuuint64_t(nbytes)),
+        "cudaMemPoolSetAttribute(ReleaseThreshold)",
+    )
+
+
+def mem_pool_get_attribute(pool: int, name: str) -> int:
+    """A 64-bit pool attribute by short name: ``"ReleaseThreshold"``, ``"ReservedMemCurrent"``,
+    ``"ReservedMemHigh"``, ``"UsedMemCurrent"`` or ``"UsedMemHigh"``."""
+    value = check(
+        _rt().cudaMemPoolGetAttribute(pool, _pool_attr(name)), f"cudaMemPoolGetAttribute({name})"
+    )
+    return int(value)
+
+
+def mem_pool_get_release_threshold(pool: int) -> int:
+    """``cudaMemPoolAttrReleaseThreshold`` in bytes."""
+    return mem_pool_get_attribute(pool, "ReleaseThreshold")
+
+
+def mem_pool_trim_to(pool: int, min_bytes_to_keep: int) -> None:
+    """Release unused pool memory down to ``min_bytes_to_keep`` (``cudaMemPoolTrimTo``)."""
+    check(_rt().cudaMemPoolTrimTo(pool, min_bytes_to_keep), "cudaMemPoolTrimTo")
+
+
+def mem_pool_export_to_shareable_handle(pool: int, handle_type: int | str = 1) -> int:
+    """Export an IPC-capable pool; for ``posix_file_descriptor`` (1) the result is a file descriptor."""
+    handle_type = _handle_type(handle_type)
+    rt = _rt()
+    handle = check(
+        rt.cudaMemPoolExportToShareableHandle(
+            pool, rt.cudaMemAllocationHandleType(handle_type), 0
+        ),
+        "cudaMemPoolExportToShareableHandle",
+    )
+    return int(handle)
+
+
+def mem_pool_import_from_shareable_handle(handle: int, handle_type: int | str = 1) -> int:
+    """Open a pool exported by another process; the result can only map imported pointers."""
+    handle_type = _handle_type(handle_type)
+    rt = _rt()
+    pool = check(
+        rt.cudaMemPoolImportFromShareableHandle(
+            handle, rt.cudaMemAllocationHandleType(handle_type), 0
+        ),
+        "cudaMemPoolImportFromShareableHandle",
+    )
+    return int(pool)
+
+
+# --- copies ------------------------------------------------------------------------------------
+
+
+def memcpy(dst: int, src: int, nbytes: int) -> None:
+    """Synchronous ``cudaMemcpy`` with ``cudaMemcpyDefault`` (direction from the pointers)."""
+    check(_rt().cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), "cudaMemcpy")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
+    """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
+    err, = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_handle)
+    if err:
+        _fail(err, "cudaMemcpyAsync")
+
+
+def memset(ptr: int, value: int, nbytes: int) -> None:
+    """``cudaMemset``: set ``nbytes`` bytes at ``ptr`` to ``value``."""
+    check(_rt().cudaMemset(ptr, value, nbytes), "cudaMemset")
+
+
+def memset_async(ptr: int, value: int, nbytes: int, stream_handle: int) -> None:
+    """``cudaMemsetAsync`` on ``stream_handle``."""
+    check(_rt().cudaMemsetAsync(ptr, value, nbytes, stream_handle), "cudaMemsetAsync")
+
+
+def _location(device: int):
+    rt = _rt()
+    loc = rt.cudaMemLocation()
+    if device == CPU_DEVICE_ID:
+        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
+        loc.id = 0
+    else:
+        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
+        loc.id = device
+    return loc
+
+
+def mem_prefetch_async(ptr: int, nbytes: int, device: int, stream_handle: int) -> None:
+    """Prefetch managed (or system-allocated) memory to ``device``; ``CPU_DEVICE_ID`` means host."""
+    check(
+        _rt().cudaMemPrefetchAsync(ptr, nbytes, _location(device), 0, stream_handle),
+        "cudaMemPrefetchAsync",
+    )
+
+
+def mem_advise_preferred_location(ptr: int, nbytes: int, device: int) -> None:
+    """``cudaMemAdvise(cudaMemAdviseSetPreferredLocation)``; ``CPU_DEVICE_ID`` means host."""
+    rt = _rt()
+    check(
+        rt.cudaMemAdvise(
+            ptr, nbytes, rt.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation, _location(device)
+        ),
+        "cudaMemAdvise(SetPreferredLocation)",
+    )
+
+
+class PointerAttributes(NamedTuple):
+    """What CUDA knows about a pointer. ``type`` is ``"unregistered"`` (plain host memory),
+    ``"host"`` (pinned), ``"device"`` or ``"managed"``."""
+
+    type: str
+    device: int
+    device_pointer: int
+    host_pointer: int
+
+
+_MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
+
+
+def pointer_attributes(ptr: int) -> PointerAttributes:
+    """``cudaPointerGetAttributes``: tell host, pinned, device and managed pointers apart."""
+    attrs = check(_rt().cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+    return PointerAttributes(
+        _MEMORY_TYPES.get(int(attrs.type), str(attrs.type)),
+        int(attrs.device),
+        int(attrs.devicePointer or 0),
+        int(attrs.hostPointer or 0),
+    )
+
+
+# --- streams and events ------------------------------------------------------------------------
+
+
+def stream_create(non_blocking: bool = True) -> int:
+    """Create a stream (``cudaStreamCreateWithFlags``) and return its handle."""
+    flags = _STREAM_NON_BLOCKING if non_blocking else 0
+    return int(check(_rt().cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags"))
+
+
+def stream_destroy(handle: int) -> None:
+    """``cudaStreamDestroy``."""
+    check(_rt().cudaStreamDestroy(handle), "cudaStreamDestroy")
+
+
+def stream_synchronize(handle: int) -> None:
+    """Wait for all work queued on the stream."""
+    err, = _cudaStreamSynchronize(handle)
+    if err:
+        _fail(err, "cudaStreamSynchronize")
+
+
+def stream_query(handle: int) -> bool:
+    """True when all work on the stream has completed."""
+    err, = _rt().cudaStreamQuery(handle)
+    if err == _ERROR_NOT_READY:
+        return False
+    if err:
+        _fail(err, "cudaStreamQuery")
+    return True
+
+
+def stream_wait_event(stream_handle: int, event: int) -> None:
+    """Make future work on ``stream_handle`` wait for ``event`` (``cudaStreamWaitEvent``)."""
+    err, = _cudaStreamWaitEvent(stream_handle, event, 0)
+    if err:
+        _fail(err, "cudaStreamWaitEvent")
+
+
+def event_create(disable_timing: bool = True) -> int:
+    """Create an event (``cudaEventCreateWithFlags``) and return its handle."""
+    flags = _EVENT_DISABLE_TIMING if disable_timing else 0
+    return int(check(_rt().cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags"))
+
+
+def event_record(event: int, stream_handle: int) -> None:
+    """``cudaEventRecord`` on ``stream_handle``."""
+    err, = _cudaEventRecord(event, stream_handle)
+    if err:
+        _fail(err, "cudaEventRecord")
+
+
+def event_synchronize(event: int) -> None:
+    """Wait for the event's recorded work."""
+    check(_rt().cudaEventSynchronize(event), "cudaEventSynchronize")
+
+
+def event_query(event: int) -> bool:
+    """True when the event's recorded work has completed."""
+    err, = _rt().cudaEventQuery(event)
+    if err == _ERROR_NOT_READY:
+        return False
+    if err:
+        _fail(err, "cudaEventQuery")
+    return True
+
+
+def event_destroy(event: int) -> None:
+    """``cudaEventDestroy``."""
+    check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
+
+
+# --- IPC (used by the Numba EMM plugin's get_ipc_handle) ----------------------------------------
+
+
+def mem_get_address_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the whole allocation holding device pointer ``ptr``
+    (``cuMemGetAddressRange``; a pool block lies inside one upstream allocation)."""
+    require_cuda("cuMemGetAddressRange")
+    from cuda.bindings import driver
+
+    err, base, size = driver.cuMemGetAddressRange(ptr)
+    if err:
+        name = getattr(err, "name", str(err))
+        raise CUDAError(name, f"cuMemGetAddressRange({ptr:#x})")
+    return int(base), int(size)
+
+
+def ipc_get_mem_handle(ptr: int) -> bytes:
+    """The 64-byte CUDA IPC handle of the allocation starting at ``ptr`` (``cudaIpcGetMemHandle``;
+    ``ptr`` must be the base of a ``cudaMalloc`` allocation, see :func:`mem_get_address_range`)."""
+    handle = check(_rt().cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+    return bytes(handle.reserved)

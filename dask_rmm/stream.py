@@ -25,8 +25,8 @@ _PER_THREAD_HANDLE = 2
 
 def _handle_of(obj: Any) -> int:
     """The integer stream handle of a foreign stream object."""
-    if isinstance(obj, bool):
-        raise TypeError(f"cannot make a Stream from {obj!r}")
+    if isinstance(obj, (bool, float)):
+        raise TypeError(f"cannot make a Stream from {obj!r}: expected an int handle or a stream object")
     if isinstance(obj, int):
         if obj < 0:
             raise ValueError(f"stream handle must be >= 0, got {obj}")

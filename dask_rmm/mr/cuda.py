@@ -1,7 +1,8 @@
 """Base resources: the only layer that asks CUDA (or the host allocator) for memory.
 
 CudaMemoryResource, ManagedMemoryResource, CudaAsyncMemoryResource(+View), PinnedHostMemoryResource,
-SamHeadroomMemoryResource and SystemMemoryResource. Suballocation lives in pool/arena/binning.
+SamHeadroomMemoryResource and SystemMemoryResource. Suballocation lives in pool/arena/binning;
+the CUDA calls themselves in ``dask_rmm._cuda``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from typing import Any
 
+from dask_rmm import _cuda
 from dask_rmm.mr.base import (
     ALIGNMENT,
     DeviceMemoryResource,
@@ -18,9 +21,21 @@ from dask_rmm.mr.base import (
     check_nbytes,
     format_bytes,
 )
-from dask_rmm.stream import DEFAULT_STREAM, Stream
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
-__all__ = ["SystemMemoryResource"]
+__all__ = [
+    "CudaAsyncMemoryResource",
+    "CudaAsyncViewMemoryResource",
+    "CudaMemoryResource",
+    "ManagedMemoryResource",
+    "PinnedHostMemoryResource",
+    "SamHeadroomMemoryResource",
+    "SystemMemoryResource",
+]
+
+#: The largest size a C ``size_t`` holds; anything above it cannot be asked of any allocator.
+_SIZE_MAX = (1 << 64) - 1
+_OOM_ERRORS = frozenset({"cudaErrorMemoryAllocation"})
 
 
 class _OwnedPointers:
@@ -53,12 +68,392 @@ class _OwnedPointers:
                 )
             del self._sizes[ptr]
 
+    def restore(self, ptr: int, nbytes: int) -> None:
+        """Record ``ptr`` again after the free itself failed, so nothing is lost."""
+        self.add(ptr, nbytes)
+
     def __len__(self) -> int:
         return len(self._sizes)
 
     def total_bytes(self) -> int:
         with self._lock:
             return sum(self._sizes.values())
+
+
+def _check_size(nbytes: Any, what: str = "nbytes") -> int:
+    nbytes = check_nbytes(nbytes, what)
+    if nbytes > _SIZE_MAX:
+        raise ValueError(f"{what} {nbytes} is larger than any allocation can be (2**64 - 1 bytes)")
+    return nbytes
+
+
+def _parse_size(value: Any, what: str, device: int | None) -> int:
+    """An int size as is; a string or fraction through ``dask_rmm.config.parse_device_bytes``.
+
+    The config module (which imports Dask) is loaded only when a string or fraction is given, so
+    that ``dask_rmm.mr`` itself never imports Dask.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _check_size(value, what)
+    if isinstance(value, (str, float)):
+        from dask_rmm.config import parse_device_bytes
+
+        return parse_device_bytes(value, device=device)
+    raise TypeError(
+        f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
+        f"device memory in (0, 1], got {value!r} ({type(value).__name__})"
+    )
+
+
+def _handle(stream: Any) -> int:
+    try:
+        return stream.handle
+    except AttributeError:
+        return as_stream(stream).handle
+
+
+class _CudaResource(DeviceMemoryResource):
+    """Shared machinery of the CUDA base resources: device binding, ownership, error mapping.
+
+    A subclass implements ``_alloc(nbytes, stream_handle)`` and ``_free(ptr, stream_handle)``
+    as single CUDA calls. The resource is bound to the device current at construction; calls from
+    a thread whose current device differs switch to it for the call (only checked when the host
+    has more than one device, since with one device the current device is always 0).
+    """
+
+    def __init__(self):
+        _cuda.require_cuda(type(self).__name__)
+        super().__init__(device_id=_cuda.get_device())
+        self._multi_device = _cuda.get_device_count() > 1
+        self._owned = _OwnedPointers()
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _free(self, ptr: int, stream_handle: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        """Allocate ``nbytes`` (256-byte aligned) and return the pointer as an int."""
+        if type(nbytes) is not int or nbytes < 0 or nbytes > _SIZE_MAX:
+            nbytes = _check_size(nbytes)
+        if nbytes == 0:
+            return 0
+        handle = _handle(stream)
+        try:
+            if self._multi_device:
+                ptr = self._on_device(self._alloc, nbytes, handle)
+            else:
+                ptr = self._alloc(nbytes, handle)
+        except _cuda.CUDAError as e:
+            if e.error_name in _OOM_ERRORS:
+                raise self._out_of_memory(nbytes, handle) from e
+            raise
+        self._owned.add(ptr, nbytes)
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        """Free ``ptr``, allocated here with ``nbytes``; a wrong call raises ValueError first."""
+        if ptr == 0 and nbytes == 0:
+            return
+        self._owned.remove(self, ptr, nbytes)
+        handle = _handle(stream)
+        try:
+            if self._multi_device:
+                self._on_device(self._free, ptr, handle)
+            else:
+                self._free(ptr, handle)
+        except BaseException:
+            self._owned.restore(ptr, nbytes)
+            raise
+
+    def _on_device(self, fn, *args):
+        current = _cuda.get_device()
+        if current == self.device_id:
+            return fn(*args)
+        _cuda.set_device(self.device_id)
+        try:
+            return fn(*args)
+        finally:
+            _cuda.set_device(current)
+
+    def _out_of_memory(self, nbytes: int, stream_handle: int) -> OutOfMemoryError:
+        name = type(self).__name__
+        try:
+            free_bytes = self._on_device(lambda: _cuda.mem_get_info()[0])
+        except _cuda.CUDAError:
+            free_bytes = None
+        return OutOfMemoryError(
+            f"{name} out of memory on device {self.device_id}: requested "
+            f"{format_bytes(nbytes)} ({nbytes} bytes) on stream {stream_handle:#x}; "
+            f"{format_bytes(free_bytes)} free on the device (no pool: pool size and largest free "
+            "block do not apply)",
+            requested=nbytes,
+            resource=name,
+            stream=stream_handle,
+            free_bytes=free_bytes,
+        )
+
+    @property
+    def live_allocations(self) -> int:
+        """How many pointers this resource has handed out and not taken back."""
+        return len(self._owned)
+
+
+class CudaMemoryResource(_CudaResource):
+    """Device memory from ``cudaMalloc``/``cudaFree`` on the device current at construction.
+
+    The stream argument is ignored: ``cudaMalloc`` is not stream ordered and ``cudaFree``
+    synchronizes the device.
+
+    Examples
+    --------
+    >>> mr = CudaMemoryResource()  # doctest: +SKIP
+    >>> ptr = mr.allocate(1024)  # doctest: +SKIP
+    >>> mr.deallocate(ptr, 1024)  # doctest: +SKIP
+    """
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
+        return _cuda.malloc(nbytes)
+
+    def _free(self, ptr: int, stream_handle: int) -> None:
+        _cuda.free(ptr)
+
+
+class ManagedMemoryResource(_CudaResource):
+    """Unified (managed) memory from ``cudaMallocManaged``, which may exceed device memory."""
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
+        return _cuda.malloc_managed(nbytes)
+
+    def _free(self, ptr: int, stream_handle: int) -> None:
+        _cuda.free(ptr)
+
+
+class PinnedHostMemoryResource(_CudaResource):
+    """Page-locked host memory from ``cudaHostAlloc``, readable by host and device.
+
+    The pointers are host addresses, but resources built on this one treat them as
+    device-accessible memory, so :attr:`is_host_memory` is False (as RMM's ``pinned_host``
+    resource is a device-accessible resource).
+    """
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
+        return _cuda.malloc_host(nbytes)
+
+    def _free(self, ptr: int, stream_handle: int) -> None:
+        _cuda.free_host(ptr)
+
+
+class CudaAsyncViewMemoryResource(_CudaResource):
+    """Stream-ordered allocation (``cudaMallocFromPoolAsync``) from an existing memory pool.
+
+    The pool is not owned: it outlives this resource and is never destroyed by it.
+
+    Parameters
+    ----------
+    pool_handle : int
+        A ``cudaMemPool_t`` handle (an int, or anything ``int()`` accepts, such as cuda-python's
+        ``cudaMemPool_t``), e.g. ``CudaAsyncMemoryResource().pool_handle()`` or
+        ``dask_rmm._cuda.device_get_default_mem_pool()``.
+    """
+
+    def __init__(self, pool_handle: Any):
+        if isinstance(pool_handle, bool):
+            raise TypeError(f"pool_handle must be a cudaMemPool_t handle, got {pool_handle!r}")
+        try:
+            handle = int(pool_handle)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"pool_handle must be a cudaMemPool_t handle (an int), got {pool_handle!r} "
+                f"({type(pool_handle).__name__})"
+            ) from None
+        if handle == 0:
+            raise ValueError("pool_handle must be a memory pool handle, got a null handle (0)")
+        super().__init__()
+        self._pool = handle
+
+    def pool_handle(self) -> int:
+        """The ``cudaMemPool_t`` handle allocations come from, as an int."""
+        return self._pool
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
+        return _cuda.malloc_from_pool_async(nbytes, self._pool, stream_handle)
+
+    def _free(self, ptr: int, stream_handle: int) -> None:
+        _cuda.free_async(ptr, stream_handle)
+
+
+class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
+    """Stream-ordered allocation (``cudaMallocAsync``) from a memory pool this resource owns.
+
+    Parameters
+    ----------
+    initial_pool_size : int or str, optional
+        Prime the pool by allocating and freeing this much on the default stream.
+        Ints, size strings (``"4GiB"``) and fractions of device memory (``0.5``) are accepted.
+    release_threshold : int or str, optional
+        Bytes the pool keeps reserved across synchronizations instead of handing them back to
+        the driver; default the device's total memory (as RMM), so the pool only grows.
+    enable_ipc : bool
+        Make the pool exportable to other processes (POSIX file descriptor handles).
+
+    Examples
+    --------
+    >>> mr = CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="2GiB")  # doctest: +SKIP
+    >>> mr.pool_handle()  # doctest: +SKIP
+    94310741504
+    """
+
+    def __init__(
+        self,
+        initial_pool_size: int | str | None = None,
+        release_threshold: int | str | None = None,
+        enable_ipc: bool = False,
+    ):
+        if not isinstance(enable_ipc, bool):
+            raise TypeError(f"enable_ipc must be a bool, got {enable_ipc!r}")
+        _cuda.require_cuda("CudaAsyncMemoryResource")
+        device = _cuda.get_device()
+        initial = (
+            None
+            if initial_pool_size is None
+            else _parse_size(initial_pool_size, "initial_pool_size", device)
+        )
+        threshold = (
+            _cuda.device_total_memory(device)
+            if release_threshold is None
+            else _parse_size(release_threshold, "release_threshold", device)
+        )
+        if not _cuda.get_device_attribute("MemoryPoolsSupported", device):
+            raise _cuda.CUDAError(
+                "cudaErrorNotSupported",
+                "CudaAsyncMemoryResource",
+                f"CudaAsyncMemoryResource: device {device} does not support cudaMallocAsync "
+                "memory pools",
+            )
+        pool = _cuda.mem_pool_create(
+            device,
+            release_threshold=threshold,
+            handle_types="posix_file_descriptor" if enable_ipc else "none",
+        )
+        self._owns_pool = False
+        try:
+            super().__init__(pool)
+        except BaseException:
+            _cuda.mem_pool_destroy(pool)
+            raise
+        self._owns_pool = True
+        self._ipc = enable_ipc
+        if initial:
+            ptr = self.allocate(initial, DEFAULT_STREAM)
+            self.deallocate(ptr, initial, DEFAULT_STREAM)
+
+    @property
+    def release_threshold(self) -> int:
+        """The pool's current release threshold in bytes."""
+        return _cuda.mem_pool_get_release_threshold(self._pool)
+
+    def set_release_threshold(self, nbytes: int | str) -> None:
+        """Change how much unused memory the pool keeps across synchronizations."""
+        _cuda.mem_pool_set_release_threshold(
+            self._pool, _parse_size(nbytes, "release_threshold", self.device_id)
+        )
+
+    def trim_to(self, min_bytes_to_keep: int = 0) -> None:
+        """Hand unused pool memory back to the driver, keeping at least ``min_bytes_to_keep``."""
+        _cuda.mem_pool_trim_to(self._pool, _check_size(min_bytes_to_keep, "min_bytes_to_keep"))
+
+    def reserved_bytes(self) -> int:
+        """Bytes the pool holds from the driver (``cudaMemPoolAttrReservedMemCurrent``)."""
+        return _cuda.mem_pool_get_attribute(self._pool, "ReservedMemCurrent")
+
+    def used_bytes(self) -> int:
+        """Bytes handed out and not yet freed (``cudaMemPoolAttrUsedMemCurrent``)."""
+        return _cuda.mem_pool_get_attribute(self._pool, "UsedMemCurrent")
+
+    def export_pool_handle(self) -> int:
+        """A POSIX file descriptor another process can open the pool with (needs ``enable_ipc``)."""
+        if not self._ipc:
+            raise ValueError(
+                "this CudaAsyncMemoryResource was made with enable_ipc=False; make it with "
+                "enable_ipc=True to export its pool"
+            )
+        return _cuda.mem_pool_export_to_shareable_handle(self._pool, "posix_file_descriptor")
+
+    def __del__(self):
+        if getattr(self, "_owns_pool", False):
+            self._owns_pool = False
+            try:
+                _cuda.mem_pool_destroy(self._pool)
+            except Exception:
+                pass
+
+
+class SamHeadroomMemoryResource(_CudaResource):
+    """System-allocated memory (SAM) that prefers the GPU while ``headroom`` bytes stay free.
+
+    Memory comes from the host allocator (needs a GPU that can access pageable memory: HMM or
+    ATS). Of each allocation, the part that fits in device memory above ``headroom`` is advised
+    to live on the GPU and the rest on the host, so other CUDA calls keep ``headroom`` bytes.
+
+    Parameters
+    ----------
+    headroom : int or str
+        Device memory to leave free for other CUDA work; ints, ``"2GiB"`` or a fraction.
+    """
+
+    def __init__(self, headroom: int | str):
+        _cuda.require_cuda("SamHeadroomMemoryResource")
+        device = _cuda.get_device()
+        self.headroom = _parse_size(headroom, "headroom", device)
+        if not _cuda.get_device_attribute("PageableMemoryAccess", device):
+            raise _cuda.CUDAError(
+                "cudaErrorNotSupported",
+                "SamHeadroomMemoryResource",
+                f"SamHeadroomMemoryResource: device {device} cannot access system-allocated "
+                "(pageable) memory (cudaDevAttrPageableMemoryAccess is 0; needs HMM or ATS)",
+            )
+        super().__init__()
+        self._system = SystemMemoryResource(device_id=device)
+
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
+        ptr = self._system.allocate(nbytes)
+        try:
+            free_bytes = _cuda.mem_get_info()[0]
+            allocatable = max(free_bytes - self.headroom, 0)
+            gpu_part = min(allocatable, nbytes) // ALIGNMENT * ALIGNMENT
+            if gpu_part:
+                _cuda.mem_advise_preferred_location(ptr, gpu_part, self.device_id)
+            if nbytes - gpu_part:
+                _cuda.mem_advise_preferred_location(
+                    ptr + gpu_part, nbytes - gpu_part, _cuda.CPU_DEVICE_ID
+                )
+        except BaseException:
+            self._system.deallocate(ptr, nbytes)
+            raise
+        return ptr
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        nbytes = _check_size(nbytes)
+        if nbytes == 0:
+            return 0
+        handle = _handle(stream)
+        if self._multi_device:
+            ptr = self._on_device(self._alloc, nbytes, handle)
+        else:
+            ptr = self._alloc(nbytes, handle)
+        self._owned.add(ptr, nbytes)
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        if ptr == 0 and nbytes == 0:
+            return
+        self._owned.remove(self, ptr, nbytes)
+        self._system.deallocate(ptr, nbytes)
+
+    def __repr__(self) -> str:
+        return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
 
 
 def _load_libc():
@@ -86,8 +481,6 @@ class SystemMemoryResource(DeviceMemoryResource):
         if _libc is None:
             _libc = _load_libc()
         if device_id is None:
-            from dask_rmm import _cuda
-
             device_id = _cuda.get_device() if _cuda.is_available() else 0
         super().__init__(device_id=device_id)
         self._owned = _OwnedPointers()
@@ -96,12 +489,17 @@ class SystemMemoryResource(DeviceMemoryResource):
     def is_host_memory(self) -> bool:
         return True
 
+    @property
+    def live_allocations(self) -> int:
+        """How many pointers this resource has handed out and not taken back."""
+        return len(self._owned)
+
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = check_nbytes(nbytes)
+        nbytes = _check_size(nbytes)
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = _libc.aligned_alloc(ALIGNMENT, size)
+        ptr = _libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "
@@ -113,7 +511,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        if ptr == 0:
+        if ptr == 0 and nbytes == 0:
             return
         self._owned.remove(self, ptr, nbytes)
         _libc.free(ptr)

@@ -1,0 +1,265 @@
+"""Allocator micro-benchmark: ns per allocate+deallocate pair from Python, single and 8 threads.
+
+Workload (the issue's): W=1000 live blocks; each step frees a random live block and allocates
+a log-uniform size in [256 B, 4 MiB]; sizes and victims are drawn before timing; the figure is
+the median over 5 runs of (wall time / steps). With T threads, each thread runs the same loop
+on its own W/T live blocks against one shared resource and the figure is total wall time over
+total steps. Rows whose library is missing (RMM, CuPy, cuda.bindings on a GPU-less host) are
+skipped with the reason.
+
+Usage: python bench/alloc.py [--steps N] [--threads T] [--only NAME,...] [--json] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dask_rmm import _cuda  # noqa: E402
+from dask_rmm.mr.base import DeviceMemoryResource  # noqa: E402
+
+W = 1000
+MIN_SIZE, MAX_SIZE = 256, 4 << 20
+POOL_SIZE = 2 << 30
+
+
+def draw(steps: int, live: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Initial sizes, per-step victims and per-step sizes."""
+    rng = random.Random(seed)
+    lo, hi = math.log(MIN_SIZE), math.log(MAX_SIZE)
+
+    def size():
+        return int(math.exp(rng.uniform(lo, hi)))
+
+    return (
+        [size() for _ in range(live)],
+        [rng.randrange(live) for _ in range(steps)],
+        [size() for _ in range(steps)],
+    )
+
+
+def run_loop(alloc, free, initial, victims, sizes) -> int:
+    """Time the steady-state loop; returns ns for ``len(victims)`` pairs."""
+    live = list(initial)
+    ptrs = [alloc(n) for n in live]
+    t0 = time.perf_counter_ns()
+    for k in range(len(victims)):
+        i = victims[k]
+        free(ptrs[i], live[i])
+        ptrs[i] = None
+        n = sizes[k]
+        ptrs[i] = alloc(n)
+        live[i] = n
+    elapsed = time.perf_counter_ns() - t0
+    for p, n in zip(ptrs, live):
+        free(p, n)
+    return elapsed
+
+
+def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
+    """Median ns per pair for resource factory ``make() -> (alloc, free, keepalive)``."""
+    results = []
+    for r in range(repeats):
+        alloc, free, keep = make()
+        per = W // threads
+        loads = [draw(steps // threads, per, seed=1000 * r + t) for t in range(threads)]
+        if threads == 1:
+            ns = run_loop(alloc, free, *loads[0])
+        else:
+            barrier = threading.Barrier(threads + 1)
+
+            def work(load):
+                barrier.wait()
+                run_loop(alloc, free, *load)
+
+            ts = [threading.Thread(target=work, args=(ld,)) for ld in loads]
+            for t in ts:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter_ns()
+            for t in ts:
+                t.join()
+            ns = time.perf_counter_ns() - t0
+        results.append(ns / (steps // threads * threads))
+        del alloc, free, keep
+        gc.collect()
+    return statistics.median(results)
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+class DictBaseline(DeviceMemoryResource):
+    """The floor: a Python resource whose whole job is one dict insert and one dict delete."""
+
+    def __init__(self):
+        super().__init__()
+        self._live = {}
+        self._next = 1 << 40
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes, stream=None):
+        with self._lock:
+            p = self._next
+            self._next = p + ((nbytes + 255) & -256)
+            self._live[p] = nbytes
+        return p
+
+    def deallocate(self, ptr, nbytes, stream=None):
+        with self._lock:
+            del self._live[ptr]
+
+
+def base():
+    from dask_rmm import mr
+
+    return mr.CudaMemoryResource() if _cuda.is_available() else mr.SystemMemoryResource()
+
+
+def ours(name):
+    def make():
+        from dask_rmm import mr
+
+        up = base()
+        if name == "pool":
+            r = mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE)
+        elif name == "pool+statistics":
+            r = mr.StatisticsResourceAdaptor(mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE))
+        elif name == "arena":
+            r = mr.ArenaMemoryResource(up, arena_size=POOL_SIZE)
+        elif name == "binning":
+            r = mr.BinningMemoryResource(up, 8, 22)
+        elif name == "fixed_size":
+            r = mr.FixedSizeMemoryResource(up, block_size=MAX_SIZE, blocks_to_preallocate=W + 64)
+        else:
+            raise ValueError(name)
+        return r.allocate, r.deallocate, r
+
+    return make
+
+
+def rmm_row(name):
+    def make():
+        import rmm
+
+        cuda = rmm.mr.CudaMemoryResource()
+        if name == "pool":
+            r = rmm.mr.PoolMemoryResource(cuda, initial_pool_size=POOL_SIZE)
+        elif name == "arena":
+            r = rmm.mr.ArenaMemoryResource(cuda, arena_size=POOL_SIZE)
+        elif name == "binning":
+            r = rmm.mr.BinningMemoryResource(cuda, 8, 22)
+        elif name == "async":
+            r = rmm.mr.CudaAsyncMemoryResource()
+        else:
+            raise ValueError(name)
+        return r.allocate, r.deallocate, (r, cuda)
+
+    return make
+
+
+def cupy_row():
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+
+    def free(p, n):
+        pass  # the loop drops the MemoryPointer, which returns it to the pool
+
+    return pool.malloc, free, pool
+
+
+def raw_async_row():
+    from cuda.bindings import runtime
+
+    _cuda.require_cuda("cudaMallocAsync")
+    malloc, freeasync = runtime.cudaMallocAsync, runtime.cudaFreeAsync
+
+    def alloc(n):
+        return malloc(n, 0)[1]
+
+    def free(p, n):
+        freeasync(p, 0)
+
+    return alloc, free, None
+
+
+def dict_row():
+    r = DictBaseline()
+    return r.allocate, r.deallocate, r
+
+
+ROWS = [
+    ("dict baseline", dict_row),
+    ("dask-rmm pool", ours("pool")),
+    ("dask-rmm pool+statistics", ours("pool+statistics")),
+    ("dask-rmm arena", ours("arena")),
+    ("dask-rmm binning", ours("binning")),
+    ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size")),
+    ("rmm pool", rmm_row("pool")),
+    ("rmm arena", rmm_row("arena")),
+    ("rmm binning", rmm_row("binning")),
+    ("rmm async", rmm_row("async")),
+    ("cupy MemoryPool", cupy_row),
+    ("cudaMallocAsync (cuda.bindings)", raw_async_row),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100_000, help="steps per run (default 100000)")
+    ap.add_argument("--threads", type=int, default=8, help="threads for the threaded column")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated substrings of row names")
+    ap.add_argument("--json", action="store_true", help="also print the results as JSON")
+    ap.add_argument("--out", default="", help="write the results as JSON to this path")
+    args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+
+    host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
+    print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
+          f"median of {args.repeats}  python {platform.python_version()}  ({host})")
+    print(f"{'resource':<38} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+    results = []
+    for name, make in ROWS:
+        if only and not any(s in name for s in only):
+            continue
+        row = {"resource": name}
+        try:
+            row["ns_per_pair"] = measure(make, args.steps, 1, args.repeats)
+            row[f"ns_per_pair_{args.threads}_threads"] = measure(
+                make, args.steps, args.threads, args.repeats
+            )
+        except Exception as e:  # a library or device that this host lacks
+            row["skipped"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+            print(f"{name:<38} {'skipped: ' + row['skipped']}")
+            results.append(row)
+            continue
+        print(f"{name:<38} {row['ns_per_pair']:>17.0f} "
+              f"{row[f'ns_per_pair_{args.threads}_threads']:>18.0f}")
+        results.append(row)
+        sys.stdout.flush()
+    doc = {"benchmark": "alloc", "workload": {"live_blocks": W, "min_size": MIN_SIZE,
+           "max_size": MAX_SIZE, "steps": args.steps, "repeats": args.repeats,
+           "threads": args.threads}, "python": platform.python_version(),
+           "gpu": _cuda.is_available(), "rows": results}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Cost of one ``cupy.empty(n); del`` through different CuPy allocators (needs a GPU).
+
+Rows: CuPy's own pool, RMM's ``rmm_cupy_allocator`` over RMM's pool (when ``import rmm`` works),
+dask-rmm's ``rmm_cupy_allocator`` over ``PoolMemoryResource`` and over
+``StatisticsResourceAdaptor(PoolMemoryResource)``. Prints a table of median ns per
+allocate+free for each size (the issue's target: ours <= CuPy's pool, 4673 ns on an H200).
+
+    python bench/cupy_churn.py [--iterations 100000] [--repeat 7] [--sizes 8,1024,1048576]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import cupy
+
+
+def _churn(n: int, iterations: int) -> float:
+    empty, uint8 = cupy.empty, cupy.uint8
+    t0 = time.perf_counter_ns()
+    for _ in range(iterations):
+        a = empty(n, dtype=uint8)
+        del a
+    return (time.perf_counter_ns() - t0) / iterations
+
+
+def _cupy_pool() -> Callable[[], None]:
+    pool = cupy.cuda.MemoryPool()
+    cupy.cuda.set_allocator(pool.malloc)
+    return pool.free_all_blocks
+
+
+def _rmm_pool() -> Callable[[], None]:
+    import rmm
+    from rmm.allocators.cupy import rmm_cupy_allocator
+
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=1 << 30)
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    return lambda: rmm.reinitialize()
+
+
+def _ours(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
+    def setup() -> Callable[[], None]:
+        from dask_rmm.allocators.cupy import rmm_cupy_allocator
+        from dask_rmm.mr import (
+            CudaMemoryResource,
+            PoolMemoryResource,
+            StatisticsResourceAdaptor,
+            set_current_device_resource,
+        )
+
+        mr = PoolMemoryResource(CudaMemoryResource(), initial_pool_size=1 << 30)
+        if statistics_adaptor:
+            mr = StatisticsResourceAdaptor(mr)
+        previous = set_current_device_resource(mr)
+        cupy.cuda.set_allocator(rmm_cupy_allocator)
+        return lambda: set_current_device_resource(previous)
+
+    return setup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--sizes", default="8,1024,1048576", help="comma-separated bytes")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    rows: list[tuple[str, Callable[[], Callable[[], None]]]] = [("cupy MemoryPool", _cupy_pool)]
+    try:
+        import rmm  # noqa: F401
+
+        rows.append(("rmm allocator + rmm pool", _rmm_pool))
+    except ImportError:
+        print("rmm is not importable: skipping its row")
+    rows.append(("dask-rmm + pool", _ours(False)))
+    try:
+        from dask_rmm.mr import StatisticsResourceAdaptor  # noqa: F401
+
+        rows.append(("dask-rmm + statistics(pool)", _ours(True)))
+    except (ImportError, AttributeError):
+        print("StatisticsResourceAdaptor is not available: skipping its row")
+
+    original = cupy.cuda.get_allocator()
+    results: dict[str, list[float]] = {}
+    for label, setup in rows:
+        teardown = setup()
+        try:
+            per_size = []
+            for n in sizes:
+                _churn(n, 1000)  # warm up: pool growth, stream cache, first-call binding
+                per_size.append(
+                    statistics.median(_churn(n, args.iterations) for _ in range(args.repeat))
+                )
+            results[label] = per_size
+        finally:
+            cupy.cuda.set_allocator(original)
+            teardown()
+
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    device = device.decode() if isinstance(device, bytes) else device
+    print(f"cupy.empty(n, uint8); del  -- median ns per iteration on {device}")
+    header = f"{'allocator':<30}" + "".join(f"{f'n={n}':>14}" for n in sizes)
+    print(header)
+    print("-" * len(header))
+    for label, per_size in results.items():
+        print(f"{label:<30}" + "".join(f"{v:>14.0f}" for v in per_size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""ClusterMemoryReport.plot: memory over time per worker device, and per-task-group peaks, as a
+matplotlib figure (Agg backend, imported on first use). The dashboard's SVG is in _svg.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dask_rmm._svg import PALETTE
+from dask_rmm.mr.base import format_bytes
+
+if TYPE_CHECKING:
+    from dask_rmm.report import ClusterMemoryReport
+
+__all__ = ["plot_report"]
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(
+            "ClusterMemoryReport.plot needs matplotlib: pip install matplotlib "
+            "(or pip install 'dask-rmm[report]')"
+        ) from e
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    del matplotlib
+    return Figure, FuncFormatter
+
+
+def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_task_groups: int = 10):
+    """Draw ``report`` (see :meth:`ClusterMemoryReport.plot`); write a PNG to ``path`` if given."""
+    # Figure + FigureCanvasAgg directly: never touches pyplot's global state or a display.
+    Figure, FuncFormatter = _matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dask_rmm.report import _label
+
+    byte_fmt = FuncFormatter(lambda v, _pos: format_bytes(v))
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_t, ax_g = fig.subplots(2, 1, height_ratios=[3, 2])
+
+    with_samples = [d for d in report.devices if d.timeline]
+    t0 = min((d.timeline[0][0] for d in with_samples), default=0.0)
+    for i, d in enumerate(with_samples):
+        ts = [s[0] - t0 for s in d.timeline]
+        color = PALETTE[i % len(PALETTE)]
+        style = "-" if d.status == "running" else "--"
+        ax_t.plot(ts, [s[2] for s in d.timeline], style, color=color, lw=1.4, label=_label(d))
+        ax_t.plot(ts, [s[1] for s in d.timeline], ":", color=color, lw=0.8, alpha=0.7)
+    ax_t.set_title(
+        "RMM memory over time per worker device (solid: max per interval, dotted: current)"
+    )
+    ax_t.set_xlabel("seconds since the oldest sample")
+    ax_t.set_ylabel("bytes")
+    ax_t.yaxis.set_major_formatter(byte_fmt)
+    ax_t.set_ylim(bottom=0)
+    ax_t.grid(alpha=0.3)
+    if with_samples:
+        ax_t.legend(loc="upper left", fontsize=8, ncols=1 + len(with_samples) // 8)
+    else:
+        ax_t.text(0.5, 0.5, "no samples yet", ha="center", va="center", transform=ax_t.transAxes)
+
+    groups = list(report.task_group_peaks().items())[:top_task_groups][::-1]
+    labels = sorted({who for _, per in groups for who in per})
+    left = [0] * len(groups)
+    for i, who in enumerate(labels):
+        widths = [per.get(who, 0) for _, per in groups]
+        ax_g.barh(
+            [g for g, _ in groups], widths, left=left, color=PALETTE[i % len(PALETTE)], label=who
+        )
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax_g.set_title("peak bytes per task group, stacked by worker device")
+    ax_g.xaxis.set_major_formatter(byte_fmt)
+    ax_g.grid(axis="x", alpha=0.3)
+    if groups:
+        ax_g.legend(loc="lower right", fontsize=8)
+    else:
+        ax_g.text(
+            0.5,
+            0.5,
+            "no task-group attribution reported",
+            ha="center",
+            va="center",
+            transform=ax_g.transAxes,
+        )
+
+    t = report.totals
+    fig.suptitle(
+        f"dask-rmm cluster memory: {t.workers} workers, {format_bytes(t.current_bytes)} used, "
+        f"{format_bytes(t.reserved_bytes)} reserved, {t.failed_allocations} failed allocations"
+    )
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig

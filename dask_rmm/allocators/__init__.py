@@ -1,0 +1,139 @@
+"""Library allocators: point CuPy and Numba at dask-rmm's current device resource.
+
+``set_allocators(["cupy", "numba"])`` is what the worker plugin's ``allocators=[...]`` and
+``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
+:mod:`dask_rmm.allocators.cupy` and :mod:`dask_rmm.allocators.numba`. Importing this package
+imports neither library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+__all__ = ["SUPPORTED_ALLOCATORS", "reset_allocators", "set_allocators"]
+
+#: Library name -> (module holding its hook, setter, resetter, pip requirement).
+_HOOKS = {
+    "cupy": (
+        "dask_rmm.allocators.cupy",
+        "set_cupy_allocator",
+        "reset_cupy_allocator",
+        "cupy-cuda13x",
+    ),
+    "numba": (
+        "dask_rmm.allocators.numba",
+        "set_numba_allocator",
+        "reset_numba_allocator",
+        "numba-cuda",
+    ),
+}
+
+#: Names accepted by :func:`set_allocators`.
+SUPPORTED_ALLOCATORS: tuple[str, ...] = tuple(sorted(_HOOKS))
+
+
+def _normalize(names: str | Iterable[str] | None) -> list[str]:
+    """``names`` as a list of known library names (a string may be comma-separated)."""
+    if names is None:
+        return []
+    if isinstance(names, str):
+        names = names.split(",")
+    result: list[str] = []
+    unknown: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"allocator names must be strings, got {name!r} ({type(name).__name__})"
+            )
+        key = name.strip().lower()
+        if not key:
+            continue
+        if key not in _HOOKS:
+            unknown.append(name)
+        elif key not in result:
+            result.append(key)
+    if unknown:
+        raise ValueError(
+            f"unknown allocator name(s) {unknown}: supported are {list(SUPPORTED_ALLOCATORS)}"
+        )
+    return result
+
+
+def _hook(name: str, which: int):
+    """The setter (``which == 0``) or resetter of library ``name``; ImportError when the
+    library cannot be imported."""
+    module_name, setter, resetter, requirement = _HOOKS[name]
+    try:
+        module = importlib.import_module(module_name)
+        # a hook module that imports its library lazily records why that failed
+        error = getattr(module, "_library_import_error", None)
+    except ImportError as e:
+        error = e
+    if error is not None:
+        raise ImportError(
+            f"the {name!r} allocator needs {name} installed, but importing it failed ({error}); "
+            f"install {requirement} (pip install 'dask-rmm[{name}]') or drop {name!r} from "
+            "the allocators"
+        ) from error
+    return getattr(module, setter if which == 0 else resetter)
+
+
+def set_allocators(names: str | Iterable[str] | None) -> list[str]:
+    """Point each named library's device allocations at the current device resource.
+
+    Parameters
+    ----------
+    names : str or iterable of str
+        Library names from :data:`SUPPORTED_ALLOCATORS` (``"cupy"``, ``"numba"``), case
+        insensitive; a string may hold several separated by commas (``"cupy,numba"``).
+
+    Returns
+    -------
+    list of str
+        The normalized names that were set, in order (what :func:`reset_allocators` takes).
+
+    Raises
+    ------
+    ValueError
+        For a name that is not supported (before any library is touched); the message lists
+        the supported names.
+    ImportError
+        When a named library is not installed (chained to the original error).
+
+    Notes
+    -----
+    Each library's hook looks the resource up at every allocation, so resources set later
+    with :func:`dask_rmm.mr.set_current_device_resource` are used at once. Numba chooses its
+    memory manager when it creates a CUDA context: set it before Numba's first CUDA call.
+    Setting an allocator twice is harmless.
+
+    Examples
+    --------
+    >>> from dask_rmm.allocators import reset_allocators, set_allocators
+    >>> libs = set_allocators(["cupy", "numba"])
+    >>> reset_allocators(libs)
+    """
+    selected = _normalize(names)
+    setters = [_hook(name, 0) for name in selected]  # import all before changing any
+    for setter in setters:
+        setter()
+    return selected
+
+
+def reset_allocators(names: str | Iterable[str] | None) -> None:
+    """Give the named libraries back the allocators they had before :func:`set_allocators`.
+
+    Libraries that are not installed are skipped (nothing can have been set for them).
+
+    Parameters
+    ----------
+    names : str or iterable of str
+        As for :func:`set_allocators`.
+    """
+    for name in _normalize(names):
+        try:
+            resetter = _hook(name, 1)
+        except ImportError:
+            continue
+        resetter()

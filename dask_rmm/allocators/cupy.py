@@ -1,0 +1,172 @@
+"""CuPy allocator: ``rmm_cupy_allocator`` hands CuPy memory from the current device resource.
+
+Allocation and free happen on CuPy's current stream (at allocation time) and on the resource
+of the device CuPy is on. Pinned host memory for CuPy is not covered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask_rmm.stream import Stream
+
+__all__ = ["rmm_cupy_allocator", "reset_cupy_allocator", "set_cupy_allocator"]
+
+try:
+    import cupy as _cupy
+except ImportError as _e:  # cupy is optional
+    _cupy = None
+    _library_import_error: ImportError | None = _e
+else:
+    _library_import_error = None
+
+#: Stream objects by handle, so that the hot path makes none (they only wrap the int handle).
+_streams: dict[int, Stream] = {}
+_MAX_CACHED_STREAMS = 1024
+
+
+def _stream_for(handle: int) -> Stream:
+    if len(_streams) >= _MAX_CACHED_STREAMS:
+        _streams.clear()
+    stream = _streams[handle] = Stream(handle)
+    return stream
+
+
+def _per_device_resource(device_id: int):
+    # Imported on first use: the registry may import CUDA-touching modules.
+    global _get_per_device_resource
+    from dask_rmm.mr.registry import get_per_device_resource
+
+    _get_per_device_resource = get_per_device_resource
+    return get_per_device_resource(device_id)
+
+
+_get_per_device_resource = _per_device_resource
+
+
+class _Allocation:
+    """Owner of one CuPy allocation: frees it when CuPy drops the memory object.
+
+    Held only by the ``cupy.cuda.UnownedMemory`` that CuPy keeps while any array (or view) of
+    the allocation lives, so ``__del__`` runs exactly once, when the last one goes.
+    """
+
+    __slots__ = ("mr", "ptr", "nbytes", "stream")
+
+    def __init__(self, mr: Any, ptr: int, nbytes: int, stream: Stream):
+        self.mr = mr
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.stream = stream
+
+    def __del__(self):
+        self.mr.deallocate(self.ptr, self.nbytes, self.stream)
+
+    def __repr__(self) -> str:
+        return f"<CuPy allocation {self.ptr:#x} {self.nbytes} bytes on {self.stream!r} from {self.mr!r}>"
+
+
+if _cupy is not None:
+    _get_device_id = _cupy.cuda.device.get_device_id
+    _get_current_stream = _cupy.cuda.get_current_stream
+    _UnownedMemory = _cupy.cuda.memory.UnownedMemory
+    _MemoryPointer = _cupy.cuda.memory.MemoryPointer
+
+    def rmm_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
+        """A CuPy allocator that takes memory from the current device resource.
+
+        The memory comes from the resource of the device CuPy is on
+        (:func:`dask_rmm.mr.get_per_device_resource`), on CuPy's current stream, and goes back
+        to that resource on that stream when CuPy frees it.
+
+        Parameters
+        ----------
+        nbytes : int
+            Bytes to allocate.
+
+        Returns
+        -------
+        cupy.cuda.MemoryPointer
+            Pointer to the start of the allocation.
+
+        Examples
+        --------
+        >>> import cupy
+        >>> from dask_rmm.allocators.cupy import rmm_cupy_allocator
+        >>> cupy.cuda.set_allocator(rmm_cupy_allocator)
+        """
+        # Hot path: no Stream object, no pointer-attribute query (the device is passed to
+        # UnownedMemory), one small owner object.
+        device_id = _get_device_id()
+        handle = _get_current_stream(device_id).ptr
+        stream = _streams.get(handle)
+        if stream is None:
+            stream = _stream_for(handle)
+        mr = _get_per_device_resource(device_id)
+        ptr = mr.allocate(nbytes, stream)
+        if ptr == 0:  # nbytes == 0: nothing to free
+            return _MemoryPointer(_UnownedMemory(0, 0, None, device_id), 0)
+        return _MemoryPointer(
+            _UnownedMemory(ptr, nbytes, _Allocation(mr, ptr, nbytes, stream), device_id), 0
+        )
+
+else:
+
+    def rmm_cupy_allocator(nbytes: int):
+        """A CuPy allocator that takes memory from the current device resource (needs CuPy)."""
+        raise ImportError(
+            "rmm_cupy_allocator needs CuPy, which is not importable here "
+            f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
+        ) from _library_import_error
+
+
+_previous_allocators: list[Any] = []
+
+
+def _require_cupy():
+    if _cupy is None:
+        raise ImportError(
+            "CuPy is not importable here "
+            f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
+        ) from _library_import_error
+    return _cupy
+
+
+def set_cupy_allocator() -> None:
+    """Point CuPy's allocations at the current device resource.
+
+    Calls ``cupy.cuda.set_allocator(rmm_cupy_allocator)`` and remembers CuPy's previous
+    allocator for :func:`reset_cupy_allocator`. Calling it again while already set does
+    nothing (idempotent).
+
+    Raises
+    ------
+    ImportError
+        When CuPy is not installed.
+
+    Examples
+    --------
+    >>> from dask_rmm.allocators.cupy import reset_cupy_allocator, set_cupy_allocator
+    >>> set_cupy_allocator()
+    >>> reset_cupy_allocator()
+    """
+    cupy = _require_cupy()
+    current = cupy.cuda.get_allocator()
+    if current is rmm_cupy_allocator:
+        return
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    _previous_allocators.append(current)
+
+
+def reset_cupy_allocator() -> None:
+    """Give CuPy back the allocator it had before :func:`set_cupy_allocator`.
+
+    Does nothing when :func:`set_cupy_allocator` was not called (or CuPy's allocator was
+    changed by someone else since).
+    """
+    if _cupy is None or not _previous_allocators:
+        return
+    if _cupy.cuda.get_allocator() is not rmm_cupy_allocator:
+        _previous_allocators.clear()
+        return
+    _cupy.cuda.set_allocator(_previous_allocators.pop())

@@ -1,0 +1,319 @@
+"""The ``dask rmm ...`` command line: argument parsing and output only.
+
+Each command calls a function of the module that implements it (logs, replay, ...), imported
+when the command runs so that ``dask --help`` stays fast. Add a command by decorating a
+function with ``@main.command()`` (or ``@log.command()`` for log tools).
+
+Also runnable as ``python -m dask_rmm.cli``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import warnings
+from collections.abc import Iterator
+
+import click
+
+__all__ = ["main"]
+
+#: Exit status of ``dask rmm log replay`` when the replay failed allocations the original
+#: run did not (1 is an error, 2 a usage error).
+EXIT_NEW_FAILURES = 3
+
+
+@click.group(name="rmm", context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """dask-rmm: RMM memory resources for Dask; cluster reports and allocation logs."""
+
+
+@main.group(name="log")
+def log() -> None:
+    """Summarize, plot, merge and replay RMM allocation logs (CSV).
+
+    Logs are what LoggingResourceAdaptor (RMM's or dask-rmm's) writes, for example after
+    ``dask_rmm.reinitialize(logging=True)``: one file per process and device with the columns
+    Thread,Time,Action,Pointer,Size,Stream.
+    """
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn bad input into a one-line error (exit 1) and warnings into ``warning:`` lines."""
+    from dask_rmm.logs import LogFormatError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except (LogFormatError, OSError, ImportError, RuntimeError, ValueError) as e:
+            raise click.ClickException(str(e)) from e
+        finally:
+            for message in dict.fromkeys(str(w.message) for w in caught):
+                click.echo(f"warning: {message}", err=True)
+
+
+def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        from dask_rmm.config import parse_device_bytes
+    except ImportError:
+        parse_device_bytes = None
+    try:
+        if parse_device_bytes is not None:
+            return parse_device_bytes(value)
+        from dask.utils import parse_bytes
+
+        return int(value) if value.isdigit() else parse_bytes(value)
+    except (ValueError, TypeError) as e:
+        raise click.BadParameter(f"{value!r} is not a size such as 4GiB or 1073741824 ({e})") from e
+
+
+_FILES = click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False)
+)
+
+
+@log.command()
+@_FILES
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
+@click.option(
+    "--top", default=10, show_default=True, help="Largest outstanding allocations to list."
+)
+def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
+    """Duration, counts, peak, leaks, size histogram and per-thread/stream totals of FILES.
+
+    With several files (one per worker), also their combination merged by time.
+    """
+    from dask_rmm import logs
+
+    with _user_errors():
+        report = logs.summarize(files, top=top)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    blocks = [logs.format_summary(s) for s in report.files]
+    if report.combined is not None:
+        blocks.append(logs.format_summary(report.combined))
+    click.echo("\n\n".join(blocks))
+
+
+@log.command()
+@_FILES
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Image to write."
+)
+@click.option("--title", default=None, help="Plot title.")
+def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
+    """Plot bytes in use over time, one line per file (worker), each peak marked.
+
+    Writes PNG, SVG or PDF by OUTPUT's extension; needs matplotlib.
+    """
+    from dask_rmm import logs
+
+    with _user_errors():
+        timelines = logs.plot_logs(files, output, title=title)
+    peaks = ", ".join(f"{t.source} {t.peak_bytes:,} B" for t in timelines)
+    click.echo(f"wrote {output} (peaks: {peaks})")
+
+
+@log.command()
+@_FILES
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Merged CSV to write."
+)
+def merge(files: tuple[str, ...], output: str) -> None:
+    """Merge several workers' logs by time into one CSV with a Worker column."""
+    from dask_rmm import logs
+
+    with _user_errors():
+        n = logs.merge_logs(files, output)
+    click.echo(f"merged {n:,} rows from {len(files)} files into {output}")
+
+
+# dask_rmm.replay.RESOURCES, repeated so that importing the CLI stays light (a test checks).
+_RESOURCE_NAMES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
+
+
+@log.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-r",
+    "--resource",
+    type=click.Choice(_RESOURCE_NAMES),
+    default="pool",
+    show_default=True,
+    help="Resource to replay on ('cuda' is the base resource alone).",
+)
+@click.option(
+    "--compare",
+    default=None,
+    metavar="NAMES",
+    help="Comma-separated resources (or 'all') to replay one after another; prints one table.",
+)
+@click.option("--initial-pool-size", callback=_parse_size, help="Pool size (arena size for arena).")
+@click.option("--maximum-pool-size", callback=_parse_size, help="Largest the pool may grow.")
+@click.option("--block-size", callback=_parse_size, help="Block size of fixed_size (1MiB).")
+@click.option(
+    "--host-memory", is_flag=True, help="Replay on host memory even when a GPU is present."
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar on stderr (default: when stderr is a terminal).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def replay(
+    file: str,
+    resource: str,
+    compare: str | None,
+    initial_pool_size: int | None,
+    maximum_pool_size: int | None,
+    block_size: int | None,
+    host_memory: bool,
+    progress: bool | None,
+    as_json: bool,
+) -> None:
+    """Re-issue FILE's allocations and frees, in order, on a fresh resource.
+
+    Reports the peak memory the resource took from its upstream, the rows that failed and the
+    time. Exits with status 3 when an allocation that succeeded originally failed here.
+    """
+    from dask_rmm import replay as rp
+
+    if compare:
+        names = list(rp.RESOURCES) if compare.strip() == "all" else compare.split(",")
+        names = [n.strip() for n in names if n.strip()]
+        unknown = [n for n in names if n not in rp.RESOURCES]
+        if unknown:
+            raise click.BadParameter(
+                f"unknown resource(s) {', '.join(unknown)}; choose from {', '.join(rp.RESOURCES)}",
+                param_hint="--compare",
+            )
+    else:
+        names = [resource]
+    if progress is None:
+        progress = sys.stderr.isatty()
+    with _user_errors():
+        gpu = False if host_memory else rp._has_gpu()
+        if not gpu:
+            if compare and "async" in names:
+                names.remove("async")
+                click.echo("skipping async: it needs a CUDA device", err=True)
+            base = "SystemMemoryResource"
+            reason = "--host-memory" if host_memory else "no GPU on this host"
+            click.echo(f"{reason}: replaying on host memory ({base} upstream)", err=True)
+        results = []
+        for name in names:
+            r = rp.replay(
+                file,
+                name,
+                gpu=gpu,
+                initial_pool_size=initial_pool_size,
+                maximum_pool_size=maximum_pool_size,
+                block_size=block_size,
+                progress=progress,
+            )
+            results.append(r)
+    if as_json:
+        out = [r.to_dict() for r in results]
+        click.echo(json.dumps(out if compare else out[0], indent=2))
+    elif compare:
+        for r in results:
+            if r.failed:
+                click.echo(rp.format_result(r, max_failures=3))
+        click.echo(f"replay of {file} ({results[0].rows:,} rows)")
+        click.echo(rp.format_comparison(results))
+    else:
+        click.echo(rp.format_result(results[0]))
+    if any(r.failed for r in results):
+        sys.exit(EXIT_NEW_FAILURES)
+
+
+@main.command()
+@click.argument("scheduler_address", required=False)
+@click.option(
+    "--scheduler-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Read the scheduler address from this file (dask scheduler --scheduler-file).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Refresh every SECONDS until interrupted (with --json: one JSON document a line).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Also write a PNG: memory over time and task-group peaks (needs matplotlib).",
+)
+@click.option(
+    "--timeout", default=5.0, show_default=True, help="Seconds to wait for the scheduler."
+)
+def report(
+    scheduler_address: str | None,
+    scheduler_file: str | None,
+    as_json: bool,
+    watch: float | None,
+    plot_path: str | None,
+    timeout: float,
+) -> None:
+    """GPU memory of every dask-rmm worker of the scheduler at SCHEDULER_ADDRESS.
+
+    Per worker and device: used, peak, reserved, free in the pool, largest free block,
+    fragmentation, failed allocations and the task groups holding the most. Exits with
+    status 1 when the scheduler cannot be reached or no worker reports dask-rmm metrics.
+    """
+    import asyncio
+
+    from dask_rmm.cluster import iter_reports
+
+    if bool(scheduler_address) == bool(scheduler_file):
+        raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
+    if scheduler_file:
+        try:
+            with open(scheduler_file) as f:
+                scheduler_address = json.load(f)["address"]
+        except (OSError, ValueError, KeyError) as e:
+            raise click.ClickException(
+                f"cannot read a scheduler address from {scheduler_file}: {e!r}"
+            ) from e
+    timeline = plot_path is not None or (as_json and watch is None)
+    clear = watch is not None and not as_json and sys.stdout.isatty()
+
+    async def run() -> None:
+        async for r in iter_reports(
+            scheduler_address, interval=watch, timeout=timeout, timeline=timeline
+        ):
+            if not r.devices and watch is None:
+                raise click.ClickException(
+                    f"no dask-rmm workers on the scheduler at {scheduler_address} "
+                    f"({len(r.workers_without_dask_rmm)} workers without dask-rmm metrics); "
+                    "register dask_rmm.RMMPlugin on the workers"
+                )
+            if plot_path is not None:
+                r.plot(plot_path)
+            if as_json:
+                click.echo(r.to_json(timeline=timeline, indent=None if watch else 2))
+            else:
+                click.echo(("\x1b[2J\x1b[H" if clear else "") + str(r))
+                if plot_path is not None:
+                    click.echo(f"wrote {plot_path}")
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ImportError, RuntimeError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+if __name__ == "__main__":
+    main(prog_name="python -m dask_rmm.cli")

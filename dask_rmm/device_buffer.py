@@ -1,0 +1,386 @@
+"""``DeviceBuffer``: an untyped, resizable allocation from a memory resource, with RMM's API,
+and the pointer copy helpers ``copy_ptr_to_host`` / ``copy_host_to_ptr`` / ``copy_device_to_ptr``.
+
+Copies on the default stream synchronize it; on any other stream they are asynchronous. When the
+memory is host memory (``mr.is_host_memory``) or the host has no GPU, copies are plain
+``memmove``, so the CPU test path can check bytes. Dask serialization lives in ``serialize.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import numpy as np
+
+from dask_rmm import _cuda
+from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+
+__all__ = [
+    "DeviceBuffer",
+    "copy_device_to_ptr",
+    "copy_host_to_ptr",
+    "copy_ptr_to_host",
+    "to_device",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
+    """A contiguous host buffer as a flat uint8 array sharing its memory."""
+    if obj is None:
+        raise TypeError(f"{what} must be a bytes-like object, got None")
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a bytes-like object (buffer protocol), got {type(obj).__name__}"
+        ) from None
+    if not view.contiguous:
+        raise ValueError(f"{what} must be a contiguous buffer")
+    if writable and view.readonly:
+        raise ValueError(f"{what} is read-only; copying into it needs a writable buffer")
+    if view.nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
+                         dtype=np.uint8)
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.ctypes.data if arr.size else 0
+
+
+def _check_ptr(ptr: Any, what: str) -> int:
+    if isinstance(ptr, bool) or not isinstance(ptr, int):
+        if hasattr(ptr, "__index__") and not isinstance(ptr, bool):
+            ptr = ptr.__index__()
+        else:
+            raise TypeError(f"{what} must be an int pointer, got {ptr!r} ({type(ptr).__name__})")
+    if ptr < 0:
+        raise ValueError(f"{what} must be a non-negative pointer, got {ptr}")
+    return ptr
+
+
+def _copy(dst: int, src: int, nbytes: int, stream: Stream, host: bool) -> None:
+    """Copy ``nbytes`` in stream order: synchronous on a default stream, else asynchronous."""
+    if nbytes == 0:
+        return
+    if host or not _cuda.is_available():
+        if _cuda.is_available():
+            # Earlier work on the stream may still touch this host memory.
+            stream.synchronize()
+        ctypes.memmove(dst, src, nbytes)
+        return
+    _cuda.memcpy_async(dst, src, nbytes, stream.handle)
+    if stream.is_default():
+        stream.synchronize()
+
+
+def copy_ptr_to_host(db: int, hb: Any, stream: Stream = DEFAULT_STREAM) -> None:
+    """Copy ``len(hb)`` bytes from the pointer ``db`` into the writable host buffer ``hb``.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import SystemMemoryResource
+    >>> buf = DeviceBuffer.to_device(b"abc", mr=SystemMemoryResource())
+    >>> hb = bytearray(3)
+    >>> copy_ptr_to_host(buf.ptr, hb)
+    >>> hb
+    bytearray(b'abc')
+    """
+    stream = as_stream(stream)
+    arr = _host_bytes(hb, True, "hb")
+    _copy(_address(arr), _check_ptr(db, "db"), arr.nbytes, stream, False)
+
+
+def copy_host_to_ptr(hb: Any, db: int, stream: Stream = DEFAULT_STREAM) -> None:
+    """Copy all of the host buffer ``hb`` to the pointer ``db``."""
+    stream = as_stream(stream)
+    arr = _host_bytes(hb, False, "hb")
+    _copy(_check_ptr(db, "db"), _address(arr), arr.nbytes, stream, False)
+
+
+def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFAULT_STREAM) -> None:
+    """Copy ``count`` bytes from pointer ``d_src`` to pointer ``d_dst``."""
+    stream = as_stream(stream)
+    count = check_nbytes(count, "count")
+    _copy(_check_ptr(d_dst, "d_dst"), _check_ptr(d_src, "d_src"), count, stream, False)
+
+
+def _free_buffer(mr: DeviceMemoryResource, ptr: int, nbytes: int, stream: Stream) -> None:
+    """Give a buffer's memory back; runs from ``__del__`` and must never raise."""
+    try:
+        mr.deallocate(ptr, nbytes, stream)
+    except Exception as e:
+        try:
+            logger.warning("DeviceBuffer: freeing %#x (%d bytes) failed: %r", ptr, nbytes, e)
+        except Exception:
+            pass
+
+
+class DeviceBuffer:
+    """An untyped allocation of ``size`` bytes from a memory resource, as RMM's ``DeviceBuffer``.
+
+    Parameters
+    ----------
+    ptr : int, optional
+        A host or device pointer to copy ``size`` bytes from; None or 0 leaves the memory
+        uninitialized.
+    size : int
+        Bytes to allocate (and to copy from ``ptr``).
+    stream : Stream
+        The stream the buffer allocates, copies and frees on. Kept alive with the buffer. With
+        ``ptr`` and a default stream the constructor synchronizes; otherwise the copy is
+        asynchronous.
+    mr : DeviceMemoryResource, optional
+        Where the memory comes from; default the current device's resource. Kept alive with the
+        buffer, so replacing the current resource never invalidates a live buffer.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import SystemMemoryResource
+    >>> buf = DeviceBuffer.to_device(b"abc", mr=SystemMemoryResource())
+    >>> buf.size, bytes(buf)
+    (3, b'abc')
+    """
+
+    __slots__ = ("_ptr", "_size", "_capacity", "mr", "stream", "__weakref__")
+
+    def __init__(
+        self,
+        *,
+        ptr: int | None = None,
+        size: int = 0,
+        stream: Stream = DEFAULT_STREAM,
+        mr: DeviceMemoryResource | None = None,
+    ):
+        self._ptr = 0
+        self._capacity = 0
+        self._size = 0
+        size = check_nbytes(size, "size")
+        src = 0 if ptr is None else _check_ptr(ptr, "ptr")
+        stream = as_stream(stream)
+        if mr is None:
+            from dask_rmm.mr.registry import get_current_device_resource
+
+            mr = get_current_device_resource()
+        elif not isinstance(mr, DeviceMemoryResource):
+            raise TypeError(f"mr must be a DeviceMemoryResource, got {type(mr).__name__}")
+        self.mr = mr
+        self.stream = stream
+        self._ptr = mr.allocate(size, stream)
+        self._capacity = self._size = size
+        if src and size:
+            _copy(self._ptr, src, size, stream, mr.is_host_memory)
+
+    def __del__(self):
+        ptr = getattr(self, "_ptr", 0)
+        if ptr:
+            self._ptr = 0
+            _free_buffer(self.mr, ptr, self._capacity, self.stream)
+
+    # --- properties --------------------------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """The address of the first byte (0 for an empty buffer)."""
+        return self._ptr
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._size
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self._size
+
+    def capacity(self) -> int:
+        """Bytes allocated, at least :attr:`size` (see :meth:`reserve`)."""
+        return self._capacity
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __sizeof__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        return self.tobytes()
+
+    def __repr__(self) -> str:
+        return f"<DeviceBuffer size={self._size} ptr={self._ptr:#x} mr={self.mr!r}>"
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """Version 3 of the CUDA Array Interface, one dimension of bytes.
+
+        ``stream`` is the buffer's stream for consumers to synchronize on (the legacy default
+        stream, 1, stands for handle 0, which the interface reserves).
+        """
+        handle = self.stream.handle
+        return {
+            "data": (self._ptr, False),
+            "shape": (self._size,),
+            "strides": None,
+            "typestr": "|u1",
+            "version": 3,
+            "stream": handle if handle else 1,
+        }
+
+    # --- copies ------------------------------------------------------------------------------
+
+    @property
+    def _host(self) -> bool:
+        return self.mr.is_host_memory
+
+    @staticmethod
+    def to_device(
+        b: Any, stream: Stream = DEFAULT_STREAM, mr: DeviceMemoryResource | None = None
+    ) -> DeviceBuffer:
+        """A new buffer holding a copy of the bytes-like host object ``b``."""
+        return to_device(b, stream, mr)
+
+    def copy_to_host(self, ary: Any = None, stream: Stream = DEFAULT_STREAM) -> Any:
+        """Copy the buffer into ``ary`` (a writable bytes-like of at least :attr:`size` bytes),
+        or into a new ``numpy.uint8`` array when ``ary`` is None, and return it."""
+        stream = as_stream(stream)
+        if ary is None:
+            ary = np.empty(self._size, dtype=np.uint8)
+        arr = _host_bytes(ary, True, "ary")
+        if arr.nbytes < self._size:
+            raise ValueError(
+                f"ary is too small: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
+            )
+        _copy(_address(arr), self._ptr, self._size, stream, self._host)
+        return ary
+
+    def copy_from_host(self, ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
+        """Copy the bytes-like ``ary`` into the start of the buffer."""
+        stream = as_stream(stream)
+        arr = _host_bytes(ary, False, "ary")
+        if arr.nbytes > self._size:
+            raise ValueError(
+                f"ary is too large: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
+            )
+        _copy(self._ptr, _address(arr), arr.nbytes, stream, self._host)
+
+    def copy_from_device(self, cuda_ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
+        """Copy a 1-D contiguous object with ``__cuda_array_interface__`` into the buffer.
+
+        When the source names a stream (interface version 3), ``stream`` first waits for it.
+        """
+        stream = as_stream(stream)
+        cai = getattr(cuda_ary, "__cuda_array_interface__", None)
+        if cai is None:
+            raise ValueError(
+                f"expected an object with __cuda_array_interface__, got {type(cuda_ary).__name__}"
+            )
+        shape = cai["shape"]
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        if len(shape) > 1:
+            raise ValueError(f"only 1-D contiguous arrays can be copied, got shape {shape}")
+        strides = cai.get("strides")
+        if strides is not None and shape and shape[0] > 1 and strides[0] != itemsize:
+            raise ValueError(f"only contiguous arrays can be copied, got strides {strides}")
+        nbytes = (shape[0] if shape else 1) * itemsize
+        if nbytes > self._size:
+            raise ValueError(
+                f"cuda_ary is too large: {nbytes} bytes, the buffer holds {self._size} bytes"
+            )
+        src_stream = cai.get("stream")
+        if src_stream and src_stream != stream.handle and _cuda.is_available():
+            event = _cuda.event_create(disable_timing=True)
+            try:
+                _cuda.event_record(event, src_stream)
+                _cuda.stream_wait_event(stream.handle, event)
+            finally:
+                _cuda.event_destroy(event)
+        _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self._host)
+
+    def tobytes(self, stream: Stream = DEFAULT_STREAM) -> bytes:
+        """The buffer's contents as ``bytes``."""
+        out = bytearray(self._size)
+        self.copy_to_host(out, stream)
+        return bytes(out)
+
+    def copy(self) -> DeviceBuffer:
+        """A new buffer, from the same resource and on the same stream, with the same bytes."""
+        return DeviceBuffer(ptr=self._ptr, size=self._size, stream=self.stream, mr=self.mr)
+
+    def __copy__(self) -> DeviceBuffer:
+        return self.copy()
+
+    def __reduce__(self):
+        return (to_device, (self.tobytes(),))
+
+    # --- size changes ------------------------------------------------------------------------
+
+    def _reallocate(self, new_capacity: int, stream: Stream) -> None:
+        new_ptr = self.mr.allocate(new_capacity, stream)
+        try:
+            _copy(new_ptr, self._ptr, min(self._size, new_capacity), stream, self._host)
+        except BaseException:
+            self.mr.deallocate(new_ptr, new_capacity, stream)
+            raise
+        old_ptr, old_capacity = self._ptr, self._capacity
+        self._ptr, self._capacity, self.stream = new_ptr, new_capacity, stream
+        if old_ptr:
+            # Freed on the copying stream, so in stream order after the copy out of it.
+            self.mr.deallocate(old_ptr, old_capacity, stream)
+
+    def reserve(self, new_capacity: int, stream: Stream = DEFAULT_STREAM) -> None:
+        """Grow the allocation to at least ``new_capacity`` bytes, keeping :attr:`size` and the
+        contents. Does nothing when the capacity is already enough. The buffer moves to ``stream``."""
+        new_capacity = check_nbytes(new_capacity, "new_capacity")
+        stream = as_stream(stream)
+        if new_capacity > self._capacity:
+            self._reallocate(new_capacity, stream)
+        else:
+            self.stream = stream
+
+    def resize(self, new_size: int, stream: Stream = DEFAULT_STREAM) -> None:
+        """Change :attr:`size`, keeping the first ``min(size, new_size)`` bytes.
+
+        Within the capacity only the size changes; beyond it the buffer is reallocated to
+        exactly ``new_size`` bytes and the contents copied. The buffer moves to ``stream``.
+        """
+        new_size = check_nbytes(new_size, "new_size")
+        stream = as_stream(stream)
+        if new_size > self._capacity:
+            self._reallocate(new_size, stream)
+        else:
+            self.stream = stream
+        self._size = new_size
+
+    def prefetch(self, device: int | None = None, stream: Stream | None = None) -> None:
+        """Prefetch managed memory to ``device`` (default the current device; ``-1``, the CPU).
+
+        A no-op for memory that is not managed, and on hosts without a GPU.
+        """
+        if not self._ptr or not _cuda.is_available():
+            return
+        if _cuda.pointer_attributes(self._ptr).type != "managed":
+            return
+        stream = self.stream if stream is None else as_stream(stream)
+        device = _cuda.get_device() if device is None else device
+        _cuda.mem_prefetch_async(self._ptr, self._size, device, stream.handle)
+
+
+def to_device(
+    b: Any, stream: Stream = DEFAULT_STREAM, mr: DeviceMemoryResource | None = None
+) -> DeviceBuffer:
+    """A new :class:`DeviceBuffer` holding a copy of the bytes-like host object ``b``.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import SystemMemoryResource
+    >>> to_device(b"abc", mr=SystemMemoryResource()).tobytes()
+    b'abc'
+    """
+    arr = _host_bytes(b, False, "b")
+    return DeviceBuffer(ptr=_address(arr), size=arr.nbytes, stream=stream, mr=mr)

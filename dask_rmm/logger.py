@@ -1,0 +1,194 @@
+"""dask-rmm's debug logger with RMM's controls (``set_logging_level``, ``flush_on``,
+``should_log``...), built on Python's :mod:`logging`. The allocation event log (CSV) is
+:class:`~dask_rmm.mr.LoggingResourceAdaptor`'s job, not this module's.
+
+Messages go to stderr, or to the file named by ``RMM_DEBUG_LOG_FILE`` when it is set, in RMM's
+layout ``[thread][HH:MM:SS:micros][level ] message``. :func:`get_logger` returns the underlying
+:class:`logging.Logger` for adding handlers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sys
+import threading
+import time
+
+__all__ = [
+    "flush_logger",
+    "flush_on",
+    "get_flush_level",
+    "get_logger",
+    "get_logging_level",
+    "level_enum",
+    "set_flush_level",
+    "set_logging_level",
+    "should_log",
+]
+
+#: Python logging level used for RMM's ``trace`` (below ``logging.DEBUG``).
+TRACE = 5
+DEBUG = logging.DEBUG
+LOGGER_NAME = "dask_rmm"
+
+
+class level_enum(enum.IntEnum):  # noqa: N801 - RMM's name
+    """RMM's debug-logging levels, least to most severe."""
+
+    trace = 0
+    debug = 1
+    info = 2
+    warn = 3
+    error = 4
+    critical = 5
+    off = 6
+
+
+#: Alias used in older RMM docs (``rmm.logging_level.WARN``).
+logging_level = level_enum
+
+_TO_PY = {
+    level_enum.trace: TRACE,
+    level_enum.debug: logging.DEBUG,
+    level_enum.info: logging.INFO,
+    level_enum.warn: logging.WARNING,
+    level_enum.error: logging.ERROR,
+    level_enum.critical: logging.CRITICAL,
+    level_enum.off: logging.CRITICAL + 10,
+}
+# spdlog's level names, as RMM's pattern prints them.
+_NAMES = {TRACE: "trace", 10: "debug", 20: "info", 30: "warning", 40: "error", 50: "critical"}
+
+_setup_lock = threading.Lock()
+_logger: logging.Logger | None = None
+_flush_level = level_enum.warn
+
+
+def _as_level(level: level_enum | str) -> level_enum:
+    if isinstance(level, level_enum):
+        return level
+    if isinstance(level, str):
+        name = level.strip().lower()
+        name = {"warning": "warn", "fatal": "critical"}.get(name, name)
+        try:
+            return level_enum[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown logging level {level!r}; use one of "
+                + ", ".join(repr(m.name) for m in level_enum)
+            ) from None
+    raise TypeError(
+        f"level must be a dask_rmm.level_enum (or its name), got {level!r} ({type(level).__name__})"
+    )
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        t = record.created
+        clock = time.strftime("%H:%M:%S", time.localtime(t))
+        micros = int((t - int(t)) * 1_000_000)
+        tid = getattr(record, "thread_native", None) or threading.get_native_id()
+        level = _NAMES.get(record.levelno, record.levelname.lower())
+        return f"[{tid:>6}][{clock}:{micros:06d}][{level:<6}] {record.getMessage()}"
+
+
+class _FlushLevelHandler(logging.StreamHandler):
+    """Writes every record, flushes only those at or above the flush level (as spdlog)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+            with self.lock:
+                self.stream.write(msg + self.terminator)
+                if record.levelno >= _TO_PY[_flush_level]:
+                    self.stream.flush()
+        except Exception:  # pragma: no cover - logging must not raise
+            self.handleError(record)
+
+
+def get_logger() -> logging.Logger:
+    """The ``dask_rmm`` debug logger (made, with its stderr or file handler, on first use)."""
+    global _logger
+    if _logger is None:
+        with _setup_lock:
+            if _logger is None:
+                log = logging.getLogger(LOGGER_NAME)
+                path = os.environ.get("RMM_DEBUG_LOG_FILE")
+                stream = open(path, "w") if path else sys.stderr  # noqa: SIM115 - lives with the process
+                handler = _FlushLevelHandler(stream)
+                handler.setFormatter(_Formatter())
+                log.addHandler(handler)
+                log.propagate = False
+                if log.level == logging.NOTSET:
+                    log.setLevel(logging.INFO)
+                _logger = log
+    return _logger
+
+
+def set_logging_level(level: level_enum | str) -> None:
+    """Log messages at ``level`` and above.
+
+    Parameters
+    ----------
+    level : level_enum or str
+        ``level_enum.debug`` or its name (``"trace"``, ``"debug"``, ``"info"``, ``"warn"``,
+        ``"error"``, ``"critical"``, ``"off"``).
+
+    Examples
+    --------
+    >>> import dask_rmm
+    >>> dask_rmm.set_logging_level(dask_rmm.level_enum.warn)
+    >>> dask_rmm.get_logging_level()
+    <level_enum.warn: 3>
+    >>> dask_rmm.set_logging_level("info")
+    """
+    get_logger().setLevel(_TO_PY[_as_level(level)])
+
+
+def get_logging_level() -> level_enum:
+    """The current debug-logging level (``level_enum.info`` by default)."""
+    py = get_logger().getEffectiveLevel()
+    for member, value in _TO_PY.items():
+        if value == py:
+            return member
+    # Someone set a Python level between ours: report the nearest one at or above it.
+    return min((m for m, v in _TO_PY.items() if v >= py), default=level_enum.off)
+
+
+def set_flush_level(level: level_enum | str) -> None:
+    """Flush the log after every message at ``level`` or above (``warn`` by default)."""
+    global _flush_level
+    _flush_level = _as_level(level)
+    get_logger()
+
+
+#: RMM's other name for :func:`set_flush_level`.
+flush_on = set_flush_level
+
+
+def get_flush_level() -> level_enum:
+    """The level at or above which every message is flushed at once."""
+    return _flush_level
+
+
+def should_log(level: level_enum | str) -> bool:
+    """True when a message at ``level`` would be written."""
+    level = _as_level(level)
+    if level is level_enum.off:
+        return False
+    return get_logger().isEnabledFor(_TO_PY[level])
+
+
+def flush_logger() -> None:
+    """Write out anything the debug logger has buffered."""
+    for handler in get_logger().handlers:
+        handler.flush()
+
+
+def _reset_for_tests() -> None:
+    """Back to level info and flush level warn."""
+    global _flush_level
+    _flush_level = level_enum.warn
+    get_logger().setLevel(logging.INFO)

@@ -1,0 +1,178 @@
+"""AttributionResourceAdaptor: charges each allocation to an owner (a Dask task prefix) named by
+a callable, keeping current and peak bytes per owner. It knows nothing of Dask; the plugin passes
+a getter that reads the running task's key. Overall counters are StatisticsResourceAdaptor's job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["UNATTRIBUTED", "AttributionResourceAdaptor", "OwnerMemory"]
+
+#: The owner charged when the getter returns None (an allocation made outside any task).
+UNATTRIBUTED = "(no task)"
+# Tokens remembered per adaptor (unique task keys would otherwise grow it without bound).
+_TOKEN_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class OwnerMemory:
+    """Bytes one owner (task prefix) holds now and has held at most since the adaptor was made."""
+
+    owner: str
+    current_bytes: int
+    peak_bytes: int
+
+    def to_list(self) -> list:
+        """``[owner, current_bytes, peak_bytes]``, the heartbeat's wire form."""
+        return [self.owner, self.current_bytes, self.peak_bytes]
+
+
+class AttributionResourceAdaptor(UpstreamResourceAdaptor):
+    """Charge every allocation to the owner that ``get_owner()`` names at allocation time.
+
+    A free is charged back to the owner that made the allocation, whichever thread frees it.
+    Only successful allocations are charged; sizes are the sizes the caller asked for.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        The resource that allocates.
+    get_owner : callable
+        Called with no arguments on the allocating thread; returns a hashable token of the
+        current owner (say a Dask task key) or None, which charges :data:`UNATTRIBUTED`. It runs
+        on every allocation, so make it a C-level call where possible
+        (``functools.partial(getattr, some_thread_local, "key", None)``).
+    owner_name : callable, optional
+        Turns a token into the name bytes are charged to (say ``dask.utils.key_split``: every
+        task of a prefix shares one count). Called once per token seen (results are cached);
+        default ``str``.
+
+    Examples
+    --------
+    >>> import functools, threading
+    >>> from dask_rmm.mr import SystemMemoryResource
+    >>> local = threading.local()
+    >>> mr = AttributionResourceAdaptor(
+    ...     SystemMemoryResource(), functools.partial(getattr, local, "task", None),
+    ...     owner_name=lambda task: task.split("-")[0])
+    >>> local.task = "load-1"
+    >>> ptr = mr.allocate(1024)
+    >>> mr.get_owner_memory("load")
+    OwnerMemory(owner='load', current_bytes=1024, peak_bytes=1024)
+    >>> mr.deallocate(ptr, 1024)
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        get_owner: Callable[[], Hashable | None],
+        owner_name: Callable[[Hashable], str] = str,
+    ):
+        super().__init__(upstream_mr)
+        if not callable(get_owner):
+            raise TypeError(f"get_owner must be callable, got {type(get_owner).__name__}")
+        if not callable(owner_name):
+            raise TypeError(f"owner_name must be callable, got {type(owner_name).__name__}")
+        self._get_owner = get_owner
+        self._owner_name = owner_name
+        self._lock = threading.Lock()
+        # Bound acquire/release are cheaper on the hot path than a ``with`` block.
+        self._acquire = self._lock.acquire
+        self._release = self._lock.release
+        # name -> [current_bytes, peak_bytes]; token -> the same list (a bounded cache, so the
+        # hot path is one dict lookup); ptr -> (that list, nbytes), so a free is one dict pop.
+        self._by_name: dict[str, list[int]] = {}
+        self._by_token: dict[Hashable, list[int]] = {}
+        self._live: dict[int, tuple[list[int], int]] = {}
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+
+    def _counts_for(self, token: Hashable | None) -> list[int]:
+        """The counts of ``token``'s owner (lock held). Never raises: an owner that cannot be
+        named is charged to UNATTRIBUTED rather than failing an allocation that succeeded."""
+        try:
+            name = UNATTRIBUTED if token is None else str(self._owner_name(token))
+        except Exception:
+            name = UNATTRIBUTED
+        counts = self._by_name.get(name)
+        if counts is None:
+            counts = self._by_name[name] = [0, 0]
+        try:
+            if len(self._by_token) >= _TOKEN_CACHE_SIZE:
+                self._by_token.clear()
+            self._by_token[token] = counts
+        except TypeError:  # unhashable token: not cached
+            pass
+        return counts
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        ptr = self._upstream_allocate(nbytes, stream)
+        if ptr:
+            token = self._get_owner()
+            self._acquire()
+            try:
+                try:
+                    counts = self._by_token[token]
+                except (KeyError, TypeError):
+                    counts = self._counts_for(token)
+                current = counts[0] + nbytes
+                counts[0] = current
+                if current > counts[1]:
+                    counts[1] = current
+                self._live[ptr] = (counts, nbytes)
+            finally:
+                self._release()
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        # Forget the pointer before the upstream frees it: once freed, another thread may be
+        # handed the same address and record its own entry, which must not be popped here.
+        entry = self._live.pop(ptr, None)
+        try:
+            self._upstream_deallocate(ptr, nbytes, stream)
+        except BaseException:
+            if entry is not None:
+                self._live[ptr] = entry
+            raise
+        if entry is not None:
+            self._acquire()
+            entry[0][0] -= entry[1]
+            self._release()
+
+    def get_owner_memory(self, name: str) -> OwnerMemory:
+        """Current and peak bytes charged to the owner ``name`` (zeros for one never seen)."""
+        with self._lock:
+            counts = self._by_name.get(name, (0, 0))
+            return OwnerMemory(name, counts[0], counts[1])
+
+    def get_attribution(self) -> list[OwnerMemory]:
+        """Every owner seen so far, largest peak first."""
+        with self._lock:
+            out = [OwnerMemory(name, c[0], c[1]) for name, c in self._by_name.items()]
+        out.sort(key=lambda m: (-m.peak_bytes, -m.current_bytes, m.owner))
+        return out
+
+    def top(self, n: int) -> list[OwnerMemory]:
+        """The ``n`` owners with the largest peaks."""
+        return self.get_attribution()[: max(n, 0)]
+
+    def reset_peaks(self) -> None:
+        """Set every owner's peak to its current bytes and forget owners that hold nothing."""
+        with self._lock:
+            for name in [n for n, c in self._by_name.items() if c[0] == 0]:
+                del self._by_name[name]
+            self._by_token.clear()
+            for counts in self._by_name.values():
+                counts[1] = counts[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"<AttributionResourceAdaptor device={self.device_id} owners={len(self._by_name)} "
+            f"upstream={self.upstream_mr!r}>"
+        )

@@ -1,0 +1,75 @@
+"""``CallbackMemoryResource``: a resource whose allocate and deallocate are two user functions,
+with RMM's signatures. For debugging and experiments; every call goes through Python."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+from dask_rmm.mr.base import DeviceMemoryResource
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+
+__all__ = ["CallbackMemoryResource"]
+
+
+class CallbackMemoryResource(DeviceMemoryResource):
+    """Allocates with ``allocate_func(nbytes, stream) -> ptr`` and frees with
+    ``deallocate_func(ptr, nbytes, stream)``.
+
+    The functions own all bookkeeping: this resource keeps none, so a wrong free is whatever
+    ``deallocate_func`` makes of it. The pointer returned must be an int (or have
+    ``__index__``).
+
+    Parameters
+    ----------
+    allocate_func : callable
+        ``allocate_func(nbytes: int, stream: Stream) -> int``.
+    deallocate_func : callable
+        ``deallocate_func(ptr: int, nbytes: int, stream: Stream) -> None``.
+    device_id : int, optional
+        The device the pointers belong to (default: the current device, 0 without a GPU).
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import CallbackMemoryResource, SystemMemoryResource
+    >>> base = SystemMemoryResource()
+    >>> sizes = []
+    >>> def allocate(nbytes, stream):
+    ...     sizes.append(nbytes)
+    ...     return base.allocate(nbytes, stream)
+    >>> mr = CallbackMemoryResource(allocate, base.deallocate)
+    >>> mr.deallocate(mr.allocate(256), 256)
+    >>> sizes
+    [256]
+    """
+
+    def __init__(
+        self,
+        allocate_func: Callable[[int, Stream], int],
+        deallocate_func: Callable[[int, int, Stream], None],
+        device_id: int | None = None,
+    ):
+        if not callable(allocate_func):
+            raise TypeError(f"allocate_func must be callable, got {allocate_func!r}")
+        if not callable(deallocate_func):
+            raise TypeError(f"deallocate_func must be callable, got {deallocate_func!r}")
+        if device_id is None:
+            from dask_rmm import _cuda
+
+            device_id = _cuda.get_device() if _cuda.is_available() else 0
+        super().__init__(device_id=device_id)
+        self._allocate_func = allocate_func
+        self._deallocate_func = deallocate_func
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        ptr = self._allocate_func(nbytes, as_stream(stream))
+        try:
+            return operator.index(ptr)
+        except TypeError:
+            raise TypeError(
+                f"CallbackMemoryResource: allocate_func returned {ptr!r} "
+                f"({type(ptr).__name__}); it must return the pointer as an int"
+            ) from None
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._deallocate_func(ptr, nbytes, as_stream(stream))

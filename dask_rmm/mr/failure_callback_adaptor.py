@@ -1,0 +1,58 @@
+"""``FailureCallbackResourceAdaptor``: when the upstream runs out of memory, asks a callback
+whether to try again (the callback can free caches, spill, or wait first)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["FailureCallbackResourceAdaptor"]
+
+
+class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
+    """Calls ``callback(nbytes)`` each time the upstream raises ``MemoryError``.
+
+    A true result retries the allocation; a false one re-raises the ``MemoryError``. Other
+    exceptions pass through untouched, and an exception raised by the callback propagates.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        The resource that allocates.
+    callback : callable
+        ``callback(nbytes: int) -> bool``.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import FailureCallbackResourceAdaptor, SystemMemoryResource
+    >>> calls = []
+    >>> def retry_once(nbytes):
+    ...     calls.append(nbytes)
+    ...     return len(calls) < 2
+    >>> mr = FailureCallbackResourceAdaptor(SystemMemoryResource(), retry_once)
+    """
+
+    def __init__(self, upstream_mr: DeviceMemoryResource, callback: Callable[[int], bool]):
+        super().__init__(upstream_mr)
+        if not callable(callback):
+            raise TypeError(f"callback must be callable as callback(nbytes) -> bool, got {callback!r}")
+        self._callback = callback
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+
+    @property
+    def callback(self) -> Callable[[int], bool]:
+        return self._callback
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        while True:
+            try:
+                return self._upstream_allocate(nbytes, stream)
+            except MemoryError:
+                if not self._callback(nbytes):
+                    raise
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._upstream_deallocate(ptr, nbytes, stream)

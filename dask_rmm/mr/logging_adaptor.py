@@ -1,0 +1,174 @@
+"""``LoggingResourceAdaptor``: writes every allocation, free and failed allocation to a CSV file
+in RMM's format, for replay and offline analysis. Reading the logs back is :mod:`dask_rmm.logs`'s
+job.
+
+The file starts with ``Thread,Time,Action,Pointer,Size,Stream``; each row is the OS thread id,
+the local time as ``HH:MM:SS.micros``, ``allocate`` / ``free`` / ``allocate failure``, the
+pointer as C's ``%p`` prints it (``0x7f...``, ``(nil)`` for null), the size in bytes and the
+stream handle as RMM prints it (``0`` for the default stream, else ``0x...``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["CSV_HEADER", "LoggingResourceAdaptor", "format_pointer", "format_stream"]
+
+#: The first line of every log file.
+CSV_HEADER = "Thread,Time,Action,Pointer,Size,Stream"
+
+
+def format_pointer(ptr: int) -> str:
+    """A pointer as glibc's ``printf("%p")`` writes it."""
+    return f"{ptr:#x}" if ptr else "(nil)"
+
+
+def format_stream(handle: int) -> str:
+    """A stream handle as RMM writes it (a C++ ``ostream`` of the ``cudaStream_t``)."""
+    return f"{handle:#x}" if handle else "0"
+
+
+def log_file_name_for_device(log_file_name: str, device_id: int) -> str:
+    """``"rmm.log"`` -> absolute ``".../rmm.dev0.log"``: RMM's per-device file name."""
+    name, ext = os.path.splitext(os.fspath(log_file_name))
+    return os.path.abspath(f"{name}.dev{device_id}{ext}")
+
+
+class _Clock:
+    """``HH:MM:SS.micros`` in local time, formatting the seconds part once per second."""
+
+    __slots__ = ("_second", "_prefix")
+
+    def __init__(self):
+        self._second = -1
+        self._prefix = ""
+
+    def now(self) -> str:
+        t = time.time()
+        second = int(t)
+        if second != self._second:
+            self._prefix = time.strftime("%H:%M:%S", time.localtime(second))
+            self._second = second
+        return f"{self._prefix}.{int((t - second) * 1_000_000):06d}"
+
+
+class LoggingResourceAdaptor(UpstreamResourceAdaptor):
+    """Logs every allocation and free made through it to a CSV file, in RMM's format.
+
+    As in RMM, ``.dev{device_id}`` is added before the file's extension (``rmm.csv`` becomes
+    ``rmm.dev0.csv``); :meth:`get_file_name` returns the absolute path used. A free is logged
+    once the upstream has accepted it: a refused free raises and leaves no row.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        The resource that allocates.
+    log_file_name : str or os.PathLike, optional
+        Where to log; default the ``RMM_LOG_FILE`` environment variable.
+    auto_flush : bool, default False
+        Flush the file after every row (slow, but nothing is lost if the process dies).
+
+    Raises
+    ------
+    ValueError
+        When neither ``log_file_name`` nor ``RMM_LOG_FILE`` names a file.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> path = os.path.join(tempfile.mkdtemp(), "rmm.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=path)
+    >>> mr.deallocate(mr.allocate(100), 100)
+    >>> mr.flush()
+    >>> open(mr.get_file_name()).readline().strip()
+    'Thread,Time,Action,Pointer,Size,Stream'
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        log_file_name: str | os.PathLike | None = None,
+        auto_flush: bool = False,
+    ):
+        super().__init__(upstream_mr)
+        if log_file_name is None:
+            log_file_name = os.environ.get("RMM_LOG_FILE") or None
+            if log_file_name is None:
+                raise ValueError(
+                    "LoggingResourceAdaptor needs a log file: pass log_file_name=... or set the "
+                    "RMM_LOG_FILE environment variable"
+                )
+        if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
+            raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
+        self._file_name = log_file_name_for_device(log_file_name, self.device_id)
+        self.auto_flush = bool(auto_flush)
+        self._lock = threading.Lock()
+        self._clock = _Clock()
+        self._file = open(self._file_name, "w", encoding="ascii", newline="")  # noqa: SIM115
+        self._file.write(CSV_HEADER + "\n")
+        if self.auto_flush:
+            self._file.flush()
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+
+    def _write(self, action: str, ptr: int, nbytes: int, stream: Stream) -> None:
+        handle = getattr(stream, "handle", stream)
+        row = (
+            f"{threading.get_native_id()},{self._clock.now()},{action},"
+            f"{format_pointer(ptr)},{nbytes},{format_stream(handle)}\n"
+        )
+        with self._lock:
+            f = self._file
+            if f is None:
+                return
+            f.write(row)
+            if self.auto_flush:
+                f.flush()
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        try:
+            ptr = self._upstream_allocate(nbytes, stream)
+        except Exception:
+            self._write("allocate failure", 0, nbytes, stream)
+            raise
+        self._write("allocate", ptr, nbytes, stream)
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._upstream_deallocate(ptr, nbytes, stream)
+        self._write("free", ptr, nbytes, stream)
+
+    def flush(self) -> None:
+        """Write buffered rows to the file."""
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+
+    def get_file_name(self) -> str:
+        """The absolute path of the log file (with the ``.dev{id}`` suffix)."""
+        return self._file_name
+
+    def close(self) -> None:
+        """Flush and close the file; later rows are dropped. Allocation keeps working."""
+        with self._lock:
+            f, self._file = self._file, None
+        if f is not None:
+            f.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"<LoggingResourceAdaptor device={self.device_id} file={self._file_name!r} "
+            f"upstream={self.upstream_mr!r}>"
+        )

@@ -1,0 +1,689 @@
+"""PoolMemoryResource: a stream-ordered, coalescing suballocator over one upstream resource.
+
+Pure bookkeeping on integer addresses; CUDA is only touched for cross-stream ordering (events)
+and through the upstream resource. Other suballocators (arena, binning, fixed size) live beside it.
+
+Data structure (chosen for speed in CPython, see bench/alloc.py)
+-----------------------------------------------------------------
+Free blocks are kept per stream (:meth:`Stream.order_key`). Each stream's free memory is a
+TLSF-style segregated fit: sizes (in 256-byte units) map to size classes, 32 exact classes
+below 8 KiB and then 16 classes per power of two, so every block in a class at or above a
+request's "search class" fits it. Each class is a dict ``ptr -> size`` (``popitem`` is O(1)
+and LIFO, deleting an arbitrary block is O(1)), and a ``bytearray`` flags the non-empty classes
+so the first candidate class is one C-level ``find`` (an int bitmap was tried: its big-int
+shifts and masks cost ~40 ns each). Two more dicts per stream, ``start -> size`` and
+``end -> start``, let a freed block merge with both neighbours in O(1). Live blocks are one dict
+``ptr -> nbytes`` that also validates every deallocate. Class lookups for sizes below 16 MiB
+come from precomputed tables. The lock is taken with ``acquire``/``release`` (half the cost of
+``with`` in CPython 3.11).
+
+Stream order
+------------
+A block freed on stream A goes to A's free list and is reused on A at once. A block taken from
+another stream's list moves to the taking stream B together with the rest of the free block it
+was cut from, and B is made to wait for A: an event is recorded on A *at the time of the
+take* (this covers everything queued on A before the free, at the cost of maybe also waiting
+for later work; it keeps the hot path free of CUDA calls) and B waits on it. When B cannot be
+served from any single list, all other streams' free lists are merged into B's (one wait per
+stream), so adjacent blocks freed on different streams coalesce before the pool grows.
+Memory fresh from upstream at construction belongs to no stream and is taken without a wait.
+Without CUDA (host memory on a GPU-less host) there is no stream work to order and no event
+is used. A block from another thread's per-thread default stream cannot be recorded on from
+this thread, so that case synchronizes the device instead (rare: only under memory pressure).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import threading
+from typing import Any
+
+from dask_rmm.mr.base import (
+    DeviceMemoryResource,
+    OutOfMemoryError,
+    ReservedMemoryInfo,
+    UpstreamResourceAdaptor,
+    align_up,
+    check_nbytes,
+    format_bytes,
+)
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+
+__all__ = ["PoolMemoryResource", "parse_pool_size"]
+
+#: Initial pool size when the upstream is host memory and none is given (no device to take
+#: half of): 256 MiB.
+DEFAULT_HOST_POOL_SIZE = 256 << 20
+
+_PTDS_HANDLE = 2  # cudaStreamPerThread; its order key differs per thread
+
+# ---------------------------------------------------------------------------------------------
+# size classes (sizes in 256-byte units)
+
+_SL_BITS = 4  # 16 classes per power of two
+_EXACT = 1 << (_SL_BITS + 1)  # units below this have a class each
+_N_CLASSES = 64 << _SL_BITS
+_TABLE_UNITS = 1 << 16  # class tables cover sizes below 16 MiB
+
+
+def _insert_class(u: int) -> int:
+    """The class a free block of ``u`` units is filed under (its size's floor class)."""
+    if u < _EXACT:
+        return u
+    shift = u.bit_length() - (_SL_BITS + 1)
+    return (shift << _SL_BITS) + (u >> shift)
+
+
+def _search_class(u: int) -> int:
+    """The first class all of whose blocks are at least ``u`` units."""
+    if u < _EXACT:
+        return u
+    shift = u.bit_length() - (_SL_BITS + 1)
+    c = (shift << _SL_BITS) + (u >> shift)
+    return c + 1 if u & ((1 << shift) - 1) else c
+
+
+_INS = [_insert_class(u) for u in range(_TABLE_UNITS)]
+_SRCH = [_search_class(u) for u in range(_TABLE_UNITS)]
+
+# ---------------------------------------------------------------------------------------------
+# sizes given as strings or fractions
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+    "ti": 2**40, "tib": 2**40, "pi": 2**50, "pib": 2**50,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)?\s*([a-zA-Z]*)\s*$")
+
+
+def _total_memory(upstream: DeviceMemoryResource) -> int:
+    if upstream.is_host_memory:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from dask_rmm import _cuda
+
+    return _cuda.device_total_memory(upstream.device_id)
+
+
+def parse_pool_size(value: Any, upstream: DeviceMemoryResource, what: str = "size") -> int:
+    """A pool size in bytes, rounded up to 256: an int, a string (``"4GiB"``, ``"500MB"``,
+    Dask's units) or a float in (0, 1], a fraction of the upstream's total memory (the device's,
+    or the host's for host-memory upstreams).
+
+    Kept in ``mr`` because ``mr`` never imports Dask; ``dask_rmm.config.parse_device_bytes``
+    accepts the same forms.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, a string or a fraction, got {value!r}")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"{what}={value!r}: a float is a fraction of total memory and must be in (0, 1]"
+            )
+        return align_up(int(value * _total_memory(upstream)))
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = _UNITS.get(m.group(2).lower()) if m else None
+        if m is None or unit is None:
+            raise ValueError(f"{what}={value!r} is not a size such as 4GiB, 500MB or 1e9")
+        number = float(m.group(1)) if m.group(1) else 1.0
+        return align_up(int(number * unit))
+    return align_up(check_nbytes(value, what))
+
+
+class _FreeList:
+    """The free blocks of one stream: size-class dicts, their non-empty flags, address maps."""
+
+    __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key")
+
+    def __init__(self, key: Any, stream: Stream | None):
+        self.bins: list[dict[int, int] | None] = [None] * _N_CLASSES
+        self.nonempty = bytearray(_N_CLASSES)  # 1 where bins[c] has blocks
+        self.starts: dict[int, int] = {}  # start -> size
+        self.ends: dict[int, int] = {}  # end -> start
+        self.stream = stream  # kept alive so an event can be recorded on it later
+        self.key = key
+
+
+_FRESH = "fresh"  # order key of memory no stream has used yet
+
+
+def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> None:
+    """Make ``stream`` wait for the work queued so far on each victim stream.
+
+    ``victims`` are ``(order key, Stream)`` pairs of the streams whose freed blocks ``stream``
+    takes over. An event is recorded on the victim now and ``stream`` waits on it; a victim that
+    is another thread's per-thread default stream (not addressable from here), or whose handle
+    is no longer valid, is covered by a device synchronization instead. Call only when CUDA is
+    available, and outside any resource lock.
+    """
+    from dask_rmm import _cuda
+
+    me = threading.get_ident()
+    for key, victim in victims:
+        if key == _FRESH or victim is None or key == stream.order_key():
+            continue
+        if isinstance(key, tuple) and key[1] != me:
+            _cuda.device_synchronize()
+            continue
+        try:
+            ev = _cuda.event_create(disable_timing=True)
+            try:
+                _cuda.event_record(ev, victim.handle)
+                _cuda.stream_wait_event(stream.handle, ev)
+            finally:
+                _cuda.event_destroy(ev)
+        except _cuda.CUDAError:
+            _cuda.device_synchronize()
+
+
+class PoolMemoryResource(UpstreamResourceAdaptor):
+    """A coalescing, stream-ordered pool suballocator, as RMM's ``PoolMemoryResource``.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        Where the pool's memory comes from.
+    initial_pool_size : int, str or float, optional
+        Bytes to take from upstream at once. Default: half of the device's free memory (RMM's
+        default), or 256 MiB when the upstream is host memory. Strings such as ``"4GiB"`` and
+        fractions of total memory (``0.5``) are accepted; sizes are rounded up to 256 bytes.
+    maximum_pool_size : int, str or float, optional
+        The pool never holds more than this from upstream. Default: no limit but upstream's.
+
+    Notes
+    -----
+    The pool grows as RMM's does: without a maximum, by ``max(request, current pool size)``;
+    with one, by ``max(request, half of the room left)``; a failed upstream allocation is
+    retried with half the size, down to the request. :meth:`release` hands fully free upstream
+    chunks back. Thread safe: one lock, held for bookkeeping only (never across an upstream
+    call). Free blocks are kept per stream; see the module docstring for stream ordering.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+    >>> pool = PoolMemoryResource(SystemMemoryResource(), initial_pool_size="64MiB")
+    >>> ptr = pool.allocate(1000)
+    >>> pool.deallocate(ptr, 1000)
+    >>> pool.pool_size()
+    67108864
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        initial_pool_size: int | str | float | None = None,
+        maximum_pool_size: int | str | float | None = None,
+    ):
+        super().__init__(upstream_mr)
+        from dask_rmm import _cuda
+
+        self._ordered = _cuda.is_available()
+        if maximum_pool_size is not None:
+            maximum_pool_size = parse_pool_size(maximum_pool_size, upstream_mr, "maximum_pool_size")
+        if initial_pool_size is None:
+            if upstream_mr.is_host_memory:
+                initial_pool_size = DEFAULT_HOST_POOL_SIZE
+            else:
+                free, _total = _cuda.mem_get_info()
+                initial_pool_size = align_up(free // 2)
+            if maximum_pool_size is not None:
+                initial_pool_size = min(initial_pool_size, maximum_pool_size)
+        else:
+            initial_pool_size = parse_pool_size(initial_pool_size, upstream_mr, "initial_pool_size")
+        if maximum_pool_size is not None and initial_pool_size > maximum_pool_size:
+            raise ValueError(
+                f"initial_pool_size ({format_bytes(initial_pool_size)}) exceeds "
+                f"maximum_pool_size ({format_bytes(maximum_pool_size)})"
+            )
+        self._maximum = maximum_pool_size
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # ptr -> nbytes as the caller asked
+        self._lists: dict[Any, _FreeList] = {}
+        self._chunks: dict[int, int] = {}  # upstream chunk start -> size
+        self._chunk_starts: set[int] = set()  # blocks never merge across these
+        self._pool_size = 0
+        self._growing = 0  # bytes being asked of upstream right now (outside the lock)
+        if initial_pool_size:
+            ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
+            self._add_chunk(ptr, initial_pool_size)
+            self._insert(self._free_list(_FRESH, None), ptr, initial_pool_size)
+
+    # -- public API ------------------------------------------------------------------------
+
+    def pool_size(self) -> int:
+        """Bytes the pool currently holds from upstream (free and allocated)."""
+        return self._pool_size
+
+    @property
+    def maximum_pool_size(self) -> int | None:
+        return self._maximum
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        size = (nbytes + 255) & -256
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == _PTDS_HANDLE:
+            key = stream.order_key()
+        u = size >> 8
+        if u < _TABLE_UNITS:
+            sc = _SRCH[u]
+        else:
+            sc = _search_class(u)
+        lock = self._lock
+        lock.acquire()
+        try:
+            fl = self._lists.get(key)
+            if fl is not None:
+                nonempty = fl.nonempty
+                c = nonempty.find(1, sc)
+                if c >= 0:
+                    bins = fl.bins
+                    b = bins[c]
+                    ptr, bsize = b.popitem()
+                    starts = fl.starts
+                    del starts[ptr]
+                    rem = bsize - size
+                    if rem:
+                        r = ptr + size
+                        starts[r] = rem
+                        fl.ends[r + rem] = r
+                        u = rem >> 8
+                        if u < _TABLE_UNITS:
+                            rc = _INS[u]
+                        else:
+                            sh = u.bit_length() - 5
+                            rc = (sh << 4) + (u >> sh)
+                        if rc == c:
+                            b[r] = rem
+                        else:
+                            if not b:
+                                nonempty[c] = 0
+                            b = bins[rc]
+                            if b is None:
+                                b = bins[rc] = {}
+                            b[r] = rem
+                            nonempty[rc] = 1
+                    else:
+                        del fl.ends[ptr + bsize]
+                        if not b:
+                            nonempty[c] = 0
+                    self._live[ptr] = nbytes
+                    return ptr
+        finally:
+            lock.release()
+        return self._allocate_slow(nbytes, size, key, stream)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == _PTDS_HANDLE:
+            key = stream.order_key()
+        lock = self._lock
+        lock.acquire()
+        try:
+            live = self._live
+            n = live.pop(ptr, None)
+            if n == nbytes and type(ptr) is int:
+                size = (n + 255) & -256
+                fl = self._lists.get(key)
+                if fl is None:
+                    fl = self._free_list(key, stream)
+                starts = fl.starts
+                ends = fl.ends
+                bins = fl.bins
+                nonempty = fl.nonempty
+                nxt = ptr + size
+                ns = starts.get(nxt)
+                if ns is not None and nxt not in self._chunk_starts:
+                    del starts[nxt]
+                    u = ns >> 8
+                    if u < _TABLE_UNITS:
+                        c = _INS[u]
+                    else:
+                        sh = u.bit_length() - 5
+                        c = (sh << 4) + (u >> sh)
+                    b = bins[c]
+                    del b[nxt]
+                    if not b:
+                        nonempty[c] = 0
+                    size += ns
+                prev = ends.get(ptr)
+                if prev is not None and ptr not in self._chunk_starts:
+                    del ends[ptr]
+                    ps = starts[prev]
+                    u = ps >> 8
+                    if u < _TABLE_UNITS:
+                        c = _INS[u]
+                    else:
+                        sh = u.bit_length() - 5
+                        c = (sh << 4) + (u >> sh)
+                    b = bins[c]
+                    del b[prev]
+                    if not b:
+                        nonempty[c] = 0
+                    ptr = prev
+                    size += ps
+                starts[ptr] = size
+                ends[ptr + size] = ptr
+                u = size >> 8
+                if u < _TABLE_UNITS:
+                    c = _INS[u]
+                else:
+                    sh = u.bit_length() - 5
+                    c = (sh << 4) + (u >> sh)
+                b = bins[c]
+                if b is None:
+                    b = bins[c] = {}
+                b[ptr] = size
+                nonempty[c] = 1
+                return
+            if n is not None:
+                live[ptr] = n
+        finally:
+            lock.release()
+        self._deallocate_slow(ptr, nbytes, n, stream)
+
+    def release(self) -> int:
+        """Give every fully free upstream chunk back to upstream; return the bytes released.
+
+        A chunk counts as free when its free blocks, on whatever streams they were freed,
+        cover it; the streams they were freed on are synchronized before it goes back.
+        """
+        with self._lock:
+            chunk_starts = sorted(self._chunks)
+            per_chunk: dict[int, list[tuple[_FreeList, int, int]]] = {}
+            for fl in self._lists.values():
+                for ptr, size in fl.starts.items():
+                    chunk = chunk_starts[bisect.bisect_right(chunk_starts, ptr) - 1]
+                    per_chunk.setdefault(chunk, []).append((fl, ptr, size))
+            released = []
+            streams = set()
+            for chunk, blocks in per_chunk.items():
+                size = self._chunks[chunk]
+                if sum(s for _, _, s in blocks) != size:
+                    continue
+                for fl, ptr, s in blocks:
+                    self._remove(fl, ptr, s)
+                    streams.add(fl)
+                del self._chunks[chunk]
+                self._chunk_starts.discard(chunk)
+                self._pool_size -= size
+                released.append((chunk, size))
+        self._synchronize_all(list(streams))
+        for start, size in released:
+            self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
+        return sum(size for _, size in released)
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo:
+        with self._lock:
+            free = 0
+            largest = 0
+            for fl in self._lists.values():
+                if fl.starts:
+                    free += sum(fl.starts.values())
+                    largest = max(largest, max(fl.starts.values()))
+            return ReservedMemoryInfo(self._pool_size, free, largest)
+
+    def __repr__(self) -> str:
+        return (
+            f"<PoolMemoryResource pool_size={format_bytes(self._pool_size)} "
+            f"maximum={format_bytes(self._maximum)} upstream={self.upstream_mr!r}>"
+        )
+
+    def __del__(self):
+        # Like RMM's destructor: everything goes back to upstream. Live DeviceBuffers keep the
+        # pool alive, so only raw pointers a caller forgot can be outstanding here.
+        try:
+            chunks = list(self._chunks.items())
+            self._chunks.clear()
+            for start, size in chunks:
+                self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
+        except Exception:
+            pass
+
+    # -- test and report helpers -------------------------------------------------------------
+
+    def _free_blocks(self) -> list[tuple[int, int, Any]]:
+        """Every free block as ``(ptr, size, stream key)``, by address."""
+        with self._lock:
+            return sorted(
+                (p, s, fl.key) for fl in self._lists.values() for p, s in fl.starts.items()
+            )
+
+    def _chunk_list(self) -> list[tuple[int, int]]:
+        """The upstream chunks as ``(ptr, size)``, by address."""
+        with self._lock:
+            return sorted(self._chunks.items())
+
+    def _live_count(self) -> int:
+        return len(self._live)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _free_list(self, key: Any, stream: Stream | None) -> _FreeList:
+        fl = self._lists.get(key)
+        if fl is None:
+            fl = self._lists[key] = _FreeList(key, stream)
+        return fl
+
+    def _add_chunk(self, ptr: int, size: int) -> None:
+        self._chunks[ptr] = size
+        self._chunk_starts.add(ptr)
+        self._pool_size += size
+
+    def _insert(self, fl: _FreeList, ptr: int, size: int) -> None:
+        """File a free block, merging with free neighbours of the same list and chunk."""
+        starts = fl.starts
+        nxt = ptr + size
+        ns = starts.get(nxt)
+        if ns is not None and nxt not in self._chunk_starts:
+            self._remove(fl, nxt, ns)
+            size += ns
+        prev = fl.ends.get(ptr)
+        if prev is not None and ptr not in self._chunk_starts:
+            ps = starts[prev]
+            self._remove(fl, prev, ps)
+            ptr = prev
+            size += ps
+        starts[ptr] = size
+        fl.ends[ptr + size] = ptr
+        c = _insert_class(size >> 8)
+        b = fl.bins[c]
+        if b is None:
+            b = fl.bins[c] = {}
+        b[ptr] = size
+        fl.nonempty[c] = 1
+
+    def _remove(self, fl: _FreeList, ptr: int, size: int) -> None:
+        del fl.starts[ptr]
+        del fl.ends[ptr + size]
+        c = _insert_class(size >> 8)
+        b = fl.bins[c]
+        del b[ptr]
+        if not b:
+            fl.nonempty[c] = 0
+
+    def _move_all(self, src: _FreeList, dst: _FreeList) -> None:
+        for ptr, size in list(src.starts.items()):
+            self._remove(src, ptr, size)
+            self._insert(dst, ptr, size)
+
+    def _find(self, fl: _FreeList, size: int) -> tuple[int, int] | None:
+        """A free block of ``fl`` that fits ``size`` (good fit, then the request's own class)."""
+        u = size >> 8
+        sc = _search_class(u)
+        c = fl.nonempty.find(1, sc)
+        if c >= 0:
+            return next(iter(fl.bins[c].items()))
+        ic = _insert_class(u)
+        if ic != sc and fl.nonempty[ic]:
+            for ptr, bsize in fl.bins[ic].items():
+                if bsize >= size:
+                    return ptr, bsize
+        return None
+
+    def _carve(self, fl: _FreeList, ptr: int, bsize: int, size: int, nbytes: int, dst=None) -> int:
+        """Hand out ``size`` bytes at the start of free block ``ptr``; the rest goes to ``dst``."""
+        self._remove(fl, ptr, bsize)
+        if bsize > size:
+            self._insert(dst if dst is not None else fl, ptr + size, bsize - size)
+        self._live[ptr] = nbytes
+        return ptr
+
+    def _allocate_slow(self, nbytes: int, size: int, key: Any, stream: Stream) -> int:
+        waits: list[_FreeList] = []
+        with self._lock:
+            own = self._free_list(key, stream)
+            found = self._find(own, size)
+            if found is not None:
+                return self._carve(own, *found, size, nbytes)
+            # A fitting block on another stream: take it, the remainder comes along.
+            for fl in list(self._lists.values()):
+                if fl is own or not fl.starts:
+                    continue
+                found = self._find(fl, size)
+                if found is not None:
+                    ptr = self._carve(fl, *found, size, nbytes, dst=own)
+                    waits.append(fl)
+                    break
+            else:
+                # Merge every other stream's free blocks into ours, then try again.
+                others = [fl for fl in self._lists.values() if fl is not own and fl.starts]
+                ptr = 0
+                if others:
+                    for fl in others:
+                        self._move_all(fl, own)
+                    waits.extend(others)
+                    found = self._find(own, size)
+                    if found is not None:
+                        ptr = self._carve(own, *found, size, nbytes)
+        if waits:
+            self._wait_for(waits, stream)
+        if ptr:
+            return ptr
+        return self._grow(nbytes, size, key, stream)
+
+    def _size_to_grow(self, size: int) -> int:
+        held = self._pool_size + self._growing
+        if self._maximum is not None:
+            remaining = align_up(max(self._maximum - held, 0))
+            return max(size, align_up(remaining // 2)) if size <= remaining else 0
+        return max(size, held)
+
+    def _grow(self, nbytes: int, size: int, key: Any, stream: Stream) -> int:
+        with self._lock:
+            try_size = self._size_to_grow(size)
+            if not try_size:
+                raise self._oom(nbytes, stream, "the maximum pool size leaves no room")
+            self._growing += try_size
+        try:
+            ptr, got = self._upstream_allocate(try_size, size, stream)
+        except MemoryError as e:
+            with self._lock:
+                self._growing -= try_size
+                raise self._oom(nbytes, stream, f"upstream could not supply it: {e}") from e
+        except BaseException:
+            with self._lock:
+                self._growing -= try_size
+            raise
+        with self._lock:
+            self._growing -= try_size
+            self._add_chunk(ptr, got)
+            if got > size:
+                self._insert(self._free_list(key, stream), ptr + size, got - size)
+            self._live[ptr] = nbytes
+        return ptr
+
+    def _upstream_allocate(self, try_size: int, min_size: int, stream: Stream) -> tuple[int, int]:
+        """``(ptr, size)`` of ``try_size`` bytes from upstream, halving on failure down to
+        ``min_size`` (RMM's back-off)."""
+        while True:
+            try:
+                return self.upstream_mr.allocate(try_size, stream), try_size
+            except MemoryError:
+                if try_size <= min_size:
+                    raise
+                try_size = max(min_size, align_up(try_size // 2))
+
+    def _oom(self, nbytes: int, stream: Stream, reason: str) -> OutOfMemoryError:
+        free = 0
+        largest = 0
+        for fl in self._lists.values():
+            if fl.starts:
+                free += sum(fl.starts.values())
+                largest = max(largest, max(fl.starts.values()))
+        handle = stream.handle
+        return OutOfMemoryError(
+            f"PoolMemoryResource out of memory: requested {format_bytes(nbytes)} ({nbytes} bytes) "
+            f"on stream {handle:#x}; pool {format_bytes(self._pool_size)} of maximum "
+            f"{format_bytes(self._maximum)}, {format_bytes(free)} free, largest free block "
+            f"{format_bytes(largest)} ({reason})",
+            requested=nbytes,
+            resource="PoolMemoryResource",
+            stream=handle,
+            pool_size=self._pool_size,
+            maximum_pool_size=self._maximum,
+            free_bytes=free,
+            largest_free_block=largest,
+        )
+
+    def _deallocate_slow(self, ptr: Any, nbytes: Any, allocated: int | None, stream) -> None:
+        """Zero-size frees, pointers of other int types, and the errors."""
+        if ptr == 0 and nbytes == 0:
+            return
+        if type(ptr) is not int:
+            if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+                raise TypeError(
+                    f"PoolMemoryResource.deallocate({ptr!r}, {nbytes!r}): the pointer must be an int"
+                )
+            return self.deallocate(ptr.__index__(), nbytes, stream)
+        call = f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes!r})"
+        if allocated is not None:
+            raise ValueError(
+                f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
+                "deallocate takes the size passed to allocate"
+            )
+        with self._lock:
+            freed = any(ptr in fl.starts for fl in self._lists.values())
+        where = (
+            "a free block of this pool (double free)"
+            if freed
+            else "not a live allocation of this pool (foreign pointer or double free)"
+        )
+        raise ValueError(f"{call}: {ptr:#x} is {where}")
+
+    def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:
+        if self._ordered:
+            order_after([(fl.key, fl.stream) for fl in victims], stream)
+
+    def _synchronize_all(self, victims: list[_FreeList]) -> None:
+        """Wait for every stream blocks were freed on (before memory goes back upstream)."""
+        if not self._ordered or not victims:
+            return
+        from dask_rmm import _cuda
+
+        if any(isinstance(fl.key, tuple) for fl in victims):
+            _cuda.device_synchronize()
+            return
+        for fl in victims:
+            if fl.stream is not None:
+                try:
+                    _cuda.stream_synchronize(fl.stream.handle)
+                except _cuda.CUDAError:
+                    _cuda.device_synchronize()
+

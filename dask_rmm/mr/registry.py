@@ -1,0 +1,173 @@
+"""Which memory resource each CUDA device allocates from: RMM's per-device resource registry.
+
+Keyed by device id, never by "whatever is current". A device with nothing set gets a
+:class:`~dask_rmm.mr.CudaMemoryResource` made lazily on first use. ``reinitialize`` (in
+``dask_rmm.initialize``) builds resources and installs them here; this module only stores them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dask_rmm import _cuda
+from dask_rmm.mr.base import DeviceMemoryResource
+
+__all__ = [
+    "available_device_memory",
+    "get_current_device_resource",
+    "get_current_device_resource_type",
+    "get_per_device_resource",
+    "get_per_device_resource_type",
+    "is_initialized",
+    "reset_current_device_resource",
+    "reset_per_device_resource",
+    "set_current_device_resource",
+    "set_per_device_resource",
+]
+
+_lock = threading.Lock()
+_resources: dict[int, DeviceMemoryResource] = {}
+# With one device (or none) the current device is always 0, so the hot path skips cudaGetDevice.
+_single_device: bool | None = None
+
+
+def _current_device() -> int:
+    global _single_device
+    if _single_device is None:
+        _single_device = _cuda.get_device_count() <= 1
+    if _single_device:
+        return 0
+    return _cuda.get_device()
+
+
+def _check_device(device: Any) -> int:
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device must be an int device id, got {device!r} ({type(device).__name__})")
+    count = _cuda.get_device_count()
+    if device < 0 or device >= max(count, 1):
+        where = f"{count} CUDA device(s)" if count else "no CUDA device (only device 0, for host memory)"
+        raise ValueError(f"device {device} does not exist: this host has {where}")
+    return device
+
+
+def _make_default(device: int) -> DeviceMemoryResource:
+    from dask_rmm.mr.cuda import CudaMemoryResource
+
+    if not _cuda.is_available():
+        _cuda.require_cuda(
+            f"the default memory resource of device {device} (a CudaMemoryResource)"
+        )
+    current = _cuda.get_device()
+    if current == device:
+        return CudaMemoryResource()
+    _cuda.set_device(device)
+    try:
+        return CudaMemoryResource()
+    finally:
+        _cuda.set_device(current)
+
+
+def get_per_device_resource(device: int) -> DeviceMemoryResource:
+    """The resource ``device`` allocates from, making the default CudaMemoryResource if unset.
+
+    Raises
+    ------
+    CUDAUnavailableError
+        When nothing was set for ``device`` and this host has no usable GPU: pick host memory
+        explicitly with ``set_per_device_resource(0, SystemMemoryResource())``.
+    """
+    mr = _resources.get(device)
+    if mr is not None:
+        return mr
+    device = _check_device(device)
+    with _lock:
+        mr = _resources.get(device)
+        if mr is None:
+            mr = _resources[device] = _make_default(device)
+    return mr
+
+
+def get_current_device_resource() -> DeviceMemoryResource:
+    """The resource of the calling thread's current device (device 0 without a GPU).
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
+    >>> previous = set_current_device_resource(SystemMemoryResource())
+    >>> type(get_current_device_resource()).__name__
+    'SystemMemoryResource'
+    >>> _ = set_current_device_resource(previous)
+    """
+    device = _current_device()
+    mr = _resources.get(device)
+    if mr is not None:
+        return mr
+    return get_per_device_resource(device)
+
+
+def set_per_device_resource(
+    device: int, mr: DeviceMemoryResource | None
+) -> DeviceMemoryResource | None:
+    """Make ``device`` allocate from ``mr`` and return the previous resource.
+
+    The previous value is ``None`` when nothing had been set or made yet; passing ``None``
+    resets the device to its lazily made default, so ``set_per_device_resource(d, previous)``
+    always restores the earlier state. Live buffers keep their own resource alive, so replacing
+    it never invalidates them.
+    """
+    device = _check_device(device)
+    if mr is not None and not isinstance(mr, DeviceMemoryResource):
+        raise TypeError(f"mr must be a DeviceMemoryResource or None, got {type(mr).__name__}")
+    with _lock:
+        previous = _resources.pop(device, None)
+        if mr is not None:
+            _resources[device] = mr
+    return previous
+
+
+def set_current_device_resource(mr: DeviceMemoryResource | None) -> DeviceMemoryResource | None:
+    """:func:`set_per_device_resource` for the calling thread's current device."""
+    return set_per_device_resource(_current_device(), mr)
+
+
+def reset_per_device_resource(device: int) -> None:
+    """Forget what was set for ``device``; its next use makes the default CudaMemoryResource."""
+    set_per_device_resource(device, None)
+
+
+def reset_current_device_resource() -> None:
+    """:func:`reset_per_device_resource` for the current device."""
+    reset_per_device_resource(_current_device())
+
+
+def get_per_device_resource_type(device: int) -> type:
+    """The class of ``device``'s resource."""
+    return type(get_per_device_resource(device))
+
+
+def get_current_device_resource_type() -> type:
+    """The class of the current device's resource."""
+    return type(get_current_device_resource())
+
+
+def is_initialized() -> bool:
+    """True when the current device has a resource (set explicitly, or its default made)."""
+    return _current_device() in _resources
+
+
+def available_device_memory() -> tuple[int, int]:
+    """``(free, total)`` bytes of the current device, from ``cudaMemGetInfo``.
+
+    Raises CUDAUnavailableError on a host without a GPU.
+    """
+    _cuda.require_cuda("available_device_memory()")
+    return _cuda.mem_get_info()
+
+
+def _reset_for_tests() -> None:
+    """Drop every registered resource (the test suite's autouse fixture calls this)."""
+    global _single_device
+    with _lock:
+        _resources.clear()
+    _single_device = None

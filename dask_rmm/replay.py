@@ -1,0 +1,556 @@
+"""Replaying an RMM allocation log against a freshly built memory resource.
+
+Re-issues every allocation and free of a log, in file order, on a new pool, arena, binning,
+fixed-size, async or plain CUDA resource and reports what the upstream had to provide (peak
+footprint), which rows failed and how long it took. Reading logs is :mod:`dask_rmm.logs`; this
+module does not plot or summarize.
+
+Replay runs in one thread, in the log's order, so a block freed by another thread than the one
+that allocated it is simply freed at its row. Streams are honoured: each distinct stream handle
+of the log becomes one :class:`~dask_rmm.stream.Stream` (a real CUDA stream on a GPU, a bare
+handle on host memory), and the per-thread default stream becomes one stream per logged thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from dask_rmm.logs import Action, LiveAllocations, LogReader, format_time
+from dask_rmm.mr.base import UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = [
+    "RESOURCES",
+    "CountingResource",
+    "ProgressBar",
+    "ReplayFailure",
+    "ReplayResult",
+    "build_resource",
+    "format_comparison",
+    "format_result",
+    "replay",
+]
+
+#: Resource names ``replay`` can build.
+RESOURCES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
+
+# Binning's default bins, as RMM's own examples use them: 256 KiB .. 4 MiB fixed-size bins.
+_BINNING_EXPONENTS = (18, 22)
+_PTDS = 2
+_MAX_LISTED_FAILURES = 50
+
+
+def _has_gpu() -> bool:
+    from dask_rmm import _cuda
+
+    return _cuda.is_available()
+
+
+class CountingResource(UpstreamResourceAdaptor):
+    """Passes allocations through to ``upstream_mr`` and counts the bytes outstanding there.
+
+    Put under a suballocator it measures the suballocator's footprint: ``peak_bytes`` is the
+    most it ever held from upstream. Not locked: replay calls it from one thread.
+
+    Attributes
+    ----------
+    current_bytes, peak_bytes : int
+        Bytes held from upstream now, and at most.
+    allocations : int
+        Upstream allocations made.
+    """
+
+    def __init__(self, upstream_mr):
+        super().__init__(upstream_mr)
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.allocations = 0
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        ptr = self.upstream_mr.allocate(nbytes, stream)
+        self.allocations += 1
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self.upstream_mr.deallocate(ptr, nbytes, stream)
+        self.current_bytes -= nbytes
+
+
+def build_resource(
+    name: str,
+    *,
+    gpu: bool | None = None,
+    initial_pool_size: int | None = None,
+    maximum_pool_size: int | None = None,
+    block_size: int | None = None,
+) -> tuple[Any, CountingResource, str]:
+    """A fresh resource of kind ``name`` over a counting upstream.
+
+    Parameters
+    ----------
+    name : {"pool", "arena", "binning", "fixed_size", "async", "cuda"}
+        ``cuda`` is the base resource alone (no suballocator): CudaMemoryResource on a GPU,
+        SystemMemoryResource on host memory. ``async`` needs a GPU.
+    gpu : bool, optional
+        Device memory (default when a CUDA device is present) or host memory.
+    initial_pool_size, maximum_pool_size : int, optional
+        Pool sizes (``initial_pool_size`` is the arena size for ``arena`` and the initial pool
+        of ``async``).
+    block_size : int, optional
+        Block size of ``fixed_size`` (default 1 MiB, RMM's).
+
+    Returns
+    -------
+    (resource, counter, description)
+        The resource to allocate from, the :class:`CountingResource` measuring what it took
+        from the base resource, and a one-line description.
+    """
+    from dask_rmm import mr
+
+    if name not in RESOURCES:
+        raise ValueError(f"unknown resource {name!r}; choose one of {', '.join(RESOURCES)}")
+    if gpu is None:
+        gpu = _has_gpu()
+    if name == "async":
+        if not gpu:
+            raise RuntimeError(
+                "resource 'async' (cudaMallocAsync) needs a CUDA device and this host has none; "
+                "replay with pool, arena, binning, fixed_size or cuda on host memory instead"
+            )
+        kwargs = {}
+        if initial_pool_size is not None:
+            kwargs["initial_pool_size"] = initial_pool_size
+        counter = CountingResource(mr.CudaAsyncMemoryResource(**kwargs))
+        return counter, counter, "CudaAsyncMemoryResource"
+    base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
+    base_name = type(base).__name__
+    counter = CountingResource(base)
+    if name == "cuda":
+        return counter, counter, base_name
+    if name == "pool":
+        resource = mr.PoolMemoryResource(
+            counter, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size
+        )
+    elif name == "arena":
+        kwargs = {} if initial_pool_size is None else {"arena_size": initial_pool_size}
+        resource = mr.ArenaMemoryResource(counter, **kwargs)
+    elif name == "binning":
+        resource = mr.BinningMemoryResource(counter, *_BINNING_EXPONENTS)
+    else:
+        kwargs = {} if block_size is None else {"block_size": block_size}
+        resource = mr.FixedSizeMemoryResource(counter, **kwargs)
+    return resource, counter, f"{type(resource).__name__} over {base_name}"
+
+
+class _StreamMap:
+    """Log stream handles to :class:`Stream` objects for the replay."""
+
+    def __init__(self, gpu: bool):
+        from dask_rmm.stream import LEGACY_DEFAULT_STREAM
+
+        self.gpu = gpu
+        self.streams: dict[Any, Any] = {0: DEFAULT_STREAM, 1: LEGACY_DEFAULT_STREAM}
+        self._fake = 1 << 64  # host handles for per-thread streams, beyond any real handle
+
+    def get(self, handle: int, thread: int):
+        key = ("ptds", thread) if handle == _PTDS else handle
+        s = self.streams.get(key)
+        if s is None:
+            s = self.streams[key] = self._make(handle)
+        return s
+
+    def _make(self, handle: int) -> Stream:
+        if self.gpu:
+            return Stream()
+        if handle == _PTDS:
+            self._fake += 1
+            return Stream._from_handle(self._fake)
+        return Stream._from_handle(handle)
+
+    def synchronize(self) -> None:
+        if self.gpu:
+            for s in self.streams.values():
+                s.synchronize()
+
+    def __len__(self) -> int:
+        return len(self.streams) - 2
+
+
+@dataclass(frozen=True)
+class ReplayFailure:
+    """A row whose allocation failed in the replay."""
+
+    line: int
+    source: str
+    size: int
+    stream: int
+    thread: int
+    time: float
+    original_failed: bool
+    error: str
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What replaying one log on one resource showed.
+
+    Attributes
+    ----------
+    resource : str
+        The ``--resource`` name; ``description`` says what was built.
+    host_memory : bool
+        True when replayed on host memory (no GPU).
+    rows, allocations, frees : int
+        Rows read, allocations and frees re-issued.
+    original_failures : int
+        ``allocate failure`` rows in the log (each is retried in the replay; when it succeeds
+        the block is freed at once, as the original program never got it).
+    original_failures_succeeded : int
+        Of those, how many this resource could satisfy.
+    new_failures : int
+        Allocations that succeeded originally and failed here: the resource could not have run
+        this workload.
+    failures : tuple of ReplayFailure
+        The failed rows (the first 50).
+    skipped_frees : int
+        Frees of blocks the replay does not hold (their allocation failed here, or the log
+        never showed it).
+    peak_bytes : int
+        Largest sum of live requested bytes during the replay (equals the log's peak when
+        nothing failed).
+    peak_upstream_bytes : int
+        Most memory the resource held from its base resource: its real footprint.
+    final_upstream_bytes : int
+        Held from the base at the end of the log, before the replay freed what the log left
+        outstanding.
+    upstream_allocations : int
+        Calls the resource made to the base resource.
+    streams : int
+        Distinct non-default streams used.
+    seconds : float
+        Wall time of the replay, log reading included.
+    call_seconds : float
+        Time spent inside allocate and deallocate.
+    """
+
+    resource: str
+    description: str
+    path: str
+    host_memory: bool
+    rows: int
+    allocations: int
+    frees: int
+    original_failures: int
+    original_failures_succeeded: int
+    new_failures: int
+    failures: tuple[ReplayFailure, ...]
+    skipped_frees: int
+    peak_bytes: int
+    peak_upstream_bytes: int
+    final_upstream_bytes: int
+    upstream_allocations: int
+    streams: int
+    seconds: float
+    call_seconds: float
+    truncated: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def failed(self) -> bool:
+        """True when the replay hit a failure the original run did not."""
+        return self.new_failures > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["failures"] = [{**asdict(f), "stream": hex(f.stream)} for f in self.failures]
+        d["notes"] = list(self.notes)
+        return d
+
+
+class ProgressBar:
+    """A one-line progress bar on ``file`` (stderr), redrawn at most every 0.2 s."""
+
+    def __init__(self, label: str, total: int, file: TextIO | None = None, width: int = 30):
+        self.label = label
+        self.total = max(total, 1)
+        self.file = file if file is not None else sys.stderr
+        self.width = width
+        self._last = 0.0
+
+    def update(self, done: int, rows: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.2:
+            return
+        self._last = now
+        frac = min(done / self.total, 1.0)
+        filled = int(frac * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.file.write(f"\r{self.label} [{bar}] {frac:4.0%} {rows:,} rows")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.write("\n")
+        self.file.flush()
+
+
+def replay(
+    path: str | os.PathLike,
+    resource: str = "pool",
+    *,
+    gpu: bool | None = None,
+    initial_pool_size: int | None = None,
+    maximum_pool_size: int | None = None,
+    block_size: int | None = None,
+    progress: bool | ProgressBar | None = False,
+    progress_every: int = 8192,
+) -> ReplayResult:
+    """Replay the log at ``path`` against a freshly built ``resource``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        An RMM allocation log (a merged log keeps each worker's pointers apart).
+    resource : str
+        One of :data:`RESOURCES`; see :func:`build_resource` and its size options.
+    gpu : bool, optional
+        Device memory (default when a GPU is present) or host memory (SystemMemoryResource).
+    progress : bool or ProgressBar
+        Draw a progress bar on stderr.
+
+    Returns
+    -------
+    ReplayResult
+
+    Examples
+    --------
+    >>> r = replay("rmm_log.dev0.csv", "pool", initial_pool_size=1 << 30)   # doctest: +SKIP
+    >>> r.peak_upstream_bytes, r.new_failures
+    """
+    if gpu is None:
+        gpu = _has_gpu()
+    mr, counter, description = build_resource(
+        resource,
+        gpu=gpu,
+        initial_pool_size=initial_pool_size,
+        maximum_pool_size=maximum_pool_size,
+        block_size=block_size,
+    )
+    reader = LogReader(path)
+    bar: ProgressBar | None
+    if isinstance(progress, ProgressBar):
+        bar = progress
+    elif progress:
+        bar = ProgressBar(f"replay {resource}", reader.total_bytes)
+    else:
+        bar = None
+    streams = _StreamMap(gpu)
+    get_stream = streams.get
+    table = LiveAllocations()
+    live: dict[tuple[str, int], tuple[int, int, Any]] = table.live
+    late_free = LiveAllocations.LATE_FREE
+    failures: list[ReplayFailure] = []
+    allocate, deallocate = mr.allocate, mr.deallocate
+    allocations = frees = original_failures = recovered = new_failures = skipped = 0
+    current = peak = 0
+    n_failed = 0
+    call_seconds = 0.0
+    clock = time.perf_counter
+    ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
+    start = clock()
+    rows = 0
+    try:
+        for e in reader:
+            rows += 1
+            if bar is not None and rows % progress_every == 0:
+                bar.update(reader.bytes_read, rows)
+            action = e.action
+            if action is FREE:
+                entry = (
+                    table.free((e.source, e.pointer))
+                    if table.late
+                    else live.pop((e.source, e.pointer), None)
+                )
+                if entry is None:
+                    skipped += 1
+                    continue
+                if entry is late_free:
+                    continue
+                ptr, size, _ = entry
+                t0 = clock()
+                deallocate(ptr, size, get_stream(e.stream, e.thread))
+                call_seconds += clock() - t0
+                frees += 1
+                current -= size
+                continue
+            original_ok = action is ALLOCATE
+            size = e.size
+            stream = get_stream(e.stream, e.thread)
+            t0 = clock()
+            try:
+                ptr = allocate(size, stream)
+            except MemoryError as err:
+                call_seconds += clock() - t0
+                if original_ok:
+                    new_failures += 1
+                else:
+                    original_failures += 1
+                n_failed += 1
+                if len(failures) < _MAX_LISTED_FAILURES:
+                    failures.append(
+                        ReplayFailure(
+                            e.line,
+                            e.source,
+                            size,
+                            e.stream,
+                            e.thread,
+                            e.time,
+                            not original_ok,
+                            str(err).splitlines()[0] if str(err) else type(err).__name__,
+                        )
+                    )
+                continue
+            call_seconds += clock() - t0
+            if not original_ok:
+                # The original program never got this block: give it back at once.
+                original_failures += 1
+                recovered += 1
+                deallocate(ptr, size, stream)
+                continue
+            allocations += 1
+            old = table.allocate((e.source, e.pointer), (ptr, size, stream))
+            if old is not None:  # its free row comes later (threads' rows out of order)
+                deallocate(old[0], old[1], old[2])
+                current -= old[1]
+            current += size
+            if current > peak:
+                peak = current
+        final_upstream = counter.current_bytes
+        for ptr, size, stream in live.values():
+            deallocate(ptr, size, stream)
+        live.clear()
+        streams.synchronize()
+    finally:
+        if bar is not None:
+            bar.update(reader.bytes_read, rows, force=True)
+            bar.close()
+    seconds = clock() - start
+    notes = []
+    if n_failed > len(failures):
+        notes.append(f"{n_failed - len(failures)} more failed rows not listed")
+    return ReplayResult(
+        resource=resource,
+        description=description,
+        path=os.fspath(path),
+        host_memory=not gpu,
+        rows=rows,
+        allocations=allocations,
+        frees=frees,
+        original_failures=original_failures,
+        original_failures_succeeded=recovered,
+        new_failures=new_failures,
+        failures=tuple(failures),
+        skipped_frees=skipped,
+        peak_bytes=peak,
+        peak_upstream_bytes=counter.peak_bytes,
+        final_upstream_bytes=final_upstream,
+        upstream_allocations=counter.allocations,
+        streams=len(streams),
+        seconds=seconds,
+        call_seconds=call_seconds,
+        truncated=f"{reader.path}:{reader.truncated[0]}" if reader.truncated else None,
+        notes=tuple(notes),
+    )
+
+
+def _fmt(n: int) -> str:
+    from dask_rmm.mr.base import format_bytes
+
+    return format_bytes(n)
+
+
+def format_result(r: ReplayResult, max_failures: int = 10) -> str:
+    """Text report of one replay."""
+    lines = [
+        f"replay of {r.path} on {r.description}",
+        f"  rows             {r.rows:,} ({r.allocations:,} allocations, {r.frees:,} frees, "
+        f"{r.streams} non-default streams)",
+        f"  peak in use      {_fmt(r.peak_bytes)} ({r.peak_bytes:,} B)",
+        f"  peak upstream    {_fmt(r.peak_upstream_bytes)} ({r.peak_upstream_bytes:,} B) in "
+        f"{r.upstream_allocations:,} upstream allocations",
+        f"  upstream at end  {_fmt(r.final_upstream_bytes)}",
+        f"  time             {r.seconds:.3f} s ({r.call_seconds:.3f} s in allocate/deallocate, "
+        f"{1e6 * r.seconds / max(r.rows, 1):.2f} us per row)",
+    ]
+    if r.original_failures:
+        lines.append(
+            f"  original fails   {r.original_failures:,} rows failed in the original run; "
+            f"{r.original_failures_succeeded:,} succeed here"
+        )
+    if r.skipped_frees:
+        lines.append(f"  skipped frees    {r.skipped_frees:,} (no block held for them)")
+    if r.new_failures:
+        lines.append(
+            f"  NEW FAILURES     {r.new_failures:,} allocations that succeeded originally failed"
+        )
+    listed = [f for f in r.failures if not f.original_failed][:max_failures]
+    for f in listed:
+        lines.append(
+            f"    line {f.line}: {_fmt(f.size)} ({f.size:,} B) at {format_time(f.time)} thread "
+            f"{f.thread} stream {f.stream:#x}: {f.error}"
+        )
+    if r.truncated:
+        lines.append(f"  note             cut-off last line skipped: {r.truncated}")
+    for n in r.notes:
+        lines.append(f"  note             {n}")
+    return "\n".join(lines)
+
+
+def format_comparison(results: Sequence[ReplayResult]) -> str:
+    """One table comparing replays of the same log on several resources."""
+    head = (
+        f"{'resource':<12} {'peak upstream':>14} {'vs in-use':>9} {'upstream allocs':>15} "
+        f"{'new failures':>12} {'time (s)':>9} {'us/row':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = r.peak_upstream_bytes / r.peak_bytes if r.peak_bytes else float("nan")
+        lines.append(
+            f"{r.resource:<12} {_fmt(r.peak_upstream_bytes):>14} {ratio:>8.2f}x "
+            f"{r.upstream_allocations:>15,} {r.new_failures:>12,} {r.seconds:>9.3f} "
+            f"{1e6 * r.seconds / max(r.rows, 1):>7.2f}"
+        )
+    ok = [r for r in results if not r.failed]
+    if ok:
+        best = min(ok, key=lambda r: r.peak_upstream_bytes)
+        lines.append(
+            f"smallest footprint without new failures: {best.resource} "
+            f"({_fmt(best.peak_upstream_bytes)})"
+        )
+    else:
+        lines.append("every resource failed allocations the original run did not")
+    return "\n".join(lines)
+
+
+def replay_many(
+    path: str | os.PathLike,
+    resources: Sequence[str],
+    progress: bool = False,
+    on_result: Callable[[ReplayResult], None] | None = None,
+    **options: Any,
+) -> list[ReplayResult]:
+    """Replay the same log on each of ``resources`` (a fresh resource each time)."""
+    out = []
+    for name in resources:
+        r = replay(path, name, progress=progress, **options)
+        if on_result is not None:
+            on_result(r)
+        out.append(r)
+    return out

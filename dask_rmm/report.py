@@ -1,0 +1,524 @@
+"""ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
+(text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
+
+Pure data and formatting: it never talks to a scheduler (``dask_rmm.cluster`` fetches the
+data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time as _time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_rmm._svg import timeline_svg
+from dask_rmm.mr.base import format_bytes
+
+__all__ = [
+    "REPORT_VERSION",
+    "ClusterMemoryReport",
+    "ClusterTotals",
+    "DeviceMemory",
+    "TaskGroupMemory",
+]
+
+#: Version of the report wire format (``ClusterMemoryReport.to_dict``).
+REPORT_VERSION = 1
+
+#: Integer counters copied from the heartbeat metrics (docs/internals.md) for each device.
+COUNTER_FIELDS = (
+    "current_bytes",
+    "current_count",
+    "peak_bytes",
+    "peak_count",
+    "total_bytes",
+    "total_count",
+    "reserved_bytes",
+    "pool_free_bytes",
+    "largest_free_block",
+    "failed_allocations",
+    "device_used_bytes",
+    "device_total_bytes",
+)
+
+
+@dataclass(frozen=True)
+class TaskGroupMemory:
+    """Bytes one task group (key prefix) holds on one worker device, now and at its peak."""
+
+    prefix: str
+    current_bytes: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One worker device's memory, as its last heartbeat reported it.
+
+    ``timeline`` holds ``(time, current_bytes, max_bytes_in_interval)`` samples, oldest first.
+    """
+
+    worker: str
+    device: str
+    name: str = ""
+    status: str = "running"
+    current_bytes: int = 0
+    current_count: int = 0
+    peak_bytes: int = 0
+    peak_count: int = 0
+    total_bytes: int = 0
+    total_count: int = 0
+    reserved_bytes: int = 0
+    pool_free_bytes: int = 0
+    largest_free_block: int = 0
+    failed_allocations: int = 0
+    device_used_bytes: int = 0
+    device_total_bytes: int = 0
+    resource: str = ""
+    task_groups: tuple[TaskGroupMemory, ...] = ()
+    timeline: tuple[tuple[float, int, int], ...] = ()
+    last_seen: float | None = None
+    error: str | None = None
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - largest free block / free bytes in the pool``; 0.0 when nothing is free."""
+        if self.pool_free_bytes <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.largest_free_block / self.pool_free_bytes)
+
+    @property
+    def timeline_peak(self) -> int:
+        """The largest ``max_bytes_in_interval`` in the timeline (0 without samples)."""
+        return max((s[2] for s in self.timeline), default=0)
+
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """This device's wire entry (the heartbeat fields plus ``timeline``)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in COUNTER_FIELDS}
+        out["resource"] = self.resource
+        out["fragmentation"] = self.fragmentation
+        out["task_groups"] = [[g.prefix, g.current_bytes, g.peak_bytes] for g in self.task_groups]
+        if timeline:
+            out["timeline"] = [list(s) for s in self.timeline]
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass(frozen=True)
+class ClusterTotals:
+    """Sums over the running workers' devices (``peak_bytes`` sums per-device peaks, which need
+    not have happened at the same time); ``largest_free_block`` is the largest anywhere."""
+
+    workers: int
+    gone_workers: int
+    devices: int
+    current_bytes: int
+    peak_bytes: int
+    total_bytes: int
+    reserved_bytes: int
+    pool_free_bytes: int
+    largest_free_block: int
+    failed_allocations: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _device_from_dict(worker: Mapping[str, Any], device: str, d: Mapping[str, Any]) -> DeviceMemory:
+    groups = []
+    for g in d.get("task_groups") or ():
+        try:
+            groups.append(TaskGroupMemory(str(g[0]), _int(g[1]), _int(g[2])))
+        except (IndexError, TypeError):
+            continue
+    samples = []
+    for s in d.get("timeline") or ():
+        try:
+            samples.append((float(s[0]), _int(s[1]), _int(s[2])))
+        except (IndexError, TypeError, ValueError):
+            continue
+    return DeviceMemory(
+        worker=str(worker.get("address", "")),
+        device=str(device),
+        name=str(worker.get("name", "")),
+        status=str(worker.get("status", "running")),
+        resource=str(d.get("resource", "")),
+        task_groups=tuple(groups),
+        timeline=tuple(samples),
+        last_seen=worker.get("last_seen"),
+        error=d.get("error") or None,
+        **{k: _int(d.get(k, 0)) for k in COUNTER_FIELDS},
+    )
+
+
+def _sort_key(address: str) -> tuple:
+    # Sort "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
+    return tuple(int(p) if p.isdigit() else p for p in address.replace(":", ".").split("."))
+
+
+@dataclass(frozen=True)
+class ClusterMemoryReport:
+    """Every worker's RMM memory at one moment, with the recent timeline.
+
+    Made by :func:`dask_rmm.cluster_report` (or from a ``to_dict()`` with :meth:`from_dict`).
+    ``print(report)`` shows a table; Jupyter shows the HTML; :meth:`to_frame`, :meth:`to_json`
+    and :meth:`plot` export it.
+
+    Examples
+    --------
+    >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
+    >>> print(report)  # doctest: +SKIP
+    >>> report.totals.current_bytes  # doctest: +SKIP
+    >>> report.plot("memory.png")  # doctest: +SKIP
+    """
+
+    devices: tuple[DeviceMemory, ...] = ()
+    time: float = field(default_factory=_time.time)
+    scheduler: str = ""
+    timeline_length: int = 0
+    workers_without_dask_rmm: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterMemoryReport:
+        """Build a report from the scheduler's report data (the ``to_dict()`` format)."""
+        version = data.get("version", REPORT_VERSION)
+        if version != REPORT_VERSION:
+            raise ValueError(
+                f"cluster report format version {version!r} is not supported "
+                f"(this dask-rmm reads version {REPORT_VERSION}); "
+                "use the same dask-rmm version on the scheduler and the client"
+            )
+        devices = []
+        errors = []
+        for worker in data.get("workers") or ():
+            if worker.get("error"):
+                errors.append(f"{worker.get('address')}: {worker['error']}")
+            for dev, d in sorted((worker.get("devices") or {}).items()):
+                devices.append(_device_from_dict(worker, dev, d))
+        devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
+        return cls(
+            devices=tuple(devices),
+            time=float(data.get("time") or _time.time()),
+            scheduler=str(data.get("scheduler", "")),
+            timeline_length=_int(data.get("timeline_length", 0)),
+            workers_without_dask_rmm=tuple(data.get("workers_without_dask_rmm") or ()),
+            errors=tuple(errors),
+        )
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[str]:
+        """Worker addresses in the report (running first, then gone)."""
+        return list(dict.fromkeys(d.worker for d in self.devices))
+
+    @property
+    def running(self) -> list[DeviceMemory]:
+        return [d for d in self.devices if d.status == "running"]
+
+    @property
+    def gone(self) -> list[DeviceMemory]:
+        return [d for d in self.devices if d.status != "running"]
+
+    def device(self, worker: str, device: int | str = 0) -> DeviceMemory:
+        """The entry for one worker (address or name) and device id."""
+        for d in self.devices:
+            if (d.worker == worker or d.name == str(worker)) and d.device == str(device):
+                return d
+        raise KeyError(f"no dask-rmm data for worker {worker!r} device {device!r} in this report")
+
+    @property
+    def totals(self) -> ClusterTotals:
+        """Cluster totals over running workers."""
+        run = self.running
+        return ClusterTotals(
+            workers=len({d.worker for d in run}),
+            gone_workers=len({d.worker for d in self.gone}),
+            devices=len(run),
+            current_bytes=sum(d.current_bytes for d in run),
+            peak_bytes=sum(d.peak_bytes for d in run),
+            total_bytes=sum(d.total_bytes for d in run),
+            reserved_bytes=sum(d.reserved_bytes for d in run),
+            pool_free_bytes=sum(d.pool_free_bytes for d in run),
+            largest_free_block=max((d.largest_free_block for d in run), default=0),
+            failed_allocations=sum(d.failed_allocations for d in run),
+        )
+
+    def task_group_peaks(self) -> dict[str, dict[str, int]]:
+        """``{prefix: {worker/device label: peak bytes}}``, prefixes by their largest sum first."""
+        out: dict[str, dict[str, int]] = {}
+        for d in self.devices:
+            for g in d.task_groups:
+                out.setdefault(g.prefix, {})[_label(d)] = g.peak_bytes
+        return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
+
+    # -- exports ------------------------------------------------------------------------------
+
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """The report as plain data (the format :meth:`from_dict` reads and the JSON route serves)."""
+        workers: dict[str, dict[str, Any]] = {}
+        for d in self.devices:
+            w = workers.setdefault(
+                d.worker,
+                {
+                    "address": d.worker,
+                    "name": d.name,
+                    "status": d.status,
+                    "last_seen": d.last_seen,
+                    "devices": {},
+                },
+            )
+            w["devices"][d.device] = d.to_dict(timeline=timeline)
+        return {
+            "version": REPORT_VERSION,
+            "time": self.time,
+            "scheduler": self.scheduler,
+            "timeline_length": self.timeline_length,
+            "workers": list(workers.values()),
+            "workers_without_dask_rmm": list(self.workers_without_dask_rmm),
+            "totals": self.totals.to_dict(),
+        }
+
+    def to_json(self, timeline: bool = True, **kwargs: Any) -> str:
+        """:meth:`to_dict` as a JSON string (``kwargs`` go to :func:`json.dumps`)."""
+        return json.dumps(self.to_dict(timeline=timeline), **kwargs)
+
+    def to_frame(self):
+        """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
+
+        Columns: worker, name, device, status, the counters, fragmentation, resource, error.
+        """
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError(
+                "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
+                "(or pip install 'dask-rmm[report]')"
+            ) from e
+        rows = []
+        for d in self.devices:
+            row = {"worker": d.worker, "name": d.name, "device": d.device, "status": d.status}
+            row.update({k: getattr(d, k) for k in COUNTER_FIELDS})
+            row["fragmentation"] = d.fragmentation
+            row["resource"] = d.resource
+            row["error"] = d.error
+            rows.append(row)
+        columns = ["worker", "name", "device", "status", *COUNTER_FIELDS]
+        return pd.DataFrame(rows, columns=[*columns, "fragmentation", "resource", "error"])
+
+    def plot(self, path: str | None = None, *, top_task_groups: int = 10):
+        """Draw memory over time per worker device and per-task-group peaks.
+
+        Parameters
+        ----------
+        path : str, optional
+            Write a PNG there (matplotlib's Agg backend; no display needed).
+        top_task_groups : int
+            How many task groups the bar chart shows.
+
+        Returns
+        -------
+        matplotlib.figure.Figure
+        """
+        from dask_rmm._plot import plot_report
+
+        return plot_report(self, path, top_task_groups=top_task_groups)
+
+    # -- text and HTML ------------------------------------------------------------------------
+
+    def table_rows(self) -> list[list[str]]:
+        """The text table's rows, header first (used by ``__str__`` and the CLI)."""
+        rows = [list(_HEADER)]
+        for d in self.devices:
+            rows.append(
+                [
+                    _worker_label(d),
+                    d.device,
+                    d.status,
+                    format_bytes(d.current_bytes),
+                    format_bytes(d.peak_bytes),
+                    format_bytes(d.total_bytes),
+                    format_bytes(d.reserved_bytes),
+                    format_bytes(d.pool_free_bytes),
+                    format_bytes(d.largest_free_block),
+                    f"{d.fragmentation:.0%}",
+                    str(d.failed_allocations),
+                    _top_groups(d),
+                ]
+            )
+        t = self.totals
+        rows.append(
+            [
+                f"total ({t.workers} worker{'s' if t.workers != 1 else ''})",
+                str(t.devices),
+                f"{t.gone_workers} gone" if t.gone_workers else "",
+                format_bytes(t.current_bytes),
+                format_bytes(t.peak_bytes),
+                format_bytes(t.total_bytes),
+                format_bytes(t.reserved_bytes),
+                format_bytes(t.pool_free_bytes),
+                format_bytes(t.largest_free_block),
+                "",
+                str(t.failed_allocations),
+                "",
+            ]
+        )
+        return rows
+
+    def __str__(self) -> str:
+        rows = self.table_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+        right = {3, 4, 5, 6, 7, 8, 9, 10}
+
+        def fmt(r: list[str]) -> str:
+            cells = [
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ]
+            return "  ".join(cells).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        lines = [f"dask-rmm cluster memory report: {self.scheduler or 'scheduler'} at {when}"]
+        if not self.devices:
+            lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
+        else:
+            lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
+        if self.workers_without_dask_rmm:
+            lines.append(f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
+        for d in self.devices:
+            if d.error:
+                lines.append(f"error on {d.worker} device {d.device}: {d.error}")
+        lines.extend(f"error: {e}" for e in self.errors)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"<ClusterMemoryReport: {t.workers} workers ({t.gone_workers} gone), {t.devices} devices, "
+            f"{format_bytes(t.current_bytes)} used, {format_bytes(t.reserved_bytes)} reserved>"
+        )
+
+    def to_html(
+        self, *, timeline: bool = True, full_page: bool = False, refresh: int | None = None
+    ) -> str:
+        """The report as HTML: the table, then the timeline drawn as inline SVG.
+
+        Parameters
+        ----------
+        timeline : bool
+            Include the SVG timeline.
+        full_page : bool
+            A whole standalone document (the dashboard page) rather than a fragment.
+        refresh : int, optional
+            With ``full_page``, reload the page every ``refresh`` seconds.
+        """
+        esc = html.escape
+        rows = self.table_rows()
+        head = "".join(f"<th>{esc(c)}</th>" for c in rows[0])
+        body = []
+        for d, r in zip(self.devices, rows[1:-1], strict=True):
+            cls = "gone" if d.status != "running" else ""
+            tip = f' title="{esc(d.worker)} &middot; {esc(d.resource)}"'
+            body.append(
+                f'<tr class="{cls}"{tip}>' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+            )
+        foot = "".join(f"<th>{esc(c)}</th>" for c in rows[-1])
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        parts = [
+            f'<div class="dask-rmm-report"><style>{_CSS}</style>',
+            f"<h3>dask-rmm cluster memory &middot; {esc(self.scheduler)} &middot; {esc(when)}</h3>",
+        ]
+        if not self.devices:
+            parts.append(
+                "<p>No dask-rmm workers (register <code>dask_rmm.RMMPlugin</code> on the workers).</p>"
+            )
+        else:
+            parts.append(
+                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
+                f"<tfoot><tr>{foot}</tr></tfoot></table>"
+            )
+        if self.workers_without_dask_rmm:
+            parts.append(
+                f"<p>{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics.</p>"
+            )
+        for d in self.devices:
+            if d.error:
+                parts.append(
+                    f'<p class="err">error on {esc(d.worker)} device {esc(d.device)}: {esc(d.error)}</p>'
+                )
+        if timeline and any(d.timeline for d in self.devices):
+            series = [(_label(d), d.status, d.timeline) for d in self.devices if d.timeline]
+            parts.append("<h4>Memory over time (max per sample interval)</h4>")
+            parts.append(timeline_svg(series))
+        parts.append("</div>")
+        fragment = "".join(parts)
+        if not full_page:
+            return fragment
+        meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
+        return (
+            '<!DOCTYPE html><html><head><meta charset="utf-8">'
+            f"<title>dask-rmm cluster memory</title>{meta}</head><body>{fragment}"
+            '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
+        )
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+_HEADER = (
+    "worker",
+    "dev",
+    "status",
+    "current",
+    "peak",
+    "allocated (total)",
+    "reserved",
+    "pool free",
+    "largest free",
+    "frag",
+    "failures",
+    "top task groups (peak)",
+)
+
+_CSS = (
+    ".dask-rmm-report{font-family:system-ui,sans-serif;font-size:13px}"
+    ".dask-rmm-report table{border-collapse:collapse}"
+    ".dask-rmm-report th,.dask-rmm-report td{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right}"
+    ".dask-rmm-report th:nth-child(-n+3),.dask-rmm-report td:nth-child(-n+3),"
+    ".dask-rmm-report td:last-child,.dask-rmm-report th:last-child{text-align:left}"
+    ".dask-rmm-report thead th{background:#f3f3f3}"
+    ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
+    ".dask-rmm-report .err{color:#b00}"
+)
+
+
+def _worker_label(d: DeviceMemory) -> str:
+    """``host:port``, then the worker's name when it says more than the address."""
+    short = d.worker.rsplit("//", 1)[-1]
+    if d.name and d.name not in (d.worker, short):
+        return f"{short} ({d.name})"
+    return short
+
+
+def _label(d: DeviceMemory) -> str:
+    return f"{_worker_label(d)}/dev{d.device}" + (" (gone)" if d.status != "running" else "")
+
+
+def _top_groups(d: DeviceMemory, n: int = 3) -> str:
+    groups: Iterable[TaskGroupMemory] = sorted(d.task_groups, key=lambda g: -g.peak_bytes)[:n]
+    return ", ".join(f"{g.prefix} {format_bytes(g.peak_bytes)}" for g in groups)

@@ -1,0 +1,96 @@
+"""Dask serializers for :class:`~dask_rmm.DeviceBuffer`: host frames (``dask``) and device
+frames (``cuda``), registered with ``distributed.protocol`` when this module is imported.
+
+``import dask_rmm`` arranges that distributed imports this module the first time it
+(de)serializes a dask_rmm object, whenever distributed is loaded before dask_rmm (always so in
+workers). Pickling is ``DeviceBuffer.__reduce__``, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed.protocol import (
+    cuda_deserialize,
+    cuda_serialize,
+    dask_deserialize,
+    dask_serialize,
+)
+
+from dask_rmm.device_buffer import DeviceBuffer, to_device
+
+__all__ = [
+    "cuda_deserialize_device_buffer",
+    "cuda_serialize_device_buffer",
+    "dask_deserialize_device_buffer",
+    "dask_serialize_device_buffer",
+]
+
+
+def _check_size(header: dict, nbytes: int) -> None:
+    if header.get("size", nbytes) != nbytes:
+        raise ValueError(
+            f"DeviceBuffer frames hold {nbytes} bytes, but the header says {header['size']}"
+        )
+
+
+@cuda_serialize.register(DeviceBuffer)
+def cuda_serialize_device_buffer(buf: DeviceBuffer) -> tuple[dict, list]:
+    """Device frames: the buffer itself, for comms that move device memory (UCX).
+
+    The header carries the size and the CUDA array interface's shape and type, as RMM's
+    serializer does, so a receiver can allocate a matching frame.
+    """
+    header = {
+        "size": buf.size,
+        "shape": (buf.size,),
+        "typestr": "|u1",
+        "strides": (1,),
+    }
+    return header, [buf]
+
+
+@cuda_deserialize.register(DeviceBuffer)
+def cuda_deserialize_device_buffer(header: dict, frames: list) -> DeviceBuffer:
+    """A DeviceBuffer from one device frame.
+
+    A frame that already is a DeviceBuffer is returned as is. Any other device frame (what a
+    comm allocated to receive into, e.g. an ``rmm.DeviceBuffer`` or a Numba array) is copied
+    into a new buffer from the current device resource; a host frame is copied to the device.
+    """
+    (frame,) = frames
+    if isinstance(frame, DeviceBuffer):
+        _check_size(header, frame.size)
+        return frame
+    if hasattr(frame, "__cuda_array_interface__"):
+        cai = frame.__cuda_array_interface__
+        nbytes = header.get("size")
+        if nbytes is None:
+            nbytes = 1
+            for n in cai["shape"]:
+                nbytes *= n
+            nbytes *= int(cai["typestr"][2:])
+        buf = DeviceBuffer(size=nbytes)
+        buf.copy_from_device(frame)
+        return buf
+    buf = to_device(frame)
+    _check_size(header, buf.size)
+    return buf
+
+
+@dask_serialize.register(DeviceBuffer)
+def dask_serialize_device_buffer(buf: DeviceBuffer) -> tuple[dict, list]:
+    """Host frames: one frame with a host copy of the buffer's bytes (for TCP and spilling)."""
+    return {"size": buf.size}, [memoryview(buf.copy_to_host())]
+
+
+@dask_deserialize.register(DeviceBuffer)
+def dask_deserialize_device_buffer(header: dict, frames: list[Any]) -> DeviceBuffer:
+    """A DeviceBuffer from the current device resource holding the host frames' bytes."""
+    if len(frames) == 1:
+        frame = frames[0]
+    else:  # pragma: no cover - distributed merges split frames before calling us
+        frame = b"".join(memoryview(f).cast("B") for f in frames)
+    buf = to_device(frame)
+    _check_size(header, buf.size)
+    return buf

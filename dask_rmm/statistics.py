@@ -1,0 +1,349 @@
+"""Allocation statistics for the current device's resource, as RMM's ``rmm.statistics``:
+enable/disable, the ``statistics()`` context, the counter stack and the memory profiler.
+
+The counting itself is :class:`~dask_rmm.mr.StatisticsResourceAdaptor`'s; cluster-wide
+reports are :mod:`dask_rmm.cluster`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from dask_rmm.mr import registry
+from dask_rmm.mr.statistics_adaptor import Statistics, StatisticsResourceAdaptor
+
+__all__ = [
+    "ProfilerRecords",
+    "Statistics",
+    "default_profiler_records",
+    "disable_statistics",
+    "enable_statistics",
+    "get_statistics",
+    "pop_statistics",
+    "profiler",
+    "push_statistics",
+    "statistics",
+]
+
+F = TypeVar("F", bound=Callable)
+
+
+def _current_stats_mr() -> StatisticsResourceAdaptor | None:
+    mr = registry.get_current_device_resource()
+    return mr if isinstance(mr, StatisticsResourceAdaptor) else None
+
+
+def enable_statistics() -> None:
+    """Count allocations on the current device from now on.
+
+    Wraps the current device's resource in a :class:`StatisticsResourceAdaptor` and makes that
+    the current resource. Idempotent: if the current resource already is one, nothing changes.
+    The adaptor must stay on top of the resource stack while statistics are gathered.
+
+    Examples
+    --------
+    >>> from dask_rmm import statistics
+    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
+    >>> _ = set_current_device_resource(SystemMemoryResource())
+    >>> statistics.enable_statistics()
+    >>> statistics.get_statistics().current_bytes
+    0
+    """
+    mr = registry.get_current_device_resource()
+    if not isinstance(mr, StatisticsResourceAdaptor):
+        registry.set_current_device_resource(StatisticsResourceAdaptor(mr))
+
+
+def disable_statistics() -> None:
+    """Unwrap the current resource if it is a :class:`StatisticsResourceAdaptor` (else no-op).
+
+    Its upstream becomes the current resource again; buffers allocated through the adaptor stay
+    valid (they keep the adaptor alive and free through it).
+    """
+    mr = _current_stats_mr()
+    if mr is not None:
+        registry.set_current_device_resource(mr.get_upstream())
+
+
+def get_statistics() -> Statistics | None:
+    """The current counters, or ``None`` when statistics are not enabled."""
+    mr = _current_stats_mr()
+    return None if mr is None else mr.allocation_counts
+
+
+def push_statistics() -> Statistics | None:
+    """Push a fresh set of counters; returns the counters before the push (``None`` if
+    statistics are not enabled, in which case nothing happens)."""
+    mr = _current_stats_mr()
+    return None if mr is None else mr.push_counters()
+
+
+def pop_statistics() -> Statistics | None:
+    """Pop the top counters and fold them into the ones below; returns the popped counters
+    (``None`` if statistics are not enabled).
+
+    Raises
+    ------
+    IndexError
+        When nothing was pushed.
+    """
+    mr = _current_stats_mr()
+    return None if mr is None else mr.pop_counters()
+
+
+@contextmanager
+def statistics() -> Iterator[None]:
+    """Gather statistics inside a ``with`` block.
+
+    If statistics are already enabled, a new counter frame is pushed on entry and popped on
+    exit; otherwise a :class:`StatisticsResourceAdaptor` is made current on entry and the
+    previous resource restored on exit.
+
+    Raises
+    ------
+    ValueError
+        On exit, when the current resource is no longer the one the block started with (the
+        resource stack was changed inside the block). The block's own resource is still cleaned
+        up as far as it safely can be: nothing is restored over the foreign change.
+
+    Examples
+    --------
+    >>> from dask_rmm import statistics
+    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
+    >>> _ = set_current_device_resource(SystemMemoryResource())
+    >>> with statistics.statistics():
+    ...     mr = statistics._current_stats_mr()
+    ...     mr.deallocate(mr.allocate(1000), 1000)
+    ...     print(statistics.get_statistics().peak_bytes)
+    1000
+    >>> statistics.get_statistics() is None
+    True
+    """
+    previous = registry.get_current_device_resource()
+    pushed = isinstance(previous, StatisticsResourceAdaptor)
+    if pushed:
+        previous.push_counters()
+        inside = previous
+    else:
+        inside = StatisticsResourceAdaptor(previous)
+        registry.set_current_device_resource(inside)
+    try:
+        yield
+    finally:
+        now = registry.get_current_device_resource()
+        if now is not inside:
+            if pushed:
+                inside.pop_counters()
+            raise ValueError(
+                "the current memory resource was changed inside dask_rmm.statistics.statistics(): "
+                f"expected {inside!r} on exit, found {now!r}; the previous resource was not "
+                "restored"
+            )
+        if pushed:
+            inside.pop_counters()
+        else:
+            registry.set_current_device_resource(previous)
+
+
+class ProfilerRecords:
+    """Memory statistics per profiled function or code block (thread-safe).
+
+    Examples
+    --------
+    >>> records = ProfilerRecords()
+    >>> records.add("load", Statistics(0, 0, 4096, 1, 4096, 1))
+    >>> records.records["load"].memory_peak
+    4096
+    """
+
+    @dataclass
+    class Data:
+        """The statistics of one name.
+
+        Attributes
+        ----------
+        num_calls : int
+            How many times the block ran.
+        memory_total : int
+            Bytes allocated over all calls.
+        memory_peak : int
+            Largest peak of any one call.
+        """
+
+        num_calls: int = 0
+        memory_total: int = 0
+        memory_peak: int = 0
+
+        def add(self, memory_total: int, memory_peak: int) -> None:
+            self.num_calls += 1
+            self.memory_total += memory_total
+            self.memory_peak = max(self.memory_peak, memory_peak)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, ProfilerRecords.Data] = {}
+
+    def add(self, name: str, data: Statistics) -> None:
+        """Record one call of ``name`` that allocated ``data.total_bytes`` with peak
+        ``data.peak_bytes``."""
+        with self._lock:
+            record = self._records.get(name)
+            if record is None:
+                record = self._records[name] = ProfilerRecords.Data()
+            record.add(memory_total=data.total_bytes, memory_peak=data.peak_bytes)
+
+    @property
+    def records(self) -> dict[str, ProfilerRecords.Data]:
+        """``{name: Data}`` (a copy)."""
+        with self._lock:
+            return {
+                k: ProfilerRecords.Data(v.num_calls, v.memory_total, v.memory_peak)
+                for k, v in self._records.items()
+            }
+
+    def clear(self) -> None:
+        """Forget every record."""
+        with self._lock:
+            self._records.clear()
+
+    def report(
+        self, ordered_by: Literal["num_calls", "memory_peak", "memory_total"] = "memory_peak"
+    ) -> str:
+        """The records as RMM's text table, largest ``ordered_by`` first.
+
+        Parameters
+        ----------
+        ordered_by : {"memory_peak", "memory_total", "num_calls"}
+            The column to sort by.
+        """
+        if ordered_by not in ("num_calls", "memory_peak", "memory_total"):
+            raise ValueError(
+                f"ordered_by must be 'num_calls', 'memory_peak' or 'memory_total', got {ordered_by!r}"
+            )
+        records = sorted(
+            self.records.items(), key=lambda kv: getattr(kv[1], ordered_by), reverse=True
+        )
+        lines = ["Memory Profiling", "================", ""]
+        if not records:
+            lines.append("No data, maybe profiling wasn't enabled?")
+            return "\n".join(lines)
+        lines += [
+            f"Ordered by:   {ordered_by}",
+            "Memory units: bytes",
+            "",
+            "ncalls     memory_peak    memory_total  filename:lineno(function)",
+        ]
+        for name, d in records:
+            lines.append(f"{d.num_calls:6,d} {d.memory_peak:15,d} {d.memory_total:15,d}  {name}")
+        return "\n".join(lines)
+
+    #: RMM's older name for :meth:`report`.
+    pretty_print = report
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.records})"
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _descriptive_name(func: Callable) -> str:
+    func = inspect.unwrap(func)
+    try:
+        _, line = inspect.getsourcelines(func)
+        path = inspect.getfile(func)
+    except (OSError, TypeError):
+        return getattr(func, "__qualname__", repr(func))
+    return f"{path}:{line}({func.__qualname__})"
+
+
+#: The records :func:`profiler` writes to unless given others.
+default_profiler_records = ProfilerRecords()
+
+_names = threading.local()
+
+
+def _name_stack() -> list[str]:
+    stack = getattr(_names, "stack", None)
+    if stack is None:
+        stack = _names.stack = []
+    return stack
+
+
+class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context manager
+    """Record the memory statistics of a function or ``with`` block.
+
+    Each run pushes a counter frame on entry and pops it on exit, adding the popped statistics to
+    ``records`` under the block's name. Nested profilers each get their own record; code
+    profiled inside another counts towards both. With statistics disabled it does nothing.
+
+    Parameters
+    ----------
+    records : ProfilerRecords, optional
+        Where to add the statistics (default :data:`default_profiler_records`).
+    name : str, optional
+        The record's name; required for a ``with`` block. A decorated function defaults to
+        ``"file:line(qualname)"``.
+
+    Examples
+    --------
+    >>> from dask_rmm import statistics
+    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
+    >>> _ = set_current_device_resource(SystemMemoryResource())
+    >>> statistics.enable_statistics()
+    >>> records = statistics.ProfilerRecords()
+    >>> with statistics.profiler(name="outer", records=records):
+    ...     with statistics.profiler(name="inner", records=records):
+    ...         mr = statistics._current_stats_mr()
+    ...         mr.deallocate(mr.allocate(512), 512)
+    >>> sorted(records.records)
+    ['inner', 'outer']
+    """
+
+    def __init__(self, *, records: ProfilerRecords | None = None, name: str = ""):
+        if records is not None and not isinstance(records, ProfilerRecords):
+            raise TypeError(f"records must be a ProfilerRecords, got {type(records).__name__}")
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {name!r}")
+        self.records = default_profiler_records if records is None else records
+        self.name = name
+        self._pushed: list[StatisticsResourceAdaptor | None] = []
+
+    def __call__(self, func: F) -> F:
+        name = self.name or _descriptive_name(func)
+        records = self.records
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with profiler(records=records, name=name):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def __enter__(self) -> profiler:
+        if not self.name:
+            raise ValueError("profiler used as a context manager needs a name: profiler(name=...)")
+        mr = _current_stats_mr()
+        if mr is not None:
+            mr.push_counters()
+        self._pushed.append(mr)
+        _name_stack().append(self.name)
+        return self
+
+    def __exit__(self, *exc) -> Literal[False]:
+        _name_stack().pop()
+        mr = self._pushed.pop()
+        if mr is not None:
+            self.records.add(self.name, mr.pop_counters())
+        return False
+
+
+def current_profiler_names() -> tuple[str, ...]:
+    """Names of the profilers active in this thread, outermost first."""
+    return tuple(_name_stack())

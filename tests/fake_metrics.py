@@ -1,0 +1,82 @@
+"""Synthetic ``worker.metrics["dask-rmm"]`` callables in the docs/internals.md format (version 1),
+for driving the scheduler plugin without RMMPlugin or a GPU."""
+
+from __future__ import annotations
+
+import time
+
+
+class FakeDevice:
+    """Counters of one device that a test moves by hand."""
+
+    def __init__(self, reserved: int = 1 << 20):
+        self.current = self.current_count = self.peak = self.peak_count = 0
+        self.total = self.total_count = self.failures = 0
+        self.reserved = reserved
+        self.largest_free = reserved
+        self.task_groups: dict[str, list[int]] = {}
+        self.samples: list[list] = []
+        self.error: str | None = None
+
+    def allocate(self, nbytes: int, group: str = "task") -> None:
+        self.current += nbytes
+        self.current_count += 1
+        self.total += nbytes
+        self.total_count += 1
+        self.peak = max(self.peak, self.current)
+        self.peak_count = max(self.peak_count, self.current_count)
+        g = self.task_groups.setdefault(group, [0, 0])
+        g[0] += nbytes
+        g[1] = max(g[1], g[0])
+        self.samples.append([time.time(), self.current, self.current])
+
+    def free(self, nbytes: int, group: str = "task") -> None:
+        self.current -= nbytes
+        self.current_count -= 1
+        self.task_groups[group][0] -= nbytes
+        self.samples.append([time.time(), self.current, self.current])
+
+    def snapshot(self) -> dict:
+        samples, self.samples = self.samples, []
+        out = {
+            "current_bytes": self.current,
+            "current_count": self.current_count,
+            "peak_bytes": self.peak,
+            "peak_count": self.peak_count,
+            "total_bytes": self.total,
+            "total_count": self.total_count,
+            "reserved_bytes": self.reserved,
+            "pool_free_bytes": self.reserved - self.current,
+            "largest_free_block": min(self.largest_free, self.reserved - self.current),
+            "failed_allocations": self.failures,
+            "device_used_bytes": 0,
+            "device_total_bytes": 0,
+            "resource": "StatisticsResourceAdaptor>PoolMemoryResource>SystemMemoryResource",
+            "task_groups": sorted(
+                ([k, v[0], v[1]] for k, v in self.task_groups.items()), key=lambda g: -g[2]
+            ),
+            "samples": samples,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+class FakeRMMMetrics:
+    """``worker.metrics["dask-rmm"] = FakeRMMMetrics()``: returns the contract dict each heartbeat."""
+
+    def __init__(self, devices: tuple[str, ...] = ("0",)):
+        self.devices = {d: FakeDevice() for d in devices}
+        self.calls = 0
+
+    def __getitem__(self, device: str) -> FakeDevice:
+        return self.devices[device]
+
+    def __call__(self, worker) -> dict:
+        self.calls += 1
+        return {
+            "version": 1,
+            "time": time.time(),
+            "worker": str(worker.name),
+            "devices": {d: dev.snapshot() for d, dev in self.devices.items()},
+        }

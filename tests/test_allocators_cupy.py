@@ -1,0 +1,282 @@
+"""rmm_cupy_allocator, set_cupy_allocator and set_allocators.
+
+Without a GPU the allocator runs with CuPy's device/stream queries replaced, on host memory
+(UnownedMemory and MemoryPointer never touch CUDA when given a device id); the GPU tests
+allocate real CuPy arrays through each suballocator and adaptor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from dask_rmm.allocators import (  # noqa: E402
+    SUPPORTED_ALLOCATORS,
+    reset_allocators,
+    set_allocators,
+)
+from dask_rmm.allocators import cupy as cupy_hook  # noqa: E402
+from dask_rmm.mr import (  # noqa: E402
+    PoolMemoryResource,
+    StatisticsResourceAdaptor,
+    SystemMemoryResource,
+    set_per_device_resource,
+)
+
+
+class _FakeCupyStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+@pytest.fixture
+def host_cupy(monkeypatch):
+    """CuPy's device and current-stream queries answered without a GPU: device 0, stream 0
+    (change ``state["stream"]`` / ``state["device"]`` to switch)."""
+    state = {"device": 0, "stream": 0, "asked": []}
+
+    def get_device_id():
+        return state["device"]
+
+    def get_current_stream(device_id=-1):
+        state["asked"].append(device_id)
+        return _FakeCupyStream(state["stream"])
+
+    monkeypatch.setattr(cupy_hook, "_get_device_id", get_device_id)
+    monkeypatch.setattr(cupy_hook, "_get_current_stream", get_current_stream)
+    return state
+
+
+@pytest.fixture
+def host_stats():
+    mr = StatisticsResourceAdaptor(
+        PoolMemoryResource(SystemMemoryResource(), initial_pool_size=1 << 20)
+    )
+    set_per_device_resource(0, mr)
+    return mr
+
+
+def test_allocator_on_host_memory(host_cupy, host_stats):
+    mp = cupy_hook.rmm_cupy_allocator(1000)
+    assert isinstance(mp, cupy.cuda.MemoryPointer)
+    assert mp.device_id == 0 and mp.mem.size == 1000 and mp.ptr % 256 == 0
+    assert host_cupy["asked"] == [0]  # the current stream of the device CuPy is on
+    ctypes.memset(mp.ptr, 0xAB, 1000)
+    assert ctypes.string_at(mp.ptr + 999, 1) == b"\xab"
+    stats = host_stats.allocation_counts
+    assert (stats.current_bytes, stats.current_count) == (1000, 1)
+
+    view = mp + 256  # a view keeps the allocation alive
+    del mp
+    gc.collect()
+    assert host_stats.allocation_counts.current_bytes == 1000
+    del view
+    assert host_stats.allocation_counts.current_bytes == 0
+    assert host_stats.allocation_counts.total_count == 1
+
+
+def test_allocator_uses_current_stream_and_frees_on_it(host_cupy, monkeypatch):
+    seen = []
+
+    class Recording(SystemMemoryResource):
+        def allocate(self, nbytes, stream=None):
+            seen.append(("allocate", stream.handle))
+            return super().allocate(nbytes, stream)
+
+        def deallocate(self, ptr, nbytes, stream=None):
+            seen.append(("deallocate", stream.handle, nbytes))
+            super().deallocate(ptr, nbytes, stream)
+
+    set_per_device_resource(0, Recording())
+    host_cupy["stream"] = 0x1234
+    mp = cupy_hook.rmm_cupy_allocator(300)
+    host_cupy["stream"] = 0  # freed on the allocation's stream, not the one current at free
+    del mp
+    assert seen == [("allocate", 0x1234), ("deallocate", 0x1234, 300)]
+    assert cupy_hook._streams[0x1234].handle == 0x1234  # Stream objects are cached
+
+
+def test_allocator_zero_bytes(host_cupy, host_stats):
+    mp = cupy_hook.rmm_cupy_allocator(0)
+    assert mp.ptr == 0 and mp.device_id == 0
+    del mp
+    assert host_stats.allocation_counts.total_count == 0
+
+
+def test_allocator_follows_resource_changes(host_cupy):
+    first = StatisticsResourceAdaptor(SystemMemoryResource())
+    second = StatisticsResourceAdaptor(SystemMemoryResource())
+    set_per_device_resource(0, first)
+    a = cupy_hook.rmm_cupy_allocator(512)
+    set_per_device_resource(0, second)
+    b = cupy_hook.rmm_cupy_allocator(256)
+    assert first.allocation_counts.current_bytes == 512
+    assert second.allocation_counts.current_bytes == 256
+    del a, b  # each goes back to the resource it came from
+    assert first.allocation_counts.current_bytes == 0
+    assert second.allocation_counts.current_bytes == 0
+
+
+def test_set_and_reset_cupy_allocator():
+    original = cupy.cuda.get_allocator()
+    cupy_hook.set_cupy_allocator()
+    cupy_hook.set_cupy_allocator()  # idempotent
+    try:
+        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
+    finally:
+        cupy_hook.reset_cupy_allocator()
+    assert cupy.cuda.get_allocator() is original
+    cupy_hook.reset_cupy_allocator()  # nothing to reset: no-op
+    assert cupy.cuda.get_allocator() is original
+
+
+def test_set_allocators_cupy():
+    original = cupy.cuda.get_allocator()
+    assert set_allocators("CuPy") == ["cupy"]
+    try:
+        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
+    finally:
+        reset_allocators(["cupy"])
+    assert cupy.cuda.get_allocator() is original
+
+
+def test_supported_names():
+    assert SUPPORTED_ALLOCATORS == ("cupy", "numba")
+
+
+@pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
+def test_unknown_names_list_supported(names):
+    original = cupy.cuda.get_allocator()
+    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba'\]"):
+        set_allocators(names)
+    assert cupy.cuda.get_allocator() is original  # nothing was set
+
+
+def test_non_string_name():
+    with pytest.raises(TypeError, match="strings"):
+        set_allocators([1])
+
+
+def test_missing_library_is_a_clear_import_error(monkeypatch):
+    import dask_rmm.allocators as allocators
+
+    monkeypatch.setitem(sys.modules, "dask_rmm.allocators.numba", None)  # import fails
+    original = cupy.cuda.get_allocator()
+    with pytest.raises(ImportError, match="'numba' allocator needs numba.*numba-cuda") as info:
+        allocators.set_allocators(["cupy", "numba"])
+    assert isinstance(info.value.__cause__, ImportError)
+    assert cupy.cuda.get_allocator() is original  # all imported before any is set
+
+
+def test_missing_cupy_is_a_clear_import_error(monkeypatch):
+    monkeypatch.setattr(cupy_hook, "_library_import_error", ImportError("No module named 'cupy'"))
+    with pytest.raises(ImportError, match="'cupy' allocator needs cupy.*cupy-cuda13x") as info:
+        set_allocators(["cupy"])
+    assert "No module named 'cupy'" in str(info.value.__cause__)
+
+
+def test_none_and_empty_names():
+    assert set_allocators(None) == []
+    assert set_allocators([]) == []
+    assert set_allocators(" , ") == []
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+GPU_RESOURCES = ["cuda", "pool", "statistics(pool)", "statistics(cuda)", "async", "managed"]
+
+
+def _make_gpu_resource(kind: str):
+    from dask_rmm import mr
+
+    if kind == "cuda":
+        return mr.CudaMemoryResource()
+    if kind == "pool":
+        return mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
+    if kind == "statistics(pool)":
+        return mr.StatisticsResourceAdaptor(
+            mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
+        )
+    if kind == "statistics(cuda)":
+        return mr.StatisticsResourceAdaptor(mr.CudaMemoryResource())
+    if kind == "async":
+        return mr.CudaAsyncMemoryResource()
+    if kind == "managed":
+        return mr.ManagedMemoryResource()
+    raise ValueError(kind)
+
+
+@pytest.fixture
+def gpu_cupy_allocator():
+    original = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
+    yield
+    cupy.cuda.set_allocator(original)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_RESOURCES)
+def test_gpu_cupy_arrays(kind, gpu_cupy_allocator):
+    from dask_rmm.mr import set_current_device_resource
+
+    mr = _make_gpu_resource(kind)
+    set_current_device_resource(mr)
+    a = cupy.arange(1000, dtype=cupy.float64)
+    b = cupy.ones((300, 7), dtype=cupy.int32)
+    assert float((a * 2).sum()) == 999 * 1000
+    assert int(b.sum()) == 2100
+    assert isinstance(a.data.mem, cupy.cuda.memory.UnownedMemory)
+    if hasattr(mr, "allocation_counts"):
+        stats = mr.allocation_counts
+        assert stats.current_bytes >= 8000 + 8400
+        assert stats.current_count >= 2
+    del a, b
+    cupy.cuda.get_current_stream().synchronize()
+    if hasattr(mr, "allocation_counts"):
+        assert mr.allocation_counts.current_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_non_default_stream(gpu_cupy_allocator):
+    from dask_rmm.mr import set_current_device_resource
+
+    mr = _make_gpu_resource("statistics(pool)")
+    set_current_device_resource(mr)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a = cupy.full(4096, 3, dtype=cupy.uint8)
+        total = int(a.sum())
+        assert cupy_hook._streams[s.ptr].handle == s.ptr
+        del a
+    s.synchronize()
+    assert total == 3 * 4096
+    assert mr.allocation_counts.current_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_each_device_uses_its_resource(gpu_cupy_allocator):
+    from dask_rmm import _cuda
+    from dask_rmm.mr import set_per_device_resource
+
+    n = _cuda.get_device_count()
+    if n < 2:
+        pytest.skip("needs two CUDA devices")
+    resources = []
+    for d in range(2):
+        with cupy.cuda.Device(d):
+            mr = _make_gpu_resource("statistics(pool)")
+            set_per_device_resource(d, mr)
+            resources.append(mr)
+    arrays = []
+    for d in range(2):
+        with cupy.cuda.Device(d):
+            arrays.append(cupy.ones(1000 * (d + 1), dtype=cupy.uint8))
+            assert arrays[-1].device.id == d
+    assert [mr.allocation_counts.current_bytes for mr in resources] == [1000, 2000]
+    del arrays
+    assert [mr.allocation_counts.current_bytes for mr in resources] == [0, 0]

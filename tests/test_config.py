@@ -1,0 +1,177 @@
+"""dask_rmm.config: defaults registered under "dask-rmm", schema agreement, parse_device_bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import dask.config
+import numpy as np
+import pytest
+import yaml
+
+from dask_rmm import _cuda
+from dask_rmm.config import SCHEMA_PATH, YAML_PATH, defaults, parse_device_bytes
+
+HAS_GPU = _cuda.is_available()
+
+_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+    "null": type(None),
+}
+
+
+def _check(value, schema, path):
+    """Validate ``value`` against the subset of JSON schema the file uses, both ways: every
+    value must match its schema and every schema property must have a default."""
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        ok = any(
+            isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+            for t in types
+        )
+        assert ok, f"{path}: default {value!r} is not of type {types}"
+    assert "description" in schema or path == "", f"{path}: no description in the schema"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
+    if "minimum" in schema:
+        assert value >= schema["minimum"], path
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        assert set(value) == set(props), (
+            f"{path}: defaults and schema disagree: only in defaults {set(value) - set(props)}, "
+            f"only in schema {set(props) - set(value)}"
+        )
+        for key in value:
+            _check(value[key], props[key], f"{path}.{key}".lstrip("."))
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check(item, {**schema["items"], "description": ""}, f"{path}[{i}]")
+
+
+def test_defaults_and_schema_agree():
+    with open(SCHEMA_PATH) as f:
+        schema = yaml.safe_load(f)
+    with open(YAML_PATH) as f:
+        assert yaml.safe_load(f) == defaults
+    _check(defaults, {"properties": schema["properties"], "type": "object"}, "")
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    jsonschema.validate(defaults, schema)
+
+
+def test_schema_check_catches_a_mismatch():
+    with open(SCHEMA_PATH) as f:
+        schema = yaml.safe_load(f)
+    bad = {"dask-rmm": {**defaults["dask-rmm"], "undocumented-key": 1}}
+    with pytest.raises(AssertionError, match="undocumented-key"):
+        _check(bad, {"properties": schema["properties"], "type": "object"}, "")
+    bad = {"dask-rmm": {**defaults["dask-rmm"], "statistics": "yes"}}
+    with pytest.raises(AssertionError, match="statistics"):
+        _check(bad, {"properties": schema["properties"], "type": "object"}, "")
+
+
+def test_registered_with_dask():
+    assert dask.config.get("dask-rmm.base-resource") == "cuda"
+    assert dask.config.get("dask-rmm.pool-size") is None
+    assert dask.config.get("dask-rmm.metrics.sample-interval") == "100ms"
+    assert dask.config.get("dask-rmm.metrics.top-task-groups") == 10
+    assert dask.config.get("dask-rmm.scheduler.timeline-length") == 3600
+    with dask.config.set({"dask-rmm.pool-size": "4GiB"}):
+        assert parse_device_bytes(dask.config.get("dask-rmm.pool-size")) == 4 << 30
+
+
+def test_import_does_not_import_distributed():
+    code = "import sys, dask_rmm.config; assert 'distributed' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (4 << 30, 4 << 30),
+        ("4GiB", 4 << 30),
+        ("500MB", 500_000_000 // 256 * 256),
+        ("4 GB", 4_000_000_000),
+        (" 1 KiB ", 1024),
+        ("1024", 1024),
+        ("1e9", 1_000_000_000 // 256 * 256),
+        (1000, 768),
+        (0, 0),
+        ("0", 0),
+        (np.int64(512), 512),
+    ],
+)
+def test_sizes(value, expected):
+    assert parse_device_bytes(value) == expected
+
+
+def test_fractions_with_given_total():
+    total = 80 << 30
+    assert parse_device_bytes(0.5, total_memory=total) == 40 << 30
+    assert parse_device_bytes("0.9", total_memory=total) == int(total * 0.9) // 256 * 256
+    assert parse_device_bytes(1.0, total_memory=total) == total
+    assert parse_device_bytes("1.0", total_memory=total) == total
+    assert parse_device_bytes(0.3, total_memory=1000) == 256
+    assert parse_device_bytes(1000, alignment=1) == 1000
+    assert parse_device_bytes(4096, alignment=1024) == 4096
+
+
+@pytest.mark.parametrize(
+    "value, exc",
+    [
+        ("4 gigs", ValueError),
+        ("-1GB", ValueError),
+        ("GiB", ValueError),
+        ("", ValueError),
+        ("1.5", ValueError),
+        ("-0.5", ValueError),
+        (1.5, ValueError),
+        (0.0, ValueError),
+        (-0.5, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-1, ValueError),
+        (100, ValueError),  # non-zero but below the alignment
+        (True, TypeError),
+        (None, TypeError),
+        ([4], TypeError),
+    ],
+)
+def test_bad_sizes_name_the_value(value, exc):
+    with pytest.raises(exc) as info:
+        parse_device_bytes(value, total_memory=1 << 30)
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("alignment", [0, -256, True, 2.5])
+def test_bad_alignment(alignment):
+    with pytest.raises(ValueError, match="alignment"):
+        parse_device_bytes(1024, alignment=alignment)
+
+
+@pytest.mark.parametrize("total", [0, -5, True, 1.5])
+def test_bad_total_memory(total):
+    with pytest.raises(ValueError, match="total_memory"):
+        parse_device_bytes(0.5, total_memory=total)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_fraction_without_gpu_is_clear_error():
+    with pytest.raises(ValueError, match="no usable CUDA device.*total_memory"):
+        parse_device_bytes(0.5)
+
+
+@pytest.mark.gpu
+def test_fraction_of_device_memory():
+    total = _cuda.device_total_memory()
+    assert parse_device_bytes(0.5) == int(total * 0.5) // 256 * 256
+    assert parse_device_bytes(1.0, device=_cuda.get_device()) == total // 256 * 256

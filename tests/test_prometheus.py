@@ -1,0 +1,65 @@
+"""dask_rmm_* gauges on the scheduler's /metrics, parsed with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import pytest
+from distributed.utils_test import gen_cluster
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from tornado.httpclient import AsyncHTTPClient  # noqa: E402
+
+from dask_rmm import prometheus  # noqa: E402
+from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin  # noqa: E402
+from tests.fake_metrics import FakeRMMMetrics  # noqa: E402
+
+
+async def _families(s) -> dict:
+    r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/metrics")
+    text = r.body.decode()
+    return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("dask_rmm")}
+
+
+def _by_worker(family) -> dict:
+    return {(s.labels["worker"], s.labels["device"]): s.value for s in family.samples}
+
+
+@gen_cluster(client=True)
+async def test_gauges_match_worker_statistics(c, s, a, b):
+    fa, fb = FakeRMMMetrics(), FakeRMMMetrics(("0", "1"))
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = fa, fb
+    fa["0"].allocate(1000)
+    fa["0"].allocate(500)
+    fa["0"].free(500)
+    fa["0"].failures = 2
+    fb["1"].allocate(4096)
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    await b.heartbeat()
+
+    fams = await _families(s)
+    used = _by_worker(fams["dask_rmm_used_bytes"])
+    assert used == {(a.address, "0"): 1000, (b.address, "0"): 0, (b.address, "1"): 4096}
+    assert _by_worker(fams["dask_rmm_peak_bytes"])[a.address, "0"] == 1500
+    assert _by_worker(fams["dask_rmm_reserved_bytes"])[a.address, "0"] == fa["0"].reserved
+    assert _by_worker(fams["dask_rmm_largest_free_block_bytes"])[a.address, "0"] == fa["0"].reserved - 1000
+    assert fams["dask_rmm_failed_allocations"].type == "counter"
+    assert _by_worker(fams["dask_rmm_failed_allocations"])[a.address, "0"] == 2
+    assert "dask_rmm_pool_free_bytes" in fams and "dask_rmm_fragmentation_ratio" in fams
+    workers = {s.labels["status"]: s.value for s in fams["dask_rmm_workers"].samples}
+    assert workers == {"running": 2, "gone": 0}
+
+
+@gen_cluster(client=True)
+async def test_no_double_registration_and_unregister(c, s, a, b):
+    a.metrics["dask-rmm"] = FakeRMMMetrics()
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    collector = prometheus._collector
+    await c.unregister_scheduler_plugin(PLUGIN_NAME)
+    assert not (await _families(s))["dask_rmm_used_bytes"].samples
+    await install_scheduler_plugin(c)
+    assert prometheus._collector is collector
+    fams = await _families(s)
+    assert len(fams["dask_rmm_used_bytes"].samples) == 1

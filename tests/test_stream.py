@@ -1,0 +1,125 @@
+"""dask_rmm.stream: wrapping foreign streams, default streams, CudaStreamPool."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+
+from dask_rmm import _cuda
+from dask_rmm.stream import (
+    DEFAULT_STREAM,
+    LEGACY_DEFAULT_STREAM,
+    PER_THREAD_DEFAULT_STREAM,
+    CudaStreamPool,
+    Stream,
+    as_stream,
+)
+
+HAS_GPU = _cuda.is_available()
+
+
+class ProtocolStream:
+    def __init__(self, handle):
+        self.handle_value = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle_value)
+
+
+class CupyLike:
+    ptr = 0x1234
+
+
+class NumbaLike:
+    handle = ctypes.c_void_p(0x5678)
+
+
+def test_wrapping_foreign_streams():
+    assert Stream(0x42).handle == 0x42
+    assert Stream(ProtocolStream(0x99)).handle == 0x99
+    assert Stream(CupyLike()).handle == 0x1234
+    assert Stream(NumbaLike()).handle == 0x5678
+    from cuda.bindings import driver, runtime
+
+    assert Stream(runtime.cudaStream_t(7)).handle == 7
+    assert Stream(driver.CUstream(8)).handle == 8
+    wrapped = Stream(0x42)
+    assert Stream(wrapped).handle == 0x42
+    assert Stream(wrapped) == wrapped and hash(Stream(0x42)) == hash(wrapped)
+    assert wrapped.__cuda_stream__() == (0, 0x42)
+    assert int(wrapped) == wrapped.value == 0x42
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        True,
+        -1,
+        "stream",
+        1.5,
+        object(),
+    ],
+)
+def test_bad_streams_refused(bad):
+    with pytest.raises((TypeError, ValueError)):
+        Stream(bad)
+
+
+def test_default_streams():
+    assert DEFAULT_STREAM.is_default() and LEGACY_DEFAULT_STREAM.is_default()
+    assert PER_THREAD_DEFAULT_STREAM.is_default() and PER_THREAD_DEFAULT_STREAM.is_per_thread_default()
+    assert not Stream(0x1000).is_default()
+    assert as_stream(None) is DEFAULT_STREAM
+    assert as_stream(DEFAULT_STREAM) is DEFAULT_STREAM
+    assert as_stream(0x77).handle == 0x77
+    assert "DEFAULT_STREAM" in repr(DEFAULT_STREAM)
+
+
+def test_per_thread_default_stream_is_one_stream_per_thread():
+    keys = []
+    t = threading.Thread(target=lambda: keys.append(PER_THREAD_DEFAULT_STREAM.order_key()))
+    t.start()
+    t.join()
+    here = PER_THREAD_DEFAULT_STREAM.order_key()
+    assert here != keys[0] and here[0] == keys[0][0] == "ptds"
+    assert DEFAULT_STREAM.order_key() == 0 and Stream(0x50).order_key() == 0x50
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_without_gpu():
+    DEFAULT_STREAM.synchronize()  # nothing can be queued: a no-op
+    PER_THREAD_DEFAULT_STREAM.synchronize()
+    with pytest.raises(_cuda.CUDAUnavailableError):
+        Stream()
+    with pytest.raises(_cuda.CUDAUnavailableError):
+        Stream(0x1000).synchronize()
+    with pytest.raises(_cuda.CUDAUnavailableError):
+        CudaStreamPool(2)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 1.5, "4"])
+def test_stream_pool_refuses_bad_sizes(bad):
+    with pytest.raises(ValueError, match="pool_size"):
+        CudaStreamPool(bad)
+
+
+@pytest.mark.gpu
+def test_created_stream_works():
+    s = Stream()
+    assert not s.is_default() and s.handle != 0
+    s.synchronize()
+    assert _cuda.stream_query(s.handle)
+
+
+@pytest.mark.gpu
+def test_stream_pool_round_robin_and_wrap():
+    pool = CudaStreamPool(3)
+    assert pool.get_pool_size() == 3
+    streams = [pool.get_stream() for _ in range(6)]
+    assert len({s.handle for s in streams}) == 3
+    assert streams[0] is streams[3]
+    assert pool.get_stream(4) is pool.get_stream(1)
+    for s in streams[:3]:
+        s.synchronize()
