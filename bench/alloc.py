@@ -62,9 +62,14 @@ def run_loop(alloc, free, initial, victims, sizes) -> int:
         ptrs[i] = alloc(n)
         live[i] = n
     elapsed = time.perf_counter_ns() - t0
-    for p, n in zip(ptrs, live):
+    for p, n in zip(ptrs, live, strict=True):
         free(p, n)
     return elapsed
+
+
+def _worker(barrier, alloc, free, load):
+    barrier.wait()
+    run_loop(alloc, free, *load)
 
 
 def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
@@ -79,11 +84,9 @@ def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
         else:
             barrier = threading.Barrier(threads + 1)
 
-            def work(load):
-                barrier.wait()
-                run_loop(alloc, free, *load)
-
-            ts = [threading.Thread(target=work, args=(ld,)) for ld in loads]
+            ts = [
+                threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads
+            ]
             for t in ts:
                 t.start()
             barrier.wait()

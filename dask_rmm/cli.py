@@ -161,6 +161,11 @@ _RESOURCE_NAMES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
     "--host-memory", is_flag=True, help="Replay on host memory even when a GPU is present."
 )
 @click.option(
+    "--retry-failures",
+    is_flag=True,
+    help="Re-issue the log's 'allocate failure' rows too (successes are freed at once).",
+)
+@click.option(
     "--progress/--no-progress",
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
@@ -174,6 +179,7 @@ def replay(
     maximum_pool_size: int | None,
     block_size: int | None,
     host_memory: bool,
+    retry_failures: bool,
     progress: bool | None,
     as_json: bool,
 ) -> None:
@@ -215,6 +221,7 @@ def replay(
                 initial_pool_size=initial_pool_size,
                 maximum_pool_size=maximum_pool_size,
                 block_size=block_size,
+                retry_failures=retry_failures,
                 progress=progress,
             )
             results.append(r)

@@ -956,13 +956,16 @@ def _value(p: tuple[float, int]) -> int:
 @dataclass
 class Timeline:
     """Bytes in use over time for one source: ``times`` (seconds since midnight) and ``bytes``;
-    the exact peak is kept even when the curve is thinned to ``max_points``."""
+    the exact peak is kept even when the curve is thinned to ``max_points``; ``failures`` are
+    where allocations failed."""
 
     source: str
     times: list[float] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
     peak_bytes: int = 0
     peak_time: float | None = None
+    #: (time, bytes in use) of the first ``max_points`` allocate failures
+    failures: list[tuple[float, int]] = field(default_factory=list)
 
 
 def in_use_timeline(
@@ -978,6 +981,7 @@ def in_use_timeline(
     envelopes: dict[str, _Envelope] = {}
     current: dict[str, int] = {}
     peaks: dict[str, tuple[int, float | None]] = {}
+    failures: dict[str, list[tuple[float, int]]] = {}
     table = LiveAllocations()
     for e in read_logs(list(paths)):
         src = e.source
@@ -986,6 +990,7 @@ def in_use_timeline(
             env = envelopes[src] = _Envelope(max_points)
             current[src] = 0
             peaks[src] = (0, e.time)
+            failures[src] = []
             env.add(e.time, 0)
         if e.action is _ALLOCATE:
             if e.size == 0:
@@ -1002,12 +1007,15 @@ def in_use_timeline(
                 continue
             current[src] -= size
         else:
+            if len(failures[src]) < max_points:
+                failures[src].append((e.time, current[src]))
             continue
         env.add(e.time, current[src])
     out = []
-    for src, env in envelopes.items():
+    for src, env in sorted(envelopes.items()):
         pk, pt = peaks[src]
-        out.append(Timeline(src, [p[0] for p in env.points], [p[1] for p in env.points], pk, pt))
+        xs, ys = [p[0] for p in env.points], [p[1] for p in env.points]
+        out.append(Timeline(src, xs, ys, pk, pt, failures[src]))
     return out
 
 
@@ -1061,6 +1069,16 @@ def plot_logs(
                     fontsize=8,
                     color=line.get_color(),
                 )
+        fails = [(t - t0, b / scale) for tl in timelines for t, b in tl.failures]
+        if fails:
+            ax.scatter(
+                [f[0] for f in fails],
+                [f[1] for f in fails],
+                marker="x",
+                color="red",
+                zorder=3,
+                label=f"allocate failure ({len(fails)})",
+            )
         ax.set_xlabel(f"seconds since {format_time(t0)}")
         ax.set_ylabel(f"bytes in use ({unit})")
         ax.set_title(title or "RMM allocations: bytes in use")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-from dask.utils import key_split, parse_bytes, parse_timedelta
+from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import thread_state
 
@@ -49,30 +49,11 @@ BASE_RESOURCES = ("cuda", "system")
 MAX_SAMPLES = 1000
 _SAMPLER_KEY = "dask-rmm-sampler"
 
-# Fallbacks for when dask_rmm.config (which registers dask-rmm.yaml) is not importable.
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    "base-resource": "cuda",
-    "pool-size": None,
-    "maximum-pool-size": None,
-    "managed-memory": False,
-    "async": False,
-    "release-threshold": None,
-    "log-directory": None,
-    "track-allocations": False,
-    "allocators": [],
-    "statistics": True,
-    "devices": None,
-    "metrics.sample-interval": "100ms",
-    "metrics.top-task-groups": 10,
-}
-
 
 def _config(key: str) -> Any:
-    try:
-        import dask_rmm.config  # noqa: F401  (registers the dask-rmm.* defaults)
-    except ImportError:
-        pass
-    return dask.config.get(f"dask-rmm.{key}", _CONFIG_DEFAULTS[key])
+    import dask_rmm.config  # noqa: F401  (registers the dask-rmm.* defaults)
+
+    return dask.config.get(f"dask-rmm.{key}")
 
 
 class _Unset:
@@ -104,38 +85,28 @@ def task_prefix(key: Any) -> str:
 
 
 def _check_size(option: str, value: Any) -> int | float | None:
-    """An absolute size (int bytes) or a fraction of device memory (float in (0, 1])."""
+    """Check a size option on the client: bytes (an int) or a fraction of device memory (a float
+    in (0, 1]); turned into bytes on the worker, where the device is known."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise TypeError(f"`{option}` must be a size (bytes, '4GiB' or a fraction), got {value!r}")
+    from dask_rmm.config import parse_device_bytes
+
     if isinstance(value, str):
         text = value.strip()
         try:
-            value = float(text)
+            number = float(text)
         except ValueError:
-            try:
-                return parse_bytes(text)
-            except (ValueError, TypeError) as e:
-                raise ValueError(
-                    f"`{option}`={value!r} is not a size such as 4GiB, 500MB, 1e9 or 0.8"
-                ) from e
-        if value > 1 and value.is_integer():
-            value = int(value)
+            number = None
+        if number is not None and 0 < number <= 1 and not text.lstrip("+").isdigit():
+            value = number
+    try:
+        # Parsing against a made-up total checks the form; the worker parses again for real.
+        parse_device_bytes(value, total_memory=1 << 40, alignment=1)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"`{option}`: {e}") from None
     if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(
-                f"`{option}`={value!r}: a float is a fraction of device memory and must be in (0, 1]"
-            )
         return value
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"`{option}` must be >= 0 bytes, got {value}")
-        return value
-    raise TypeError(
-        f"`{option}` must be an int, a string such as '4GiB' or a fraction, got "
-        f"{type(value).__name__}"
-    )
+    return parse_device_bytes(value, alignment=1)
 
 
 def _check_bool(option: str, value: Any) -> bool:
@@ -181,7 +152,9 @@ def _check_devices(value: Any) -> tuple[int, ...] | None:
     try:
         devices = tuple(int(d) for d in value)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"`devices` must be device ids such as [0, 1] or '0,1', got {value!r}") from e
+        raise TypeError(
+            f"`devices` must be device ids such as [0, 1] or '0,1', got {value!r}"
+        ) from e
     if not devices:
         return None
     if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
@@ -211,7 +184,9 @@ def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: in
     >>> log_file_path("/logs", "tcp://10.0.0.1:4242", 0)
     '/logs/rmm_log_tcp_10.0.0.1_4242.dev0.csv'
     """
-    return os.path.join(os.fspath(log_directory), f"rmm_log_{_sanitise(worker_name)}.dev{device}.csv")
+    return os.path.join(
+        os.fspath(log_directory), f"rmm_log_{_sanitise(worker_name)}.dev{device}.csv"
+    )
 
 
 def _claim_log_file(path: str) -> tuple[str, int | None]:
@@ -495,7 +470,9 @@ class RMMPlugin(WorkerPlugin):
 
     def __repr__(self) -> str:
         shown = ", ".join(
-            f"{k}={v!r}" for k, v in self.options.items() if v is not None and v is not False and v != []
+            f"{k}={v!r}"
+            for k, v in self.options.items()
+            if v is not None and v is not False and v != []
         )
         return f"RMMPlugin({shown})"
 
@@ -524,8 +501,10 @@ class RMMPlugin(WorkerPlugin):
         from dask_rmm import _cuda
 
         if self.base_resource == "cuda":
-            _cuda.require_cuda("RMMPlugin(base_resource='cuda') (use base_resource='system' "
-                               "for host memory on a host without a GPU)")
+            _cuda.require_cuda(
+                "RMMPlugin(base_resource='cuda') (use base_resource='system' "
+                "for host memory on a host without a GPU)"
+            )
         if self.devices is not None:
             devices = list(self.devices)
         else:
@@ -549,13 +528,16 @@ class RMMPlugin(WorkerPlugin):
             self._stacks = []
             raise
 
-    def _resolve(self, option: str, value: int | float | None, total: int, device: int) -> int | None:
+    def _resolve(
+        self, option: str, value: int | float | None, total: int, device: int
+    ) -> int | None:
         if value is None:
             return None
-        from dask_rmm.mr.base import align_up, format_bytes
+        from dask_rmm.config import parse_device_bytes
+        from dask_rmm.mr.base import format_bytes
 
-        nbytes = align_up(int(value * total)) if isinstance(value, float) else align_up(value)
-        if total and nbytes > total:
+        nbytes = parse_device_bytes(value, device, total_memory=total)
+        if nbytes > total:
             where = "host memory" if self.base_resource == "system" else f"device {device}'s memory"
             raise ValueError(
                 f"`{option}` ({format_bytes(nbytes)}) is larger than {where} ({format_bytes(total)})"
@@ -626,7 +608,11 @@ class RMMPlugin(WorkerPlugin):
             if self.log_directory is not None:
                 path, fd = _claim_log_file(log_file_path(self.log_directory, worker.name, device))
                 stack.log_path, stack.log_fd = path, fd
-                top = stack.logging = mr.LoggingResourceAdaptor(top, log_file_name=path)
+                # The adaptor adds RMM's ".dev<id>" to the name it is given.
+                suffix = f".dev{device}.csv"
+                top = stack.logging = mr.LoggingResourceAdaptor(
+                    top, log_file_name=path[: -len(suffix)] + ".csv"
+                )
             if self.statistics:
                 from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
 
@@ -718,8 +704,15 @@ class RMMPlugin(WorkerPlugin):
                 d.update(stats.allocation_counts.to_dict())
                 d["failed_allocations"] = int(stats.failed_allocations)
             else:
-                d.update(current_bytes=0, current_count=0, peak_bytes=0, peak_count=0,
-                         total_bytes=0, total_count=0, failed_allocations=0)
+                d.update(
+                    current_bytes=0,
+                    current_count=0,
+                    peak_bytes=0,
+                    peak_count=0,
+                    total_bytes=0,
+                    total_count=0,
+                    failed_allocations=0,
+                )
         except Exception as e:
             errors.append(f"statistics: {type(e).__name__}: {e}")
         try:
@@ -767,7 +760,9 @@ class RMMPlugin(WorkerPlugin):
                 used += current
                 total += int(info.reserved_bytes) if info is not None else current
             except Exception:  # pragma: no cover - defensive
-                logger.debug("dask-rmm: rmm metrics of device %d failed", stack.device, exc_info=True)
+                logger.debug(
+                    "dask-rmm: rmm metrics of device %d failed", stack.device, exc_info=True
+                )
         return {"rmm-used": int(used), "rmm-total": int(total)}
 
     async def _install_scheduler_plugin(self, worker: Worker) -> None:

@@ -211,10 +211,11 @@ class ReplayResult:
     rows, allocations, frees : int
         Rows read, allocations and frees re-issued.
     original_failures : int
-        ``allocate failure`` rows in the log (each is retried in the replay; when it succeeds
-        the block is freed at once, as the original program never got it).
+        ``allocate failure`` rows in the log.
+    retried_failures : bool
+        Whether those rows were re-issued (``retry_failures=True``).
     original_failures_succeeded : int
-        Of those, how many this resource could satisfy.
+        Of those, how many this resource satisfied when re-issued.
     new_failures : int
         Allocations that succeeded originally and failed here: the resource could not have run
         this workload.
@@ -249,6 +250,7 @@ class ReplayResult:
     allocations: int
     frees: int
     original_failures: int
+    retried_failures: bool
     original_failures_succeeded: int
     new_failures: int
     failures: tuple[ReplayFailure, ...]
@@ -309,6 +311,7 @@ def replay(
     initial_pool_size: int | None = None,
     maximum_pool_size: int | None = None,
     block_size: int | None = None,
+    retry_failures: bool = False,
     progress: bool | ProgressBar | None = False,
     progress_every: int = 8192,
 ) -> ReplayResult:
@@ -322,6 +325,11 @@ def replay(
         One of :data:`RESOURCES`; see :func:`build_resource` and its size options.
     gpu : bool, optional
         Device memory (default when a GPU is present) or host memory (SystemMemoryResource).
+    retry_failures : bool
+        Re-issue the log's ``allocate failure`` rows too, to see whether this resource would
+        have satisfied them (a success is freed at once: the original program never got the
+        block). Off by default, because a retried block that succeeds raises the footprint
+        beyond what the workload really held.
     progress : bool or ProgressBar
         Draw a progress bar on stderr.
 
@@ -391,12 +399,15 @@ def replay(
                 current -= size
                 continue
             original_ok = action is ALLOCATE
+            if not original_ok and not retry_failures:
+                original_failures += 1
+                continue
             size = e.size
             stream = get_stream(e.stream, e.thread)
             t0 = clock()
             try:
                 ptr = allocate(size, stream)
-            except MemoryError as err:
+            except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
                 call_seconds += clock() - t0
                 if original_ok:
                     new_failures += 1
@@ -454,6 +465,7 @@ def replay(
         allocations=allocations,
         frees=frees,
         original_failures=original_failures,
+        retried_failures=retry_failures,
         original_failures_succeeded=recovered,
         new_failures=new_failures,
         failures=tuple(failures),
@@ -490,9 +502,13 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
         f"{1e6 * r.seconds / max(r.rows, 1):.2f} us per row)",
     ]
     if r.original_failures:
-        lines.append(
-            f"  original fails   {r.original_failures:,} rows failed in the original run; "
+        outcome = (
             f"{r.original_failures_succeeded:,} succeed here"
+            if r.retried_failures
+            else "not re-issued (--retry-failures re-issues them)"
+        )
+        lines.append(
+            f"  original fails   {r.original_failures:,} rows failed in the original run; {outcome}"
         )
     if r.skipped_frees:
         lines.append(f"  skipped frees    {r.skipped_frees:,} (no block held for them)")

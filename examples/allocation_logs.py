@@ -24,13 +24,15 @@ def worker(out_dir: str, index: int) -> str:
     from dask_rmm.mr import LoggingResourceAdaptor, PoolMemoryResource, SystemMemoryResource
     from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, Stream
 
-    pool = PoolMemoryResource(SystemMemoryResource(), initial_pool_size="64MiB")
+    pool = PoolMemoryResource(
+        SystemMemoryResource(), initial_pool_size="64MiB", maximum_pool_size="96MiB"
+    )
     mr = LoggingResourceAdaptor(pool, os.path.join(out_dir, f"worker-{index}.csv"))
     rng = random.Random(index)
     streams = [PER_THREAD_DEFAULT_STREAM, Stream._from_handle(0x7F3A40001230 + 0x1000 * index)]
     live: list[tuple[int, int, Stream]] = []
     # (steps, target live MiB): tasks arrive, hold intermediate results, then release them
-    phases = [(600, 40 + 25 * index), (400, 10), (800, 70 - 20 * index), (300, 5)]
+    phases = [(600, 40 + 25 * index), (400, 10), (800, 70 - 20 * index), (300, 5), (200, 30)]
     for steps, target_mib in phases:
         for _ in range(steps):
             held = sum(size for _, size, _ in live)
@@ -42,6 +44,10 @@ def worker(out_dir: str, index: int) -> str:
                 s = rng.choice(streams)
                 live.append((mr.allocate(size, s), size, s))
             time.sleep(0.0004)
+    try:
+        mr.allocate(128 << 20)  # more than the pool may hold: an "allocate failure" row
+    except MemoryError:
+        pass
     for ptr, size, s in live[: len(live) // 2]:
         mr.deallocate(ptr, size, s)  # the rest stay live: "leaks" for the summary to list
     mr.flush()

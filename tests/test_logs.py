@@ -451,7 +451,7 @@ def test_replay_reports_new_failures_with_their_row(tmp_path):
     assert "line" in replay.format_result(r)
 
 
-def test_replay_retries_the_original_failures(tmp_path):
+def test_replay_of_the_original_failures(tmp_path):
     p = _write(
         tmp_path,
         HEADER_LINE
@@ -459,9 +459,17 @@ def test_replay_retries_the_original_failures(tmp_path):
         + "1,00:00:01.000001,allocate failure,(nil),1024,0\n"
         + "2,00:00:01.000002,free,0x100,256,7f00\n",  # freed by another thread, stream
     )
-    r = replay.replay(p, "cuda", gpu=False)
+    r = replay.replay(p, "cuda", gpu=False, retry_failures=True)
     assert (r.original_failures, r.original_failures_succeeded, r.new_failures) == (1, 1, 0)
     assert (r.allocations, r.frees, r.skipped_frees) == (1, 1, 0)
+    assert r.peak_upstream_bytes == 256 + 1024  # the retried block was really allocated
+    r = replay.replay(p, "cuda", gpu=False)  # by default failure rows are counted, not re-issued
+    assert (r.original_failures, r.original_failures_succeeded, r.peak_upstream_bytes) == (
+        1,
+        0,
+        256,
+    )
+    assert "not re-issued" in replay.format_result(r)
 
 
 @pytest.mark.parametrize("name", ["pool", "arena", "binning", "fixed_size"])

@@ -240,6 +240,7 @@ def test_async_resource_pool():
         _cuda.stream_synchronize(s)
     finally:
         _cuda.stream_destroy(s)
+    _cuda.device_synchronize()  # the priming free is stream-ordered too
     r.trim_to(0)
     assert r.reserved_bytes() < 64 << 20
     with pytest.raises(ValueError, match="enable_ipc"):

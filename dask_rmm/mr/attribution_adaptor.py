@@ -93,41 +93,48 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
-    def _counts_for(self, token: Hashable | None) -> list[int]:
-        """The counts of ``token``'s owner (lock held). Never raises: an owner that cannot be
-        named is charged to UNATTRIBUTED rather than failing an allocation that succeeded."""
+    def _counts_for_current_owner(self) -> list[int]:
+        """The slow path: name the current owner and find (or make) its counts.
+
+        Never raises (an owner that cannot be named is charged to UNATTRIBUTED rather than
+        failing an allocation that succeeded). Naming and the new list are made before the lock
+        is taken: making objects may run the garbage collector, whose finalizers may free
+        through this adaptor on this thread, which would then wait on the lock forever.
+        """
         try:
+            token = self._get_owner()
             name = UNATTRIBUTED if token is None else str(self._owner_name(token))
         except Exception:
-            name = UNATTRIBUTED
-        counts = self._by_name.get(name)
-        if counts is None:
-            counts = self._by_name[name] = [0, 0]
+            token, name = None, UNATTRIBUTED
+        fresh = [0, 0]
+        self._acquire()
         try:
+            counts = self._by_name.setdefault(name, fresh)
             if len(self._by_token) >= _TOKEN_CACHE_SIZE:
                 self._by_token.clear()
-            self._by_token[token] = counts
-        except TypeError:  # unhashable token: not cached
-            pass
+            try:
+                self._by_token[token] = counts
+            except TypeError:  # an unhashable token is named every time
+                pass
+        finally:
+            self._release()
         return counts
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self._upstream_allocate(nbytes, stream)
         if ptr:
-            token = self._get_owner()
-            self._acquire()
             try:
-                try:
-                    counts = self._by_token[token]
-                except (KeyError, TypeError):
-                    counts = self._counts_for(token)
-                current = counts[0] + nbytes
-                counts[0] = current
-                if current > counts[1]:
-                    counts[1] = current
-                self._live[ptr] = (counts, nbytes)
-            finally:
-                self._release()
+                counts = self._by_token[self._get_owner()]
+            except Exception:
+                counts = self._counts_for_current_owner()
+            self._live[ptr] = (counts, nbytes)
+            # Only int arithmetic under the lock (see _counts_for_current_owner).
+            self._acquire()
+            current = counts[0] + nbytes
+            counts[0] = current
+            if current > counts[1]:
+                counts[1] = current
+            self._release()
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -163,11 +170,8 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         return self.get_attribution()[: max(n, 0)]
 
     def reset_peaks(self) -> None:
-        """Set every owner's peak to its current bytes and forget owners that hold nothing."""
+        """Set every owner's peak to its current bytes."""
         with self._lock:
-            for name in [n for n, c in self._by_name.items() if c[0] == 0]:
-                del self._by_name[name]
-            self._by_token.clear()
             for counts in self._by_name.values():
                 counts[1] = counts[0]
 

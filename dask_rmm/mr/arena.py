@@ -1,0 +1,325 @@
+"""ArenaMemoryResource: per-thread and per-stream arenas over one global arena, as RMM's.
+
+The global arena takes one block of ``arena_size`` from upstream and hands out superblocks
+(at least 1 MiB) to arenas; requests above 1 MiB are served by the global arena directly.
+The per-thread default stream gets one arena per thread, every other stream one arena per
+stream. Blocks are found by first fit within the arena's superblocks and coalesce on free;
+a superblock that becomes empty goes back to the global arena. When an arena cannot get a
+superblock, all empty superblocks of all arenas are returned (after synchronizing the device)
+and the request is retried once, as RMM's defragment step does.
+
+One lock guards all of it: under CPython's GIL finer locks would only add acquire costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from typing import Any
+
+from dask_rmm.mr.base import (
+    DeviceMemoryResource,
+    OutOfMemoryError,
+    ReservedMemoryInfo,
+    UpstreamResourceAdaptor,
+    align_up,
+    check_nbytes,
+    format_bytes,
+)
+from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE, parse_pool_size
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+
+__all__ = ["ArenaMemoryResource"]
+
+logger = logging.getLogger("dask_rmm.arena")
+
+SUPERBLOCK_SIZE = 1 << 20  # RMM's minimum superblock; larger requests go to the global arena
+
+
+class _Regions:
+    """Address-ordered free regions with O(1) coalescing (start -> size, end -> start) and a
+    first-fit search. Regions never merge across the addresses in ``barriers``."""
+
+    __slots__ = ("starts", "ends", "barriers")
+
+    def __init__(self, barriers: set[int] | None = None):
+        self.starts: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+        self.barriers = barriers if barriers is not None else set()
+
+    def add(self, ptr: int, size: int) -> tuple[int, int]:
+        """Insert a free region, merging with neighbours; returns the merged region."""
+        starts, ends = self.starts, self.ends
+        ns = starts.pop(ptr + size, None)
+        if ns is not None:
+            if ptr + size in self.barriers:
+                starts[ptr + size] = ns
+            else:
+                del ends[ptr + size + ns]
+                size += ns
+        prev = ends.get(ptr)
+        if prev is not None and ptr not in self.barriers:
+            del ends[ptr]
+            size += starts.pop(prev)
+            ptr = prev
+        starts[ptr] = size
+        ends[ptr + size] = ptr
+        return ptr, size
+
+    def remove(self, ptr: int, size: int) -> None:
+        del self.starts[ptr]
+        del self.ends[ptr + size]
+
+    def take(self, size: int, lo: int = 0, hi: int | None = None) -> int:
+        """First fit of ``size`` bytes (within ``[lo, hi)`` if given); 0 when none fits."""
+        for ptr, bsize in self.starts.items():
+            if bsize >= size and (hi is None or lo <= ptr < hi):
+                self.remove(ptr, bsize)
+                if bsize > size:
+                    self.starts[ptr + size] = bsize - size
+                    self.ends[ptr + bsize] = ptr + size
+                return ptr
+        return 0
+
+    def total(self) -> int:
+        return sum(self.starts.values())
+
+    def largest(self) -> int:
+        return max(self.starts.values(), default=0)
+
+
+class _Arena:
+    """One thread's or stream's superblocks and their free blocks."""
+
+    __slots__ = ("free", "used", "superblocks", "order")
+
+    def __init__(self):
+        self.free = _Regions()  # its barriers are the superblock starts
+        self.used: dict[int, int] = {}  # superblock start -> bytes handed out from it
+        self.superblocks: dict[int, int] = {}  # start -> size
+        self.order: list[int] = []  # superblock starts, ascending
+
+
+class ArenaMemoryResource(UpstreamResourceAdaptor):
+    """A suballocator that keeps threads and streams apart to limit fragmentation, as RMM's
+    ``ArenaMemoryResource``.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        Where the global arena comes from.
+    arena_size : int, str or float, optional
+        Size of the global arena, taken from upstream at once. Default: half of the device's
+        free memory (RMM's default), or 256 MiB when the upstream is host memory.
+    dump_log_on_failure : bool
+        On out of memory, log the global arena's state (superblocks, free memory, largest free
+        block) to the ``dask_rmm.arena`` logger at WARNING level.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import ArenaMemoryResource, SystemMemoryResource
+    >>> mr = ArenaMemoryResource(SystemMemoryResource(), arena_size="64MiB")
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        arena_size: int | str | float | None = None,
+        dump_log_on_failure: bool = False,
+    ):
+        super().__init__(upstream_mr)
+        from dask_rmm import _cuda
+
+        self._ordered = _cuda.is_available()
+        if arena_size is None:
+            if upstream_mr.is_host_memory:
+                arena_size = DEFAULT_HOST_POOL_SIZE
+            else:
+                arena_size = align_up(_cuda.mem_get_info()[0] // 2)
+        else:
+            arena_size = parse_pool_size(arena_size, upstream_mr, "arena_size")
+        if arena_size < SUPERBLOCK_SIZE:
+            raise ValueError(
+                f"arena_size ({format_bytes(arena_size)}) is smaller than one superblock (1 MiB)"
+            )
+        self.dump_log_on_failure = dump_log_on_failure
+        self._size = arena_size
+        self._base = upstream_mr.allocate(arena_size, DEFAULT_STREAM)
+        self._lock = threading.Lock()
+        self._global = _Regions()
+        self._global.add(self._base, arena_size)
+        self._arenas: dict[Any, _Arena] = {}
+        # ptr -> (nbytes, arena or None for the global arena, superblock start)
+        self._live: dict[int, tuple[int, _Arena | None, int]] = {}
+
+    def arena_size(self) -> int:
+        return self._size
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        size = (nbytes + 255) & -256
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == 2:
+            key = stream.order_key()
+        with self._lock:
+            ptr = self._try_allocate(nbytes, size, key)
+        if ptr:
+            return ptr
+        if self._ordered:
+            from dask_rmm import _cuda
+
+            _cuda.device_synchronize()
+        with self._lock:
+            self._defragment()
+            ptr = self._try_allocate(nbytes, size, key)
+            if ptr:
+                return ptr
+            if self.dump_log_on_failure:
+                self._dump_memory_log(size)
+            raise OutOfMemoryError(
+                f"ArenaMemoryResource out of memory: requested {format_bytes(nbytes)} "
+                f"({nbytes} bytes) on stream {stream.handle:#x}; arena {format_bytes(self._size)}, "
+                f"{format_bytes(self._global.total())} free in the global arena, largest free "
+                f"region {format_bytes(self._global.largest())}",
+                requested=nbytes,
+                resource="ArenaMemoryResource",
+                stream=stream.handle,
+                pool_size=self._size,
+                maximum_pool_size=self._size,
+                free_bytes=self._free_bytes(),
+                largest_free_block=self._largest_free(),
+            )
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == 2:
+            key = stream.order_key()
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None or entry[0] != nbytes or type(ptr) is not int:
+                bad = entry
+            else:
+                bad = False
+                n, arena, sb = entry
+                other = arena is None or self._arenas.get(key) is not arena
+        if bad is not False:
+            return self._bad_deallocate(ptr, nbytes, bad, stream)
+        if other and self._ordered:
+            # Memory goes to the global arena or to another stream's arena, where it can be
+            # handed out without ordering: the freeing stream must be done with it first.
+            stream.synchronize()
+        with self._lock:
+            if self._live.pop(ptr, None) is None:  # freed concurrently by another thread
+                return self._bad_deallocate(ptr, nbytes, None, stream)
+            size = (n + 255) & -256
+            if arena is None:
+                self._global.add(ptr, size)
+                return
+            arena.free.add(ptr, size)
+            used = arena.used[sb] - size
+            arena.used[sb] = used
+            if used == 0 and len(arena.superblocks) > 1:
+                self._return_superblock(arena, sb)
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo:
+        with self._lock:
+            return ReservedMemoryInfo(self._size, self._free_bytes(), self._largest_free())
+
+    def __del__(self):
+        try:
+            base, self._base = self._base, 0
+            if base:
+                self.upstream_mr.deallocate(base, self._size, DEFAULT_STREAM)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<ArenaMemoryResource arena_size={format_bytes(self._size)} upstream={self.upstream_mr!r}>"
+
+    # -- internals (called with the lock held) -------------------------------------------------
+
+    def _try_allocate(self, nbytes: int, size: int, key: Any) -> int:
+        if size > SUPERBLOCK_SIZE:
+            ptr = self._global.take(size)
+            if ptr:
+                self._live[ptr] = (nbytes, None, ptr)
+            return ptr
+        arena = self._arenas.get(key)
+        if arena is None:
+            arena = self._arenas[key] = _Arena()
+        ptr = arena.free.take(size)
+        if not ptr:
+            sb = self._global.take(SUPERBLOCK_SIZE)
+            if not sb:
+                return 0
+            arena.superblocks[sb] = SUPERBLOCK_SIZE
+            bisect.insort(arena.order, sb)
+            arena.used[sb] = 0
+            arena.free.barriers.add(sb)
+            arena.free.add(sb, SUPERBLOCK_SIZE)
+            ptr = arena.free.take(size)
+        sb = self._superblock_of(arena, ptr)
+        arena.used[sb] += size
+        self._live[ptr] = (nbytes, arena, sb)
+        return ptr
+
+    @staticmethod
+    def _superblock_of(arena: _Arena, ptr: int) -> int:
+        return arena.order[bisect.bisect_right(arena.order, ptr) - 1]
+
+    def _return_superblock(self, arena: _Arena, sb: int) -> None:
+        size = arena.superblocks.pop(sb)
+        arena.order.remove(sb)
+        del arena.used[sb]
+        arena.free.remove(sb, size)
+        arena.free.barriers.discard(sb)
+        self._global.add(sb, size)
+
+    def _defragment(self) -> None:
+        for arena in self._arenas.values():
+            for sb in [sb for sb, used in arena.used.items() if used == 0]:
+                self._return_superblock(arena, sb)
+
+    def _free_bytes(self) -> int:
+        return self._global.total() + sum(a.free.total() for a in self._arenas.values())
+
+    def _largest_free(self) -> int:
+        return max([self._global.largest()] + [a.free.largest() for a in self._arenas.values()])
+
+    def _dump_memory_log(self, size: int) -> None:
+        logger.warning(
+            "ArenaMemoryResource ran out of memory trying to allocate %s. Global arena: size %s, "
+            "%d free regions, %s free, largest free region %s; %d arenas holding %d superblocks",
+            format_bytes(size),
+            format_bytes(self._size),
+            len(self._global.starts),
+            format_bytes(self._global.total()),
+            format_bytes(self._global.largest()),
+            len(self._arenas),
+            sum(len(a.superblocks) for a in self._arenas.values()),
+        )
+
+    def _bad_deallocate(self, ptr: Any, nbytes: Any, entry, stream) -> None:
+        if ptr == 0 and nbytes == 0:
+            return
+        if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
+            return self.deallocate(ptr.__index__(), nbytes, stream)
+        call = f"ArenaMemoryResource.deallocate({ptr!r}, {nbytes!r})"
+        if entry is not None:
+            raise ValueError(f"{call}: wrong size, the pointer was allocated with {entry[0]} bytes")
+        raise ValueError(
+            f"{call}: not a live allocation of this resource (foreign pointer or double free)"
+        )

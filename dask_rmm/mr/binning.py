@@ -1,0 +1,141 @@
+"""BinningMemoryResource: routes each request to the smallest bin that fits, larger ones upstream.
+
+Bins are resources of their own (FixedSizeMemoryResource by default); this module only routes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+from dask_rmm.mr.base import (
+    DeviceMemoryResource,
+    ReservedMemoryInfo,
+    UpstreamResourceAdaptor,
+    align_up,
+    check_nbytes,
+)
+from dask_rmm.mr.fixed_size import FixedSizeMemoryResource
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["BinningMemoryResource"]
+
+
+class BinningMemoryResource(UpstreamResourceAdaptor):
+    """Size-binned allocation, as RMM's ``BinningMemoryResource``.
+
+    A request goes to the bin with the smallest allocation size that is at least the request;
+    requests larger than every bin go to ``upstream_mr``. A deallocation is routed the same way
+    by its size, so the bin (or upstream) checks the pointer.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        Serves requests larger than the largest bin, and backs the default bins.
+    min_size_exponent, max_size_exponent : int
+        When both are >= 0, a :class:`FixedSizeMemoryResource` bin of ``2**i`` bytes is added
+        for every ``i`` from ``min_size_exponent`` to ``max_size_exponent``. -1 (the default)
+        adds none; use :meth:`add_bin`.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import BinningMemoryResource, SystemMemoryResource
+    >>> mr = BinningMemoryResource(SystemMemoryResource(), 10, 16)  # 1 KiB ... 64 KiB bins
+    >>> [b.block_size for b in mr.bin_mrs][:2]
+    [1024, 2048]
+    >>> mr.deallocate(mr.allocate(3000), 3000)
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        min_size_exponent: int = -1,
+        max_size_exponent: int = -1,
+    ):
+        super().__init__(upstream_mr)
+        self._lock = threading.Lock()
+        # (sorted sizes, resources in the same order): swapped as one tuple so that
+        # allocate/deallocate read a consistent pair without the lock.
+        self._table: tuple[tuple[int, ...], tuple[DeviceMemoryResource, ...]] = ((), ())
+        if min_size_exponent >= 0 and max_size_exponent >= 0:
+            if min_size_exponent > max_size_exponent:
+                raise ValueError(
+                    f"min_size_exponent ({min_size_exponent}) > max_size_exponent "
+                    f"({max_size_exponent})"
+                )
+            for i in range(min_size_exponent, max_size_exponent + 1):
+                self.add_bin(1 << i)
+
+    def add_bin(self, allocation_size: int, bin_resource: DeviceMemoryResource | None = None):
+        """Serve requests up to ``allocation_size`` (and above the next smaller bin) from
+        ``bin_resource``, by default a new :class:`FixedSizeMemoryResource` of that block size
+        over the upstream. As in RMM, a bin that already exists for this size is kept.
+        """
+        allocation_size = check_nbytes(allocation_size, "allocation_size")
+        if allocation_size == 0:
+            raise ValueError("allocation_size must be positive")
+        if bin_resource is not None and not isinstance(bin_resource, DeviceMemoryResource):
+            raise TypeError(
+                f"bin_resource must be a DeviceMemoryResource, got {type(bin_resource).__name__}"
+            )
+        with self._lock:
+            sizes, mrs = self._table
+            if allocation_size in sizes:
+                return
+            if bin_resource is None:
+                bin_resource = FixedSizeMemoryResource(
+                    self.upstream_mr, block_size=align_up(allocation_size)
+                )
+            i = bisect.bisect_left(sizes, allocation_size)
+            self._table = (
+                sizes[:i] + (allocation_size,) + sizes[i:],
+                mrs[:i] + (bin_resource,) + mrs[i:],
+            )
+
+    @property
+    def bin_mrs(self) -> list[DeviceMemoryResource]:
+        """The bin resources, smallest allocation size first."""
+        return list(self._table[1])
+
+    @property
+    def bin_sizes(self) -> list[int]:
+        """The bins' allocation sizes, ascending."""
+        return list(self._table[0])
+
+    def _resource_for(self, nbytes: int) -> DeviceMemoryResource:
+        sizes, mrs = self._table
+        i = bisect.bisect_left(sizes, nbytes)
+        return mrs[i] if i < len(mrs) else self.upstream_mr
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        sizes, mrs = self._table
+        i = bisect.bisect_left(sizes, nbytes)
+        return (mrs[i] if i < len(mrs) else self.upstream_mr).allocate(nbytes, stream)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        if type(nbytes) is not int or nbytes <= 0:
+            if ptr == 0 and nbytes == 0:
+                return
+            nbytes = check_nbytes(nbytes)
+        sizes, mrs = self._table
+        i = bisect.bisect_left(sizes, nbytes)
+        (mrs[i] if i < len(mrs) else self.upstream_mr).deallocate(ptr, nbytes, stream)
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo | None:
+        """The bins' reservations added up (requests served upstream are not reserved)."""
+        infos = [m.reserved_memory_info() for m in self._table[1]]
+        infos = [i for i in infos if i is not None]
+        if not infos:
+            return None
+        return ReservedMemoryInfo(
+            sum(i.reserved_bytes for i in infos),
+            sum(i.free_bytes for i in infos),
+            max(i.largest_free_block for i in infos),
+        )
+
+    def __repr__(self) -> str:
+        return f"<BinningMemoryResource bins={self.bin_sizes} upstream={self.upstream_mr!r}>"

@@ -1,0 +1,241 @@
+"""FixedSizeMemoryResource: hands out blocks of one size from chunks taken from upstream.
+
+Stream ordered like the pool (free blocks kept per stream; taking another stream's block makes
+the new stream wait). No coalescing is needed: every block has the same size. Used on its own
+and as the bins of BinningMemoryResource.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any
+
+from dask_rmm.mr.base import (
+    DeviceMemoryResource,
+    OutOfMemoryError,
+    ReservedMemoryInfo,
+    UpstreamResourceAdaptor,
+    align_up,
+    check_nbytes,
+    format_bytes,
+)
+from dask_rmm.mr.pool import order_after
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+
+__all__ = ["FixedSizeMemoryResource"]
+
+_PTDS_HANDLE = 2
+
+
+class FixedSizeMemoryResource(UpstreamResourceAdaptor):
+    """Blocks of ``block_size`` bytes, as RMM's ``FixedSizeMemoryResource``.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        Where the chunks come from.
+    block_size : int
+        Size of every block (rounded up to 256 bytes). Any request up to this size gets one
+        block; larger requests raise ``ValueError``.
+    blocks_to_preallocate : int
+        Blocks per upstream chunk; one chunk is taken at construction and another whenever
+        all blocks are in use.
+
+    Examples
+    --------
+    >>> from dask_rmm.mr import FixedSizeMemoryResource, SystemMemoryResource
+    >>> mr = FixedSizeMemoryResource(SystemMemoryResource(), block_size=4096, blocks_to_preallocate=8)
+    >>> ptr = mr.allocate(1000)
+    >>> mr.deallocate(ptr, 1000)
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        block_size: int = 1 << 20,
+        blocks_to_preallocate: int = 128,
+    ):
+        super().__init__(upstream_mr)
+        block_size = check_nbytes(block_size, "block_size")
+        blocks_to_preallocate = check_nbytes(blocks_to_preallocate, "blocks_to_preallocate")
+        if block_size == 0 or blocks_to_preallocate == 0:
+            raise ValueError("block_size and blocks_to_preallocate must be positive")
+        from dask_rmm import _cuda
+
+        self._ordered = _cuda.is_available()
+        self._block_size = align_up(block_size)
+        self._per_chunk = blocks_to_preallocate
+        self._lock = threading.Lock()
+        self._free: dict[Any, list[int]] = {}  # order key -> free block pointers
+        self._streams: dict[Any, Stream] = {}  # order key -> stream (kept for events)
+        self._live: dict[int, int] = {}  # ptr -> nbytes
+        self._chunks: dict[int, int] = {}  # chunk start -> size
+        self._add_chunk(DEFAULT_STREAM, fresh=True)
+
+    @property
+    def block_size(self) -> int:
+        """The size of every block."""
+        return self._block_size
+
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        if nbytes > self._block_size:
+            raise ValueError(
+                f"FixedSizeMemoryResource.allocate({nbytes}): larger than the block size "
+                f"{self._block_size}"
+            )
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == _PTDS_HANDLE:
+            key = stream.order_key()
+        lock = self._lock
+        lock.acquire()
+        try:
+            blocks = self._free.get(key)
+            if blocks:
+                ptr = blocks.pop()
+                self._live[ptr] = nbytes
+                return ptr
+        finally:
+            lock.release()
+        return self._allocate_slow(nbytes, key, stream)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        try:
+            key = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == _PTDS_HANDLE:
+            key = stream.order_key()
+        lock = self._lock
+        lock.acquire()
+        try:
+            live = self._live
+            n = live.pop(ptr, None)
+            if n == nbytes and type(ptr) is int:
+                blocks = self._free.get(key)
+                if blocks is None:
+                    blocks = self._free[key] = []
+                    self._streams[key] = stream
+                blocks.append(ptr)
+                return
+            if n is not None:
+                live[ptr] = n
+        finally:
+            lock.release()
+        if ptr == 0 and nbytes == 0:
+            return
+        if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
+            return self.deallocate(ptr.__index__(), nbytes, stream)
+        call = f"FixedSizeMemoryResource.deallocate({ptr!r}, {nbytes!r})"
+        if n is not None:
+            raise ValueError(f"{call}: wrong size, the pointer was allocated with {n} bytes")
+        raise ValueError(
+            f"{call}: not a live allocation of this resource (foreign pointer or double free)"
+        )
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo:
+        with self._lock:
+            reserved = sum(self._chunks.values())
+            nfree = sum(len(b) for b in self._free.values())
+            return ReservedMemoryInfo(
+                reserved, nfree * self._block_size, self._block_size if nfree else 0
+            )
+
+    def release(self) -> int:
+        """Give chunks whose blocks are all free back to upstream; return the bytes released."""
+        with self._lock:
+            owner = {}
+            starts = sorted(self._chunks)
+            count: dict[int, int] = {}
+            for key, blocks in self._free.items():
+                for p in blocks:
+                    c = starts[bisect.bisect_right(starts, p) - 1]
+                    owner[p] = key
+                    count[c] = count.get(c, 0) + 1
+            released = [c for c in starts if count.get(c, 0) == self._per_chunk]
+            gone = set(released)
+            keys = set()
+            for key, blocks in self._free.items():
+                kept = [p for p in blocks if starts[bisect.bisect_right(starts, p) - 1] not in gone]
+                if len(kept) != len(blocks):
+                    keys.add(key)
+                blocks[:] = kept
+            sizes = [(c, self._chunks.pop(c)) for c in released]
+        if self._ordered and keys:
+            from dask_rmm import _cuda
+
+            _cuda.device_synchronize()
+        for c, size in sizes:
+            self.upstream_mr.deallocate(c, size, DEFAULT_STREAM)
+        return sum(size for _, size in sizes)
+
+    def __del__(self):
+        try:
+            chunks = list(self._chunks.items())
+            self._chunks.clear()
+            for start, size in chunks:
+                self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"<FixedSizeMemoryResource block_size={format_bytes(self._block_size)} "
+            f"upstream={self.upstream_mr!r}>"
+        )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _add_chunk(self, stream: Stream, fresh: bool = False) -> list[int]:
+        size = self._block_size * self._per_chunk
+        try:
+            start = self.upstream_mr.allocate(size, stream)
+        except MemoryError as e:
+            raise OutOfMemoryError(
+                f"FixedSizeMemoryResource out of memory: could not get another chunk of "
+                f"{self._per_chunk} x {format_bytes(self._block_size)} from upstream ({e})",
+                requested=size,
+                resource="FixedSizeMemoryResource",
+                stream=stream.handle,
+                pool_size=sum(self._chunks.values()),
+                free_bytes=0,
+                largest_free_block=0,
+            ) from e
+        with self._lock:
+            self._chunks[start] = size
+            key = "fresh" if fresh else stream.order_key()
+            blocks = self._free.setdefault(key, [])
+            if not fresh:
+                self._streams[key] = stream
+            # reversed so that pop() hands out addresses in increasing order
+            blocks.extend(range(start + size - self._block_size, start - 1, -self._block_size))
+        return blocks
+
+    def _allocate_slow(self, nbytes: int, key: Any, stream: Stream) -> int:
+        victim = None
+        with self._lock:
+            ptr = 0
+            for k, blocks in self._free.items():
+                if k != key and blocks:
+                    ptr = blocks.pop()
+                    victim = (k, self._streams.get(k))
+                    self._live[ptr] = nbytes
+                    break
+        if ptr:
+            if self._ordered:
+                order_after([victim], stream)
+            return ptr
+        self._add_chunk(stream)
+        return self.allocate(nbytes, stream)
