@@ -8,6 +8,8 @@ Run ``python -m dask_rmm.preload --help`` to list the flags.
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 import click
@@ -24,9 +26,10 @@ class _SizeType(click.ParamType):
         from dask_rmm.plugin import _check_size
 
         try:
-            _check_size(param.name if param is not None else "size", value)
+            _check_size("size", value)
         except (TypeError, ValueError) as e:
-            self.fail(f"{value!r} is not a size such as 4GiB, 500MB or 0.8 ({e})", param, ctx)
+            reason = str(e).removeprefix("`size`: ")
+            self.fail(f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)")
         return value
 
 
@@ -47,7 +50,17 @@ class _LibrariesType(click.ParamType):
 SIZE = _SizeType()
 
 
-@click.command(name="dask_rmm.preload", context_settings={"show_default": True})
+class _PreloadCommand(click.Command):
+    """Checks the flags together right after parsing, so that incompatible flags are a usage
+    error of ``dask worker`` itself (distributed parses preload flags before starting)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        plugin_from_flags(**ctx.params)
+        return rest
+
+
+@click.command(name="dask_rmm.preload", cls=_PreloadCommand)
 @click.option(
     "--rmm-pool-size",
     type=SIZE,
@@ -103,8 +116,7 @@ SIZE = _SizeType()
 @click.option(
     "--rmm-statistics/--no-rmm-statistics",
     default=None,
-    help="Count allocations per worker and task prefix for the heartbeat metrics (on by "
-    "default).",
+    help="Count allocations per worker and task prefix for the heartbeat metrics (on by default).",
 )
 def dask_setup(worker: Any, **flags: Any):
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
@@ -147,11 +159,29 @@ def plugin_from_flags(**flags: Any):
         return RMMPlugin(**options)
     except (TypeError, ValueError) as e:
         # Incompatible flags: a usage error naming the flags, not a traceback.
-        message = str(e)
-        for flag, option in _FLAG_TO_OPTION.items():
-            message = message.replace(f"`{option}`", "--" + flag.replace("_", "-"))
+        flags_by_option = {o: "--" + f.replace("_", "-") for f, o in _FLAG_TO_OPTION.items()}
+
+        def as_flag(match: re.Match) -> str:
+            flag = flags_by_option.get(match.group(1))
+            return match.group(0) if flag is None else flag
+
+        message = re.sub(r"`(\w+)(?:=True)?`", as_flag, str(e))
         raise click.UsageError(message) from e
 
 
-if __name__ == "__main__":  # python -m dask_rmm.preload --help
-    dask_setup.main(prog_name="dask worker SCHEDULER --preload dask_rmm.preload")
+def _main(argv: list[str] | None = None) -> None:
+    """``python -m dask_rmm.preload [--help] [FLAGS]``: list the flags, or check flags and
+    print the RMMPlugin they make (without starting anything)."""
+    prog = "dask worker SCHEDULER --preload dask_rmm.preload"
+    try:
+        with dask_setup.make_context(prog, list(sys.argv[1:] if argv is None else argv)) as ctx:
+            click.echo(repr(plugin_from_flags(**ctx.params)))
+    except click.exceptions.Exit as e:
+        raise SystemExit(e.exit_code) from None
+    except click.ClickException as e:
+        e.show()
+        raise SystemExit(e.exit_code) from None
+
+
+if __name__ == "__main__":
+    _main()

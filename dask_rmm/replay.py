@@ -544,8 +544,10 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
             f"{1e6 * r.seconds / max(r.rows, 1):>7.2f}"
         )
     ok = [r for r in results if not r.failed]
-    if ok:
-        best = min(ok, key=lambda r: r.peak_upstream_bytes)
+    # A base resource alone always has the smallest footprint; the question is which pool.
+    pooled = [r for r in ok if r.resource not in ("cuda", "async")] or ok
+    if pooled:
+        best = min(pooled, key=lambda r: r.peak_upstream_bytes)
         lines.append(
             f"smallest footprint without new failures: {best.resource} "
             f"({_fmt(best.peak_upstream_bytes)})"

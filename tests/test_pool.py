@@ -1,0 +1,263 @@
+"""PoolMemoryResource: sizes, growth, release, out of memory, bad input, stream order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from conftest import make_base_resource
+
+from dask_rmm import mr
+from dask_rmm.mr import pool as pool_module
+from dask_rmm.mr.pool import PoolMemoryResource, parse_pool_size
+from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, Stream
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool(base_resource):
+    return PoolMemoryResource(base_resource, initial_pool_size=4 * MiB, maximum_pool_size=16 * MiB)
+
+
+def test_initial_size_and_strings(base_resource):
+    p = PoolMemoryResource(base_resource, initial_pool_size="2MiB", maximum_pool_size="8 MiB")
+    assert p.pool_size() == 2 * MiB
+    assert p.maximum_pool_size == 8 * MiB
+    assert p.upstream_mr is base_resource and p.get_upstream() is base_resource
+    assert "PoolMemoryResource" in repr(p)
+
+
+def test_default_initial_size_on_host():
+    p = PoolMemoryResource(mr.SystemMemoryResource())
+    assert p.pool_size() == pool_module.DEFAULT_HOST_POOL_SIZE
+    q = PoolMemoryResource(mr.SystemMemoryResource(), maximum_pool_size=MiB)
+    assert q.pool_size() == MiB
+
+
+def test_parse_pool_size():
+    up = mr.SystemMemoryResource()
+    assert parse_pool_size(1000, up) == 1024
+    assert parse_pool_size("1GB", up) == 10**9
+    assert parse_pool_size("1.5 KiB", up) == 1536
+    assert 0 < parse_pool_size(0.01, up) % 256 + 1
+    for bad in ("lots", "4 XB", 1.5, -3):
+        with pytest.raises(ValueError):
+            parse_pool_size(bad, up)
+    with pytest.raises(TypeError):
+        parse_pool_size(True, up)
+
+
+def test_initial_above_maximum_refused(base_resource):
+    with pytest.raises(ValueError, match="exceeds maximum_pool_size"):
+        PoolMemoryResource(base_resource, initial_pool_size=4 * MiB, maximum_pool_size=MiB)
+
+
+def test_zero_size(pool):
+    assert pool.allocate(0) == 0
+    pool.deallocate(0, 0)
+    assert pool._live_count() == 0
+
+
+def test_reuse_and_coalesce(pool):
+    a = pool.allocate(1000)
+    b = pool.allocate(1000)
+    assert a % 256 == 0 and b % 256 == 0 and a != b
+    pool.deallocate(a, 1000)
+    assert pool.allocate(1000) == a  # freed on the same stream: reused at once
+    pool.deallocate(a, 1000)
+    pool.deallocate(b, 1000)
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+
+
+def test_growth_follows_rmm(base_resource):
+    p = PoolMemoryResource(base_resource, initial_pool_size=MiB)
+    big = p.allocate(3 * MiB)  # no maximum: grows by max(request, pool size)
+    assert p.pool_size() == 4 * MiB
+    q = PoolMemoryResource(base_resource, initial_pool_size=MiB, maximum_pool_size=9 * MiB)
+    x = q.allocate(2 * MiB)  # with a maximum: max(request, half the room left) = 4 MiB
+    assert q.pool_size() == 5 * MiB
+    p.deallocate(big, 3 * MiB)
+    q.deallocate(x, 2 * MiB)
+    assert p.release() == 4 * MiB and p.pool_size() == 0
+    assert q.release() == 5 * MiB
+
+
+def test_growth_backs_off_when_upstream_fails(base_resource):
+    class Stingy(mr.DeviceMemoryResource):
+        is_host_memory = property(lambda self: base_resource.is_host_memory)
+
+        def allocate(self, nbytes, stream=None):
+            if nbytes > 2 * MiB:
+                raise mr.OutOfMemoryError("no", requested=nbytes)
+            return base_resource.allocate(nbytes)
+
+        def deallocate(self, ptr, nbytes, stream=None):
+            base_resource.deallocate(ptr, nbytes)
+
+    p = PoolMemoryResource(Stingy(), initial_pool_size=2 * MiB)
+    a = p.allocate(2 * MiB)
+    b = p.allocate(2 * MiB)  # grows by 2 MiB
+    c = p.allocate(MiB)  # would grow by the pool size (4 MiB): refused, halved to 2 MiB
+    assert p.pool_size() == 6 * MiB
+    for ptr, n in ((a, 2 * MiB), (b, 2 * MiB), (c, MiB)):
+        p.deallocate(ptr, n)
+    assert p.release() == 6 * MiB
+
+
+def test_out_of_memory_fields(pool):
+    held = pool.allocate(15 * MiB)
+    with pytest.raises(MemoryError) as info:
+        pool.allocate(4 * MiB)
+    e = info.value
+    assert isinstance(e, mr.OutOfMemoryError)
+    assert e.requested == 4 * MiB and e.maximum_pool_size == 16 * MiB
+    assert e.pool_size == pool.pool_size() and e.stream == 0
+    assert e.free_bytes == pool.pool_size() - 15 * MiB
+    assert e.largest_free_block <= e.free_bytes
+    for word in ("requested 4.00 MiB", "stream 0x0", "maximum 16.00 MiB", "largest free block"):
+        assert word in str(e)
+    pool.deallocate(held, 15 * MiB)
+
+
+@pytest.mark.parametrize("case", ["double", "foreign", "wrong_size", "interior"])
+def test_bad_deallocate_leaves_state_intact(pool, case):
+    a = pool.allocate(5000)
+    b = pool.allocate(700)
+    before = (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info())
+    ptr, n = {"double": (a, 5000), "foreign": (0xDEAD00, 5000), "wrong_size": (a, 4999),
+              "interior": (a + 256, 256)}[case]  # fmt: skip
+    if case == "double":
+        pool.deallocate(a, 5000)
+        before = (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info())
+    with pytest.raises(ValueError, match="PoolMemoryResource.deallocate"):
+        pool.deallocate(ptr, n)
+    assert (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info()) == before
+    if case != "double":
+        pool.deallocate(a, 5000)
+    pool.deallocate(b, 700)
+    assert pool._live_count() == 0
+
+
+def test_bad_arguments(pool):
+    for bad in (-1, 1.5, "10", None, True):
+        with pytest.raises((TypeError, ValueError)):
+            pool.allocate(bad)
+    with pytest.raises(TypeError):
+        pool.deallocate("0x10", 10)
+
+
+def test_numpy_style_ints_are_accepted(pool):
+    class Index:
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+    ptr = pool.allocate(Index(1000))
+    assert type(ptr) is int
+    pool.deallocate(Index(ptr), 1000)
+    assert pool._live_count() == 0
+
+
+def test_streams_keep_their_own_free_lists(pool):
+    s1, s2 = Stream._from_handle(0x1000), Stream._from_handle(0x2000)
+    a = pool.allocate(1000, s1)
+    pool.deallocate(a, 1000, s1)
+    keys = {k for _, _, k in pool._free_blocks()}
+    assert 0x1000 in keys
+    assert pool.allocate(1000, s1) == a  # same stream: its own block at once
+    b = pool.allocate(1000, s2)
+    assert b != a
+    pool.deallocate(a, 1000, s1)
+    pool.deallocate(b, 1000, s2)
+    # Under pressure a stream takes (merges) the other streams' free memory instead of growing.
+    size_before = pool.pool_size()
+    c = pool.allocate(pool.pool_size() - 256, s2)
+    assert pool.pool_size() == size_before
+    pool.deallocate(c, pool.pool_size() - 256, s2)
+
+
+def test_cross_stream_take_waits_on_an_event(pool, monkeypatch):
+    """With CUDA (faked here), taking another stream's block records an event on it and makes
+    the taking stream wait; the same stream needs nothing."""
+    calls = []
+    from dask_rmm import _cuda
+
+    monkeypatch.setattr(_cuda, "event_create", lambda **kw: 77, raising=False)
+    monkeypatch.setattr(_cuda, "event_record", lambda ev, s: calls.append(("record", ev, s)),
+                        raising=False)  # fmt: skip
+    monkeypatch.setattr(_cuda, "stream_wait_event", lambda s, ev: calls.append(("wait", s, ev)),
+                        raising=False)  # fmt: skip
+    monkeypatch.setattr(_cuda, "event_destroy", lambda ev: None, raising=False)
+    pool._ordered = True
+    s1, s2 = Stream._from_handle(0x1000), Stream._from_handle(0x2000)
+    whole = pool.allocate(pool.pool_size(), s1)  # the fresh chunk: no wait needed
+    assert calls == []
+    pool.deallocate(whole, pool.pool_size(), s1)
+    x = pool.allocate(1000, s2)
+    assert calls == [("record", 77, 0x1000), ("wait", 0x2000, 77)]
+    calls.clear()
+    pool.deallocate(x, 1000, s2)
+    pool.deallocate(pool.allocate(1000, s2), 1000, s2)
+    assert calls == []
+    pool._ordered = False
+
+
+def test_per_thread_default_stream_is_one_stream_per_thread(pool):
+    a = pool.allocate(1000, PER_THREAD_DEFAULT_STREAM)
+    pool.deallocate(a, 1000, PER_THREAD_DEFAULT_STREAM)
+    keys = []
+
+    def other():
+        b = pool.allocate(1000, PER_THREAD_DEFAULT_STREAM)
+        pool.deallocate(b, 1000, PER_THREAD_DEFAULT_STREAM)
+        keys.extend(k for _, _, k in pool._free_blocks())
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    ptds_keys = {k for k in keys if isinstance(k, tuple)}
+    assert ("ptds", threading.get_ident()) in ptds_keys and len(ptds_keys) == 2
+
+
+def test_release_keeps_chunks_in_use(base_resource):
+    p = PoolMemoryResource(base_resource, initial_pool_size=MiB)
+    a = p.allocate(1000)
+    b = p.allocate(2 * MiB)  # a second chunk
+    assert len(p._chunk_list()) == 2
+    p.deallocate(b, 2 * MiB)
+    assert p.release() == 2 * MiB and p.pool_size() == MiB
+    assert len(p._chunk_list()) == 1
+    p.deallocate(a, 1000)
+    assert p.release() == MiB and p.pool_size() == 0
+    c = p.allocate(4096)  # an empty pool grows again
+    p.deallocate(c, 4096)
+
+
+def test_reserved_memory_info(pool):
+    a = pool.allocate(MiB)
+    info = pool.reserved_memory_info()
+    assert info.reserved_bytes == 4 * MiB
+    assert info.free_bytes == 3 * MiB and info.largest_free_block == 3 * MiB
+    pool.deallocate(a, MiB)
+
+
+def test_pool_over_a_pool(base_resource):
+    outer = PoolMemoryResource(
+        PoolMemoryResource(base_resource, initial_pool_size=8 * MiB), initial_pool_size=2 * MiB
+    )
+    ptrs = [outer.allocate(300 * 1024) for _ in range(10)]
+    for p in ptrs:
+        outer.deallocate(p, 300 * 1024)
+    assert outer.release() > 0
+
+
+@pytest.mark.gpu
+def test_default_initial_size_is_half_the_free_device_memory():
+    from dask_rmm import _cuda
+
+    free, _ = _cuda.mem_get_info()
+    p = PoolMemoryResource(make_base_resource("cuda"))
+    assert abs(p.pool_size() - free // 2) < 64 * MiB
