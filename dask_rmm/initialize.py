@@ -112,9 +112,8 @@ def _log_file_name(log_file_name: Any) -> str:
 
 
 def _registered_devices() -> list[int]:
-    # The registry keeps its table private; the device ids that have a resource are what RMM's
-    # logging functions walk over.
-    return sorted(getattr(registry, "_resources", {})) or [0]
+    # The device ids that have a resource are what RMM's logging functions walk over.
+    return registry.registered_devices() or [0]
 
 
 def reinitialize(
@@ -268,7 +267,7 @@ def get_log_filenames() -> dict[int, str | None]:
     True
     """
     out: dict[int, str | None] = {}
-    for device in sorted(getattr(registry, "_resources", {})):
+    for device in registry.registered_devices():
         mr = registry.get_per_device_resource(device)
         out[device] = mr.get_file_name() if isinstance(mr, LoggingResourceAdaptor) else None
     return out

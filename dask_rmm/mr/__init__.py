@@ -39,6 +39,7 @@ _EXPORTS = {
     "get_per_device_resource": "dask_rmm.mr.registry",
     "get_per_device_resource_type": "dask_rmm.mr.registry",
     "is_initialized": "dask_rmm.mr.registry",
+    "registered_devices": "dask_rmm.mr.registry",
     "reset_current_device_resource": "dask_rmm.mr.registry",
     "reset_per_device_resource": "dask_rmm.mr.registry",
     "set_current_device_resource": "dask_rmm.mr.registry",

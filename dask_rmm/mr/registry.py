@@ -156,6 +156,12 @@ def is_initialized() -> bool:
     return _current_device() in _resources
 
 
+def registered_devices() -> list[int]:
+    """The device ids that have a resource now (set explicitly, or their default made)."""
+    with _lock:
+        return sorted(_resources)
+
+
 def available_device_memory() -> tuple[int, int]:
     """``(free, total)`` bytes of the current device, from ``cudaMemGetInfo``.
 
