@@ -106,18 +106,19 @@ def test_growth_backs_off_when_upstream_fails(base_resource):
 
 
 def test_out_of_memory_fields(pool):
-    held = pool.allocate(15 * MiB)
+    held = pool.allocate(12 * MiB)  # a second chunk of 12 MiB: the pool is at its maximum
+    assert pool.pool_size() == 16 * MiB
     with pytest.raises(MemoryError) as info:
-        pool.allocate(4 * MiB)
+        pool.allocate(5 * MiB)
     e = info.value
     assert isinstance(e, mr.OutOfMemoryError)
-    assert e.requested == 4 * MiB and e.maximum_pool_size == 16 * MiB
-    assert e.pool_size == pool.pool_size() and e.stream == 0
-    assert e.free_bytes == pool.pool_size() - 15 * MiB
-    assert e.largest_free_block <= e.free_bytes
-    for word in ("requested 4.00 MiB", "stream 0x0", "maximum 16.00 MiB", "largest free block"):
+    assert e.requested == 5 * MiB and e.maximum_pool_size == 16 * MiB
+    assert e.pool_size == 16 * MiB and e.stream == 0
+    assert e.free_bytes == 4 * MiB and e.largest_free_block == 4 * MiB
+    for word in ("requested 5.00 MiB", "stream 0x0", "maximum 16.00 MiB", "4.00 MiB free",
+                 "largest free block 4.00 MiB"):  # fmt: skip
         assert word in str(e)
-    pool.deallocate(held, 15 * MiB)
+    pool.deallocate(held, 12 * MiB)
 
 
 @pytest.mark.parametrize("case", ["double", "foreign", "wrong_size", "interior"])
