@@ -54,7 +54,7 @@ DEFAULT_KEEP_GONE = 32
 class Timeline:
     """A ring buffer of ``(time, current_bytes, max_bytes_in_interval)`` samples.
 
-    Stored in three ``array('d')`` columns (24 bytes a sample, no Python object per sample), so
+    Stored in three ``array`` columns (24 bytes a sample, no Python object per sample), so
     64 workers x 3600 samples cost about 5.5 MB on the scheduler.
 
     Parameters
@@ -70,35 +70,45 @@ class Timeline:
             raise ValueError(f"Timeline capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self._t = array("d")
-        self._cur = array("d")
-        self._max = array("d")
-        self._head = 0  # next slot to overwrite once full
+        self._cur = array("q")
+        self._max = array("q")
+        self._head = 0  # oldest sample (next to overwrite) once full
 
     def __len__(self) -> int:
         return len(self._t)
 
-    def extend(self, samples: Iterable[Sequence[float]]) -> None:
-        """Append samples (oldest first), dropping the oldest kept ones beyond ``capacity``."""
-        t, cur, mx, cap = self._t, self._cur, self._max, self.capacity
-        try:
-            for s in samples:
-                if len(t) < cap:
-                    t.append(s[0])
-                    cur.append(s[1])
-                    mx.append(s[2])
-                else:
-                    h = self._head
-                    t[h] = s[0]
-                    cur[h] = s[1]
-                    mx[h] = s[2]
-                    self._head = h + 1 if h + 1 < cap else 0
-        except (IndexError, TypeError, ValueError, OverflowError):
-            # A malformed sample: keep the columns aligned (a partly written ring slot is
-            # rewritten by the next sample, since the head only moves after a whole one).
-            n = min(len(t), len(cur), len(mx))
-            for col in (t, cur, mx):
-                del col[n:]
-            raise
+    def extend(self, samples: Sequence[Sequence[float]]) -> None:
+        """Append samples (oldest first), dropping the oldest kept ones beyond ``capacity``.
+
+        A malformed sample raises (IndexError, TypeError, OverflowError) before anything changes.
+        """
+        ts = array("d", [s[0] for s in samples])
+        cs = array("q", [s[1] for s in samples])
+        ms = array("q", [s[2] for s in samples])
+        cap = self.capacity
+        if len(ts) >= cap:
+            self._t, self._cur, self._max, self._head = ts[-cap:], cs[-cap:], ms[-cap:], 0
+            return
+        room = cap - len(self._t)
+        if room:
+            self._t.extend(ts[:room])
+            self._cur.extend(cs[:room])
+            self._max.extend(ms[:room])
+            if len(ts) <= room:
+                return
+            ts, cs, ms = ts[room:], cs[room:], ms[room:]
+        # Full: overwrite from the head, wrapping around the end.
+        h, k = self._head, len(ts)
+        first = min(k, cap - h)
+        self._t[h : h + first] = ts[:first]
+        self._cur[h : h + first] = cs[:first]
+        self._max[h : h + first] = ms[:first]
+        if k > first:
+            rest = k - first
+            self._t[:rest] = ts[first:]
+            self._cur[:rest] = cs[first:]
+            self._max[:rest] = ms[first:]
+        self._head = (h + k) % cap
 
     def to_list(self, last: int | None = None) -> list[list[float | int]]:
         """The samples oldest first as ``[time, current_bytes, max_bytes_in_interval]`` lists.
@@ -108,13 +118,16 @@ class Timeline:
         last : int, optional
             Only the newest ``last`` samples.
         """
-        n = len(self._t)
-        h = self._head if n == self.capacity else 0
-        order = [*range(h, n), *range(0, h)]
-        if last is not None:
-            order = order[-last:] if last > 0 else []
-        t, cur, mx = self._t, self._cur, self._max
-        return [[t[i], int(cur[i]), int(mx[i])] for i in order]
+        h = self._head
+        cols = []
+        for col in (self._t, self._cur, self._max):
+            values = col.tolist()
+            if h:
+                values = values[h:] + values[:h]
+            if last is not None:
+                values = values[-last:] if last > 0 else []
+            cols.append(values)
+        return [list(s) for s in zip(*cols, strict=True)]
 
     def peak(self) -> int:
         """The largest ``max_bytes_in_interval`` kept (0 when empty)."""

@@ -124,6 +124,13 @@ def dask_setup(worker: Any, **flags: Any):
     distributed calls this with the worker when it starts (``--preload dask_rmm.preload``).
     """
     plugin = plugin_from_flags(**flags)
+    pending = getattr(worker, "_pending_plugins", None)
+    if isinstance(pending, tuple):
+        # distributed logs and ignores errors raised by preloads, which would leave a worker
+        # running without its memory setup. Plugins passed to the worker are set up right after
+        # the preloads, and their errors stop the worker: join them.
+        worker._pending_plugins = (*pending, plugin)
+        return None
     return worker.plugin_add(plugin, catch_errors=False)
 
 

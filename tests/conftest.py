@@ -33,6 +33,26 @@ def make_base_resource(name: str):
     raise ValueError(name)
 
 
+def make_test_streams(n: int, resource=None) -> list:
+    """``n`` distinct streams for a test that passes non-default streams to ``resource``.
+
+    Real ``Stream()`` objects (each owns and destroys its handle: keep them referenced for as
+    long as anything may use them) when CUDA is available and ``resource``, if given, is not
+    host memory; otherwise made-up handles ``0x1000, 0x2000, ...`` that no CUDA call may see.
+
+    Leave ``resource`` out whenever a suballocator (pool, arena, fixed size, binning) sees the
+    streams: they record events on / synchronize streams whenever CUDA is available, even over
+    host memory. Pass it only where the stream reaches nothing but ``resource`` itself (a base
+    resource, or adaptors over one that never touch the stream).
+    """
+    from dask_rmm.stream import Stream
+
+    host = resource is not None and getattr(resource, "is_host_memory", False)
+    if HAS_GPU and not host:
+        return [Stream() for _ in range(n)]
+    return [Stream._from_handle(0x1000 * (i + 1)) for i in range(n)]
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
@@ -50,6 +70,21 @@ def base_resource_name(request):
 @pytest.fixture
 def base_resource(base_resource_name):
     return make_base_resource(base_resource_name)
+
+
+@pytest.fixture
+def make_streams():
+    """``make_test_streams`` as a fixture: every stream it hands out stays referenced until
+    the test's teardown, so a real stream is not destroyed while the test still runs."""
+    made = []
+
+    def make(n: int, resource=None) -> list:
+        streams = make_test_streams(n, resource)
+        made.extend(streams)
+        return streams
+
+    yield make
+    made.clear()
 
 
 @pytest.fixture(autouse=True)

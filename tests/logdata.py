@@ -128,11 +128,17 @@ def run_workload(resource, steps: int, seed: int = 0, threads: int = 1) -> list:
     """Random allocate/free traffic on ``resource`` from ``threads`` threads, with frees
     handed to other threads, ending with about a tenth of the blocks still live.
 
-    Returns the blocks left live as ``(ptr, size, stream)``, for the caller to free.
-    """
-    from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
+    Returns the blocks left live as ``(ptr, size, stream)``, for the caller to free (the
+    Stream objects in them keep a real stream alive until then).
 
-    streams = [DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream._from_handle(0x7F3A40001230)]
+    The third stream is a real one on a GPU host: a suballocator in ``resource`` records events
+    on / synchronizes the streams it sees whenever CUDA is available, even over host memory.
+    """
+    from conftest import make_test_streams
+
+    from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM
+
+    streams = [DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, *make_test_streams(1)]
     handoff: list[tuple[int, int, object]] = []
     lock = threading.Lock()
     kept: list[tuple[int, int, object]] = []

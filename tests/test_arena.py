@@ -6,10 +6,11 @@ import logging
 import threading
 
 import pytest
+from conftest import make_test_streams
 
 from dask_rmm.mr import ArenaMemoryResource, OutOfMemoryError
 from dask_rmm.mr.arena import SUPERBLOCK_SIZE
-from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, Stream
+from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM
 
 MiB = 1 << 20
 
@@ -32,7 +33,7 @@ def test_small_and_large(arena):
 
 
 def test_arenas_per_thread_and_stream(arena):
-    s = Stream._from_handle(0x100)
+    (s,) = make_test_streams(1)  # real on a GPU host: the arena synchronizes streams there
     a = arena.allocate(1000, s)
     b = arena.allocate(1000, PER_THREAD_DEFAULT_STREAM)
     out = []
@@ -47,13 +48,14 @@ def test_arenas_per_thread_and_stream(arena):
 
 def test_out_of_memory_defragments_then_fails(arena, caplog):
     arena.dump_log_on_failure = True
-    ptrs = [arena.allocate(SUPERBLOCK_SIZE // 2, Stream._from_handle(0x100 + i)) for i in range(8)]
+    streams = make_test_streams(8)  # one arena each; real on a GPU host
+    ptrs = [arena.allocate(SUPERBLOCK_SIZE // 2, s) for s in streams]
     with caplog.at_level(logging.WARNING, logger="dask_rmm.arena"):
         with pytest.raises(OutOfMemoryError) as info:
             arena.allocate(2 * MiB)
     assert info.value.requested == 2 * MiB and "ran out of memory" in caplog.text
-    for i, p in enumerate(ptrs):
-        arena.deallocate(p, SUPERBLOCK_SIZE // 2, Stream._from_handle(0x100 + i))
+    for s, p in zip(streams, ptrs, strict=True):
+        arena.deallocate(p, SUPERBLOCK_SIZE // 2, s)
     p = arena.allocate(7 * MiB)  # empty superblocks went back to the global arena
     arena.deallocate(p, 7 * MiB)
 

@@ -17,7 +17,7 @@ from dask_rmm.cluster import (
     install_scheduler_plugin,
 )
 from dask_rmm.report import ClusterMemoryReport
-from tests.fake_metrics import FakeRMMMetrics
+from fake_metrics import FakeRMMMetrics
 
 
 def _attach(*workers, devices=("0",)) -> list[FakeRMMMetrics]:
@@ -42,6 +42,31 @@ def test_timeline_keeps_the_newest_samples_in_order():
     assert tl.to_list(last=2) == [[8.0, 8, 80], [9.0, 9, 90]]
     assert tl.to_list(last=0) == []
     assert tl.peak() == 90
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 7, 50])
+def test_timeline_matches_a_bounded_deque(capacity):
+    import random
+    from collections import deque
+
+    rng = random.Random(capacity)
+    tl, ref, n = Timeline(capacity), deque(maxlen=capacity), 0
+    for _ in range(200):
+        batch = [[float(n + i), n + i, 2 * (n + i)] for i in range(rng.randrange(0, 2 * capacity + 2))]
+        n += len(batch)
+        tl.extend(batch)
+        ref.extend(batch)
+        assert tl.to_list() == list(map(list, ref))
+        assert tl.peak() == max((s[2] for s in ref), default=0)
+
+
+@pytest.mark.parametrize("bad", [[[1.0, 2]], [[1.0, "x", 3]], [None], [[1.0, 2.5, 3]]])
+def test_timeline_malformed_samples_change_nothing(bad):
+    tl = Timeline(3)
+    tl.extend([[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]])
+    with pytest.raises((IndexError, TypeError)):
+        tl.extend([[3.0, 4, 4], *bad])
+    assert tl.to_list() == [[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]]
 
 
 def test_timeline_rejects_zero_capacity():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_test_streams
 
 from dask_rmm.mr import FixedSizeMemoryResource
-from dask_rmm.stream import Stream
 
 
 @pytest.fixture
@@ -44,7 +44,8 @@ def test_bad_deallocate(fixed):
 
 
 def test_stream_free_lists(fixed):
-    s1, s2 = Stream._from_handle(0x10), Stream._from_handle(0x20)
+    # Real streams on a GPU host: s2 taking s1's block records an event on s1 there.
+    s1, s2 = make_test_streams(2)
     p = fixed.allocate(10, s1)
     fixed.deallocate(p, 10, s1)
     assert fixed.allocate(10, s1) == p

@@ -8,10 +8,10 @@ import re
 import threading
 
 import pytest
+from conftest import make_test_streams
 
 from dask_rmm.mr import CallbackMemoryResource, LimitingResourceAdaptor, LoggingResourceAdaptor
 from dask_rmm.mr.logging_adaptor import CSV_HEADER, format_pointer, format_stream
-from dask_rmm.stream import Stream
 
 TIME = re.compile(r"^\d\d:\d\d:\d\d\.\d{6}$")
 
@@ -25,18 +25,21 @@ def read_rows(mr):
 def test_csv_rows(tmp_path, base_resource):
     mr = LoggingResourceAdaptor(base_resource, log_file_name=tmp_path / "rmm.csv")
     assert mr.get_file_name() == str(tmp_path / f"rmm.dev{base_resource.device_id}.csv")
+    # A real stream on a GPU resource (CUDA sees it), a made-up handle on host memory.
+    (s,) = make_test_streams(1, base_resource)
     a = mr.allocate(1000)
-    b = mr.allocate(24, Stream(0x7F00))
+    b = mr.allocate(24, s)
     mr.deallocate(a, 1000)
-    mr.deallocate(b, 24, Stream(0x7F00))
+    mr.deallocate(b, 24, s)
     rows = read_rows(mr)
     assert ",".join(rows[0]) == CSV_HEADER
     body = rows[1:]
+    assert s.handle > 2 and format_stream(s.handle) == f"{s.handle:#x}"
     assert [(r[2], int(r[3], 16), int(r[4]), r[5]) for r in body] == [
         ("allocate", a, 1000, "0"),
-        ("allocate", b, 24, "0x7f00"),
+        ("allocate", b, 24, f"{s.handle:#x}"),
         ("free", a, 1000, "0"),
-        ("free", b, 24, "0x7f00"),
+        ("free", b, 24, f"{s.handle:#x}"),
     ]
     for r in body:
         assert int(r[0]) == threading.get_native_id()

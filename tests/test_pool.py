@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import make_base_resource
+from conftest import make_base_resource, make_test_streams
 
 from dask_rmm import mr
 from dask_rmm.mr import pool as pool_module
 from dask_rmm.mr.pool import PoolMemoryResource, parse_pool_size
-from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, Stream
+from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM
 
 MiB = 1 << 20
 
@@ -163,11 +163,12 @@ def test_numpy_style_ints_are_accepted(pool):
 
 
 def test_streams_keep_their_own_free_lists(pool):
-    s1, s2 = Stream._from_handle(0x1000), Stream._from_handle(0x2000)
+    # Real streams on a GPU host: taking another stream's block records an event on it there.
+    s1, s2 = make_test_streams(2)
     a = pool.allocate(1000, s1)
     pool.deallocate(a, 1000, s1)
     keys = {k for _, _, k in pool._free_blocks()}
-    assert 0x1000 in keys
+    assert s1.handle in keys
     assert pool.allocate(1000, s1) == a  # same stream: its own block at once
     b = pool.allocate(1000, s2)
     assert b != a
@@ -193,12 +194,14 @@ def test_cross_stream_take_waits_on_an_event(pool, monkeypatch):
                         raising=False)  # fmt: skip
     monkeypatch.setattr(_cuda, "event_destroy", lambda ev: None, raising=False)
     pool._ordered = True
-    s1, s2 = Stream._from_handle(0x1000), Stream._from_handle(0x2000)
+    # Real streams on a GPU host (the event calls are faked, but the pool's other paths, such
+    # as release and teardown, may still synchronize the streams it saw).
+    s1, s2 = make_test_streams(2)
     whole = pool.allocate(pool.pool_size(), s1)  # the fresh chunk: no wait needed
     assert calls == []
     pool.deallocate(whole, pool.pool_size(), s1)
     x = pool.allocate(1000, s2)
-    assert calls == [("record", 77, 0x1000), ("wait", 0x2000, 77)]
+    assert calls == [("record", 77, s1.handle), ("wait", s2.handle, 77)]
     calls.clear()
     pool.deallocate(x, 1000, s2)
     pool.deallocate(pool.allocate(1000, s2), 1000, s2)
@@ -264,3 +267,41 @@ def test_default_initial_size_is_half_the_free_device_memory():
     free, _ = _cuda.mem_get_info()
     p = PoolMemoryResource(make_base_resource("cuda"))
     assert abs(p.pool_size() - free // 2) < 64 * MiB
+
+
+def test_rounded_request_falls_back_to_exact_size_when_full():
+    """Small requests are rounded up to their size class; a pool too full for the rounded size
+    still serves the exact size, and that block frees and coalesces like any other."""
+    from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+
+    pool = PoolMemoryResource(SystemMemoryResource(), 1 << 20, 1 << 20)
+    small = pool.allocate(256)
+    big = pool.allocate((1 << 20) - 512)  # rounds to 1 MiB, which no longer fits
+    assert big == small + 256
+    with pytest.raises(ValueError, match=f"allocated with {(1 << 20) - 512} bytes"):
+        pool.deallocate(big, 1 << 20)
+    pool.deallocate(big, (1 << 20) - 512)
+    with pytest.raises(ValueError, match="double free"):
+        pool.deallocate(big, (1 << 20) - 512)
+    pool.deallocate(small, 256)
+    assert pool._live_count() == 0
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+
+
+def test_cached_blocks_are_reused_on_their_stream_and_merged_before_growing():
+    from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+
+    pool = PoolMemoryResource(SystemMemoryResource(), 1 << 20, 1 << 20)
+    a = pool.allocate(1000)
+    pool.deallocate(a, 1000)
+    assert pool.allocate(900) == a  # same size class, same stream: the cached block
+    pool.deallocate(a, 900)
+    pool = PoolMemoryResource(SystemMemoryResource(), 1 << 20, 1 << 20)
+    # 256 KiB blocks cached in one class must merge back to serve a 1 MiB request.
+    ptrs = [pool.allocate(256 << 10) for _ in range(4)]
+    for p in ptrs:
+        pool.deallocate(p, 256 << 10)
+    whole = pool.allocate(1 << 20)
+    assert whole == min(ptrs)
+    pool.deallocate(whole, 1 << 20)
+    assert pool.pool_size() == 1 << 20

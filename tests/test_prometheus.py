@@ -12,7 +12,7 @@ from tornado.httpclient import AsyncHTTPClient  # noqa: E402
 
 from dask_rmm import prometheus  # noqa: E402
 from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin  # noqa: E402
-from tests.fake_metrics import FakeRMMMetrics  # noqa: E402
+from fake_metrics import FakeRMMMetrics  # noqa: E402
 
 
 async def _families(s) -> dict:

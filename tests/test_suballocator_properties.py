@@ -13,13 +13,13 @@ import ctypes
 import threading
 
 import pytest
-from conftest import HAS_GPU, make_base_resource
+from conftest import HAS_GPU, make_base_resource, make_test_streams
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_rmm import mr
 from dask_rmm.mr.base import DeviceMemoryResource
-from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, Stream
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
 
 MiB = 1 << 20
 
@@ -132,9 +132,10 @@ BOUNDARIES = [0, 1, 255, 256, 257, 8191, 8192, 8193, MiB - 256, MiB, MiB + 1, PO
 
 
 def streams_for_host():
-    if HAS_GPU:
-        return [Stream(), Stream(), PER_THREAD_DEFAULT_STREAM]
-    return [Stream._from_handle(h) for h in (0, 0x1000, 0x2000)] + [PER_THREAD_DEFAULT_STREAM]
+    """Four streams, one per index ``ops_strategy`` draws (0..3): the default stream, two
+    others (real on a GPU host, where suballocators order on them even over host memory) and
+    the per-thread default stream."""
+    return [DEFAULT_STREAM, *make_test_streams(2), PER_THREAD_DEFAULT_STREAM]
 
 
 def ops_strategy(max_size):

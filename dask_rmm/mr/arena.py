@@ -132,7 +132,9 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         super().__init__(upstream_mr)
         from dask_rmm import _cuda
 
-        self._ordered = _cuda.is_available()
+        # Stream order only matters for device memory: host memory has no queued stream work
+        # (and the streams of a host-memory replay or test may be made-up handles).
+        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         if arena_size is None:
             if upstream_mr.is_host_memory:
                 arena_size = DEFAULT_HOST_POOL_SIZE

@@ -16,6 +16,7 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
+    acquire_contended,
     align_up,
     check_nbytes,
     format_bytes,
@@ -63,7 +64,9 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             raise ValueError("block_size and blocks_to_preallocate must be positive")
         from dask_rmm import _cuda
 
-        self._ordered = _cuda.is_available()
+        # Stream order only matters for device memory: host memory has no queued stream work
+        # (and the streams of a host-memory replay or test may be made-up handles).
+        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         self._block_size = align_up(block_size)
         self._per_chunk = blocks_to_preallocate
         self._lock = threading.Lock()
@@ -99,7 +102,8 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         if key == _PTDS_HANDLE:
             key = stream.order_key()
         lock = self._lock
-        lock.acquire()
+        if not lock.acquire(False):
+            acquire_contended(lock)
         try:
             blocks = self._free.get(key)
             if blocks:
@@ -119,7 +123,8 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         if key == _PTDS_HANDLE:
             key = stream.order_key()
         lock = self._lock
-        lock.acquire()
+        if not lock.acquire(False):
+            acquire_contended(lock)
         try:
             live = self._live
             n = live.pop(ptr, None)

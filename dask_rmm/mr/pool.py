@@ -17,6 +17,16 @@ shifts and masks cost ~40 ns each). Two more dicts per stream, ``start -> size``
 come from precomputed tables. The lock is taken with ``acquire``/``release`` (half the cost of
 ``with`` in CPython 3.11).
 
+In front of that sits a per-stream cache, the fast path: requests below 16 MiB are rounded up
+to the floor size of their search class (at most 1/16 more than asked, 3% on average; below
+8 KiB only to 256 bytes), so a freed block can be handed back unchanged to any later request
+of the same class on the same stream. Freeing such a block only appends it to its class's list
+and allocating pops from it: no splitting and no merging, which cut a pair from ~2.0 us to
+~0.8 us (bench/alloc.py). Cached blocks are merged into the coalescing lists when the coalescing
+path cannot serve a request (before the pool grows), and by ``release()`` and
+``reserved_memory_info()``. When the pool is too full for the rounded size, the exact
+256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
+
 Stream order
 ------------
 A block freed on stream A goes to A's free list and is reused on A at once. A block taken from
@@ -38,7 +48,6 @@ import bisect
 import os
 import re
 import threading
-import time
 from typing import Any
 
 from dask_rmm.mr.base import (
@@ -46,6 +55,7 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
+    acquire_contended,
     align_up,
     check_nbytes,
     format_bytes,
@@ -88,6 +98,21 @@ def _search_class(u: int) -> int:
 
 _INS = [_insert_class(u) for u in range(_TABLE_UNITS)]
 _SRCH = [_search_class(u) for u in range(_TABLE_UNITS)]
+
+
+def _class_floor(c: int) -> int:
+    """The smallest size (in units) filed under class ``c``."""
+    if c < _EXACT:
+        return c
+    return ((c & ((1 << _SL_BITS) - 1)) + (1 << _SL_BITS)) << ((c >> _SL_BITS) - 1)
+
+
+#: Requests below this many bytes are rounded up to their search class's floor size (at most
+#: 1/16 more, see the module docstring) so that a freed block serves any later request of the
+#: same class from the per-stream cache.
+_CACHED_LIMIT = (_TABLE_UNITS - 1) << 8
+#: Bytes a request of ``u`` units (u below _TABLE_UNITS) is given: its search class's floor.
+_ROUNDED = [_class_floor(_search_class(u)) << 8 for u in range(_TABLE_UNITS)]
 
 # ---------------------------------------------------------------------------------------------
 # sizes given as strings or fractions
@@ -139,9 +164,12 @@ def parse_pool_size(value: Any, upstream: DeviceMemoryResource, what: str = "siz
 class _FreeList:
     """The free blocks of one stream: size-class dicts, their non-empty flags, address maps."""
 
-    __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key")
+    __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key", "cache")
 
     def __init__(self, key: Any, stream: Stream | None):
+        # cache[c]: blocks of exactly class c's floor size, freed on this stream and not yet
+        # merged with their neighbours (a LIFO list: pop/append are the cheapest operations).
+        self.cache: list[list[int]] = [[] for _ in range(_N_CLASSES)]
         self.bins: list[dict[int, int] | None] = [None] * _N_CLASSES
         self.nonempty = bytearray(_N_CLASSES)  # 1 where bins[c] has blocks
         self.starts: dict[int, int] = {}  # start -> size
@@ -151,18 +179,6 @@ class _FreeList:
 
 
 _FRESH = "fresh"  # order key of memory no stream has used yet
-
-
-def _contended(lock: threading.Lock) -> None:
-    """Take a lock another thread holds without sleeping on it.
-
-    A blocking ``acquire`` parks this thread on a futex; with the GIL in play the holder then
-    often waits for the GIL behind other parked threads (a lock convoy: 8 threads ran 3-5x
-    slower than one). Yielding the GIL with ``sleep(0)`` and retrying lets the holder finish
-    its few microseconds of bookkeeping first.
-    """
-    while not lock.acquire(False):
-        time.sleep(0)
 
 
 def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> None:
@@ -235,7 +251,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         super().__init__(upstream_mr)
         from dask_rmm import _cuda
 
-        self._ordered = _cuda.is_available()
+        # Stream order only matters for device memory: host memory has no queued stream work
+        # (and the streams of a host-memory replay or test may be made-up handles).
+        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         if maximum_pool_size is not None:
             maximum_pool_size = parse_pool_size(maximum_pool_size, upstream_mr, "maximum_pool_size")
         if initial_pool_size is None:
@@ -281,7 +299,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             nbytes = check_nbytes(nbytes)
             if nbytes == 0:
                 return 0
-        size = (nbytes + 255) & -256
         try:
             key = stream.handle
         except AttributeError:
@@ -289,17 +306,24 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
-        u = size >> 8
-        if u < _TABLE_UNITS:
+        if nbytes <= _CACHED_LIMIT:
+            u = (nbytes + 255) >> 8
             sc = _SRCH[u]
+            size = _ROUNDED[u]
         else:
-            sc = _search_class(u)
+            size = (nbytes + 255) & -256
+            sc = _search_class(size >> 8)
         lock = self._lock
         if not lock.acquire(False):
-            _contended(lock)
+            acquire_contended(lock)
         try:
             fl = self._lists.get(key)
             if fl is not None:
+                cached = fl.cache[sc]
+                if cached:
+                    ptr = cached.pop()
+                    self._live[ptr] = nbytes
+                    return ptr
                 nonempty = fl.nonempty
                 c = nonempty.find(1, sc)
                 if c >= 0:
@@ -349,15 +373,18 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.order_key()
         lock = self._lock
         if not lock.acquire(False):
-            _contended(lock)
+            acquire_contended(lock)
         try:
             live = self._live
             n = live.pop(ptr, None)
             if n == nbytes and type(ptr) is int:
-                size = (n + 255) & -256
                 fl = self._lists.get(key)
                 if fl is None:
                     fl = self._free_list(key, stream)
+                if n <= _CACHED_LIMIT:
+                    fl.cache[_SRCH[(n + 255) >> 8]].append(ptr)
+                    return
+                size = (n + 255) & -256
                 starts = fl.starts
                 ends = fl.ends
                 bins = fl.bins
@@ -420,6 +447,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         cover it; the streams they were freed on are synchronized before it goes back.
         """
         with self._lock:
+            self._flush_caches()
             chunk_starts = sorted(self._chunks)
             per_chunk: dict[int, list[tuple[_FreeList, int, int]]] = {}
             for fl in self._lists.values():
@@ -446,6 +474,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with self._lock:
+            self._flush_caches()
             free = 0
             largest = 0
             for fl in self._lists.values():
@@ -464,6 +493,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         # Like RMM's destructor: everything goes back to upstream. Live DeviceBuffers keep the
         # pool alive, so only raw pointers a caller forgot can be outstanding here.
         try:
+            if self._ordered:
+                # Blocks freed on other streams may still be in use by queued work.
+                from dask_rmm import _cuda
+
+                _cuda.device_synchronize()
             chunks = list(self._chunks.items())
             self._chunks.clear()
             for start, size in chunks:
@@ -474,8 +508,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     # -- test and report helpers -------------------------------------------------------------
 
     def _free_blocks(self) -> list[tuple[int, int, Any]]:
-        """Every free block as ``(ptr, size, stream key)``, by address."""
+        """Every free block as ``(ptr, size, stream key)``, by address (after merging the caches)."""
         with self._lock:
+            self._flush_caches()
             return sorted(
                 (p, s, fl.key) for fl in self._lists.values() for p, s in fl.starts.items()
             )
@@ -495,6 +530,24 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if fl is None:
             fl = self._lists[key] = _FreeList(key, stream)
         return fl
+
+    def _flush_caches(self) -> bool:
+        """Merge every cached block into its stream's coalescing free list (lock held).
+
+        Returns True when anything was cached.
+        """
+        flushed = False
+        insert = self._insert
+        for fl in self._lists.values():
+            cache = fl.cache
+            for c, cached in enumerate(cache):
+                if cached:
+                    size = _class_floor(c) << 8
+                    for ptr in cached:
+                        insert(fl, ptr, size)
+                    cache[c] = []
+                    flushed = True
+        return flushed
 
     def _add_chunk(self, ptr: int, size: int) -> None:
         self._chunks[ptr] = size
@@ -552,28 +605,42 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     return ptr, bsize
         return None
 
-    def _carve(self, fl: _FreeList, ptr: int, bsize: int, size: int, nbytes: int, dst=None) -> int:
-        """Hand out ``size`` bytes at the start of free block ``ptr``; the rest goes to ``dst``."""
+    def _carve(self, fl: _FreeList, ptr: int, bsize: int, size: int, tag: int, dst=None) -> int:
+        """Hand out ``size`` bytes at the start of free block ``ptr``; the rest goes to ``dst``.
+        ``tag`` is recorded in the live table (see :meth:`_allocate_slow`)."""
         self._remove(fl, ptr, bsize)
         if bsize > size:
             self._insert(dst if dst is not None else fl, ptr + size, bsize - size)
-        self._live[ptr] = nbytes
+        self._live[ptr] = tag
         return ptr
 
-    def _allocate_slow(self, nbytes: int, size: int, key: Any, stream: Stream) -> int:
+    def _allocate_slow(
+        self, nbytes: int, size: int, key: Any, stream: Stream, tag: int | None = None
+    ) -> int:
+        """Serve a request the fast path could not: own coalesced list, then (after merging
+        the caches) other streams' lists, then growth; as a last resort a rounded-up request
+        is retried at its exact 256-byte size.
+
+        ``tag`` is what the live table records: ``nbytes`` for a rounded block, ``~nbytes``
+        for one of exact size (deallocate's fast path then falls through to the slow one).
+        """
+        if tag is None:
+            tag = nbytes
         waits: list[_FreeList] = []
         with self._lock:
             own = self._free_list(key, stream)
             found = self._find(own, size)
+            if found is None and self._flush_caches():
+                found = self._find(own, size)
             if found is not None:
-                return self._carve(own, *found, size, nbytes)
+                return self._carve(own, *found, size, tag)
             # A fitting block on another stream: take it, the remainder comes along.
             for fl in list(self._lists.values()):
                 if fl is own or not fl.starts:
                     continue
                 found = self._find(fl, size)
                 if found is not None:
-                    ptr = self._carve(fl, *found, size, nbytes, dst=own)
+                    ptr = self._carve(fl, *found, size, tag, dst=own)
                     waits.append(fl)
                     break
             else:
@@ -586,12 +653,18 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     waits.extend(others)
                     found = self._find(own, size)
                     if found is not None:
-                        ptr = self._carve(own, *found, size, nbytes)
+                        ptr = self._carve(own, *found, size, tag)
         if waits:
             self._wait_for(waits, stream)
         if ptr:
             return ptr
-        return self._grow(nbytes, size, key, stream)
+        try:
+            return self._grow(nbytes, size, key, stream, tag)
+        except OutOfMemoryError:
+            exact = (nbytes + 255) & -256
+            if exact == size:
+                raise
+            return self._allocate_slow(nbytes, exact, key, stream, ~nbytes)
 
     def _size_to_grow(self, size: int) -> int:
         held = self._pool_size + self._growing
@@ -600,7 +673,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return max(size, align_up(remaining // 2)) if size <= remaining else 0
         return max(size, held)
 
-    def _grow(self, nbytes: int, size: int, key: Any, stream: Stream) -> int:
+    def _grow(self, nbytes: int, size: int, key: Any, stream: Stream, tag: int) -> int:
         with self._lock:
             try_size = self._size_to_grow(size)
             if not try_size:
@@ -621,7 +694,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             self._add_chunk(ptr, got)
             if got > size:
                 self._insert(self._free_list(key, stream), ptr + size, got - size)
-            self._live[ptr] = nbytes
+            self._live[ptr] = tag
         return ptr
 
     def _upstream_allocate(self, try_size: int, min_size: int, stream: Stream) -> tuple[int, int]:
@@ -636,6 +709,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 try_size = max(min_size, align_up(try_size // 2))
 
     def _oom(self, nbytes: int, stream: Stream, reason: str) -> OutOfMemoryError:
+        self._flush_caches()  # called with the lock held
         free = 0
         largest = 0
         for fl in self._lists.values():
@@ -668,19 +742,39 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 )
             return self.deallocate(ptr.__index__(), nbytes, stream)
         call = f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes!r})"
+        if allocated is not None and allocated < 0:
+            if ~allocated == nbytes:
+                self._deallocate_exact(ptr, nbytes, stream)
+                return
+            allocated = ~allocated
         if allocated is not None:
             raise ValueError(
                 f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
                 "deallocate takes the size passed to allocate"
             )
         with self._lock:
-            freed = any(ptr in fl.starts for fl in self._lists.values())
+            freed = any(
+                ptr in fl.starts or any(ptr in cached for cached in fl.cache if cached)
+                for fl in self._lists.values()
+            )
         where = (
             "a free block of this pool (double free)"
             if freed
             else "not a live allocation of this pool (foreign pointer or double free)"
         )
         raise ValueError(f"{call}: {ptr:#x} is {where}")
+
+    def _deallocate_exact(self, ptr: int, nbytes: int, stream: Stream) -> None:
+        """Free a block allocated at its exact size (the pool was too full to round it up)."""
+        stream = as_stream(stream)
+        key = stream.order_key()
+        with self._lock:
+            if self._live.get(ptr) != ~nbytes:
+                raise ValueError(
+                    f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
+                )
+            del self._live[ptr]
+            self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
 
     def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:
         if self._ordered:

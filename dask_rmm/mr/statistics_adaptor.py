@@ -10,7 +10,7 @@ import threading
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, acquire_contended
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["Statistics", "StatisticsResourceAdaptor"]
@@ -112,7 +112,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)
-        lock = threading.Lock()
+        self._lock = lock = threading.Lock()
         # The hot path calls these cached bound methods: a ``with`` block costs a bound
         # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
         self._acquire = lock.acquire
@@ -148,7 +148,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self._release()
             raise
         if nbytes:
-            self._acquire()
+            if not self._acquire(False):
+                acquire_contended(self._lock)
             try:
                 total = self._total_bytes + nbytes
                 self._total_bytes = total
@@ -170,7 +171,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """Free through upstream; counters change only if the upstream accepted the free."""
         self._upstream_deallocate(ptr, nbytes, stream)
         if nbytes:
-            self._acquire()
+            if not self._acquire(False):
+                acquire_contended(self._lock)
             self._freed_bytes += nbytes
             self._freed_count += 1
             self._release()
