@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dask_rmm._svg import PALETTE
+from dask_rmm._svg import PALETTE, _byte_step
 from dask_rmm.mr.base import format_bytes
 
 if TYPE_CHECKING:
@@ -23,16 +23,16 @@ def _matplotlib():
             "(or pip install 'dask-rmm[report]')"
         ) from e
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
 
     del matplotlib
-    return Figure, FuncFormatter
+    return Figure, FuncFormatter, MultipleLocator
 
 
 def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_task_groups: int = 10):
     """Draw ``report`` (see :meth:`ClusterMemoryReport.plot`); write a PNG to ``path`` if given."""
     # Figure + FigureCanvasAgg directly: never touches pyplot's global state or a display.
-    Figure, FuncFormatter = _matplotlib()
+    Figure, FuncFormatter, MultipleLocator = _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from dask_rmm.report import _label
@@ -57,6 +57,9 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     ax_t.set_ylabel("bytes")
     ax_t.yaxis.set_major_formatter(byte_fmt)
     ax_t.set_ylim(bottom=0)
+    top = max((s[2] for d in with_samples for s in d.timeline), default=0)
+    if top > 0:
+        ax_t.yaxis.set_major_locator(MultipleLocator(_byte_step(top)))
     ax_t.grid(alpha=0.3)
     if with_samples:
         ax_t.legend(loc="upper left", fontsize=8, ncols=1 + len(with_samples) // 8)
@@ -74,6 +77,9 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax_g.set_title("peak bytes per task group, stacked by worker device")
     ax_g.xaxis.set_major_formatter(byte_fmt)
+    widest = max(left, default=0)
+    if widest > 0:
+        ax_g.xaxis.set_major_locator(MultipleLocator(_byte_step(widest)))
     ax_g.grid(axis="x", alpha=0.3)
     if groups:
         ax_g.legend(loc="lower right", fontsize=8)

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
-def _env() -> dict:
+def _env(**config: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update({f"DASK_DASK_RMM__{k.upper()}": v for k, v in config.items()})
     return env
 
 
@@ -72,26 +73,22 @@ def _stop(*procs: subprocess.Popen) -> None:
             p.kill()
 
 
-def hold(nbytes):
-    from dask_rmm import DeviceBuffer
-
-    return DeviceBuffer(size=nbytes)
-
-
 @pytest.fixture(scope="module")
 def rmm_cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     sched, address, sched_file = _start_scheduler(tmp, "scheduler")
     worker = subprocess.Popen(
         [*_dask(), "worker", "--scheduler-file", str(sched_file), "--nthreads", "1", "--no-dashboard",
-         "--preload", "dask_rmm.preload", "--rmm-pool-size", "32MiB",
-         "--rmm-base-resource", "cuda" if HAS_GPU else "system"],
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         "--preload", "dask_rmm.preload"],
+        env=_env(pool_size="32MiB", base_resource="cuda" if HAS_GPU else "system"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         with Client(address, timeout=30) as client:
             client.wait_for_workers(1, timeout=60)
-            held = client.map(hold, [MiB, 2 * MiB], key=["hold-0", "hold-1"])
+            # DeviceBuffer itself is the task (the worker cannot import this test module).
+            from dask_rmm import DeviceBuffer
+
+            held = [client.submit(DeviceBuffer, size=n * MiB, key=f"hold-{n}") for n in (1, 2)]
             wait(held)
             # Results stay on the worker while these futures live; let a heartbeat carry them.
             deadline = time.monotonic() + 30

@@ -10,8 +10,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dask_rmm.mr import CallbackMemoryResource, LimitingResourceAdaptor, StatisticsResourceAdaptor
+from conftest import make_base_resource
+
+from dask_rmm.mr import (
+    CallbackMemoryResource,
+    LimitingResourceAdaptor,
+    PoolMemoryResource,
+    StatisticsResourceAdaptor,
+)
 from dask_rmm.mr.statistics_adaptor import Statistics
+
+
+@pytest.fixture(params=["direct", "fused-pool"])
+def base_resource(request, base_resource_name):
+    """Every test runs on the host's base resources, and again over a pool, where the adaptor
+    fuses with it (the pool counts under its own lock)."""
+    r = make_base_resource(base_resource_name)
+    if request.param == "fused-pool":
+        r = PoolMemoryResource(r, initial_pool_size=32 << 20)
+    return r
 
 FIELDS = ("current_bytes", "current_count", "peak_bytes", "peak_count", "total_bytes", "total_count")
 
@@ -205,8 +222,43 @@ def test_upstream_exception_other_than_memory_error_passes_through():
     mr = StatisticsResourceAdaptor(CallbackMemoryResource(alloc, lambda p, n, s: None))
     with pytest.raises(RuntimeError, match="boom"):
         mr.allocate(10)
-    assert mr.failed_allocations == 1
+    assert mr.failed_allocations == 0  # only out-of-memory counts as a failed allocation
     assert mr.allocation_counts.total_count == 0
+
+
+def test_fuses_with_a_pool_and_counts_its_out_of_memory():
+    pool = PoolMemoryResource(make_base_resource("system"), 1 << 20, 1 << 20)
+    mr = StatisticsResourceAdaptor(pool)
+    assert mr.allocate == pool.allocate  # no second call layer
+    p = mr.allocate(1 << 19)
+    with pytest.raises(MemoryError):
+        mr.allocate(1 << 20)
+    assert mr.failed_allocations == 1
+    assert mr.allocation_counts == Statistics(1 << 19, 1, 1 << 19, 1, 1 << 19, 1)
+    mr.deallocate(p, 1 << 19)
+    assert mr.allocation_counts.current_bytes == 0
+
+
+def test_fused_adaptor_ignores_frees_of_blocks_live_before_it():
+    pool = PoolMemoryResource(make_base_resource("system"), 1 << 20)
+    old = pool.allocate(4096)
+    mr = StatisticsResourceAdaptor(pool)
+    new = mr.allocate(1000)
+    pool.deallocate(old, 4096)  # a buffer from before statistics were enabled
+    assert mr.allocation_counts == Statistics(1000, 1, 1000, 1, 1000, 1)
+    second = StatisticsResourceAdaptor(pool)  # one fused adaptor per pool: this one counts alone
+    assert second.allocate != pool.allocate
+    q = second.allocate(256)
+    assert mr.allocation_counts.total_count == 2  # the fused counters see the pool's traffic
+    assert second.allocation_counts == Statistics(256, 1, 256, 1, 256, 1)
+    second.deallocate(q, 256)
+    mr.deallocate(new, 1000)
+    del mr
+    import gc
+
+    gc.collect()
+    third = StatisticsResourceAdaptor(pool)  # the first one detached when it was collected
+    assert third.allocate == pool.allocate
 
 
 def test_repr_names_counts(base_resource):

@@ -48,6 +48,7 @@ import bisect
 import os
 import re
 import threading
+from itertools import compress
 from typing import Any
 
 from dask_rmm.mr.base import (
@@ -111,6 +112,7 @@ def _class_floor(c: int) -> int:
 #: 1/16 more, see the module docstring) so that a freed block serves any later request of the
 #: same class from the per-stream cache.
 _CACHED_LIMIT = (_TABLE_UNITS - 1) << 8
+_CLASS_INDEXES = range(_N_CLASSES)
 #: Bytes a request of ``u`` units (u below _TABLE_UNITS) is given: its search class's floor.
 _ROUNDED = [_class_floor(_search_class(u)) << 8 for u in range(_TABLE_UNITS)]
 
@@ -279,6 +281,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
+        # Counters of a fused StatisticsResourceAdaptor (see _attach_statistics), or None.
+        self._stats = None
         if initial_pool_size:
             ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
             self._add_chunk(ptr, initial_pool_size)
@@ -323,6 +327,20 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 if cached:
                     ptr = cached.pop()
                     self._live[ptr] = nbytes
+                    st = self._stats
+                    if st is not None:
+                        t = st.total_bytes + nbytes
+                        st.total_bytes = t
+                        t -= st.freed_bytes
+                        if t > st.peak_bytes:
+                            st.peak_bytes = t
+                        if t > st.interval_peak:
+                            st.interval_peak = t
+                        t = st.total_count + 1
+                        st.total_count = t
+                        t -= st.freed_count
+                        if t > st.peak_count:
+                            st.peak_count = t
                     return ptr
                 nonempty = fl.nonempty
                 c = nonempty.find(1, sc)
@@ -358,10 +376,22 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                         if not b:
                             nonempty[c] = 0
                     self._live[ptr] = nbytes
+                    if self._stats is not None:
+                        self._count_allocation(nbytes)
                     return ptr
         finally:
             lock.release()
-        return self._allocate_slow(nbytes, size, key, stream)
+        try:
+            ptr = self._allocate_slow(nbytes, size, key, stream)
+        except MemoryError:
+            if self._stats is not None:
+                with self._lock:
+                    self._stats.failed += 1
+            raise
+        if self._stats is not None:
+            with self._lock:
+                self._count_allocation(nbytes)
+        return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         try:
@@ -381,6 +411,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 fl = self._lists.get(key)
                 if fl is None:
                     fl = self._free_list(key, stream)
+                st = self._stats
+                if st is not None:
+                    if st.uncounted and ptr in st.uncounted:
+                        st.uncounted.discard(ptr)
+                    else:
+                        st.freed_bytes += n
+                        st.freed_count += 1
                 if n <= _CACHED_LIMIT:
                     fl.cache[_SRCH[(n + 255) >> 8]].append(ptr)
                     return
@@ -531,6 +568,51 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             fl = self._lists[key] = _FreeList(key, stream)
         return fl
 
+    def _attach_statistics(self, counters) -> bool:
+        """Count allocations into a StatisticsResourceAdaptor's counters under this pool's lock.
+
+        Blocks live now are remembered so that their frees are not counted. Returns False
+        (and changes nothing) when another adaptor's counters are attached already.
+        """
+        with self._lock:
+            if self._stats is not None:
+                return False
+            counters.uncounted = set(self._live)
+            self._stats = counters
+            return True
+
+    def _detach_statistics(self, counters) -> None:
+        with self._lock:
+            if self._stats is counters:
+                self._stats = None
+
+    def _count_allocation(self, nbytes: int) -> None:
+        """Count one allocation into the fused counters (lock held; the slow paths' twin of
+        the inline update in allocate's cache-hit branch)."""
+        st = self._stats
+        t = st.total_bytes + nbytes
+        st.total_bytes = t
+        t -= st.freed_bytes
+        if t > st.peak_bytes:
+            st.peak_bytes = t
+        if t > st.interval_peak:
+            st.interval_peak = t
+        t = st.total_count + 1
+        st.total_count = t
+        t -= st.freed_count
+        if t > st.peak_count:
+            st.peak_count = t
+
+    def _count_free(self, ptr: int, nbytes: int) -> None:
+        st = self._stats
+        if st is None:
+            return
+        if st.uncounted and ptr in st.uncounted:
+            st.uncounted.discard(ptr)
+        else:
+            st.freed_bytes += nbytes
+            st.freed_count += 1
+
     def _flush_caches(self) -> bool:
         """Merge every cached block into its stream's coalescing free list (lock held).
 
@@ -540,13 +622,12 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         insert = self._insert
         for fl in self._lists.values():
             cache = fl.cache
-            for c, cached in enumerate(cache):
-                if cached:
-                    size = _class_floor(c) << 8
-                    for ptr in cached:
-                        insert(fl, ptr, size)
-                    cache[c] = []
-                    flushed = True
+            for c in compress(_CLASS_INDEXES, cache):  # the non-empty classes, found in C
+                size = _class_floor(c) << 8
+                for ptr in cache[c]:
+                    insert(fl, ptr, size)
+                cache[c] = []
+                flushed = True
         return flushed
 
     def _add_chunk(self, ptr: int, size: int) -> None:
@@ -774,6 +855,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
                 )
             del self._live[ptr]
+            self._count_free(ptr, nbytes)
             self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
 
     def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:

@@ -81,6 +81,23 @@ class Statistics:
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Statistics))
 
 
+class _Counters:
+    """The top counter frame's raw numbers. Current values are derived (allocated minus freed),
+    so that a free touches two counters. Kept apart from the adaptor so that a
+    PoolMemoryResource can update them under its own lock (``uncounted``: pointers that were
+    live in the pool when counting started, whose frees are not counted)."""
+
+    __slots__ = (
+        "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
+        "interval_peak", "failed", "uncounted",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
+        self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
+        self.uncounted: set[int] = set()
+
+
 class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     """Counts the allocations made through it: current, peak and total bytes and counts.
 
@@ -89,9 +106,17 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     least the outer current plus the inner peak). :attr:`allocation_counts` reads the top frame.
     Zero-byte allocations are passed through uncounted, as ``deallocate(0, 0)`` is a no-op.
 
-    Counters change only after the upstream succeeded: a failed allocation increments
-    :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or size) leaves
-    every counter as it was.
+    Counters change only after the upstream succeeded: an allocation that runs out of memory
+    increments :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or
+    size) leaves every counter as it was.
+
+    Over a :class:`PoolMemoryResource` the adaptor *fuses* with the pool: the pool updates the
+    counters inside its own lock and the adaptor's ``allocate``/``deallocate`` are the pool's,
+    so counting costs a few attribute updates instead of a second lock and call layer per
+    operation (bench/stats_overhead.py). The numbers are the same, with one difference:
+    allocations made on that pool directly, bypassing the adaptor, are counted too (frees of
+    blocks that were already live when the adaptor was made are not). One adaptor fuses with a
+    pool at a time; a second one counts on its own.
 
     Parameters
     ----------
@@ -119,22 +144,28 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         self._release = lock.release
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
-        # Top frame, as plain ints. Current values are derived (allocated minus freed), so
-        # that deallocate touches two counters and allocate stores only what it must.
-        self._total_bytes = 0
-        self._total_count = 0
-        self._freed_bytes = 0
-        self._freed_count = 0
-        self._peak_bytes = 0
-        self._peak_count = 0
-        # Outer frames: (current_bytes, current_count, peak_bytes, peak_count, total_bytes,
-        # total_count) at the time of the push.
+        # Top frame's counters (see _Counters). Outer frames: (current_bytes, current_count,
+        # peak_bytes, peak_count, total_bytes, total_count) at the time of the push.
+        self._c = _Counters()
         self._frames: list[tuple[int, int, int, int, int, int]] = []
         # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
         self._base_bytes = 0
-        # Largest top-frame current bytes since the last take_interval_peak().
-        self._interval_peak = 0
-        self._failed = 0
+        self._fused_with = None
+        attach = getattr(upstream_mr, "_attach_statistics", None)
+        if attach is not None and attach(self._c):
+            # The upstream (a PoolMemoryResource) counts under its own lock: every call goes
+            # straight to it, and readers take its lock. See the class notes.
+            self._fused_with = upstream_mr
+            self._lock = lock = upstream_mr._lock
+            self._acquire = lock.acquire
+            self._release = lock.release
+            self.allocate = upstream_mr.allocate
+            self.deallocate = upstream_mr.deallocate
+
+    def __del__(self):
+        pool = getattr(self, "_fused_with", None)
+        if pool is not None:
+            pool._detach_statistics(self._c)
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -142,27 +173,28 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """Allocate from upstream and count it (after the upstream succeeded)."""
         try:
             ptr = self._upstream_allocate(nbytes, stream)
-        except BaseException:
+        except MemoryError:
             self._acquire()
-            self._failed += 1
+            self._c.failed += 1
             self._release()
             raise
         if nbytes:
             if not self._acquire(False):
                 acquire_contended(self._lock)
             try:
-                total = self._total_bytes + nbytes
-                self._total_bytes = total
-                current = total - self._freed_bytes
-                if current > self._peak_bytes:
-                    self._peak_bytes = current
-                if current > self._interval_peak:
-                    self._interval_peak = current
-                total = self._total_count + 1
-                self._total_count = total
-                current = total - self._freed_count
-                if current > self._peak_count:
-                    self._peak_count = current
+                c = self._c
+                t = c.total_bytes + nbytes
+                c.total_bytes = t
+                t -= c.freed_bytes
+                if t > c.peak_bytes:
+                    c.peak_bytes = t
+                if t > c.interval_peak:
+                    c.interval_peak = t
+                t = c.total_count + 1
+                c.total_count = t
+                t -= c.freed_count
+                if t > c.peak_count:
+                    c.peak_count = t
             finally:
                 self._release()
         return ptr
@@ -173,20 +205,23 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         if nbytes:
             if not self._acquire(False):
                 acquire_contended(self._lock)
-            self._freed_bytes += nbytes
-            self._freed_count += 1
-            self._release()
+            try:
+                c = self._c
+                c.freed_bytes += nbytes
+                c.freed_count += 1
+            finally:
+                self._release()
 
     # -- reading --------------------------------------------------------------------------
 
     def _top_locked(self) -> Statistics:
         return Statistics(
-            int(self._total_bytes - self._freed_bytes),
-            self._total_count - self._freed_count,
-            int(self._peak_bytes),
-            self._peak_count,
-            int(self._total_bytes),
-            self._total_count,
+            int(self._c.total_bytes - self._c.freed_bytes),
+            self._c.total_count - self._c.freed_count,
+            int(self._c.peak_bytes),
+            self._c.peak_count,
+            int(self._c.total_bytes),
+            self._c.total_count,
         )
 
     @property
@@ -201,14 +236,14 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     @property
     def failed_allocations(self) -> int:
         """How many allocations the upstream refused (raised) through this adaptor."""
-        return self._failed
+        return self._c.failed
 
     @property
     def current_bytes(self) -> int:
         """Bytes currently allocated through this adaptor, across all counter frames."""
         self._acquire()
         try:
-            return int(self._base_bytes + self._total_bytes - self._freed_bytes)
+            return int(self._base_bytes + self._c.total_bytes - self._c.freed_bytes)
         finally:
             self._release()
 
@@ -220,8 +255,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """
         self._acquire()
         try:
-            peak = self._base_bytes + self._interval_peak
-            self._interval_peak = self._total_bytes - self._freed_bytes
+            peak = self._base_bytes + self._c.interval_peak
+            self._c.interval_peak = self._c.total_bytes - self._c.freed_bytes
             return int(peak)
         finally:
             self._release()
@@ -250,10 +285,10 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
                 )
             )
             self._base_bytes += before.current_bytes
-            self._interval_peak -= before.current_bytes
-            self._total_bytes = self._total_count = 0
-            self._freed_bytes = self._freed_count = 0
-            self._peak_bytes = self._peak_count = 0
+            self._c.interval_peak -= before.current_bytes
+            self._c.total_bytes = self._c.total_count = 0
+            self._c.freed_bytes = self._c.freed_count = 0
+            self._c.peak_bytes = self._c.peak_count = 0
             return before
         finally:
             self._release()
@@ -284,14 +319,14 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             inner = self._top_locked()
             cb, cc, pb, pc, tb, tc = self._frames.pop()
             self._base_bytes -= cb
-            self._interval_peak += cb
-            self._peak_bytes = max(pb, cb + inner.peak_bytes)
-            self._peak_count = max(pc, cc + inner.peak_count)
-            self._total_bytes = tb + inner.total_bytes
-            self._total_count = tc + inner.total_count
+            self._c.interval_peak += cb
+            self._c.peak_bytes = max(pb, cb + inner.peak_bytes)
+            self._c.peak_count = max(pc, cc + inner.peak_count)
+            self._c.total_bytes = tb + inner.total_bytes
+            self._c.total_count = tc + inner.total_count
             # current = total - freed must come out as cb + inner.current_*
-            self._freed_bytes = self._total_bytes - (cb + inner.current_bytes)
-            self._freed_count = self._total_count - (cc + inner.current_count)
+            self._c.freed_bytes = self._c.total_bytes - (cb + inner.current_bytes)
+            self._c.freed_count = self._c.total_count - (cc + inner.current_count)
             return inner
         finally:
             self._release()
