@@ -96,21 +96,33 @@ def simulated(args) -> list[tuple[str, str]]:
     base = s.handlers["heartbeat_worker"]
     # Fresh dicts per round (the scheduler gets a new one every heartbeat); built up front.
     batches = [
-        [{METRICS_KEY: metrics_dict(i, 1e9 + r, args.samples, args.devices)} for i in range(args.workers)]
+        [
+            {METRICS_KEY: metrics_dict(i, 1e9 + r, args.samples, args.devices)}
+            for i in range(args.workers)
+        ]
         for r in range(8)
     ]
     empty = [[{} for _ in range(args.workers)]]
 
-    rows.append(("stub heartbeat_worker, no hook", f"{per_heartbeat(s, base, batches, args.rounds):.2f} us"))
+    rows.append(
+        ("stub heartbeat_worker, no hook", f"{per_heartbeat(s, base, batches, args.rounds):.2f} us")
+    )
     _install_heartbeat_hook(s)
     hooked = s.handlers["heartbeat_worker"]
-    rows.append(("hook, plugin not registered", f"{per_heartbeat(s, hooked, batches, args.rounds):.2f} us"))
+    rows.append(
+        ("hook, plugin not registered", f"{per_heartbeat(s, hooked, batches, args.rounds):.2f} us")
+    )
 
     plugin = SchedulerTimelinePlugin(timeline_length=args.timeline_length)
     plugin.scheduler = s
     plugin.timeline_length = args.timeline_length
     s.plugins[PLUGIN_NAME] = plugin
-    rows.append(("hook + plugin, worker without dask-rmm", f"{per_heartbeat(s, hooked, empty, args.rounds):.2f} us"))
+    rows.append(
+        (
+            "hook + plugin, worker without dask-rmm",
+            f"{per_heartbeat(s, hooked, empty, args.rounds):.2f} us",
+        )
+    )
     # Fill every ring buffer first, so the steady state (overwriting) is what gets timed.
     fill = args.timeline_length // args.samples + 1
     per_heartbeat(s, hooked, batches, fill)
@@ -146,7 +158,12 @@ def simulated(args) -> list[tuple[str, str]]:
         list(collector.collect())  # the first call pays for prometheus_client's lazy setup
         start = time.perf_counter()
         fams = list(collector.collect())
-        rows.append(("Prometheus collect", f"{(time.perf_counter() - start) * 1e3:.2f} ms ({len(fams)} families)"))
+        rows.append(
+            (
+                "Prometheus collect",
+                f"{(time.perf_counter() - start) * 1e3:.2f} ms ({len(fams)} families)",
+            )
+        )
     except ImportError:
         rows.append(("Prometheus collect", "prometheus_client not installed"))
 
@@ -162,7 +179,12 @@ def simulated(args) -> list[tuple[str, str]]:
     snap1 = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(st.size_diff for st in snap1.compare_to(snap0, "filename"))
-    rows.append((f"timeline memory, full ({args.timeline_length} samples/device)", f"{grown / 2**20:.1f} MiB"))
+    rows.append(
+        (
+            f"timeline memory, full ({args.timeline_length} samples/device)",
+            f"{grown / 2**20:.1f} MiB",
+        )
+    )
     return rows
 
 
@@ -175,7 +197,10 @@ async def real_heartbeat(args) -> list[tuple[str, str]]:
         async with Worker(s.address, nthreads=1) as w:
             base_metrics = await w.get_metrics()
             batches = [
-                dict(base_metrics, **{METRICS_KEY: metrics_dict(0, 1e9 + r, args.samples, args.devices)})
+                dict(
+                    base_metrics,
+                    **{METRICS_KEY: metrics_dict(0, 1e9 + r, args.samples, args.devices)},
+                )
                 for r in range(8)
             ]
             w.periodic_callbacks["heartbeat"].stop()
@@ -183,7 +208,9 @@ async def real_heartbeat(args) -> list[tuple[str, str]]:
             def timed(handler) -> float:
                 start = time.perf_counter()
                 for r in range(args.rounds):
-                    handler(address=w.address, metrics=batches[r % 8], executing={}, now=time.time())
+                    handler(
+                        address=w.address, metrics=batches[r % 8], executing={}, now=time.time()
+                    )
                 return (time.perf_counter() - start) / args.rounds * 1e6
 
             original = s.handlers["heartbeat_worker"]
@@ -194,7 +221,9 @@ async def real_heartbeat(args) -> list[tuple[str, str]]:
             )
             hooked = s.handlers["heartbeat_worker"]
             timed(hooked)
-            rows.append(("real Scheduler.heartbeat_worker + dask-rmm hook", f"{timed(hooked):.2f} us"))
+            rows.append(
+                ("real Scheduler.heartbeat_worker + dask-rmm hook", f"{timed(hooked):.2f} us")
+            )
     return rows
 
 
@@ -210,7 +239,9 @@ def main() -> None:
     rows = simulated(args)
     rows += asyncio.run(real_heartbeat(args))
     width = max(len(k) for k, _ in rows)
-    print(f"dask-rmm scheduler overhead: {args.workers} simulated workers, Python {sys.version.split()[0]}")
+    print(
+        f"dask-rmm scheduler overhead: {args.workers} simulated workers, Python {sys.version.split()[0]}"
+    )
     print(f"{'measure':<{width}}  value")
     print(f"{'-' * width}  {'-' * 20}")
     for k, v in rows:

@@ -472,7 +472,8 @@ class ClusterMemoryReport:
         meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
         return (
             '<!DOCTYPE html><html><head><meta charset="utf-8">'
-            f"<title>dask-rmm cluster memory</title>{meta}</head><body>{fragment}"
+            f"<title>dask-rmm cluster memory</title>{meta}</head>"
+            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
             '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
         )
 
@@ -501,6 +502,8 @@ _CSS = (
     ".dask-rmm-report th,.dask-rmm-report td{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right}"
     ".dask-rmm-report th:nth-child(-n+3),.dask-rmm-report td:nth-child(-n+3),"
     ".dask-rmm-report td:last-child,.dask-rmm-report th:last-child{text-align:left}"
+    ".dask-rmm-report th,.dask-rmm-report td{white-space:nowrap}"
+    ".dask-rmm-report td:last-child{white-space:normal}"
     ".dask-rmm-report thead th{background:#f3f3f3}"
     ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
     ".dask-rmm-report .err{color:#b00}"

@@ -37,15 +37,24 @@ def reduce(*parts):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host-memory", action="store_true", help="SystemMemoryResource, no GPU needed")
+    ap.add_argument(
+        "--host-memory", action="store_true", help="SystemMemoryResource, no GPU needed"
+    )
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--plot", default="cluster-report.png", help="PNG to write")
     ap.add_argument("--html", default=None, help="also write the report as a standalone HTML page")
-    ap.add_argument("--keep-open", type=float, default=0, help="seconds to keep the cluster up (to browse /dask-rmm)")
+    ap.add_argument(
+        "--keep-open",
+        type=float,
+        default=0,
+        help="seconds to keep the cluster up (to browse /dask-rmm)",
+    )
     args = ap.parse_args()
 
     with (
-        LocalCluster(n_workers=args.workers, threads_per_worker=2, dashboard_address=":0") as cluster,
+        LocalCluster(
+            n_workers=args.workers, threads_per_worker=2, dashboard_address=":0"
+        ) as cluster,
         Client(cluster) as client,
     ):
         # One call sets up every worker's pool and the scheduler side of the reports.
@@ -56,10 +65,15 @@ def main() -> None:
             )
         )
 
-        chunks = [client.submit(load, i, (8 + 4 * (i % 5)) * MiB, key=f"load-{i}") for i in range(24)]
+        chunks = [
+            client.submit(load, i, (8 + 4 * (i % 5)) * MiB, key=f"load-{i}") for i in range(24)
+        ]
         wait(chunks)
         time.sleep(1.5)
-        parts = [client.submit(transform, c, 48 * MiB, key=f"transform-{i}") for i, c in enumerate(chunks)]
+        parts = [
+            client.submit(transform, c, 48 * MiB, key=f"transform-{i}")
+            for i, c in enumerate(chunks)
+        ]
         wait(parts)
         time.sleep(1.5)
         del chunks  # frees the loaded chunks on the workers
@@ -70,7 +84,11 @@ def main() -> None:
         report = dask_rmm.cluster_report(client)
         print(report)
         print()
-        print(report.to_frame()[["worker", "current_bytes", "peak_bytes", "reserved_bytes", "fragmentation"]])
+        print(
+            report.to_frame()[
+                ["worker", "current_bytes", "peak_bytes", "reserved_bytes", "fragmentation"]
+            ]
+        )
         report.plot(args.plot)
         print(f"\nwrote {args.plot}")
         if args.html:

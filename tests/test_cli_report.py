@@ -94,7 +94,10 @@ def rmm_cluster(tmp_path_factory):
             deadline = time.monotonic() + 30
             while True:
                 out = _cli(address, "--json")
-                if out.returncode == 0 and json.loads(out.stdout)["totals"]["current_bytes"] == 3 * MiB:
+                if (
+                    out.returncode == 0
+                    and json.loads(out.stdout)["totals"]["current_bytes"] == 3 * MiB
+                ):
                     break
                 assert time.monotonic() < deadline, out
                 time.sleep(0.2)

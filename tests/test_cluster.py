@@ -8,6 +8,7 @@ import json
 import dask
 import pytest
 from distributed.utils_test import gen_cluster
+from fake_metrics import FakeRMMMetrics
 
 from dask_rmm.cluster import (
     PLUGIN_NAME,
@@ -17,7 +18,6 @@ from dask_rmm.cluster import (
     install_scheduler_plugin,
 )
 from dask_rmm.report import ClusterMemoryReport
-from fake_metrics import FakeRMMMetrics
 
 
 def _attach(*workers, devices=("0",)) -> list[FakeRMMMetrics]:
@@ -52,7 +52,9 @@ def test_timeline_matches_a_bounded_deque(capacity):
     rng = random.Random(capacity)
     tl, ref, n = Timeline(capacity), deque(maxlen=capacity), 0
     for _ in range(200):
-        batch = [[float(n + i), n + i, 2 * (n + i)] for i in range(rng.randrange(0, 2 * capacity + 2))]
+        batch = [
+            [float(n + i), n + i, 2 * (n + i)] for i in range(rng.randrange(0, 2 * capacity + 2))
+        ]
         n += len(batch)
         tl.extend(batch)
         ref.extend(batch)
@@ -194,7 +196,7 @@ async def test_timeline_length_from_config_and_bounded(c, s, a, b):
     (fa,) = _attach(a)
     with dask.config.set({"dask-rmm.scheduler.timeline-length": 5}):
         await install_scheduler_plugin(c)
-    for i in range(12):
+    for _ in range(12):
         fa["0"].allocate(1)
     await a.heartbeat()
     report = await cluster_report(c)

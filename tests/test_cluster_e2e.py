@@ -75,15 +75,20 @@ def _poll(predicate, timeout: float = 20.0, what: str = "condition"):
 @pytest.fixture(scope="module")
 def cluster():
     options = {"base_resource": "cuda" if HAS_GPU else "system", "pool_size": "64MiB"}
-    with LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        worker_dashboard_address=None,
-    ) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            worker_dashboard_address=None,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(RMMPlugin(**options))
-        held = client.map(hold, [1 * MiB, 2 * MiB, 3 * MiB, 4 * MiB], key=[f"hold-{i}" for i in range(4)])
+        held = client.map(
+            hold, [1 * MiB, 2 * MiB, 3 * MiB, 4 * MiB], key=[f"hold-{i}" for i in range(4)]
+        )
         bursts = client.map(burst, [8 * MiB, 12 * MiB], key=["burst-0", "burst-1"])
         wait(held + bursts)
         yield cluster, client, held
@@ -172,10 +177,15 @@ def test_worker_killed_mid_run_is_marked_gone_and_report_renders(cluster, tmp_pa
     victim = sorted(before.workers)[0]
     pid = client.run(os.getpid, workers=[victim])[victim]
     running = client.submit(time.sleep, 30, workers=[victim], key="sleep-0")
-    _poll(lambda: running.status == "pending" and client.processing(workers=[victim])[victim], what="task running")
+    _poll(
+        lambda: running.status == "pending" and client.processing(workers=[victim])[victim],
+        what="task running",
+    )
     os.kill(pid, signal.SIGKILL)
     report = _poll(
-        lambda: (lambda r: r if any(d.status == "gone" for d in r.devices) else None)(cluster_report(client)),
+        lambda: (lambda r: r if any(d.status == "gone" for d in r.devices) else None)(
+            cluster_report(client)
+        ),
         what="the killed worker marked gone",
     )
     gone = report.device(victim)

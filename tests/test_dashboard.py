@@ -7,11 +7,11 @@ import json
 
 import pytest
 from distributed.utils_test import gen_cluster
+from fake_metrics import FakeRMMMetrics
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin
 from dask_rmm.report import ClusterMemoryReport
-from fake_metrics import FakeRMMMetrics
 
 
 async def _get(s, path: str, **kwargs):

@@ -7,18 +7,20 @@ from distributed.utils_test import gen_cluster
 
 pytest.importorskip("prometheus_client")
 
+from fake_metrics import FakeRMMMetrics  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tornado.httpclient import AsyncHTTPClient  # noqa: E402
 
 from dask_rmm import prometheus  # noqa: E402
 from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin  # noqa: E402
-from fake_metrics import FakeRMMMetrics  # noqa: E402
 
 
 async def _families(s) -> dict:
     r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/metrics")
     text = r.body.decode()
-    return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("dask_rmm")}
+    return {
+        f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("dask_rmm")
+    }
 
 
 def _by_worker(family) -> dict:
@@ -43,7 +45,10 @@ async def test_gauges_match_worker_statistics(c, s, a, b):
     assert used == {(a.address, "0"): 1000, (b.address, "0"): 0, (b.address, "1"): 4096}
     assert _by_worker(fams["dask_rmm_peak_bytes"])[a.address, "0"] == 1500
     assert _by_worker(fams["dask_rmm_reserved_bytes"])[a.address, "0"] == fa["0"].reserved
-    assert _by_worker(fams["dask_rmm_largest_free_block_bytes"])[a.address, "0"] == fa["0"].reserved - 1000
+    assert (
+        _by_worker(fams["dask_rmm_largest_free_block_bytes"])[a.address, "0"]
+        == fa["0"].reserved - 1000
+    )
     assert fams["dask_rmm_failed_allocations"].type == "counter"
     assert _by_worker(fams["dask_rmm_failed_allocations"])[a.address, "0"] == 2
     assert "dask_rmm_pool_free_bytes" in fams and "dask_rmm_fragmentation_ratio" in fams

@@ -27,7 +27,11 @@ def _data(**overrides) -> dict:
         "device_total_bytes": 0,
         "resource": "StatisticsResourceAdaptor>PoolMemoryResource>SystemMemoryResource",
         "task_groups": [["matmul", 2 << 20, 4 << 20], ["<script>", 1 << 20, 1 << 20]],
-        "timeline": [[100.0, 1 << 20, 1 << 20], [100.1, 5 << 20, 5 << 20], [100.2, 3 << 20, 3 << 20]],
+        "timeline": [
+            [100.0, 1 << 20, 1 << 20],
+            [100.1, 5 << 20, 5 << 20],
+            [100.2, 3 << 20, 3 << 20],
+        ],
     }
     data = {
         "version": 1,
@@ -35,9 +39,24 @@ def _data(**overrides) -> dict:
         "scheduler": "tcp://10.0.0.1:8786",
         "timeline_length": 3600,
         "workers": [
-            {"address": "tcp://10.0.0.10:4000", "name": "w10", "status": "running", "devices": {"0": dev}},
-            {"address": "tcp://10.0.0.2:4000", "name": "w2", "status": "running", "devices": {"0": dict(dev, current_bytes=1 << 20)}},
-            {"address": "tcp://10.0.0.3:4000", "name": "w3", "status": "gone", "devices": {"0": dev}},
+            {
+                "address": "tcp://10.0.0.10:4000",
+                "name": "w10",
+                "status": "running",
+                "devices": {"0": dev},
+            },
+            {
+                "address": "tcp://10.0.0.2:4000",
+                "name": "w2",
+                "status": "running",
+                "devices": {"0": dict(dev, current_bytes=1 << 20)},
+            },
+            {
+                "address": "tcp://10.0.0.3:4000",
+                "name": "w3",
+                "status": "gone",
+                "devices": {"0": dev},
+            },
         ],
         "workers_without_dask_rmm": ["tcp://10.0.0.9:4000"],
     }

@@ -172,7 +172,9 @@ class _FreeList:
         # cache[c]: blocks of exactly class c's floor size, freed on this stream and not yet
         # merged with their neighbours (a LIFO list: pop/append are the cheapest operations).
         self.cache: list[list[int]] = [[] for _ in range(_N_CLASSES)]
-        self.bins: list[dict[int, int] | None] = [None] * _N_CLASSES
+        # Every class dict exists from the start: creating a dict under the pool's lock could
+        # run the garbage collector, whose finalizers may free into this pool on this thread.
+        self.bins: list[dict[int, int]] = [{} for _ in range(_N_CLASSES)]
         self.nonempty = bytearray(_N_CLASSES)  # 1 where bins[c] has blocks
         self.starts: dict[int, int] = {}  # start -> size
         self.ends: dict[int, int] = {}  # end -> start
