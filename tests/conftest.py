@@ -51,8 +51,15 @@ def make_test_streams(n: int, resource=None) -> list:
 
     host = resource is not None and getattr(resource, "is_host_memory", False)
     if HAS_GPU and not host:
-        return [Stream() for _ in range(n)]
+        # Real streams live for the whole session: a stream destroyed while some resource of an
+        # earlier test (or hypothesis example) still orders on it would be a dangling handle.
+        while len(_SESSION_STREAMS) < n:
+            _SESSION_STREAMS.append(Stream())
+        return _SESSION_STREAMS[:n]
     return [Stream._from_handle(0x1000 * (i + 1)) for i in range(n)]
+
+
+_SESSION_STREAMS: list = []
 
 
 def pytest_collection_modifyitems(config, items):
