@@ -70,7 +70,9 @@ def main(pairs: int = 200_000, repeats: int = 7) -> None:
             base = _best_ns(upstream, pairs, repeats)
             print(f"{up_name:<14} {'(none)':<12} {base:9.0f} {'':>14}")
             for ad_name, make_ad in _adaptors(tmpdir):
-                adaptor = make_ad(upstream)
+                # A fresh upstream under the adaptor: a statistics adaptor fuses with a pool and
+                # would then count the bare pool's calls too.
+                adaptor = make_ad(make_up())
                 # Interleave with the bare upstream so that machine noise hits both alike.
                 samples, bases = [], []
                 for _ in range(repeats):
@@ -79,6 +81,51 @@ def main(pairs: int = 200_000, repeats: int = 7) -> None:
                 added = min(samples) - min(bases)
                 print(f"{up_name:<14} {ad_name:<12} {min(samples):9.0f} {added:14.0f}")
     print(f"python {sys.version.split()[0]}, {pairs} pairs x {repeats} repeats, best run")
+    gc.enable()
+    alloc_workload_rows()
+
+
+def alloc_workload_rows(steps: int = 50_000, repeats: int = 7) -> None:
+    """The same question on bench/alloc.py's workload (1000 live blocks, 256 B..4 MiB), over a
+    pool on the host's base resource: the statistics and attribution layers the worker plugin
+    stacks, measured interleaved with the bare pool, median of ``repeats``."""
+    import functools
+    import statistics as st
+    import threading
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import alloc as A
+
+    from dask_rmm import mr
+    from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+
+    local = threading.local()
+    local.key = "task-1"
+    owner = functools.partial(getattr, local, "key", None)
+
+    def stack(layers):
+        def make():
+            r = mr.PoolMemoryResource(A.base(), initial_pool_size=A.POOL_SIZE)
+            if "statistics" in layers:
+                r = mr.StatisticsResourceAdaptor(r)
+            if "attribution" in layers:
+                r = AttributionResourceAdaptor(r, owner)
+            return r.allocate, r.deallocate, r
+
+        return make
+
+    rows = [("pool", ()), ("pool+statistics", ("statistics",)),
+            ("pool+statistics+attribution", ("statistics", "attribution"))]
+    times = {name: [] for name, _ in rows}
+    for _ in range(repeats):
+        for name, layers in rows:
+            times[name].append(A.measure(stack(layers), steps, 1, 1))
+    base = st.median(times["pool"])
+    print(f"\nalloc workload (bench/alloc.py), median of {repeats} interleaved runs")
+    print(f"{'stack':<30} {'ns/pair':>9} {'added ns/pair':>14}")
+    for name, _ in rows:
+        med = st.median(times[name])
+        print(f"{name:<30} {med:9.0f} {med - base:14.0f}")
 
 
 if __name__ == "__main__":

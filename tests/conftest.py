@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-import dask_rmm.config  # noqa: F401  (registers the dask-rmm.* defaults before any test module
-# imports distributed.utils_test, whose clean-up restores the config it saw at import)
+# dask_rmm.config registers the dask-rmm.* defaults before any test module imports
+# distributed.utils_test, whose clean-up restores the config it saw at import.
+import dask_rmm.config  # noqa: F401
 from dask_rmm import _cuda
 
 HAS_GPU = _cuda.is_available()

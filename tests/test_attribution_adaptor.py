@@ -20,6 +20,22 @@ class _Owner(threading.local):
     task = None
 
 
+@pytest.fixture(params=["direct", "fused-pool", "fused-statistics-pool"])
+def base_resource(request, base_resource_name):
+    """Every test runs on the host's base resources, and again over a pool (directly and through
+    a statistics adaptor), where the adaptor fuses with the pool."""
+    from conftest import make_base_resource
+
+    from dask_rmm.mr import PoolMemoryResource, StatisticsResourceAdaptor
+
+    r = make_base_resource(base_resource_name)
+    if request.param != "direct":
+        r = PoolMemoryResource(r, initial_pool_size=32 << 20)
+        if request.param == "fused-statistics-pool":
+            r = StatisticsResourceAdaptor(r)
+    return r
+
+
 @pytest.fixture
 def owner():
     return _Owner()
@@ -202,3 +218,25 @@ def test_delegates_reserved_memory_info_and_host_flag(base_resource):
     assert mr.is_host_memory == base_resource.is_host_memory
     assert mr.get_upstream() is base_resource
     assert "AttributionResourceAdaptor" in repr(mr)
+
+
+def test_fuses_with_a_pool_under_statistics(owner):
+    from conftest import make_base_resource
+
+    from dask_rmm.mr import PoolMemoryResource, StatisticsResourceAdaptor
+
+    pool = PoolMemoryResource(make_base_resource("system"), 1 << 20, 1 << 20)
+    before = pool.allocate(256)  # live before attribution: never charged back
+    stats = StatisticsResourceAdaptor(pool)
+    mr = AttributionResourceAdaptor(stats, functools.partial(getattr, owner, "task", None))
+    assert mr.allocate == pool.allocate  # neither layer adds a call
+    owner.task = "load-1"
+    p = mr.allocate(1000)
+    with pytest.raises(MemoryError):
+        mr.allocate(1 << 20)  # too big for what is left: charged to nobody
+    pool.deallocate(before, 256)
+    assert mr.get_owner_memory("load-1") == OwnerMemory("load-1", 1000, 1000)
+    assert stats.allocation_counts.current_bytes == 1000 and stats.failed_allocations == 1
+    mr.deallocate(p, 1000)
+    assert mr.get_owner_memory("load-1").current_bytes == 0
+    assert stats.allocation_counts.current_bytes == 0

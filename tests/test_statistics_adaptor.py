@@ -7,10 +7,9 @@ import dataclasses
 import threading
 
 import pytest
+from conftest import make_base_resource
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import make_base_resource
 
 from dask_rmm.mr import (
     CallbackMemoryResource,

@@ -5,6 +5,7 @@ a getter that reads the running task's key. Overall counters are StatisticsResou
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -33,11 +34,43 @@ class OwnerMemory:
         return [self.owner, self.current_bytes, self.peak_bytes]
 
 
+def _fusable_pool(upstream):
+    """The PoolMemoryResource calls would reach with no other layer in between: the upstream
+    itself, or the pool a StatisticsResourceAdaptor right above it has fused with."""
+    from dask_rmm.mr.pool import PoolMemoryResource
+
+    if type(upstream) is PoolMemoryResource:
+        return upstream
+    fused = getattr(upstream, "_fused_with", None)
+    if type(fused) is PoolMemoryResource and upstream.allocate == fused.allocate:
+        return fused
+    return None
+
+
+class _FusedAttribution:
+    """What a PoolMemoryResource needs to charge owners itself: the owner getter, the token ->
+    counts cache, ptr -> counts of live blocks, and the adaptor's naming slow path."""
+
+    __slots__ = ("get_owner", "by_token", "owner_of", "counts_for")
+
+    def __init__(self, adaptor):
+        self.get_owner = adaptor._get_owner
+        self.by_token = adaptor._by_token
+        self.owner_of: dict[int, list[int]] = {}
+        self.counts_for = adaptor._counts_for_locked
+
+
 class AttributionResourceAdaptor(UpstreamResourceAdaptor):
     """Charge every allocation to the owner that ``get_owner()`` names at allocation time.
 
     A free is charged back to the owner that made the allocation, whichever thread frees it.
     Only successful allocations are charged; sizes are the sizes the caller asked for.
+
+    Over a :class:`PoolMemoryResource` (directly, or through a StatisticsResourceAdaptor fused
+    with it) the adaptor fuses with the pool as the statistics adaptor does: the owner is read
+    before the pool's lock is taken and charged inside it, and ``allocate``/``deallocate`` are
+    the pool's own. Allocations made on the pool directly are then charged too; blocks live
+    before the adaptor was made are never charged back.
 
     Parameters
     ----------
@@ -92,6 +125,49 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._live: dict[int, tuple[list[int], int]] = {}
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
+        self._fused_with = None
+        pool = _fusable_pool(upstream_mr)
+        if pool is not None:
+            state = _FusedAttribution(self)
+            if pool._attach_attribution(state):
+                # The pool charges owners under its own lock, and calls go straight to it (see
+                # the class notes); readers take the pool's lock.
+                self._fused_with = pool
+                self._fused_state = state
+                self._lock = pool._lock
+                self._acquire = pool._lock.acquire
+                self._release = pool._lock.release
+                self.allocate = pool.allocate
+                self.deallocate = pool.deallocate
+
+    def __del__(self):
+        pool = getattr(self, "_fused_with", None)
+        if pool is not None:
+            pool._detach_attribution(self._fused_state)
+
+    def _counts_for_locked(self, token) -> list[int]:
+        """Fused mode, a token not in the cache: its owner's counts. Called with the pool's lock
+        held, so the garbage collector is paused while the name and list are made (a
+        finalizer run by it could free into the pool on this thread and wait on the lock)."""
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            try:
+                name = UNATTRIBUTED if token is None else str(self._owner_name(token))
+            except Exception:
+                name = UNATTRIBUTED
+            counts = self._by_name.setdefault(name, [0, 0])
+            if len(self._by_token) >= _TOKEN_CACHE_SIZE:
+                self._by_token.clear()
+            try:
+                self._by_token[token] = counts
+            except TypeError:  # an unhashable token is named every time
+                pass
+            return counts
+        finally:
+            if paused:
+                gc.enable()
 
     def _counts_for_current_owner(self) -> list[int]:
         """The slow path: name the current owner and find (or make) its counts.

@@ -285,6 +285,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
         # Counters of a fused StatisticsResourceAdaptor (see _attach_statistics), or None.
         self._stats = None
+        # Owner charging of a fused AttributionResourceAdaptor (_attach_attribution), or None.
+        self._attrib = None
         if initial_pool_size:
             ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
             self._add_chunk(ptr, initial_pool_size)
@@ -319,6 +321,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         else:
             size = (nbytes + 255) & -256
             sc = _search_class(size >> 8)
+        at = self._attrib
+        if at is not None:
+            # Outside the lock: a first read of a thread-local may allocate and so run the GC.
+            try:
+                token = at.get_owner()
+            except Exception:
+                token = None
         lock = self._lock
         if not lock.acquire(False):
             acquire_contended(lock)
@@ -329,6 +338,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 if cached:
                     ptr = cached.pop()
                     self._live[ptr] = nbytes
+                    if at is not None:
+                        try:
+                            counts = at.by_token[token]
+                        except (KeyError, TypeError):
+                            counts = at.counts_for(token)
+                        t = counts[0] + nbytes
+                        counts[0] = t
+                        if t > counts[1]:
+                            counts[1] = t
+                        at.owner_of[ptr] = counts
                     st = self._stats
                     if st is not None:
                         t = st.total_bytes + nbytes
@@ -380,6 +399,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._live[ptr] = nbytes
                     if self._stats is not None:
                         self._count_allocation(nbytes)
+                    if at is not None:
+                        self._charge_owner(at, token, ptr, nbytes)
                     return ptr
         finally:
             lock.release()
@@ -390,9 +411,12 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 with self._lock:
                     self._stats.failed += 1
             raise
-        if self._stats is not None:
+        if self._stats is not None or at is not None:
             with self._lock:
-                self._count_allocation(nbytes)
+                if self._stats is not None:
+                    self._count_allocation(nbytes)
+                if at is not None and self._attrib is at:
+                    self._charge_owner(at, token, ptr, nbytes)
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -413,6 +437,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 fl = self._lists.get(key)
                 if fl is None:
                     fl = self._free_list(key, stream)
+                at = self._attrib
+                if at is not None:
+                    counts = at.owner_of.pop(ptr, None)
+                    if counts is not None:
+                        counts[0] -= n
                 st = self._stats
                 if st is not None:
                     if st.uncounted and ptr in st.uncounted:
@@ -587,6 +616,34 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         with self._lock:
             if self._stats is counters:
                 self._stats = None
+
+    def _attach_attribution(self, state) -> bool:
+        """Charge allocations to owners for an AttributionResourceAdaptor under this pool's
+        lock (``state``: its _FusedAttribution). False when one is attached already."""
+        with self._lock:
+            if self._attrib is not None:
+                return False
+            self._attrib = state
+            return True
+
+    def _detach_attribution(self, state) -> None:
+        with self._lock:
+            if self._attrib is state:
+                self._attrib = None
+
+    @staticmethod
+    def _charge_owner(at, token, ptr: int, nbytes: int) -> None:
+        """Charge one allocation to its owner (lock held; the slow paths' twin of the inline
+        update in allocate's cache-hit branch)."""
+        try:
+            counts = at.by_token[token]
+        except (KeyError, TypeError):
+            counts = at.counts_for(token)
+        t = counts[0] + nbytes
+        counts[0] = t
+        if t > counts[1]:
+            counts[1] = t
+        at.owner_of[ptr] = counts
 
     def _count_allocation(self, nbytes: int) -> None:
         """Count one allocation into the fused counters (lock held; the slow paths' twin of
@@ -858,6 +915,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 )
             del self._live[ptr]
             self._count_free(ptr, nbytes)
+            if self._attrib is not None:
+                counts = self._attrib.owner_of.pop(ptr, None)
+                if counts is not None:
+                    counts[0] -= nbytes
             self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
 
     def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:
