@@ -20,20 +20,13 @@ BASE_RESOURCES = ["system"] + (["cuda", "managed", "async"] if HAS_GPU else [])
 
 
 def make_base_resource(name: str):
-    """A fresh base resource by short name ("system", "cuda", "managed", "async", "pinned")."""
-    from dask_rmm import mr
+    """A fresh base resource by short name ("system", "cuda", "managed", "async", "pinned"),
+    made as reinitialize(base_resource=name) makes it."""
+    from dask_rmm.initialize import _make_base
 
-    if name == "system":
-        return mr.SystemMemoryResource()
-    if name == "cuda":
-        return mr.CudaMemoryResource()
-    if name == "managed":
-        return mr.ManagedMemoryResource()
-    if name == "async":
-        return mr.CudaAsyncMemoryResource()
-    if name == "pinned":
-        return mr.PinnedHostMemoryResource()
-    raise ValueError(name)
+    if name not in ("system", "cuda", "managed", "async", "pinned"):
+        raise ValueError(name)
+    return _make_base(name, 0)
 
 
 def make_test_streams(n: int, resource=None) -> list:
