@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One batch on the lent H200: the whole test suite, then the benchmarks; logs under $OUT.
-# Usage (repo root, GPU machine, after the prelude in ../shared/gpu/README.md):
-#   bash bench/gpu_run.sh [tests|bench|all]
+# One batch on the lent H200: the whole test suite, the quickstart, then the benchmarks; logs
+# under $OUT (at most 8 files come back). Usage (repo root, GPU machine, after the prelude in
+# ../shared/gpu/README.md):   bash bench/gpu_run.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}
@@ -9,15 +9,20 @@ mkdir -p "$out"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, cuda.bindings, cupy, numba; print('python', sys.version.split()[0], 'cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__, 'numba', numba.__version__)"
-  lscpu | grep -E "Model name" ; date -u
+  lscpu | grep -E "Model name"; date -u; git log --oneline -1 2>/dev/null || true
 } 2>&1 | tee "$out/env.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  # One xdist worker: tests run one at a time, and a test that crashes the interpreter is
+  # reported as failed while the rest of the suite goes on in a fresh worker.
+  timeout 330 python3 -m pytest -q -ra -n 1 --max-worker-restart 10 -p no:cacheprovider \
+    --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -30
+  echo "== quickstart" | tee -a "$out/env.txt"
+  timeout 60 python3 examples/quickstart.py 2>&1 | tee -a "$out/env.txt" | tail -25
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 150 python3 bench/alloc.py --out "$out/alloc.json" 2>&1 | tee "$out/alloc.txt"
-  { timeout 60 python3 bench/stats_overhead.py; timeout 60 python3 bench/attribution_overhead.py;
-    timeout 60 python3 bench/plugin_metrics.py --base cuda; } 2>&1 | tee "$out/overheads.txt"
-  timeout 60 python3 bench/cupy_churn.py 2>&1 | tee "$out/cupy_churn.txt"
-  timeout 240 python3 bench/dask_workload.py --json "$out/dask_workload.json" 2>&1 | tee "$out/dask_workload.txt"
+  timeout 110 python3 bench/alloc.py --out "$out/alloc.json" 2>&1 | tee "$out/alloc.txt"
+  { timeout 70 python3 bench/stats_overhead.py 100000; timeout 30 python3 bench/attribution_overhead.py;
+    timeout 30 python3 bench/plugin_metrics.py --base cuda; } 2>&1 | tee "$out/overheads.txt"
+  timeout 40 python3 bench/cupy_churn.py 2>&1 | tee "$out/cupy_churn.txt"
+  timeout 150 python3 bench/dask_workload.py --json "$out/dask_workload.json" 2>&1 | tee "$out/dask_workload.txt"
 fi

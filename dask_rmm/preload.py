@@ -4,10 +4,23 @@ The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlug
 the worker starts (a failing setup stops the worker with the reason). Flags not given fall back
 to the worker's ``dask-rmm.*`` config. What the options mean is documented on RMMPlugin.
 Run ``python -m dask_rmm.preload --help`` to list the flags.
+
+Scheduler address: ``dask worker`` takes the first argument it does not know as its SCHEDULER
+address, so without an address before the flags (``--scheduler-file FILE``) it takes the first
+``--rmm-*`` flag (``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
+``--rmm-pool-size=4GiB`` / ``--rmm-async``) and hands the preload only the rest. This module sees
+that while ``dask worker`` checks the flags: with ``--scheduler-file`` (which the worker connects
+through, ignoring SCHEDULER) it puts the flag back, logs that it did, and leaves the recovered
+flags for the worker processes in the ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; with
+no address at all, or an address after the flags, ``dask worker`` stops with a usage error naming
+the flag. Either way no worker starts with fewer flags than were typed.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
 import sys
 from typing import Any
@@ -15,6 +28,12 @@ from typing import Any
 import click
 
 __all__ = ["dask_setup", "plugin_from_flags"]
+
+logger = logging.getLogger(__name__)
+
+#: What ``dask worker`` recovered: ``{"received": [argv it handed the preload], "argv": [the
+#: flags as typed]}``; set in the ``dask worker`` process, inherited by its worker processes.
+_RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
 class _SizeType(click.ParamType):
@@ -52,12 +71,100 @@ SIZE = _SizeType()
 
 class _PreloadCommand(click.Command):
     """Checks the flags together right after parsing, so that incompatible flags are a usage
-    error of ``dask worker`` itself (distributed parses preload flags before starting)."""
+    error of ``dask worker`` itself (distributed parses preload flags before starting), and
+    recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = list(args)
+        worker_ctx = _dask_worker_context(ctx)
+        if worker_ctx is not None:
+            args = _check_scheduler_argument(self, worker_ctx, args)
+        else:
+            args = _recovered_argv(args)
         rest = super().parse_args(ctx, args)
         plugin_from_flags(**ctx.params)
         return rest
+
+
+def _dask_worker_context(ctx: click.Context) -> click.Context | None:
+    """The ``dask worker`` command's context while it validates the preload flags, else None.
+
+    distributed checks ``--preload`` flags in a callback of its own ``worker`` command, with a
+    fresh context for the preload; at worker start the preload's context is the current one.
+    """
+    outer = click.get_current_context(silent=True)
+    if outer is None or outer is ctx:
+        return None
+    names = {p.name for p in outer.command.params}
+    if {"scheduler", "scheduler_file", "preload_argv"} <= names:
+        return outer
+    return None
+
+
+def _check_scheduler_argument(
+    command: click.Command, worker_ctx: click.Context, args: list[str]
+) -> list[str]:
+    """The flags as typed, given what ``dask worker`` parsed; raises a UsageError if a flag it
+    took as the scheduler address cannot be put back.
+
+    ``dask worker`` has one optional SCHEDULER argument and passes every argument it does not
+    know on to the preload: SCHEDULER is the first of them, the preload gets the rest. An address
+    never starts with ``-``; when SCHEDULER does, it is a flag, and ``[SCHEDULER, *args]`` is
+    exactly what was typed for the preload.
+    """
+    swallowed = worker_ctx.params.get("scheduler")
+    if not (isinstance(swallowed, str) and swallowed.startswith("-")):
+        os.environ.pop(_RECOVERED_ENV, None)  # a stale record inherited from elsewhere
+        return args
+    flag = swallowed.split("=", 1)[0]
+    took = f"dask worker took {swallowed!r} as its SCHEDULER address"
+    fix = (
+        "give the scheduler address before the flags (dask worker tcp://HOST:8786 --preload "
+        "dask_rmm.preload --rmm-...), or configure dask-rmm with DASK_DASK_RMM__* environment "
+        "variables"
+    )
+    if not worker_ctx.params.get("scheduler_file"):
+        raise click.UsageError(
+            f"{took}, so the preload lost {flag}: no scheduler address came before the flags; "
+            f"{fix}."
+        )
+    typed = [swallowed, *args]
+    try:
+        click.Command.parse_args(command, click.Context(command), list(typed))
+    except click.UsageError as e:
+        e.message = f"{e.message}\n({took}: {fix}.)"
+        raise
+    logger.warning(
+        "%s (the address comes from --scheduler-file): recovered %s for dask_rmm.preload, "
+        "which now gets: %s",
+        took,
+        flag,
+        " ".join(typed),
+    )
+    os.environ[_RECOVERED_ENV] = json.dumps({"received": args, "argv": typed})
+    return typed
+
+
+def _recovered_argv(args: list[str]) -> list[str]:
+    """In a worker started by ``dask worker``: the flags as typed, if that command recovered a
+    flag from these ``args`` (:func:`_check_scheduler_argument`); otherwise ``args``."""
+    record = os.environ.get(_RECOVERED_ENV)
+    if not record:
+        return args
+    try:
+        record = json.loads(record)
+        received, typed = record["received"], record["argv"]
+    except (ValueError, TypeError, KeyError):
+        return args
+    if received != args or not isinstance(typed, list):
+        return args
+    logger.warning(
+        "dask worker took %r as its SCHEDULER address (the address comes from "
+        "--scheduler-file): recovered it for dask_rmm.preload, which gets: %s",
+        typed[0],
+        " ".join(typed),
+    )
+    return list(typed)
 
 
 @click.command(name="dask_rmm.preload", cls=_PreloadCommand)
@@ -122,6 +229,10 @@ def dask_setup(worker: Any, **flags: Any):
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
 
     distributed calls this with the worker when it starts (``--preload dask_rmm.preload``).
+    Give the scheduler address before these flags (``dask worker tcp://HOST:8786 --preload
+    dask_rmm.preload --rmm-...``): dask worker takes the first flag as its address otherwise.
+    With --scheduler-file that flag is recovered (and logged); without any address it is a
+    usage error.
     """
     plugin = plugin_from_flags(**flags)
     pending = getattr(worker, "_pending_plugins", None)

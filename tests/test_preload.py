@@ -241,3 +241,132 @@ def test_plugin_from_flags_maps_dask_cuda_names():
         False,
         True,
     )
+
+
+# --- The scheduler address: `dask worker` takes the first flag as SCHEDULER when none is given ---
+
+_BASE_CLASS = {"system": "SystemMemoryResource", "cuda": "CudaMemoryResource"}[BASE]
+# The worker's current resource stack, described (pickled by value, like _plugin_options).
+_describe_resource = lambda dask_worker: repr(  # noqa: E731
+    __import__("dask_rmm.mr", fromlist=["mr"]).get_current_device_resource()
+)
+
+_n_workers = lambda dask_scheduler: len(dask_scheduler.workers)  # noqa: E731
+
+
+def _run_worker(argv: list[str], name: str):
+    """``dask worker <argv>`` with the preload; argv says where the scheduler comes from."""
+    return subprocess.Popen(
+        [*DASK, "worker", *argv, "--name", name, "--nthreads", "1", "--no-dashboard"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "address_first, nanny, flags, recovered",
+    [
+        # `--flag value`: dask worker takes --rmm-pool-size, the preload gets "32MiB ...".
+        (
+            False,
+            "--no-nanny",
+            ["--rmm-pool-size", "32MiB", "--rmm-base-resource", BASE],
+            "--rmm-pool-size",
+        ),
+        # `--flag=value`: the whole flag is taken; the worker process is a nanny's child.
+        (
+            False,
+            "--nanny",
+            ["--rmm-pool-size=32MiB", "--rmm-base-resource", BASE],
+            "--rmm-pool-size",
+        ),
+        # Whichever flag comes first is the one taken.
+        (
+            False,
+            "--no-nanny",
+            ["--rmm-base-resource", BASE, "--rmm-pool-size", "32MiB"],
+            "--rmm-base-resource",
+        ),
+        # The address before the flags: nothing is taken, nothing to recover.
+        (True, "--no-nanny", ["--rmm-pool-size", "32MiB", "--rmm-base-resource", BASE], None),
+    ],
+)
+def test_flags_survive_scheduler_file_without_an_address(
+    scheduler, tmp_path, address_first, nanny, flags, recovered
+):
+    from distributed import Client
+
+    where = [scheduler] if address_first else ["--scheduler-file", str(tmp_path / "scheduler.json")]
+    worker = _run_worker([*where, nanny, "--preload", "dask_rmm.preload", *flags], name="sf-1")
+    out = ""
+    try:
+        with Client(scheduler, timeout="30s") as client:
+            _wait_for(
+                lambda: worker.poll() is not None or client.run_on_scheduler(_n_workers),
+                20,
+                "the worker to join (or exit)",
+            )
+            assert worker.poll() is None, "the worker exited"
+            description = next(iter(client.run(_describe_resource).values()))
+            options = next(iter(client.run(_plugin_options).values()))
+    finally:
+        out = _stop(worker)
+    assert f"PoolMemoryResource pool_size=32.00 MiB maximum=unlimited upstream=<{_BASE_CLASS}" in (
+        description
+    ), (description, out)
+    assert (options["pool_size"], options["base_resource"]) == (32 << 20, BASE)
+    if recovered:
+        assert f"recovered {recovered} for dask_rmm.preload" in out, out
+    else:
+        assert "SCHEDULER address" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        # No address anywhere on the command line (the config gives one): the worker would dial
+        # the flag, and the preload would lose it.
+        (
+            ["--rmm-pool-size=32MiB", "--rmm-base-resource", "system"],
+            {"DASK_SCHEDULER_ADDRESS": "tcp://127.0.0.1:1"},
+            "took '--rmm-pool-size=32MiB' as its SCHEDULER address, so the preload lost "
+            "--rmm-pool-size",
+        ),
+        # An address after the flags: SCHEDULER is still the first flag.
+        (
+            ["--scheduler-file", "unused.json", "--rmm-async", "tcp://127.0.0.1:1"],
+            {},
+            "Got unexpected extra argument (tcp://127.0.0.1:1)",
+        ),
+    ],
+)
+def test_a_flag_taken_as_the_address_is_a_usage_error_when_not_recoverable(argv, env, message):
+    out = subprocess.run(
+        [*DASK, "worker", "--no-nanny", "--preload", "dask_rmm.preload", *argv],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert "give the scheduler address before the flags" in out.stderr
+    assert "DASK_DASK_RMM__" in out.stderr
+
+
+def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch):
+    from dask_rmm.preload import _RECOVERED_ENV
+
+    typed = ["--rmm-pool-size=1GiB", "--rmm-base-resource", "system"]
+    monkeypatch.setenv(_RECOVERED_ENV, json.dumps({"received": typed[1:], "argv": typed}))
+    ctx = dask_setup.make_context("dask_setup", typed[1:])
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == ("1GiB", "system")
+    # Another worker's flags (say, a cluster started from a task) are left alone.
+    ctx = dask_setup.make_context("dask_setup", ["--rmm-base-resource", "cuda"])
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
+    monkeypatch.setenv(_RECOVERED_ENV, "not json")
+    assert dask_setup.make_context("dask_setup", typed[1:]).params["rmm_pool_size"] is None
