@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 from typing import Any
 
 import numpy as np
@@ -176,7 +177,15 @@ class DeviceBuffer:
         if src and size:
             _copy(self._ptr, src, size, stream, mr.is_host_memory)
 
-    def __del__(self):
+    # What __del__ calls is bound as defaults: a buffer still alive at interpreter shutdown (in
+    # a worker's data, a module global, a reference cycle) may be finalized after its module's
+    # globals were set to None, where a global lookup raises TypeError ('NoneType' object is
+    # not callable / cannot be interpreted as an integer, from the resources' own globals).
+    def __del__(self, _free_buffer=_free_buffer, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            # The process is exiting and its memory goes with it; the resources below may be
+            # half torn down already, so freeing into them can only fail.
+            return
         ptr = getattr(self, "_ptr", 0)
         if ptr:
             self._ptr = 0

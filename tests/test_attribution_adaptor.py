@@ -240,3 +240,29 @@ def test_fuses_with_a_pool_under_statistics(owner):
     mr.deallocate(p, 1000)
     assert mr.get_owner_memory("load-1").current_bytes == 0
     assert stats.allocation_counts.current_bytes == 0
+
+
+def test_fused_adaptor_and_pool_form_no_reference_cycle(owner):
+    """Dropped without the cycle collector: cyclic garbage finalizes in any order, which let a
+    base resource's pool be destroyed before the suballocator above gave its chunks back."""
+    import gc
+    import weakref
+
+    from conftest import make_base_resource
+
+    from dask_rmm.mr import PoolMemoryResource, StatisticsResourceAdaptor
+
+    gc.collect()
+    gc.disable()
+    try:
+        pool = PoolMemoryResource(make_base_resource("system"), 1 << 20)
+        mr = AttributionResourceAdaptor(
+            StatisticsResourceAdaptor(pool), functools.partial(getattr, owner, "task", None)
+        )
+        assert mr.allocate == pool.allocate
+        mr.deallocate(mr.allocate(100), 100)
+        dead = weakref.ref(pool)
+        del pool, mr
+        assert dead() is None
+    finally:
+        gc.enable()

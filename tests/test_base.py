@@ -49,3 +49,23 @@ def test_system_resource_roundtrip_and_bad_frees():
         mr.deallocate(p, 1000)
     assert mr.allocate(0) == 0
     mr.deallocate(0, 0)
+
+
+def test_gc_paused_lock_holds_the_lock_with_the_collector_off():
+    import gc
+    import threading
+
+    from dask_rmm.mr.base import gc_paused_lock
+
+    lock = threading.Lock()
+    assert gc.isenabled()
+    with gc_paused_lock(lock):
+        assert lock.locked() and not gc.isenabled()
+    assert not lock.locked() and gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused_lock(lock):
+            pass
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()

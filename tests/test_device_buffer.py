@@ -155,6 +155,40 @@ def test_del_never_raises(caplog):
     assert "freeing" in caplog.text
 
 
+_SHUTDOWN_SCRIPT = """
+import collections
+import dask_rmm
+from dask_rmm import mr
+from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+from dask_rmm.plugin import current_task_key, task_prefix
+from dask_rmm.stream import Stream
+
+pool = mr.PoolMemoryResource(mr.SystemMemoryResource(), initial_pool_size=32 << 20)
+top = AttributionResourceAdaptor(
+    mr.StatisticsResourceAdaptor(pool), current_task_key, owner_name=task_prefix
+)
+mr.set_current_device_resource(top)
+bufs = [dask_rmm.DeviceBuffer(size=n) for n in (100, 5000, 1 << 20)]
+moved = dask_rmm.DeviceBuffer(size=4096, stream=Stream._from_handle(0x1234))
+moved.stream = Stream._from_handle(0x5678)
+# Held by a module imported before dask_rmm: finalized after dask_rmm's globals became None.
+collections._held_buffers = [*bufs, moved]
+"""
+
+
+def test_buffers_alive_at_interpreter_shutdown_exit_silently():
+    # A worker exiting with DeviceBuffers still in its data used to print
+    # "Exception ignored in DeviceBuffer.__del__ ... TypeError" from cleared module globals.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Exception ignored" not in out.stderr and "Error" not in out.stderr, out.stderr
+
+
 def test_pickle_copies_bytes():
     mr.set_current_device_resource(mr.SystemMemoryResource())
     buf = to_device(PAYLOAD)

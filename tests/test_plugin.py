@@ -338,6 +338,8 @@ async def test_heartbeat_carries_the_top_task_prefixes(c, s, a):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_registering_again_replaces_and_unregistering_restores(c, s, a):
+    # distributed adds its own "rmm" metric when RMM is importable (the GPU machine has it)
+    rmm_metric_before = a.metrics.get("rmm")
     before = mr.SystemMemoryResource()
     set_per_device_resource(0, before)
     await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
@@ -353,8 +355,26 @@ async def test_registering_again_replaces_and_unregistering_restores(c, s, a):
 
     await c.unregister_worker_plugin("dask-rmm")
     assert get_per_device_resource(0) is before
-    assert METRICS_KEY not in a.metrics and "rmm" not in a.metrics
+    assert METRICS_KEY not in a.metrics and a.metrics.get("rmm") is rmm_metric_before
     assert "dask-rmm-sampler" not in a.periodic_callbacks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_teardown_is_idempotent_and_stops_the_sampler(c, s, a):
+    before = mr.SystemMemoryResource()
+    set_per_device_resource(0, before)
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    plugin = a.plugins["dask-rmm"]
+    sampler = a.periodic_callbacks["dask-rmm-sampler"]
+    await wait(c.submit(hold, 4096))
+    plugin.teardown(a)
+    plugin.teardown(a)  # again (worker close after unregistering, a failed setup...): no-op
+    assert not sampler.is_running()
+    assert get_per_device_resource(0) is before
+    # A tick or a metrics call that was already on its way when teardown ran does nothing.
+    plugin.sample()
+    assert plugin.heartbeat_metrics(a)["devices"] == {}
+    assert plugin.rmm_metrics(a) == {"rmm-used": 0, "rmm-total": 0}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])

@@ -303,3 +303,15 @@ def test_resource_stays_on_its_device():
     assert _cuda.get_device() == 0
     r.deallocate(p, 256)
     assert _cuda.get_device() == 0
+
+
+@pytest.mark.gpu
+def test_async_pool_outlives_its_finalizer_while_memory_is_live():
+    """Cyclic garbage runs finalizers in any order: a suballocator may hand memory back after
+    the async resource's finalizer ran. The driver pool is destroyed only by the last free."""
+    r = mr.CudaAsyncMemoryResource()
+    p = r.allocate(1 << 20)
+    r.__del__()
+    assert r._owns_pool  # still needed: p is live
+    r.deallocate(p, 1 << 20)
+    assert not r._owns_pool

@@ -6,6 +6,7 @@ of the device CuPy is on. Pinned host memory for CuPy is not covered.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from dask_rmm.stream import Stream
@@ -59,8 +60,11 @@ class _Allocation:
         self.nbytes = nbytes
         self.stream = stream
 
-    def __del__(self):
-        self.mr.deallocate(self.ptr, self.nbytes, self.stream)
+    def __del__(self, _finalizing=sys.is_finalizing):
+        # At interpreter shutdown the process's memory goes with it, and the resource's module
+        # globals may already be None (a free would raise TypeError): skip the free then.
+        if not _finalizing():
+            self.mr.deallocate(self.ptr, self.nbytes, self.stream)
 
     def __repr__(self) -> str:
         return f"<CuPy allocation {self.ptr:#x} {self.nbytes} bytes on {self.stream!r} from {self.mr!r}>"

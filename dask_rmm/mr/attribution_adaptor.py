@@ -49,15 +49,42 @@ def _fusable_pool(upstream):
 
 class _FusedAttribution:
     """What a PoolMemoryResource needs to charge owners itself: the owner getter, the token ->
-    counts cache, ptr -> counts of live blocks, and the adaptor's naming slow path."""
+    counts cache, ptr -> counts of live blocks, and naming for new tokens. It shares the
+    adaptor's tables but holds no reference to the adaptor, so pool and adaptor form no
+    reference cycle (cyclic garbage finalizes in any order)."""
 
-    __slots__ = ("get_owner", "by_token", "owner_of", "counts_for")
+    __slots__ = ("get_owner", "owner_name", "by_name", "by_token", "owner_of")
 
     def __init__(self, adaptor):
         self.get_owner = adaptor._get_owner
+        self.owner_name = adaptor._owner_name
+        self.by_name = adaptor._by_name
         self.by_token = adaptor._by_token
         self.owner_of: dict[int, list[int]] = {}
-        self.counts_for = adaptor._counts_for_locked
+
+    def counts_for(self, token) -> list[int]:
+        """A token not in the cache: its owner's counts. Called with the pool's lock held, so
+        the garbage collector is paused while the name and list are made (a finalizer run by it
+        could free into the pool on this thread and wait on the lock)."""
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            try:
+                name = UNATTRIBUTED if token is None else str(self.owner_name(token))
+            except Exception:
+                name = UNATTRIBUTED
+            counts = self.by_name.setdefault(name, [0, 0])
+            if len(self.by_token) >= _TOKEN_CACHE_SIZE:
+                self.by_token.clear()
+            try:
+                self.by_token[token] = counts
+            except TypeError:  # an unhashable token is named every time
+                pass
+            return counts
+        finally:
+            if paused:
+                gc.enable()
 
 
 class AttributionResourceAdaptor(UpstreamResourceAdaptor):
@@ -144,30 +171,6 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         pool = getattr(self, "_fused_with", None)
         if pool is not None:
             pool._detach_attribution(self._fused_state)
-
-    def _counts_for_locked(self, token) -> list[int]:
-        """Fused mode, a token not in the cache: its owner's counts. Called with the pool's lock
-        held, so the garbage collector is paused while the name and list are made (a
-        finalizer run by it could free into the pool on this thread and wait on the lock)."""
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            try:
-                name = UNATTRIBUTED if token is None else str(self._owner_name(token))
-            except Exception:
-                name = UNATTRIBUTED
-            counts = self._by_name.setdefault(name, [0, 0])
-            if len(self._by_token) >= _TOKEN_CACHE_SIZE:
-                self._by_token.clear()
-            try:
-                self._by_token[token] = counts
-            except TypeError:  # an unhashable token is named every time
-                pass
-            return counts
-        finally:
-            if paused:
-                gc.enable()
 
     def _counts_for_current_owner(self) -> list[int]:
         """The slow path: name the current owner and find (or make) its counts.

@@ -3,6 +3,7 @@ out-of-memory error. Nothing here touches CUDA; concrete resources live beside i
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGNMENT",
+    "gc_paused_lock",
     "DeviceMemoryResource",
     "OutOfMemoryError",
     "ReservedMemoryInfo",
@@ -57,6 +59,39 @@ def acquire_contended(lock: threading.Lock) -> None:
     """
     while not lock.acquire(False):
         time.sleep(0)
+
+
+class gc_paused_lock:
+    """``with gc_paused_lock(lock):`` holds ``lock`` with the garbage collector paused.
+
+    For the slow paths that make objects while holding a resource's lock: making an object
+    may run the collector, whose finalizers (a DeviceBuffer's, a CuPy array's) may free into
+    the same resource on the same thread and then wait forever on the lock it holds.
+    """
+
+    __slots__ = ("lock", "paused")
+
+    def __init__(self, lock: threading.Lock):
+        self.lock = lock
+
+    def __enter__(self):
+        self.paused = gc.isenabled()
+        if self.paused:
+            gc.disable()
+        try:
+            if not self.lock.acquire(False):
+                acquire_contended(self.lock)
+        except BaseException:
+            if self.paused:
+                gc.enable()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        if self.paused:
+            gc.enable()
+        return False
 
 
 def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:

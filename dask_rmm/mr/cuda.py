@@ -344,6 +344,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
             _cuda.mem_pool_destroy(pool)
             raise
         self._owns_pool = True
+        self._finalized = False
         self._ipc = enable_ipc
         if initial:
             ptr = self.allocate(initial, DEFAULT_STREAM)
@@ -382,12 +383,28 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
         return _cuda.mem_pool_export_to_shareable_handle(self._pool, "posix_file_descriptor")
 
     def __del__(self):
+        # In cyclic garbage the finalizers run in any order: a pool suballocating from this
+        # resource may give its chunks back *after* this runs. Destroying the memory pool
+        # under it would turn those frees into use-after-destroy in the driver (seen on the
+        # H200 as segfaults in later CUDA calls), so the pool is destroyed only once nothing
+        # allocated from it is live; otherwise the last deallocate destroys it.
         if getattr(self, "_owns_pool", False):
+            self._finalized = True
+            if not len(self._owned):
+                self._destroy_pool()
+
+    def _destroy_pool(self) -> None:
+        if self._owns_pool:
             self._owns_pool = False
             try:
                 _cuda.mem_pool_destroy(self._pool)
             except Exception:
                 pass
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        super().deallocate(ptr, nbytes, stream)
+        if self._finalized and not len(self._owned):
+            self._destroy_pool()
 
 
 class SamHeadroomMemoryResource(_CudaResource):

@@ -45,6 +45,7 @@ this thread, so that case synchronizes the device instead (rare: only under memo
 from __future__ import annotations
 
 import bisect
+import gc
 import os
 import re
 import threading
@@ -60,6 +61,7 @@ from dask_rmm.mr.base import (
     align_up,
     check_nbytes,
     format_bytes,
+    gc_paused_lock,
 )
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
@@ -408,11 +410,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             ptr = self._allocate_slow(nbytes, size, key, stream)
         except MemoryError:
             if self._stats is not None:
-                with self._lock:
+                with gc_paused_lock(self._lock):
                     self._stats.failed += 1
             raise
         if self._stats is not None or at is not None:
-            with self._lock:
+            with gc_paused_lock(self._lock):
                 if self._stats is not None:
                     self._count_allocation(nbytes)
                 if at is not None and self._attrib is at:
@@ -514,7 +516,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         A chunk counts as free when its free blocks, on whatever streams they were freed,
         cover it; the streams they were freed on are synchronized before it goes back.
         """
-        with self._lock:
+        with gc_paused_lock(self._lock):
             self._flush_caches()
             chunk_starts = sorted(self._chunks)
             per_chunk: dict[int, list[tuple[_FreeList, int, int]]] = {}
@@ -541,7 +543,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return sum(size for _, size in released)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
-        with self._lock:
+        with gc_paused_lock(self._lock):
             self._flush_caches()
             free = 0
             largest = 0
@@ -577,7 +579,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
     def _free_blocks(self) -> list[tuple[int, int, Any]]:
         """Every free block as ``(ptr, size, stream key)``, by address (after merging the caches)."""
-        with self._lock:
+        with gc_paused_lock(self._lock):
             self._flush_caches()
             return sorted(
                 (p, s, fl.key) for fl in self._lists.values() for p, s in fl.starts.items()
@@ -585,7 +587,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
     def _chunk_list(self) -> list[tuple[int, int]]:
         """The upstream chunks as ``(ptr, size)``, by address."""
-        with self._lock:
+        with gc_paused_lock(self._lock):
             return sorted(self._chunks.items())
 
     def _live_count(self) -> int:
@@ -596,7 +598,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def _free_list(self, key: Any, stream: Stream | None) -> _FreeList:
         fl = self._lists.get(key)
         if fl is None:
-            fl = self._lists[key] = _FreeList(key, stream)
+            # Made with the lock held (first use of a stream): keep the collector out, see
+            # gc_paused_lock.
+            paused = gc.isenabled()
+            if paused:
+                gc.disable()
+            try:
+                fl = self._lists[key] = _FreeList(key, stream)
+            finally:
+                if paused:
+                    gc.enable()
         return fl
 
     def _attach_statistics(self, counters) -> bool:
@@ -605,7 +616,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         Blocks live now are remembered so that their frees are not counted. Returns False
         (and changes nothing) when another adaptor's counters are attached already.
         """
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._stats is not None:
                 return False
             counters.uncounted = set(self._live)
@@ -613,21 +624,21 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return True
 
     def _detach_statistics(self, counters) -> None:
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._stats is counters:
                 self._stats = None
 
     def _attach_attribution(self, state) -> bool:
         """Charge allocations to owners for an AttributionResourceAdaptor under this pool's
         lock (``state``: its _FusedAttribution). False when one is attached already."""
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._attrib is not None:
                 return False
             self._attrib = state
             return True
 
     def _detach_attribution(self, state) -> None:
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._attrib is state:
                 self._attrib = None
 
@@ -683,9 +694,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             cache = fl.cache
             for c in compress(_CLASS_INDEXES, cache):  # the non-empty classes, found in C
                 size = _class_floor(c) << 8
-                for ptr in cache[c]:
+                cached = cache[c]
+                for ptr in cached:
                     insert(fl, ptr, size)
-                cache[c] = []
+                cached.clear()  # no new list: nothing made under the lock
                 flushed = True
         return flushed
 
@@ -767,7 +779,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if tag is None:
             tag = nbytes
         waits: list[_FreeList] = []
-        with self._lock:
+        with gc_paused_lock(self._lock):
             own = self._free_list(key, stream)
             found = self._find(own, size)
             if found is None and self._flush_caches():
@@ -814,7 +826,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return max(size, held)
 
     def _grow(self, nbytes: int, size: int, key: Any, stream: Stream, tag: int) -> int:
-        with self._lock:
+        with gc_paused_lock(self._lock):
             try_size = self._size_to_grow(size)
             if not try_size:
                 raise self._oom(nbytes, stream, "the maximum pool size leaves no room")
@@ -822,14 +834,14 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         try:
             ptr, got = self._upstream_allocate(try_size, size, stream)
         except MemoryError as e:
-            with self._lock:
+            with gc_paused_lock(self._lock):
                 self._growing -= try_size
                 raise self._oom(nbytes, stream, f"upstream could not supply it: {e}") from e
         except BaseException:
-            with self._lock:
+            with gc_paused_lock(self._lock):
                 self._growing -= try_size
             raise
-        with self._lock:
+        with gc_paused_lock(self._lock):
             self._growing -= try_size
             self._add_chunk(ptr, got)
             if got > size:
@@ -892,7 +904,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
                 "deallocate takes the size passed to allocate"
             )
-        with self._lock:
+        with gc_paused_lock(self._lock):
             freed = any(
                 ptr in fl.starts or any(ptr in cached for cached in fl.cache if cached)
                 for fl in self._lists.values()
@@ -908,7 +920,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """Free a block allocated at its exact size (the pool was too full to round it up)."""
         stream = as_stream(stream)
         key = stream.order_key()
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._live.get(ptr) != ~nbytes:
                 raise ValueError(
                     f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
