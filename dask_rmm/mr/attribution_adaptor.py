@@ -168,9 +168,12 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
                 self.deallocate = pool.deallocate
 
     def __del__(self):
-        pool = getattr(self, "_fused_with", None)
-        if pool is not None:
-            pool._detach_attribution(self._fused_state)
+        try:
+            pool = getattr(self, "_fused_with", None)
+            if pool is not None:
+                pool._detach_attribution(self._fused_state)
+        except Exception:  # at interpreter shutdown module globals may be gone
+            pass
 
     def _counts_for_current_owner(self) -> list[int]:
         """The slow path: name the current owner and find (or make) its counts.

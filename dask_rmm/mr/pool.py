@@ -624,7 +624,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return True
 
     def _detach_statistics(self, counters) -> None:
-        with gc_paused_lock(self._lock):
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
             if self._stats is counters:
                 self._stats = None
 
@@ -638,7 +638,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return True
 
     def _detach_attribution(self, state) -> None:
-        with gc_paused_lock(self._lock):
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
             if self._attrib is state:
                 self._attrib = None
 

@@ -163,9 +163,12 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self.deallocate = upstream_mr.deallocate
 
     def __del__(self):
-        pool = getattr(self, "_fused_with", None)
-        if pool is not None:
-            pool._detach_statistics(self._c)
+        try:
+            pool = getattr(self, "_fused_with", None)
+            if pool is not None:
+                pool._detach_statistics(self._c)
+        except Exception:  # at interpreter shutdown module globals may be gone
+            pass
 
     # -- hot path -------------------------------------------------------------------------
 
