@@ -6,6 +6,9 @@ device is present. Suballocator, adaptor and Dask tests parametrize over ``base_
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 
 # dask_rmm.config registers the dask-rmm.* defaults before any test module imports
@@ -27,6 +30,31 @@ def make_base_resource(name: str):
     if name not in ("system", "cuda", "managed", "async", "pinned"):
         raise ValueError(name)
     return _make_base(name, 0)
+
+
+#: The resources the cupy and numba allocator GPU tests run over (``make_gpu_resource`` names).
+GPU_RESOURCES = ["cuda", "pool", "statistics(pool)", "statistics(cuda)", "async", "managed"]
+
+
+def make_gpu_resource(kind: str):
+    """A fresh device resource by one of the ``GPU_RESOURCES`` names; pools start at 64 MiB."""
+    from dask_rmm import mr
+
+    if kind == "cuda":
+        return mr.CudaMemoryResource()
+    if kind == "pool":
+        return mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
+    if kind == "statistics(pool)":
+        return mr.StatisticsResourceAdaptor(
+            mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
+        )
+    if kind == "statistics(cuda)":
+        return mr.StatisticsResourceAdaptor(mr.CudaMemoryResource())
+    if kind == "async":
+        return mr.CudaAsyncMemoryResource()
+    if kind == "managed":
+        return mr.ManagedMemoryResource()
+    raise ValueError(kind)
 
 
 def make_test_streams(n: int, resource=None) -> list:
@@ -54,6 +82,45 @@ def make_test_streams(n: int, resource=None) -> list:
 
 
 _SESSION_STREAMS: list = []
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition", interval: float = 0.05):
+    """``predicate()``'s first truthy value, asked every ``interval`` seconds; AssertionError
+    naming ``what`` once ``timeout`` seconds have passed without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def local_process_cluster():
+    """A LocalCluster of two single-threaded worker processes (scheduler dashboard on a free
+    port, none on the workers) and a Client of it; yields ``(cluster, client)``."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            worker_dashboard_address=None,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield cluster, client
+
+
+def hold(nbytes):
+    """A task that allocates through the worker's resource and keeps it (a DeviceBuffer result)."""
+    from dask_rmm import DeviceBuffer
+
+    return DeviceBuffer(size=nbytes)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@ import gc
 import sys
 
 import pytest
+from conftest import GPU_RESOURCES, make_gpu_resource
 
 cupy = pytest.importorskip("cupy")
 
@@ -188,29 +189,6 @@ def test_none_and_empty_names():
 
 # --- GPU --------------------------------------------------------------------------------------
 
-GPU_RESOURCES = ["cuda", "pool", "statistics(pool)", "statistics(cuda)", "async", "managed"]
-
-
-def _make_gpu_resource(kind: str):
-    from dask_rmm import mr
-
-    if kind == "cuda":
-        return mr.CudaMemoryResource()
-    if kind == "pool":
-        return mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
-    if kind == "statistics(pool)":
-        return mr.StatisticsResourceAdaptor(
-            mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
-        )
-    if kind == "statistics(cuda)":
-        return mr.StatisticsResourceAdaptor(mr.CudaMemoryResource())
-    if kind == "async":
-        return mr.CudaAsyncMemoryResource()
-    if kind == "managed":
-        return mr.ManagedMemoryResource()
-    raise ValueError(kind)
-
-
 @pytest.fixture
 def gpu_cupy_allocator():
     original = cupy.cuda.get_allocator()
@@ -224,7 +202,7 @@ def gpu_cupy_allocator():
 def test_gpu_cupy_arrays(kind, gpu_cupy_allocator):
     from dask_rmm.mr import set_current_device_resource
 
-    mr = _make_gpu_resource(kind)
+    mr = make_gpu_resource(kind)
     set_current_device_resource(mr)
     a = cupy.arange(1000, dtype=cupy.float64)
     b = cupy.ones((300, 7), dtype=cupy.int32)
@@ -245,7 +223,7 @@ def test_gpu_cupy_arrays(kind, gpu_cupy_allocator):
 def test_gpu_cupy_non_default_stream(gpu_cupy_allocator):
     from dask_rmm.mr import set_current_device_resource
 
-    mr = _make_gpu_resource("statistics(pool)")
+    mr = make_gpu_resource("statistics(pool)")
     set_current_device_resource(mr)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
@@ -269,7 +247,7 @@ def test_gpu_cupy_each_device_uses_its_resource(gpu_cupy_allocator):
     resources = []
     for d in range(2):
         with cupy.cuda.Device(d):
-            mr = _make_gpu_resource("statistics(pool)")
+            mr = make_gpu_resource("statistics(pool)")
             set_per_device_resource(d, mr)
             resources.append(mr)
     arrays = []

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GPU_RESOURCES, make_gpu_resource
 
 pytest.importorskip("numba.cuda")
 
@@ -201,26 +202,6 @@ def test_environment_variable_selects_the_manager():
 # --- GPU --------------------------------------------------------------------------------------
 
 
-def _make_gpu_resource(kind: str):
-    from dask_rmm import mr
-
-    if kind == "cuda":
-        return mr.CudaMemoryResource()
-    if kind == "pool":
-        return mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
-    if kind == "statistics(pool)":
-        return mr.StatisticsResourceAdaptor(
-            mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26)
-        )
-    if kind == "statistics(cuda)":
-        return mr.StatisticsResourceAdaptor(mr.CudaMemoryResource())
-    if kind == "async":
-        return mr.CudaAsyncMemoryResource()
-    if kind == "managed":
-        return mr.ManagedMemoryResource()
-    raise ValueError(kind)
-
-
 @pytest.fixture
 def gpu_numba_manager():
     """Numba's current context with RMMNumbaManager as its memory manager."""
@@ -233,15 +214,13 @@ def gpu_numba_manager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "kind", ["cuda", "pool", "statistics(pool)", "statistics(cuda)", "async", "managed"]
-)
+@pytest.mark.parametrize("kind", GPU_RESOURCES)
 def test_gpu_numba_device_arrays(kind, gpu_numba_manager):
     import numpy as np
 
     from dask_rmm.mr import set_current_device_resource
 
-    mr = _make_gpu_resource(kind)
+    mr = make_gpu_resource(kind)
     set_current_device_resource(mr)
     host = np.arange(1000, dtype=np.float64)
     d = cuda.to_device(host)
@@ -265,7 +244,7 @@ def test_gpu_get_memory_info_counts_pool_free_bytes(gpu_numba_manager):
     from dask_rmm import _cuda
     from dask_rmm.mr import set_current_device_resource
 
-    mr = _make_gpu_resource("pool")
+    mr = make_gpu_resource("pool")
     set_current_device_resource(mr)
     info = gpu_numba_manager.get_memory_info()
     free, total = _cuda.mem_get_info()
@@ -288,7 +267,7 @@ def test_gpu_ipc_handle_read_in_second_process(gpu_numba_manager):
 
     from dask_rmm.mr import set_current_device_resource
 
-    mr = _make_gpu_resource("statistics(pool)")
+    mr = make_gpu_resource("statistics(pool)")
     set_current_device_resource(mr)
     first = cuda.device_array(4096, dtype=np.uint8)  # so the block sits at an offset
     values = np.arange(100, dtype=np.int64) * 3

@@ -11,8 +11,8 @@ import time
 import urllib.request
 
 import pytest
-from conftest import HAS_GPU
-from distributed import Client, LocalCluster, wait
+from conftest import HAS_GPU, hold, local_process_cluster, wait_until
+from distributed import wait
 
 from dask_rmm.cluster import cluster_report
 from dask_rmm.plugin import RMMPlugin
@@ -20,13 +20,6 @@ from dask_rmm.plugin import RMMPlugin
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-
-
-def hold(nbytes):
-    """Allocate through the worker's resource and keep it (the DeviceBuffer is the result)."""
-    from dask_rmm import DeviceBuffer
-
-    return DeviceBuffer(size=nbytes)
 
 
 def burst(nbytes):
@@ -61,30 +54,10 @@ async def _beat(dask_worker=None) -> None:
     await dask_worker.heartbeat()
 
 
-def _poll(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     options = {"base_resource": "cuda" if HAS_GPU else "system", "pool_size": "64MiB"}
-    with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            worker_dashboard_address=None,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with local_process_cluster() as (cluster, client):
         client.register_plugin(RMMPlugin(**options))
         held = client.map(
             hold, [1 * MiB, 2 * MiB, 3 * MiB, 4 * MiB], key=[f"hold-{i}" for i in range(4)]
@@ -134,7 +107,7 @@ def test_timeline_has_samples_and_its_peak_matches_the_workers_peaks(cluster):
         r = cluster_report(client)
         return r if all(d.timeline and d.timeline_peak == d.peak_bytes for d in r.devices) else None
 
-    report = _poll(matched, what="timeline peaks equal to the workers' peaks")
+    report = wait_until(matched, what="timeline peaks equal to the workers' peaks")
     peaks = {d.peak_bytes for d in report.devices}
     assert max(peaks) >= 8 * MiB
     for d in report.devices:
@@ -177,12 +150,12 @@ def test_worker_killed_mid_run_is_marked_gone_and_report_renders(cluster, tmp_pa
     victim = sorted(before.workers)[0]
     pid = client.run(os.getpid, workers=[victim])[victim]
     running = client.submit(time.sleep, 30, workers=[victim], key="sleep-0")
-    _poll(
+    wait_until(
         lambda: running.status == "pending" and client.processing(workers=[victim])[victim],
         what="task running",
     )
     os.kill(pid, signal.SIGKILL)
-    report = _poll(
+    report = wait_until(
         lambda: (lambda r: r if any(d.status == "gone" for d in r.devices) else None)(
             cluster_report(client)
         ),

@@ -9,8 +9,8 @@ import time
 
 import dask
 import pytest
-from conftest import BASE_RESOURCES, HAS_GPU
-from distributed import Client, LocalCluster, wait
+from conftest import BASE_RESOURCES, HAS_GPU, hold, local_process_cluster
+from distributed import wait
 from distributed.utils_test import gen_cluster
 
 from dask_rmm import mr
@@ -55,13 +55,6 @@ async def _poll(predicate, timeout=10.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def hold(nbytes):
-    """A task that allocates through the worker's resource and keeps it (a DeviceBuffer result)."""
-    from dask_rmm import DeviceBuffer
-
-    return DeviceBuffer(size=nbytes)
 
 
 def _stack_names(dask_worker=None):
@@ -442,16 +435,7 @@ def test_local_cluster_end_to_end(tmp_path, base):
     options = dict(_BASE_OPTIONS[base], log_directory=str(tmp_path))
     if base != "async":
         options["pool_size"] = "32MiB"
-    with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            worker_dashboard_address=None,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with local_process_cluster() as (cluster, client):
         client.register_plugin(RMMPlugin(**options))
         futures = client.map(hold, [MiB] * 4, key=[f"hold-{i}" for i in range(4)])
         wait(futures)

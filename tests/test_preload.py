@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from click.testing import CliRunner
-from conftest import HAS_GPU
+from conftest import HAS_GPU, wait_until
 
 from dask_rmm.plugin import METRICS_KEY, log_file_path
 from dask_rmm.preload import dask_setup, plugin_from_flags
@@ -26,17 +25,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -60,7 +48,9 @@ def scheduler(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_for(lambda: file.exists() and file.stat().st_size, 60, "the scheduler file")
+        wait_until(
+            lambda: file.exists() and file.stat().st_size, 60, "the scheduler file", interval=0.1
+        )
         yield json.loads(file.read_text())["address"]
     finally:
         proc.terminate()
@@ -126,7 +116,7 @@ def test_flags_reach_a_real_worker(scheduler, tmp_path):
             assert options["pool_size"] == 24 << 20
             assert options["track_allocations"] is True and options["statistics"] is True
             assert options["base_resource"] == BASE
-            metrics = _wait_for(
+            metrics = wait_until(
                 lambda: client.run_on_scheduler(
                     lambda dask_scheduler: [
                         ws.metrics.get(METRICS_KEY) for ws in dask_scheduler.workers.values()
@@ -134,6 +124,7 @@ def test_flags_reach_a_real_worker(scheduler, tmp_path):
                 )[0],
                 30,
                 "dask-rmm metrics on the scheduler",
+                interval=0.1,
             )
             d = metrics["devices"]["0"]
             assert d["reserved_bytes"] == 24 << 20
@@ -304,10 +295,11 @@ def test_flags_survive_scheduler_file_without_an_address(
     out = ""
     try:
         with Client(scheduler, timeout="30s") as client:
-            _wait_for(
+            wait_until(
                 lambda: worker.poll() is not None or client.run_on_scheduler(_n_workers),
                 20,
                 "the worker to join (or exit)",
+                interval=0.1,
             )
             assert worker.poll() is None, "the worker exited"
             description = next(iter(client.run(_describe_resource).values()))

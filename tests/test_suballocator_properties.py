@@ -58,11 +58,17 @@ class RecordingResource(DeviceMemoryResource):
 PROBE = 64  # bytes checked at each end of a block
 
 
-def write_pattern(ptr, size, value, host):
+def _probe_spots(ptr, size):
+    """``(address, length)`` of the bytes checked in a block: its first PROBE bytes and, past
+    those, up to PROBE bytes at its end."""
     spots = [(ptr, min(size, PROBE))]
     if size > PROBE:
         spots.append((ptr + size - min(PROBE, size - PROBE), min(PROBE, size - PROBE)))
-    for p, n in spots:
+    return spots
+
+
+def write_pattern(ptr, size, value, host):
+    for p, n in _probe_spots(ptr, size):
         if host:
             ctypes.memset(p, value, n)
         else:
@@ -72,10 +78,7 @@ def write_pattern(ptr, size, value, host):
 
 
 def read_ok(ptr, size, value, host):
-    spots = [(ptr, min(size, PROBE))]
-    if size > PROBE:
-        spots.append((ptr + size - min(PROBE, size - PROBE), min(PROBE, size - PROBE)))
-    for p, n in spots:
+    for p, n in _probe_spots(ptr, size):
         if host:
             data = ctypes.string_at(p, n)
         else:

@@ -25,6 +25,7 @@ from dask_rmm.mr.base import (
     UpstreamResourceAdaptor,
     align_up,
     check_nbytes,
+    deallocate_refused,
     format_bytes,
 )
 from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE, parse_pool_size
@@ -315,13 +316,5 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         )
 
     def _bad_deallocate(self, ptr: Any, nbytes: Any, entry, stream) -> None:
-        if ptr == 0 and nbytes == 0:
-            return
-        if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
-            return self.deallocate(ptr.__index__(), nbytes, stream)
-        call = f"ArenaMemoryResource.deallocate({ptr!r}, {nbytes!r})"
-        if entry is not None:
-            raise ValueError(f"{call}: wrong size, the pointer was allocated with {entry[0]} bytes")
-        raise ValueError(
-            f"{call}: not a live allocation of this resource (foreign pointer or double free)"
-        )
+        allocated = None if entry is None else entry[0]
+        return deallocate_refused(self, "ArenaMemoryResource", ptr, nbytes, allocated, stream)

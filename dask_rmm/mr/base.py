@@ -105,6 +105,27 @@ def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:
     return nbytes
 
 
+def deallocate_refused(
+    resource: Any, name: str, ptr: Any, nbytes: Any, allocated: int | None, stream: Any
+) -> None:
+    """The end of a suballocator's ``deallocate`` when its fast path did not free ``ptr``.
+
+    ``allocated`` is the size ``ptr`` is live with (None if it is not live). Freeing 0 bytes at
+    0 does nothing; a pointer of another integer type is freed again as its int through
+    ``resource.deallocate``; anything else raises ValueError naming ``name``'s deallocate.
+    """
+    if ptr == 0 and nbytes == 0:
+        return
+    if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
+        return resource.deallocate(ptr.__index__(), nbytes, stream)
+    call = f"{name}.deallocate({ptr!r}, {nbytes!r})"
+    if allocated is not None:
+        raise ValueError(f"{call}: wrong size, the pointer was allocated with {allocated} bytes")
+    raise ValueError(
+        f"{call}: not a live allocation of this resource (foreign pointer or double free)"
+    )
+
+
 @dataclass(frozen=True)
 class ReservedMemoryInfo:
     """What a pooling resource holds from its upstream.

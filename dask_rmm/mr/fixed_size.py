@@ -19,6 +19,7 @@ from dask_rmm.mr.base import (
     acquire_contended,
     align_up,
     check_nbytes,
+    deallocate_refused,
     format_bytes,
 )
 from dask_rmm.mr.pool import order_after
@@ -139,16 +140,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
                 live[ptr] = n
         finally:
             lock.release()
-        if ptr == 0 and nbytes == 0:
-            return
-        if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
-            return self.deallocate(ptr.__index__(), nbytes, stream)
-        call = f"FixedSizeMemoryResource.deallocate({ptr!r}, {nbytes!r})"
-        if n is not None:
-            raise ValueError(f"{call}: wrong size, the pointer was allocated with {n} bytes")
-        raise ValueError(
-            f"{call}: not a live allocation of this resource (foreign pointer or double free)"
-        )
+        return deallocate_refused(self, "FixedSizeMemoryResource", ptr, nbytes, n, stream)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with self._lock:
