@@ -56,6 +56,7 @@ def main() -> None:
     plugin = RMMPlugin(pool_size="64MiB", base_resource=args.base)
     plugin._setup_memory(worker)
     plugin._install_metrics(worker)
+    metrics = plugin.worker_metrics
     mr = plugin.resources()[0]
     held = []
     for i in range(20):
@@ -64,23 +65,23 @@ def main() -> None:
 
     def refill():
         for _ in range(5):
-            plugin.sample()
+            metrics.sample()
 
     rows = [
         (
             'metrics["dask-rmm"] (5 samples)',
-            _time(lambda: plugin.heartbeat_metrics(worker), args.calls, refill),
+            _time(lambda: metrics.heartbeat_metrics(worker), args.calls, refill),
         ),
         ("  of which reserved_memory_info()", _time(mr.reserved_memory_info, args.calls)),
         (
             'metrics["rmm"] (after "dask-rmm")',
             _time(
-                lambda: plugin.rmm_metrics(worker),
+                lambda: metrics.rmm_metrics(worker),
                 args.calls,
-                lambda: plugin.heartbeat_metrics(worker),
+                lambda: metrics.heartbeat_metrics(worker),
             ),
         ),
-        ("sampler tick", _time(plugin.sample, args.calls)),
+        ("sampler tick", _time(metrics.sample, args.calls)),
     ]
     print(f"{'callable':<34} {'us/call':>8}")
     for label, us in rows:

@@ -88,16 +88,16 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
 
     With several files (one per worker), also their combination merged by time.
     """
-    from dask_rmm import logs
+    from dask_rmm import log_summary
 
     with _user_errors():
-        report = logs.summarize(files, top=top)
+        report = log_summary.summarize(files, top=top)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    blocks = [logs.format_summary(s) for s in report.files]
+    blocks = [log_summary.format_summary(s) for s in report.files]
     if report.combined is not None:
-        blocks.append(logs.format_summary(report.combined))
+        blocks.append(log_summary.format_summary(report.combined))
     click.echo("\n\n".join(blocks))
 
 
@@ -112,10 +112,10 @@ def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
 
     Writes PNG, SVG or PDF by OUTPUT's extension; needs matplotlib.
     """
-    from dask_rmm import logs
+    from dask_rmm import log_timeline
 
     with _user_errors():
-        timelines = logs.plot_logs(files, output, title=title)
+        timelines = log_timeline.plot_logs(files, output, title=title)
     peaks = ", ".join(f"{t.source} {t.peak_bytes:,} B" for t in timelines)
     click.echo(f"wrote {output} (peaks: {peaks})")
 

@@ -1,7 +1,6 @@
-"""RMMPlugin: builds each worker's memory-resource stack, points CuPy/Numba at it, writes per-worker
-logs and publishes heartbeat metrics (``worker.metrics["dask-rmm"]`` and ``["rmm"]``).
-
-The worker CLI flags are in ``preload.py``; the scheduler side of the reports in ``cluster.py``.
+"""RMMPlugin: checks its options on the client, builds each worker's memory-resource stacks from
+them and points CuPy/Numba at them. Not here: installing stacks and their log files
+(``worker_stack.py``), heartbeat metrics (``worker_metrics.py``), CLI flags (``preload.py``).
 """
 
 from __future__ import annotations
@@ -9,17 +8,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
-import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-from dask.utils import key_split, parse_timedelta
+from dask.utils import key_split
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import thread_state
+
+from dask_rmm.worker_metrics import WorkerMetrics
+from dask_rmm.worker_stack import (
+    DeviceStack,
+    claim_log_file,
+    install_stack,
+    log_file_path,
+    resource_chain,
+    uninstall_stack,
+)
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -27,37 +32,18 @@ if TYPE_CHECKING:
     from dask_rmm.mr.base import DeviceMemoryResource
 
 __all__ = [
-    "METRICS_KEY",
-    "METRICS_VERSION",
     "SUPPORTED_ALLOCATORS",
     "RMMPlugin",
     "RMMSetupError",
     "current_task_key",
-    "log_file_path",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Key of the heartbeat metrics in ``worker.metrics`` (format: docs/internals.md, version 1).
-METRICS_KEY = "dask-rmm"
-METRICS_VERSION = 1
 #: Libraries ``allocators=[...]`` can point at the worker's resource.
 SUPPORTED_ALLOCATORS = ("cupy", "numba")
 #: Values of ``base_resource``.
 BASE_RESOURCES = ("cuda", "system")
-#: Samples kept between two heartbeats at most (a slow heartbeat loses the oldest).
-MAX_SAMPLES = 1000
-_SAMPLER_KEY = "dask-rmm-sampler"
-_STAT_FIELDS = (
-    "current_bytes",
-    "current_count",
-    "peak_bytes",
-    "peak_count",
-    "total_bytes",
-    "total_count",
-)
-# How old the reserved bytes of the "dask-rmm" metric may be for the "rmm" metric to reuse them.
-_RESERVED_REUSE_S = 0.25
 
 
 def _config(key: str) -> Any:
@@ -183,149 +169,6 @@ def _describe(value: int | float) -> str:
     return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
 
 
-# -- log files ------------------------------------------------------------------------------------
-
-
-def _sanitise(name: Any) -> str:
-    text = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("._")
-    return text or "worker"
-
-
-def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: int) -> str:
-    """``<log_directory>/rmm_log_<worker name>.dev<device>.csv``, the name made filename-safe.
-
-    Examples
-    --------
-    >>> log_file_path("/logs", "tcp://10.0.0.1:4242", 0)
-    '/logs/rmm_log_tcp_10.0.0.1_4242.dev0.csv'
-    """
-    return os.path.join(
-        os.fspath(log_directory), f"rmm_log_{_sanitise(worker_name)}.dev{device}.csv"
-    )
-
-
-def _claim_log_file(path: str) -> tuple[str, int | None]:
-    """Reserve ``path`` for this worker with an exclusive ``flock`` held until teardown.
-
-    A file another live worker holds (two clusters sharing a directory, or two names that
-    sanitise alike) gets this process's id, then a counter, added to its name instead.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no reservation, the name is used as is
-        return path, None
-    stem, _, ext = path.rpartition(".dev")
-    candidates = [path, f"{stem}-{os.getpid()}.dev{ext}"]
-    candidates += [f"{stem}-{os.getpid()}-{i}.dev{ext}" for i in range(1, 64)]
-    for candidate in candidates:
-        fd = os.open(candidate, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        return candidate, fd
-    raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
-
-
-# -- per-device state on one worker --------------------------------------------------------------
-
-
-@dataclass
-class _DeviceStack:
-    """What setup built for one device, and what teardown needs to undo it."""
-
-    device: int
-    top: DeviceMemoryResource
-    statistics: Any = None  # StatisticsResourceAdaptor or None
-    attribution: Any = None  # AttributionResourceAdaptor or None
-    logging: Any = None  # LoggingResourceAdaptor or None
-    log_path: str | None = None
-    log_fd: int | None = None
-    chain: str = ""
-    host_memory: bool = False
-    samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
-    last_reserved: tuple[float, int] = (-1e9, 0)  # (monotonic time, reserved bytes)
-
-    def close_log(self) -> None:
-        if self.logging is not None:
-            for method in ("flush", "close"):
-                fn = getattr(self.logging, method, None)
-                if fn is not None:
-                    try:
-                        fn()
-                    except Exception:  # pragma: no cover - teardown must go on
-                        logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        if self.log_fd is not None:
-            os.close(self.log_fd)
-            self.log_fd = None
-
-
-# Worker objects of one process share the per-device registry (gen_cluster, LocalCluster with
-# processes=False): the stacks installed per device, newest last, and what was there before the
-# first, so that tearing down in any order restores the right resource.
-_installed: dict[int, list[_DeviceStack]] = {}
-_original: dict[int, Any] = {}
-
-
-def _install(stack: _DeviceStack) -> None:
-    from dask_rmm.mr.registry import set_per_device_resource
-
-    active = _installed.setdefault(stack.device, [])
-    previous = set_per_device_resource(stack.device, stack.top)
-    if not active:
-        _original[stack.device] = previous
-    active.append(stack)
-
-
-def _uninstall(stack: _DeviceStack) -> None:
-    from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
-
-    active = _installed.get(stack.device, [])
-    if stack not in active:
-        return
-    was_newest = active[-1] is stack
-    active.remove(stack)
-    if not active:
-        del _installed[stack.device]
-        previous = _original.pop(stack.device, None)
-        try:
-            current = get_per_device_resource(stack.device)
-        except Exception:
-            current = None
-        # Someone replaced our resource after us (set_current_device_resource, reinitialize):
-        # theirs stays.
-        if current is stack.top:
-            set_per_device_resource(stack.device, previous)
-    elif was_newest:
-        set_per_device_resource(stack.device, active[-1].top)
-
-
-def _chain_names(mr: Any) -> str:
-    names = []
-    while mr is not None:
-        names.append(type(mr).__name__)
-        mr = getattr(mr, "upstream_mr", None)
-    return ">".join(names)
-
-
-def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
-    """``(used, total)`` bytes of the device (cudaMemGetInfo); ``(0, 0)`` for host memory."""
-    if host_memory:
-        return 0, 0
-    from dask_rmm import _cuda
-
-    current = _cuda.get_device()
-    if current != device:
-        _cuda.set_device(device)
-    try:
-        free, total = _cuda.mem_get_info()
-    finally:
-        if current != device:
-            _cuda.set_device(current)
-    return total - free, total
-
-
 # -- the plugin -----------------------------------------------------------------------------------
 
 
@@ -434,8 +277,9 @@ class RMMPlugin(WorkerPlugin):
         self.base_resource = base
         self.devices = _check_devices(pick(devices, "devices"))
         self._validate()
-        self._stacks: list[_DeviceStack] = []
-        self._worker_state: dict[str, Any] = {}
+        self._stacks: list[DeviceStack] = []
+        #: The heartbeat metrics of this plugin's stacks on the worker (no devices before setup).
+        self.worker_metrics = WorkerMetrics()
 
     def _validate(self) -> None:
         if self.async_alloc and self.managed_memory:
@@ -495,7 +339,7 @@ class RMMPlugin(WorkerPlugin):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_stacks"] = []
-        state["_worker_state"] = {}
+        state["worker_metrics"] = WorkerMetrics()
         return state
 
     # -- setup -----------------------------------------------------------------------------
@@ -525,7 +369,7 @@ class RMMPlugin(WorkerPlugin):
             devices = list(self.devices)
         else:
             devices = [_cuda.get_device() if _cuda.is_available() else 0]
-        stacks: list[_DeviceStack] = []
+        stacks: list[DeviceStack] = []
         try:
             if self.log_directory is not None:
                 os.makedirs(self.log_directory, exist_ok=True)
@@ -534,12 +378,12 @@ class RMMPlugin(WorkerPlugin):
             for device in devices:
                 stacks.append(self._build_stack(worker, device))
             for stack in stacks:
-                _install(stack)
+                install_stack(stack)
             self._stacks = stacks
             self._set_allocators()
         except BaseException:
             for stack in reversed(stacks):
-                _uninstall(stack)
+                uninstall_stack(stack)
                 stack.close_log()
             self._stacks = []
             raise
@@ -560,7 +404,7 @@ class RMMPlugin(WorkerPlugin):
             )
         return nbytes
 
-    def _build_stack(self, worker: Worker, device: int) -> _DeviceStack:
+    def _build_stack(self, worker: Worker, device: int) -> DeviceStack:
         from dask_rmm import _cuda
 
         current = _cuda.get_device() if _cuda.is_available() else device
@@ -572,7 +416,7 @@ class RMMPlugin(WorkerPlugin):
             if current != device:
                 _cuda.set_device(current)
 
-    def _build_stack_on_device(self, worker: Worker, device: int) -> _DeviceStack:
+    def _build_stack_on_device(self, worker: Worker, device: int) -> DeviceStack:
         from dask_rmm import mr
 
         if self.base_resource == "system":
@@ -617,12 +461,12 @@ class RMMPlugin(WorkerPlugin):
                 top = mr.PoolMemoryResource(
                     base, initial_pool_size=pool_size, maximum_pool_size=maximum
                 )
-        stack = _DeviceStack(device=device, top=top, host_memory=top.is_host_memory)
+        stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory)
         try:
             if self.track_allocations:
                 top = mr.TrackingResourceAdaptor(top)
             if self.log_directory is not None:
-                path, fd = _claim_log_file(log_file_path(self.log_directory, worker.name, device))
+                path, fd = claim_log_file(log_file_path(self.log_directory, worker.name, device))
                 stack.log_path, stack.log_fd = path, fd
                 # The adaptor adds RMM's ".dev<id>" to the name it is given.
                 suffix = f".dev{device}.csv"
@@ -640,7 +484,7 @@ class RMMPlugin(WorkerPlugin):
             stack.close_log()
             raise
         stack.top = top
-        stack.chain = _chain_names(top)
+        stack.chain = resource_chain(top)
         return stack
 
     def _set_allocators(self) -> None:
@@ -663,132 +507,14 @@ class RMMPlugin(WorkerPlugin):
 
             reset_numba_allocator()
 
-    # -- metrics ---------------------------------------------------------------------------
-
     def _install_metrics(self, worker: Worker) -> None:
-        from tornado.ioloop import PeriodicCallback
-
-        state = self._worker_state
-        state["previous_rmm_metric"] = worker.metrics.get("rmm")
-        state["top_n"] = int(_config("metrics.top-task-groups"))
-        worker.metrics[METRICS_KEY] = self.heartbeat_metrics
-        worker.metrics["rmm"] = self.rmm_metrics
-        interval = parse_timedelta(_config("metrics.sample-interval"), default="ms")
-        if self.statistics and interval and interval > 0:
-            sampler = PeriodicCallback(self.sample, interval * 1000)
-            state["sampler"] = sampler
-            # Registered with the worker so that it is stopped on close even without teardown,
-            # and started by the worker if setup runs before the worker starts (preload).
-            worker.periodic_callbacks[_SAMPLER_KEY] = sampler
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                sampler.start()
-        self.sample()
-
-    def sample(self) -> None:
-        """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
-        now = time.time()
-        for stack in self._stacks:
-            stats = stack.statistics
-            if stats is None:
-                continue
-            try:
-                peak = stats.take_interval_peak()
-                stack.samples.append([now, stats.current_bytes, peak])
-            except Exception:  # a sampler must not die; the metrics report the error
-                logger.exception("dask-rmm: sampling device %d failed", stack.device)
-
-    def heartbeat_metrics(self, worker: Worker) -> dict[str, Any]:
-        """``worker.metrics["dask-rmm"]``: the version 1 dict of docs/internals.md. Never raises."""
-        out: dict[str, Any] = {"version": METRICS_VERSION, "time": time.time()}
-        try:
-            name = worker.name
-            out["worker"] = name if isinstance(name, (str, int)) else str(name)
-            top_n = self._worker_state.get("top_n", 10)
-            out["devices"] = {str(s.device): self._device_metrics(s, top_n) for s in self._stacks}
-        except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
-            out.setdefault("devices", {})
-            out["error"] = f"{type(e).__name__}: {e}"
-        return out
-
-    @staticmethod
-    def _device_metrics(stack: _DeviceStack, top_n: int) -> dict[str, Any]:
-        d: dict[str, Any] = {"resource": stack.chain}
-        errors = []
-        stats = stack.statistics
-        try:
-            if stats is not None:
-                counts = stats.allocation_counts
-                # Not Statistics.to_dict(): dataclasses.asdict costs microseconds per call.
-                for name in _STAT_FIELDS:
-                    d[name] = int(getattr(counts, name))
-                d["failed_allocations"] = int(stats.failed_allocations)
-            else:
-                d.update(
-                    current_bytes=0,
-                    current_count=0,
-                    peak_bytes=0,
-                    peak_count=0,
-                    total_bytes=0,
-                    total_count=0,
-                    failed_allocations=0,
-                )
-        except Exception as e:
-            errors.append(f"statistics: {type(e).__name__}: {e}")
-        try:
-            info = stack.top.reserved_memory_info()
-            if info is None:
-                # Nothing pools: what is allocated is what is reserved from the device.
-                d["reserved_bytes"] = d.get("current_bytes", 0)
-                d["pool_free_bytes"] = 0
-                d["largest_free_block"] = 0
-            else:
-                d["reserved_bytes"] = int(info.reserved_bytes)
-                d["pool_free_bytes"] = int(info.free_bytes)
-                d["largest_free_block"] = int(info.largest_free_block)
-            stack.last_reserved = (time.monotonic(), d["reserved_bytes"])
-        except Exception as e:
-            errors.append(f"reserved memory: {type(e).__name__}: {e}")
-        try:
-            d["device_used_bytes"], d["device_total_bytes"] = _device_memory(
-                stack.device, stack.host_memory
-            )
-        except Exception as e:
-            d["device_used_bytes"] = d["device_total_bytes"] = 0
-            errors.append(f"device memory: {type(e).__name__}: {e}")
-        try:
-            attribution = stack.attribution
-            d["task_groups"] = (
-                [m.to_list() for m in attribution.top(top_n)] if attribution is not None else []
-            )
-        except Exception as e:
-            d["task_groups"] = []
-            errors.append(f"task groups: {type(e).__name__}: {e}")
-        samples = stack.samples
-        d["samples"] = [samples.popleft() for _ in range(len(samples))]
-        if errors:
-            d["error"] = "; ".join(errors)
-        return d
-
-    def rmm_metrics(self, worker: Worker) -> dict[str, int]:
-        """``worker.metrics["rmm"]`` for distributed's RMM dashboard plot. Never raises."""
-        used = total = 0
-        for stack in self._stacks:
-            try:
-                stats = stack.statistics
-                current = stats.current_bytes if stats is not None else 0
-                used += current
-                # The "dask-rmm" metric of this heartbeat has just walked the pool's free lists:
-                # reuse its reserved bytes rather than walk them again.
-                when, reserved = stack.last_reserved
-                if time.monotonic() - when > _RESERVED_REUSE_S:
-                    info = stack.top.reserved_memory_info()
-                    reserved = int(info.reserved_bytes) if info is not None else current
-                total += reserved
-            except Exception:  # pragma: no cover - defensive
-                logger.debug(
-                    "dask-rmm: rmm metrics of device %d failed", stack.device, exc_info=True
-                )
-        return {"rmm-used": int(used), "rmm-total": int(total)}
+        self.worker_metrics.install(
+            worker,
+            self._stacks,
+            top_n=int(_config("metrics.top-task-groups")),
+            sample_interval=_config("metrics.sample-interval"),
+            sampling=self.statistics,
+        )
 
     async def _install_scheduler_plugin(self, worker: Worker) -> None:
         """Hook: install the cluster report's scheduler plugin (``dask_rmm.cluster``) once.
@@ -820,25 +546,11 @@ class RMMPlugin(WorkerPlugin):
         self._teardown_local(worker)
 
     def _teardown_local(self, worker: Worker) -> None:
-        state = self._worker_state
-        sampler = state.pop("sampler", None)
-        if sampler is not None:
-            sampler.stop()
-            if worker.periodic_callbacks.get(_SAMPLER_KEY) is sampler:
-                del worker.periodic_callbacks[_SAMPLER_KEY]
-        if worker.metrics.get(METRICS_KEY) == self.heartbeat_metrics:
-            del worker.metrics[METRICS_KEY]
-        if worker.metrics.get("rmm") == self.rmm_metrics:
-            previous = state.get("previous_rmm_metric")
-            if previous is None:
-                del worker.metrics["rmm"]
-            else:
-                worker.metrics["rmm"] = previous
-        state.clear()
+        self.worker_metrics.remove(worker)
         if self._stacks:
             self._reset_allocators()
         for stack in reversed(self._stacks):
-            _uninstall(stack)
+            uninstall_stack(stack)
             stack.close_log()
         self._stacks = []
 

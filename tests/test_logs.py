@@ -1,4 +1,4 @@
-"""Tests of dask_rmm.logs (reading, summaries, merge, timeline, plot) and dask_rmm.replay."""
+"""Tests of dask_rmm.logs, dask_rmm.log_summary, dask_rmm.log_timeline and dask_rmm.replay."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from logdata import (
     write_synthetic,
 )
 
-from dask_rmm import logs, replay
+from dask_rmm import log_summary, log_timeline, logs, replay
 from dask_rmm.logs import Action, LogEvent, LogFormatError, TruncatedLogWarning
 
 HEADER_LINE = "Thread,Time,Action,Pointer,Size,Stream\n"
@@ -151,7 +151,7 @@ def test_truncated_last_line_still_summarizes(tmp_path, tail):
         assert any(issubclass(w.category, TruncatedLogWarning) for w in caught)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = logs.summarize(p).files[0]
+        s = log_summary.summarize(p).files[0]
     assert s.peak_bytes == exp.peak_bytes
     assert s.rows == 500
     assert bool(s.truncated) == bool(tail.strip("\x00"))
@@ -186,7 +186,7 @@ def test_midnight_keeps_time_increasing(tmp_path):
     )
     a, b = logs.read_log(p)
     assert b.time - a.time == pytest.approx(0.2)
-    s = logs.summarize(p).files[0]
+    s = log_summary.summarize(p).files[0]
     assert s.duration == pytest.approx(0.2)
 
 
@@ -209,7 +209,7 @@ def test_reading_is_bounded_in_memory(tmp_path):
 def test_summary_matches_the_workload(tmp_path):
     p = tmp_path / "w.csv"
     exp = write_synthetic(p, 20_000, seed=7)
-    s = logs.summarize(p, top=5).files[0]
+    s = log_summary.summarize(p, top=5).files[0]
     assert s.allocations == exp.allocations
     assert s.frees == exp.frees
     assert s.failures == exp.failures
@@ -226,7 +226,7 @@ def test_summary_matches_the_workload(tmp_path):
     assert s.unmatched_frees == 0
     assert s.end == pytest.approx(exp.end_time)
     json.dumps(s.to_dict())  # JSON-friendly
-    text = logs.format_summary(s)
+    text = log_summary.format_summary(s)
     assert f"{exp.peak_bytes:,} B" in text
 
 
@@ -237,7 +237,7 @@ def test_summary_counts_frees_of_unknown_pointers(tmp_path):
         + "1,00:00:01.000000,free,0x900,512,0\n"
         + "1,00:00:01.000001,allocate,0x100,256,0\n",
     )
-    s = logs.summarize(p).files[0]
+    s = log_summary.summarize(p).files[0]
     assert (s.unmatched_frees, s.peak_bytes, s.outstanding_bytes) == (1, 256, 256)
 
 
@@ -257,7 +257,7 @@ def test_summary_of_several_files_combines_by_time(tmp_path):
         + "2,00:00:06.000000,free,0x100,700,0\n",
         "b.csv",
     )
-    report = logs.summarize([a, b])
+    report = log_summary.summarize([a, b])
     sa, sb = report.files
     assert (sa.name, sa.peak_bytes, sb.name, sb.peak_bytes) == ("a", 1000, "b", 700)
     c = report.combined
@@ -286,7 +286,7 @@ def test_summary_matches_statistics_of_a_real_run(tmp_path, threads):
     for blk in kept:
         stats.deallocate(*blk)
     logged.flush()
-    s = logs.summarize(logged.get_file_name()).files[0]
+    s = log_summary.summarize(logged.get_file_name()).files[0]
     assert s.allocations == at_end.total_count
     assert s.allocated_bytes == at_end.total_bytes
     assert s.freed_bytes == s.allocated_bytes  # everything was freed by the end
@@ -308,10 +308,10 @@ def test_free_row_written_after_the_next_allocate_of_its_address(tmp_path):
         + "1,00:00:01.000002,free,0x100,1000,0\n"  # the late row of that free
         + "2,00:00:01.000003,allocate,0x900,50,0\n",
     )
-    s = logs.summarize(p).files[0]
+    s = log_summary.summarize(p).files[0]
     assert (s.peak_bytes, s.outstanding_bytes, s.outstanding_count) == (1000, 350, 2)
     assert s.reallocated_live_pointers == 1 and s.unmatched_frees == 0
-    (tl,) = logs.in_use_timeline(p)
+    (tl,) = log_timeline.in_use_timeline(p)
     assert tl.bytes[-1] == 350
     r = replay.replay(p, "cuda", gpu=False)
     assert (r.peak_bytes, r.final_upstream_bytes, r.skipped_frees) == (1000, 350, 0)
@@ -371,8 +371,8 @@ def test_merge_orders_by_time_with_worker_column(tmp_path):
     from_a = [(e.action, e.pointer, e.size) for e in merged if e.source.startswith("w0")]
     assert from_a == [(e.action, e.pointer, e.size) for e in ea]
     # a merged log summarizes like its parts
-    report = logs.summarize([a, b])
-    s = logs.summarize(out).files[0]
+    report = log_summary.summarize([a, b])
+    s = log_summary.summarize(out).files[0]
     assert s.peak_bytes == report.combined.peak_bytes
     assert s.outstanding_bytes == report.combined.outstanding_bytes
 
@@ -383,7 +383,7 @@ def test_merge_orders_by_time_with_worker_column(tmp_path):
 def test_timeline_is_bounded_and_keeps_the_peak(tmp_path):
     p = tmp_path / "t.csv"
     exp = write_synthetic(p, 20_000, seed=5)
-    (tl,) = logs.in_use_timeline(p, max_points=200)
+    (tl,) = log_timeline.in_use_timeline(p, max_points=200)
     assert len(tl.times) <= 400
     assert tl.peak_bytes == exp.peak_bytes
     assert max(tl.bytes) == exp.peak_bytes
@@ -396,7 +396,7 @@ def test_plot_writes_png(tmp_path):
     write_synthetic(a, 3000, seed=1)
     write_synthetic(b, 3000, seed=2, start=12 * 3600.0 + 0.02)
     out = tmp_path / "plot.png"
-    timelines = logs.plot_logs([a, b], out)
+    timelines = log_timeline.plot_logs([a, b], out)
     assert [t.source for t in timelines] == ["a", "b"]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

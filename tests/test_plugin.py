@@ -15,7 +15,9 @@ from distributed.utils_test import gen_cluster
 
 from dask_rmm import mr
 from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
-from dask_rmm.plugin import METRICS_KEY, RMMPlugin, RMMSetupError, log_file_path
+from dask_rmm.plugin import RMMPlugin, RMMSetupError
+from dask_rmm.worker_metrics import METRICS_KEY
+from dask_rmm.worker_stack import log_file_path
 
 MiB = 1 << 20
 
@@ -306,7 +308,7 @@ async def test_metrics_never_raise(c, s, a):
             raise RuntimeError("sampler exploded")
 
     plugin._stacks[0].statistics = Broken()
-    plugin.sample()  # logged, not raised
+    plugin.worker_metrics.sample()  # logged, not raised
     m = a.metrics[METRICS_KEY](a)
     assert "counter exploded" in m["devices"]["0"]["error"]
     assert a.metrics["rmm"](a) == {"rmm-used": 0, "rmm-total": 0}
@@ -365,9 +367,9 @@ async def test_teardown_is_idempotent_and_stops_the_sampler(c, s, a):
     assert not sampler.is_running()
     assert get_per_device_resource(0) is before
     # A tick or a metrics call that was already on its way when teardown ran does nothing.
-    plugin.sample()
-    assert plugin.heartbeat_metrics(a)["devices"] == {}
-    assert plugin.rmm_metrics(a) == {"rmm-used": 0, "rmm-total": 0}
+    plugin.worker_metrics.sample()
+    assert plugin.worker_metrics.heartbeat_metrics(a)["devices"] == {}
+    assert plugin.worker_metrics.rmm_metrics(a) == {"rmm-used": 0, "rmm-total": 0}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])

@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import HAS_GPU, wait_until
 
-from dask_rmm.plugin import METRICS_KEY, log_file_path
 from dask_rmm.preload import dask_setup, plugin_from_flags
+from dask_rmm.worker_metrics import METRICS_KEY
+from dask_rmm.worker_stack import log_file_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASK = [sys.executable, "-m", "dask"]

@@ -1,0 +1,446 @@
+"""Summaries of RMM allocation logs (counts, peak and when, leaks, size histogram, per-thread and
+per-stream totals), typed and as text. Reading logs is :mod:`dask_rmm.logs`; no plotting here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dask_rmm.logs import Action, LiveAllocations, LogEvent, LogReader, format_time, read_logs
+
+__all__ = [
+    "LogSummary",
+    "Outstanding",
+    "Summarizer",
+    "SummaryReport",
+    "Totals",
+    "format_summary",
+    "size_bucket",
+    "summarize",
+]
+
+_ALLOCATE = Action.ALLOCATE
+_FREE = Action.FREE
+_LATE = LiveAllocations.LATE_FREE
+
+
+@dataclass
+class Totals:
+    """Counts and bytes of one thread, stream or file."""
+
+    allocations: int = 0
+    allocated_bytes: int = 0
+    frees: int = 0
+    freed_bytes: int = 0
+    failures: int = 0
+    failed_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Outstanding:
+    """An allocation never freed in the log (a leak, or still live when the log ended)."""
+
+    source: str
+    pointer: int
+    size: int
+    line: int
+    time: float
+    thread: int
+    stream: int
+
+
+@dataclass(frozen=True)
+class LogSummary:
+    """What a log (or several, combined) says about memory use.
+
+    Byte counts are requested sizes, as logged (what ``StatisticsResourceAdaptor`` counts), not
+    what the resource reserved.
+
+    Attributes
+    ----------
+    name : str
+        The file's worker name, or ``"combined"``.
+    paths : tuple of str
+        The files summarized.
+    rows : int
+        Rows read.
+    start, end, duration : float
+        First and last time (seconds since midnight) and their difference.
+    allocations, frees, failures : int
+        Row counts per action.
+    allocated_bytes, freed_bytes, failed_bytes : int
+        Bytes per action.
+    peak_bytes : int
+        Largest sum of live allocations.
+    peak_count : int
+        Most allocations live at once (not necessarily at the time of ``peak_bytes``).
+    peak_time : float or None
+        When the peak was first reached.
+    peak_line, peak_source : int, str
+        The row that reached it.
+    outstanding_bytes, outstanding_count : int
+        Allocated and never freed by the end of the log.
+    largest_outstanding : tuple of Outstanding
+        The largest of those, biggest first.
+    unmatched_frees : int
+        Frees of pointers the log never saw allocated (logging started late), not counted in
+        bytes in use.
+    reallocated_live_pointers : int
+        Allocations of an address whose free row came later (rows of two threads written out
+        of order); the older block counts as freed at the new allocation.
+    size_mismatched_frees : int
+        Frees whose size differs from the allocation's.
+    histogram : dict of int to int
+        Allocations per power-of-two size bucket: key ``2**k`` counts sizes in
+        ``(2**(k-1), 2**k]`` (key 0 counts zero-byte allocations).
+    threads, streams : dict of int to Totals
+        Totals per thread id and per stream handle.
+    truncated : tuple of str
+        ``"path:line"`` of each cut-off last line that was skipped.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    rows: int
+    start: float | None
+    end: float | None
+    duration: float
+    allocations: int
+    frees: int
+    failures: int
+    allocated_bytes: int
+    freed_bytes: int
+    failed_bytes: int
+    peak_bytes: int
+    peak_count: int
+    peak_time: float | None
+    peak_line: int | None
+    peak_source: str | None
+    outstanding_bytes: int
+    outstanding_count: int
+    largest_outstanding: tuple[Outstanding, ...]
+    unmatched_frees: int
+    reallocated_live_pointers: int
+    size_mismatched_frees: int
+    histogram: dict[int, int]
+    threads: dict[int, Totals]
+    streams: dict[int, Totals]
+    truncated: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
+        d = asdict(self)
+        d["paths"] = list(self.paths)
+        d["start_time"] = format_time(self.start) if self.start is not None else None
+        d["end_time"] = format_time(self.end) if self.end is not None else None
+        d["peak_time_of_day"] = format_time(self.peak_time) if self.peak_time is not None else None
+        d["histogram"] = {str(k): v for k, v in self.histogram.items()}
+        d["threads"] = {str(k): asdict(v) for k, v in self.threads.items()}
+        d["streams"] = {hex(k): asdict(v) for k, v in self.streams.items()}
+        d["largest_outstanding"] = [
+            {**asdict(o), "pointer": hex(o.pointer), "stream": hex(o.stream)}
+            for o in self.largest_outstanding
+        ]
+        d["truncated"] = list(self.truncated)
+        return d
+
+
+def size_bucket(size: int) -> int:
+    """The power-of-two histogram bucket of ``size``: the smallest ``2**k >= size`` (0 for 0)."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
+
+
+class Summarizer:
+    """Accumulates a :class:`LogSummary` from events fed one at a time, in file order.
+
+    Memory is bounded by the number of live allocations, not the length of the log. Live
+    allocations are keyed by ``(source, pointer)``, so logs of several workers can be fed
+    interleaved into one summarizer.
+
+    Parameters
+    ----------
+    name : str
+        Name of the summary.
+    top : int
+        How many of the largest outstanding allocations to list.
+    """
+
+    def __init__(self, name: str, top: int = 10):
+        self.name = name
+        self.top = top
+        self.paths: dict[str, None] = {}
+        self.rows = 0
+        self.start: float | None = None
+        self.end: float | None = None
+        self.current = 0
+        self.peak = 0
+        self.peak_count = 0
+        self.peak_event: LogEvent | None = None
+        self.table = LiveAllocations()
+        self.live: dict[tuple[str, int], LogEvent] = self.table.live
+        self.total = Totals()
+        self.unmatched_frees = 0
+        self.size_mismatches = 0
+        self.histogram: dict[int, int] = {}
+        self.threads: dict[int, Totals] = {}
+        self.streams: dict[int, Totals] = {}
+        self.truncated: list[str] = []
+
+    def add(self, e: LogEvent) -> None:
+        """Account for one event."""
+        self.rows += 1
+        if e.path not in self.paths:
+            self.paths[e.path] = None
+        t = e.time
+        if self.start is None or t < self.start:
+            self.start = t
+        if self.end is None or t > self.end:
+            self.end = t
+        thread = self.threads.get(e.thread)
+        if thread is None:
+            thread = self.threads[e.thread] = Totals()
+        stream = self.streams.get(e.stream)
+        if stream is None:
+            stream = self.streams[e.stream] = Totals()
+        total = self.total
+        action = e.action
+        size = e.size
+        if action is _ALLOCATE:
+            for tot in (total, thread, stream):
+                tot.allocations += 1
+                tot.allocated_bytes += size
+            bucket = 1 << (size - 1).bit_length() if size > 0 else 0
+            self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
+            if size == 0:
+                return
+            old = self.table.allocate((e.source, e.pointer), e)
+            if old is not None:
+                self.current -= old.size
+            live = self.live
+            self.current += size
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_event = e
+            if len(live) > self.peak_count:
+                self.peak_count = len(live)
+        elif action is _FREE:
+            for tot in (total, thread, stream):
+                tot.frees += 1
+                tot.freed_bytes += size
+            if e.pointer == 0 and size == 0:
+                return
+            old = self.table.free((e.source, e.pointer))
+            if old is None:
+                self.unmatched_frees += 1
+                return
+            if old is _LATE:
+                return
+            if old.size != size:
+                self.size_mismatches += 1
+            self.current -= old.size
+        else:
+            for tot in (total, thread, stream):
+                tot.failures += 1
+                tot.failed_bytes += size
+
+    def add_truncated(self, reader: LogReader) -> None:
+        """Record a reader's skipped cut-off last line, if any."""
+        if reader.truncated is not None:
+            self.truncated.append(f"{reader.path}:{reader.truncated[0]}")
+
+    def result(self) -> LogSummary:
+        """The summary of everything added so far."""
+        largest = heapq.nlargest(self.top, self.live.values(), key=lambda e: e.size)
+        pe = self.peak_event
+        return LogSummary(
+            name=self.name,
+            paths=tuple(self.paths),
+            rows=self.rows,
+            start=self.start,
+            end=self.end,
+            duration=(self.end - self.start) if self.start is not None else 0.0,
+            allocations=self.total.allocations,
+            frees=self.total.frees,
+            failures=self.total.failures,
+            allocated_bytes=self.total.allocated_bytes,
+            freed_bytes=self.total.freed_bytes,
+            failed_bytes=self.total.failed_bytes,
+            peak_bytes=self.peak,
+            peak_count=self.peak_count,
+            peak_time=pe.time if pe else None,
+            peak_line=pe.line if pe else None,
+            peak_source=pe.source if pe else None,
+            outstanding_bytes=self.current,
+            outstanding_count=len(self.live),
+            largest_outstanding=tuple(
+                Outstanding(e.source, e.pointer, e.size, e.line, e.time, e.thread, e.stream)
+                for e in largest
+            ),
+            unmatched_frees=self.unmatched_frees,
+            reallocated_live_pointers=self.table.retired,
+            size_mismatched_frees=self.size_mismatches,
+            histogram=dict(sorted(self.histogram.items())),
+            threads=dict(sorted(self.threads.items())),
+            streams=dict(sorted(self.streams.items())),
+            truncated=tuple(self.truncated),
+        )
+
+
+@dataclass(frozen=True)
+class SummaryReport:
+    """Summaries of each file and, for several files, of all of them together.
+
+    ``combined`` is the summary of all rows merged by time: its peak is the largest total held
+    by all workers at one moment, not the sum of their peaks.
+    """
+
+    files: tuple[LogSummary, ...]
+    combined: LogSummary | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": [s.to_dict() for s in self.files],
+            "combined": self.combined.to_dict() if self.combined is not None else None,
+        }
+
+
+def summarize(
+    paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10
+) -> SummaryReport:
+    """Summarize one or several logs in one streaming pass.
+
+    Parameters
+    ----------
+    paths : path or sequence of paths
+        The logs, one per worker (or merged logs, whose ``Worker`` column is used).
+    top : int
+        How many of the largest outstanding allocations to list.
+
+    Returns
+    -------
+    SummaryReport
+        ``files`` in the order given; ``combined`` when there are several files.
+
+    Examples
+    --------
+    >>> report = summarize(["worker-0.csv", "worker-1.csv"])   # doctest: +SKIP
+    >>> report.combined.peak_bytes
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = list(paths)
+    readers: list[LogReader] = []
+    events = read_logs(paths, readers)
+    per_file = {r.path: Summarizer(r.source, top) for r in readers}
+    if len(per_file) != len(readers):
+        raise ValueError("the same log file was given twice")
+    combined = Summarizer("combined", top) if len(readers) > 1 else None
+    for e in events:
+        per_file[e.path].add(e)
+        if combined is not None:
+            combined.add(e)
+    for r in readers:
+        per_file[r.path].add_truncated(r)
+        per_file[r.path].paths.setdefault(r.path, None)
+        if combined is not None:
+            combined.add_truncated(r)
+            combined.paths.setdefault(r.path, None)
+    return SummaryReport(
+        tuple(s.result() for s in per_file.values()),
+        combined.result() if combined is not None else None,
+    )
+
+
+def _fmt_bytes(n: int) -> str:
+    from dask_rmm.mr.base import format_bytes
+
+    return f"{format_bytes(n)}" if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
+
+
+def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
+    """A human-readable text block for one :class:`LogSummary`."""
+    s = summary
+    lines = [f"== {s.name} ({', '.join(s.paths)})"]
+    if s.start is not None:
+        lines.append(
+            f"  time          {format_time(s.start)} .. {format_time(s.end)}  ({s.duration:.6f} s)"
+        )
+    lines.append(f"  rows          {s.rows:,}")
+    lines.append(
+        f"  allocations   {s.allocations:,} ({_fmt_bytes(s.allocated_bytes)})   "
+        f"frees {s.frees:,} ({_fmt_bytes(s.freed_bytes)})   "
+        f"failures {s.failures:,} ({_fmt_bytes(s.failed_bytes)})"
+    )
+    peak = f"  peak          {_fmt_bytes(s.peak_bytes)}"
+    if s.peak_time is not None:
+        rel = s.peak_time - s.start if s.start is not None else 0.0
+        peak += f" at {format_time(s.peak_time)} (+{rel:.6f} s, line {s.peak_line}"
+        peak += f" of {s.peak_source})" if s.name == "combined" else ")"
+    lines.append(peak)
+    lines.append(f"  most live     {s.peak_count:,} allocations at once")
+    lines.append(
+        f"  outstanding   {_fmt_bytes(s.outstanding_bytes)} in {s.outstanding_count:,} "
+        "allocations never freed"
+    )
+    for o in s.largest_outstanding[:top_rows]:
+        where = f"{o.source} " if s.name == "combined" else ""
+        lines.append(
+            f"      {_fmt_bytes(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
+            f"thread {o.thread}  stream {o.stream:#x}"
+        )
+    notes = []
+    if s.unmatched_frees:
+        notes.append(f"{s.unmatched_frees:,} frees of pointers never allocated in the log")
+    if s.reallocated_live_pointers:
+        notes.append(
+            f"{s.reallocated_live_pointers:,} allocations of an address whose free row came "
+            "later (threads' rows out of order)"
+        )
+    if s.size_mismatched_frees:
+        notes.append(f"{s.size_mismatched_frees:,} frees with a size other than allocated")
+    for t in s.truncated:
+        notes.append(f"cut-off last line skipped: {t}")
+    for n in notes:
+        lines.append(f"  note          {n}")
+    if s.histogram:
+        lines.append("  sizes         bucket (<=)        allocations")
+        width = max(s.histogram.values())
+        for bucket, count in s.histogram.items():
+            bar = "#" * max(1, round(30 * count / width))
+            label = "0 B" if bucket == 0 else _pow2_label(bucket)
+            lines.append(f"                {label:>12} {count:>14,}  {bar}")
+    lines.extend(_totals_table("thread", s.threads, str, top_rows))
+    lines.extend(_totals_table("stream", s.streams, hex, top_rows))
+    return "\n".join(lines)
+
+
+def _pow2_label(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return (
+                f"{n >> shift} {unit}" if n % (1 << shift) == 0 else f"{n / (1 << shift):g} {unit}"
+            )
+    return f"{n} B"
+
+
+def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) -> list[str]:
+    if not totals:
+        return []
+    rows = sorted(totals.items(), key=lambda kv: -kv[1].allocated_bytes)
+    out = [
+        f"  per {what:<8}  {what:>18} {'allocs':>10} {'allocated':>12} {'frees':>10} {'failures':>9}"
+    ]
+    from dask_rmm.mr.base import format_bytes
+
+    for k, t in rows[:top_rows]:
+        out.append(
+            f"                {key_fmt(k):>18} {t.allocations:>10,} {format_bytes(t.allocated_bytes):>12} "
+            f"{t.frees:>10,} {t.failures:>9,}"
+        )
+    if len(rows) > top_rows:
+        out.append(f"                ... and {len(rows) - top_rows} more")
+    return out

@@ -1,0 +1,187 @@
+"""Bytes in use over time from RMM allocation logs, one timeline per worker, and its plot
+(matplotlib). Reading logs is :mod:`dask_rmm.logs`; counts and leaks are :mod:`dask_rmm.log_summary`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dask_rmm.logs import Action, LiveAllocations, format_time, read_logs
+
+__all__ = ["Timeline", "in_use_timeline", "plot_logs"]
+
+_ALLOCATE = Action.ALLOCATE
+_FREE = Action.FREE
+_LATE = LiveAllocations.LATE_FREE
+
+
+class _Envelope:
+    """Bounded list of (time, bytes) keeping the upper envelope: when it grows past twice
+    ``max_points``, neighbouring pairs merge into the higher of the two."""
+
+    def __init__(self, max_points: int):
+        self.max_points = max(16, max_points)
+        self.points: list[tuple[float, int]] = []
+
+    def add(self, t: float, v: int) -> None:
+        pts = self.points
+        pts.append((t, v))
+        if len(pts) >= 2 * self.max_points:
+            last = pts[-1]
+            merged = [max(pts[i], pts[i + 1], key=_value) for i in range(0, len(pts) - 1, 2)]
+            if merged[-1] is not last:
+                merged.append(last)
+            self.points = merged
+
+
+def _value(p: tuple[float, int]) -> int:
+    return p[1]
+
+
+@dataclass
+class Timeline:
+    """Bytes in use over time for one source: ``times`` (seconds since midnight) and ``bytes``;
+    the exact peak is kept even when the curve is thinned to ``max_points``; ``failures`` are
+    where allocations failed."""
+
+    source: str
+    times: list[float] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    peak_bytes: int = 0
+    peak_time: float | None = None
+    #: (time, bytes in use) of the first ``max_points`` allocate failures
+    failures: list[tuple[float, int]] = field(default_factory=list)
+
+
+def in_use_timeline(
+    paths: Sequence[str | os.PathLike] | str | os.PathLike, max_points: int = 20000
+) -> list[Timeline]:
+    """Bytes in use over time, one :class:`Timeline` per source (file or ``Worker`` value).
+
+    Long logs are thinned to about ``max_points`` points per source keeping the upper envelope,
+    so memory stays bounded and peaks stay visible.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    envelopes: dict[str, _Envelope] = {}
+    current: dict[str, int] = {}
+    peaks: dict[str, tuple[int, float | None]] = {}
+    failures: dict[str, list[tuple[float, int]]] = {}
+    table = LiveAllocations()
+    for e in read_logs(list(paths)):
+        src = e.source
+        env = envelopes.get(src)
+        if env is None:
+            env = envelopes[src] = _Envelope(max_points)
+            current[src] = 0
+            peaks[src] = (0, e.time)
+            failures[src] = []
+            env.add(e.time, 0)
+        if e.action is _ALLOCATE:
+            if e.size == 0:
+                continue
+            old = table.allocate((src, e.pointer), e.size)
+            if old is not None:
+                current[src] -= old
+            current[src] += e.size
+            if current[src] > peaks[src][0]:
+                peaks[src] = (current[src], e.time)
+        elif e.action is _FREE:
+            size = table.free((src, e.pointer))
+            if size is None or size is _LATE:
+                continue
+            current[src] -= size
+        else:
+            if len(failures[src]) < max_points:
+                failures[src].append((e.time, current[src]))
+            continue
+        env.add(e.time, current[src])
+    out = []
+    for src, env in sorted(envelopes.items()):
+        pk, pt = peaks[src]
+        xs, ys = [p[0] for p in env.points], [p[1] for p in env.points]
+        out.append(Timeline(src, xs, ys, pk, pt, failures[src]))
+    return out
+
+
+def plot_logs(
+    paths: Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    *,
+    title: str | None = None,
+    max_points: int = 20000,
+) -> list[Timeline]:
+    """Plot bytes in use over time, one line per worker (file), each peak marked; save to
+    ``output`` (PNG, SVG or PDF by extension).
+
+    Needs matplotlib (``pip install dask-rmm[report]``).
+
+    Returns
+    -------
+    list of Timeline
+        What was plotted.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "plotting allocation logs needs matplotlib: pip install matplotlib "
+            "(or pip install 'dask-rmm[report]')"
+        ) from e
+    timelines = in_use_timeline(paths, max_points=max_points)
+    if not timelines:
+        raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
+    t0 = min(tl.times[0] for tl in timelines if tl.times)
+    top = max(tl.peak_bytes for tl in timelines)
+    unit, scale = _plot_unit(top)
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+    try:
+        for tl in timelines:
+            xs = [t - t0 for t in tl.times]
+            ys = [b / scale for b in tl.bytes]
+            (line,) = ax.step(xs, ys, where="post", linewidth=1.2, label=tl.source)
+            if tl.peak_time is not None:
+                px, py = tl.peak_time - t0, tl.peak_bytes / scale
+                ax.plot([px], [py], marker="v", color=line.get_color(), markersize=8)
+                ax.annotate(
+                    f"peak {py:.3g} {unit}",
+                    (px, py),
+                    textcoords="offset points",
+                    xytext=(4, 6),
+                    fontsize=8,
+                    color=line.get_color(),
+                )
+        fails = [(t - t0, b / scale) for tl in timelines for t, b in tl.failures]
+        if fails:
+            ax.scatter(
+                [f[0] for f in fails],
+                [f[1] for f in fails],
+                marker="x",
+                color="red",
+                zorder=3,
+                label=f"allocate failure ({len(fails)})",
+            )
+        ax.set_xlabel(f"seconds since {format_time(t0)}")
+        ax.set_ylabel(f"bytes in use ({unit})")
+        ax.set_title(title or "RMM allocations: bytes in use")
+        ax.set_ylim(bottom=0, top=top / scale * 1.12 if top else 1)
+        ax.grid(True, alpha=0.3)
+        if len(timelines) > 1 or timelines[0].source:
+            ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.fspath(output))
+    finally:
+        plt.close(fig)
+    return timelines
+
+
+def _plot_unit(n: int) -> tuple[str, int]:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return unit, 1 << shift
+    return "B", 1

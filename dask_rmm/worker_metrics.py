@@ -1,0 +1,239 @@
+"""A worker's heartbeat metrics, ``worker.metrics["dask-rmm"]`` (version 1, docs/internals.md) and
+``["rmm"]``, and their sampler. Not here: building the stacks it reads (``plugin.py``), distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import parse_timedelta
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_rmm.worker_stack import DeviceStack
+
+__all__ = ["MAX_SAMPLES", "METRICS_KEY", "METRICS_VERSION", "SAMPLER_KEY", "WorkerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+#: Key of the heartbeat metrics in ``worker.metrics`` (format: docs/internals.md, version 1).
+METRICS_KEY = "dask-rmm"
+METRICS_VERSION = 1
+#: Samples kept between two heartbeats at most (a slow heartbeat loses the oldest).
+MAX_SAMPLES = 1000
+#: Key of the sampler in ``worker.periodic_callbacks``.
+SAMPLER_KEY = "dask-rmm-sampler"
+_STAT_FIELDS = (
+    "current_bytes",
+    "current_count",
+    "peak_bytes",
+    "peak_count",
+    "total_bytes",
+    "total_count",
+)
+# How old the reserved bytes of the "dask-rmm" metric may be for the "rmm" metric to reuse them.
+_RESERVED_REUSE_S = 0.25
+
+
+@dataclass
+class _DeviceSamples:
+    """One device's stack and what the metrics keep for it between heartbeats."""
+
+    stack: DeviceStack
+    samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    last_reserved: tuple[float, int] = (-1e9, 0)  # (monotonic time, reserved bytes)
+
+
+def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
+    """``(used, total)`` bytes of the device (cudaMemGetInfo); ``(0, 0)`` for host memory."""
+    if host_memory:
+        return 0, 0
+    from dask_rmm import _cuda
+
+    current = _cuda.get_device()
+    if current != device:
+        _cuda.set_device(device)
+    try:
+        free, total = _cuda.mem_get_info()
+    finally:
+        if current != device:
+            _cuda.set_device(current)
+    return total - free, total
+
+
+class WorkerMetrics:
+    """The heartbeat metrics of one worker's device stacks, and the sampler that feeds them.
+
+    Reports no devices before :meth:`install` and after :meth:`remove`, so that a sampler tick
+    or a heartbeat already on its way when the stacks are torn down does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._devices: list[_DeviceSamples] = []
+        self._top_n = 10
+        self._sampler: Any = None  # tornado PeriodicCallback while sampling
+        self._previous_rmm_metric: Any = None
+
+    def install(
+        self,
+        worker: Worker,
+        stacks: Iterable[DeviceStack],
+        *,
+        top_n: int,
+        sample_interval: str | float | None,
+        sampling: bool,
+    ) -> None:
+        """Publish ``worker.metrics["dask-rmm"]`` and ``["rmm"]`` for ``stacks`` and, with
+        ``sampling`` and a positive ``sample_interval`` (ms if a number), start the sampler."""
+        from tornado.ioloop import PeriodicCallback
+
+        self._previous_rmm_metric = worker.metrics.get("rmm")
+        self._top_n = top_n
+        self._devices = [_DeviceSamples(stack) for stack in stacks]
+        worker.metrics[METRICS_KEY] = self.heartbeat_metrics
+        worker.metrics["rmm"] = self.rmm_metrics
+        interval = parse_timedelta(sample_interval, default="ms")
+        if sampling and interval and interval > 0:
+            sampler = PeriodicCallback(self.sample, interval * 1000)
+            self._sampler = sampler
+            # Registered with the worker so that it is stopped on close even without teardown,
+            # and started by the worker if setup runs before the worker starts (preload).
+            worker.periodic_callbacks[SAMPLER_KEY] = sampler
+            if worker.status.name in ("running", "paused", "closing_gracefully"):
+                sampler.start()
+        self.sample()
+
+    def remove(self, worker: Worker) -> None:
+        """Stop the sampler and take back what :meth:`install` published (idempotent)."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.stop()
+            if worker.periodic_callbacks.get(SAMPLER_KEY) is sampler:
+                del worker.periodic_callbacks[SAMPLER_KEY]
+        if worker.metrics.get(METRICS_KEY) == self.heartbeat_metrics:
+            del worker.metrics[METRICS_KEY]
+        if worker.metrics.get("rmm") == self.rmm_metrics:
+            previous = self._previous_rmm_metric
+            if previous is None:
+                del worker.metrics["rmm"]
+            else:
+                worker.metrics["rmm"] = previous
+        self._previous_rmm_metric = None
+        self._top_n = 10
+        self._devices = []
+
+    def sample(self) -> None:
+        """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
+        now = time.time()
+        for device in self._devices:
+            stats = device.stack.statistics
+            if stats is None:
+                continue
+            try:
+                peak = stats.take_interval_peak()
+                device.samples.append([now, stats.current_bytes, peak])
+            except Exception:  # a sampler must not die; the metrics report the error
+                logger.exception("dask-rmm: sampling device %d failed", device.stack.device)
+
+    def heartbeat_metrics(self, worker: Worker) -> dict[str, Any]:
+        """``worker.metrics["dask-rmm"]``: the version 1 dict of docs/internals.md. Never raises."""
+        out: dict[str, Any] = {"version": METRICS_VERSION, "time": time.time()}
+        try:
+            name = worker.name
+            out["worker"] = name if isinstance(name, (str, int)) else str(name)
+            top_n = self._top_n
+            out["devices"] = {
+                str(d.stack.device): self._device_metrics(d, top_n) for d in self._devices
+            }
+        except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
+            out.setdefault("devices", {})
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    @staticmethod
+    def _device_metrics(device: _DeviceSamples, top_n: int) -> dict[str, Any]:
+        stack = device.stack
+        d: dict[str, Any] = {"resource": stack.chain}
+        errors = []
+        stats = stack.statistics
+        try:
+            if stats is not None:
+                counts = stats.allocation_counts
+                # Not Statistics.to_dict(): dataclasses.asdict costs microseconds per call.
+                for name in _STAT_FIELDS:
+                    d[name] = int(getattr(counts, name))
+                d["failed_allocations"] = int(stats.failed_allocations)
+            else:
+                d.update(
+                    current_bytes=0,
+                    current_count=0,
+                    peak_bytes=0,
+                    peak_count=0,
+                    total_bytes=0,
+                    total_count=0,
+                    failed_allocations=0,
+                )
+        except Exception as e:
+            errors.append(f"statistics: {type(e).__name__}: {e}")
+        try:
+            info = stack.top.reserved_memory_info()
+            if info is None:
+                # Nothing pools: what is allocated is what is reserved from the device.
+                d["reserved_bytes"] = d.get("current_bytes", 0)
+                d["pool_free_bytes"] = 0
+                d["largest_free_block"] = 0
+            else:
+                d["reserved_bytes"] = int(info.reserved_bytes)
+                d["pool_free_bytes"] = int(info.free_bytes)
+                d["largest_free_block"] = int(info.largest_free_block)
+            device.last_reserved = (time.monotonic(), d["reserved_bytes"])
+        except Exception as e:
+            errors.append(f"reserved memory: {type(e).__name__}: {e}")
+        try:
+            d["device_used_bytes"], d["device_total_bytes"] = _device_memory(
+                stack.device, stack.host_memory
+            )
+        except Exception as e:
+            d["device_used_bytes"] = d["device_total_bytes"] = 0
+            errors.append(f"device memory: {type(e).__name__}: {e}")
+        try:
+            attribution = stack.attribution
+            d["task_groups"] = (
+                [m.to_list() for m in attribution.top(top_n)] if attribution is not None else []
+            )
+        except Exception as e:
+            d["task_groups"] = []
+            errors.append(f"task groups: {type(e).__name__}: {e}")
+        samples = device.samples
+        d["samples"] = [samples.popleft() for _ in range(len(samples))]
+        if errors:
+            d["error"] = "; ".join(errors)
+        return d
+
+    def rmm_metrics(self, worker: Worker) -> dict[str, int]:
+        """``worker.metrics["rmm"]`` for distributed's RMM dashboard plot. Never raises."""
+        used = total = 0
+        for device in self._devices:
+            stack = device.stack
+            try:
+                stats = stack.statistics
+                current = stats.current_bytes if stats is not None else 0
+                used += current
+                # The "dask-rmm" metric of this heartbeat has just walked the pool's free lists:
+                # reuse its reserved bytes rather than walk them again.
+                when, reserved = device.last_reserved
+                if time.monotonic() - when > _RESERVED_REUSE_S:
+                    info = stack.top.reserved_memory_info()
+                    reserved = int(info.reserved_bytes) if info is not None else current
+                total += reserved
+            except Exception:  # pragma: no cover - defensive
+                logger.debug(
+                    "dask-rmm: rmm metrics of device %d failed", stack.device, exc_info=True
+                )
+        return {"rmm-used": int(used), "rmm-total": int(total)}
