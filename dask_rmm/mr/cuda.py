@@ -75,10 +75,6 @@ class _OwnedPointers:
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(self._sizes.values())
-
 
 def _check_size(nbytes: Any, what: str = "nbytes") -> int:
     nbytes = check_nbytes(nbytes, what)

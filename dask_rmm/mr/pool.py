@@ -390,8 +390,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                             if not b:
                                 nonempty[c] = 0
                             b = bins[rc]
-                            if b is None:
-                                b = bins[rc] = {}
                             b[r] = rem
                             nonempty[rc] = 1
                     else:
@@ -499,8 +497,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     sh = u.bit_length() - 5
                     c = (sh << 4) + (u >> sh)
                 b = bins[c]
-                if b is None:
-                    b = bins[c] = {}
                 b[ptr] = size
                 nonempty[c] = 1
                 return
@@ -724,8 +720,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         fl.ends[ptr + size] = ptr
         c = _insert_class(size >> 8)
         b = fl.bins[c]
-        if b is None:
-            b = fl.bins[c] = {}
         b[ptr] = size
         fl.nonempty[c] = 1
 
