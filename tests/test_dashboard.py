@@ -10,8 +10,9 @@ from distributed.utils_test import gen_cluster
 from fake_metrics import FakeRMMMetrics
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
-from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin
 from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.scheduler import install_scheduler_plugin
+from dask_rmm.wire import PLUGIN_NAME
 
 
 async def _get(s, path: str, **kwargs):

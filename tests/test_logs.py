@@ -16,8 +16,10 @@ from logdata import (
     write_synthetic,
 )
 
-from dask_rmm import log_summary, log_timeline, logs, replay
-from dask_rmm.logs import Action, LogEvent, LogFormatError, TruncatedLogWarning
+from dask_rmm import logs
+from dask_rmm.logs import Action, LogEvent, LogFormatError, TruncatedLogWarning, replay
+from dask_rmm.logs import summary as log_summary
+from dask_rmm.logs import timeline as log_timeline
 
 HEADER_LINE = "Thread,Time,Action,Pointer,Size,Stream\n"
 
