@@ -295,3 +295,17 @@ async def test_report_without_dask_rmm_logs_no_scheduler_error(c, s, a, b):
         report = await cluster_report(c)
     assert "No handler" not in log.getvalue() and "KeyError" not in log.getvalue()
     assert "no dask-rmm workers" in str(report)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_unregistering_rmm_plugin_removes_the_rows(c, s, a):
+    from dask_rmm.plugin import RMMPlugin
+
+    await c.register_plugin(RMMPlugin(base_resource="system"))
+    await a.heartbeat()
+    assert (await cluster_report(c)).device(a.address).status == "running"
+    await c.unregister_worker_plugin("dask-rmm")
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert report.devices == () and report.workers_without_dask_rmm == (a.address,)
+    assert "no dask-rmm workers" in str(report)
