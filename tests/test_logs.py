@@ -496,6 +496,6 @@ def test_replay_async_needs_a_gpu(tmp_path):
 def test_comparison_table(tmp_path):
     p = tmp_path / "w.csv"
     write_synthetic(p, 1000, seed=14, failure_rate=0.0)
-    results = replay.replay_many(p, ["pool", "cuda"], gpu=False)
+    results = [replay.replay(p, name, gpu=False) for name in ("pool", "cuda")]
     text = replay.format_comparison(results)
     assert "pool" in text and "cuda" in text and "smallest footprint" in text

@@ -3,40 +3,7 @@ bytes in use over time (``timeline``) and re-issue them on a fresh resource (``r
 No Dask; ``dask rmm log ...`` is their command line.
 """
 
-from dask_rmm.logs.reader import (
-    HEADER,
-    WORKER_COLUMN,
-    Action,
-    LiveAllocations,
-    LogEvent,
-    LogFormatError,
-    LogReader,
-    TruncatedLogWarning,
-    default_source_name,
-    format_event,
-    format_time,
-    iter_rows,
-    merge_logs,
-    parse_time,
-    read_log,
-    read_logs,
-)
+from dask_rmm.logs import reader
+from dask_rmm.logs.reader import *  # noqa: F403  (the reader's names are the package's)
 
-__all__ = [
-    "HEADER",
-    "WORKER_COLUMN",
-    "Action",
-    "LiveAllocations",
-    "LogEvent",
-    "LogFormatError",
-    "LogReader",
-    "TruncatedLogWarning",
-    "default_source_name",
-    "format_event",
-    "format_time",
-    "iter_rows",
-    "merge_logs",
-    "parse_time",
-    "read_log",
-    "read_logs",
-]
+__all__ = list(reader.__all__)

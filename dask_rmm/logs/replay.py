@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -528,20 +528,3 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
     else:
         lines.append("every resource failed allocations the original run did not")
     return "\n".join(lines)
-
-
-def replay_many(
-    path: str | os.PathLike,
-    resources: Sequence[str],
-    progress: bool = False,
-    on_result: Callable[[ReplayResult], None] | None = None,
-    **options: Any,
-) -> list[ReplayResult]:
-    """Replay the same log on each of ``resources`` (a fresh resource each time)."""
-    out = []
-    for name in resources:
-        r = replay(path, name, progress=progress, **options)
-        if on_result is not None:
-            on_result(r)
-        out.append(r)
-    return out
