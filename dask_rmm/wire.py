@@ -1,10 +1,10 @@
 """The heartbeat and report format: the only place its key, versions and field names are defined.
 
 Workers publish ``worker.metrics[METRICS_KEY]`` (:func:`heartbeat`); the scheduler keeps a timeline
-per device and serves the report document (:func:`report_document`), which the report, the
-dashboard, ``/dask-rmm/report.json``, ``dask rmm report --json`` and Prometheus all read. To add a
-per-device field, add it to :class:`DeviceSample` (a default keeps old producers readable; a
-``gauge`` in its metadata also exports it to Prometheus). No Dask, no CUDA here.
+per device and serves the report document (``ClusterMemoryReport.to_dict()``): the report, the
+dashboard, ``/dask-rmm/report.json``, ``dask rmm report --json`` and Prometheus. To add a
+per-device field, add it to :class:`DeviceSample` (a default keeps old producers readable;
+``_exported(...)`` also exports it to Prometheus). No Dask, no CUDA here.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class TaskGroup(NamedTuple):
     peak_bytes: int
 
 
-def _gauge(name: str, help: str, kind: str = "gauge") -> dict[str, Any]:
-    return {"gauge": name, "help": help, "kind": kind}
+def _exported(name: str, help: str, kind: str = "gauge") -> Any:
+    """An int field (default 0) that Prometheus exports as ``name``."""
+    return field(default=0, metadata={"gauge": name, "help": help, "kind": kind})
 
 
 @dataclass(frozen=True)
@@ -63,44 +64,30 @@ class DeviceSample:
     """
 
     resource: str = ""
-    current_bytes: int = field(
-        default=0, metadata=_gauge("dask_rmm_used_bytes", "Bytes allocated through RMM now")
-    )
+    current_bytes: int = _exported("dask_rmm_used_bytes", "Bytes allocated through RMM now")
     current_count: int = 0
-    peak_bytes: int = field(
-        default=0,
-        metadata=_gauge(
-            "dask_rmm_peak_bytes", "Most bytes allocated at once since the resource was made"
-        ),
+    peak_bytes: int = _exported(
+        "dask_rmm_peak_bytes", "Most bytes allocated at once since the resource was made"
     )
     peak_count: int = 0
     total_bytes: int = 0
     total_count: int = 0
-    failed_allocations: int = field(
-        default=0,
-        metadata=_gauge("dask_rmm_failed_allocations", "Allocations whose upstream raised", "counter"),
+    failed_allocations: int = _exported(
+        "dask_rmm_failed_allocations", "Allocations whose upstream raised", "counter"
     )
-    reserved_bytes: int = field(
-        default=0,
-        metadata=_gauge("dask_rmm_reserved_bytes", "Bytes the pool holds from its upstream"),
+    reserved_bytes: int = _exported(
+        "dask_rmm_reserved_bytes", "Bytes the pool holds from its upstream"
     )
-    pool_free_bytes: int = field(
-        default=0, metadata=_gauge("dask_rmm_pool_free_bytes", "Bytes free inside the pool")
+    pool_free_bytes: int = _exported("dask_rmm_pool_free_bytes", "Bytes free inside the pool")
+    largest_free_block: int = _exported(
+        "dask_rmm_largest_free_block_bytes", "Largest free block in the pool"
     )
-    largest_free_block: int = field(
-        default=0,
-        metadata=_gauge("dask_rmm_largest_free_block_bytes", "Largest free block in the pool"),
-    )
-    retired_bytes: int = field(
-        default=0,
-        metadata=_gauge(
-            "dask_rmm_retired_bytes", "Bytes still held in stacks replaced by a re-registration"
-        ),
+    retired_bytes: int = _exported(
+        "dask_rmm_retired_bytes", "Bytes still held in stacks replaced by a re-registration"
     )
     device_used_bytes: int = 0
-    device_total_bytes: int = field(
-        default=0,
-        metadata=_gauge("dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"),
+    device_total_bytes: int = _exported(
+        "dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"
     )
     gpu_name: str = ""
     gpu_uuid: str = ""
