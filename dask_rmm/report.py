@@ -358,7 +358,7 @@ class ClusterMemoryReport:
             lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
-            lines.append(_PEAK_NOTE)
+            lines.append(self._peak_note())
         if self.workers_without_dask_rmm:
             lines.append(f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
         for d in self.devices:
@@ -411,7 +411,7 @@ class ClusterMemoryReport:
         else:
             parts.append(
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(_PEAK_NOTE)}</p>"
+                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(self._peak_note())}</p>"
             )
         if self.workers_without_dask_rmm:
             parts.append(
@@ -437,6 +437,11 @@ class ClusterMemoryReport:
             f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
             '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
         )
+
+    def _peak_note(self) -> str:
+        if self.totals.peak_bytes is None:
+            return "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+        return _PEAK_NOTE
 
     def _repr_html_(self) -> str:
         return self.to_html()
