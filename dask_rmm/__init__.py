@@ -28,7 +28,7 @@ _EXPORTS = {
     "copy_host_to_ptr": "dask_rmm.device_buffer",
     "copy_device_to_ptr": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
-    "parse_device_bytes": "dask_rmm.config",
+    "parse_device_bytes": "dask_rmm.sizes",
     "RMMError": "dask_rmm.initialize",
     "reinitialize": "dask_rmm.initialize",
     "is_initialized": "dask_rmm.initialize",
