@@ -1,20 +1,31 @@
-"""dask-rmm's Dask configuration (namespace ``dask-rmm``) and the one parser for memory sizes.
+"""dask-rmm's Dask configuration (namespace ``dask-rmm``): defaults, reading, validation.
 
 Importing this module registers ``dask-rmm.yaml``'s defaults with ``dask.config``; the schema
-beside it documents every key. It never imports distributed. Building resources from these
-settings is the plugin's job, not this module's.
+beside it documents every key and :func:`validate_config` checks against it. It never imports
+distributed. Turning the settings into options is :mod:`dask_rmm.options`' job.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
 
 import dask.config
 import yaml
 
 from dask_rmm.sizes import parse_device_bytes
 
-__all__ = ["SCHEMA_PATH", "YAML_PATH", "defaults", "parse_device_bytes"]
+__all__ = [
+    "SCHEMA_PATH",
+    "YAML_PATH",
+    "ConfigError",
+    "config_value",
+    "defaults",
+    "environment_variable",
+    "parse_device_bytes",
+    "validate_config",
+]
 
 YAML_PATH = os.path.join(os.path.dirname(__file__), "dask-rmm.yaml")
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "dask-rmm-schema.yaml")
@@ -24,3 +35,105 @@ with open(YAML_PATH) as f:
     defaults: dict = yaml.safe_load(f)
 
 dask.config.update_defaults(defaults)
+
+with open(SCHEMA_PATH) as f:
+    _SCHEMA: dict = yaml.safe_load(f)["properties"]["dask-rmm"]
+
+_JSON_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": (list, tuple),
+    "object": dict,
+    "null": type(None),
+}
+
+
+def environment_variable(key: str) -> str:
+    """The environment variable that sets config ``key``: ``dask-rmm.pool-size`` ->
+    ``DASK_DASK_RMM__POOL_SIZE``."""
+    return "DASK_" + key.upper().replace(".", "__").replace("-", "_")
+
+
+class ConfigError(ValueError):
+    """A ``dask-rmm.*`` config value is wrong; the message names the key and its variable."""
+
+    def __init__(self, key: str, value: Any, reason: str):
+        self.key = key
+        super().__init__(f"config {key}={value!r} ({environment_variable(key)}): {reason}")
+
+
+def config_value(key: str) -> Any:
+    """``dask.config.get("dask-rmm.<key>")``, dask-rmm.yaml's default when unset (defaults
+    survive code that resets Dask's config, such as distributed's test fixtures)."""
+    default = defaults["dask-rmm"]
+    for part in key.split("."):
+        default = default[part]
+    return dask.config.get(f"dask-rmm.{key}", default)
+
+
+def _check(key: str, value: Any, schema: dict, unknown: list[str]) -> None:
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if types and not any(
+        isinstance(value, _JSON_TYPES[t])
+        and not (t in ("integer", "number") and isinstance(value, bool))
+        for t in types
+    ):
+        raise ConfigError(key, value, f"expected {' or '.join(types)}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ConfigError(key, value, f"expected one of {', '.join(map(str, schema['enum']))}")
+    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
+        raise ConfigError(key, value, f"must be at least {schema['minimum']}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for name, item in value.items():
+            name = str(name).replace("_", "-")
+            if name in properties:
+                _check(f"{key}.{name}", item, properties[name], unknown)
+            else:
+                unknown.append(f"{key}.{name}")
+    if isinstance(value, (list, tuple)) and "items" in schema:
+        for item in value:
+            _check(key, item, schema["items"], unknown)
+
+
+def validate_config() -> None:
+    """Check the ``dask-rmm.*`` config against dask-rmm-schema.yaml (and sizes and intervals
+    by parsing them); warn about keys the schema does not know (``dask-rmm.poolsize``).
+
+    Raises
+    ------
+    ConfigError
+        Naming the key and its environment variable: ``config
+        dask-rmm.metrics.sample-interval='banana' (DASK_DASK_RMM__METRICS__SAMPLE_INTERVAL):
+        ...``.
+    """
+    from dask.utils import parse_timedelta
+
+    unknown: list[str] = []
+    config = dask.config.get("dask-rmm", {})
+    _check("dask-rmm", config, _SCHEMA, unknown)
+    for key in ("pool-size", "maximum-pool-size", "release-threshold", "device-memory-limit"):
+        value = config_value(key)
+        try:
+            parse_device_bytes(value, total_memory=1 << 40, alignment=1)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"dask-rmm.{key}", value, str(e)) from None
+    interval = config_value("metrics.sample-interval")
+    try:
+        parse_timedelta(interval, default="ms")
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(
+            "dask-rmm.metrics.sample-interval",
+            interval,
+            f"not a time interval such as '100ms' ({e})",
+        ) from None
+    for key in unknown:
+        warnings.warn(
+            f"unknown config key {key} ({environment_variable(key)}) ignored; dask-rmm's keys "
+            f"are {', '.join(sorted(_SCHEMA['properties']))}",
+            UserWarning,
+            stacklevel=3,
+        )
