@@ -145,9 +145,9 @@ class RMMPlugin(WorkerPlugin):
         self._worker: Any = None
 
     def __repr__(self) -> str:
-        default = RMMOptions()
+        default = RMMOptions().to_dict()
         shown = ", ".join(
-            f"{k}={v!r}" for k, v in self.options.to_dict().items() if v != getattr(default, k)
+            f"{k}={v!r}" for k, v in self.options.to_dict().items() if v != default[k]
         )
         return f"RMMPlugin({shown})"
 

@@ -86,7 +86,11 @@ class _PreloadCommand(click.Command):
         else:
             args = _recovered_argv(args)
         rest = super().parse_args(ctx, args)
-        plugin_from_flags(**ctx.params)
+        try:
+            plugin_from_flags(**ctx.params)
+        except click.UsageError as e:
+            e.ctx = ctx  # the usage shown is this command's
+            raise
         return rest
 
 
