@@ -1,8 +1,8 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
 ``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
-distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``) are imported on first
-use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
+distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``) or numpy
+(``DeviceBuffer`` and the copy functions) are imported on first use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
 after dask_rmm.
 """
 
@@ -15,13 +15,6 @@ import sys
 
 from dask_rmm import allocators, mr, statistics
 from dask_rmm._cuda import CUDAError
-from dask_rmm.device_buffer import (
-    DeviceBuffer,
-    copy_device_to_ptr,
-    copy_host_to_ptr,
-    copy_ptr_to_host,
-    to_device,
-)
 from dask_rmm.initialize import (
     RMMError,
     disable_logging,
@@ -53,8 +46,14 @@ from dask_rmm.stream import (
 
 __version__ = "0.1.0"
 
-# Names that import distributed: module holding each, imported on first use.
+# Names whose modules import something heavy (distributed; numpy for device_buffer): module
+# holding each, imported on first use.
 _LAZY = {
+    "DeviceBuffer": "dask_rmm.device_buffer",
+    "copy_device_to_ptr": "dask_rmm.device_buffer",
+    "copy_host_to_ptr": "dask_rmm.device_buffer",
+    "copy_ptr_to_host": "dask_rmm.device_buffer",
+    "to_device": "dask_rmm.device_buffer",
     "RMMPlugin": "dask_rmm.plugin",
     "cluster_report": "dask_rmm.cluster",
     "ClusterMemoryReport": "dask_rmm.cluster",
