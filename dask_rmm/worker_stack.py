@@ -202,14 +202,15 @@ class WorkerStack:
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
     token: str | None = None
-    _retired: list[DeviceStack] = field(default_factory=list)
+    _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
     _released: bool = False
 
     @property
     def retired(self) -> list[DeviceStack]:
-        """Retired stacks with live bytes, oldest first."""
-        self._retired = [s for s in self._retired if s.live_bytes > 0]
-        return list(self._retired)
+        """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
+        live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
+        self._retired = [(r, s) for r, s in self._retired if r() is not None and s.live_bytes > 0]
+        return [s for _, s in self._retired]
 
     def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
         """Install ``stacks`` and retire the active ones (call after every stack is built)."""
@@ -230,7 +231,12 @@ class WorkerStack:
         for stack in reversed(stacks):
             uninstall_stack(stack)
             stack.close_log()
-        self._retired += [s for s in stacks if s.live_bytes > 0]
+            if stack.live_bytes > 0:
+                alive = weakref.ref(stack.top)
+                for name in ("top", "statistics", "attribution", "logging"):
+                    if getattr(stack, name) is not None:
+                        setattr(stack, name, weakref.proxy(getattr(stack, name)))
+                self._retired.append((alive, stack))
 
     def release(self) -> bool:
         """Mark the active stacks as handed back (see the class doc); False if there are none."""
