@@ -238,7 +238,7 @@ class RMMOptions:
         alias = "managed" if managed else "async" if asynchronous else None
         if alias is not None:
             explicit = given.get("base_resource")
-            if explicit not in (None, alias):
+            if explicit not in (None, "cuda", alias):  # "cuda": device memory, the default
                 option = "managed_memory" if managed else "async_alloc"
                 raise OptionError(
                     f"`{option}=True` means base_resource={alias!r}, which conflicts with "

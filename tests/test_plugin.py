@@ -103,6 +103,12 @@ def test_incompatible_options_fail_on_the_client(kwargs, match):
         RMMPlugin(**kwargs)
 
 
+def test_dask_cuda_names_choose_the_base_resource():
+    assert RMMPlugin(managed_memory=True).options.base_resource == "managed"
+    assert RMMPlugin(base_resource="cuda", async_alloc=True).options.base_resource == "async"
+    assert RMMPlugin(base_resource="managed").options.base_resource == "managed"
+
+
 def test_fractions_and_sizes_are_kept_for_the_worker():
     p = RMMPlugin(pool_size="0.5", maximum_pool_size=0.9, base_resource="system").options
     assert p.pool_size == 0.5 and p.maximum_pool_size == 0.9
