@@ -59,7 +59,7 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return None
     try:
-        from dask_rmm.config import parse_device_bytes
+        from dask_rmm.sizes import parse_device_bytes
     except ImportError:
         parse_device_bytes = None
     try:

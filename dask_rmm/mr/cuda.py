@@ -92,9 +92,9 @@ def _parse_size(value: Any, what: str, device: int | None) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return _check_size(value, what)
     if isinstance(value, (str, float)):
-        from dask_rmm.config import parse_device_bytes
+        from dask_rmm.sizes import parse_device_bytes
 
-        return parse_device_bytes(value, device=device)
+        return parse_device_bytes(value, device=device, option=what) or 0
     raise TypeError(
         f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
         f"device memory in (0, 1], got {value!r} ({type(value).__name__})"
