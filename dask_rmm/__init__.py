@@ -55,8 +55,8 @@ _LAZY = {
     "copy_ptr_to_host": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
     "RMMPlugin": "dask_rmm.plugin",
-    "cluster_report": "dask_rmm.cluster",
-    "ClusterMemoryReport": "dask_rmm.cluster",
+    "cluster_report": "dask_rmm.client",
+    "ClusterMemoryReport": "dask_rmm.report",
 }
 
 __all__ = [

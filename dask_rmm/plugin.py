@@ -247,7 +247,7 @@ class RMMPlugin(WorkerPlugin):
     async def _install_scheduler_plugin(self, worker: Worker) -> None:
         """Install the cluster report's scheduler plugin once (logged, never fatal)."""
         try:
-            from dask_rmm.cluster import install_scheduler_plugin
+            from dask_rmm.scheduler import install_scheduler_plugin
         except ImportError:
             return
         try:

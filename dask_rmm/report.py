@@ -1,7 +1,7 @@
 """ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
 (text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
 
-Pure data and formatting: it never talks to a scheduler (``dask_rmm.cluster`` fetches the
+Pure data and formatting: it never talks to a scheduler (``dask_rmm.client`` fetches the
 data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
 """
 

@@ -2,7 +2,7 @@
 enable/disable, the ``statistics()`` context, the counter stack and the memory profiler.
 
 The counting itself is :class:`~dask_rmm.mr.StatisticsResourceAdaptor`'s; cluster-wide
-reports are :mod:`dask_rmm.cluster`'s.
+reports are :mod:`dask_rmm.report`'s.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -48,14 +48,11 @@ class _DeviceSamples:
     previous_batch: list = field(default_factory=list)
 
 
-def retired_bytes(stack: DeviceStack) -> int:
-    """Bytes still allocated in the stacks that ``stack`` replaced on its device (re-registration).
-
-    The extension point for the worker side: ``DeviceStack.retired_bytes`` (an int attribute,
-    property or no-argument method); 0 when the stack does not have it.
-    """
-    value = getattr(stack, "retired_bytes", 0)
-    return int(value() if callable(value) else value or 0)
+def retired_bytes(retired: Iterable[DeviceStack], device: int) -> int:
+    """Bytes still allocated through the ``retired`` stacks of ``device``: stacks a
+    re-registration replaced while buffers made through them were alive
+    (:attr:`dask_rmm.worker_stack.WorkerStack.retired`)."""
+    return sum(s.live_bytes for s in retired if s.device == device)
 
 
 @functools.cache
@@ -104,6 +101,7 @@ class WorkerMetrics:
         self._top_n = 10
         self._sampler: Any = None  # tornado PeriodicCallback while sampling
         self._previous_rmm_metric: Any = None
+        self._retired: Callable[[], list[DeviceStack]] = list
 
     def install(
         self,
@@ -118,7 +116,11 @@ class WorkerMetrics:
         ``sampling`` and a positive ``sample_interval`` (ms if a number), start the sampler."""
         from tornado.ioloop import PeriodicCallback
 
+        from dask_rmm.worker_stack import worker_stack
+
         self._previous_rmm_metric = worker.metrics.get("rmm")
+        owner = worker_stack(worker)
+        self._retired = lambda: owner.retired
         self._top_n = top_n
         self._devices = [_DeviceSamples(stack) for stack in stacks]
         worker.metrics[METRICS_KEY] = self.heartbeat_metrics
@@ -150,6 +152,7 @@ class WorkerMetrics:
             else:
                 worker.metrics["rmm"] = previous
         self._previous_rmm_metric = None
+        self._retired = list
         self._top_n = 10
         self._devices = []
 
@@ -170,9 +173,13 @@ class WorkerMetrics:
         """``worker.metrics["dask-rmm"]``: :func:`dask_rmm.wire.heartbeat`. Never raises."""
         name = worker.name
         devices = {}
+        try:
+            retired = self._retired()
+        except Exception:  # pragma: no cover - defensive: the heartbeat must go on
+            retired = []
         for d in self._devices:
             try:
-                devices[str(d.stack.device)] = self._device_metrics(d, self._top_n)
+                devices[str(d.stack.device)] = self._device_metrics(d, self._top_n, retired)
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 devices[str(d.stack.device)] = {"error": f"{type(e).__name__}: {e}"}
         return wire.heartbeat(
@@ -180,7 +187,9 @@ class WorkerMetrics:
         )
 
     @staticmethod
-    def _device_metrics(device: _DeviceSamples, top_n: int) -> dict[str, Any]:
+    def _device_metrics(
+        device: _DeviceSamples, top_n: int, retired: list[DeviceStack] = ()
+    ) -> dict[str, Any]:
         stack = device.stack
         d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
         errors = []
@@ -200,7 +209,7 @@ class WorkerMetrics:
                 d["pool_free_bytes"] = int(info.free_bytes)
                 d["largest_free_block"] = int(info.largest_free_block)
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
-            d["retired_bytes"] = retired_bytes(stack)
+            d["retired_bytes"] = retired_bytes(retired, stack.device)
         except Exception as e:
             errors.append(f"statistics: {type(e).__name__}: {e}")
         try:

@@ -428,8 +428,9 @@ async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
 async def test_scheduler_plugin_is_installed_once(c, s, a):
     await c.register_plugin(RMMPlugin(base_resource="system"))
     await c.register_plugin(RMMPlugin(base_resource="system"))
-    cluster = pytest.importorskip("dask_rmm.cluster")
-    assert cluster.PLUGIN_NAME in s.plugins
+    from dask_rmm.wire import PLUGIN_NAME
+
+    assert PLUGIN_NAME in s.plugins
 
 
 # -- a real cluster of worker processes -----------------------------------------------------------

@@ -75,6 +75,9 @@ async def test_memory_held_from_a_replaced_stack_stays_counted(c, s, a):
     old_pool = weakref.ref(old.top)
     await c.register_plugin(RMMPlugin(base_resource="system", pool_size="16MiB"))
     assert worker_stack(a).retired == [old] and old.live_bytes == 3 * MiB
+    # the heartbeat still counts them, beside the new stack's own bytes
+    device = a.metrics["dask-rmm"](a)["devices"]["0"]
+    assert device["retired_bytes"] == 3 * MiB and device["current_bytes"] == 0
     del held
     deadline = time.monotonic() + 10
     while worker_stack(a).retired:

@@ -9,17 +9,12 @@ import pytest
 from dask_rmm.worker_metrics import device_identity, retired_bytes
 
 
-@pytest.mark.parametrize(
-    "stack, expected",
-    [
-        (SimpleNamespace(), 0),
-        (SimpleNamespace(retired_bytes=300), 300),
-        (SimpleNamespace(retired_bytes=lambda: 512), 512),
-        (SimpleNamespace(retired_bytes=None), 0),
-    ],
-)
-def test_retired_bytes_reads_what_the_stack_offers(stack, expected):
-    assert retired_bytes(stack) == expected
+def test_retired_bytes_sum_the_live_bytes_of_that_device_only():
+    dev0 = [SimpleNamespace(device=0, live_bytes=300), SimpleNamespace(device=0, live_bytes=12)]
+    dev1 = [SimpleNamespace(device=1, live_bytes=7)]
+    assert retired_bytes(dev0 + dev1, 0) == 312
+    assert retired_bytes(dev0 + dev1, 1) == 7
+    assert retired_bytes([], 0) == 0
 
 
 def test_host_memory_is_named_host():
