@@ -11,6 +11,20 @@ import sys
 
 __version__ = "0.1.0"
 
+
+def _read_git_commit() -> str:
+    """The commit a built distribution was made from (its ``GIT_COMMIT`` file, as RMM's);
+    empty in a source checkout."""
+    from importlib.resources import files
+
+    try:
+        return files(__name__).joinpath("GIT_COMMIT").read_text().strip()
+    except (FileNotFoundError, OSError):
+        return ""
+
+
+__git_commit__ = _read_git_commit()
+
 # public name -> module holding it. A name that is the module's own last component
 # (``statistics``) is the module itself.
 _EXPORTS = {

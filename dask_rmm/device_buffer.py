@@ -177,6 +177,20 @@ class DeviceBuffer:
         if src and size:
             _copy(self._ptr, src, size, stream, mr.is_host_memory)
 
+    @classmethod
+    def _adopt(cls, ptr: int, nbytes: int, stream: Stream, mr: DeviceMemoryResource) -> DeviceBuffer:
+        """A buffer owning ``ptr``, already allocated from ``mr`` with ``nbytes`` on ``stream``.
+
+        No checks and no copy: for library hooks (the CuPy allocator) that allocate on their
+        hot path and need the owner object to be a DeviceBuffer, as RMM's is.
+        """
+        self = cls.__new__(cls)
+        self._ptr = ptr
+        self._size = self._capacity = nbytes
+        self.mr = mr
+        self.stream = stream
+        return self
+
     # What __del__ calls is bound as defaults: a buffer still alive at interpreter shutdown (in
     # a worker's data, a module global, a reference cycle) may be finalized after its module's
     # globals were set to None, where a global lookup raises TypeError ('NoneType' object is
@@ -265,6 +279,7 @@ class DeviceBuffer:
             raise ValueError(
                 f"ary is too small: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
+        self._order_before(stream)
         _copy(_address(arr), self._ptr, self._size, stream, self._host)
         return ary
 
@@ -276,6 +291,7 @@ class DeviceBuffer:
             raise ValueError(
                 f"ary is too large: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
+        self._order_before(stream)
         _copy(self._ptr, _address(arr), arr.nbytes, stream, self._host)
 
     def copy_from_device(self, cuda_ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
@@ -309,6 +325,7 @@ class DeviceBuffer:
                 _cuda.stream_wait_event(stream.handle, event)
             finally:
                 _cuda.event_destroy(event)
+        self._order_before(stream)
         _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self._host)
 
     def tobytes(self, stream: Stream = DEFAULT_STREAM) -> bytes:
@@ -325,7 +342,33 @@ class DeviceBuffer:
         return self.copy()
 
     def __reduce__(self):
-        return (to_device, (self.tobytes(),))
+        # A numpy array, not bytes: with pickle protocol 5 numpy hands its memory out as the one
+        # out-of-band PickleBuffer, so no second host copy is made.
+        return (to_device, (self.copy_to_host(),))
+
+    def _order_before(self, stream: Stream) -> None:
+        """Make a copy on ``stream`` start after the work queued on the buffer's own stream.
+
+        RMM relies on ``Stream()`` being ordered with the legacy default stream; this also
+        covers a buffer on a non-blocking stream (a CuPy ``non_blocking`` stream, a
+        ``CudaStreamFlags.NON_BLOCKING`` one) copied on another stream. A copy on a default
+        stream synchronizes anyway, so there the buffer's stream is synchronized first; on
+        another stream the copy waits on an event, in stream order.
+        """
+        own = self.stream
+        if own.handle == stream.handle or not self._ptr or not _cuda.is_available():
+            return
+        if own.handle == 0 and stream.handle == 1 or own.handle == 1 and stream.handle == 0:
+            return  # 0 and 1 are both the legacy default stream
+        if stream.is_default() and not stream.is_per_thread_default():
+            own.synchronize()
+            return
+        event = _cuda.event_create(disable_timing=True)
+        try:
+            _cuda.event_record(event, own.handle)
+            _cuda.stream_wait_event(stream.handle, event)
+        finally:
+            _cuda.event_destroy(event)
 
     # --- size changes ------------------------------------------------------------------------
 

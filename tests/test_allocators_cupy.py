@@ -102,6 +102,19 @@ def test_allocator_uses_current_stream_and_frees_on_it(host_cupy, monkeypatch):
     assert cupy_hook._streams[0x1234].handle == 0x1234  # Stream objects are cached
 
 
+def test_allocation_owner_is_a_device_buffer_as_rmm(host_cupy, host_stats):
+    from dask_rmm.device_buffer import DeviceBuffer
+
+    mp = cupy_hook.rmm_cupy_allocator(42)
+    owner = mp.mem._owner
+    assert isinstance(owner, DeviceBuffer)
+    assert (owner.ptr, owner.size, owner.mr) == (mp.ptr, 42, host_stats)
+    empty = cupy_hook.rmm_cupy_allocator(0)
+    assert isinstance(empty.mem._owner, DeviceBuffer) and empty.mem._owner.size == 0
+    del mp, owner, empty
+    assert host_stats.allocation_counts.current_bytes == 0
+
+
 def test_allocator_zero_bytes(host_cupy, host_stats):
     mp = cupy_hook.rmm_cupy_allocator(0)
     assert mp.ptr == 0 and mp.device_id == 0
@@ -147,13 +160,13 @@ def test_set_allocators_cupy():
 
 
 def test_supported_names():
-    assert SUPPORTED_ALLOCATORS == ("cupy", "numba")
+    assert SUPPORTED_ALLOCATORS == ("cupy", "numba", "torch")
 
 
 @pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
 def test_unknown_names_list_supported(names):
     original = cupy.cuda.get_allocator()
-    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba'\]"):
+    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'torch'\]"):
         set_allocators(names)
     assert cupy.cuda.get_allocator() is original  # nothing was set
 
