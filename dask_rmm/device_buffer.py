@@ -50,6 +50,16 @@ def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
                          dtype=np.uint8)
 
 
+def _stream_arg(stream: Any) -> Stream:
+    """``stream`` as a Stream; None is refused as RMM refuses it (pass ``DEFAULT_STREAM``)."""
+    if stream is None:
+        raise TypeError(
+            "stream argument cannot be None: pass a Stream (dask_rmm.DEFAULT_STREAM for the "
+            "default stream)"
+        )
+    return as_stream(stream)
+
+
 def _address(arr: np.ndarray) -> int:
     return arr.ctypes.data if arr.size else 0
 
@@ -92,21 +102,21 @@ def copy_ptr_to_host(db: int, hb: Any, stream: Stream = DEFAULT_STREAM) -> None:
     >>> hb
     bytearray(b'abc')
     """
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     arr = _host_bytes(hb, True, "hb")
     _copy(_address(arr), _check_ptr(db, "db"), arr.nbytes, stream, False)
 
 
 def copy_host_to_ptr(hb: Any, db: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy all of the host buffer ``hb`` to the pointer ``db``."""
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     arr = _host_bytes(hb, False, "hb")
     _copy(_check_ptr(db, "db"), _address(arr), arr.nbytes, stream, False)
 
 
 def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy ``count`` bytes from pointer ``d_src`` to pointer ``d_dst``."""
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     count = check_nbytes(count, "count")
     _copy(_check_ptr(d_dst, "d_dst"), _check_ptr(d_src, "d_src"), count, stream, False)
 
@@ -163,7 +173,7 @@ class DeviceBuffer:
         self._size = 0
         size = check_nbytes(size, "size")
         src = 0 if ptr is None else _check_ptr(ptr, "ptr")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if mr is None:
             from dask_rmm.mr.registry import get_current_device_resource
 
@@ -271,7 +281,7 @@ class DeviceBuffer:
     def copy_to_host(self, ary: Any = None, stream: Stream = DEFAULT_STREAM) -> Any:
         """Copy the buffer into ``ary`` (a writable bytes-like of at least :attr:`size` bytes),
         or into a new ``numpy.uint8`` array when ``ary`` is None, and return it."""
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if ary is None:
             ary = np.empty(self._size, dtype=np.uint8)
         arr = _host_bytes(ary, True, "ary")
@@ -285,7 +295,7 @@ class DeviceBuffer:
 
     def copy_from_host(self, ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
         """Copy the bytes-like ``ary`` into the start of the buffer."""
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         arr = _host_bytes(ary, False, "ary")
         if arr.nbytes > self._size:
             raise ValueError(
@@ -299,7 +309,7 @@ class DeviceBuffer:
 
         When the source names a stream (interface version 3), ``stream`` first waits for it.
         """
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         cai = getattr(cuda_ary, "__cuda_array_interface__", None)
         if cai is None:
             raise ValueError(
@@ -389,7 +399,7 @@ class DeviceBuffer:
         """Grow the allocation to at least ``new_capacity`` bytes, keeping :attr:`size` and the
         contents. Does nothing when the capacity is already enough. The buffer moves to ``stream``."""
         new_capacity = check_nbytes(new_capacity, "new_capacity")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if new_capacity > self._capacity:
             self._reallocate(new_capacity, stream)
         else:
@@ -402,7 +412,7 @@ class DeviceBuffer:
         exactly ``new_size`` bytes and the contents copied. The buffer moves to ``stream``.
         """
         new_size = check_nbytes(new_size, "new_size")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if new_size > self._capacity:
             self._reallocate(new_size, stream)
         else:

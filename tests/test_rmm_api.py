@@ -168,3 +168,42 @@ def test_async_managed_resource():
     db = DeviceBuffer.to_device(np.arange(1000, dtype="u1").tobytes(), mr=res)
     assert _cuda.pointer_attributes(db.ptr).type == "managed"
     assert db.tobytes() == np.arange(1000, dtype="u1").tobytes()
+
+
+def test_stream_none_refused_as_rmm(host_mr):
+    from dask_rmm.device_buffer import copy_device_to_ptr, copy_host_to_ptr, copy_ptr_to_host
+
+    match = "stream argument cannot be None"
+    with pytest.raises(TypeError, match=match):
+        DeviceBuffer(size=10, stream=None)
+    with pytest.raises(TypeError, match=match):
+        DeviceBuffer.to_device(b"abc", stream=None)
+    db = DeviceBuffer.to_device(b"abcdefgh")
+    calls = [
+        lambda: db.copy_to_host(stream=None),
+        lambda: db.copy_from_host(b"x", stream=None),
+        lambda: db.copy_from_device(db, stream=None),
+        lambda: db.tobytes(stream=None),
+        lambda: db.reserve(100, stream=None),
+        lambda: db.resize(4, stream=None),
+        lambda: copy_ptr_to_host(db.ptr, bytearray(3), stream=None),
+        lambda: copy_host_to_ptr(b"abc", db.ptr, stream=None),
+        lambda: copy_device_to_ptr(db.ptr, db.ptr, 3, stream=None),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=match):
+            call()
+    assert db.tobytes() == b"abcdefgh" and db.capacity() == 8
+
+
+@pytest.mark.gpu
+def test_cuda_resources_refuse_stream_none_and_keep_the_pointer():
+    res = mr.CudaMemoryResource()
+    with pytest.raises(TypeError, match="stream argument cannot be None"):
+        res.allocate(1024, stream=None)
+    ptr = res.allocate(1024)
+    with pytest.raises(TypeError, match="stream argument cannot be None"):
+        res.deallocate(ptr, 1024, stream=None)
+    assert res.live_allocations == 1
+    res.deallocate(ptr, 1024)
+    assert res.live_allocations == 0

@@ -106,6 +106,11 @@ def _handle(stream: Any) -> int:
     try:
         return stream.handle
     except AttributeError:
+        if stream is None:
+            raise TypeError(
+                "stream argument cannot be None: pass a Stream (DEFAULT_STREAM for the default "
+                "stream)"
+            ) from None
         return as_stream(stream).handle
 
 
@@ -151,8 +156,8 @@ class _CudaResource(DeviceMemoryResource):
         """Free ``ptr``, allocated here with ``nbytes``; a wrong call raises ValueError first."""
         if ptr == 0 and nbytes == 0:
             return
-        self._owned.remove(self, ptr, nbytes)
         handle = _handle(stream)
+        self._owned.remove(self, ptr, nbytes)
         try:
             if self._multi_device:
                 self._on_device(self._free, ptr, handle)
