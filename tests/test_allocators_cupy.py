@@ -271,3 +271,34 @@ def test_gpu_cupy_each_device_uses_its_resource(gpu_cupy_allocator):
     assert [mr.allocation_counts.current_bytes for mr in resources] == [1000, 2000]
     del arrays
     assert [mr.allocation_counts.current_bytes for mr in resources] == [0, 0]
+
+
+def test_allocation_keeps_its_cupy_stream_alive(host_cupy):
+    import weakref
+
+    base = SystemMemoryResource()  # a pool would keep the stream for its free lists itself
+    set_per_device_resource(0, base)
+
+    cs = _FakeCupyStream(0x7000)
+    host_cupy["stream"] = cs.ptr
+    cupy_hook._streams.pop(cs.ptr, None)
+
+    def current_stream(device_id=-1):
+        return cs
+
+    cupy_hook._get_current_stream, saved = current_stream, cupy_hook._get_current_stream
+    try:
+        mp = cupy_hook.rmm_cupy_allocator(256)
+    finally:
+        cupy_hook._get_current_stream = saved
+    ref = weakref.ref(cs)
+    del cs
+    cupy_hook._streams.clear()
+    # the allocation's owner still holds the CuPy stream it will be freed on
+    alive = ref() is not None
+    handle = mp.mem._owner.stream.handle
+    del mp
+    assert alive and handle == 0x7000
+    gc.collect()
+    assert base.live_allocations == 0
+    assert ref() is None

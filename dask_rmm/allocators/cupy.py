@@ -26,11 +26,25 @@ _streams: dict[int, Stream] = {}
 _MAX_CACHED_STREAMS = 1024
 
 
-def _stream_for(handle: int) -> Stream:
+def _stream_for(handle: int, cupy_stream: Any = None) -> Stream:
+    """The Stream for CuPy's current stream, cached by handle.
+
+    A non-default stream's Stream keeps the CuPy stream object alive (as RMM's allocator does
+    through its DeviceBuffer), so that an array outliving its ``cupy.cuda.Stream`` is still
+    freed on a live stream handle, never on a destroyed (or reused) one.
+    """
     if len(_streams) >= _MAX_CACHED_STREAMS:
         _streams.clear()
-    stream = _streams[handle] = Stream(handle)
+    if cupy_stream is None or handle <= _LAST_DEFAULT_HANDLE:
+        stream = Stream(handle)
+    else:
+        stream = Stream(cupy_stream)
+    _streams[handle] = stream
     return stream
+
+
+# Handles 0, 1 and 2 are the default streams, which are never destroyed.
+_LAST_DEFAULT_HANDLE = 2
 
 
 def _per_device_resource(device_id: int):
@@ -79,10 +93,13 @@ if _cupy is not None:
         # UnownedMemory), one owner object: a DeviceBuffer adopting the pointer (as RMM's
         # owner is a DeviceBuffer), which frees it when CuPy drops the memory.
         device_id = _get_device_id()
-        handle = _get_current_stream(device_id).ptr
+        cupy_stream = _get_current_stream(device_id)
+        handle = cupy_stream.ptr
         stream = _streams.get(handle)
-        if stream is None:
-            stream = _stream_for(handle)
+        if stream is None or (
+            handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
+        ):
+            stream = _stream_for(handle, cupy_stream)
         mr = _get_per_device_resource(device_id)
         ptr = mr.allocate(nbytes, stream)
         return _MemoryPointer(
