@@ -283,16 +283,15 @@ def test_allocation_keeps_its_cupy_stream_alive(host_cupy):
     host_cupy["stream"] = cs.ptr
     cupy_hook._streams.pop(cs.ptr, None)
 
-    def current_stream(device_id=-1):
-        return cs
-
-    cupy_hook._get_current_stream, saved = current_stream, cupy_hook._get_current_stream
+    holder = [cs]
+    cupy_hook._get_current_stream, saved = (lambda device_id=-1: holder[0]),  cupy_hook._get_current_stream
     try:
         mp = cupy_hook.rmm_cupy_allocator(256)
     finally:
         cupy_hook._get_current_stream = saved
     ref = weakref.ref(cs)
     del cs
+    holder.clear()
     cupy_hook._streams.clear()
     # the allocation's owner still holds the CuPy stream it will be freed on
     alive = ref() is not None
