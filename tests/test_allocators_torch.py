@@ -185,3 +185,28 @@ def test_torch_tensors_come_from_the_current_resource():
     assert out["bytes_end"] == 0
     assert out["allocations"] >= 3
     assert out["oom"] != "no error"
+
+
+def test_out_of_memory_collects_garbage_and_retries(host_mr):
+    alloc, free = _c_functions()
+    limited = mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096)
+    mr.set_current_device_resource(limited)
+
+    class Holder:
+        pass
+
+    garbage = Holder()
+    garbage.ptr = alloc(4096, 0, None)
+    garbage.cycle = garbage  # only the cyclic collector frees it
+
+    def release(ptr=garbage.ptr):
+        free(ptr, 4096, 0, None)
+
+    import weakref
+
+    weakref.finalize(garbage, release)
+    del garbage
+    ptr = alloc(4096, 0, None)  # full until the cycle is collected
+    assert ptr
+    free(ptr, 4096, 0, None)
+    assert host_mr.allocation_counts.current_bytes == 0

@@ -5,7 +5,8 @@ PyTorch's pluggable allocator only needs two C function addresses,
 ``void* alloc(size_t size, int device, cudaStream_t stream)`` and
 ``void free(void* ptr, size_t size, int device, cudaStream_t stream)``. Here they are ctypes
 callbacks into Python, kept alive for the life of the process. The callbacks never raise into
-C: a failed allocation returns NULL and its exception is kept for :func:`last_allocation_error`;
+C: a failed allocation is retried once after a garbage collection, then returns NULL and its
+exception is kept for :func:`last_allocation_error`;
 a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.py``).
 
 ``rmm_torch_allocator`` is None when torch is not importable or has no usable CUDA, as RMM's.
@@ -14,6 +15,7 @@ a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import threading
 from typing import Any
@@ -71,7 +73,13 @@ def allocate(size: int, device: int, stream: int | None) -> int | None:
         if s is None:
             s = _stream_for(handle)
         mr = _get_per_device_resource(device)
-        ptr = mr.allocate(size, s)
+        try:
+            ptr = mr.allocate(size, s)
+        except MemoryError:
+            # Tensors that are garbage but not yet collected may hold the memory asked for:
+            # collect once and retry before PyTorch sees NULL.
+            gc.collect()
+            ptr = mr.allocate(size, s)
         if ptr:
             _live[ptr] = mr
         return ptr or None
