@@ -6,7 +6,8 @@ Usage::
                                    [--jobs 4] [-k NAME] [pytest args...]
 
 ``RMM_TESTS_DIR`` holds RMM's ``python/rmm/rmm/tests/*.py`` (not part of this repository: copy
-them from RMM's sources at the tag the API follows). Every file runs in its own process with
+them from RMM's sources at the tag the API follows, e.g.
+``git -C rmm archive v26.06.00 python/rmm/rmm/tests | tar -x --strip-components=4 -C DIR``). Every file runs in its own process with
 ``-p rmm_shim`` (see ``rmm_shim.py``), so a crash costs one file, and under a timeout. Writes
 ``OUT_DIR/<file>.log``, ``OUT_DIR/<file>.xml`` (JUnit) and ``OUT_DIR/summary.json``, and prints
 a table: passed / failed / errors / skipped per file, and whether the process crashed.
