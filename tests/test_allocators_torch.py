@@ -71,9 +71,15 @@ def test_failed_allocation_returns_null_and_keeps_the_error(host_mr, caplog):
     alloc, _ = _c_functions()
     limited = mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096)
     mr.set_current_device_resource(limited)
+    returned = []
     with caplog.at_level(logging.WARNING, logger="dask_rmm.allocators.torch"):
-        assert alloc(1 << 20, 0, None) is None  # NULL, no exception into C
+        # NULL to C, then the calling Python code raises as soon as it runs again
+        with pytest.raises(MemoryError) as info:
+            returned.append(alloc(1 << 20, 0, None))
+    assert returned == [None]
     assert isinstance(torch_hook.last_allocation_error(), MemoryError)
+    assert type(info.value).__name__ == "TorchAllocationError"
+    assert "1048576" in str(info.value)
     assert "1048576 bytes" in caplog.text
     assert host_mr.allocation_counts.current_bytes == 0
 
@@ -158,8 +164,9 @@ _SCENARIO = textwrap.dedent(
     try:
         torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
         out["oom"] = "no error"
-    except Exception as e:
-        out["oom"] = type(e).__name__
+    except torch.OutOfMemoryError as e:
+        out["oom"] = type(e).__name__ if isinstance(e, MemoryError) else "not a MemoryError"
+    out["after_oom"] = float(torch.ones(10, device="cuda").sum())
     set_allocators(["torch"])  # again: harmless
     print("RESULT" + json.dumps(out))
     """
@@ -184,7 +191,8 @@ def test_torch_tensors_come_from_the_current_resource():
     assert out["second_stream_ok"]
     assert out["bytes_end"] == 0
     assert out["allocations"] >= 3
-    assert out["oom"] != "no error"
+    assert out["after_oom"] == 10.0
+    assert out["oom"] == "TorchAllocationError", out["oom"]
 
 
 def test_out_of_memory_collects_garbage_and_retries(host_mr):

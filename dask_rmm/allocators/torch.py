@@ -5,8 +5,9 @@ PyTorch's pluggable allocator only needs two C function addresses,
 ``void* alloc(size_t size, int device, cudaStream_t stream)`` and
 ``void free(void* ptr, size_t size, int device, cudaStream_t stream)``. Here they are ctypes
 callbacks into Python, kept alive for the life of the process. The callbacks never raise into
-C: a failed allocation is retried once after a garbage collection, then returns NULL and its
-exception is kept for :func:`last_allocation_error`;
+C: a failed allocation is retried once after a garbage collection, then returns NULL, keeps its
+exception for :func:`last_allocation_error` and makes the allocating Python call raise
+``TorchAllocationError`` (a ``torch.OutOfMemoryError`` and a ``MemoryError``);
 a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.py``).
 
 ``rmm_torch_allocator`` is None when torch is not importable or has no usable CUDA, as RMM's.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -86,13 +88,67 @@ def allocate(size: int, device: int, stream: int | None) -> int | None:
     except BaseException as e:  # never into C: PyTorch sees NULL
         try:
             _errors.last = e
-            logger.warning(
-                "rmm_torch_allocator: allocating %d bytes on device %d, stream %#x failed: %r",
-                size, device, stream or 0, e,
+            _errors.message = (
+                f"rmm_torch_allocator: allocating {size} bytes on device {device}, stream "
+                f"{stream or 0:#x} failed: {e}"
             )
+            logger.warning("%s", _errors.message)
+            _raise_when_back_in_python()
         except BaseException:
             pass
         return None
+
+
+def _allocation_error_type() -> type[BaseException]:
+    """The exception raised in the allocating thread: a ``torch.OutOfMemoryError`` (what
+    PyTorch code catches) that is also a ``MemoryError`` and carries dask-rmm's message."""
+    global _AllocationFailed
+    if _AllocationFailed is None:
+        try:
+            from torch.cuda import OutOfMemoryError as torch_oom
+
+            bases: tuple[type, ...] = (torch_oom, MemoryError)
+        except ImportError:
+            bases = (MemoryError,)
+
+        class TorchAllocationError(*bases):
+            """PyTorch asked dask-rmm's resource for memory and did not get it; the message
+            is the resource's (``last_allocation_error()`` is the original exception)."""
+
+            def __init__(self, *args):
+                if not args:
+                    args = (getattr(_errors, "message", "rmm_torch_allocator: out of memory"),)
+                super().__init__(*args)
+
+        _AllocationFailed = TorchAllocationError
+    return _AllocationFailed
+
+
+_AllocationFailed: type[BaseException] | None = None
+
+
+def _raise_when_back_in_python() -> None:
+    """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``.
+
+    PyTorch 2.11 does not check the pointer its pluggable allocator returns: a NULL becomes a
+    tensor without memory whose first use fails on the device (and can take the CUDA context
+    down with it). An exception cannot cross the C frames between this callback and the
+    Python code that called PyTorch, so a one-shot profile hook is set on this thread: at the
+    first return (of a C call, or of a Python function) in a frame outside this module, which
+    is the call that asked PyTorch for memory, the hook restores the previous profiler and
+    raises there. A thread
+    PyTorch runs without Python code of its own (autograd's device threads) has nowhere to
+    raise: there only the NULL remains.
+    """
+    exc_type = _allocation_error_type()
+    previous = sys.getprofile()
+
+    def hook(frame, event, arg):
+        if event in ("c_return", "c_exception", "return") and frame.f_code.co_filename != __file__:
+            sys.setprofile(previous)
+            raise exc_type()
+
+    sys.setprofile(hook)
 
 
 def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> None:

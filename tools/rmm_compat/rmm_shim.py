@@ -98,10 +98,15 @@ class _Loader(importlib.abc.Loader):
             return _top_level()
         if self.target is None:
             return _package(spec.name)
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        self.original_spec = module.__spec__
+        return module
 
     def exec_module(self, module):
-        pass
+        # importlib set the module's __spec__ to the rmm one; dask-rmm's module keeps its own.
+        original = getattr(self, "original_spec", None)
+        if original is not None:
+            module.__spec__ = original
 
 
 class RMMShimFinder(importlib.abc.MetaPathFinder):
@@ -130,6 +135,9 @@ def install() -> None:
 
 
 install()
-# RMM's package imports these at its own import; tests reach them as attributes.
-for _name in ("rmm.mr", "rmm.statistics", "rmm.pylibrmm", "rmm._cuda.gpu"):
+# RMM's packages import these at their own import; tests reach them as attributes
+# (``rmm.pylibrmm.stream.Stream()`` without importing ``rmm.pylibrmm.stream``).
+for _name in ("rmm.mr", "rmm.statistics", "rmm._cuda.gpu", *(
+    n for n in MODULES if n.startswith("rmm.pylibrmm.") and n.count(".") == 2
+)):
     importlib.import_module(_name)
