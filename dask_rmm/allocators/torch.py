@@ -11,6 +11,17 @@ exception for :func:`last_allocation_error` and makes the allocating Python call
 a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.py``).
 
 ``rmm_torch_allocator`` is None when torch is not importable or has no usable CUDA, as RMM's.
+
+Examples
+--------
+Before the process's first CUDA tensor:
+
+>>> import torch  # doctest: +SKIP
+>>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP
+>>> torch.cuda.memory.change_current_allocator(rmm_torch_allocator)  # doctest: +SKIP
+
+or ``dask_rmm.allocators.set_allocators(["torch"])`` (what ``RMMPlugin(allocators=["torch"])``
+does on each worker).
 """
 
 from __future__ import annotations
