@@ -46,6 +46,20 @@ from dask_rmm.stream import (
 
 __version__ = "0.1.0"
 
+
+def _read_git_commit() -> str:
+    """The commit a built distribution was made from (its ``GIT_COMMIT`` file, as RMM's);
+    empty in a source checkout."""
+    from importlib.resources import files
+
+    try:
+        return files(__name__).joinpath("GIT_COMMIT").read_text().strip()
+    except (FileNotFoundError, OSError):
+        return ""
+
+
+__git_commit__ = _read_git_commit()
+
 # Names whose modules import something heavy (distributed; numpy for device_buffer): module
 # holding each, imported on first use.
 _LAZY = {
