@@ -21,8 +21,7 @@ import tempfile
 import time
 
 from dask_rmm import logs
-from dask_rmm.logs import replay, summary
-from dask_rmm.logs import Action, LogEvent, format_event
+from dask_rmm.logs import Action, LogEvent, format_event, replay, summary
 
 
 def write_log(path: str, rows: int, seed: int = 0) -> None:

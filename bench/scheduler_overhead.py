@@ -61,7 +61,7 @@ def heartbeats(worker: int, beats: int, samples: int, devices: int) -> list[dict
     out = []
     previous: list[list] = []
     t = 1e9
-    for b in range(beats):
+    for _ in range(beats):
         batch = [[t + 0.1 * i, (1 << 30) + i, (1 << 30) + 2 * i] for i in range(samples)]
         t += 0.1 * samples
         devs = {str(dev): device_dict(previous + batch) for dev in range(devices)}
