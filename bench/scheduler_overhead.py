@@ -186,9 +186,7 @@ def simulated(args) -> list[tuple[str, str]]:
         ws.metrics = {}
     snap1 = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    timeline_bytes = sum(
-        24 * len(tl) for w in p2._records.values() for tl in w.timelines.values()
-    )
+    timeline_bytes = sum(24 * len(tl) for w in p2._records.values() for tl in w.timelines.values())
     grown = sum(st.size_diff for st in snap1.compare_to(snap0, "filename"))
     rows.append(
         (
