@@ -147,13 +147,13 @@ def test_set_allocators_cupy():
 
 
 def test_supported_names():
-    assert SUPPORTED_ALLOCATORS == ("cupy", "numba")
+    assert SUPPORTED_ALLOCATORS == ("cupy", "numba", "rmm")
 
 
 @pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
 def test_unknown_names_list_supported(names):
     original = cupy.cuda.get_allocator()
-    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba'\]"):
+    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'rmm'\]"):
         set_allocators(names)
     assert cupy.cuda.get_allocator() is original  # nothing was set
 
