@@ -289,6 +289,22 @@ def test_buffers_outlive_reset_and_free_to_their_resource(fake_rmm):
     assert stats.allocation_counts.current_bytes == 0
 
 
+def test_a_retired_forwarder_does_not_keep_a_stack_alive(fake_rmm):
+    import gc
+    import weakref
+
+    top, _ = _stack()
+    rmm_interop.set_rmm_callback_resource()
+    cb = _current(fake_rmm)
+    cb.deallocate(cb.allocate(4096, 0), 4096, 0)
+    rmm_interop.reset_rmm_callback_resource()
+    gone = weakref.ref(top)
+    set_per_device_resource(0, None)
+    del top
+    gc.collect()
+    assert gone() is None  # the pool (GPU memory on a worker) is released
+
+
 def test_host_memory_is_refused_and_nothing_changes(fake_rmm):
     set_per_device_resource(0, PoolMemoryResource(SystemMemoryResource(), initial_pool_size=MiB))
     before = _current(fake_rmm)

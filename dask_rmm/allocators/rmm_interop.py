@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,6 +74,10 @@ def _our_stream(stream: Any) -> Stream:
     return ours
 
 
+def _dead_ref() -> None:
+    return None
+
+
 class RMMForwarder:
     """The two callbacks of one device's ``CallbackMemoryResource``.
 
@@ -96,16 +101,20 @@ class RMMForwarder:
         self.live: dict[int, Any] = {}
         self.failed_deallocations = 0
         self._resource_of = get_per_device_resource
-        self._checked: Any = None  # the last resource found to be device memory
+        # The last resource found to be device memory, weakly: a forwarder outlives its stacks.
+        self._checked: Any = _dead_ref
 
     def allocate(self, nbytes: int, stream: Any) -> int:
         """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``."""
         if nbytes == 0:
             return 0
         mr = self._resource_of(self.device)
-        if mr is not self._checked:
+        if self._checked() is not mr:
             _require_device_memory(mr, self.device)
-            self._checked = mr
+            try:
+                self._checked = weakref.ref(mr)
+            except TypeError:  # not weakly referenceable: checked at every allocation
+                pass
         try:
             ptr = mr.allocate(nbytes, _our_stream(stream))
         except MemoryError:
