@@ -758,11 +758,11 @@ def _worker_view(dask_worker=None) -> dict:
     }
 
 
-def _plugin_with_rmm(**options):
+def _plugin_with_rmm(allocators=("rmm",), **options):
     from dask_rmm.plugin import RMMPlugin
 
     try:
-        return RMMPlugin(allocators=["rmm"], **options)
+        return RMMPlugin(allocators=list(allocators), **options)
     except ValueError as e:
         if "rmm" in str(e):
             pytest.skip(f"this tree's RMMPlugin does not take allocators=['rmm'] yet: {e}")
@@ -844,3 +844,37 @@ def test_gpu_dask_workload_with_set_allocators_on_the_worker(real_rmm):
         client.register_plugin(RMMPlugin(pool_size="64MiB"))
         client.run(set_allocators, ["rmm"])
         _check_dask_workload(client)
+
+
+def _pretend_rmm_is_missing(dask_worker=None) -> None:
+    rmm_interop._rmm = None
+    rmm_interop._library_import_error = ImportError("No module named 'rmm' (simulated)")
+
+
+def _worker_memory_setup(dask_worker=None) -> dict:
+    """What a failed registration must leave as it was, in comparable form."""
+    import cupy
+    import rmm
+
+    from dask_rmm.mr.registry import get_per_device_resource
+
+    return {
+        "dask-rmm resource": id(get_per_device_resource(0)),
+        "cupy allocator": repr(cupy.cuda.get_allocator()),
+        "rmm resource": id(rmm.mr.get_per_device_resource(0)),
+        "forwarding": rmm_interop._installed.get(0) is not None,
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_plugin_on_a_worker_without_rmm_fails_and_changes_nothing(real_rmm):
+    pytest.importorskip("cupy")
+    plugin = _plugin_with_rmm(allocators=["cupy", "rmm"], pool_size="64MiB")
+    with _one_worker_cluster() as client:
+        client.run(_pretend_rmm_is_missing)
+        (before,) = client.run(_worker_memory_setup).values()
+        with pytest.raises(Exception, match="rmm-cu13"):
+            client.register_plugin(plugin)
+        (after,) = client.run(_worker_memory_setup).values()
+        assert after == before
