@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import sys
@@ -36,6 +37,17 @@ from dask_rmm.mr import (
 from dask_rmm.mr.base import OutOfMemoryError, UpstreamResourceAdaptor
 
 MiB = 1 << 20
+
+
+def _wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
 
 
 # -- the registry entry and a missing rmm (what CI sees) ----------------------------------------
@@ -427,23 +439,99 @@ def test_many_threads_allocate_and_free_through_the_callbacks(fake_rmm, make_str
     assert rmm_interop.get_rmm_forwarder(0).live == {}
 
 
+def _churn_with_cyclic_buffers(make_buffer, allocate_and_free, steps: int = 1500) -> None:
+    """Allocate and free while buffers held only by reference cycles die in the garbage
+    collector, which then runs as often as it can: a collection that starts while the pool holds
+    its lock frees an RMM buffer through the callbacks, which need that lock again. Runs in a
+    thread; fails (instead of hanging) if that thread is stuck."""
+    import gc
+
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            for _ in range(steps):
+                cycle: list = [make_buffer()]
+                cycle.append(cycle)
+                del cycle
+                allocate_and_free()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+    finally:
+        gc.set_threshold(*threshold)
+    assert not thread.is_alive(), "stuck: a garbage collection inside the pool's lock?"
+    assert errors == []
+    gc.collect()
+
+
+class _StandInBuffer:
+    """An RMM buffer as the stand-in's C++ would hold it: frees through the resource on death."""
+
+    def __init__(self, resource, nbytes: int):
+        self.resource, self.nbytes = resource, nbytes
+        self.ptr = resource.allocate(nbytes, 0)
+
+    def __del__(self):
+        self.resource.deallocate(self.ptr, self.nbytes, 0)
+
+
+def test_buffers_freed_by_the_garbage_collector_do_not_deadlock(fake_rmm):
+    from dask_rmm.stream import DEFAULT_STREAM
+
+    top, stats = _stack(pool_size=16 * MiB)
+    rmm_interop.set_rmm_callback_resource()
+    cb = _current(fake_rmm)
+
+    def allocate_and_free():
+        top.deallocate(top.allocate(4096, DEFAULT_STREAM), 4096, DEFAULT_STREAM)
+        cb.deallocate(cb.allocate(512, 0), 512, 0)
+
+    _churn_with_cyclic_buffers(lambda: _StandInBuffer(cb, 2048), allocate_and_free)
+    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the deferred frees")
+    assert stats.allocation_counts.total_count == 3 * 1500
+    assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
+
+
+def test_frees_during_a_collection_are_deferred_to_another_thread(fake_rmm):
+    _, stats = _stack()
+    rmm_interop.set_rmm_callback_resource()
+    cb = _current(fake_rmm)
+    ptr = cb.allocate(4096, 0)
+    freed_by: list[str] = []
+    original = rmm_interop.RMMForwarder._free_deferred
+
+    def spy(self, *args):
+        freed_by.append(threading.current_thread().name)
+        original(self, *args)
+
+    rmm_interop.RMMForwarder._free_deferred = spy
+    try:
+        rmm_interop._note_collection("start", {})  # as the collector's callback does
+        try:
+            cb.deallocate(ptr, 4096, 0)
+        finally:
+            rmm_interop._note_collection("stop", {})
+        _wait_until(lambda: freed_by, what="the deferred free")
+    finally:
+        rmm_interop.RMMForwarder._free_deferred = original
+    assert freed_by == ["dask-rmm deferred RMM frees"]
+    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the free to land")
+    assert rmm_interop._note_collection in gc.callbacks
+
+
 # -- GPU: the compiled rmm ----------------------------------------------------------------------
 #
 # Each test gets a 64 MiB dask-rmm pool (maximum 64 MiB) on device 0 under a statistics adaptor
 # and a recording adaptor, and RMM's previous resource back afterwards.
 
 _RMM_STREAMS: list = []  # RMM streams a pool may still order on: kept for the whole session
-
-
-def _wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -696,6 +784,24 @@ def test_gpu_threads_and_native_threads_share_the_pool_without_deadlock(real_rmm
     assert errors == []
     counts = stats.allocation_counts
     assert counts.current_bytes == 0 and counts.total_count == 9 * 200
+
+
+@pytest.mark.gpu
+def test_gpu_rmm_buffers_in_reference_cycles_do_not_deadlock_the_pool(real_rmm, gpu_stack):
+    from dask_rmm import DeviceBuffer
+
+    _, stats, _ = gpu_stack
+
+    def allocate_and_free():
+        b = DeviceBuffer(size=4096)  # straight into the pool: its lock, no RMM
+        del b
+        r = real_rmm.DeviceBuffer(size=512)  # through the callbacks
+        del r
+
+    _churn_with_cyclic_buffers(lambda: real_rmm.DeviceBuffer(size=2048), allocate_and_free, 500)
+    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the deferred frees")
+    assert stats.allocation_counts.total_count == 3 * 500
+    assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
 
 
 _SHUTDOWN_SCRIPT = """

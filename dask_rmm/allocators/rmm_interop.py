@@ -17,12 +17,16 @@ How the callbacks behave (RMM calls them with the GIL taken, from any thread):
   ``std::runtime_error``.
 - ``deallocate(ptr, nbytes, stream)`` never raises (RMM's C++ deallocate is ``noexcept``): a
   failure is logged and counted; during interpreter shutdown it does nothing (the process's
-  memory goes with it).
+  memory goes with it). A free made by the garbage collector (an RMM buffer in a reference
+  cycle) is handed to a daemon thread: the collection may have started inside a resource's
+  locked bookkeeping on this very thread.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import queue
 import sys
 import threading
 import weakref
@@ -140,8 +144,17 @@ class RMMForwarder:
                 if ptr:
                     self._failed(ptr, nbytes, "RMM freed a pointer this forwarder never handed out")
                 return
+            if getattr(_gc_state, "collecting", False):
+                _deferred_frees.put((self, mr, ptr, nbytes, stream))
+                return
             mr.deallocate(ptr, nbytes, _our_stream(stream))
         except BaseException as e:  # nothing may propagate into C++
+            self._failed(ptr, nbytes, f"{type(e).__name__}: {e}")
+
+    def _free_deferred(self, mr: Any, ptr: int, nbytes: int, stream: Any) -> None:
+        try:
+            mr.deallocate(ptr, nbytes, _our_stream(stream))
+        except BaseException as e:  # the free-thread must go on
             self._failed(ptr, nbytes, f"{type(e).__name__}: {e}")
 
     def _failed(self, ptr: Any, nbytes: Any, why: str) -> None:
@@ -156,6 +169,43 @@ class RMMForwarder:
 
     def __repr__(self) -> str:
         return f"<RMMForwarder device={self.device} live={len(self.live)}>"
+
+
+# -- frees during a garbage collection ----------------------------------------------------------
+#
+# The collector can start in any thread at (almost) any allocation, also while that thread holds
+# a dask-rmm resource's lock for bookkeeping; an RMM buffer it collects then calls deallocate,
+# which would wait for the lock its own thread holds. So frees that arrive while the calling
+# thread is collecting are queued (SimpleQueue.put is safe there) and done by one daemon thread,
+# which simply waits for the lock like any other thread.
+
+_gc_state = threading.local()
+_deferred_frees: queue.SimpleQueue = queue.SimpleQueue()
+_free_thread: threading.Thread | None = None
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _gc_state.collecting = phase == "start"
+
+
+def _free_deferred_forever() -> None:
+    while True:
+        forwarder, mr, ptr, nbytes, stream = _deferred_frees.get()
+        forwarder._free_deferred(mr, ptr, nbytes, stream)
+        del forwarder, mr, stream
+
+
+def _start_free_thread() -> None:
+    """Start the thread for deferred frees and watch collections (once; not during one)."""
+    global _free_thread
+    if _free_thread is not None and _free_thread.is_alive():
+        return
+    if _note_collection not in gc.callbacks:
+        gc.callbacks.append(_note_collection)
+    _free_thread = threading.Thread(
+        target=_free_deferred_forever, name="dask-rmm deferred RMM frees", daemon=True
+    )
+    _free_thread.start()
 
 
 def _require_device_memory(mr: Any, device: int) -> None:
@@ -266,6 +316,7 @@ def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]
         targets = _target_devices(devices)
         for device in targets:  # check every device before changing any
             _require_device_memory(get_per_device_resource(device), device)
+        _start_free_thread()
         changed: list[tuple[int, _Installation | None]] = []
         try:
             for device in targets:
