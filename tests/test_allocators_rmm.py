@@ -107,14 +107,22 @@ class _StandInCudaMemoryResource:
 class _StandInCallbackMemoryResource:
     """Calls the callbacks as RMM's Cython wrapper does: a MemoryError becomes
     ``rmm::out_of_memory`` (MemoryError again in Python), anything else ``std::runtime_error``
-    (RuntimeError); a deallocate callback's exception would be lost in C++, so it fails here."""
+    (RuntimeError); a deallocate callback's exception would be lost in C++, so it fails here.
+
+    ``with_alignment``: the calling convention of RMM after 26.10, ``(stream, nbytes,
+    alignment)`` and ``(stream, ptr, nbytes, alignment)``, instead of ``(nbytes, stream)`` and
+    ``(ptr, nbytes, stream)``."""
+
+    with_alignment = False
 
     def __init__(self, allocate_func, deallocate_func):
         self._allocate_func = allocate_func
         self._deallocate_func = deallocate_func
 
-    def allocate(self, nbytes: int, stream: int = 0) -> int:
+    def allocate(self, nbytes: int, stream: int = 0, alignment: int = 256) -> int:
         try:
+            if self.with_alignment:
+                return int(self._allocate_func(_StandInStream(stream), nbytes, alignment))
             return int(self._allocate_func(nbytes, _StandInStream(stream)))
         except MemoryError as e:
             raise MemoryError(str(e)) from None
@@ -122,7 +130,10 @@ class _StandInCallbackMemoryResource:
             raise RuntimeError(str(e)) from None
 
     def deallocate(self, ptr: int, nbytes: int, stream: int = 0) -> None:
-        result = self._deallocate_func(ptr, nbytes, _StandInStream(stream))
+        if self.with_alignment:
+            result = self._deallocate_func(_StandInStream(stream), ptr, nbytes, 256)
+        else:
+            result = self._deallocate_func(ptr, nbytes, _StandInStream(stream))
         assert result is None
 
 
@@ -147,8 +158,11 @@ class _StandInRMM:
         self.mr = _StandInMR()
 
 
-@pytest.fixture
-def fake_rmm(monkeypatch):
+@pytest.fixture(params=["(nbytes, stream)", "(stream, nbytes, alignment)"])
+def fake_rmm(monkeypatch, request):
+    monkeypatch.setattr(
+        _StandInCallbackMemoryResource, "with_alignment", "alignment" in request.param
+    )
     rmm = _StandInRMM()
     monkeypatch.setattr(rmm_interop, "_rmm", rmm)
     monkeypatch.setattr(rmm_interop, "_library_import_error", None)
@@ -380,6 +394,20 @@ def test_other_allocation_errors_name_the_resource_and_the_cause(fake_rmm):
         "ValueError: broken on purpose"
     )
     assert rmm_interop.get_rmm_forwarder(0).live == {}
+
+
+def test_alignments_above_256_bytes_are_refused(fake_rmm, monkeypatch):
+    monkeypatch.setattr(_StandInCallbackMemoryResource, "with_alignment", True)
+    _, stats = _stack()
+    rmm_interop.set_rmm_callback_resource()
+    cb = _current(fake_rmm)
+    for alignment in (1, 64, 256):
+        ptr = cb.allocate(1000, 0, alignment)
+        assert ptr % 256 == 0
+        cb.deallocate(ptr, 1000, 0)
+    with pytest.raises(RuntimeError, match="aligned to 512: dask-rmm's allocations are aligned to 256"):
+        cb.allocate(1000, 0, 512)
+    assert stats.allocation_counts.current_bytes == 0
 
 
 def test_deallocate_never_raises(fake_rmm, caplog):

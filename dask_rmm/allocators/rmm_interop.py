@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from dask_rmm.mr.base import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream
 
 __all__ = [
@@ -108,8 +109,19 @@ class RMMForwarder:
         # The last resource found to be device memory, weakly: a forwarder outlives its stacks.
         self._checked: Any = _dead_ref
 
-    def allocate(self, nbytes: int, stream: Any) -> int:
-        """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``."""
+    def allocate(self, nbytes: Any, stream: Any, alignment: int | None = None) -> int:
+        """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``.
+
+        RMM up to 26.10 calls ``(nbytes, stream)``; later versions call
+        ``(stream, nbytes, alignment)``. Both are accepted (told apart by the alignment).
+        """
+        if alignment is not None:
+            stream, nbytes = nbytes, stream
+            if alignment > ALIGNMENT or ALIGNMENT % alignment:
+                raise ValueError(
+                    f"RMM asked for {nbytes} bytes aligned to {alignment}: dask-rmm's "
+                    f"allocations are aligned to {ALIGNMENT} bytes"
+                )
         if nbytes == 0:
             return 0
         mr = self._resource_of(self.device)
@@ -131,14 +143,20 @@ class RMMForwarder:
         self.live[ptr] = mr
         return ptr
 
-    def deallocate(self, ptr: int, nbytes: int, stream: Any, _finalizing=sys.is_finalizing) -> None:
+    def deallocate(
+        self, ptr: Any, nbytes: Any, stream: Any, alignment: int | None = None,
+        *, _finalizing=sys.is_finalizing,
+    ) -> None:
         """RMM's deallocate callback: give ``ptr`` back to the resource that allocated it.
 
+        ``(ptr, nbytes, stream)`` or, from RMM after 26.10, ``(stream, ptr, nbytes, alignment)``.
         Never raises: RMM's C++ deallocate is ``noexcept`` and cannot pass an error on.
         """
         try:
             if _finalizing():
                 return
+            if alignment is not None:
+                stream, ptr, nbytes = ptr, nbytes, stream
             mr = self.live.pop(ptr, None)
             if mr is None:
                 if ptr:
