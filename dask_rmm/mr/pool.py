@@ -65,7 +65,7 @@ from dask_rmm.mr.base import (
 )
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
-__all__ = ["PoolMemoryResource", "parse_pool_size"]
+__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "parse_pool_size"]
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
@@ -216,6 +216,68 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
             _cuda.device_synchronize()
 
 
+class AllocationCounters:
+    """Allocation counters a :class:`PoolMemoryResource` keeps for an observer.
+
+    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.count_allocations`).
+    The pool updates these numbers under its own lock, after each operation succeeded; read
+    them holding :attr:`PoolMemoryResource.instrumentation_lock`. Sizes are the sizes callers
+    asked for. Current values are derived: ``current_bytes = total_bytes - freed_bytes``.
+
+    Attributes
+    ----------
+    total_bytes, total_count : int
+        Allocations counted, in bytes and in number.
+    freed_bytes, freed_count : int
+        Frees of counted allocations.
+    peak_bytes, peak_count : int
+        Largest current value seen; the pool raises them, an observer may lower them.
+    interval_peak : int
+        Like ``peak_bytes``; an observer resets it to sample short spikes.
+    failed : int
+        Allocations that raised ``MemoryError``.
+    """
+
+    __slots__ = (
+        "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
+        "interval_peak", "failed",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
+        self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
+
+
+class OwnerAccounts:
+    """How a :class:`PoolMemoryResource` charges each allocation to an owner.
+
+    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.charge_owners`).
+    An *account* is a list ``[current_bytes, peak_bytes]`` that the pool updates under its
+    lock: an allocation adds its size to the account of the owner current on the allocating
+    thread, its free (on any thread) subtracts it from that same account.
+
+    Parameters
+    ----------
+    get_owner : callable
+        ``get_owner() -> token``, called on the allocating thread *before* the pool's lock is
+        taken (it may run any Python). ``None`` is a token like any other.
+    accounts : dict
+        ``token -> account``, looked up under the pool's lock on every allocation.
+    open_account : callable
+        ``open_account(token) -> account``, the owner callback: called under the pool's lock
+        (with the garbage collector paused) for a token missing from ``accounts`` or one that
+        cannot be hashed. It returns the account to charge and may add it to ``accounts``; it
+        must not call into the pool.
+    """
+
+    __slots__ = ("get_owner", "accounts", "open_account")
+
+    def __init__(self, get_owner, accounts: dict, open_account):
+        self.get_owner = get_owner
+        self.accounts = accounts
+        self.open_account = open_account
+
+
 class PoolMemoryResource(UpstreamResourceAdaptor):
     """A coalescing, stream-ordered pool suballocator, as RMM's ``PoolMemoryResource``.
 
@@ -285,10 +347,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
-        # Counters of a fused StatisticsResourceAdaptor (see _attach_statistics), or None.
-        self._stats = None
-        # Owner charging of a fused AttributionResourceAdaptor (_attach_attribution), or None.
-        self._attrib = None
+        # stream key -> that stream's _FreeList.cache, read by the lock-free fast paths
+        self._caches: dict[Any, list[list[int]]] = {}
+        # Instrumentation (see count_allocations / charge_owners); _instrumented is True when
+        # either is attached, so the uninstrumented fast paths test one attribute.
+        self._counters: AllocationCounters | None = None
+        self._uncounted: set[int] = set()  # live when counting began: their frees not counted
+        self._owners: OwnerAccounts | None = None
+        self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
+        self._instrumented = False
         if initial_pool_size:
             ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
             self._add_chunk(ptr, initial_pool_size)
@@ -304,11 +371,65 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def maximum_pool_size(self) -> int | None:
         return self._maximum
 
+    # -- instrumentation interface ---------------------------------------------------------
+
+    @property
+    def instrumentation_lock(self) -> threading.Lock:
+        """The lock under which the pool updates attached counters and accounts: hold it to
+        read them consistently (briefly, and never while calling into the pool)."""
+        return self._lock
+
+    def count_allocations(self, counters: AllocationCounters) -> bool:
+        """Count every allocation and free made on this pool into ``counters``.
+
+        Blocks live now are not counted when they are freed. One set of counters at a time:
+        returns False (and changes nothing) when others are attached already. While counting,
+        the pool's fast path takes its lock (the counters' numbers must agree with each other);
+        without any instrumentation it takes none.
+        """
+        if not isinstance(counters, AllocationCounters):
+            raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
+        with gc_paused_lock(self._lock):
+            if self._counters is not None:
+                return False
+            self._uncounted = set(self._live)
+            self._counters = counters
+            self._instrumented = True
+            return True
+
+    def stop_counting(self, counters: AllocationCounters) -> None:
+        """Detach ``counters`` (no-op when they are not the attached ones)."""
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
+            if self._counters is counters:
+                self._counters = None
+                self._uncounted.clear()
+                self._instrumented = self._owners is not None
+
+    def charge_owners(self, owners: OwnerAccounts) -> bool:
+        """Charge every allocation made on this pool to an owner (see :class:`OwnerAccounts`).
+
+        Blocks live now are never charged back. Returns False (and changes nothing) when
+        another :class:`OwnerAccounts` is attached already.
+        """
+        if not isinstance(owners, OwnerAccounts):
+            raise TypeError(f"owners must be OwnerAccounts, got {type(owners).__name__}")
+        with gc_paused_lock(self._lock):
+            if self._owners is not None:
+                return False
+            self._owners = owners
+            self._instrumented = True
+            return True
+
+    def stop_charging(self, owners: OwnerAccounts) -> None:
+        """Detach ``owners`` (no-op when it is not the attached one)."""
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
+            if self._owners is owners:
+                self._owners = None
+                self._owner_of.clear()
+                self._instrumented = self._counters is not None
+
+
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
-            if nbytes == 0:
-                return 0
         try:
             key = stream.handle
         except AttributeError:
@@ -316,6 +437,59 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
+        # The fast path: a block of the request's class cached on this stream. Without
+        # instrumentation it takes no lock: list.pop and a dict store are atomic, so each
+        # cached block goes to exactly one caller (see "Threads" in the module notes).
+        if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
+            caches = self._caches.get(key)
+            if caches is not None:
+                cached = caches[_SRCH[(nbytes + 255) >> 8]]
+                if cached:
+                    if not self._instrumented:
+                        try:
+                            ptr = cached.pop()
+                        except IndexError:  # another thread took the last one
+                            pass
+                        else:
+                            self._live[ptr] = nbytes
+                            return ptr
+                    elif self._owners is None:
+                        # Counting only (the statistics adaptor): the same under the lock.
+                        lock = self._lock
+                        if not lock.acquire(False):
+                            acquire_contended(lock)
+                        try:
+                            ptr = cached.pop() if self._owners is None else 0
+                        except IndexError:  # a lock-free caller that started before counting
+                            ptr = 0
+                        if ptr:
+                            self._live[ptr] = nbytes
+                            st = self._counters
+                            if st is not None:
+                                t = st.total_bytes + nbytes
+                                st.total_bytes = t
+                                t -= st.freed_bytes
+                                if t > st.peak_bytes:
+                                    st.peak_bytes = t
+                                if t > st.interval_peak:
+                                    st.interval_peak = t
+                                t = st.total_count + 1
+                                st.total_count = t
+                                t -= st.freed_count
+                                if t > st.peak_count:
+                                    st.peak_count = t
+                            lock.release()
+                            return ptr
+                        lock.release()
+        return self._allocate_locked(nbytes, stream, key)
+
+    def _allocate_locked(self, nbytes: Any, stream: Stream, key: Any) -> int:
+        """Everything but the lock-free fast path: validation, the coalescing lists under the
+        lock, instrumentation, and (through _allocate_slow) growth."""
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
         if nbytes <= _CACHED_LIMIT:
             u = (nbytes + 255) >> 8
             sc = _SRCH[u]
@@ -323,11 +497,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         else:
             size = (nbytes + 255) & -256
             sc = _search_class(size >> 8)
-        at = self._attrib
-        if at is not None:
+        owners = self._owners
+        if owners is not None:
             # Outside the lock: a first read of a thread-local may allocate and so run the GC.
             try:
-                token = at.get_owner()
+                token = owners.get_owner()
             except Exception:
                 token = None
         lock = self._lock
@@ -337,86 +511,67 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             fl = self._lists.get(key)
             if fl is not None:
                 cached = fl.cache[sc]
+                ptr = 0
                 if cached:
-                    ptr = cached.pop()
-                    self._live[ptr] = nbytes
-                    if at is not None:
-                        try:
-                            counts = at.by_token[token]
-                        except (KeyError, TypeError):
-                            counts = at.counts_for(token)
-                        t = counts[0] + nbytes
-                        counts[0] = t
-                        if t > counts[1]:
-                            counts[1] = t
-                        at.owner_of[ptr] = counts
-                    st = self._stats
-                    if st is not None:
-                        t = st.total_bytes + nbytes
-                        st.total_bytes = t
-                        t -= st.freed_bytes
-                        if t > st.peak_bytes:
-                            st.peak_bytes = t
-                        if t > st.interval_peak:
-                            st.interval_peak = t
-                        t = st.total_count + 1
-                        st.total_count = t
-                        t -= st.freed_count
-                        if t > st.peak_count:
-                            st.peak_count = t
-                    return ptr
-                nonempty = fl.nonempty
-                c = nonempty.find(1, sc)
-                if c >= 0:
-                    bins = fl.bins
-                    b = bins[c]
-                    ptr, bsize = b.popitem()
-                    starts = fl.starts
-                    del starts[ptr]
-                    rem = bsize - size
-                    if rem:
-                        r = ptr + size
-                        starts[r] = rem
-                        fl.ends[r + rem] = r
-                        u = rem >> 8
-                        if u < _TABLE_UNITS:
-                            rc = _INS[u]
+                    try:
+                        ptr = cached.pop()
+                    except IndexError:  # taken by a lock-free caller meanwhile
+                        pass
+                if not ptr:
+                    nonempty = fl.nonempty
+                    c = nonempty.find(1, sc)
+                    if c >= 0:
+                        bins = fl.bins
+                        b = bins[c]
+                        ptr, bsize = b.popitem()
+                        starts = fl.starts
+                        del starts[ptr]
+                        rem = bsize - size
+                        if rem:
+                            r = ptr + size
+                            starts[r] = rem
+                            fl.ends[r + rem] = r
+                            u = rem >> 8
+                            if u < _TABLE_UNITS:
+                                rc = _INS[u]
+                            else:
+                                sh = u.bit_length() - 5
+                                rc = (sh << 4) + (u >> sh)
+                            if rc == c:
+                                b[r] = rem
+                            else:
+                                if not b:
+                                    nonempty[c] = 0
+                                b = bins[rc]
+                                b[r] = rem
+                                nonempty[rc] = 1
                         else:
-                            sh = u.bit_length() - 5
-                            rc = (sh << 4) + (u >> sh)
-                        if rc == c:
-                            b[r] = rem
-                        else:
+                            del fl.ends[ptr + bsize]
                             if not b:
                                 nonempty[c] = 0
-                            b = bins[rc]
-                            b[r] = rem
-                            nonempty[rc] = 1
-                    else:
-                        del fl.ends[ptr + bsize]
-                        if not b:
-                            nonempty[c] = 0
+                if ptr:
                     self._live[ptr] = nbytes
-                    if self._stats is not None:
-                        self._count_allocation(nbytes)
-                    if at is not None:
-                        self._charge_owner(at, token, ptr, nbytes)
+                    if self._counters is not None:
+                        self._count_allocation(ptr, nbytes)
+                    if owners is not None and self._owners is owners:
+                        self._charge_owner(owners, token, ptr, nbytes)
                     return ptr
         finally:
             lock.release()
         try:
             ptr = self._allocate_slow(nbytes, size, key, stream)
         except MemoryError:
-            if self._stats is not None:
+            if self._counters is not None:
                 with gc_paused_lock(self._lock):
-                    self._stats.failed += 1
+                    if self._counters is not None:
+                        self._counters.failed += 1
             raise
-        if self._stats is not None or at is not None:
+        if self._instrumented:
             with gc_paused_lock(self._lock):
-                if self._stats is not None:
-                    self._count_allocation(nbytes)
-                if at is not None and self._attrib is at:
-                    self._charge_owner(at, token, ptr, nbytes)
+                if self._counters is not None:
+                    self._count_allocation(ptr, nbytes)
+                if owners is not None and self._owners is owners:
+                    self._charge_owner(owners, token, ptr, nbytes)
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -427,6 +582,43 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
+        if not self._instrumented:
+            # Lock-free fast path: the pop from the live table is atomic, so of two threads
+            # freeing one pointer only one gets it.
+            live = self._live
+            n = live.pop(ptr, None)
+            if n is not None:
+                if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
+                    caches = self._caches.get(key)
+                    if caches is not None:
+                        caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                        return
+                live[ptr] = n  # the general path below takes it again under the lock
+        elif self._owners is None:
+            # Counting only (the statistics adaptor): the same under the lock.
+            lock = self._lock
+            if not lock.acquire(False):
+                acquire_contended(lock)
+            live = self._live
+            n = live.pop(ptr, None)
+            if n is not None:
+                if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
+                    caches = self._caches.get(key)
+                    st = self._counters
+                    if caches is not None and st is not None and self._owners is None:
+                        if self._uncounted and ptr in self._uncounted:
+                            self._uncounted.discard(ptr)
+                        else:
+                            st.freed_bytes += n
+                            st.freed_count += 1
+                        caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                        lock.release()
+                        return
+                live[ptr] = n
+            lock.release()
+        self._deallocate_locked(ptr, nbytes, stream, key)
+
+    def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Any) -> None:
         lock = self._lock
         if not lock.acquire(False):
             acquire_contended(lock)
@@ -437,18 +629,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 fl = self._lists.get(key)
                 if fl is None:
                     fl = self._free_list(key, stream)
-                at = self._attrib
-                if at is not None:
-                    counts = at.owner_of.pop(ptr, None)
-                    if counts is not None:
-                        counts[0] -= n
-                st = self._stats
-                if st is not None:
-                    if st.uncounted and ptr in st.uncounted:
-                        st.uncounted.discard(ptr)
-                    else:
-                        st.freed_bytes += n
-                        st.freed_count += 1
+                if self._instrumented:
+                    self._uncount(ptr, n)
                 if n <= _CACHED_LIMIT:
                     fl.cache[_SRCH[(n + 255) >> 8]].append(ptr)
                     return
@@ -601,61 +783,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 gc.disable()
             try:
                 fl = self._lists[key] = _FreeList(key, stream)
+                self._caches[key] = fl.cache
             finally:
                 if paused:
                     gc.enable()
         return fl
 
-    def _attach_statistics(self, counters) -> bool:
-        """Count allocations into a StatisticsResourceAdaptor's counters under this pool's lock.
-
-        Blocks live now are remembered so that their frees are not counted. Returns False
-        (and changes nothing) when another adaptor's counters are attached already.
-        """
-        with gc_paused_lock(self._lock):
-            if self._stats is not None:
-                return False
-            counters.uncounted = set(self._live)
-            self._stats = counters
-            return True
-
-    def _detach_statistics(self, counters) -> None:
-        with self._lock:  # makes nothing; also runs from finalizers at shutdown
-            if self._stats is counters:
-                self._stats = None
-
-    def _attach_attribution(self, state) -> bool:
-        """Charge allocations to owners for an AttributionResourceAdaptor under this pool's
-        lock (``state``: its _FusedAttribution). False when one is attached already."""
-        with gc_paused_lock(self._lock):
-            if self._attrib is not None:
-                return False
-            self._attrib = state
-            return True
-
-    def _detach_attribution(self, state) -> None:
-        with self._lock:  # makes nothing; also runs from finalizers at shutdown
-            if self._attrib is state:
-                self._attrib = None
-
-    @staticmethod
-    def _charge_owner(at, token, ptr: int, nbytes: int) -> None:
-        """Charge one allocation to its owner (lock held; the slow paths' twin of the inline
-        update in allocate's cache-hit branch)."""
-        try:
-            counts = at.by_token[token]
-        except (KeyError, TypeError):
-            counts = at.counts_for(token)
-        t = counts[0] + nbytes
-        counts[0] = t
-        if t > counts[1]:
-            counts[1] = t
-        at.owner_of[ptr] = counts
-
-    def _count_allocation(self, nbytes: int) -> None:
-        """Count one allocation into the fused counters (lock held; the slow paths' twin of
-        the inline update in allocate's cache-hit branch)."""
-        st = self._stats
+    def _count_allocation(self, ptr: int, nbytes: int) -> None:
+        """Count one allocation into the attached counters (lock held; the slow paths' twin
+        of the inline update in allocate's fast path)."""
+        st = self._counters
         t = st.total_bytes + nbytes
         st.total_bytes = t
         t -= st.freed_bytes
@@ -668,16 +805,43 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         t -= st.freed_count
         if t > st.peak_count:
             st.peak_count = t
+        if self._uncounted:
+            # Allocated lock-free while counting began: its free is counted after all.
+            self._uncounted.discard(ptr)
 
-    def _count_free(self, ptr: int, nbytes: int) -> None:
-        st = self._stats
-        if st is None:
-            return
-        if st.uncounted and ptr in st.uncounted:
-            st.uncounted.discard(ptr)
-        else:
-            st.freed_bytes += nbytes
-            st.freed_count += 1
+    def _charge_owner(self, owners: OwnerAccounts, token: Any, ptr: int, nbytes: int) -> None:
+        """Charge one allocation to its owner's account (lock held)."""
+        try:
+            account = owners.accounts[token]
+        except (KeyError, TypeError):
+            # The callback makes objects: keep the collector out while the lock is held.
+            paused = gc.isenabled()
+            if paused:
+                gc.disable()
+            try:
+                account = owners.open_account(token)
+            finally:
+                if paused:
+                    gc.enable()
+        t = account[0] + nbytes
+        account[0] = t
+        if t > account[1]:
+            account[1] = t
+        self._owner_of[ptr] = account
+
+    def _uncount(self, ptr: int, nbytes: int) -> None:
+        """Take a freed block out of the counters and its owner's account (lock held)."""
+        st = self._counters
+        if st is not None:
+            if self._uncounted and ptr in self._uncounted:
+                self._uncounted.discard(ptr)
+            else:
+                st.freed_bytes += nbytes
+                st.freed_count += 1
+        if self._owners is not None:
+            account = self._owner_of.pop(ptr, None)
+            if account is not None:
+                account[0] -= nbytes
 
     def _flush_caches(self) -> bool:
         """Merge every cached block into its stream's coalescing free list (lock held).
@@ -691,10 +855,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             for c in compress(_CLASS_INDEXES, cache):  # the non-empty classes, found in C
                 size = _class_floor(c) << 8
                 cached = cache[c]
-                for ptr in cached:
+                # One pop at a time: lock-free callers may pop or append meanwhile, and each
+                # block must end up in exactly one place.
+                while cached:
+                    try:
+                        ptr = cached.pop()
+                    except IndexError:
+                        break
                     insert(fl, ptr, size)
-                cached.clear()  # no new list: nothing made under the lock
-                flushed = True
+                    flushed = True
         return flushed
 
     def _add_chunk(self, ptr: int, size: int) -> None:
@@ -920,11 +1089,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
                 )
             del self._live[ptr]
-            self._count_free(ptr, nbytes)
-            if self._attrib is not None:
-                counts = self._attrib.owner_of.pop(ptr, None)
-                if counts is not None:
-                    counts[0] -= nbytes
+            if self._instrumented:
+                self._uncount(ptr, nbytes)
             self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
 
     def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:
