@@ -453,34 +453,56 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                         else:
                             self._live[ptr] = nbytes
                             return ptr
-                    elif self._owners is None:
-                        # Counting only (the statistics adaptor): the same under the lock.
+                    else:
+                        # Instrumented: the same under the lock, with the counting and the
+                        # owner charging inline (the statistics and attribution adaptors).
+                        owners = self._owners
+                        if owners is not None:
+                            # Outside the lock: a first read of a thread-local may allocate and
+                            # so run the GC.
+                            try:
+                                token = owners.get_owner()
+                            except Exception:
+                                token = None
                         lock = self._lock
                         if not lock.acquire(False):
                             acquire_contended(lock)
                         try:
-                            ptr = cached.pop() if self._owners is None else 0
-                        except IndexError:  # a lock-free caller that started before counting
-                            ptr = 0
-                        if ptr:
-                            self._live[ptr] = nbytes
-                            st = self._counters
-                            if st is not None:
-                                t = st.total_bytes + nbytes
-                                st.total_bytes = t
-                                t -= st.freed_bytes
-                                if t > st.peak_bytes:
-                                    st.peak_bytes = t
-                                if t > st.interval_peak:
-                                    st.interval_peak = t
-                                t = st.total_count + 1
-                                st.total_count = t
-                                t -= st.freed_count
-                                if t > st.peak_count:
-                                    st.peak_count = t
+                            try:
+                                ptr = cached.pop()
+                            except IndexError:  # a lock-free caller that started before
+                                ptr = 0
+                            if ptr:
+                                self._live[ptr] = nbytes
+                                st = self._counters
+                                if st is not None:
+                                    t = st.total_bytes + nbytes
+                                    st.total_bytes = t
+                                    t -= st.freed_bytes
+                                    if t > st.peak_bytes:
+                                        st.peak_bytes = t
+                                    if t > st.interval_peak:
+                                        st.interval_peak = t
+                                    t = st.total_count + 1
+                                    st.total_count = t
+                                    t -= st.freed_count
+                                    if t > st.peak_count:
+                                        st.peak_count = t
+                                    if self._uncounted:
+                                        self._uncounted.discard(ptr)
+                                if owners is not None and self._owners is owners:
+                                    try:
+                                        account = owners.accounts[token]
+                                    except (KeyError, TypeError):
+                                        account = self._open_account(owners, token)
+                                    t = account[0] + nbytes
+                                    account[0] = t
+                                    if t > account[1]:
+                                        account[1] = t
+                                    self._owner_of[ptr] = account
+                                return ptr
+                        finally:
                             lock.release()
-                            return ptr
-                        lock.release()
         return self._allocate_locked(nbytes, stream, key)
 
     def _allocate_locked(self, nbytes: Any, stream: Stream, key: Any) -> int:
@@ -594,28 +616,34 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                         caches[_SRCH[(n + 255) >> 8]].append(ptr)
                         return
                 live[ptr] = n  # the general path below takes it again under the lock
-        elif self._owners is None:
-            # Counting only (the statistics adaptor): the same under the lock.
+        else:
+            # Instrumented: the same under the lock, counters and owner accounts inline.
             lock = self._lock
             if not lock.acquire(False):
                 acquire_contended(lock)
-            live = self._live
-            n = live.pop(ptr, None)
-            if n is not None:
-                if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
-                    caches = self._caches.get(key)
-                    st = self._counters
-                    if caches is not None and st is not None and self._owners is None:
-                        if self._uncounted and ptr in self._uncounted:
-                            self._uncounted.discard(ptr)
-                        else:
-                            st.freed_bytes += n
-                            st.freed_count += 1
-                        caches[_SRCH[(n + 255) >> 8]].append(ptr)
-                        lock.release()
-                        return
-                live[ptr] = n
-            lock.release()
+            try:
+                live = self._live
+                n = live.pop(ptr, None)
+                if n is not None:
+                    if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
+                        caches = self._caches.get(key)
+                        if caches is not None:
+                            st = self._counters
+                            if st is not None:
+                                if self._uncounted and ptr in self._uncounted:
+                                    self._uncounted.discard(ptr)
+                                else:
+                                    st.freed_bytes += n
+                                    st.freed_count += 1
+                            if self._owners is not None:
+                                account = self._owner_of.pop(ptr, None)
+                                if account is not None:
+                                    account[0] -= n
+                            caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                            return
+                    live[ptr] = n
+            finally:
+                lock.release()
         self._deallocate_locked(ptr, nbytes, stream, key)
 
     def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Any) -> None:
@@ -814,20 +842,25 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         try:
             account = owners.accounts[token]
         except (KeyError, TypeError):
-            # The callback makes objects: keep the collector out while the lock is held.
-            paused = gc.isenabled()
-            if paused:
-                gc.disable()
-            try:
-                account = owners.open_account(token)
-            finally:
-                if paused:
-                    gc.enable()
+            account = self._open_account(owners, token)
         t = account[0] + nbytes
         account[0] = t
         if t > account[1]:
             account[1] = t
         self._owner_of[ptr] = account
+
+    @staticmethod
+    def _open_account(owners: OwnerAccounts, token: Any) -> list[int]:
+        """The owner callback, for a token not in ``owners.accounts`` (lock held)."""
+        # The callback makes objects: keep the collector out while the lock is held.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return owners.open_account(token)
+        finally:
+            if paused:
+                gc.enable()
 
     def _uncount(self, ptr: int, nbytes: int) -> None:
         """Take a freed block out of the counters and its owner's account (lock held)."""
