@@ -14,8 +14,7 @@ so the first candidate class is one C-level ``find`` (an int bitmap was tried: i
 shifts and masks cost ~40 ns each). Two more dicts per stream, ``start -> size`` and
 ``end -> start``, let a freed block merge with both neighbours in O(1). Live blocks are one dict
 ``ptr -> nbytes`` that also validates every deallocate. Class lookups for sizes below 16 MiB
-come from precomputed tables. The lock is taken with ``acquire``/``release`` (half the cost of
-``with`` in CPython 3.11).
+come from precomputed tables.
 
 In front of that sits a per-stream cache, the fast path: requests below 16 MiB are rounded up
 to the floor size of their search class (at most 1/16 more than asked, 3% on average; below
@@ -26,6 +25,30 @@ and allocating pops from it: no splitting and no merging, which cut a pair from 
 path cannot serve a request (before the pool grows), and by ``release()`` and
 ``reserved_memory_info()``. When the pool is too full for the rounded size, the exact
 256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
+
+Threads
+-------
+The fast path takes no lock. Its only shared-state operations are ``list.pop``/``list.append``
+on a cache list and a store or pop on the live-block dict, each atomic (under the GIL, and
+per object in free-threaded CPython): a cached block is popped by exactly one caller, and of
+two threads freeing one pointer only one pops it from the live table (the other is refused).
+Everything else (the coalescing lists, growth, merging the caches) happens under the pool's
+one lock; code there empties a cache list one ``pop`` at a time, so blocks appended or taken
+meanwhile by lock-free callers are never lost or handed out twice. A lock-free path makes no
+container objects, so a finalizer run by the garbage collector can free into the pool at any
+point. (The lock-free path was ~0.3 us per pair faster on one thread and removed the lock
+convoy of 8 threads sharing a pool; bench/alloc.py.)
+
+Instrumentation
+---------------
+Observers count and attribute allocations through one documented interface, used by
+StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResource.count_allocations`
+(an :class:`AllocationCounters` the pool updates) and :meth:`PoolMemoryResource.charge_owners`
+(an :class:`OwnerAccounts`: an owner getter called before the lock, a token -> account dict and
+an owner callback called under the lock for new tokens). While either is attached the fast path
+takes the lock and does the updates inline, so they agree with each other and with the blocks;
+:attr:`PoolMemoryResource.instrumentation_lock` is the lock to read them under. Nothing else
+reads or writes another object's private state.
 
 Stream order
 ------------
@@ -297,8 +320,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     The pool grows as RMM's does: without a maximum, by ``max(request, current pool size)``;
     with one, by ``max(request, half of the room left)``; a failed upstream allocation is
     retried with half the size, down to the request. :meth:`release` hands fully free upstream
-    chunks back. Thread safe: one lock, held for bookkeeping only (never across an upstream
-    call). Free blocks are kept per stream; see the module docstring for stream ordering.
+    chunks back. Thread safe: the cached fast path takes no lock, everything else one lock held
+    for bookkeeping only (never across an upstream call); see Threads in the module docstring.
+    Free blocks are kept per stream; see the module docstring for stream ordering, and
+    Instrumentation for how the statistics and attribution adaptors count through the pool.
 
     Examples
     --------
@@ -439,7 +464,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.order_key()
         # The fast path: a block of the request's class cached on this stream. Without
         # instrumentation it takes no lock: list.pop and a dict store are atomic, so each
-        # cached block goes to exactly one caller (see "Threads" in the module notes).
+        # cached block goes to exactly one caller (see Threads in the module notes).
         if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
             caches = self._caches.get(key)
             if caches is not None:
