@@ -192,8 +192,11 @@ def main() -> int:
     ap.add_argument("--anchor-chunk", type=int, default=500)
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: start no round that would likely end after this (0: no limit)")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated substrings: run only the configurations named so")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    only = [s.strip() for s in args.configs.split(",") if s.strip()]
     start = time.perf_counter()
 
     from distributed import Client, LocalCluster
@@ -222,6 +225,8 @@ def main() -> int:
     with ExitStack() as stack:
         clients = {}
         for label, configure in configurations(args.pool):
+            if only and not any(s in label for s in only):
+                continue
             try:
                 cluster = stack.enter_context(LocalCluster(
                     n_workers=1, threads_per_worker=args.threads, processes=True,
