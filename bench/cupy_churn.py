@@ -62,6 +62,45 @@ def _ours(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
     return setup
 
 
+def _prototype_function_allocator(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
+    """A candidate design for rmm_cupy_allocator, measured beside it: CuPy's
+    ``PythonFunctionAllocator`` (its C-level memory object calls ``malloc(nbytes, device)`` and
+    ``free(ptr, device)``) with a ``ptr -> (nbytes, stream)`` table, so that no Python object
+    with a finalizer and no CuPy memory object are made from Python per allocation."""
+
+    def setup() -> Callable[[], None]:
+        from dask_rmm.mr import CudaMemoryResource, PoolMemoryResource, StatisticsResourceAdaptor
+        from dask_rmm.stream import Stream
+
+        mr = PoolMemoryResource(CudaMemoryResource(), initial_pool_size=1 << 30)
+        if statistics_adaptor:
+            mr = StatisticsResourceAdaptor(mr)
+        allocate, deallocate = mr.allocate, mr.deallocate
+        get_stream = cupy.cuda.get_current_stream
+        streams: dict = {}
+        live: dict = {}
+
+        def malloc(nbytes, device_id):
+            cupy_stream = get_stream(device_id)
+            handle = cupy_stream.ptr
+            stream = streams.get(handle)
+            if stream is None:
+                stream = streams[handle] = Stream(cupy_stream)
+            ptr = allocate(nbytes, stream)
+            live[ptr] = (nbytes, stream)
+            return ptr
+
+        def free(ptr, device_id):
+            nbytes, stream = live.pop(ptr)
+            deallocate(ptr, nbytes, stream)
+
+        allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free)
+        cupy.cuda.set_allocator(allocator.malloc)
+        return lambda: mr
+
+    return setup
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100_000)
@@ -85,6 +124,11 @@ def main() -> None:
         rows.append(("dask-rmm + statistics(pool)", _ours(True)))
     except (ImportError, AttributeError):
         print("StatisticsResourceAdaptor is not available: skipping its row")
+    if hasattr(cupy.cuda.memory, "PythonFunctionAllocator"):
+        rows.append(("prototype: function allocator + pool", _prototype_function_allocator(False)))
+        rows.append(
+            ("prototype: function allocator + stats(pool)", _prototype_function_allocator(True))
+        )
 
     original = cupy.cuda.get_allocator()
     results: dict[str, list[float]] = {}
@@ -105,11 +149,11 @@ def main() -> None:
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     device = device.decode() if isinstance(device, bytes) else device
     print(f"cupy.empty(n, uint8); del  -- median ns per iteration on {device}")
-    header = f"{'allocator':<30}" + "".join(f"{f'n={n}':>14}" for n in sizes)
+    header = f"{'allocator':<44}" + "".join(f"{f'n={n}':>14}" for n in sizes)
     print(header)
     print("-" * len(header))
     for label, per_size in results.items():
-        print(f"{label:<30}" + "".join(f"{v:>14.0f}" for v in per_size))
+        print(f"{label:<44}" + "".join(f"{v:>14.0f}" for v in per_size))
     if args.json:
         import json
         import platform
