@@ -267,6 +267,24 @@ def raw_async_row():
     return alloc, free, None
 
 
+def raw_runtime_async_row():
+    """The same floor through the runtime API (what dask-rmm's async resource calls):
+    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers."""
+    from cuda.bindings import runtime
+
+    _cuda.require_cuda("cudaMallocFromPoolAsync")
+    err, pool = runtime.cudaDeviceGetDefaultMemPool(0)
+    malloc, freeasync = runtime.cudaMallocFromPoolAsync, runtime.cudaFreeAsync
+
+    def alloc(n):
+        return malloc(n, pool, 0)[1]
+
+    def free(p, n):
+        freeasync(p, 0)
+
+    return alloc, free, None
+
+
 def dict_row():
     r = DictBaseline()
     return r.allocate, r.deallocate, r
@@ -289,6 +307,7 @@ ROWS = [
     ("dask-rmm async", ours("async"), False),
     ("rmm async", rmm_row("async"), False),
     ("cuMemAllocAsync+cuMemFreeAsync", raw_async_row, False),
+    ("cudaMallocFromPoolAsync+cudaFreeAsync", raw_runtime_async_row, False),
     ("dask-rmm DeviceBuffer(size=n) over pool", ours_device_buffer, False),
     ("rmm DeviceBuffer(size=n) over pool", rmm_device_buffer, False),
     ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size"), False),
