@@ -145,3 +145,47 @@ def test_arena_reuses_a_freed_block_on_its_stream_only(base_resource):
     arena.deallocate(q, 1000, s2)
     info = arena.reserved_memory_info()
     assert info.free_bytes == info.reserved_bytes
+
+
+def test_token_lock_behaves_as_a_lock():
+    from dask_rmm.mr.pool import TokenLock
+
+    lock = TokenLock()
+    assert lock.acquire(False) and lock.locked()
+    assert not lock.acquire(False)
+    assert not lock.acquire(timeout=0.01)
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire()))  # waits for the release
+    t.start()
+    lock.release()
+    t.join()
+    assert got == [True] and lock.locked()
+    lock.release()
+    with pytest.raises(RuntimeError, match="unlocked"):
+        lock.release()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+
+
+def test_token_lock_excludes_threads():
+    from dask_rmm.mr.pool import TokenLock
+
+    lock = TokenLock()
+    inside = []
+    counter = [0]
+
+    def work():
+        for _ in range(2000):
+            with lock:
+                inside.append(1)
+                assert len(inside) == 1
+                counter[0] += 1
+                inside.pop()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter[0] == 8000
