@@ -4,6 +4,7 @@ caller when threads race, and the pool's instrumentation interface (counters, ow
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -181,6 +182,8 @@ def test_token_lock_excludes_threads():
                 inside.append(1)
                 assert len(inside) == 1
                 counter[0] += 1
+                if counter[0] % 50 == 0:
+                    time.sleep(0)  # let other threads run while it is held
                 inside.pop()
 
     threads = [threading.Thread(target=work) for _ in range(4)]
