@@ -79,32 +79,32 @@ def _worker(barrier, alloc, free, load):
     run_loop(alloc, free, *load)
 
 
-def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
-    """Median ns per pair for resource factory ``make() -> (alloc, free, keepalive)``."""
-    results = []
-    for r in range(repeats):
-        alloc, free, keep = make()
-        per = W // threads
-        loads = [draw(steps // threads, per, seed=1000 * r + t) for t in range(threads)]
-        if threads == 1:
-            ns = run_loop(alloc, free, *loads[0])
-        else:
-            barrier = threading.Barrier(threads + 1)
+def measure_once(make, steps: int, threads: int, r: int) -> float:
+    """ns per pair of one run (repeat ``r``) of resource factory ``make() -> (alloc, free, keep)``."""
+    alloc, free, keep = make()
+    per = W // threads
+    loads = [draw(steps // threads, per, seed=1000 * r + t) for t in range(threads)]
+    if threads == 1:
+        ns = run_loop(alloc, free, *loads[0])
+    else:
+        barrier = threading.Barrier(threads + 1)
+        ts = [threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads]
+        for t in ts:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        for t in ts:
+            t.join()
+        ns = time.perf_counter_ns() - t0
+    del alloc, free, keep
+    gc.collect()
+    return ns / (steps // threads * threads)
 
-            ts = [
-                threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads
-            ]
-            for t in ts:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter_ns()
-            for t in ts:
-                t.join()
-            ns = time.perf_counter_ns() - t0
-        results.append(ns / (steps // threads * threads))
-        del alloc, free, keep
-        gc.collect()
-    return statistics.median(results)
+
+def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
+    """Median ns per pair over ``repeats`` runs of one row (rows measured alone; main() instead
+    interleaves every row's repeats)."""
+    return statistics.median(measure_once(make, steps, threads, r) for r in range(repeats))
 
 
 # -- rows ---------------------------------------------------------------------------------------
@@ -329,29 +329,49 @@ def main(argv=None) -> int:
 
     host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
     print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
-          f"median of {args.repeats}  python {platform.python_version()}  ({host})")
+          f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})")
     print(f"{'resource':<42} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+    # Repeats are the outer loop and rows the inner one, so that a machine drifting during the
+    # run (clock boost, other load) spreads over every row alike instead of favouring the last.
+    columns = [("ns_per_pair", 1)]
+    if args.threads > 1:
+        columns.append((f"ns_per_pair_{args.threads}_threads", args.threads))
+    rows = [(n, m, t) for n, m, t in ROWS if not only or any(s in n for s in only)]
+    runs: dict[tuple[str, str], list[float]] = {}
+    skipped: dict[str, str] = {}
+    for r in range(args.repeats):
+        for name, make, threaded in rows:
+            if name in skipped:
+                continue
+            for column, threads in columns:
+                if threads > 1 and not (threaded or args.all_threaded):
+                    continue
+                try:
+                    runs.setdefault((name, column), []).append(
+                        measure_once(make, args.steps, threads, r)
+                    )
+                except Exception as e:  # a library or device that this host lacks
+                    skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+                    break
+        print(f"# repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     results = []
-    for name, make, threaded in ROWS:
-        if only and not any(s in name for s in only):
-            continue
-        row = {"resource": name}
-        try:
-            row["ns_per_pair"] = measure(make, args.steps, 1, args.repeats)
-            if threaded or args.all_threaded:
-                row[f"ns_per_pair_{args.threads}_threads"] = measure(
-                    make, args.steps, args.threads, args.repeats
-                )
-        except Exception as e:  # a library or device that this host lacks
-            row["skipped"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+    for name, _make, _threaded in rows:
+        row: dict = {"resource": name}
+        if name in skipped:
+            row["skipped"] = skipped[name]
             print(f"{name:<42} {'skipped: ' + row['skipped']}")
             results.append(row)
             continue
+        for column, _threads in columns:
+            values = runs.get((name, column))
+            if values:
+                row[column] = statistics.median(values)
+                row[column + "_runs"] = values
         threads_ns = row.get(f"ns_per_pair_{args.threads}_threads")
         print(f"{name:<42} {row['ns_per_pair']:>17.0f} "
               f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}")
         results.append(row)
-        sys.stdout.flush()
+    sys.stdout.flush()
     doc = {"benchmark": "alloc", "workload": {"live_blocks": W, "min_size": MIN_SIZE,
            "max_size": MAX_SIZE, "steps": args.steps, "repeats": args.repeats,
            "threads": args.threads}, "python": platform.python_version(),

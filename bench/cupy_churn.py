@@ -131,20 +131,19 @@ def main() -> None:
         )
 
     original = cupy.cuda.get_allocator()
-    results: dict[str, list[float]] = {}
-    for label, setup in rows:
-        teardown = setup()
-        try:
-            per_size = []
-            for n in sizes:
-                _churn(n, 1000)  # warm up: pool growth, stream cache, first-call binding
-                per_size.append(
-                    statistics.median(_churn(n, args.iterations) for _ in range(args.repeat))
-                )
-            results[label] = per_size
-        finally:
-            cupy.cuda.set_allocator(original)
-            teardown()
+    # Repeats outer, rows inner: drift of the machine during the run hits every row alike.
+    runs: dict[str, list[list[float]]] = {label: [[] for _ in sizes] for label, _ in rows}
+    for _ in range(args.repeat):
+        for label, setup in rows:
+            teardown = setup()
+            try:
+                for k, n in enumerate(sizes):
+                    _churn(n, 1000)  # warm up: pool growth, stream cache, first-call binding
+                    runs[label][k].append(_churn(n, args.iterations))
+            finally:
+                cupy.cuda.set_allocator(original)
+                teardown()
+    results = {label: [statistics.median(v) for v in per] for label, per in runs.items()}
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     device = device.decode() if isinstance(device, bytes) else device
@@ -161,7 +160,7 @@ def main() -> None:
         doc = {"benchmark": "cupy_churn", "device": device, "sizes": sizes,
                "iterations": args.iterations, "repeat": args.repeat,
                "python": platform.python_version(), "cupy": cupy.__version__,
-               "rows": [{"allocator": k, "ns": v} for k, v in results.items()]}
+               "rows": [{"allocator": k, "ns": v, "runs": runs[k]} for k, v in results.items()]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
 
