@@ -241,36 +241,31 @@ def main() -> int:
         print(f"# {len(clients)} configurations up after {time.perf_counter() - start:.0f} s",
               file=sys.stderr)
         labels = list(clients)
+        last: dict[str, float] = {}  # seconds of the latest run of each workload
         # Warm-up: kernels compiled (CuPy's cache is shared), pools grown, imports done.
         for label in labels:
             for name in ("chain", "scatter"):
-                _time(clients[label], workloads[name])
-            _time(clients[label], lambda: anchor(4000, args.anchor_chunk))
+                last[name] = _time(clients[label], workloads[name])
+            small = _time(clients[label], lambda: anchor(args.anchor_n // 4, args.anchor_chunk))
+            last.setdefault("anchor", 16 * small)  # a guess until the first real run
         print(f"# warm after {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
-        plan = [("chain", "scatter")] * args.rounds
-        for k in range(args.anchor_rounds):
-            if k < len(plan):
-                plan[k] = (*plan[k], "anchor")
-            else:
-                plan.append(("anchor",))
-        round_cost: dict[tuple, float] = {}
-        for r, names in enumerate(plan):
-            elapsed = time.perf_counter() - start
-            estimate = round_cost.get(names, 0.0)
-            if args.budget and elapsed + estimate > args.budget:
-                print(f"# round {r} skipped: {elapsed:.0f} s + ~{estimate:.0f} s > budget",
-                      file=sys.stderr)
-                continue
-            t_round = time.perf_counter()
+        rounds = max(args.rounds, args.anchor_rounds)
+        for r in range(rounds):
+            names = [n for n, k in (("chain", args.rounds), ("scatter", args.rounds),
+                                    ("anchor", args.anchor_rounds)) if r < k]
             order = labels[r % len(labels):] + labels[: r % len(labels)]
-            for label in order:
-                for name in names:
-                    t = _time(clients[label], workloads[name])
+            for name in names:
+                for label in order:
+                    elapsed = time.perf_counter() - start
+                    if args.budget and elapsed + 1.2 * last[name] > args.budget:
+                        print(f"# skipped round {r} {label} {name}: {elapsed:.0f} s + "
+                              f"~{last[name]:.0f} s > budget", file=sys.stderr)
+                        continue
+                    t = last[name] = _time(clients[label], workloads[name])
                     results[label][name].append(t)
                     print(f"round {r} {label:<32} {name:<8} {t:7.3f} s", file=sys.stderr)
-            round_cost[names] = time.perf_counter() - t_round
-            write()
+                    write()
 
     print(f"\n# bench/dask_alloc_heavy.py: 1 worker x {args.threads} threads per configuration, "
           f"configurations interleaved; chain {args.chain_n}^2 f32 in {args.chain_chunk}^2 chunks "
