@@ -45,8 +45,8 @@ from dask_rmm.mr.pool import (
     _SRCH,
     DEFAULT_HOST_POOL_SIZE,
     _class_floor,
-    parse_pool_size,
 )
+from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]
@@ -160,7 +160,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             else:
                 arena_size = align_up(_cuda.mem_get_info()[0] // 2)
         else:
-            arena_size = parse_pool_size(arena_size, upstream_mr, "arena_size")
+            arena_size = parse_resource_size(arena_size, upstream_mr, "arena_size")
         if arena_size < SUPERBLOCK_SIZE:
             raise ValueError(
                 f"arena_size ({format_bytes(arena_size)}) is smaller than one superblock (1 MiB)"
