@@ -1,0 +1,139 @@
+"""``SpillOnDemandResourceAdaptor``: the top of a worker's stack under memory pressure. Before an
+allocation that would cross the device limit it has stored outputs spilled; when the resources
+below run out of memory it has outputs spilled and retries; an ``OutOfMemoryError`` that still
+gets through is reported (OOM forensics). It also keeps the last allocation events.
+
+What to spill and how is the ``handler``'s job (``DevicePressure``); this module is Dask-free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
+
+#: After a spill for the limit found nothing to spill, allocations skip the limit check this
+#: long (the periodic monitor keeps checking), so a full device costs no scan per allocation.
+_QUIET_SECONDS = 0.05
+#: Retries in a row that spill nothing (another thread's spill finished, or the pool says a
+#: block fits now) before an allocation gives up.
+_MAX_IDLE_RETRIES = 8
+
+
+class PressureHandler(Protocol):
+    """What the adaptor asks of its handler (see ``DevicePressure``)."""
+
+    limit: int | None
+    spill_on_oom: bool
+
+    def busy(self) -> bool: ...
+    def current_bytes(self) -> int: ...
+    def generation(self) -> int: ...
+    def spill(self, need: int, request: int | None, generation: int | None) -> int: ...
+    def avoided_oom(self) -> None: ...
+    def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> None: ...
+
+
+class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
+    """Spill on a device limit and on out-of-memory, then retry; report OOMs that get through.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        The worker's stack below (statistics, pool, ...).
+    handler : PressureHandler
+        Decides and performs the spilling and records OOM events.
+    task_key : callable, optional
+        Returns the running task's key (recorded with each event).
+    history : int
+        How many allocation events to keep for OOM forensics.
+
+    Notes
+    -----
+    An allocation made while this thread is spilling (copying to host may allocate) neither
+    spills nor is recorded as an OOM: there is no re-entry. No lock is held while spilling or
+    calling the upstream. Several threads may fail at once; one spills at a time and the others
+    retry first when a spill finished meanwhile.
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        handler: PressureHandler,
+        task_key: Callable[[], Any] | None = None,
+        history: int = 64,
+    ):
+        super().__init__(upstream_mr)
+        self.handler = handler
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+        self._task_key = task_key if task_key is not None else _no_task
+        self._events: deque = deque(maxlen=max(int(history), 1))
+        self._quiet_until = 0.0
+        self._local = threading.local()
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        h = self.handler
+        if h.limit is not None and nbytes and not h.busy():
+            now = time.monotonic()
+            if now >= self._quiet_until:
+                over = h.current_bytes() + nbytes - h.limit
+                if over > 0 and h.spill(over, None, None) == 0:
+                    self._quiet_until = now + _QUIET_SECONDS
+        try:
+            ptr = self._upstream_allocate(nbytes, stream)
+        except MemoryError as e:
+            ptr = self._allocate_after_oom(nbytes, stream, e)
+        self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
+        return ptr
+
+    def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
+        h = self.handler
+        spilled = 0
+        if h.busy():
+            raise error
+        if h.spill_on_oom:
+            idle = 0
+            generation = h.generation()
+            while idle < _MAX_IDLE_RETRIES:
+                freed = h.spill(nbytes, nbytes, generation)
+                if freed == 0:
+                    break
+                if freed > 0:
+                    spilled += freed
+                    idle = 0
+                else:
+                    idle += 1
+                generation = h.generation()
+                try:
+                    ptr = self._upstream_allocate(nbytes, stream)
+                except MemoryError as e:
+                    error = e
+                    continue
+                h.avoided_oom()
+                return ptr
+        self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
+        try:
+            h.record_oom(error, nbytes, spilled, list(self._events))
+        except Exception:  # forensics must never change the error the caller sees
+            pass
+        raise error
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._upstream_deallocate(ptr, nbytes, stream)
+        self._events.append((time.time(), "free", nbytes, ptr, None))
+
+    def recent_events(self) -> list[tuple[float, str, int, int, Any]]:
+        """The last allocation events, oldest first: ``(unix time, op, nbytes, ptr, task key)``."""
+        return list(self._events)
+
+
+def _no_task() -> None:
+    return None

@@ -1,0 +1,241 @@
+"""Memory pressure on a Dask worker: puts ``DeviceSpillStore`` in front of the worker's data,
+``SpillOnDemandResourceAdaptor`` on top of each device's stack, and a periodic check that
+spills to the limit and pauses the worker while a device is above its pause fraction.
+Teardown undoes all of it. Not here: the options (``RMMPlugin``) and the spilling itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.pressure.adaptor import SpillOnDemandResourceAdaptor
+from dask_rmm.pressure.device import DevicePressure
+from dask_rmm.pressure.forensics import OOMEvent
+from dask_rmm.pressure.metrics import PressureCounters, PressureMetrics
+from dask_rmm.pressure.store import DeviceSpillStore
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_rmm.mr.base import DeviceMemoryResource
+
+__all__ = ["MONITOR_KEY", "WorkerPressure"]
+
+logger = logging.getLogger(__name__)
+
+#: Key of the pressure check in ``worker.periodic_callbacks``.
+MONITOR_KEY = "dask-rmm-pressure"
+
+
+class WorkerPressure:
+    """Device-memory pressure handling for one worker.
+
+    Use: :meth:`wrap` each device's stack top before installing it (nothing on the worker
+    changes), then :meth:`attach` to the worker; :meth:`detach` on teardown.
+
+    Parameters
+    ----------
+    spill_on_oom : bool
+        Spill and retry when an allocation fails.
+    pause_fraction : float or None
+        Pause the worker while a device's bytes in use exceed this fraction of its capacity
+        (the pool's maximum, else the device's memory). None: never pause.
+    monitor_interval : float
+        Seconds between checks (spill to the limit, pause and resume).
+    oom_directory : str, optional
+        Save each OOM snapshot as JSON here (``oom-<time>-<device>.json``).
+    task_key : callable, optional
+        The running task's key.
+
+    Examples
+    --------
+    >>> wp = WorkerPressure(spill_on_oom=True)  # doctest: +SKIP
+    >>> stack.top = wp.wrap(0, stack.top, capacity=pool_max, limit=limit)  # doctest: +SKIP
+    >>> wp.attach(worker)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        spill_on_oom: bool = False,
+        pause_fraction: float | None = None,
+        monitor_interval: float = 0.1,
+        oom_directory: str | None = None,
+        task_key: Callable[[], Any] | None = None,
+    ):
+        self.spill_on_oom = spill_on_oom
+        self.pause_fraction = pause_fraction
+        self.monitor_interval = monitor_interval
+        self.oom_directory = oom_directory
+        self.task_key = task_key
+        self.counters = PressureCounters()
+        self.store = DeviceSpillStore(None, self.counters, on_store=self._on_store)
+        self.devices: dict[int, DevicePressure] = {}
+        self._worker: Any = None
+        self._monitor: Any = None
+        self._paused_by_us = False
+
+    # -- building -------------------------------------------------------------------------------
+
+    def wrap(
+        self,
+        device: int,
+        top: DeviceMemoryResource,
+        *,
+        capacity: int,
+        limit: int | None = None,
+    ) -> SpillOnDemandResourceAdaptor:
+        """The adaptor to install on top of ``top`` for ``device``."""
+        dp = DevicePressure(
+            device,
+            self.store,
+            top,
+            capacity,
+            limit=limit,
+            spill_on_oom=self.spill_on_oom,
+            pause_fraction=self.pause_fraction,
+            task_key=self.task_key,
+            on_oom=self._on_oom,
+        )
+        self.devices[device] = dp
+        return SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+
+    # -- the worker -----------------------------------------------------------------------------
+
+    def attach(self, worker: Worker) -> None:
+        """Put the store in front of ``worker``'s data and start the periodic check."""
+        from tornado.ioloop import PeriodicCallback
+
+        inner = worker.data
+        if isinstance(inner, DeviceSpillStore):
+            raise RuntimeError(
+                f"worker {worker.address} already has a DeviceSpillStore; tear the other "
+                "dask-rmm setup down first"
+            )
+        self.store.inner = inner
+        # distributed keeps the one mapping in both places (see Worker.data's docstring).
+        worker.memory_manager.data = self.store
+        worker.state.data = self.store
+        self._worker = worker
+        if self.monitor_interval and (
+            self.pause_fraction is not None
+            or any(dp.limit is not None for dp in self.devices.values())
+        ):
+            monitor = PeriodicCallback(self.check, self.monitor_interval * 1000)
+            self._monitor = monitor
+            worker.periodic_callbacks[MONITOR_KEY] = monitor
+            if worker.status.name in ("running", "paused", "closing_gracefully"):
+                monitor.start()
+
+    def detach(self, worker: Worker) -> None:
+        """Undo :meth:`attach`: spilled values come back to the device, the worker's mapping
+        is its own again, a pause this made is lifted. Idempotent."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.stop()
+            if worker.periodic_callbacks.get(MONITOR_KEY) is monitor:
+                del worker.periodic_callbacks[MONITOR_KEY]
+        self._resume(worker)
+        store = self.store
+        if worker.memory_manager.data is not store:
+            self._worker = None
+            return
+        inner = store.inner
+        failed = []
+        for key in store.spilled_keys():
+            try:
+                store[key]  # brings it back to the device
+            except Exception as e:
+                failed.append((key, e))
+        if failed:
+            # Those keys would reach tasks as HostCopy objects without the store: keep it.
+            logger.error(
+                "dask-rmm: %d spilled outputs could not be brought back to the device on "
+                "teardown (first: %r: %r); the spill store stays in front of the worker's data",
+                len(failed), *failed[0],
+            )
+            return
+        for key, value in store.take_device_values():
+            inner[key] = value
+        worker.memory_manager.data = inner
+        worker.state.data = inner
+        self._worker = None
+
+    # -- periodic check and pause ---------------------------------------------------------------
+
+    def check(self) -> None:
+        """Spill to the limits; pause the worker while a device stays above its pause fraction,
+        resume it when all are below. Never raises."""
+        worker = self._worker
+        try:
+            over = False
+            for dp in self.devices.values():
+                if dp.relieve():
+                    over = True
+            if worker is None:
+                return
+            if over:
+                self._pause(worker)
+            else:
+                self._resume(worker)
+        except Exception:
+            logger.exception("dask-rmm: memory-pressure check failed")
+
+    def _pause(self, worker: Worker) -> None:
+        from distributed.core import Status
+
+        if worker.status == Status.running:
+            if not self._paused_by_us:
+                logger.warning(
+                    "dask-rmm: device memory above %.0f%% of capacity; pausing worker %s",
+                    100 * (self.pause_fraction or 0), worker.address,
+                )
+                for dp in self.devices.values():
+                    self.counters.set_paused(dp.device, dp.should_pause())
+            # Also when distributed's host-memory monitor resumed a worker paused here.
+            worker.status = Status.paused
+            self._paused_by_us = True
+
+    def _resume(self, worker: Worker) -> None:
+        from distributed.core import Status
+
+        if not self._paused_by_us:
+            return
+        self._paused_by_us = False
+        for dp in self.devices.values():
+            self.counters.set_paused(dp.device, False)
+        if worker.status == Status.paused:
+            logger.warning("dask-rmm: device memory back below the pause fraction; resuming %s",
+                           worker.address)
+            worker.status = Status.running
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _on_store(self, device: int) -> None:
+        dp = self.devices.get(device)
+        if dp is not None and dp.limit is not None:
+            dp.spill_to_limit()
+
+    def _on_oom(self, event: OOMEvent) -> None:
+        logger.warning("dask-rmm: out of device memory: %s", event.summary())
+        if self.oom_directory is not None:
+            name = f"oom-{event.time:.6f}-dev{event.device}.json"
+            try:
+                os.makedirs(self.oom_directory, exist_ok=True)
+                event.save(os.path.join(self.oom_directory, name))
+            except OSError as e:
+                logger.warning("dask-rmm: could not save the OOM snapshot: %r", e)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def metrics(self) -> list[PressureMetrics]:
+        """Counters per device."""
+        return [self.counters.snapshot(d) for d in sorted(self.devices)]
+
+    def oom_events(self) -> list[OOMEvent]:
+        """The OOM snapshots kept, oldest first, all devices."""
+        events = [e for dp in self.devices.values() for e in dp.oom_events]
+        return sorted(events, key=lambda e: e.time)
