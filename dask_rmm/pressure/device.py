@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError
+from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError, align_up
 from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
 from dask_rmm.pressure.metrics import PressureCounters
 from dask_rmm.pressure.store import DeviceSpillStore
@@ -110,8 +110,14 @@ class DevicePressure:
         return self.store.device_bytes(self.device)
 
     def spill(self, need: int, request: int | None, generation: int | None) -> int:
+        """Spill for the limit (``request`` None) or so that ``request`` bytes fit. With a pool,
+        only values whose blocks would merge into a large enough free block are spilled for a
+        request: freeing anything else cannot help a pool at its maximum."""
         layout = None
         if request is not None and self.pool is not None:
+            maximum = self.pool.maximum_pool_size
+            if maximum is not None and align_up(request) > maximum:
+                return 0  # larger than the whole pool: spilling cannot help
             layout = self.pool.memory_layout
         return self.store.spill(
             need, device=self.device, request=request, layout=layout, generation=generation

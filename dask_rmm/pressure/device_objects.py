@@ -46,18 +46,22 @@ class DeviceAllocation:
 class HostCopy:
     """A device object's bytes in host memory, with what is needed to rebuild it.
 
-    ``to_device()`` rebuilds the object on the device from the current device resource.
-    Picklable, so that distributed can spill it on to disk.
+    ``to_device()`` rebuilds the object on the device: from ``resource`` when one was kept
+    (a DeviceBuffer's own), else from the device's current resource. Picklable, so that
+    distributed can spill it on to disk (the resource is not pickled).
     """
 
-    __slots__ = ("kind", "device", "data", "meta", "nbytes")
+    __slots__ = ("kind", "device", "data", "meta", "nbytes", "resource")
 
-    def __init__(self, kind: str, device: int, data: Any, meta: Any, nbytes: int):
+    def __init__(
+        self, kind: str, device: int, data: Any, meta: Any, nbytes: int, resource: Any = None
+    ):
         self.kind = kind
         self.device = device
         self.data = data
         self.meta = meta
         self.nbytes = nbytes
+        self.resource = resource
 
     def to_device(self) -> Any:
         return _REBUILD[self.kind](self)
@@ -174,13 +178,17 @@ def _register_device_buffer() -> None:
         data = buf.copy_to_host(stream=buf.stream)
         if not buf.stream.is_default():
             buf.stream.synchronize()
-        return HostCopy("DeviceBuffer", buf.mr.device_id, data, None, buf.size)
+        return HostCopy("DeviceBuffer", buf.mr.device_id, data, None, buf.size, buf.mr)
 
     def rebuild(copy):
         from dask_rmm.device_buffer import to_device
-        from dask_rmm.mr.registry import get_per_device_resource
 
-        return to_device(copy.data, mr=get_per_device_resource(copy.device))
+        mr = copy.resource
+        if mr is None:
+            from dask_rmm.mr.registry import get_per_device_resource
+
+            mr = get_per_device_resource(copy.device)
+        return to_device(copy.data, mr=mr)
 
     register_device_type(DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild)
 

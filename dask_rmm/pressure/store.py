@@ -228,8 +228,9 @@ class DeviceSpillStore(MutableMapping):
         """Move stored device values to host memory; return the device bytes they held.
 
         With ``request`` and ``layout`` (a pool's ``memory_layout``), the values whose blocks
-        would merge into one free block of ``request`` bytes are chosen; otherwise (or if none
-        would) the least recently used ones adding up to ``need`` bytes. Returns -1, spilling
+        would merge into one free block of ``request`` bytes are chosen, and none if no such
+        set exists; otherwise the least recently used ones adding up to ``need`` bytes.
+        Returns -1, spilling
         nothing, when ``generation`` is given and another spill finished since it was read (the
         caller should just retry), or when the layout shows the request fits already.
         """
@@ -245,9 +246,11 @@ class DeviceSpillStore(MutableMapping):
                 if request is not None and layout is not None:
                     chunks, free, live = layout()
                     victims = coalescing_victims(cands, align_up(request), chunks, free, live)
-                    if victims == []:
+                    if victims is None:
+                        return 0
+                    if not victims:
                         return -1
-                if not victims:
+                else:
                     victims = lru_victims(cands, need)
                 freed = self._spill_keys(victims)
             finally:

@@ -1,0 +1,60 @@
+"""Helpers of the memory-pressure tests: a small pool stack with the pressure adaptor on top,
+and DeviceBuffers (or CuPy arrays on a GPU) carrying a byte pattern that can be checked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def pressure_stack(
+    pool_bytes: int = 4 * MiB,
+    *,
+    base: str = "system",
+    limit: int | None = None,
+    spill_on_oom: bool = True,
+    pause_fraction: float | None = None,
+    task_key=None,
+):
+    """``(WorkerPressure, top)``: a fixed-size pool (initial = maximum = ``pool_bytes``) under a
+    StatisticsResourceAdaptor and an AttributionResourceAdaptor, wrapped for pressure, and made
+    device 0's resource."""
+    from dask_rmm import mr
+    from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+    from dask_rmm.pressure.worker import WorkerPressure
+    from tests.conftest import make_base_resource
+
+    pool = mr.PoolMemoryResource(
+        make_base_resource(base), initial_pool_size=pool_bytes, maximum_pool_size=pool_bytes
+    )
+    stats = mr.StatisticsResourceAdaptor(pool)
+    owner = task_key or (lambda: None)
+    attrib = AttributionResourceAdaptor(stats, owner, owner_name=lambda k: str(k).split("-")[0])
+    wp = WorkerPressure(
+        spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key
+    )
+    top = wp.wrap(0, attrib, capacity=pool_bytes, limit=limit)
+    mr.set_per_device_resource(0, top)
+    return wp, top
+
+
+def patterned_buffer(nbytes: int, value: int, mr=None):
+    """A DeviceBuffer of ``nbytes`` filled with a pattern derived from ``value``."""
+    from dask_rmm import DeviceBuffer
+
+    buf = DeviceBuffer(size=nbytes, mr=mr)
+    buf.copy_from_host(pattern(nbytes, value))
+    return buf
+
+
+def pattern(nbytes: int, value: int) -> np.ndarray:
+    return ((np.arange(nbytes, dtype=np.uint32) * 7 + value * 131) % 251).astype(np.uint8)
+
+
+def check_buffer(buf, value: int) -> None:
+    got = buf.copy_to_host()
+    expected = pattern(buf.size, value)
+    if not np.array_equal(got, expected):
+        bad = int(np.flatnonzero(got != expected)[0])
+        raise AssertionError(f"buffer {value}: byte {bad} is {got[bad]}, expected {expected[bad]}")
