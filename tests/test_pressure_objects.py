@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dask_rmm import DeviceBuffer
-from dask_rmm.mr import SystemMemoryResource
+from dask_rmm.mr import SystemMemoryResource, set_per_device_resource
 from dask_rmm.pressure.device_objects import HostCopy, device_allocations, to_host
 from dask_rmm.pressure.victims import coalescing_victims, lru_victims
 
@@ -21,6 +21,7 @@ def test_non_device_values_are_not_spillable():
 
 def test_device_buffer_roundtrip_is_bit_identical():
     mr = SystemMemoryResource()
+    set_per_device_resource(0, mr)  # copies come back on the device's current resource
     buf = DeviceBuffer.to_device(bytes(range(256)) * 5, mr=mr)
     (alloc,) = device_allocations(buf)
     assert (alloc.ptr, alloc.nbytes, alloc.device) == (buf.ptr, 1280, 0)
@@ -30,15 +31,13 @@ def test_device_buffer_roundtrip_is_bit_identical():
     assert isinstance(back, DeviceBuffer) and back.ptr != buf.ptr
     assert back.tobytes() == buf.tobytes()
     # A pickled copy (distributed spilling it to disk) rebuilds the same bytes.
-    from dask_rmm.mr import set_per_device_resource
-
-    set_per_device_resource(0, mr)
     again = pickle.loads(pickle.dumps(copy)).to_device()
     assert again.tobytes() == buf.tobytes()
 
 
 def test_containers_keep_their_structure_and_other_items():
     mr = SystemMemoryResource()
+    set_per_device_resource(0, mr)
     a = DeviceBuffer.to_device(b"a" * 300, mr=mr)
     b = DeviceBuffer.to_device(b"b" * 500, mr=mr)
     value = {"x": (a, 5, "s"), "y": [b]}

@@ -46,22 +46,19 @@ class DeviceAllocation:
 class HostCopy:
     """A device object's bytes in host memory, with what is needed to rebuild it.
 
-    ``to_device()`` rebuilds the object on the device: from ``resource`` when one was kept
-    (a DeviceBuffer's own), else from the device's current resource. Picklable, so that
-    distributed can spill it on to disk (the resource is not pickled).
+    ``to_device()`` rebuilds the object on the device from the device's current resource
+    (the worker's stack; a DeviceBuffer made with another ``mr`` comes back on the current
+    one). Picklable, so that distributed can spill it on to disk.
     """
 
-    __slots__ = ("kind", "device", "data", "meta", "nbytes", "resource")
+    __slots__ = ("kind", "device", "data", "meta", "nbytes")
 
-    def __init__(
-        self, kind: str, device: int, data: Any, meta: Any, nbytes: int, resource: Any = None
-    ):
+    def __init__(self, kind: str, device: int, data: Any, meta: Any, nbytes: int):
         self.kind = kind
         self.device = device
         self.data = data
         self.meta = meta
         self.nbytes = nbytes
-        self.resource = resource
 
     def to_device(self) -> Any:
         return _REBUILD[self.kind](self)
@@ -178,17 +175,13 @@ def _register_device_buffer() -> None:
         data = buf.copy_to_host(stream=buf.stream)
         if not buf.stream.is_default():
             buf.stream.synchronize()
-        return HostCopy("DeviceBuffer", buf.mr.device_id, data, None, buf.size, buf.mr)
+        return HostCopy("DeviceBuffer", buf.mr.device_id, data, None, buf.size)
 
     def rebuild(copy):
         from dask_rmm.device_buffer import to_device
+        from dask_rmm.mr.registry import get_per_device_resource
 
-        mr = copy.resource
-        if mr is None:
-            from dask_rmm.mr.registry import get_per_device_resource
-
-            mr = get_per_device_resource(copy.device)
-        return to_device(copy.data, mr=mr)
+        return to_device(copy.data, mr=get_per_device_resource(copy.device))
 
     register_device_type(DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild)
 

@@ -192,6 +192,22 @@ class DeviceSpillStore(MutableMapping):
         with self._lock:
             return sum(e.nbytes for e in self._lru.values() if device is None or e.device == device)
 
+    def adopt(self, other: DeviceSpillStore) -> None:
+        """Take over everything ``other`` holds (its inner mapping, device values, spilled
+        keys); ``other`` is left empty."""
+        with other._lock, self._lock:
+            self.inner = other.inner
+            self._device.update(other._device)
+            self._lru.update(other._lru)
+            self._spilled.update(other._spilled)
+            other._device.clear()
+            other._lru.clear()
+            other._spilled.clear()
+            other.inner = {}
+            spilled = list(self._spilled.values())
+        for device, nbytes in spilled:
+            self.counters.spilled(device, nbytes, 0.0)
+
     def take_device_values(self) -> list[tuple[Hashable, Any]]:
         """Remove and return the values kept on the device (teardown moves them to ``inner``)."""
         with self._lock:

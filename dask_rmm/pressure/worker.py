@@ -111,11 +111,10 @@ class WorkerPressure:
 
         inner = worker.data
         if isinstance(inner, DeviceSpillStore):
-            raise RuntimeError(
-                f"worker {worker.address} already has a DeviceSpillStore; tear the other "
-                "dask-rmm setup down first"
-            )
-        self.store.inner = inner
+            # Left by an earlier setup whose spilled outputs did not fit back: take them over.
+            self.store.adopt(inner)
+        else:
+            self.store.inner = inner
         # distributed keeps the one mapping in both places (see Worker.data's docstring).
         worker.memory_manager.data = self.store
         worker.state.data = self.store
@@ -139,9 +138,14 @@ class WorkerPressure:
             if worker.periodic_callbacks.get(MONITOR_KEY) is monitor:
                 del worker.periodic_callbacks[MONITOR_KEY]
         self._resume(worker)
+        self._worker = None
         store = self.store
+        store.on_store = None
+        for dp in self.devices.values():  # bringing values back must not spill others
+            dp.limit = None
+            dp.spill_on_oom = False
+            dp.pause_fraction = None
         if worker.memory_manager.data is not store:
-            self._worker = None
             return
         inner = store.inner
         failed = []
@@ -151,10 +155,11 @@ class WorkerPressure:
             except Exception as e:
                 failed.append((key, e))
         if failed:
-            # Those keys would reach tasks as HostCopy objects without the store: keep it.
-            logger.error(
-                "dask-rmm: %d spilled outputs could not be brought back to the device on "
-                "teardown (first: %r: %r); the spill store stays in front of the worker's data",
+            # Without the store those keys would reach tasks as HostCopy objects: it stays in
+            # front of the worker's data, spilling nothing, bringing them back when read.
+            logger.warning(
+                "dask-rmm: %d spilled outputs do not fit back on the device at teardown (first: "
+                "%r: %r); they stay in host memory and come back when a task reads them",
                 len(failed), *failed[0],
             )
             return
@@ -162,7 +167,6 @@ class WorkerPressure:
             inner[key] = value
         worker.memory_manager.data = inner
         worker.state.data = inner
-        self._worker = None
 
     # -- periodic check and pause ---------------------------------------------------------------
 
