@@ -22,9 +22,6 @@ __all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
 #: After a spill for the limit found nothing to spill, allocations skip the limit check this
 #: long (the periodic monitor keeps checking), so a full device costs no scan per allocation.
 _QUIET_SECONDS = 0.05
-#: Retries in a row that spill nothing (another thread's spill finished, or the pool says a
-#: block fits now) before an allocation gives up.
-_MAX_IDLE_RETRIES = 8
 
 
 class PressureHandler(Protocol):
@@ -35,8 +32,10 @@ class PressureHandler(Protocol):
 
     def busy(self) -> bool: ...
     def current_bytes(self) -> int: ...
-    def generation(self) -> int: ...
-    def spill(self, need: int, request: int | None, generation: int | None) -> int: ...
+    def spill(self, need: int) -> int: ...
+    def spill_until(
+        self, attempt: Callable[[], int], request: int
+    ) -> tuple[int | None, MemoryError | None, int]: ...
     def avoided_oom(self) -> None: ...
     def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> None: ...
 
@@ -59,8 +58,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     -----
     An allocation made while this thread is spilling (copying to host may allocate) neither
     spills nor is recorded as an OOM: there is no re-entry. No lock is held while spilling or
-    calling the upstream. Several threads may fail at once; one spills at a time and the others
-    retry first when a spill finished meanwhile.
+    calling the upstream. Several threads may fail at once; one spills and retries at a time,
+    and each first retries, picking up what the others' spills freed.
     """
 
     def __init__(
@@ -85,7 +84,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             now = time.monotonic()
             if now >= self._quiet_until:
                 over = h.current_bytes() + nbytes - h.limit
-                if over > 0 and h.spill(over, None, None) == 0:
+                if over > 0 and h.spill(over) == 0:
                     self._quiet_until = now + _QUIET_SECONDS
         try:
             ptr = self._upstream_allocate(nbytes, stream)
@@ -96,29 +95,16 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
 
     def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
         h = self.handler
-        spilled = 0
         if h.busy():
             raise error
+        spilled = 0
         if h.spill_on_oom:
-            idle = 0
-            generation = h.generation()
-            while idle < _MAX_IDLE_RETRIES:
-                freed = h.spill(nbytes, nbytes, generation)
-                if freed == 0:
-                    break
-                if freed > 0:
-                    spilled += freed
-                    idle = 0
-                else:
-                    idle += 1
-                generation = h.generation()
-                try:
-                    ptr = self._upstream_allocate(nbytes, stream)
-                except MemoryError as e:
-                    error = e
-                    continue
+            upstream_allocate = self._upstream_allocate
+            ptr, last, spilled = h.spill_until(lambda: upstream_allocate(nbytes, stream), nbytes)
+            if last is None:
                 h.avoided_oom()
                 return ptr
+            error = last
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
         try:
             h.record_oom(error, nbytes, spilled, list(self._events))

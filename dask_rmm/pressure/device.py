@@ -97,9 +97,6 @@ class DevicePressure:
     def busy(self) -> bool:
         return self.store.spilling_on_this_thread()
 
-    def generation(self) -> int:
-        return self.store.generation
-
     def current_bytes(self) -> int:
         """Bytes allocated on this device through the worker's resource."""
         if self.statistics is not None:
@@ -109,19 +106,26 @@ class DevicePressure:
             return info.reserved_bytes - info.free_bytes
         return self.store.device_bytes(self.device)
 
-    def spill(self, need: int, request: int | None, generation: int | None) -> int:
-        """Spill for the limit (``request`` None) or so that ``request`` bytes fit. With a pool,
-        only values whose blocks would merge into a large enough free block are spilled for a
-        request: freeing anything else cannot help a pool at its maximum."""
+    def spill(self, need: int) -> int:
+        """Spill least recently used values of this device adding up to ``need`` bytes."""
+        return self.store.spill(need, device=self.device)
+
+    def spill_until(
+        self, attempt: Callable[[], int], request: int
+    ) -> tuple[int | None, MemoryError | None, int]:
+        """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry.
+        With a pool, only values whose blocks would merge into a large enough free block are
+        spilled; a request larger than the pool's maximum spills nothing."""
         layout = None
-        if request is not None and self.pool is not None:
+        if self.pool is not None:
             maximum = self.pool.maximum_pool_size
             if maximum is not None and align_up(request) > maximum:
-                return 0  # larger than the whole pool: spilling cannot help
+                try:
+                    return attempt(), None, 0
+                except MemoryError as e:
+                    return None, e, 0
             layout = self.pool.memory_layout
-        return self.store.spill(
-            need, device=self.device, request=request, layout=layout, generation=generation
-        )
+        return self.store.spill_until(attempt, request, device=self.device, layout=layout)
 
     def avoided_oom(self) -> None:
         self.counters.add(self.device, "ooms_avoided")
@@ -160,7 +164,7 @@ class DevicePressure:
             over = self.current_bytes() - target
             if over <= 0:
                 return total
-            freed = self.store.spill(over, device=self.device)
+            freed = self.spill(over)
             if freed <= 0:
                 return total
             total += freed

@@ -9,6 +9,7 @@ it unchanged. Deciding *when* to spill is ``DevicePressure``'s job (``device.py`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -79,9 +80,10 @@ class DeviceSpillStore(MutableMapping):
         self._local = threading.local()
         self._device: dict[Hashable, Any] = {}
         self._lru: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._spilled: dict[Hashable, tuple[int, int]] = {}  # key -> (device, device bytes)
-        #: Incremented by every spill that freed something (allocations compare it to retry).
-        self.generation = 0
+        # key -> (device, device bytes, serial): the serial tells a re-spilled key from the
+        # spill an unspill started from.
+        self._spilled: dict[Hashable, tuple[int, int, int]] = {}
+        self._serial = itertools.count()
 
     # -- MutableMapping ----------------------------------------------------------------------
 
@@ -108,9 +110,10 @@ class DeviceSpillStore(MutableMapping):
                 self._lru.move_to_end(key)
                 return value
             value = self.inner[key]
-            if not isinstance(value, HostCopy) or key not in self._spilled:
+            spilled = self._spilled.get(key)
+            if spilled is None or not isinstance(value, HostCopy):
                 return value
-        return self._unspill(key, value)
+        return self._unspill(key, value, spilled)
 
     def __delitem__(self, key: Hashable) -> None:
         with self._lock:
@@ -121,7 +124,7 @@ class DeviceSpillStore(MutableMapping):
             del self.inner[key]
             spilled = self._spilled.pop(key, None)
         if spilled is not None:
-            self.counters.forgotten(*spilled)
+            self.counters.forgotten(*spilled[:2])
 
     def __contains__(self, key: object) -> bool:
         return key in self._device or key in self.inner
@@ -155,21 +158,21 @@ class DeviceSpillStore(MutableMapping):
             del self.inner[key]
             spilled = self._spilled.pop(key, None)
             if spilled is not None:
-                self.counters.forgotten(*spilled)
+                self.counters.forgotten(*spilled[:2])
 
     # -- reading back --------------------------------------------------------------------------
 
-    def _unspill(self, key: Hashable, copy: HostCopy) -> Any:
-        device, nbytes = self._spilled[key]
+    def _unspill(self, key: Hashable, copy: HostCopy, spilled: tuple[int, int, int]) -> Any:
+        device, nbytes, _serial = spilled
         t0 = time.perf_counter()
         # Outside the lock: the allocation may fail and spill other keys first.
         value = copy.to_device()
         with self._lock:
-            if self.inner.get(key) is copy and key in self._spilled:
-                del self._spilled[key]
-                del self.inner[key]
+            if self._spilled.get(key) == spilled:
                 self._device[key] = value
                 self._lru[key] = self._entry_of(value, device, nbytes)
+                del self._spilled[key]
+                del self.inner[key]
             else:  # deleted or replaced meanwhile: hand out what was asked for, store nothing
                 return value
         self.counters.unspilled(device, nbytes, time.perf_counter() - t0)
@@ -205,7 +208,7 @@ class DeviceSpillStore(MutableMapping):
             other._spilled.clear()
             other.inner = {}
             spilled = list(self._spilled.values())
-        for device, nbytes in spilled:
+        for device, nbytes, _serial in spilled:
             self.counters.spilled(device, nbytes, 0.0)
 
     def take_device_values(self) -> list[tuple[Hashable, Any]]:
@@ -237,43 +240,66 @@ class DeviceSpillStore(MutableMapping):
         need: int,
         *,
         device: int | None = None,
-        request: int | None = None,
-        layout: Callable[[], tuple[list, list, list]] | None = None,
-        generation: int | None = None,
     ) -> int:
-        """Move stored device values to host memory; return the device bytes they held.
-
-        With ``request`` and ``layout`` (a pool's ``memory_layout``), the values whose blocks
-        would merge into one free block of ``request`` bytes are chosen, and none if no such
-        set exists; otherwise the least recently used ones adding up to ``need`` bytes.
-        Returns -1, spilling
-        nothing, when ``generation`` is given and another spill finished since it was read (the
-        caller should just retry), or when the layout shows the request fits already.
-        """
+        """Move the least recently used spillable device values (of ``device``, or any) adding
+        up to ``need`` bytes to host memory; return the device bytes they held."""
         with self._spill_lock:
-            if generation is not None and generation != self.generation:
-                return -1
             self._local.active = True
             try:
-                cands = self.candidates(device)
-                if not cands:
-                    return 0
-                victims = None
-                if request is not None and layout is not None:
-                    chunks, free, live = layout()
-                    victims = coalescing_victims(cands, align_up(request), chunks, free, live)
-                    if victims is None:
-                        return 0
-                    if not victims:
-                        return -1
-                else:
-                    victims = lru_victims(cands, need)
-                freed = self._spill_keys(victims)
+                return self._spill_keys(lru_victims(self.candidates(device), need))
             finally:
                 self._local.active = False
-            if freed:
-                self.generation += 1
-            return freed
+
+    def spill_until(
+        self,
+        attempt: Callable[[], Any],
+        request: int,
+        *,
+        device: int | None = None,
+        layout: Callable[[], tuple[list, list, list]] | None = None,
+    ) -> tuple[Any, MemoryError | None, int]:
+        """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
+        until it succeeds or nothing is left to spill.
+
+        Returns ``(result, None, bytes spilled)``, or ``(None, last MemoryError, bytes spilled)``.
+        One thread at a time: the first attempt also picks up what another thread's spill freed.
+        With ``layout`` (a pool's ``memory_layout``) the values spilled are those whose blocks
+        would merge into one free block of ``request`` bytes, the fewest bytes first; none if no
+        such set exists (freeing others cannot help a pool at its maximum).
+        """
+        spilled = 0
+        with self._spill_lock:
+            self._local.active = True
+            try:
+                error = None
+                while True:
+                    try:
+                        result = attempt()
+                    except MemoryError as e:
+                        error = e
+                    else:
+                        # A kept error's traceback reaches, through frames, the caller's new
+                        # object (a DeviceBuffer being made): a cycle that would keep it
+                        # referenced, and so unspillable, until the next garbage collection.
+                        error = None
+                        return result, None, spilled
+                    cands = self.candidates(device)
+                    if not cands:
+                        return None, error, spilled
+                    victims = None
+                    if layout is not None:
+                        chunks, free, live = layout()
+                        victims = coalescing_victims(cands, align_up(request), chunks, free, live)
+                        if victims is None:
+                            return None, error, spilled
+                    if not victims:  # no layout, or it says a block fits (it did not): LRU
+                        victims = lru_victims(cands, request)
+                    freed = self._spill_keys(victims)
+                    if not freed:
+                        return None, error, spilled
+                    spilled += freed
+            finally:
+                self._local.active = False
 
     def _spill_keys(self, keys: list[Hashable]) -> int:
         freed = 0
@@ -293,10 +319,11 @@ class DeviceSpillStore(MutableMapping):
             with self._lock:
                 if self._device.get(key) is not value or _getrefcount(value) > _DICT_ONLY_REFS + 1:
                     continue  # read (and so referenced) while being copied: keep it
+                # Into inner first: a reader that takes no lock (``in``) always finds the key.
+                self.inner[key] = copy
+                self._spilled[key] = (entry.device, entry.nbytes, next(self._serial))
                 del self._device[key]
                 del self._lru[key]
-                self.inner[key] = copy
-                self._spilled[key] = (entry.device, entry.nbytes)
             del value  # the last reference: the device memory goes back now
             self.counters.spilled(entry.device, entry.nbytes, time.perf_counter() - t0)
             freed += entry.nbytes
