@@ -78,7 +78,7 @@ def _dask_rmm_cluster(threads: int):
     return cluster, Client(cluster)
 
 
-def part1(args) -> list[dict]:
+def part1(args, save=lambda rows: None) -> list[dict]:
     from dask_rmm.sizes import parse_device_bytes
 
     from dask_rmm import RMMPlugin
@@ -104,6 +104,7 @@ def part1(args) -> list[dict]:
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
+        save(rows)
         print(f"{label}: {row.get('seconds', 'failed')} {row.get('error', '')}", file=sys.stderr)
 
     row = {"config": "dask-cuda device_memory_limit"}
@@ -133,6 +134,7 @@ def part1(args) -> list[dict]:
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
+    save(rows)
     print(f"dask-cuda: {row.get('seconds', 'failed')} {row.get('error', '')}", file=sys.stderr)
 
     print(
@@ -214,19 +216,29 @@ def main() -> None:
         "python": platform.python_version(),
         "host": platform.node(),
     }
-    try:
-        if not args.skip_pressure:
-            result["pressure"] = part1(args)
-        if not args.skip_anchor:
-            result["anchor"] = part2(args)
-    except Exception:
-        result["error"] = traceback.format_exc()
-        raise
-    finally:
+
+    def save() -> None:  # after every row: a run stopped by a timeout keeps what it measured
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2, default=str))
-            print(f"results written to {args.json}")
+
+    def save_rows(rows: list[dict]) -> None:
+        result["pressure"] = rows
+        save()
+
+    try:
+        if not args.skip_pressure:
+            result["pressure"] = part1(args, save_rows)
+            save()
+        if not args.skip_anchor:
+            result["anchor"] = part2(args)
+            save()
+    except Exception:
+        result["error"] = traceback.format_exc()
+        save()
+        raise
+    if args.json is not None:
+        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

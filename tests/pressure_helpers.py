@@ -58,3 +58,52 @@ def check_buffer(buf, value: int) -> None:
     if not np.array_equal(got, expected):
         bad = int(np.flatnonzero(got != expected)[0])
         raise AssertionError(f"buffer {value}: byte {bad} is {got[bad]}, expected {expected[bad]}")
+
+
+# -- tasks of the cluster tests (run on workers) ----------------------------------------------
+
+
+def make_output(nbytes: int, value: int):
+    """A task output: a patterned DeviceBuffer from the worker's resource."""
+    return patterned_buffer(nbytes, value)
+
+
+def output_checksum(buf, value: int) -> int:
+    """Checks the pattern (raises on a corrupted byte) and returns the byte sum."""
+    check_buffer(buf, value)
+    return int(buf.copy_to_host().astype("int64").sum())
+
+
+def expected_checksum(nbytes: int, value: int) -> int:
+    return int(pattern(nbytes, value).astype("int64").sum())
+
+
+def allocate_once(nbytes: int) -> int:
+    """A task that needs one block of ``nbytes`` for a moment."""
+    from dask_rmm import DeviceBuffer
+
+    return DeviceBuffer(size=nbytes).size
+
+
+def fragment_then_allocate(block: int, n: int, request: int) -> int:
+    """A task that fills the pool with ``n`` blocks, frees every other one, then asks for
+    ``request`` bytes (more than one hole, less than all of them)."""
+    from dask_rmm import DeviceBuffer
+
+    blocks = [DeviceBuffer(size=block) for _ in range(n)]
+    del blocks[::2]
+    return DeviceBuffer(size=request).size
+
+
+def worker_pressure_state(dask_worker) -> dict:
+    """What the worker's pressure layer reports: metrics per device and OOM events (dicts)."""
+    plugin = dask_worker.plugins.get("dask-rmm")
+    wp = getattr(plugin, "worker_pressure", None)
+    if wp is None:
+        return {"installed": False, "data": type(dask_worker.data).__name__}
+    return {
+        "installed": True,
+        "data": type(dask_worker.data).__name__,
+        "metrics": {m.device: m.to_dict() for m in wp.metrics()},
+        "oom_events": [e.to_dict() for e in wp.oom_events()],
+    }
