@@ -210,26 +210,33 @@ def _register_cupy() -> None:
         return [DeviceAllocation(arr.device.id, mem.ptr, mem.size)]
 
     def spill(arr):
+        from dask_rmm import _cuda
         from dask_rmm.device_buffer import copy_ptr_to_host
 
         lo, hi = _span(arr.shape, arr.strides, arr.itemsize)
         data = np.empty(hi - lo, dtype=np.uint8)
         if hi > lo:
             with cupy.cuda.Device(arr.device.id):
-                # The copy is made on the legacy default stream, which waits for the work
-                # queued on CuPy's (blocking) streams, and synchronizes.
+                # Whatever stream wrote the array (CuPy's streams may be non-blocking) is done
+                # before the bytes are read; the copy then synchronizes the default stream.
+                _cuda.device_synchronize()
                 copy_ptr_to_host(arr.data.ptr + lo, data)
         meta = (arr.shape, arr.strides, arr.dtype.str, -lo)
         return HostCopy("cupy", arr.device.id, data, meta, hi - lo)
 
     def rebuild(copy):
         from dask_rmm.device_buffer import copy_host_to_ptr
+        from dask_rmm.stream import Stream
 
         shape, strides, dtype, offset = copy.meta
         with cupy.cuda.Device(copy.device):
             mem = cupy.cuda.alloc(max(copy.nbytes, 1))
             if copy.nbytes:
-                copy_host_to_ptr(copy.data, mem.ptr)
+                # On the stream the block was allocated on (CuPy's current one): ordered after
+                # the block's previous use; synchronized, as the host bytes go away after.
+                stream = Stream(cupy.cuda.get_current_stream())
+                copy_host_to_ptr(copy.data, mem.ptr, stream)
+                stream.synchronize()
             return cupy.ndarray(shape, dtype=dtype, memptr=mem + offset, strides=strides)
 
     register_device_type(cupy.ndarray, allocations, spill, "cupy", rebuild)
