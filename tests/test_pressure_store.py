@@ -191,3 +191,30 @@ def test_threads_allocating_while_spilling_neither_deadlock_nor_corrupt():
     assert wp.metrics()[0].total_spilled_count > 0
     for key, value in kept.items():
         check_buffer(store[key], value)
+
+
+def test_statistics_are_added_when_the_stack_has_none():
+    from dask_rmm import mr
+    from dask_rmm.pressure.worker import WorkerPressure
+
+    pool = mr.PoolMemoryResource(mr.SystemMemoryResource(), 4 * MiB, 4 * MiB)
+    wp = WorkerPressure()
+    top = wp.wrap(0, pool, capacity=4 * MiB, limit=2 * MiB)
+    mr.set_per_device_resource(0, top)
+    assert isinstance(top.upstream_mr, mr.StatisticsResourceAdaptor)
+    for i in range(4):
+        wp.store[f"x-{i}"] = patterned_buffer(MiB, i)
+    assert wp.devices[0].current_bytes() == 2 * MiB
+
+
+def test_oom_while_reading_back_names_the_key():
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store["old"] = patterned_buffer(MiB, 1)
+    store["new"] = patterned_buffer(3 * MiB + MiB // 2, 2)  # spills "old"
+    held = store["new"]  # referenced: cannot make room for "old"
+    with pytest.raises(OutOfMemoryError):
+        store["old"]
+    assert wp.oom_events()[-1].task_key == "(reading back old)"
+    del held
+    check_buffer(store["old"], 1)

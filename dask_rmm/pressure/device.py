@@ -194,6 +194,11 @@ class DevicePressure:
                 :TOP_PREFIXES
             ]
         key = self.task_key() if self.task_key is not None else None
+        if key is None:
+            # No task on this thread: the event loop bringing a spilled input back.
+            reading = self.store.reading_on_this_thread()
+            if reading is not None:
+                key = f"(reading back {reading!s})"
         event = OOMEvent(
             time=time.time(),
             device=self.device,

@@ -166,7 +166,11 @@ class DeviceSpillStore(MutableMapping):
         device, nbytes, _serial = spilled
         t0 = time.perf_counter()
         # Outside the lock: the allocation may fail and spill other keys first.
-        value = copy.to_device()
+        self._local.reading = key
+        try:
+            value = copy.to_device()
+        finally:
+            self._local.reading = None
         with self._lock:
             if self._spilled.get(key) == spilled:
                 self._device[key] = value
@@ -184,6 +188,10 @@ class DeviceSpillStore(MutableMapping):
         return _Entry(device, sum(a.nbytes for a in allocs) or nbytes, tuple(a.ptr for a in allocs))
 
     # -- spilling -------------------------------------------------------------------------------
+
+    def reading_on_this_thread(self) -> Hashable | None:
+        """The key this thread is bringing back to the device, if any (for OOM reports)."""
+        return getattr(self._local, "reading", None)
 
     def spilling_on_this_thread(self) -> bool:
         """True while this thread is inside :meth:`spill` (an allocation it makes must not

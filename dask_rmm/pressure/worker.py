@@ -88,7 +88,16 @@ class WorkerPressure:
         capacity: int,
         limit: int | None = None,
     ) -> SpillOnDemandResourceAdaptor:
-        """The adaptor to install on top of ``top`` for ``device``."""
+        """The adaptor to install on top of ``top`` for ``device``.
+
+        Without a StatisticsResourceAdaptor in ``top``'s chain one is added under the adaptor:
+        the bytes in use are measured, never estimated.
+        """
+        from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
+        from dask_rmm.pressure.device import find_layer
+
+        if find_layer(top, StatisticsResourceAdaptor) is None:
+            top = StatisticsResourceAdaptor(top)
         dp = DevicePressure(
             device,
             self.store,
