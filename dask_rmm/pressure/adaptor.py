@@ -107,7 +107,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             error = last
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
         try:
-            h.record_oom(error, nbytes, spilled, list(self._events))
+            h.record_oom(error, nbytes, spilled, self.recent_events())
         except Exception:  # forensics must never change the error the caller sees
             pass
         raise error
@@ -118,7 +118,12 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
 
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:
         """The last allocation events, oldest first: ``(unix time, op, nbytes, ptr, task key)``."""
-        return list(self._events)
+        for _ in range(8):
+            try:
+                return list(self._events)
+            except RuntimeError:  # another thread appended while copying
+                continue
+        return []
 
 
 def _no_task() -> None:
