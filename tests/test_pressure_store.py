@@ -218,3 +218,24 @@ def test_oom_while_reading_back_names_the_key():
     assert wp.oom_events()[-1].task_key == "(reading back old)"
     del held
     check_buffer(store["old"], 1)
+
+
+def test_a_growing_pool_whose_upstream_is_full_gets_chunks_back():
+    from dask_rmm import mr
+    from dask_rmm.pressure.worker import WorkerPressure
+
+    # The "device" holds 3 MiB; the pool (no maximum) ends up with three 1 MiB chunks.
+    device = mr.LimitingResourceAdaptor(mr.SystemMemoryResource(), allocation_limit=3 * MiB)
+    pool = mr.PoolMemoryResource(device, initial_pool_size=MiB)
+    wp = WorkerPressure(spill_on_oom=True)
+    top = wp.wrap(0, pool, capacity=3 * MiB)
+    mr.set_per_device_resource(0, top)
+    for i in range(3):
+        wp.store[f"x-{i}"] = patterned_buffer(MiB, i)
+    assert [size for _, size in pool._chunk_list()] == [MiB] * 3
+    big = DeviceBuffer(size=2 * MiB)  # no chunk is 2 MiB: spill, release chunks, grow
+    assert wp.store.spilled_keys() == ["x-0", "x-1"] and wp.metrics()[0].ooms_avoided == 1
+    assert sorted(size for _, size in pool._chunk_list()) == [MiB, 2 * MiB]
+    del big
+    for i in range(3):
+        check_buffer(wp.store[f"x-{i}"], i)

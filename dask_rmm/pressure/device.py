@@ -116,16 +116,23 @@ class DevicePressure:
         """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry.
         With a pool, only values whose blocks would merge into a large enough free block are
         spilled; a request larger than the pool's maximum spills nothing."""
-        layout = None
-        if self.pool is not None:
-            maximum = self.pool.maximum_pool_size
+        layout = release = None
+        pool = self.pool
+        if pool is not None:
+            maximum = pool.maximum_pool_size
             if maximum is not None and align_up(request) > maximum:
                 try:
                     return attempt(), None, 0
                 except MemoryError as e:
                     return None, e, 0
-            layout = self.pool.memory_layout
-        return self.store.spill_until(attempt, request, device=self.device, layout=layout)
+            layout = pool.memory_layout
+            if maximum is None or maximum - pool.pool_size() >= align_up(request):
+                # The pool could grow but its upstream is full: chunks freed entirely by
+                # spilling go back to the device.
+                release = pool.release
+        return self.store.spill_until(
+            attempt, request, device=self.device, layout=layout, release=release
+        )
 
     def avoided_oom(self) -> None:
         self.counters.add(self.device, "ooms_avoided")

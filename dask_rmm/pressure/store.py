@@ -265,6 +265,7 @@ class DeviceSpillStore(MutableMapping):
         *,
         device: int | None = None,
         layout: Callable[[], tuple[list, list, list]] | None = None,
+        release: Callable[[], Any] | None = None,
     ) -> tuple[Any, MemoryError | None, int]:
         """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
         until it succeeds or nothing is left to spill.
@@ -272,8 +273,10 @@ class DeviceSpillStore(MutableMapping):
         Returns ``(result, None, bytes spilled)``, or ``(None, last MemoryError, bytes spilled)``.
         One thread at a time: the first attempt also picks up what another thread's spill freed.
         With ``layout`` (a pool's ``memory_layout``) the values spilled are those whose blocks
-        would merge into one free block of ``request`` bytes, the fewest bytes first; none if no
-        such set exists (freeing others cannot help a pool at its maximum).
+        would merge into one free block of ``request`` bytes, the fewest bytes first. If no such
+        set exists, nothing is spilled (freeing other blocks cannot help a pool at its maximum)
+        unless ``release`` is given (a pool that may grow): then the least recently used values
+        are spilled and ``release()`` hands fully free chunks back, so the pool can grow.
         """
         spilled = 0
         with self._spill_lock:
@@ -295,17 +298,22 @@ class DeviceSpillStore(MutableMapping):
                     if not cands:
                         return None, error, spilled
                     victims = None
+                    growing = False
                     if layout is not None:
                         chunks, free, live = layout()
                         victims = coalescing_victims(cands, align_up(request), chunks, free, live)
                         if victims is None:
-                            return None, error, spilled
+                            if release is None:
+                                return None, error, spilled
+                            growing = True
                     if not victims:  # no layout, or it says a block fits (it did not): LRU
                         victims = lru_victims(cands, request)
                     freed = self._spill_keys(victims)
                     if not freed:
                         return None, error, spilled
                     spilled += freed
+                    if growing:
+                        release()
             finally:
                 self._local.active = False
 
