@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from dask_rmm.mr.base import DeviceMemoryResource
 
-__all__ = ["MONITOR_KEY", "WorkerPressure"]
+__all__ = ["MONITOR_KEY", "WorkerPressure", "wrap_stacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -252,3 +252,55 @@ class WorkerPressure:
         """The OOM snapshots kept, oldest first, all devices."""
         events = [e for dp in self.devices.values() for e in dp.oom_events]
         return sorted(events, key=lambda e: e.time)
+
+
+def _total_memory(device: int, host_memory: bool) -> int:
+    if host_memory:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from dask_rmm import _cuda
+
+    return _cuda.device_total_memory(device)
+
+
+def _capacity(top: Any, maximum: int | None, total: int) -> int:
+    """What a pause fraction is a fraction of: the pool's maximum, a limiting adaptor's limit,
+    else the device's memory."""
+    from dask_rmm.mr.limiting_adaptor import LimitingResourceAdaptor
+    from dask_rmm.mr.pool import PoolMemoryResource
+    from dask_rmm.pressure.device import find_layer
+
+    if maximum is None:
+        pool = find_layer(top, PoolMemoryResource)
+        maximum = pool.maximum_pool_size if pool is not None else None
+    if maximum is None:
+        limiting = find_layer(top, LimitingResourceAdaptor)
+        maximum = limiting.get_allocation_limit() if limiting is not None else None
+    return min(maximum, total) if maximum is not None else total
+
+
+def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | None = None):
+    """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack's
+    ``top`` wrapped, or None when neither ``device_memory_limit`` nor ``spill_on_oom`` is set
+    (then nothing changes). Nothing on the worker changes until :meth:`WorkerPressure.attach`.
+    """
+    import dask.config
+    from dask.utils import parse_timedelta
+
+    if options.device_memory_limit is None and not options.spill_on_oom:
+        return None
+    interval = parse_timedelta(
+        dask.config.get("distributed.worker.memory.monitor-interval", "100ms"), default="ms"
+    )
+    wp = WorkerPressure(
+        spill_on_oom=options.spill_on_oom,
+        pause_fraction=options.device_pause_fraction,
+        monitor_interval=interval or 0.1,
+        task_key=task_key,
+    )
+    for stack in stacks:
+        host = bool(getattr(stack, "host_memory", False))
+        total = _total_memory(stack.device, host)
+        limit = options.resolve_size("device_memory_limit", stack.device, total)
+        capacity = _capacity(stack.top, getattr(stack, "maximum_pool_size", None), total)
+        stack.top = wp.wrap(stack.device, stack.top, capacity=capacity, limit=limit)
+    return wp
