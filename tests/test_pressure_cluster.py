@@ -52,7 +52,8 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_them
         assert sum(s["metrics"][0]["total_spilled_count"] for s in states) > 0
         assert all(s["metrics"][0]["device_memory_limit"] == 12 * MiB for s in states)
 
-        client.register_plugin(RMMPlugin(**POOL, spill_on_oom=True))
+        # No pause: its periodic check would spill too; here only failed allocations do.
+        client.register_plugin(RMMPlugin(**POOL, spill_on_oom=True, device_pause_fraction=None))
         _workload(client, "oom")
         states = client.run(worker_pressure_state).values()
         assert sum(s["metrics"][0]["ooms_avoided"] for s in states) > 0

@@ -40,7 +40,7 @@ def test_spill_on_oom_serves_more_than_the_pool_bit_identical():
     for i in range(12):  # 3x the pool
         store[f"x-{i}"] = patterned_buffer(MiB, i)
     m = wp.metrics()[0]
-    assert m.spilled_count >= 8 and m.ooms_avoided >= 8 and m.oom_events == 0
+    assert m.spilled_count >= 8 and m.ooms_avoided >= 8 and m.oom_count == 0
     assert all(isinstance(store.inner[k], HostCopy) for k in store.spilled_keys())
     for i in range(12):
         check_buffer(store[f"x-{i}"], i)
@@ -54,7 +54,7 @@ def test_without_spilling_the_same_work_fails():
     with pytest.raises(OutOfMemoryError):
         for i in range(12):
             wp.store[f"x-{i}"] = patterned_buffer(MiB, i)
-    assert wp.metrics()[0].oom_events == 1
+    assert wp.metrics()[0].oom_count == 1
 
 
 def test_limit_keeps_device_bytes_under_it():
@@ -239,3 +239,16 @@ def test_a_growing_pool_whose_upstream_is_full_gets_chunks_back():
     del big
     for i in range(3):
         check_buffer(wp.store[f"x-{i}"], i)
+
+
+def test_heartbeat_fields_are_plain_data():
+    import json as _json
+
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True, limit=3 * MiB)
+    wp.store["a"] = patterned_buffer(MiB, 1)
+    with pytest.raises(OutOfMemoryError):
+        DeviceBuffer(size=8 * MiB)
+    d = wp.devices[0].heartbeat_fields(max_recent=2)
+    assert d["oom_count"] == 1 and d["device_memory_limit"] == 3 * MiB and "device" not in d
+    assert len(d["oom_events"]) == 1 and len(d["oom_events"][0]["recent_events"]) == 2
+    assert _json.loads(_json.dumps(d)) == d

@@ -176,6 +176,20 @@ class DevicePressure:
                 return total
             total += freed
 
+    def heartbeat_fields(self, max_events: int = 8, max_recent: int = 16) -> dict[str, Any]:
+        """This device's pressure metrics for the heartbeat (``PressureMetrics.to_dict()``
+        without ``device``), plus ``oom_events``: the last ``max_events`` snapshots as dicts,
+        each with its last ``max_recent`` allocation events."""
+        d = self.counters.snapshot(self.device).to_dict()
+        del d["device"]
+        events = []
+        for event in list(self.oom_events)[-max_events:]:
+            e = event.to_dict()
+            e["recent_events"] = e["recent_events"][-max_recent:]
+            events.append(e)
+        d["oom_events"] = events
+        return d
+
     # -- forensics --------------------------------------------------------------------------------
 
     def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> OOMEvent:
@@ -227,7 +241,7 @@ class DevicePressure:
             ],
         )
         self.oom_events.append(event)
-        self.counters.add(self.device, "oom_events")
+        self.counters.add(self.device, "oom_count")
         if self.on_oom is not None:
             self.on_oom(event)
         return event

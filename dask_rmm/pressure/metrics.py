@@ -32,7 +32,7 @@ class PressureMetrics:
     #: Allocations that failed, then succeeded after spilling.
     ooms_avoided: int = 0
     #: OutOfMemoryErrors that reached the caller (each has an entry in the OOM events).
-    oom_events: int = 0
+    oom_count: int = 0
     #: Times the worker was paused for device memory, and whether it is paused now.
     pauses: int = 0
     paused: bool = False
