@@ -236,7 +236,7 @@ class DeviceSpillStore(MutableMapping):
         out = []
         with self._lock:
             for key, e in self._lru.items():
-                if device is not None and e.device != device:
+                if e.nbytes == 0 or (device is not None and e.device != device):
                     continue
                 if _getrefcount(self._device[key]) > _DICT_ONLY_REFS:
                     continue  # a running task or a transfer holds it
