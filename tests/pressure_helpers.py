@@ -48,8 +48,17 @@ def patterned_buffer(nbytes: int, value: int, mr=None):
     return buf
 
 
+_OFFSETS = 4093  # values below this give distinct patterns
+_noise: list[np.ndarray] = [np.empty(0, np.uint8)]
+
+
 def pattern(nbytes: int, value: int) -> np.ndarray:
-    return ((np.arange(nbytes, dtype=np.uint32) * 7 + value * 131) % 251).astype(np.uint8)
+    """``nbytes`` pseudo-random bytes, a different sequence for each ``value`` (a slice of one
+    cached random array, so that making and checking patterns stays cheap)."""
+    if len(_noise[0]) < nbytes + _OFFSETS:
+        _noise[0] = np.random.default_rng(0).integers(0, 256, nbytes + _OFFSETS, dtype=np.uint8)
+    offset = value % _OFFSETS
+    return _noise[0][offset : offset + nbytes].copy()
 
 
 def check_buffer(buf, value: int) -> None:

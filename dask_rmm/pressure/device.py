@@ -182,6 +182,8 @@ class DevicePressure:
         each with its last ``max_recent`` allocation events."""
         d = self.counters.snapshot(self.device).to_dict()
         del d["device"]
+        d["paused"] = int(d["paused"])
+        d["device_memory_limit"] = d["device_memory_limit"] or 0
         events = []
         for event in list(self.oom_events)[-max_events:]:
             e = event.to_dict()

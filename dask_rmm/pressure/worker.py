@@ -138,9 +138,12 @@ class WorkerPressure:
             if worker.status.name in ("running", "paused", "closing_gracefully"):
                 monitor.start()
 
-    def detach(self, worker: Worker) -> None:
-        """Undo :meth:`attach`: spilled values come back to the device, the worker's mapping
-        is its own again, a pause this made is lifted. Idempotent."""
+    def detach(self, worker: Worker | None = None) -> None:
+        """Undo :meth:`attach` (on its worker by default): spilled values come back to the
+        device, the worker's mapping is its own again, a pause this made is lifted. Idempotent."""
+        worker = worker if worker is not None else self._worker
+        if worker is None:
+            return
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.stop()
@@ -303,4 +306,5 @@ def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | Non
         limit = options.resolve_size("device_memory_limit", stack.device, total)
         capacity = _capacity(stack.top, getattr(stack, "maximum_pool_size", None), total)
         stack.top = wp.wrap(stack.device, stack.top, capacity=capacity, limit=limit)
+        stack.pressure = wp.devices[stack.device]
     return wp
