@@ -89,3 +89,53 @@ def test_numba_roundtrip_is_bit_identical():
         back = to_host(d).to_device()
         assert (back.shape, back.strides, back.dtype) == (d.shape, d.strides, d.dtype)
         assert np.array_equal(back.copy_to_host(), d.copy_to_host())
+
+
+def _cupy_chunks(n: int, chunk: int):
+    import cupy
+    import dask.array as da
+
+    return da.arange(n, chunks=chunk, dtype="f8").map_blocks(cupy.asarray)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"device_memory_limit": "48MiB"},
+        {"spill_on_oom": True, "device_pause_fraction": None},
+    ],
+    ids=["no-options", "device_memory_limit", "spill_on_oom"],
+)
+def test_cupy_workload_four_times_the_pool(options):
+    """256 MiB of persisted CuPy chunks per 64 MiB device pool: out of memory without the
+    options, exact results with either of them."""
+    pytest.importorskip("cupy")
+    from distributed import Client, LocalCluster, wait
+
+    from dask_rmm import RMMPlugin
+    from tests.pressure_helpers import worker_pressure_state
+
+    n, chunk = 32 << 20, 2 << 20  # 256 MiB in 16 MiB chunks
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=True,
+            dashboard_address=":0", worker_dashboard_address=None,
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        client.register_plugin(
+            RMMPlugin(pool_size="64MiB", maximum_pool_size="64MiB", allocators=["cupy"], **options)
+        )
+        x = _cupy_chunks(n, chunk).persist()
+        if not options:
+            with pytest.raises(MemoryError):
+                wait(x)
+                x.sum().compute()
+            return
+        wait(x)
+        total = float((x * 2).sum().compute())
+        assert total == float(n) * (n - 1)
+        (state,) = client.run(worker_pressure_state).values()
+        assert state["metrics"][0]["total_spilled_bytes"] >= 128 << 20
