@@ -117,10 +117,10 @@ def test_cupy_workload_four_times_the_pool(options):
     from dask_rmm import RMMPlugin
     from tests.pressure_helpers import worker_pressure_state
 
-    n, chunk = 32 << 20, 2 << 20  # 256 MiB in 16 MiB chunks
+    n, chunk = 32 << 20, 1 << 20  # 256 MiB in 8 MiB chunks
     with (
         LocalCluster(
-            n_workers=1, threads_per_worker=2, processes=True,
+            n_workers=1, threads_per_worker=1, processes=True,
             dashboard_address=":0", worker_dashboard_address=None,
         ) as cluster,
         Client(cluster) as client,
