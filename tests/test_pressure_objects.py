@@ -99,3 +99,16 @@ def test_lru_victims():
     assert lru_victims(cands, 10) == ["a"]
     assert lru_victims(cands, 11) == ["a", "b"]
     assert lru_victims(cands, 1000) == ["a", "b", "c"]
+
+
+def test_importing_the_pressure_layer_touches_no_cuda():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dask_rmm.pressure.worker; "
+        "print(sorted(m for m in sys.modules if m in ('dask_rmm._cuda', 'cupy', 'numba', "
+        "'distributed')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -61,7 +61,13 @@ class HostCopy:
         self.nbytes = nbytes
 
     def to_device(self) -> Any:
-        return _REBUILD[self.kind](self)
+        rebuild = _REBUILD.get(self.kind)
+        if rebuild is None:  # made in another process: register what can be
+            for register in set(_LAZY.values()) - _lazy_done:
+                _lazy_done.add(register)
+                register()
+            rebuild = _REBUILD[self.kind]
+        return rebuild(self)
 
     def __reduce__(self):
         return (HostCopy, (self.kind, self.device, self.data, self.meta, self.nbytes))
@@ -76,7 +82,7 @@ class HostCopy:
 # type -> (allocations(obj) -> list[DeviceAllocation], to_host(obj) -> HostCopy)
 _TYPES: dict[type, tuple[Callable[[Any], list], Callable[[Any], HostCopy]]] = {}
 _REBUILD: dict[str, Callable[[HostCopy], Any]] = {}
-_lazy_done: set[str] = set()
+_lazy_done: set[Callable[[], None]] = set()
 
 
 def register_device_type(
@@ -99,10 +105,13 @@ def register_device_type(
 def _handlers(cls: type):
     found = _TYPES.get(cls)
     if found is None:
-        module = cls.__module__.partition(".")[0]
-        if module in ("cupy", "numba", "cupy_backends") and module not in _lazy_done:
-            _lazy_done.add(module)
-            (_register_cupy if module != "numba" else _register_numba)()
+        # Registered on first sight of the library's types: importing this module imports
+        # neither CuPy, Numba nor CUDA.
+        module = cls.__module__
+        register = _LAZY.get(module.partition(".")[0]) or _LAZY.get(module)
+        if register is not None and register not in _lazy_done:
+            _lazy_done.add(register)
+            register()
             found = _TYPES.get(cls)
     return found
 
@@ -274,4 +283,9 @@ def _register_numba() -> None:
     register_device_type(DeviceNDArray, allocations, spill, "numba", rebuild)
 
 
-_register_device_buffer()
+_LAZY: dict[str, Callable[[], None]] = {
+    "dask_rmm.device_buffer": _register_device_buffer,
+    "cupy": _register_cupy,
+    "cupy_backends": _register_cupy,
+    "numba": _register_numba,
+}
