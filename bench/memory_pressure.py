@@ -4,9 +4,9 @@ maximum, with dask-rmm's ``device_memory_limit`` / ``spill_on_oom`` against dask
 
 Part 1: ``x`` (n x n float64 in chunk^2 blocks, random) is persisted on one worker with 4
 threads, then ``(x + x.T).sum()`` and ``x.sum()`` are computed and checked against each other.
-Rows: dask-rmm without the options (expected to fail), with ``device_memory_limit`` (and
-``spill_on_oom``), with ``spill_on_oom`` only, and dask-cuda's LocalCUDACluster with the same
-pool maximum and ``device_memory_limit`` (when importable; it may fail).
+Rows: dask-rmm with ``device_memory_limit`` (and ``spill_on_oom``), dask-cuda's LocalCUDACluster
+with the same pool maximum and ``device_memory_limit`` (when importable; it may fail), dask-rmm
+with ``spill_on_oom`` only, and dask-rmm without the options (expected to fail).
 
 Part 2: the anchor workload of bench/dask_workload.py (16000^2, 500^2 chunks) on one cluster,
 alternating RMMPlugin(pool_size=0.3) and the same with device_memory_limit=0.9, spill_on_oom=True;
@@ -88,12 +88,17 @@ def part1(args, save=lambda rows: None) -> list[dict]:
     limit = int(pool_max * 0.8)
     base = dict(pool_size=min(pool_max, 512 << 20), maximum_pool_size=pool_max, allocators=["cupy"])
     configs = [
-        ("dask-rmm, no options", dict(base)),
         ("dask-rmm device_memory_limit", dict(base, device_memory_limit=limit, spill_on_oom=True)),
+        ("dask-cuda device_memory_limit", None),
         ("dask-rmm spill_on_oom only", dict(base, spill_on_oom=True)),
+        ("dask-rmm, no options", dict(base)),
     ]
     rows = []
     for label, options in configs:
+        if options is None:
+            rows.append(_dask_cuda_row(args, pool_max, limit))
+            save(rows)
+            continue
         row = {"config": label, "options": {k: v for k, v in options.items()}}
         try:
             cluster, client = _dask_rmm_cluster(args.threads)
@@ -107,6 +112,28 @@ def part1(args, save=lambda rows: None) -> list[dict]:
         save(rows)
         print(f"{label}: {row.get('seconds', 'failed')} {row.get('error', '')}", file=sys.stderr)
 
+    print(
+        f"\nPart 1: {args.n}^2 float64 in {args.chunk}^2 chunks = {working_set / GiB:.2f} GiB "
+        f"persisted, pool maximum {pool_max / GiB:.2f} GiB ({working_set / pool_max:.1f}x), "
+        f"limit {limit / GiB:.2f} GiB, 1 worker x {args.threads} threads"
+    )
+    print(f"{'configuration':<32} {'seconds':>8} {'correct':>8}  spilled / OOMs avoided / error")
+    for r in rows:
+        w = r.get("worker", {}).get(0, {})
+        note = r.get("error") or (
+            f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled, "
+            f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
+            f"{w.get('ooms_avoided', 0)} OOMs avoided, "
+            f"spill {w.get('spill_seconds', 0):.2f}s unspill {w.get('unspill_seconds', 0):.2f}s"
+        )
+        secs = f"{r['seconds']:.2f}" if "seconds" in r else "-"
+        print(f"{r['config']:<32} {secs:>8} {str(r.get('correct', '-')):>8}  {note}")
+    return rows
+
+
+def _dask_cuda_row(args, pool_max: int, limit: int) -> dict:
+    """The workload on dask-cuda's LocalCUDACluster with the same pool maximum and its
+    ``device_memory_limit`` (spilling by ``sizeof`` of task outputs)."""
     row = {"config": "dask-cuda device_memory_limit"}
     try:
         from dask_cuda import LocalCUDACluster
@@ -133,27 +160,8 @@ def part1(args, save=lambda rows: None) -> list[dict]:
         row["error"] = f"not importable: {e}"
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
-    save(rows)
     print(f"dask-cuda: {row.get('seconds', 'failed')} {row.get('error', '')}", file=sys.stderr)
-
-    print(
-        f"\nPart 1: {args.n}^2 float64 in {args.chunk}^2 chunks = {working_set / GiB:.2f} GiB "
-        f"persisted, pool maximum {pool_max / GiB:.2f} GiB ({working_set / pool_max:.1f}x), "
-        f"limit {limit / GiB:.2f} GiB, 1 worker x {args.threads} threads"
-    )
-    print(f"{'configuration':<32} {'seconds':>8} {'correct':>8}  spilled / OOMs avoided / error")
-    for r in rows:
-        w = r.get("worker", {}).get(0, {})
-        note = r.get("error") or (
-            f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled, "
-            f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
-            f"{w.get('ooms_avoided', 0)} OOMs avoided, "
-            f"spill {w.get('spill_seconds', 0):.2f}s unspill {w.get('unspill_seconds', 0):.2f}s"
-        )
-        secs = f"{r['seconds']:.2f}" if "seconds" in r else "-"
-        print(f"{r['config']:<32} {secs:>8} {str(r.get('correct', '-')):>8}  {note}")
-    return rows
+    return row
 
 
 def _cupy_to_rmm():
@@ -168,7 +176,7 @@ def _anchor(n: int, chunk: int):
     return ((x + x.T) * 2 - x.mean(axis=0)).sum()
 
 
-def part2(args) -> dict:
+def part2(args, save=lambda partial: None) -> dict:
     from dask_rmm import RMMPlugin
 
     # 0.3: a re-registration builds the new pool before the old one goes (two at once).
@@ -184,6 +192,7 @@ def part2(args) -> dict:
                 client.compute(_anchor(args.anchor_n, args.anchor_chunk)).result()
                 if i:  # the first round warms up kernels and the pool
                     times[label].append(time.perf_counter() - t0)
+                    save({"times_s": times})
         worker = next(iter(client.run(_worker_pressure).values()))
     medians = {k: statistics.median(v) for k, v in times.items()}
     ratio = medians["pool + pressure options"] / medians["pool"]
@@ -232,7 +241,12 @@ def main() -> None:
             result["pressure"] = part1(args, save_rows)
             save()
         if not args.skip_anchor:
-            result["anchor"] = part2(args)
+
+            def save_anchor(partial: dict) -> None:
+                result["anchor"] = partial
+                save()
+
+            result["anchor"] = part2(args, save_anchor)
             save()
     except Exception:
         result["error"] = traceback.format_exc()
