@@ -1,64 +1,121 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
-``import dask_rmm`` never imports distributed and never touches CUDA; every public name is
-imported on first use from the module the table names.
+``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
+distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``) or numpy
+(``DeviceBuffer`` and the copy functions) are imported on first use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
+after dask_rmm.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
+
+from dask_rmm import allocators, mr, statistics
+from dask_rmm._cuda import CUDAError
+from dask_rmm.initialize import (
+    RMMError,
+    disable_logging,
+    enable_logging,
+    get_log_filenames,
+    is_initialized,
+    register_reinitialize_hook,
+    reinitialize,
+    unregister_reinitialize_hook,
+)
+from dask_rmm.logger import (
+    flush_logger,
+    flush_on,
+    get_flush_level,
+    get_logging_level,
+    level_enum,
+    set_flush_level,
+    set_logging_level,
+    should_log,
+)
+from dask_rmm.sizes import parse_device_bytes
+from dask_rmm.stream import (
+    DEFAULT_STREAM,
+    LEGACY_DEFAULT_STREAM,
+    PER_THREAD_DEFAULT_STREAM,
+    CudaStreamPool,
+    Stream,
+)
 
 __version__ = "0.1.0"
 
-# public name -> module holding it. A name that is the module's own last component
-# (``statistics``) is the module itself.
-_EXPORTS = {
-    "mr": "dask_rmm.mr",
-    "statistics": "dask_rmm.statistics",
-    "allocators": "dask_rmm.allocators",
-    "Stream": "dask_rmm.stream",
-    "CudaStreamPool": "dask_rmm.stream",
-    "DEFAULT_STREAM": "dask_rmm.stream",
-    "LEGACY_DEFAULT_STREAM": "dask_rmm.stream",
-    "PER_THREAD_DEFAULT_STREAM": "dask_rmm.stream",
-    "CUDAError": "dask_rmm._cuda",
+
+def _read_git_commit() -> str:
+    """The commit a built distribution was made from (its ``GIT_COMMIT`` file, as RMM's);
+    empty in a source checkout."""
+    from importlib.resources import files
+
+    try:
+        return files(__name__).joinpath("GIT_COMMIT").read_text().strip()
+    except (FileNotFoundError, OSError):
+        return ""
+
+
+__git_commit__ = _read_git_commit()
+
+# Names whose modules import something heavy (distributed; numpy for device_buffer): module
+# holding each, imported on first use.
+_LAZY = {
     "DeviceBuffer": "dask_rmm.device_buffer",
-    "copy_ptr_to_host": "dask_rmm.device_buffer",
-    "copy_host_to_ptr": "dask_rmm.device_buffer",
     "copy_device_to_ptr": "dask_rmm.device_buffer",
+    "copy_host_to_ptr": "dask_rmm.device_buffer",
+    "copy_ptr_to_host": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
-    "parse_device_bytes": "dask_rmm.config",
-    "RMMError": "dask_rmm.initialize",
-    "reinitialize": "dask_rmm.initialize",
-    "is_initialized": "dask_rmm.initialize",
-    "register_reinitialize_hook": "dask_rmm.initialize",
-    "unregister_reinitialize_hook": "dask_rmm.initialize",
-    "enable_logging": "dask_rmm.initialize",
-    "disable_logging": "dask_rmm.initialize",
-    "get_log_filenames": "dask_rmm.initialize",
-    "set_logging_level": "dask_rmm.logger",
-    "get_logging_level": "dask_rmm.logger",
-    "set_flush_level": "dask_rmm.logger",
-    "get_flush_level": "dask_rmm.logger",
-    "flush_on": "dask_rmm.logger",
-    "should_log": "dask_rmm.logger",
-    "flush_logger": "dask_rmm.logger",
-    "level_enum": "dask_rmm.logger",
     "RMMPlugin": "dask_rmm.plugin",
-    "cluster_report": "dask_rmm.cluster",
-    "ClusterMemoryReport": "dask_rmm.cluster",
+    "cluster_report": "dask_rmm.client",
+    "ClusterMemoryReport": "dask_rmm.report",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CUDAError",
+    "ClusterMemoryReport",
+    "CudaStreamPool",
+    "DEFAULT_STREAM",
+    "DeviceBuffer",
+    "LEGACY_DEFAULT_STREAM",
+    "PER_THREAD_DEFAULT_STREAM",
+    "RMMError",
+    "RMMPlugin",
+    "Stream",
+    "allocators",
+    "cluster_report",
+    "copy_device_to_ptr",
+    "copy_host_to_ptr",
+    "copy_ptr_to_host",
+    "disable_logging",
+    "enable_logging",
+    "flush_logger",
+    "flush_on",
+    "get_flush_level",
+    "get_log_filenames",
+    "get_logging_level",
+    "is_initialized",
+    "level_enum",
+    "mr",
+    "parse_device_bytes",
+    "register_reinitialize_hook",
+    "reinitialize",
+    "set_flush_level",
+    "set_logging_level",
+    "should_log",
+    "statistics",
+    "to_device",
+    "unregister_reinitialize_hook",
+]
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dask_rmm' has no attribute {name!r}")
-    mod = importlib.import_module(module)
-    value = mod if module.rsplit(".", 1)[-1] == name else getattr(mod, name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -84,7 +141,27 @@ def _register_dask_serializers() -> None:
         dispatch.register_lazy("dask_rmm", register)
 
 
-# Only when distributed is already loaded (always so in workers): importing dask_rmm never
-# imports distributed itself.
+class _OnDistributedProtocol(importlib.abc.MetaPathFinder):
+    """Registers the serializers right after ``distributed.protocol`` is first imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "distributed.protocol":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:  # pragma: no cover - no distributed
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_dask_serializers()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
 if "distributed.protocol" in sys.modules:
     _register_dask_serializers()
+else:
+    sys.meta_path.insert(0, _OnDistributedProtocol())

@@ -18,7 +18,9 @@ __all__ = [
     "CUDAUnavailableError",
     "PointerAttributes",
     "check",
+    "device_get_default_managed_mem_pool",
     "device_get_default_mem_pool",
+    "driver_get_version",
     "device_synchronize",
     "device_total_memory",
     "event_create",
@@ -55,6 +57,7 @@ __all__ = [
     "memset_async",
     "pointer_attributes",
     "require_cuda",
+    "runtime_get_version",
     "set_device",
     "stream_create",
     "stream_destroy",
@@ -297,6 +300,16 @@ def set_device(device: int) -> None:
         _fail(err, f"cudaSetDevice({device})")
 
 
+def runtime_get_version() -> int:
+    """The CUDA runtime version as ``1000 * major + 10 * minor`` (``cudaRuntimeGetVersion``)."""
+    return int(check(_rt().cudaRuntimeGetVersion(), "cudaRuntimeGetVersion"))
+
+
+def driver_get_version() -> int:
+    """The newest CUDA version the driver supports (``cudaDriverGetVersion``)."""
+    return int(check(_rt().cudaDriverGetVersion(), "cudaDriverGetVersion"))
+
+
 def device_synchronize() -> None:
     """Wait for all work on the current device."""
     check(_rt().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
@@ -498,6 +511,28 @@ def mem_pool_destroy(pool: int) -> None:
     check(_rt().cudaMemPoolDestroy(pool), "cudaMemPoolDestroy")
 
 
+def device_get_default_managed_mem_pool(device: int | None = None) -> int:
+    """The handle of ``device``'s default *managed* memory pool (``cudaMemGetDefaultMemPool``
+    with ``cudaMemAllocationTypeManaged``; CUDA 13 and a device with concurrent managed access).
+    """
+    rt = _rt()
+    require_cuda("cudaMemGetDefaultMemPool")
+    device = get_device() if device is None else _check_device(device)
+    fn = getattr(rt, "cudaMemGetDefaultMemPool", None)
+    if fn is None:
+        raise CUDAError(
+            "cudaErrorNotSupported",
+            "cudaMemGetDefaultMemPool",
+            "cudaMemGetDefaultMemPool is not in this cuda-python; managed memory pools need "
+            "cuda-python and a CUDA runtime 13.0 or newer",
+        )
+    loc = rt.cudaMemLocation()
+    loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
+    loc.id = device
+    return int(check(fn(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
+                     "cudaMemGetDefaultMemPool(managed)"))
+
+
 def device_get_default_mem_pool(device: int | None = None) -> int:
     """The handle of ``device``'s default memory pool (what ``cudaMallocAsync`` uses)."""
     require_cuda("cudaDeviceGetDefaultMemPool")
@@ -644,9 +679,14 @@ def pointer_attributes(ptr: int) -> PointerAttributes:
 # --- streams and events ------------------------------------------------------------------------
 
 
-def stream_create(non_blocking: bool = True) -> int:
-    """Create a stream (``cudaStreamCreateWithFlags``) and return its handle."""
-    flags = _STREAM_NON_BLOCKING if non_blocking else 0
+def stream_create(non_blocking: bool = True, *, flags: int | None = None) -> int:
+    """Create a stream (``cudaStreamCreateWithFlags``) and return its handle.
+
+    ``flags`` (``cudaStreamDefault`` 0 or ``cudaStreamNonBlocking`` 1), when given, wins over
+    ``non_blocking``. A stream made with flags 0 synchronizes with the legacy default stream.
+    """
+    if flags is None:
+        flags = _STREAM_NON_BLOCKING if non_blocking else 0
     return int(check(_rt().cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags"))
 
 

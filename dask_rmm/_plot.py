@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dask_rmm._output import atomic_output
 from dask_rmm._svg import PALETTE, _byte_step
 from dask_rmm.mr.base import format_bytes
 
@@ -35,8 +36,6 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     Figure, FuncFormatter, MultipleLocator = _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from dask_rmm.report import _label
-
     byte_fmt = FuncFormatter(lambda v, _pos: format_bytes(v))
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -48,7 +47,7 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         ts = [s[0] - t0 for s in d.timeline]
         color = PALETTE[i % len(PALETTE)]
         style = "-" if d.status == "running" else "--"
-        ax_t.plot(ts, [s[2] for s in d.timeline], style, color=color, lw=1.4, label=_label(d))
+        ax_t.plot(ts, [s[2] for s in d.timeline], style, color=color, lw=1.4, label=d.label)
         ax_t.plot(ts, [s[1] for s in d.timeline], ":", color=color, lw=0.8, alpha=0.7)
     ax_t.set_title(
         "RMM memory over time per worker device (solid: max per interval, dotted: current)"
@@ -99,5 +98,6 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         f"{format_bytes(t.reserved_bytes)} reserved, {t.failed_allocations} failed allocations"
     )
     if path is not None:
-        fig.savefig(path, dpi=100)
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=100)
     return fig

@@ -59,7 +59,7 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return None
     try:
-        from dask_rmm.config import parse_device_bytes
+        from dask_rmm.sizes import parse_device_bytes
     except ImportError:
         parse_device_bytes = None
     try:
@@ -88,7 +88,7 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
 
     With several files (one per worker), also their combination merged by time.
     """
-    from dask_rmm import log_summary
+    from dask_rmm.logs import summary as log_summary
 
     with _user_errors():
         report = log_summary.summarize(files, top=top)
@@ -112,7 +112,7 @@ def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
 
     Writes PNG, SVG or PDF by OUTPUT's extension; needs matplotlib.
     """
-    from dask_rmm import log_timeline
+    from dask_rmm.logs import timeline as log_timeline
 
     with _user_errors():
         timelines = log_timeline.plot_logs(files, output, title=title)
@@ -126,7 +126,10 @@ def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
     "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Merged CSV to write."
 )
 def merge(files: tuple[str, ...], output: str) -> None:
-    """Merge several workers' logs by time into one CSV with a Worker column."""
+    """Merge several workers' logs by time into one CSV with a Worker column.
+
+    OUTPUT must not be one of FILES; it is written under a temporary name and renamed at the end.
+    """
     from dask_rmm import logs
 
     with _user_errors():
@@ -134,7 +137,7 @@ def merge(files: tuple[str, ...], output: str) -> None:
     click.echo(f"merged {n:,} rows from {len(files)} files into {output}")
 
 
-# dask_rmm.replay.RESOURCES, repeated so that importing the CLI stays light (a test checks).
+# dask_rmm.logs.replay.RESOURCES, repeated so that importing the CLI stays light (a test checks).
 _RESOURCE_NAMES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
 
 
@@ -188,7 +191,7 @@ def replay(
     Reports the peak memory the resource took from its upstream, the rows that failed and the
     time. Exits with status 3 when an allocation that succeeded originally failed here.
     """
-    from dask_rmm import replay as rp
+    from dask_rmm.logs import replay as rp
 
     if compare:
         names = list(rp.RESOURCES) if compare.strip() == "all" else compare.split(",")
@@ -262,7 +265,11 @@ def replay(
     help="Also write a PNG: memory over time and task-group peaks (needs matplotlib).",
 )
 @click.option(
-    "--timeout", default=5.0, show_default=True, help="Seconds to wait for the scheduler."
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for each answer from the scheduler.",
 )
 def report(
     scheduler_address: str | None,
@@ -280,7 +287,7 @@ def report(
     """
     import asyncio
 
-    from dask_rmm.cluster import iter_reports
+    from dask_rmm.client import iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
@@ -292,7 +299,8 @@ def report(
             raise click.ClickException(
                 f"cannot read a scheduler address from {scheduler_file}: {e!r}"
             ) from e
-    timeline = plot_path is not None or (as_json and watch is None)
+    # Timelines give the cluster's peak (peak of the sum); --watch keeps only the newest.
+    timeline = watch is None or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
 
     async def run() -> None:

@@ -50,6 +50,16 @@ def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
                          dtype=np.uint8)
 
 
+def _stream_arg(stream: Any) -> Stream:
+    """``stream`` as a Stream; None is refused as RMM refuses it (pass ``DEFAULT_STREAM``)."""
+    if stream is None:
+        raise TypeError(
+            "stream argument cannot be None: pass a Stream (dask_rmm.DEFAULT_STREAM for the "
+            "default stream)"
+        )
+    return as_stream(stream)
+
+
 def _address(arr: np.ndarray) -> int:
     return arr.ctypes.data if arr.size else 0
 
@@ -92,21 +102,21 @@ def copy_ptr_to_host(db: int, hb: Any, stream: Stream = DEFAULT_STREAM) -> None:
     >>> hb
     bytearray(b'abc')
     """
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     arr = _host_bytes(hb, True, "hb")
     _copy(_address(arr), _check_ptr(db, "db"), arr.nbytes, stream, False)
 
 
 def copy_host_to_ptr(hb: Any, db: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy all of the host buffer ``hb`` to the pointer ``db``."""
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     arr = _host_bytes(hb, False, "hb")
     _copy(_check_ptr(db, "db"), _address(arr), arr.nbytes, stream, False)
 
 
 def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy ``count`` bytes from pointer ``d_src`` to pointer ``d_dst``."""
-    stream = as_stream(stream)
+    stream = _stream_arg(stream)
     count = check_nbytes(count, "count")
     _copy(_check_ptr(d_dst, "d_dst"), _check_ptr(d_src, "d_src"), count, stream, False)
 
@@ -163,7 +173,7 @@ class DeviceBuffer:
         self._size = 0
         size = check_nbytes(size, "size")
         src = 0 if ptr is None else _check_ptr(ptr, "ptr")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if mr is None:
             from dask_rmm.mr.registry import get_current_device_resource
 
@@ -176,6 +186,20 @@ class DeviceBuffer:
         self._capacity = self._size = size
         if src and size:
             _copy(self._ptr, src, size, stream, mr.is_host_memory)
+
+    @classmethod
+    def _adopt(cls, ptr: int, nbytes: int, stream: Stream, mr: DeviceMemoryResource) -> DeviceBuffer:
+        """A buffer owning ``ptr``, already allocated from ``mr`` with ``nbytes`` on ``stream``.
+
+        No checks and no copy: for library hooks (the CuPy allocator) that allocate on their
+        hot path and need the owner object to be a DeviceBuffer, as RMM's is.
+        """
+        self = cls.__new__(cls)
+        self._ptr = ptr
+        self._size = self._capacity = nbytes
+        self.mr = mr
+        self.stream = stream
+        return self
 
     # What __del__ calls is bound as defaults: a buffer still alive at interpreter shutdown (in
     # a worker's data, a module global, a reference cycle) may be finalized after its module's
@@ -257,7 +281,7 @@ class DeviceBuffer:
     def copy_to_host(self, ary: Any = None, stream: Stream = DEFAULT_STREAM) -> Any:
         """Copy the buffer into ``ary`` (a writable bytes-like of at least :attr:`size` bytes),
         or into a new ``numpy.uint8`` array when ``ary`` is None, and return it."""
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if ary is None:
             ary = np.empty(self._size, dtype=np.uint8)
         arr = _host_bytes(ary, True, "ary")
@@ -265,17 +289,19 @@ class DeviceBuffer:
             raise ValueError(
                 f"ary is too small: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
+        self._order_before(stream)
         _copy(_address(arr), self._ptr, self._size, stream, self._host)
         return ary
 
     def copy_from_host(self, ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
         """Copy the bytes-like ``ary`` into the start of the buffer."""
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         arr = _host_bytes(ary, False, "ary")
         if arr.nbytes > self._size:
             raise ValueError(
                 f"ary is too large: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
+        self._order_before(stream)
         _copy(self._ptr, _address(arr), arr.nbytes, stream, self._host)
 
     def copy_from_device(self, cuda_ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
@@ -283,7 +309,7 @@ class DeviceBuffer:
 
         When the source names a stream (interface version 3), ``stream`` first waits for it.
         """
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         cai = getattr(cuda_ary, "__cuda_array_interface__", None)
         if cai is None:
             raise ValueError(
@@ -309,6 +335,7 @@ class DeviceBuffer:
                 _cuda.stream_wait_event(stream.handle, event)
             finally:
                 _cuda.event_destroy(event)
+        self._order_before(stream)
         _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self._host)
 
     def tobytes(self, stream: Stream = DEFAULT_STREAM) -> bytes:
@@ -325,7 +352,33 @@ class DeviceBuffer:
         return self.copy()
 
     def __reduce__(self):
-        return (to_device, (self.tobytes(),))
+        # A numpy array, not bytes: with pickle protocol 5 numpy hands its memory out as the one
+        # out-of-band PickleBuffer, so no second host copy is made.
+        return (to_device, (self.copy_to_host(),))
+
+    def _order_before(self, stream: Stream) -> None:
+        """Make a copy on ``stream`` start after the work queued on the buffer's own stream.
+
+        RMM relies on ``Stream()`` being ordered with the legacy default stream; this also
+        covers a buffer on a non-blocking stream (a CuPy ``non_blocking`` stream, a
+        ``CudaStreamFlags.NON_BLOCKING`` one) copied on another stream. A copy on a default
+        stream synchronizes anyway, so there the buffer's stream is synchronized first; on
+        another stream the copy waits on an event, in stream order.
+        """
+        own = self.stream
+        if own.handle == stream.handle or not self._ptr or not _cuda.is_available():
+            return
+        if own.handle == 0 and stream.handle == 1 or own.handle == 1 and stream.handle == 0:
+            return  # 0 and 1 are both the legacy default stream
+        if stream.is_default() and not stream.is_per_thread_default():
+            own.synchronize()
+            return
+        event = _cuda.event_create(disable_timing=True)
+        try:
+            _cuda.event_record(event, own.handle)
+            _cuda.stream_wait_event(stream.handle, event)
+        finally:
+            _cuda.event_destroy(event)
 
     # --- size changes ------------------------------------------------------------------------
 
@@ -346,7 +399,7 @@ class DeviceBuffer:
         """Grow the allocation to at least ``new_capacity`` bytes, keeping :attr:`size` and the
         contents. Does nothing when the capacity is already enough. The buffer moves to ``stream``."""
         new_capacity = check_nbytes(new_capacity, "new_capacity")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if new_capacity > self._capacity:
             self._reallocate(new_capacity, stream)
         else:
@@ -359,7 +412,7 @@ class DeviceBuffer:
         exactly ``new_size`` bytes and the contents copied. The buffer moves to ``stream``.
         """
         new_size = check_nbytes(new_size, "new_size")
-        stream = as_stream(stream)
+        stream = _stream_arg(stream)
         if new_size > self._capacity:
             self._reallocate(new_size, stream)
         else:

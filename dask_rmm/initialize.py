@@ -1,6 +1,7 @@
 """``reinitialize`` and its companions, as RMM's top-level functions: build each device's
-resource stack (base resource, optional pool, optional event log) and install it in the
-per-device registry; hooks that run before; per-device event logging.
+resource stack (base resource, optional pool, optional event log; built by
+:func:`dask_rmm.options.build_stack`) and install it in the per-device registry; hooks that run
+before; per-device event logging.
 
 The registry itself (get/set the current resource) is :mod:`dask_rmm.mr.registry`'s.
 """
@@ -13,8 +14,9 @@ from typing import Any
 
 from dask_rmm import _cuda
 from dask_rmm.mr import registry
-from dask_rmm.mr.base import DeviceMemoryResource
 from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
+from dask_rmm.options import BASE_RESOURCES, OptionError, RMMOptions, build_stack
+from dask_rmm.options import make_base_resource as _make_base  # noqa: F401 (tests make bases)
 
 __all__ = [
     "BASE_RESOURCES",
@@ -27,9 +29,6 @@ __all__ = [
     "reinitialize",
     "unregister_reinitialize_hook",
 ]
-
-#: The ``base_resource`` names :func:`reinitialize` accepts.
-BASE_RESOURCES = ("cuda", "managed", "async", "system", "pinned")
 
 
 class RMMError(Exception):
@@ -46,31 +45,18 @@ class RMMError(Exception):
 _reinitialize_hooks: list[tuple[Callable, tuple, dict]] = []
 
 
-def _make_base(name: str, device: int) -> DeviceMemoryResource:
-    from dask_rmm import mr
-
-    if name == "system":
-        return mr.SystemMemoryResource(device_id=device)
-    _cuda.require_cuda(f"reinitialize(base_resource={name!r})")
-    if name == "cuda":
-        return mr.CudaMemoryResource()
-    if name == "managed":
-        return mr.ManagedMemoryResource()
-    if name == "async":
-        return mr.CudaAsyncMemoryResource()
-    return mr.PinnedHostMemoryResource()
-
-
 def _check_devices(devices: Any) -> list[int]:
     if devices is None:
         return [0]
-    if isinstance(devices, bool):
+    if (
+        isinstance(devices, bool)
+        or not isinstance(devices, (int, Sequence))
+        or isinstance(devices, str)
+    ):
         raise TypeError(f"devices must be an int or a list of ints, got {devices!r}")
-    if isinstance(devices, int):
-        devices = [devices]
-    if not isinstance(devices, Sequence) or isinstance(devices, str):
-        raise TypeError(f"devices must be an int or a list of ints, got {devices!r}")
-    out: list[int] = []
+    devices = [devices] if isinstance(devices, int) else list(devices)
+    if not devices:
+        raise ValueError("devices must name at least one device")
     count = _cuda.get_device_count()
     for d in devices:
         if isinstance(d, bool) or not isinstance(d, int):
@@ -78,26 +64,7 @@ def _check_devices(devices: Any) -> list[int]:
         if d < 0 or d >= max(count, 1):
             where = f"{count} CUDA device(s)" if count else "no CUDA device (only device 0)"
             raise ValueError(f"devices: device {d} does not exist, this host has {where}")
-        if d not in out:
-            out.append(d)
-    if not out:
-        raise ValueError("devices must name at least one device")
-    return out
-
-
-def _resolve_base(base_resource: str | None, managed_memory: bool) -> str:
-    if base_resource is None:
-        return "managed" if managed_memory else "cuda"
-    if base_resource not in BASE_RESOURCES:
-        raise ValueError(
-            f"base_resource={base_resource!r} is not one of " + ", ".join(map(repr, BASE_RESOURCES))
-        )
-    if managed_memory and base_resource != "managed":
-        raise ValueError(
-            f"managed_memory=True conflicts with base_resource={base_resource!r}; "
-            "pass one of them (managed_memory=True is base_resource='managed')"
-        )
-    return base_resource
+    return list(dict.fromkeys(devices))
 
 
 def _log_file_name(log_file_name: Any) -> str:
@@ -129,11 +96,12 @@ def reinitialize(
     """Replace every device's resource with a new stack built from these options.
 
     The registered hooks run first (last registered first). Then, for each of ``devices``, a
-    base resource is made on that device, wrapped in a :class:`~dask_rmm.mr.PoolMemoryResource`
-    if ``pool_allocator``, and in a :class:`~dask_rmm.mr.LoggingResourceAdaptor` if
-    ``logging``. All stacks are built before any is installed, so a failure changes nothing.
-    Devices not listed go back to their lazily made default. Buffers allocated before keep their
-    old resource alive and free through it, so they stay valid.
+    stack is built by :func:`dask_rmm.options.build_stack` (the one the Dask worker plugin
+    uses): a base resource on that device, a :class:`~dask_rmm.mr.PoolMemoryResource` if
+    ``pool_allocator``, a :class:`~dask_rmm.mr.LoggingResourceAdaptor` if ``logging``. All
+    stacks are built before any is installed, so a failure changes nothing. Devices not listed
+    go back to their lazily made default. Buffers allocated before keep their old resource
+    alive and free through it, so they stay valid.
 
     Parameters
     ----------
@@ -142,8 +110,10 @@ def reinitialize(
     managed_memory : bool, default False
         Use CUDA managed memory (the same as ``base_resource="managed"``).
     initial_pool_size, maximum_pool_size : int, str or float, optional
-        Pool sizes (``4 << 30``, ``"4GiB"`` or a fraction of total memory); ignored without
-        ``pool_allocator``. Defaults as :class:`~dask_rmm.mr.PoolMemoryResource`'s.
+        Pool sizes (``4 << 30``, ``"4GiB"`` or a fraction of total memory, see
+        :func:`dask_rmm.parse_device_bytes`); ignored without ``pool_allocator``. With
+        ``base_resource="async"`` they size cudaMallocAsync's own pool (the maximum through a
+        ``LimitingResourceAdaptor``), as dask-cuda does.
     devices : int or list of int, default 0
         Devices to set up.
     logging : bool, default False
@@ -156,6 +126,12 @@ def reinitialize(
         ``managed_memory=True``). ``"system"`` is host memory and works without a GPU; the
         others need one and raise ``CUDAUnavailableError`` otherwise.
 
+    Raises
+    ------
+    dask_rmm.options.OptionError
+        A ValueError and a RuntimeError (as RMM raises), for options that do not go together,
+        such as ``initial_pool_size > maximum_pool_size``.
+
     Examples
     --------
     >>> import dask_rmm
@@ -164,34 +140,26 @@ def reinitialize(
     >>> type(dask_rmm.mr.get_current_device_resource()).__name__
     'PoolMemoryResource'
     """
-    base = _resolve_base(base_resource, bool(managed_memory))
+    if base_resource is None:
+        base_resource = "managed" if managed_memory else "cuda"
+    elif managed_memory and base_resource != "managed":
+        raise OptionError(
+            f"managed_memory=True conflicts with base_resource={base_resource!r}; "
+            "pass one of them (managed_memory=True is base_resource='managed')"
+        )
+    pool = bool(pool_allocator)
+    options = RMMOptions(
+        base_resource=base_resource,
+        pool_allocator=pool,
+        pool_size=initial_pool_size if pool else None,
+        maximum_pool_size=maximum_pool_size if pool else None,
+        log_file_name=_log_file_name(log_file_name) if logging else None,
+        statistics=False,
+    )
     device_list = _check_devices(devices)
-    if logging:
-        log_file_name = _log_file_name(log_file_name)
-
     for func, args, kwargs in reversed(list(_reinitialize_hooks)):
         func(*args, **kwargs)
-
-    stacks: dict[int, DeviceMemoryResource] = {}
-    original = _cuda.get_device() if _cuda.is_available() else None
-    try:
-        for device in device_list:
-            if original is not None:
-                _cuda.set_device(device)
-            mr = _make_base(base, device)
-            if pool_allocator:
-                from dask_rmm.mr.pool import PoolMemoryResource
-
-                mr = PoolMemoryResource(
-                    mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size
-                )
-            if logging:
-                mr = LoggingResourceAdaptor(mr, log_file_name=log_file_name)
-            stacks[device] = mr
-    finally:
-        if original is not None:
-            _cuda.set_device(original)
-
+    stacks = {device: build_stack(options, device).top for device in device_list}
     for device in _registered_devices():
         if device not in stacks:
             registry.reset_per_device_resource(device)

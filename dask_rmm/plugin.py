@@ -1,60 +1,52 @@
-"""RMMPlugin: checks its options on the client, builds each worker's memory-resource stacks from
-them and points CuPy/Numba at them. Not here: installing stacks and their log files
-(``worker_stack.py``), heartbeat metrics (``worker_metrics.py``), CLI flags (``preload.py``).
+"""RMMPlugin: options -> one stack builder -> install, on every worker, all or nothing.
+
+Each worker builds its new stacks completely while the old ones stay installed; the workers then
+vote through :class:`SetupCoordinator` (a scheduler plugin with one handler), and either every
+worker installs its new stacks or every worker keeps its previous ones and the scheduler forgets
+the failed registration. Not here: the options and the builder (``options.py``), installing and
+retiring stacks (``worker_stack.py``), heartbeat metrics (``worker_metrics.py``), CLI flags
+(``preload.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dask.config
 from dask.utils import key_split
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
+from dask_rmm.config import config_value, validate_config
+from dask_rmm.options import RMMOptions, build_stack
 from dask_rmm.worker_metrics import WorkerMetrics
-from dask_rmm.worker_stack import (
-    DeviceStack,
-    claim_log_file,
-    install_stack,
-    log_file_path,
-    resource_chain,
-    uninstall_stack,
-)
+from dask_rmm.worker_stack import worker_stack
 
 if TYPE_CHECKING:
-    from distributed import Worker
+    from distributed import Scheduler, Worker
 
     from dask_rmm.mr.base import DeviceMemoryResource
 
-__all__ = [
-    "SUPPORTED_ALLOCATORS",
-    "RMMPlugin",
-    "RMMSetupError",
-    "current_task_key",
-]
+__all__ = ["RMMPlugin", "RMMSetupError", "SetupCoordinator", "current_task_key", "task_prefix"]
 
 logger = logging.getLogger(__name__)
 
-#: Libraries ``allocators=[...]`` can point at the worker's resource.
-SUPPORTED_ALLOCATORS = ("cupy", "numba")
-#: Values of ``base_resource``.
-BASE_RESOURCES = ("cuda", "system")
+#: How often a worker writes its allocation logs' buffered rows to disk (seconds): at most
+#: distributed's shortest heartbeat interval, so a killed worker loses at most that much.
+LOG_FLUSH_INTERVAL = 0.5
+#: How long a worker's setup waits for the other workers' votes.
+VOTE_TIMEOUT = 60.0
+_FLUSHER_KEY = "dask-rmm-log-flush"
 
 
-def _config(key: str) -> Any:
-    """``dask.config.get("dask-rmm.<key>")``, falling back to dask-rmm.yaml's default (the
-    defaults survive code that resets Dask's config, such as distributed's test fixtures)."""
-    from dask_rmm.config import defaults
-
-    default = defaults["dask-rmm"]
-    for part in key.split("."):
-        default = default[part]
-    return dask.config.get(f"dask-rmm.{key}", default)
+class RMMSetupError(RuntimeError):
+    """RMMPlugin could not set the cluster up; the message names each failed worker and why."""
 
 
 class _Unset:
@@ -64,16 +56,9 @@ class _Unset:
 
 _UNSET: Any = _Unset()
 
-
-class RMMSetupError(RuntimeError):
-    """RMMPlugin could not set up a worker; the message names the worker and the reason."""
-
-
-# -- the running task ------------------------------------------------------------------------------
-
-#: The key of the Dask task running on the calling thread, or None. distributed sets
-#: ``thread_state.key`` (``dask.context.thread_state``, a thread-local) while a task executes on
-#: a worker thread. A partial of the builtin getattr: no Python frame on the allocation path.
+#: The key of the Dask task running on the calling thread, or None (distributed sets
+#: ``thread_state.key`` while a task runs). A partial of the builtin getattr: no Python frame
+#: on the allocation path.
 current_task_key = functools.partial(getattr, thread_state, "key", None)
 
 
@@ -82,145 +67,45 @@ def task_prefix(key: Any) -> str:
     return key_split(key)
 
 
-# -- option checking (client side) --------------------------------------------------------------
-
-
-def _check_size(option: str, value: Any) -> int | float | None:
-    """Check a size option on the client: bytes (an int) or a fraction of device memory (a float
-    in (0, 1]); turned into bytes on the worker, where the device is known."""
-    if value is None:
-        return None
-    from dask_rmm.config import parse_device_bytes
-
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            number = float(text)
-        except ValueError:
-            number = None
-        if number is not None and 0 < number <= 1 and not text.lstrip("+").isdigit():
-            value = number
-    try:
-        # Parsing against a made-up total checks the form; the worker parses again for real.
-        parse_device_bytes(value, total_memory=1 << 40, alignment=1)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"`{option}`: {e}") from None
-    if isinstance(value, float):
-        return value
-    return parse_device_bytes(value, alignment=1)
-
-
-def _check_bool(option: str, value: Any) -> bool:
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in ("true", "1", "yes", "on"):
-            return True
-        if lowered in ("false", "0", "no", "off", ""):
-            return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise TypeError(f"`{option}` must be True or False, got {value!r}")
-
-
-def _check_allocators(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    names = value.split(",") if isinstance(value, str) else list(value)
-    out = []
-    for name in names:
-        name = str(name).strip().lower()
-        if not name:
-            continue
-        if name not in SUPPORTED_ALLOCATORS:
-            raise ValueError(
-                f"unknown library {name!r} in `allocators`; supported: "
-                f"{', '.join(SUPPORTED_ALLOCATORS)}"
-            )
-        if name not in out:
-            out.append(name)
-    return tuple(out)
-
-
-def _check_devices(value: Any) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
-    elif isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    try:
-        devices = tuple(int(d) for d in value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"`devices` must be device ids such as [0, 1] or '0,1', got {value!r}"
-        ) from e
-    if not devices:
-        return None
-    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
-        raise ValueError(f"`devices` must be distinct non-negative device ids, got {list(devices)}")
-    return devices
-
-
-def _describe(value: int | float) -> str:
-    from dask_rmm.mr.base import format_bytes
-
-    return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
-
-
-# -- the plugin -----------------------------------------------------------------------------------
-
-
 class RMMPlugin(WorkerPlugin):
     """Give every worker an RMM memory-resource stack, per-task-group statistics and metrics.
 
-    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``). Options
-    not given are read from Dask's config (``dask-rmm.*``, e.g. ``DASK_DASK_RMM__POOL_SIZE=4GiB``)
-    where the plugin is made; explicit arguments win. Sizes are bytes, strings such as ``"4GiB"``,
-    or fractions of the device's memory (``0.8``), resolved on each worker.
-
-    Each worker's stack, outermost first (layers that are off are left out)::
-
-        AttributionResourceAdaptor -> StatisticsResourceAdaptor -> LoggingResourceAdaptor
-          -> TrackingResourceAdaptor -> PoolMemoryResource | CudaAsyncMemoryResource
-          -> CudaMemoryResource | ManagedMemoryResource | SystemMemoryResource
+    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``); those
+    not given come from the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and
+    validated where the plugin is made. Every option is documented on
+    :class:`~dask_rmm.options.RMMOptions` and in docs/workers.md.
 
     Parameters
     ----------
-    pool_size : int, str or float, optional
-        Initial size of a ``PoolMemoryResource`` (or of the async pool with ``async_alloc``).
-        None: no pool.
-    maximum_pool_size : int, str or float, optional
-        The pool never grows beyond this (with ``async_alloc``: a ``LimitingResourceAdaptor``).
-    managed_memory : bool
-        Allocate CUDA managed (unified) memory.
-    async_alloc : bool
-        Use ``CudaAsyncMemoryResource`` (cudaMallocAsync) instead of a pool.
+    pool_size, maximum_pool_size : int, str or float, optional
+        Initial and largest size of a ``PoolMemoryResource`` (bytes, ``"4GiB"`` or a fraction
+        of the device's memory). None: no pool.
+    managed_memory, async_alloc : bool
+        dask-cuda's names for ``base_resource="managed"`` and ``base_resource="async"``.
     release_threshold : int, str or float, optional
         Bytes the async pool keeps when idle; needs ``async_alloc``.
     log_directory : str, optional
-        Write one CSV allocation log per worker and device into this directory:
-        ``rmm_log_<worker name>.dev<device>.csv``.
-    track_allocations : bool
-        Add a ``TrackingResourceAdaptor`` (outstanding allocations, optionally with stacks).
+        One CSV allocation log per worker and device, ``rmm_log_<worker name>.dev<device>.csv``,
+        appended to, written out at least every 0.5 s.
+    track_allocations, statistics : bool
+        Add a ``TrackingResourceAdaptor``; count allocations per task prefix (default True).
     allocators : list of str
-        Libraries to point at the worker's resource: ``"cupy"``, ``"numba"``.
-    statistics : bool
-        Count allocations (``StatisticsResourceAdaptor``) and charge them to task prefixes;
-        needed for the heartbeat metrics' counters and the cluster report. Default True.
-    base_resource : {"cuda", "system"}
-        ``"cuda"`` (device memory, the default) or ``"system"`` (host memory, for hosts without
-        a GPU). Never chosen silently: ``"cuda"`` on a host without a GPU fails setup.
+        Libraries to point at the resource, from :mod:`dask_rmm.allocators` (``"cupy"``,
+        ``"numba"``, ``"torch"``...).
+    base_resource : {"cuda", "managed", "async", "pinned", "system"}
+        Where memory comes from; ``"system"`` (host memory) for hosts without a GPU.
     devices : list of int, optional
         Device ids to set up; default the worker's current device.
+    device_memory_limit, spill_on_oom, device_pause_fraction
+        Reserved for the memory-pressure layer (validated and carried).
 
     Notes
     -----
-    ``idempotent`` is False: registering the plugin again (say with a bigger pool) tears the old
-    setup down on every worker and builds the new one. Setup builds a fresh stack over a fresh
-    base resource, so re-registration never stacks adaptors. A worker whose setup fails raises
-    :class:`RMMSetupError` naming its address, which ``client.register_plugin`` re-raises.
+    Registering again (say with a bigger pool) replaces the setup on every worker, all or
+    nothing: if any worker fails, every worker keeps its previous stacks, the scheduler keeps
+    the previous registration (or none), and ``register_plugin`` raises :class:`RMMSetupError`
+    naming each failed worker and its reason. Buffers still held from a replaced stack stay
+    counted (``WorkerStack.retired``) until freed.
 
     Examples
     --------
@@ -244,288 +129,125 @@ class RMMPlugin(WorkerPlugin):
         statistics: bool = _UNSET,
         base_resource: str = _UNSET,
         devices: Iterable[int] | int | str | None = _UNSET,
+        device_memory_limit: int | str | float | None = _UNSET,
+        spill_on_oom: bool = _UNSET,
+        device_pause_fraction: float | None = _UNSET,
     ):
-        def pick(value: Any, key: str) -> Any:
-            return _config(key) if value is _UNSET else value
-
-        self.pool_size = _check_size("pool_size", pick(pool_size, "pool-size"))
-        self.maximum_pool_size = _check_size(
-            "maximum_pool_size", pick(maximum_pool_size, "maximum-pool-size")
-        )
-        self.managed_memory = _check_bool("managed_memory", pick(managed_memory, "managed-memory"))
-        self.async_alloc = _check_bool("async_alloc", pick(async_alloc, "async"))
-        self.release_threshold = _check_size(
-            "release_threshold", pick(release_threshold, "release-threshold")
-        )
-        log_directory = pick(log_directory, "log-directory")
-        if log_directory is not None:
-            log_directory = os.fspath(log_directory)
-            if not log_directory:
-                raise ValueError("`log_directory` must be a directory path, got ''")
-        self.log_directory = log_directory
-        self.track_allocations = _check_bool(
-            "track_allocations", pick(track_allocations, "track-allocations")
-        )
-        self.allocators = _check_allocators(pick(allocators, "allocators"))
-        self.statistics = _check_bool("statistics", pick(statistics, "statistics"))
-        base = pick(base_resource, "base-resource")
-        base = str(base).strip().lower() if base is not None else "cuda"
-        if base not in BASE_RESOURCES:
-            raise ValueError(
-                f"`base_resource` must be one of {', '.join(map(repr, BASE_RESOURCES))}, got {base!r}"
-            )
-        self.base_resource = base
-        self.devices = _check_devices(pick(devices, "devices"))
-        self._validate()
-        self._stacks: list[DeviceStack] = []
-        #: The heartbeat metrics of this plugin's stacks on the worker (no devices before setup).
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        #: The checked options (:class:`~dask_rmm.options.RMMOptions`).
+        self.options = RMMOptions.from_config(**{k: v for k, v in given.items() if v is not _UNSET})
+        #: Identifies this registration in the setup vote.
+        self.token = uuid.uuid4().hex
+        #: False for a plugin one worker sets up alone (the preload): no vote.
+        self.coordinated = True
+        #: The heartbeat metrics of this worker's stacks.
         self.worker_metrics = WorkerMetrics()
-
-    def _validate(self) -> None:
-        if self.async_alloc and self.managed_memory:
-            raise ValueError("`managed_memory` is incompatible with `async_alloc`: pick one")
-        if self.release_threshold is not None and not self.async_alloc:
-            raise ValueError("`release_threshold` requires `async_alloc=True`")
-        if self.maximum_pool_size is not None and self.pool_size is None and not self.async_alloc:
-            raise ValueError(
-                "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
-            )
-        if (
-            isinstance(self.pool_size, int)
-            and isinstance(self.maximum_pool_size, int)
-            and self.maximum_pool_size < self.pool_size
-        ):
-            raise ValueError(
-                f"`maximum_pool_size` ({_describe(self.maximum_pool_size)}) is smaller than "
-                f"`pool_size` ({_describe(self.pool_size)})"
-            )
-        if self.base_resource == "system":
-            for option in ("managed_memory", "async_alloc"):
-                if getattr(self, option):
-                    raise ValueError(
-                        f"`{option}` needs base_resource='cuda'; base_resource='system' is host memory"
-                    )
-            if self.allocators:
-                raise ValueError(
-                    f"`allocators` {list(self.allocators)} need base_resource='cuda': CuPy and "
-                    "Numba cannot use host memory from base_resource='system'"
-                )
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The resolved options, as keyword arguments to ``RMMPlugin``."""
-        return {
-            "pool_size": self.pool_size,
-            "maximum_pool_size": self.maximum_pool_size,
-            "managed_memory": self.managed_memory,
-            "async_alloc": self.async_alloc,
-            "release_threshold": self.release_threshold,
-            "log_directory": self.log_directory,
-            "track_allocations": self.track_allocations,
-            "allocators": list(self.allocators),
-            "statistics": self.statistics,
-            "base_resource": self.base_resource,
-            "devices": None if self.devices is None else list(self.devices),
-        }
+        self._worker: Any = None
 
     def __repr__(self) -> str:
+        default = RMMOptions().to_dict()
         shown = ", ".join(
-            f"{k}={v!r}"
-            for k, v in self.options.items()
-            if v is not None and v is not False and v != []
+            f"{k}={v!r}" for k, v in self.options.to_dict().items() if v != default[k]
         )
         return f"RMMPlugin({shown})"
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_stacks"] = []
-        state["worker_metrics"] = WorkerMetrics()
-        return state
+        return {**self.__dict__, "worker_metrics": WorkerMetrics(), "_worker": None}
 
     # -- setup -----------------------------------------------------------------------------
 
     async def setup(self, worker: Worker) -> None:
-        """Build the stacks on this worker, install them, point allocators, start metrics."""
-        self._teardown_local(worker)
+        """Build this worker's stacks, vote, then install them or keep the previous ones."""
+        ws = worker_stack(worker)
+        # First, before any await: keep the stacks a teardown of the plugin we replace handed back
+        # installed until ours are ready (or for good if we fail).
+        kept = ws.take_released()
+        self._worker = worker
+        stacks, error = [], None
         try:
-            self._setup_memory(worker)
+            validate_config()
+            metrics_options = (
+                int(config_value("metrics.top-task-groups")),
+                config_value("metrics.sample-interval"),
+            )
+            devices = self.options.devices or [_current_device()]
+            for device in devices:
+                stacks.append(
+                    build_stack(
+                        self.options,
+                        device,
+                        worker_name=worker.name,
+                        task_key=current_task_key,
+                        owner_name=task_prefix,
+                    )
+                )
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        if self.coordinated:
+            failures = await self._vote(worker, error, ws.token if kept else None)
+        else:
+            failures = {worker.address: error} if error else {}
+        if failures:
+            for stack in stacks:
+                stack.close_log()
+            self._publish(worker, ws, *_metrics_defaults())
+            reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
+            kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
             raise RMMSetupError(
-                f"dask-rmm setup failed on worker {worker.address} (name {worker.name!r}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        self._install_metrics(worker)
+                f"dask-rmm setup failed on {len(failures)} worker(s), so no worker changed "
+                f"(worker {worker.address} {kept_what}): {reasons}"
+            )
+        ws.install(stacks, self.options, self.token)
+        for stack in stacks:
+            logger.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
+        self._publish(worker, ws, *metrics_options)
         await self._install_scheduler_plugin(worker)
 
-    def _setup_memory(self, worker: Worker) -> None:
-        from dask_rmm import _cuda
+    async def _vote(self, worker: Worker, error: str | None, previous: str | None) -> dict:
+        """The failures of this registration on every worker (``{}``: all succeeded)."""
+        from distributed.protocol.pickle import dumps
 
-        if self.base_resource == "cuda":
-            _cuda.require_cuda(
-                "RMMPlugin(base_resource='cuda') (use base_resource='system' "
-                "for host memory on a host without a GPU)"
-            )
-        if self.devices is not None:
-            devices = list(self.devices)
-        else:
-            devices = [_cuda.get_device() if _cuda.is_available() else 0]
-        stacks: list[DeviceStack] = []
         try:
-            if self.log_directory is not None:
-                os.makedirs(self.log_directory, exist_ok=True)
-                if not os.access(self.log_directory, os.W_OK | os.X_OK):
-                    raise PermissionError(f"log directory {self.log_directory!r} is not writable")
-            for device in devices:
-                stacks.append(self._build_stack(worker, device))
-            for stack in stacks:
-                install_stack(stack)
-            self._stacks = stacks
-            self._set_allocators()
-        except BaseException:
-            for stack in reversed(stacks):
-                uninstall_stack(stack)
-                stack.close_log()
-            self._stacks = []
-            raise
-
-    def _resolve(
-        self, option: str, value: int | float | None, total: int, device: int
-    ) -> int | None:
-        if value is None:
-            return None
-        from dask_rmm.config import parse_device_bytes
-        from dask_rmm.mr.base import format_bytes
-
-        nbytes = parse_device_bytes(value, device, total_memory=total)
-        if nbytes > total:
-            where = "host memory" if self.base_resource == "system" else f"device {device}'s memory"
-            raise ValueError(
-                f"`{option}` ({format_bytes(nbytes)}) is larger than {where} ({format_bytes(total)})"
+            await worker.scheduler.register_scheduler_plugin(
+                plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
             )
-        return nbytes
-
-    def _build_stack(self, worker: Worker, device: int) -> DeviceStack:
-        from dask_rmm import _cuda
-
-        current = _cuda.get_device() if _cuda.is_available() else device
-        if current != device:
-            _cuda.set_device(device)
-        try:
-            return self._build_stack_on_device(worker, device)
-        finally:
-            if current != device:
-                _cuda.set_device(current)
-
-    def _build_stack_on_device(self, worker: Worker, device: int) -> DeviceStack:
-        from dask_rmm import mr
-
-        if self.base_resource == "system":
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        else:
-            from dask_rmm import _cuda
-
-            total = _cuda.device_total_memory(device)
-        pool_size = self._resolve("pool_size", self.pool_size, total, device)
-        maximum = self._resolve("maximum_pool_size", self.maximum_pool_size, total, device)
-        if pool_size is not None and maximum is not None and maximum < pool_size:
-            raise ValueError(
-                f"`maximum_pool_size` ({_describe(maximum)}) is smaller than `pool_size` "
-                f"({_describe(pool_size)}) on device {device}"
+            return await worker.scheduler.dask_rmm_setup_vote(
+                token=self.token, name=self.name, worker=worker.address, error=error,
+                previous=previous,
+            )  # fmt: skip
+        except Exception as e:
+            logger.warning(
+                "dask-rmm: cannot agree the setup with the other workers (%s: %s); worker %s "
+                "decides alone",
+                type(e).__name__,
+                e,
+                worker.address,
             )
+            return {worker.address: error} if error else {}
 
-        # Layers from the bottom up. The order, outermost first, is attribution -> statistics ->
-        # logging -> tracking -> pool/async -> base: attribution reads the allocating thread's
-        # task and charges only what succeeded through every layer below; statistics sits right
-        # under it so per-task bytes add up to its counters; logging and tracking record the
-        # calls as the application made them; every adaptor sits above the pool so it sees
-        # what was asked for, not the pool's growth from upstream.
-        top: DeviceMemoryResource
-        if self.async_alloc:
-            top = mr.CudaAsyncMemoryResource(
-                initial_pool_size=pool_size,
-                release_threshold=self._resolve(
-                    "release_threshold", self.release_threshold, total, device
-                ),
-            )
-            if maximum is not None:
-                top = mr.LimitingResourceAdaptor(top, allocation_limit=maximum)
-        else:
-            if self.base_resource == "system":
-                base = mr.SystemMemoryResource(device_id=device)
-            elif self.managed_memory:
-                base = mr.ManagedMemoryResource()
-            else:
-                base = mr.CudaMemoryResource()
-            top = base
-            if pool_size is not None:
-                top = mr.PoolMemoryResource(
-                    base, initial_pool_size=pool_size, maximum_pool_size=maximum
-                )
-        stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory)
-        try:
-            if self.track_allocations:
-                top = mr.TrackingResourceAdaptor(top)
-            if self.log_directory is not None:
-                path, fd = claim_log_file(log_file_path(self.log_directory, worker.name, device))
-                stack.log_path, stack.log_fd = path, fd
-                # The adaptor adds RMM's ".dev<id>" to the name it is given.
-                suffix = f".dev{device}.csv"
-                top = stack.logging = mr.LoggingResourceAdaptor(
-                    top, log_file_name=path[: -len(suffix)] + ".csv"
-                )
-            if self.statistics:
-                from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+    def _publish(self, worker: Worker, ws: Any, top_n: int, sample_interval: Any) -> None:
+        """Heartbeat metrics and the log flusher for the worker's active stacks."""
+        from tornado.ioloop import PeriodicCallback
 
-                top = stack.statistics = mr.StatisticsResourceAdaptor(top)
-                top = stack.attribution = AttributionResourceAdaptor(
-                    top, current_task_key, owner_name=task_prefix
-                )
-        except BaseException:
-            stack.close_log()
-            raise
-        stack.top = top
-        stack.chain = resource_chain(top)
-        return stack
-
-    def _set_allocators(self) -> None:
-        if "cupy" in self.allocators:
-            from dask_rmm.allocators.cupy import set_cupy_allocator
-
-            set_cupy_allocator()
-        if "numba" in self.allocators:
-            from dask_rmm.allocators.numba import set_numba_allocator
-
-            set_numba_allocator()
-
-    def _reset_allocators(self) -> None:
-        if "cupy" in self.allocators:
-            from dask_rmm.allocators.cupy import reset_cupy_allocator
-
-            reset_cupy_allocator()
-        if "numba" in self.allocators:
-            from dask_rmm.allocators.numba import reset_numba_allocator
-
-            reset_numba_allocator()
-
-    def _install_metrics(self, worker: Worker) -> None:
+        if not ws.active:
+            return
         self.worker_metrics.install(
             worker,
-            self._stacks,
-            top_n=int(_config("metrics.top-task-groups")),
-            sample_interval=_config("metrics.sample-interval"),
-            sampling=self.statistics,
+            ws.active,
+            top_n=top_n,
+            sample_interval=sample_interval,
+            sampling=ws.options.statistics,
         )
+        if any(s.logging is not None for s in ws.active):
+            flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
+            worker.periodic_callbacks[_FLUSHER_KEY] = flusher
+            if worker.status.name in ("running", "paused", "closing_gracefully"):
+                flusher.start()
 
     async def _install_scheduler_plugin(self, worker: Worker) -> None:
-        """Hook: install the cluster report's scheduler plugin (``dask_rmm.cluster``) once.
-
-        Called by every worker's setup, so the single ``client.register_plugin(RMMPlugin(...))``
-        (or a ``--preload dask_rmm.preload`` worker) also sets the scheduler up; the scheduler
-        keeps the first one (idempotent). A failure here is logged, never fatal: the workers'
-        memory setup does not depend on it.
-        """
+        """Install the cluster report's scheduler plugin once (logged, never fatal)."""
         try:
-            from dask_rmm.cluster import install_scheduler_plugin
+            from dask_rmm.scheduler import install_scheduler_plugin
         except ImportError:
             return
         try:
@@ -542,20 +264,135 @@ class RMMPlugin(WorkerPlugin):
     # -- teardown --------------------------------------------------------------------------
 
     def teardown(self, worker: Worker) -> None:
-        """Restore the previous resources and allocators and remove the metrics."""
-        self._teardown_local(worker)
-
-    def _teardown_local(self, worker: Worker) -> None:
+        """Take the metrics back and hand the stacks back: a plugin replacing this one keeps
+        them until its own are ready; otherwise they are removed on the next loop iteration
+        (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
-        if self._stacks:
-            self._reset_allocators()
-        for stack in reversed(self._stacks):
-            uninstall_stack(stack)
-            stack.close_log()
-        self._stacks = []
+        flusher = worker.periodic_callbacks.pop(_FLUSHER_KEY, None)
+        if flusher is not None:
+            flusher.stop()
+        ws = worker_stack(worker)
+        if ws.release():
+            if worker.status.name in ("closing", "closed", "failed", "init"):
+                ws.remove_released()
+            else:
+                worker.loop.add_callback(ws.remove_released)
+        self._worker = None
 
     # -- introspection ---------------------------------------------------------------------
 
     def resources(self) -> dict[int, DeviceMemoryResource]:
-        """The top of the stack this plugin installed, per device (empty before setup)."""
-        return {s.device: s.top for s in self._stacks}
+        """The top of each device's installed stack on this plugin's worker (empty before setup)."""
+        if self._worker is None:
+            return {}
+        return {s.device: s.top for s in worker_stack(self._worker).active}
+
+
+def _current_device() -> int:
+    from dask_rmm import _cuda
+
+    return _cuda.get_device() if _cuda.is_available() else 0
+
+
+def _metrics_defaults() -> tuple[int, Any]:
+    try:
+        return int(config_value("metrics.top-task-groups")), config_value("metrics.sample-interval")
+    except (TypeError, ValueError):
+        return 10, "100ms"
+
+
+# -- the vote, on the scheduler ---------------------------------------------------------------
+
+
+@dataclass
+class _Round:
+    token: str
+    name: str
+    plugin: Any  # what the scheduler stored for this registration
+    expected: set[str]
+    votes: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    failures: dict[str, str] | None = None  # None until decided
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SetupCoordinator(SchedulerPlugin):
+    """The scheduler's side of RMMPlugin's all-or-nothing setup: one vote per registration.
+
+    Adds the ``dask_rmm_setup_vote`` handler. Every worker that got the registration votes with
+    its error (or None) once its stacks are built; the answer, once every worker present at the
+    first vote has voted (or left, or ``VOTE_TIMEOUT`` passed), is the failures. On a failure the
+    scheduler's record of the worker plugin goes back to the registration the workers keep (or
+    is dropped), so that workers added later start like the others.
+    """
+
+    name = "dask-rmm-setup"
+    idempotent = True
+    #: Committed registrations remembered (token -> what the scheduler stored).
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self.rounds: dict[str, _Round] = {}
+        self.committed: dict[str, Any] = {}
+        self.scheduler: Scheduler | None = None
+
+    def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers["dask_rmm_setup_vote"] = self.vote
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        for r in list(self.rounds.values()):
+            r.expected.discard(worker)
+            self._decide_if_complete(r)
+
+    async def vote(
+        self,
+        token: str,
+        name: str,
+        worker: str,
+        error: str | None = None,
+        previous: str | None = None,
+    ) -> dict[str, str]:
+        alone = {worker: error} if error else {}
+        if token in self.committed:  # a worker added after the registration succeeded
+            return alone
+        r = self.rounds.get(token)
+        if r is None:
+            assert self.scheduler is not None
+            r = self.rounds[token] = _Round(
+                token, name, self.scheduler.worker_plugins.get(name), set(self.scheduler.workers)
+            )
+            decided = [t for t, x in self.rounds.items() if x.failures is not None]
+            for t in decided[: max(0, len(decided) - self.KEEP)]:
+                del self.rounds[t]
+        if r.failures is not None:
+            return r.failures or alone
+        r.votes[worker] = (error, previous)
+        self._decide_if_complete(r)
+        try:
+            await asyncio.wait_for(r.done.wait(), VOTE_TIMEOUT)
+        except asyncio.TimeoutError:
+            missing = r.expected - set(r.votes)
+            self._decide(r, {w: f"no answer within {VOTE_TIMEOUT:g} s" for w in missing})
+        return r.failures
+
+    def _decide_if_complete(self, r: _Round) -> None:
+        if r.failures is None and r.votes and r.expected <= set(r.votes):
+            self._decide(r, {})
+
+    def _decide(self, r: _Round, missing: dict[str, str]) -> None:
+        assert self.scheduler is not None
+        if r.failures is not None:
+            return
+        r.failures = {w: e for w, (e, _) in r.votes.items() if e} | missing
+        plugins = self.scheduler.worker_plugins
+        if not r.failures:
+            self.committed[r.token] = r.plugin
+            while len(self.committed) > self.KEEP:
+                del self.committed[next(iter(self.committed))]
+        elif plugins.get(r.name) is r.plugin:  # not registered again meanwhile
+            previous = {p for _, p in r.votes.values() if p in self.committed}
+            if previous:
+                plugins[r.name] = self.committed[previous.pop()]
+            else:
+                plugins.pop(r.name, None)
+        r.done.set()

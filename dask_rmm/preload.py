@@ -1,9 +1,9 @@
 """Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``.
 
 The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
-the worker starts (a failing setup stops the worker with the reason). Flags not given fall back
-to the worker's ``dask-rmm.*`` config. What the options mean is documented on RMMPlugin.
-Run ``python -m dask_rmm.preload --help`` to list the flags.
+the worker starts (a failing setup closes the worker with the reason). Flags not given fall back
+to the worker's ``dask-rmm.*`` config, validated with them. What the options mean is documented
+in docs/workers.md. Run ``python -m dask_rmm.preload --help`` to list the flags.
 
 Scheduler address: ``dask worker`` takes the first argument it does not know as its SCHEDULER
 address, so without an address before the flags (``--scheduler-file FILE``) it takes the first
@@ -42,12 +42,12 @@ class _SizeType(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.plugin import _check_size
+        from dask_rmm.options import _size
 
         try:
-            _check_size("size", value)
+            _size("size", value)
         except (TypeError, ValueError) as e:
-            reason = str(e).removeprefix("`size`: ")
+            reason = str(e).removeprefix("size=")
             self.fail(f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)")
         return value
 
@@ -58,15 +58,17 @@ class _LibrariesType(click.ParamType):
     name = "libs"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.plugin import _check_allocators
+        from dask_rmm.options import _allocators
 
         try:
-            return list(_check_allocators(value))
+            return list(_allocators(value))
         except ValueError as e:
             self.fail(str(e), param, ctx)
 
 
 SIZE = _SizeType()
+#: How usage errors name this command.
+PROG = "dask worker SCHEDULER --preload dask_rmm.preload"
 
 
 class _PreloadCommand(click.Command):
@@ -75,6 +77,8 @@ class _PreloadCommand(click.Command):
     recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # distributed checks the flags with a context that has no name ("Usage:  [OPTIONS]")
+        ctx.info_name = ctx.info_name or PROG
         args = list(args)
         worker_ctx = _dask_worker_context(ctx)
         if worker_ctx is not None:
@@ -82,7 +86,11 @@ class _PreloadCommand(click.Command):
         else:
             args = _recovered_argv(args)
         rest = super().parse_args(ctx, args)
-        plugin_from_flags(**ctx.params)
+        try:
+            plugin_from_flags(**ctx.params)
+        except click.UsageError as e:
+            e.ctx = ctx  # the usage shown is this command's
+            raise
         return rest
 
 
@@ -212,20 +220,32 @@ def _recovered_argv(args: list[str]) -> list[str]:
     "--set-rmm-allocator-for-libs",
     type=_LibrariesType(),
     default=None,
-    help="Point these libraries at the worker's resource: 'cupy', 'numba' or 'cupy,numba'.",
+    help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or several "
+    "('cupy,torch').",
 )
 @click.option(
     "--rmm-base-resource",
-    type=click.Choice(["cuda", "system"], case_sensitive=False),
+    type=click.Choice(["cuda", "managed", "async", "pinned", "system"], case_sensitive=False),
     default=None,
-    help="'cuda' (device memory) or 'system' (host memory, for hosts without a GPU).",
+    help="Where memory comes from; 'system' (host memory) for hosts without a GPU.",
+)
+@click.option(
+    "--device-memory-limit",
+    type=SIZE,
+    default=None,
+    help="Reserved for the memory-pressure layer (checked, no effect yet).",
+)
+@click.option(
+    "--spill-on-oom/--no-spill-on-oom",
+    default=None,
+    help="Reserved for the memory-pressure layer (checked, no effect yet).",
 )
 @click.option(
     "--rmm-statistics/--no-rmm-statistics",
     default=None,
     help="Count allocations per worker and task prefix for the heartbeat metrics (on by default).",
 )
-def dask_setup(worker: Any, **flags: Any):
+async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
 
     distributed calls this with the worker when it starts (``--preload dask_rmm.preload``).
@@ -235,14 +255,15 @@ def dask_setup(worker: Any, **flags: Any):
     usage error.
     """
     plugin = plugin_from_flags(**flags)
-    pending = getattr(worker, "_pending_plugins", None)
-    if isinstance(pending, tuple):
-        # distributed logs and ignores errors raised by preloads, which would leave a worker
-        # running without its memory setup. Plugins passed to the worker are set up right after
-        # the preloads, and their errors stop the worker: join them.
-        worker._pending_plugins = (*pending, plugin)
-        return None
-    return worker.plugin_add(plugin, catch_errors=False)
+    plugin.coordinated = False  # this worker alone: no vote with the others
+    # distributed logs and ignores a preload's errors: a worker whose setup failed closes
+    # itself rather than run without its memory setup.
+    try:
+        await worker.plugin_add(plugin, catch_errors=False)
+    except Exception as e:
+        logger.error("dask-rmm: closing worker %s: %s: %s", worker.name, type(e).__name__, e)
+        await worker.close(reason=f"dask-rmm setup failed: {type(e).__name__}: {e}")
+        raise
 
 
 _FLAG_TO_OPTION = {
@@ -256,6 +277,8 @@ _FLAG_TO_OPTION = {
     "set_rmm_allocator_for_libs": "allocators",
     "rmm_base_resource": "base_resource",
     "rmm_statistics": "statistics",
+    "device_memory_limit": "device_memory_limit",
+    "spill_on_oom": "spill_on_oom",
 }
 
 
@@ -264,7 +287,7 @@ def plugin_from_flags(**flags: Any):
 
     Examples
     --------
-    >>> plugin_from_flags(rmm_pool_size="1GiB", rmm_base_resource="system").pool_size
+    >>> plugin_from_flags(rmm_pool_size="1GiB", rmm_base_resource="system").options.pool_size
     1073741824
     """
     from dask_rmm.plugin import RMMPlugin
@@ -290,9 +313,8 @@ def plugin_from_flags(**flags: Any):
 def _main(argv: list[str] | None = None) -> None:
     """``python -m dask_rmm.preload [--help] [FLAGS]``: list the flags, or check flags and
     print the RMMPlugin they make (without starting anything)."""
-    prog = "dask worker SCHEDULER --preload dask_rmm.preload"
     try:
-        with dask_setup.make_context(prog, list(sys.argv[1:] if argv is None else argv)) as ctx:
+        with dask_setup.make_context(PROG, list(sys.argv[1:] if argv is None else argv)) as ctx:
             click.echo(repr(plugin_from_flags(**ctx.params)))
     except click.exceptions.Exit as e:
         raise SystemExit(e.exit_code) from None

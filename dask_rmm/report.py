@@ -1,7 +1,7 @@
 """ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
 (text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
 
-Pure data and formatting: it never talks to a scheduler (``dask_rmm.cluster`` fetches the
+Pure data and formatting: it never talks to a scheduler (``dask_rmm.client`` fetches the
 data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
 """
 
@@ -10,156 +10,114 @@ from __future__ import annotations
 import html
 import json
 import time as _time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dask_rmm._svg import timeline_svg
 from dask_rmm.mr.base import format_bytes
+from dask_rmm.wire import COUNTERS, REPORT_VERSION, DeviceSample, to_int
 
-__all__ = [
-    "REPORT_VERSION",
-    "ClusterMemoryReport",
-    "ClusterTotals",
-    "DeviceMemory",
-    "TaskGroupMemory",
-]
-
-#: Version of the report wire format (``ClusterMemoryReport.to_dict``).
-REPORT_VERSION = 1
-
-#: Integer counters copied from the heartbeat metrics (docs/internals.md) for each device.
-COUNTER_FIELDS = (
-    "current_bytes",
-    "current_count",
-    "peak_bytes",
-    "peak_count",
-    "total_bytes",
-    "total_count",
-    "reserved_bytes",
-    "pool_free_bytes",
-    "largest_free_block",
-    "failed_allocations",
-    "device_used_bytes",
-    "device_total_bytes",
-)
+__all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]
 
 
 @dataclass(frozen=True)
-class TaskGroupMemory:
-    """Bytes one task group (key prefix) holds on one worker device, now and at its peak."""
+class DeviceMemory(DeviceSample):
+    """One worker device's memory, as its last heartbeat reported it (the :class:`DeviceSample`
+    fields), with the worker and ``timeline``: ``(time, current_bytes, max_bytes_in_interval)``
+    samples, oldest first."""
 
-    prefix: str
-    current_bytes: int
-    peak_bytes: int
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """One worker device's memory, as its last heartbeat reported it.
-
-    ``timeline`` holds ``(time, current_bytes, max_bytes_in_interval)`` samples, oldest first.
-    """
-
-    worker: str
-    device: str
+    worker: str = ""
+    device: str = "0"
     name: str = ""
     status: str = "running"
-    current_bytes: int = 0
-    current_count: int = 0
-    peak_bytes: int = 0
-    peak_count: int = 0
-    total_bytes: int = 0
-    total_count: int = 0
-    reserved_bytes: int = 0
-    pool_free_bytes: int = 0
-    largest_free_block: int = 0
-    failed_allocations: int = 0
-    device_used_bytes: int = 0
-    device_total_bytes: int = 0
-    resource: str = ""
-    task_groups: tuple[TaskGroupMemory, ...] = ()
     timeline: tuple[tuple[float, int, int], ...] = ()
     last_seen: float | None = None
-    error: str | None = None
-
-    @property
-    def fragmentation(self) -> float:
-        """``1 - largest free block / free bytes in the pool``; 0.0 when nothing is free."""
-        if self.pool_free_bytes <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.largest_free_block / self.pool_free_bytes)
 
     @property
     def timeline_peak(self) -> int:
         """The largest ``max_bytes_in_interval`` in the timeline (0 without samples)."""
         return max((s[2] for s in self.timeline), default=0)
 
+    @property
+    def gpu(self) -> str:
+        """The physical device: name and the start of its UUID (``"host"`` on host memory)."""
+        uuid = self.gpu_uuid[:12] if self.gpu_uuid else self.pci_bus_id
+        return f"{self.gpu_name} {uuid}".strip()
+
+    @property
+    def label(self) -> str:
+        """``host:port (name)/dev0`` for legends, with ``(gone)`` for departed workers."""
+        gone = " (gone)" if self.status != "running" else ""
+        return f"{_worker_label(self)}/dev{self.device}{gone}"
+
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
-        """This device's wire entry (the heartbeat fields plus ``timeline``)."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in COUNTER_FIELDS}
-        out["resource"] = self.resource
-        out["fragmentation"] = self.fragmentation
-        out["task_groups"] = [[g.prefix, g.current_bytes, g.peak_bytes] for g in self.task_groups]
+        """This device's entry in the report document (the wire fields plus ``timeline``)."""
+        out = super().to_dict()
         if timeline:
             out["timeline"] = [list(s) for s in self.timeline]
-        if self.error:
-            out["error"] = self.error
         return out
+
+    @classmethod
+    def from_worker(
+        cls, worker: Mapping[str, Any], device: str, d: Mapping[str, Any]
+    ) -> DeviceMemory:
+        samples = []
+        for s in d.get("timeline") or ():
+            try:
+                samples.append((float(s[0]), to_int(s[1]), to_int(s[2])))
+            except (IndexError, TypeError, ValueError):
+                continue
+        return cls.from_dict(
+            d,
+            worker=str(worker.get("address", "")),
+            device=str(device),
+            name=str(worker.get("name", "")),
+            status=str(worker.get("status", "running")),
+            timeline=tuple(samples),
+            last_seen=worker.get("last_seen"),
+        )
 
 
 @dataclass(frozen=True)
 class ClusterTotals:
-    """Sums over the running workers' devices (``peak_bytes`` sums per-device peaks, which need
-    not have happened at the same time); ``largest_free_block`` is the largest anywhere."""
+    """Sums over the running workers' devices; ``largest_free_block`` is the largest anywhere.
+
+    ``peak_bytes`` is the peak of the summed timelines (the most the cluster held at once
+    within the timeline; None without timelines); ``sum_of_device_peaks`` adds peaks that need
+    not have happened at the same time (an upper bound, not the cluster's peak).
+    """
 
     workers: int
     gone_workers: int
     devices: int
     current_bytes: int
-    peak_bytes: int
+    peak_bytes: int | None
+    sum_of_device_peaks: int
     total_bytes: int
     reserved_bytes: int
+    retired_bytes: int
     pool_free_bytes: int
     largest_free_block: int
     failed_allocations: int
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _device_from_dict(worker: Mapping[str, Any], device: str, d: Mapping[str, Any]) -> DeviceMemory:
-    groups = []
-    for g in d.get("task_groups") or ():
-        try:
-            groups.append(TaskGroupMemory(str(g[0]), _int(g[1]), _int(g[2])))
-        except (IndexError, TypeError):
-            continue
-    samples = []
-    for s in d.get("timeline") or ():
-        try:
-            samples.append((float(s[0]), _int(s[1]), _int(s[2])))
-        except (IndexError, TypeError, ValueError):
-            continue
-    return DeviceMemory(
-        worker=str(worker.get("address", "")),
-        device=str(device),
-        name=str(worker.get("name", "")),
-        status=str(worker.get("status", "running")),
-        resource=str(d.get("resource", "")),
-        task_groups=tuple(groups),
-        timeline=tuple(samples),
-        last_seen=worker.get("last_seen"),
-        error=d.get("error") or None,
-        **{k: _int(d.get(k, 0)) for k in COUNTER_FIELDS},
-    )
+def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
+    """The largest sum over devices of each device's latest ``max_bytes_in_interval`` sample,
+    taken at every sample time (None when there are no samples)."""
+    events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
+    if not events:
+        return None
+    latest: dict[int, int] = {}
+    total = peak = 0
+    for _t, i, value in events:
+        total += value - latest.get(i, 0)
+        latest[i] = value
+        peak = max(peak, total)
+    return int(peak)
 
 
 def _sort_key(address: str) -> tuple:
@@ -203,18 +161,18 @@ class ClusterMemoryReport:
                 "use the same dask-rmm version on the scheduler and the client"
             )
         devices = []
-        errors = []
+        errors = [str(e) for e in data.get("errors") or ()]
         for worker in data.get("workers") or ():
             if worker.get("error"):
                 errors.append(f"{worker.get('address')}: {worker['error']}")
             for dev, d in sorted((worker.get("devices") or {}).items()):
-                devices.append(_device_from_dict(worker, dev, d))
+                devices.append(DeviceMemory.from_worker(worker, dev, d))
         devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
         return cls(
             devices=tuple(devices),
             time=float(data.get("time") or _time.time()),
             scheduler=str(data.get("scheduler", "")),
-            timeline_length=_int(data.get("timeline_length", 0)),
+            timeline_length=to_int(data.get("timeline_length", 0)),
             workers_without_dask_rmm=tuple(data.get("workers_without_dask_rmm") or ()),
             errors=tuple(errors),
         )
@@ -250,9 +208,11 @@ class ClusterMemoryReport:
             gone_workers=len({d.worker for d in self.gone}),
             devices=len(run),
             current_bytes=sum(d.current_bytes for d in run),
-            peak_bytes=sum(d.peak_bytes for d in run),
+            peak_bytes=peak_of_sum(d.timeline for d in run),
+            sum_of_device_peaks=sum(d.peak_bytes for d in run),
             total_bytes=sum(d.total_bytes for d in run),
             reserved_bytes=sum(d.reserved_bytes for d in run),
+            retired_bytes=sum(d.retired_bytes for d in run),
             pool_free_bytes=sum(d.pool_free_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
             failed_allocations=sum(d.failed_allocations for d in run),
@@ -262,8 +222,8 @@ class ClusterMemoryReport:
         """``{prefix: {worker/device label: peak bytes}}``, prefixes by their largest sum first."""
         out: dict[str, dict[str, int]] = {}
         for d in self.devices:
-            for g in d.task_groups:
-                out.setdefault(g.prefix, {})[_label(d)] = g.peak_bytes
+            for prefix, _current, peak in d.task_groups:
+                out.setdefault(prefix, {})[d.label] = peak
         return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
 
     # -- exports ------------------------------------------------------------------------------
@@ -290,6 +250,7 @@ class ClusterMemoryReport:
             "timeline_length": self.timeline_length,
             "workers": list(workers.values()),
             "workers_without_dask_rmm": list(self.workers_without_dask_rmm),
+            "errors": list(self.errors),
             "totals": self.totals.to_dict(),
         }
 
@@ -300,7 +261,8 @@ class ClusterMemoryReport:
     def to_frame(self):
         """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
 
-        Columns: worker, name, device, status, the counters, fragmentation, resource, error.
+        Columns: worker, name, device, status, the wire's counters, fragmentation, resource,
+        gpu_name, gpu_uuid, pci_bus_id, error.
         """
         try:
             import pandas as pd
@@ -312,13 +274,9 @@ class ClusterMemoryReport:
         rows = []
         for d in self.devices:
             row = {"worker": d.worker, "name": d.name, "device": d.device, "status": d.status}
-            row.update({k: getattr(d, k) for k in COUNTER_FIELDS})
-            row["fragmentation"] = d.fragmentation
-            row["resource"] = d.resource
-            row["error"] = d.error
+            row.update({k: getattr(d, k) for k in _FRAME_COLUMNS[4:]})
             rows.append(row)
-        columns = ["worker", "name", "device", "status", *COUNTER_FIELDS]
-        return pd.DataFrame(rows, columns=[*columns, "fragmentation", "resource", "error"])
+        return pd.DataFrame(rows, columns=list(_FRAME_COLUMNS))
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):
         """Draw memory over time per worker device and per-task-group peaks.
@@ -347,12 +305,13 @@ class ClusterMemoryReport:
             rows.append(
                 [
                     _worker_label(d),
-                    d.device,
+                    f"{d.device} {d.gpu}".strip(),
                     d.status,
                     format_bytes(d.current_bytes),
                     format_bytes(d.peak_bytes),
                     format_bytes(d.total_bytes),
-                    format_bytes(d.reserved_bytes),
+                    format_bytes(d.reserved_bytes)
+                    + (f" +{format_bytes(d.retired_bytes)} retired" if d.retired_bytes else ""),
                     format_bytes(d.pool_free_bytes),
                     format_bytes(d.largest_free_block),
                     f"{d.fragmentation:.0%}",
@@ -367,9 +326,10 @@ class ClusterMemoryReport:
                 str(t.devices),
                 f"{t.gone_workers} gone" if t.gone_workers else "",
                 format_bytes(t.current_bytes),
-                format_bytes(t.peak_bytes),
+                "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *",
                 format_bytes(t.total_bytes),
-                format_bytes(t.reserved_bytes),
+                format_bytes(t.reserved_bytes)
+                + (f" +{format_bytes(t.retired_bytes)} retired" if t.retired_bytes else ""),
                 format_bytes(t.pool_free_bytes),
                 format_bytes(t.largest_free_block),
                 "",
@@ -398,6 +358,7 @@ class ClusterMemoryReport:
             lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
+            lines.append(self._peak_note())
         if self.workers_without_dask_rmm:
             lines.append(f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
         for d in self.devices:
@@ -450,7 +411,7 @@ class ClusterMemoryReport:
         else:
             parts.append(
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-                f"<tfoot><tr>{foot}</tr></tfoot></table>"
+                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(self._peak_note())}</p>"
             )
         if self.workers_without_dask_rmm:
             parts.append(
@@ -462,7 +423,7 @@ class ClusterMemoryReport:
                     f'<p class="err">error on {esc(d.worker)} device {esc(d.device)}: {esc(d.error)}</p>'
                 )
         if timeline and any(d.timeline for d in self.devices):
-            series = [(_label(d), d.status, d.timeline) for d in self.devices if d.timeline]
+            series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
             parts.append("<h4>Memory over time (max per sample interval)</h4>")
             parts.append(timeline_svg(series))
         parts.append("</div>")
@@ -476,6 +437,11 @@ class ClusterMemoryReport:
             f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
             '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
         )
+
+    def _peak_note(self) -> str:
+        if self.totals.peak_bytes is None:
+            return "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+        return _PEAK_NOTE
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -495,6 +461,13 @@ _HEADER = (
     "failures",
     "top task groups (peak)",
 )
+
+_PEAK_NOTE = (
+    "* total peak: the most the running devices held at once within their timelines "
+    "(not the sum of their peaks)"
+)
+_FRAME_COLUMNS = ("worker", "name", "device", "status", *COUNTERS, "fragmentation", "resource")
+_FRAME_COLUMNS += ("gpu_name", "gpu_uuid", "pci_bus_id", "error")
 
 _CSS = (
     ".dask-rmm-report{font-family:system-ui,sans-serif;font-size:13px}"
@@ -518,10 +491,6 @@ def _worker_label(d: DeviceMemory) -> str:
     return short
 
 
-def _label(d: DeviceMemory) -> str:
-    return f"{_worker_label(d)}/dev{d.device}" + (" (gone)" if d.status != "running" else "")
-
-
 def _top_groups(d: DeviceMemory, n: int = 3) -> str:
-    groups: Iterable[TaskGroupMemory] = sorted(d.task_groups, key=lambda g: -g.peak_bytes)[:n]
-    return ", ".join(f"{g.prefix} {format_bytes(g.peak_bytes)}" for g in groups)
+    groups = sorted(d.task_groups, key=lambda g: -g[2])[:n]
+    return ", ".join(f"{prefix} {format_bytes(peak)}" for prefix, _, peak in groups)

@@ -2,7 +2,7 @@
 enable/disable, the ``statistics()`` context, the counter stack and the memory profiler.
 
 The counting itself is :class:`~dask_rmm.mr.StatisticsResourceAdaptor`'s; cluster-wide
-reports are :mod:`dask_rmm.cluster`'s.
+reports are :mod:`dask_rmm.report`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dask_rmm.mr import registry
 from dask_rmm.mr.statistics_adaptor import Statistics, StatisticsResourceAdaptor
 
 __all__ = [
+    "ProfilerContext",
     "ProfilerRecords",
     "Statistics",
     "default_profiler_records",
@@ -163,7 +164,7 @@ class ProfilerRecords:
     """
 
     @dataclass
-    class Data:
+    class MemoryRecord:
         """The statistics of one name.
 
         Attributes
@@ -185,9 +186,12 @@ class ProfilerRecords:
             self.memory_total += memory_total
             self.memory_peak = max(self.memory_peak, memory_peak)
 
+    #: The name dask-rmm used before RMM's ``MemoryRecord``.
+    Data = MemoryRecord
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records: dict[str, ProfilerRecords.Data] = {}
+        self._records: dict[str, ProfilerRecords.MemoryRecord] = {}
 
     def add(self, name: str, data: Statistics) -> None:
         """Record one call of ``name`` that allocated ``data.total_bytes`` with peak
@@ -195,15 +199,15 @@ class ProfilerRecords:
         with self._lock:
             record = self._records.get(name)
             if record is None:
-                record = self._records[name] = ProfilerRecords.Data()
+                record = self._records[name] = ProfilerRecords.MemoryRecord()
             record.add(memory_total=data.total_bytes, memory_peak=data.peak_bytes)
 
     @property
-    def records(self) -> dict[str, ProfilerRecords.Data]:
+    def records(self) -> dict[str, ProfilerRecords.MemoryRecord]:
         """``{name: Data}`` (a copy)."""
         with self._lock:
             return {
-                k: ProfilerRecords.Data(v.num_calls, v.memory_total, v.memory_peak)
+                k: ProfilerRecords.MemoryRecord(v.num_calls, v.memory_total, v.memory_peak)
                 for k, v in self._records.items()
             }
 
@@ -253,7 +257,8 @@ class ProfilerRecords:
         return self.report()
 
 
-def _descriptive_name(func: Callable) -> str:
+def _get_descriptive_name_of_object(func: Callable) -> str:
+    """``file:line(qualname)`` of ``func``, the record name of an unnamed profiler (RMM's name)."""
     func = inspect.unwrap(func)
     try:
         _, line = inspect.getsourcelines(func)
@@ -276,8 +281,9 @@ def _name_stack() -> list[str]:
     return stack
 
 
-class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context manager
-    """Record the memory statistics of a function or ``with`` block.
+class ProfilerContext:
+    """Record the memory statistics of a function or ``with`` block (what :func:`profiler`
+    returns; RMM's name).
 
     Each run pushes a counter frame on entry and pops it on exit, adding the popped statistics to
     ``records`` under the block's name. Nested profilers each get their own record; code
@@ -298,7 +304,7 @@ class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context ma
     >>> _ = set_current_device_resource(SystemMemoryResource())
     >>> statistics.enable_statistics()
     >>> records = statistics.ProfilerRecords()
-    >>> with statistics.profiler(name="outer", records=records):
+    >>> with statistics.ProfilerContext(records, "outer"):
     ...     with statistics.profiler(name="inner", records=records):
     ...         mr = statistics._current_stats_mr()
     ...         mr.deallocate(mr.allocate(512), 512)
@@ -306,7 +312,7 @@ class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context ma
     ['inner', 'outer']
     """
 
-    def __init__(self, *, records: ProfilerRecords | None = None, name: str = ""):
+    def __init__(self, records: ProfilerRecords | None = None, name: str = ""):
         if records is not None and not isinstance(records, ProfilerRecords):
             raise TypeError(f"records must be a ProfilerRecords, got {type(records).__name__}")
         if not isinstance(name, str):
@@ -316,17 +322,17 @@ class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context ma
         self._pushed: list[StatisticsResourceAdaptor | None] = []
 
     def __call__(self, func: F) -> F:
-        name = self.name or _descriptive_name(func)
+        name = self.name or _get_descriptive_name_of_object(func)
         records = self.records
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            with profiler(records=records, name=name):
+            with ProfilerContext(records, name):
                 return func(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
 
-    def __enter__(self) -> profiler:
+    def __enter__(self) -> ProfilerContext:
         if not self.name:
             raise ValueError("profiler used as a context manager needs a name: profiler(name=...)")
         mr = _current_stats_mr()
@@ -342,6 +348,22 @@ class profiler:  # noqa: N801 - RMM's name; used as a decorator and a context ma
         if mr is not None:
             self.records.add(self.name, mr.pop_counters())
         return False
+
+
+def profiler(*, records: ProfilerRecords | None = None, name: str = "") -> ProfilerContext:
+    """Decorator and context manager recording the memory statistics of a function or block.
+
+    ``@profiler()`` names the record ``"file:line(qualname)"``; ``with profiler(name=...)``
+    needs a name. Does nothing while statistics are disabled. See :class:`ProfilerContext`.
+
+    Parameters
+    ----------
+    records : ProfilerRecords, optional
+        Where to add the statistics (default :data:`default_profiler_records`).
+    name : str, optional
+        The record's name.
+    """
+    return ProfilerContext(records, name)
 
 
 def current_profiler_names() -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""CUDA streams as seen by memory resources: ``Stream``, the default streams and ``CudaStreamPool``.
+"""CUDA streams as seen by memory resources: ``Stream``, ``CudaStreamFlags``, the default
+streams and ``CudaStreamPool``.
 
 Streams are identified by their integer handle; a resource keys stream-ordered free lists on
 :meth:`Stream.order_key`, which makes the per-thread default stream one stream per thread.
@@ -6,6 +7,7 @@ Streams are identified by their integer handle; a resource keys stream-ordered f
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any
 
@@ -13,10 +15,36 @@ __all__ = [
     "DEFAULT_STREAM",
     "LEGACY_DEFAULT_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
+    "CudaStreamFlags",
     "CudaStreamPool",
     "Stream",
     "as_stream",
 ]
+
+
+class CudaStreamFlags(enum.IntEnum):
+    """How a new stream relates to the legacy default stream (RMM's names for
+    ``cudaStreamDefault`` and ``cudaStreamNonBlocking``).
+
+    ``SYNC_DEFAULT`` streams wait for, and are waited on by, work on the legacy default
+    stream (handle 0), so a copy on the default stream sees what was queued on the stream
+    before it. ``NON_BLOCKING`` streams run concurrently with it: ordering against the default
+    stream is then the caller's job (an event or a synchronize).
+    """
+
+    SYNC_DEFAULT = 0
+    NON_BLOCKING = 1
+
+
+def _check_flags(flags: Any) -> CudaStreamFlags:
+    if isinstance(flags, bool) or not isinstance(flags, int):
+        raise TypeError(f"flags must be a CudaStreamFlags, got {flags!r} ({type(flags).__name__})")
+    try:
+        return CudaStreamFlags(flags)
+    except ValueError:
+        raise ValueError(
+            f"flags must be CudaStreamFlags.SYNC_DEFAULT (0) or NON_BLOCKING (1), got {flags!r}"
+        ) from None
 
 # cudaStreamLegacy and cudaStreamPerThread are these fixed handle values in the CUDA runtime.
 _LEGACY_HANDLE = 1
@@ -34,6 +62,11 @@ def _handle_of(obj: Any) -> int:
     proto = getattr(obj, "__cuda_stream__", None)
     if proto is not None:
         version, handle = proto() if callable(proto) else proto
+        if version != 0:
+            raise NotImplementedError(
+                f"cannot make a Stream from {type(obj).__name__}: CUDA stream protocol "
+                f"version: '{version}' is not supported (only version 0)"
+            )
         return int(handle)
     # CuPy streams expose .ptr, Numba streams .handle (a ctypes c_void_p or int),
     # cuda-python's CUstream/cudaStream_t convert with int().
@@ -56,21 +89,42 @@ def _handle_of(obj: Any) -> int:
 class Stream:
     """A CUDA stream.
 
-    ``Stream()`` creates a new non-blocking stream (needs a GPU); ``Stream(obj)`` wraps an
-    existing one: an int handle, a CuPy or Numba stream, a cuda-python ``CUstream`` /
-    ``cudaStream_t`` or anything with ``__cuda_stream__``. A wrapped stream keeps ``obj``
-    alive and is never destroyed by this object.
+    ``Stream()`` creates a new stream (needs a GPU) that this object owns and destroys;
+    ``Stream(obj)`` wraps an existing one: an int handle, a CuPy or Numba stream, a cuda-python
+    ``CUstream`` / ``cudaStream_t`` or anything with ``__cuda_stream__``. A wrapped stream keeps
+    ``obj`` alive and is never destroyed by this object.
+
+    Parameters
+    ----------
+    obj : object, optional
+        An existing stream to wrap; None creates a new one.
+    flags : CudaStreamFlags, optional
+        For a new stream only (ValueError with ``obj``). Default ``SYNC_DEFAULT``, as RMM: the
+        stream is ordered with the legacy default stream, so ``DeviceBuffer.to_device(b,
+        stream=s).copy_to_host()`` (a copy on the default stream) reads what was copied in.
+
+    Examples
+    --------
+    >>> s = Stream(flags=CudaStreamFlags.NON_BLOCKING)  # doctest: +SKIP
+    >>> s.synchronize()  # doctest: +SKIP
     """
 
     __slots__ = ("handle", "_owner", "_owned", "__weakref__")
 
-    def __init__(self, obj: Any = None):
+    def __init__(self, obj: Any = None, flags: CudaStreamFlags | None = None):
         if obj is None:
             from dask_rmm import _cuda
 
-            self.handle = _cuda.stream_create(non_blocking=True)
+            flags = CudaStreamFlags.SYNC_DEFAULT if flags is None else _check_flags(flags)
+            self._owned = False
+            self.handle = _cuda.stream_create(flags=int(flags))
             self._owner = None
             self._owned = True
+        elif flags is not None:
+            raise ValueError(
+                "flags may only be specified when obj is None: flags cannot be applied to an "
+                f"existing stream ({type(obj).__name__})"
+            )
         elif isinstance(obj, Stream):
             self.handle = obj.handle
             self._owner = obj
@@ -160,12 +214,21 @@ def as_stream(obj: Any) -> Stream:
 
 
 class CudaStreamPool:
-    """A fixed set of streams handed out round-robin, as RMM's ``CudaStreamPool``."""
+    """A fixed set of streams handed out round-robin, as RMM's ``CudaStreamPool``.
 
-    def __init__(self, pool_size: int = 16):
+    Parameters
+    ----------
+    pool_size : int
+        How many streams (at least 1).
+    flags : CudaStreamFlags
+        The flags every stream is created with (default ``SYNC_DEFAULT``).
+    """
+
+    def __init__(self, pool_size: int = 16, flags: CudaStreamFlags = CudaStreamFlags.SYNC_DEFAULT):
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
-        self._streams = [Stream() for _ in range(pool_size)]
+        flags = _check_flags(flags)
+        self._streams = [Stream(flags=flags) for _ in range(pool_size)]
         self._next = 0
         self._lock = threading.Lock()
 

@@ -1,17 +1,22 @@
-"""A worker's heartbeat metrics, ``worker.metrics["dask-rmm"]`` (version 1, docs/internals.md) and
-``["rmm"]``, and their sampler. Not here: building the stacks it reads (``plugin.py``), distributed.
+"""A worker's heartbeat metrics, ``worker.metrics["dask-rmm"]`` (format: ``wire.py``) and
+``["rmm"]``, and their sampler. Not here: building the stacks it reads (``worker_stack.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import parse_timedelta
+
+from dask_rmm import wire
+from dask_rmm.mr.statistics_adaptor import Statistics
+from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -22,21 +27,13 @@ __all__ = ["MAX_SAMPLES", "METRICS_KEY", "METRICS_VERSION", "SAMPLER_KEY", "Work
 
 logger = logging.getLogger(__name__)
 
-#: Key of the heartbeat metrics in ``worker.metrics`` (format: docs/internals.md, version 1).
-METRICS_KEY = "dask-rmm"
-METRICS_VERSION = 1
 #: Samples kept between two heartbeats at most (a slow heartbeat loses the oldest).
 MAX_SAMPLES = 1000
 #: Key of the sampler in ``worker.periodic_callbacks``.
 SAMPLER_KEY = "dask-rmm-sampler"
-_STAT_FIELDS = (
-    "current_bytes",
-    "current_count",
-    "peak_bytes",
-    "peak_count",
-    "total_bytes",
-    "total_count",
-)
+#: The wire fields that are the statistics adaptor's counters.
+_STAT_FIELDS = tuple(f.name for f in fields(Statistics) if f.name in wire.COUNTERS)
+_EMPTY = wire.DeviceSample().to_dict()
 # How old the reserved bytes of the "dask-rmm" metric may be for the "rmm" metric to reuse them.
 _RESERVED_REUSE_S = 0.25
 
@@ -48,6 +45,31 @@ class _DeviceSamples:
     stack: DeviceStack
     samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     last_reserved: tuple[float, int] = (-1e9, 0)  # (monotonic time, reserved bytes)
+    previous_batch: list = field(default_factory=list)
+
+
+def retired_bytes(retired: Iterable[DeviceStack], device: int) -> int:
+    """Bytes still allocated through the ``retired`` stacks of ``device``: stacks a
+    re-registration replaced while buffers made through them were alive
+    (:attr:`dask_rmm.worker_stack.WorkerStack.retired`)."""
+    return sum(s.live_bytes for s in retired if s.device == device)
+
+
+@functools.cache
+def device_identity(device: int, host_memory: bool) -> dict[str, str]:
+    """``gpu_name``, ``gpu_uuid`` and ``pci_bus_id`` of ``device`` (read once per process)."""
+    if host_memory:
+        return {"gpu_name": "host", "gpu_uuid": "", "pci_bus_id": ""}
+    from dask_rmm import _cuda
+
+    # TODO(lead): move into _cuda as device_properties(device) (dropin owns _cuda.py).
+    props = _cuda.check(_cuda._rt().cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+    name = props.name
+    name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+    u = bytes(props.uuid.bytes).hex()
+    uuid = f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
+    pci = f"{props.pciDomainID:08X}:{props.pciBusID:02X}:{props.pciDeviceID:02X}.0"
+    return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
 def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
@@ -79,6 +101,7 @@ class WorkerMetrics:
         self._top_n = 10
         self._sampler: Any = None  # tornado PeriodicCallback while sampling
         self._previous_rmm_metric: Any = None
+        self._retired: Callable[[], list[DeviceStack]] = list
 
     def install(
         self,
@@ -93,7 +116,11 @@ class WorkerMetrics:
         ``sampling`` and a positive ``sample_interval`` (ms if a number), start the sampler."""
         from tornado.ioloop import PeriodicCallback
 
+        from dask_rmm.worker_stack import worker_stack
+
         self._previous_rmm_metric = worker.metrics.get("rmm")
+        owner = worker_stack(worker)
+        self._retired = lambda: owner.retired
         self._top_n = top_n
         self._devices = [_DeviceSamples(stack) for stack in stacks]
         worker.metrics[METRICS_KEY] = self.heartbeat_metrics
@@ -125,6 +152,7 @@ class WorkerMetrics:
             else:
                 worker.metrics["rmm"] = previous
         self._previous_rmm_metric = None
+        self._retired = list
         self._top_n = 10
         self._devices = []
 
@@ -142,24 +170,28 @@ class WorkerMetrics:
                 logger.exception("dask-rmm: sampling device %d failed", device.stack.device)
 
     def heartbeat_metrics(self, worker: Worker) -> dict[str, Any]:
-        """``worker.metrics["dask-rmm"]``: the version 1 dict of docs/internals.md. Never raises."""
-        out: dict[str, Any] = {"version": METRICS_VERSION, "time": time.time()}
+        """``worker.metrics["dask-rmm"]``: :func:`dask_rmm.wire.heartbeat`. Never raises."""
+        name = worker.name
+        devices = {}
         try:
-            name = worker.name
-            out["worker"] = name if isinstance(name, (str, int)) else str(name)
-            top_n = self._top_n
-            out["devices"] = {
-                str(d.stack.device): self._device_metrics(d, top_n) for d in self._devices
-            }
-        except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
-            out.setdefault("devices", {})
-            out["error"] = f"{type(e).__name__}: {e}"
-        return out
+            retired = self._retired()
+        except Exception:  # pragma: no cover - defensive: the heartbeat must go on
+            retired = []
+        for d in self._devices:
+            try:
+                devices[str(d.stack.device)] = self._device_metrics(d, self._top_n, retired)
+            except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
+                devices[str(d.stack.device)] = {"error": f"{type(e).__name__}: {e}"}
+        return wire.heartbeat(
+            name if isinstance(name, (str, int)) else str(name), time.time(), devices
+        )
 
     @staticmethod
-    def _device_metrics(device: _DeviceSamples, top_n: int) -> dict[str, Any]:
+    def _device_metrics(
+        device: _DeviceSamples, top_n: int, retired: list[DeviceStack] = ()
+    ) -> dict[str, Any]:
         stack = device.stack
-        d: dict[str, Any] = {"resource": stack.chain}
+        d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
         errors = []
         stats = stack.statistics
         try:
@@ -169,51 +201,39 @@ class WorkerMetrics:
                 for name in _STAT_FIELDS:
                     d[name] = int(getattr(counts, name))
                 d["failed_allocations"] = int(stats.failed_allocations)
-            else:
-                d.update(
-                    current_bytes=0,
-                    current_count=0,
-                    peak_bytes=0,
-                    peak_count=0,
-                    total_bytes=0,
-                    total_count=0,
-                    failed_allocations=0,
-                )
-        except Exception as e:
-            errors.append(f"statistics: {type(e).__name__}: {e}")
-        try:
             info = stack.top.reserved_memory_info()
-            if info is None:
-                # Nothing pools: what is allocated is what is reserved from the device.
+            if info is None:  # nothing pools: what is allocated is what is reserved
                 d["reserved_bytes"] = d.get("current_bytes", 0)
-                d["pool_free_bytes"] = 0
-                d["largest_free_block"] = 0
             else:
                 d["reserved_bytes"] = int(info.reserved_bytes)
                 d["pool_free_bytes"] = int(info.free_bytes)
                 d["largest_free_block"] = int(info.largest_free_block)
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
+            d["retired_bytes"] = retired_bytes(retired, stack.device)
         except Exception as e:
-            errors.append(f"reserved memory: {type(e).__name__}: {e}")
+            errors.append(f"statistics: {type(e).__name__}: {e}")
         try:
+            d.update(device_identity(stack.device, stack.host_memory))
             d["device_used_bytes"], d["device_total_bytes"] = _device_memory(
                 stack.device, stack.host_memory
             )
         except Exception as e:
-            d["device_used_bytes"] = d["device_total_bytes"] = 0
             errors.append(f"device memory: {type(e).__name__}: {e}")
         try:
             attribution = stack.attribution
-            d["task_groups"] = (
-                [m.to_list() for m in attribution.top(top_n)] if attribution is not None else []
-            )
+            if attribution is not None:
+                d["task_groups"] = [m.to_list() for m in attribution.top(top_n)]
         except Exception as e:
-            d["task_groups"] = []
             errors.append(f"task groups: {type(e).__name__}: {e}")
-        samples = device.samples
-        d["samples"] = [samples.popleft() for _ in range(len(samples))]
         if errors:
             d["error"] = "; ".join(errors)
+        # This heartbeat's samples after the previous heartbeat's: the scheduler reads the
+        # heartbeats by polling and keeps only samples newer than its newest, so one heartbeat
+        # it did not see loses nothing.
+        samples = device.samples
+        batch = [samples.popleft() for _ in range(len(samples))]
+        d["samples"] = device.previous_batch + batch
+        device.previous_batch = batch
         return d
 
     def rmm_metrics(self, worker: Worker) -> dict[str, int]:

@@ -1,5 +1,7 @@
-"""What RMMPlugin installed on one worker device: the stack's record, the per-process registry that
-installs it and restores the previous resource, its log file. Not here: building it (``plugin.py``).
+"""What dask-rmm installed: one device's stack (:class:`DeviceStack`), one worker's stacks with
+the retired ones still holding memory (:class:`WorkerStack`), the per-process registry that
+installs them and restores what was there, and their log files. Not here: building a stack
+(``options.py``), distributed (``plugin.py``).
 """
 
 from __future__ import annotations
@@ -7,19 +9,23 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dask_rmm.mr.base import DeviceMemoryResource
+    from dask_rmm.options import RMMOptions
 
 __all__ = [
     "DeviceStack",
+    "WorkerStack",
     "claim_log_file",
     "install_stack",
     "log_file_path",
     "resource_chain",
     "uninstall_stack",
+    "worker_stack",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +92,30 @@ class DeviceStack:
     log_fd: int | None = None
     chain: str = ""
     host_memory: bool = False
+    options: RMMOptions | None = None
+    pool_size: int | None = None  # bytes, as resolved on this device
+    maximum_pool_size: int | None = None
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated through this stack and not yet freed (0 without statistics)."""
+        try:
+            return int(self.statistics.current_bytes) if self.statistics is not None else 0
+        except Exception:  # a broken counter must not break a teardown
+            return 0
+
+    def describe(self) -> str:
+        """One line: resources, pool size and maximum, base resource, log file."""
+        from dask_rmm.mr.base import format_bytes
+
+        def size(n: int | None) -> str:
+            return "none" if n is None else format_bytes(n)
+
+        base = self.options.base_resource if self.options is not None else "?"
+        return (
+            f"device {self.device}: {self.chain}; pool {size(self.pool_size)}, maximum "
+            f"{size(self.maximum_pool_size)}, base resource {base}, log {self.log_path or 'none'}"
+        )
 
     def close_log(self) -> None:
         if self.logging is not None:
@@ -151,3 +181,101 @@ def uninstall_stack(stack: DeviceStack) -> None:
             set_per_device_resource(stack.device, previous)
     elif was_newest:
         set_per_device_resource(stack.device, active[-1].top)
+
+
+# -- one worker's stacks -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WorkerStack:
+    """The stacks dask-rmm installed on one worker, across plugin registrations.
+
+    ``active``: the installed stacks (one per device), made from ``options`` by the
+    registration ``token``. ``retired``: stacks replaced or removed while buffers allocated
+    through them were still alive; they are listed, with :attr:`DeviceStack.live_bytes`, until
+    those buffers are freed, so that re-registering never hides memory in use (the heartbeat
+    metrics read them). Teardown hands the active stacks back with :meth:`release` instead of
+    removing them at once, so that a registration replacing them can :meth:`take_released` and
+    keep them installed until its own stacks are ready (or keep them if it fails).
+    """
+
+    active: list[DeviceStack] = field(default_factory=list)
+    options: RMMOptions | None = None
+    token: str | None = None
+    _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
+    _released: bool = False
+
+    @property
+    def retired(self) -> list[DeviceStack]:
+        """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
+        live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
+        self._retired = [(r, s) for r, s in self._retired if r() is not None and s.live_bytes > 0]
+        return [s for _, s in self._retired]
+
+    def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
+        """Install ``stacks`` and retire the active ones (call after every stack is built)."""
+        from dask_rmm import allocators
+
+        previous, previous_options = self.active, self.options
+        for stack in stacks:
+            install_stack(stack)
+        if previous_options is not None:
+            dropped = [a for a in previous_options.allocators if a not in options.allocators]
+            allocators.reset_allocators(dropped)
+        self.active, self.options, self.token, self._released = stacks, options, token, False
+        self.retire(previous)
+        allocators.set_allocators(list(options.allocators))
+
+    def retire(self, stacks: list[DeviceStack]) -> None:
+        """Uninstall ``stacks``, close their logs, and keep the ones still holding memory."""
+        for stack in reversed(stacks):
+            uninstall_stack(stack)
+            stack.close_log()
+            if stack.live_bytes > 0:
+                alive = weakref.ref(stack.top)
+                for name in ("top", "statistics", "attribution", "logging"):
+                    if getattr(stack, name) is not None:
+                        setattr(stack, name, weakref.proxy(getattr(stack, name)))
+                self._retired.append((alive, stack))
+
+    def release(self) -> bool:
+        """Mark the active stacks as handed back (see the class doc); False if there are none."""
+        self._released = bool(self.active)
+        return self._released
+
+    def take_released(self) -> bool:
+        """Claim stacks handed back by :meth:`release` and not yet removed (they stay installed)."""
+        taken, self._released = self._released, False
+        return taken
+
+    def remove_released(self) -> None:
+        """Remove the active stacks if they were released and nobody took them."""
+        if not self._released:
+            return
+        from dask_rmm import allocators
+
+        stacks, options = self.active, self.options
+        self.active, self.options, self.token, self._released = [], None, None, False
+        if options is not None:
+            allocators.reset_allocators(list(options.allocators))
+        self.retire(stacks)
+
+    def flush_logs(self) -> None:
+        """Write every active stack's buffered log rows to its file."""
+        for stack in self.active:
+            if stack.logging is not None:
+                try:
+                    stack.logging.flush()
+                except Exception:  # pragma: no cover - a timer must not die
+                    logger.exception("dask-rmm: flushing %s failed", stack.log_path)
+
+
+_worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def worker_stack(worker: Any) -> WorkerStack:
+    """The :class:`WorkerStack` of ``worker`` (a distributed Worker), made on first use."""
+    ws = _worker_stacks.get(worker)
+    if ws is None:
+        ws = _worker_stacks[worker] = WorkerStack()
+    return ws

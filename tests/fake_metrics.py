@@ -28,16 +28,22 @@ class FakeDevice:
         g = self.task_groups.setdefault(group, [0, 0])
         g[0] += nbytes
         g[1] = max(g[1], g[0])
-        self.samples.append([time.time(), self.current, self.current])
+        self._sample()
 
     def free(self, nbytes: int, group: str = "task") -> None:
         self.current -= nbytes
         self.current_count -= 1
         self.task_groups[group][0] -= nbytes
-        self.samples.append([time.time(), self.current, self.current])
+        self._sample()
+
+    def _sample(self) -> None:
+        last = self.samples[-1][0] if self.samples else 0.0
+        self.samples.append([max(time.time(), last + 1e-6), self.current, self.current])
 
     def snapshot(self) -> dict:
-        samples, self.samples = self.samples, []
+        # Like WorkerMetrics: this heartbeat's samples after the previous heartbeat's.
+        batch, self.samples = self.samples, []
+        samples, self.previous_batch = getattr(self, "previous_batch", []) + batch, batch
         out = {
             "current_bytes": self.current,
             "current_count": self.current_count,
@@ -75,7 +81,7 @@ class FakeRMMMetrics:
     def __call__(self, worker) -> dict:
         self.calls += 1
         return {
-            "version": 1,
+            "version": 2,
             "time": time.time(),
             "worker": str(worker.name),
             "devices": {d: dev.snapshot() for d, dev in self.devices.items()},

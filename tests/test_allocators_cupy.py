@@ -102,6 +102,19 @@ def test_allocator_uses_current_stream_and_frees_on_it(host_cupy, monkeypatch):
     assert cupy_hook._streams[0x1234].handle == 0x1234  # Stream objects are cached
 
 
+def test_allocation_owner_is_a_device_buffer_as_rmm(host_cupy, host_stats):
+    from dask_rmm.device_buffer import DeviceBuffer
+
+    mp = cupy_hook.rmm_cupy_allocator(42)
+    owner = mp.mem._owner
+    assert isinstance(owner, DeviceBuffer)
+    assert (owner.ptr, owner.size, owner.mr) == (mp.ptr, 42, host_stats)
+    empty = cupy_hook.rmm_cupy_allocator(0)
+    assert isinstance(empty.mem._owner, DeviceBuffer) and empty.mem._owner.size == 0
+    del mp, owner, empty
+    assert host_stats.allocation_counts.current_bytes == 0
+
+
 def test_allocator_zero_bytes(host_cupy, host_stats):
     mp = cupy_hook.rmm_cupy_allocator(0)
     assert mp.ptr == 0 and mp.device_id == 0
@@ -147,13 +160,13 @@ def test_set_allocators_cupy():
 
 
 def test_supported_names():
-    assert SUPPORTED_ALLOCATORS == ("cupy", "numba")
+    assert SUPPORTED_ALLOCATORS == ("cupy", "numba", "torch")
 
 
 @pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
 def test_unknown_names_list_supported(names):
     original = cupy.cuda.get_allocator()
-    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba'\]"):
+    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'torch'\]"):
         set_allocators(names)
     assert cupy.cuda.get_allocator() is original  # nothing was set
 
@@ -258,3 +271,33 @@ def test_gpu_cupy_each_device_uses_its_resource(gpu_cupy_allocator):
     assert [mr.allocation_counts.current_bytes for mr in resources] == [1000, 2000]
     del arrays
     assert [mr.allocation_counts.current_bytes for mr in resources] == [0, 0]
+
+
+def test_allocation_keeps_its_cupy_stream_alive(host_cupy):
+    import weakref
+
+    base = SystemMemoryResource()  # a pool would keep the stream for its free lists itself
+    set_per_device_resource(0, base)
+
+    cs = _FakeCupyStream(0x7000)
+    host_cupy["stream"] = cs.ptr
+    cupy_hook._streams.pop(cs.ptr, None)
+
+    holder = [cs]
+    cupy_hook._get_current_stream, saved = (lambda device_id=-1: holder[0]),  cupy_hook._get_current_stream
+    try:
+        mp = cupy_hook.rmm_cupy_allocator(256)
+    finally:
+        cupy_hook._get_current_stream = saved
+    ref = weakref.ref(cs)
+    del cs
+    holder.clear()
+    cupy_hook._streams.clear()
+    # the allocation's owner still holds the CuPy stream it will be freed on
+    alive = ref() is not None
+    handle = mp.mem._owner.stream.handle
+    del mp
+    assert alive and handle == 0x7000
+    gc.collect()
+    assert base.live_allocations == 0
+    assert ref() is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_rmm.mr import CallbackMemoryResource
+from dask_rmm.mr import CallbackMemoryResource, SystemMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 
@@ -50,3 +50,30 @@ def test_needs_callables():
         CallbackMemoryResource(None, lambda p, n, s: None)
     with pytest.raises(TypeError, match="deallocate_func"):
         CallbackMemoryResource(lambda n, s: 0, 5)
+
+
+@pytest.mark.parametrize(
+    "raised, caught",
+    [(MemoryError, MemoryError), (RuntimeError, RuntimeError), (ValueError, RuntimeError),
+     (Exception, RuntimeError), (BaseException, RuntimeError)],
+)
+def test_allocate_callback_errors_map_as_rmm(raised, caught):
+    base = SystemMemoryResource()
+
+    def allocate(nbytes, stream):
+        raise raised("my alloc error")
+
+    mr = CallbackMemoryResource(allocate, base.deallocate)
+    with pytest.raises(caught, match="my alloc error") as info:
+        mr.allocate(256)
+    if caught is not raised:
+        assert type(info.value.__cause__) is raised
+
+
+def test_allocate_callback_keyboard_interrupt_passes_through():
+    def allocate(nbytes, stream):
+        raise KeyboardInterrupt
+
+    mr = CallbackMemoryResource(allocate, lambda *a: None)
+    with pytest.raises(KeyboardInterrupt):
+        mr.allocate(256)

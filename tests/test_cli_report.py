@@ -181,3 +181,36 @@ def test_address_or_scheduler_file_is_required(tmp_path):
     bad.write_text("{}")
     r = CliRunner().invoke(main, ["report", "--scheduler-file", str(bad)])
     assert r.exit_code == 1 and "cannot read a scheduler address" in r.output
+
+
+def test_negative_timeout_is_a_usage_error():
+    r = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:9", "--timeout", "-1"])
+    assert r.exit_code == 2 and "--timeout" in r.output and "Traceback" not in r.output
+
+
+def test_unreachable_scheduler_names_the_reason():
+    out = _cli("tcp://127.0.0.1:9", "--timeout", "0.5")
+    assert out.returncode == 1
+    reason = out.stderr.split("tcp://127.0.0.1:9:", 1)[1].strip()
+    assert reason  # used to be empty
+
+
+def test_an_http_port_gets_a_hint():
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dask_rmm.client import iter_reports
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def first():
+        async for r in iter_reports(f"tcp://127.0.0.1:{server.server_port}", timeout=60):
+            return r
+
+    try:
+        with pytest.raises(OSError, match="answers HTTP: that is a dashboard port"):
+            asyncio.run(first())
+    finally:
+        server.shutdown()

@@ -14,7 +14,7 @@ import pytest
 from conftest import HAS_GPU, hold, local_process_cluster, wait_until
 from distributed import wait
 
-from dask_rmm.cluster import cluster_report
+from dask_rmm.client import cluster_report
 from dask_rmm.plugin import RMMPlugin
 
 pytestmark = pytest.mark.slow

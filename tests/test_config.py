@@ -105,8 +105,10 @@ def test_import_does_not_import_distributed():
         ("1024", 1024),
         ("1e9", 1_000_000_000 // 256 * 256),
         (1000, 768),
-        (0, 0),
-        ("0", 0),
+        (0, None),
+        ("0", None),
+        (None, None),
+        (4e9, 4_000_000_000),
         (np.int64(512), 512),
     ],
 )
@@ -135,14 +137,13 @@ def test_fractions_with_given_total():
         ("1.5", ValueError),
         ("-0.5", ValueError),
         (1.5, ValueError),
-        (0.0, ValueError),
         (-0.5, ValueError),
         (float("nan"), ValueError),
         (float("inf"), ValueError),
         (-1, ValueError),
         (100, ValueError),  # non-zero but below the alignment
         (True, TypeError),
-        (None, TypeError),
+        ("1.5GiBs", ValueError),
         ([4], TypeError),
     ],
 )
@@ -175,3 +176,35 @@ def test_fraction_of_device_memory():
     total = _cuda.device_total_memory()
     assert parse_device_bytes(0.5) == int(total * 0.5) // 256 * 256
     assert parse_device_bytes(1.0, device=_cuda.get_device()) == total // 256 * 256
+
+
+@pytest.mark.parametrize(
+    "key, value, variable",
+    [
+        ("metrics.sample-interval", "banana", "DASK_DASK_RMM__METRICS__SAMPLE_INTERVAL"),
+        ("metrics.top-task-groups", "abc", "DASK_DASK_RMM__METRICS__TOP_TASK_GROUPS"),
+        ("pool-size", "lots", "DASK_DASK_RMM__POOL_SIZE"),
+        ("base-resource", "tpu", "DASK_DASK_RMM__BASE_RESOURCE"),
+        ("scheduler.timeline-length", 0, "DASK_DASK_RMM__SCHEDULER__TIMELINE_LENGTH"),
+    ],
+)
+def test_bad_config_names_the_key_and_variable_and_installs_nothing(key, value, variable):
+    from dask_rmm import mr
+    from dask_rmm.config import ConfigError
+    from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
+    from dask_rmm.plugin import RMMPlugin
+
+    before = mr.SystemMemoryResource()
+    set_per_device_resource(0, before)
+    with dask.config.set({f"dask-rmm.{key}": value}):
+        with pytest.raises(ConfigError, match=rf"dask-rmm.{key}=.*\({variable}\)"):
+            RMMPlugin(base_resource="system")
+    assert get_per_device_resource(0) is before
+
+
+def test_unknown_keys_warn():
+    from dask_rmm.config import validate_config
+
+    with dask.config.set(dask.config.collect_env({"DASK_DASK_RMM__POOLSIZE": "1GB"})):
+        with pytest.warns(UserWarning, match=r"dask-rmm.poolsize \(DASK_DASK_RMM__POOLSIZE\)"):
+            validate_config()

@@ -43,8 +43,22 @@ def test_pool_with_sizes(base):
     dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="16MiB",
                           maximum_pool_size=64 << 20, base_resource=base)
     mr = get_current_device_resource()
+    if base == "async":  # the sizes are cudaMallocAsync's own pool's, as in dask-cuda
+        assert type(mr).__name__ == "LimitingResourceAdaptor"
+        assert mr.get_allocation_limit() == 64 << 20
+        return
     assert isinstance(mr, PoolMemoryResource)
     assert mr.pool_size() == 16 << 20 and mr.maximum_pool_size == 64 << 20
+
+
+def test_initial_above_maximum_is_a_value_and_runtime_error():
+    dask_rmm.reinitialize(base_resource="system")
+    before = get_current_device_resource()
+    with pytest.raises(ValueError, match="`maximum_pool_size` .*smaller than `pool_size`") as info:
+        dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="64MiB",
+                              maximum_pool_size="16MiB", base_resource="system")
+    assert isinstance(info.value, RuntimeError)  # what RMM raises
+    assert get_current_device_resource() is before
 
 
 def test_live_buffers_survive_reinitialize(base):
@@ -154,14 +168,16 @@ def test_hook_may_free_old_buffers():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"base_resource": "tpu"}, ValueError, "not one of"),
+        ({"base_resource": "tpu"}, ValueError, "must be one of"),
         ({"base_resource": "system", "managed_memory": True}, ValueError, "conflicts"),
         ({"base_resource": "system", "devices": "0"}, TypeError, "devices"),
         ({"base_resource": "system", "devices": [0, True]}, TypeError, "devices"),
         ({"base_resource": "system", "devices": 99}, ValueError, "does not exist"),
         ({"base_resource": "system", "devices": []}, ValueError, "at least one"),
         ({"base_resource": "system", "pool_allocator": True, "initial_pool_size": "lots"},
-         ValueError, "size"),
+         ValueError, "pool_size='lots'"),
+        ({"base_resource": "system", "pool_allocator": True, "initial_pool_size": "GiB"},
+         ValueError, "pool_size='GiB'"),
     ],
 )
 def test_bad_input(kwargs, exc, match):

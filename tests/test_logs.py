@@ -16,8 +16,10 @@ from logdata import (
     write_synthetic,
 )
 
-from dask_rmm import log_summary, log_timeline, logs, replay
-from dask_rmm.logs import Action, LogEvent, LogFormatError, TruncatedLogWarning
+from dask_rmm import logs
+from dask_rmm.logs import Action, LogEvent, LogFormatError, TruncatedLogWarning, replay
+from dask_rmm.logs import summary as log_summary
+from dask_rmm.logs import timeline as log_timeline
 
 HEADER_LINE = "Thread,Time,Action,Pointer,Size,Stream\n"
 
@@ -494,6 +496,6 @@ def test_replay_async_needs_a_gpu(tmp_path):
 def test_comparison_table(tmp_path):
     p = tmp_path / "w.csv"
     write_synthetic(p, 1000, seed=14, failure_rate=0.0)
-    results = replay.replay_many(p, ["pool", "cuda"], gpu=False)
+    results = [replay.replay(p, name, gpu=False) for name in ("pool", "cuda")]
     text = replay.format_comparison(results)
     assert "pool" in text and "cuda" in text and "smallest footprint" in text

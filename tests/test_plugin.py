@@ -17,7 +17,7 @@ from dask_rmm import mr
 from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
 from dask_rmm.worker_metrics import METRICS_KEY
-from dask_rmm.worker_stack import log_file_path
+from dask_rmm.worker_stack import log_file_path, worker_stack
 
 MiB = 1 << 20
 
@@ -81,17 +81,18 @@ def _stack_names(dask_worker=None):
             "`maximum_pool_size` .* smaller than `pool_size`",
         ),
         ({"maximum_pool_size": "1GiB"}, "`maximum_pool_size` was given without `pool_size`"),
-        ({"pool_size": "4 gigs"}, "`pool_size`"),
-        ({"pool_size": 1.5}, "`pool_size`"),
+        ({"pool_size": "4 gigs"}, "pool_size='4 gigs'"),
+        ({"pool_size": "GiB"}, "pool_size='GiB'"),
+        ({"pool_size": 1.5}, "pool_size=1.5"),
         ({"base_resource": "gpu"}, "`base_resource` must be one of"),
-        (
-            {"allocators": ["cupy", "torch"]},
-            "unknown library 'torch' in `allocators`; supported: cupy, numba",
-        ),
+        ({"allocators": ["cupy", "tensorflow"]}, "unknown library 'tensorflow' in `allocators`"),
         (
             {"base_resource": "system", "async_alloc": True},
-            "`async_alloc` needs base_resource='cuda'",
+            "`async_alloc=True` means base_resource='async', which conflicts",
         ),
+        ({"log_directory": 123}, "`log_directory` must be a directory path, got 123"),
+        ({"device_pause_fraction": 1.5}, "`device_pause_fraction`"),
+        ({"device_memory_limit": "lots"}, "device_memory_limit='lots'"),
         ({"base_resource": "system", "allocators": "cupy"}, "`allocators`"),
         ({"devices": [0, 0]}, "`devices`"),
         ({"log_directory": ""}, "`log_directory`"),
@@ -102,11 +103,17 @@ def test_incompatible_options_fail_on_the_client(kwargs, match):
         RMMPlugin(**kwargs)
 
 
+def test_dask_cuda_names_choose_the_base_resource():
+    assert RMMPlugin(managed_memory=True).options.base_resource == "managed"
+    assert RMMPlugin(base_resource="cuda", async_alloc=True).options.base_resource == "async"
+    assert RMMPlugin(base_resource="managed").options.base_resource == "managed"
+
+
 def test_fractions_and_sizes_are_kept_for_the_worker():
-    p = RMMPlugin(pool_size="0.5", maximum_pool_size=0.9, base_resource="system")
+    p = RMMPlugin(pool_size="0.5", maximum_pool_size=0.9, base_resource="system").options
     assert p.pool_size == 0.5 and p.maximum_pool_size == 0.9
     p = RMMPlugin(pool_size="64MiB", maximum_pool_size=1 << 30, base_resource="system")
-    assert (p.pool_size, p.maximum_pool_size) == (64 * MiB, 1 << 30)
+    assert (p.options.pool_size, p.options.maximum_pool_size) == (64 * MiB, 1 << 30)
     assert "pool_size=67108864" in repr(p)
     assert RMMPlugin.name == "dask-rmm" and RMMPlugin.idempotent is False
 
@@ -119,11 +126,13 @@ def test_config_supplies_defaults_and_arguments_win():
             "dask-rmm.track-allocations": True,
         }
     ):
-        p = RMMPlugin()
+        p = RMMPlugin().options
         assert (p.pool_size, p.base_resource, p.track_allocations) == (48 * MiB, "system", True)
-        p = RMMPlugin(pool_size=None, track_allocations=False)
+        p = RMMPlugin(pool_size=None, track_allocations=False).options
         assert (p.pool_size, p.track_allocations) == (None, False)
-    assert RMMPlugin(base_resource="system").statistics is True
+    assert RMMPlugin(base_resource="system").options.statistics is True
+    p = RMMPlugin(base_resource="system", device_memory_limit="0.5", spill_on_oom=True).options
+    assert (p.device_memory_limit, p.spill_on_oom, p.device_pause_fraction) == (0.5, True, 0.8)
 
 
 def test_environment_variables_configure_the_plugin():
@@ -135,7 +144,7 @@ def test_environment_variables_configure_the_plugin():
     }
     # What dask.config reads from os.environ at import (the preload test uses real variables).
     with dask.config.set(dask.config.collect_env(env)):
-        p = RMMPlugin()
+        p = RMMPlugin().options
     assert (p.pool_size, p.base_resource, p.statistics) == (96 * MiB, "system", False)
 
 
@@ -220,7 +229,7 @@ async def test_a_log_file_held_by_another_worker_is_not_shared(c, s, a):
         fcntl.flock(fd, fcntl.LOCK_EX)  # as another live worker of the same name would
         try:
             await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
-            path = a.plugins["dask-rmm"]._stacks[0].log_path
+            path = worker_stack(a).active[0].log_path
             assert path != taken and f"-{os.getpid()}.dev0.csv" in path
             assert os.path.exists(path)
         finally:
@@ -251,7 +260,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
         return None
 
     m = await _poll(device_metrics, what="6 MiB current on the scheduler")
-    assert m["version"] == 1 and m["worker"] == a.name and m["time"] > 0
+    assert m["version"] == 2 and m["worker"] == a.name and m["time"] > 0
     d = m["devices"]["0"]
     assert d["current_count"] == 3 and d["peak_bytes"] == 6 * MiB and d["total_count"] == 3
     assert d["reserved_bytes"] == 16 * MiB
@@ -265,7 +274,8 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
     assert groups["hold"] == (3 * MiB, 3 * MiB)
     assert groups["other"] == (3 * MiB, 3 * MiB)
 
-    # Samples arrive with heartbeats: time, current, max in interval; each is sent once.
+    # Samples arrive with heartbeats: time, current, max in interval; each is sent with its
+    # heartbeat and repeated with the next (the scheduler keeps only the new ones).
     samples, seen = [], set()
 
     def new_heartbeat():
@@ -276,7 +286,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
         m = await _poll(new_heartbeat, what="a new heartbeat")
         seen.add(m["time"])
         samples += list(m["devices"]["0"]["samples"])
-    times = [t for t, _, _ in samples]
+    times = [t for t, _, _ in dict.fromkeys(map(tuple, samples))]
     assert samples and times == sorted(times) and len(set(times)) == len(times)
     assert all(cur <= mx for _, cur, mx in samples)
 
@@ -307,7 +317,7 @@ async def test_metrics_never_raise(c, s, a):
         def take_interval_peak(self):
             raise RuntimeError("sampler exploded")
 
-    plugin._stacks[0].statistics = Broken()
+    worker_stack(a).active[0].statistics = Broken()
     plugin.worker_metrics.sample()  # logged, not raised
     m = a.metrics[METRICS_KEY](a)
     assert "counter exploded" in m["devices"]["0"]["error"]
@@ -365,7 +375,7 @@ async def test_teardown_is_idempotent_and_stops_the_sampler(c, s, a):
     plugin.teardown(a)
     plugin.teardown(a)  # again (worker close after unregistering, a failed setup...): no-op
     assert not sampler.is_running()
-    assert get_per_device_resource(0) is before
+    await _poll(lambda: get_per_device_resource(0) is before, what="the stack removed")
     # A tick or a metrics call that was already on its way when teardown ran does nothing.
     plugin.worker_metrics.sample()
     assert plugin.worker_metrics.heartbeat_metrics(a)["devices"] == {}
@@ -382,6 +392,7 @@ async def test_workers_sharing_a_process_tear_down_in_any_order(c, s, a, b):
     assert newest in (pa.resources()[0], pb.resources()[0])
     older = pa if newest is pb.resources()[0] else pb
     older.teardown(a if older is pa else b)
+    await asyncio.sleep(0.05)
     assert get_per_device_resource(0) is newest
     await c.unregister_worker_plugin("dask-rmm")
     assert get_per_device_resource(0) is before
@@ -391,7 +402,7 @@ async def test_workers_sharing_a_process_tear_down_in_any_order(c, s, a, b):
 async def test_a_pool_larger_than_memory_fails_register_plugin_with_the_address(c, s, a):
     before = mr.SystemMemoryResource()
     set_per_device_resource(0, before)
-    with pytest.raises(RMMSetupError, match=rf"worker {a.address}.*`pool_size` .* is larger than"):
+    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*`pool_size` .* is larger than"):
         await c.register_plugin(RMMPlugin(base_resource="system", pool_size="1PiB"))
     assert get_per_device_resource(0) is before  # nothing half-installed
     assert METRICS_KEY not in a.metrics
@@ -400,19 +411,16 @@ async def test_a_pool_larger_than_memory_fails_register_plugin_with_the_address(
     assert "PoolMemoryResource" in _chain(get_per_device_resource(0))
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
-async def test_a_bad_log_directory_fails_register_plugin_with_the_address(c, s, a):
-    import tempfile
-
-    with tempfile.NamedTemporaryFile() as f:
-        with pytest.raises(RMMSetupError, match=rf"worker {a.address}.*{f.name}"):
-            await c.register_plugin(RMMPlugin(base_resource="system", log_directory=f.name))
+def test_a_file_as_log_directory_is_refused_on_the_client(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`log_directory` .*file.* is not a directory"):
+        RMMPlugin(base_resource="system", log_directory=tmp_path / "file")
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error; this host has a GPU")
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
-    with pytest.raises(RMMSetupError, match=rf"worker {a.address}.*base_resource='system'"):
+    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*base_resource='system'"):
         await c.register_plugin(RMMPlugin(base_resource="cuda"))
 
 
@@ -420,8 +428,9 @@ async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
 async def test_scheduler_plugin_is_installed_once(c, s, a):
     await c.register_plugin(RMMPlugin(base_resource="system"))
     await c.register_plugin(RMMPlugin(base_resource="system"))
-    cluster = pytest.importorskip("dask_rmm.cluster")
-    assert cluster.PLUGIN_NAME in s.plugins
+    from dask_rmm.wire import PLUGIN_NAME
+
+    assert PLUGIN_NAME in s.plugins
 
 
 # -- a real cluster of worker processes -----------------------------------------------------------

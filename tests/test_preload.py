@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import dask
 import pytest
 from click.testing import CliRunner
 from conftest import HAS_GPU, wait_until
@@ -91,7 +92,7 @@ def _stop(proc):
 
 
 # A lambda is pickled by value (this test module is not importable in the worker process).
-_plugin_options = lambda dask_worker: dask_worker.plugins["dask-rmm"].options  # noqa: E731
+_plugin_options = lambda dask_worker: dask_worker.plugins["dask-rmm"].options.to_dict()  # noqa: E731
 
 
 @pytest.mark.slow
@@ -155,9 +156,9 @@ def test_a_failing_setup_stops_the_worker_with_the_reason(scheduler):
     worker = _start_worker(
         scheduler, "--rmm-pool-size", "1PiB", "--rmm-base-resource", "system", name="big-1"
     )
-    out = worker.communicate(timeout=60)[0]
-    assert worker.returncode != 0
+    out = worker.communicate(timeout=60)[0]  # the worker closed itself: it exits
     assert "RMMSetupError" in out and "is larger than" in out
+    assert "dask-rmm setup failed" in out  # the reason it closed with
 
 
 @pytest.mark.parametrize(
@@ -217,6 +218,16 @@ def test_dask_worker_cli_rejects_a_bad_flag_before_starting():
     )
     assert out.returncode == 2
     assert "--rmm-release-threshold requires --rmm-async" in out.stderr
+    assert "Usage: dask worker SCHEDULER --preload dask_rmm.preload [OPTIONS]" in out.stderr
+
+
+def test_bad_config_is_a_usage_error_naming_the_variable():
+    from dask_rmm.preload import _main
+
+    env = {"DASK_DASK_RMM__METRICS__TOP_TASK_GROUPS": "abc"}
+    with dask.config.set(dask.config.collect_env(env)), pytest.raises(SystemExit) as info:
+        _main(["--rmm-base-resource", "system"])
+    assert info.value.code == 2
 
 
 def test_plugin_from_flags_maps_dask_cuda_names():
@@ -227,6 +238,7 @@ def test_plugin_from_flags_maps_dask_cuda_names():
         rmm_statistics=False,
         rmm_track_allocations=True,
     )
+    p = p.options
     assert (p.pool_size, p.maximum_pool_size, p.statistics, p.track_allocations) == (
         0.5,
         0.9,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dask_rmm._svg import _downsample, timeline_svg
-from dask_rmm.report import ClusterMemoryReport, DeviceMemory
+from dask_rmm.report import ClusterMemoryReport, DeviceMemory, peak_of_sum
 
 
 def _data(**overrides) -> dict:
@@ -34,7 +34,7 @@ def _data(**overrides) -> dict:
         ],
     }
     data = {
-        "version": 1,
+        "version": 2,
         "time": 1700000000.0,
         "scheduler": "tcp://10.0.0.1:8786",
         "timeline_length": 3600,
@@ -112,7 +112,8 @@ def test_text_table():
     assert lines[1].split()[:3] == ["worker", "dev", "status"]
     assert "10.0.0.2:4000 (w2)" in text and "3.00 MiB" in text and "20%" in text
     assert "matmul 4.00 MiB" in text
-    assert lines[-2].startswith("total (2 workers)") and "1 gone" in lines[-2]
+    assert lines[-3].startswith("total (2 workers)") and "1 gone" in lines[-3]
+    assert lines[-2].startswith("* total peak")
     assert lines[-1] == "1 worker(s) without dask-rmm metrics"
     assert "2 workers (1 gone)" in repr(ClusterMemoryReport.from_dict(_data()))
 
@@ -174,3 +175,30 @@ def test_svg_downsample_keeps_extremes():
 def test_svg_without_samples_and_single_sample():
     assert "no samples yet" in timeline_svg([])
     assert "<circle" in timeline_svg([("w/dev0", "running", [[1.0, 5, 5]])])
+
+
+def test_totals_peak_is_the_peak_of_the_sum_not_the_sum_of_peaks():
+    # w2 peaks at 5 MiB at t=100.1; w10 peaks at 5 MiB at t=200.1: never both at once.
+    late = [[t + 100, cur, mx] for t, cur, mx in _data()["workers"][0]["devices"]["0"]["timeline"]]
+    data = _data()
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], timeline=late)
+    t = ClusterMemoryReport.from_dict(data).totals
+    assert t.sum_of_device_peaks == 2 * (5 << 20)
+    # At t=200.1: w10 holds 5 MiB, w2 still 3 MiB (its last sample).
+    assert t.peak_bytes == (5 << 20) + (3 << 20)
+    assert peak_of_sum([]) is None
+    no_timeline = ClusterMemoryReport.from_dict(_data()).to_dict(timeline=False)
+    r = ClusterMemoryReport.from_dict(no_timeline)
+    assert r.totals.peak_bytes is None and "total peak: needs the timelines" in str(r)
+
+
+def test_physical_gpu_and_retired_bytes_are_shown():
+    data = _data()
+    gpu = {"gpu_name": "NVIDIA H200", "gpu_uuid": "GPU-5f3c1a2b-0000", "retired_bytes": 300 << 20}
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], **gpu)
+    r = ClusterMemoryReport.from_dict(data)
+    text = str(r)
+    assert "0 NVIDIA H200 GPU-5f3c1a2b" in text and "+300.00 MiB retired" in text
+    assert r.totals.retired_bytes == 300 << 20
+    row = r.to_frame().set_index("name").loc["w10"]
+    assert (row["gpu_name"], row["retired_bytes"]) == ("NVIDIA H200", 300 << 20)

@@ -104,12 +104,17 @@ def test_default_serializers_pick_dask_family(host_mr):
 
 
 def test_import_dask_rmm_registers_lazily_without_importing_distributed():
+    # dask_rmm first: the serializers are registered when distributed is imported later.
     code = (
         "import sys\n"
         "import dask_rmm\n"
         "assert 'distributed' not in sys.modules, 'import dask_rmm imported distributed'\n"
-        "import distributed.protocol as p\n"
-        "assert 'dask_rmm' not in p.dask_serialize._lazy\n"
+        "from distributed.protocol import serialize, deserialize\n"
+        "dask_rmm.reinitialize(base_resource='system')\n"
+        "buf = dask_rmm.DeviceBuffer.to_device(b'abc')\n"
+        "header, frames = serialize(buf, serializers=('dask', 'pickle'))\n"
+        "assert header['serializer'] == 'dask', header\n"
+        "assert deserialize(header, frames).tobytes() == b'abc'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     code = (

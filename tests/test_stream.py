@@ -12,6 +12,7 @@ from dask_rmm.stream import (
     DEFAULT_STREAM,
     LEGACY_DEFAULT_STREAM,
     PER_THREAD_DEFAULT_STREAM,
+    CudaStreamFlags,
     CudaStreamPool,
     Stream,
     as_stream,
@@ -123,3 +124,60 @@ def test_stream_pool_round_robin_and_wrap():
     assert pool.get_stream(4) is pool.get_stream(1)
     for s in streams[:3]:
         s.synchronize()
+
+
+def test_stream_flags_are_rmms():
+    assert CudaStreamFlags.SYNC_DEFAULT == 0 and CudaStreamFlags.NON_BLOCKING == 1
+    assert [m.name for m in CudaStreamFlags] == ["SYNC_DEFAULT", "NON_BLOCKING"]
+
+
+def test_flags_only_for_new_streams():
+    with pytest.raises(ValueError, match="flags may only be specified when obj is None"):
+        Stream(0x42, flags=CudaStreamFlags.NON_BLOCKING)
+    with pytest.raises(ValueError, match="flags may only be specified when obj is None"):
+        Stream(DEFAULT_STREAM, flags=CudaStreamFlags.SYNC_DEFAULT)
+
+
+@pytest.mark.parametrize("bad, exc", [(2, ValueError), (-1, ValueError), ("1", TypeError),
+                                      (True, TypeError), (1.0, TypeError)])
+def test_bad_flags_refused_before_cuda(bad, exc):
+    with pytest.raises(exc, match="flags"):
+        Stream(flags=bad)
+    with pytest.raises(exc, match="flags"):
+        CudaStreamPool(2, flags=bad)
+
+
+def test_stream_protocol_version_other_than_0_refused():
+    class V1Stream:
+        def __cuda_stream__(self):
+            return (1, 2)
+
+    with pytest.raises(NotImplementedError, match="version: '1'"):
+        Stream(V1Stream())
+
+
+def _stream_flags(handle: int) -> int:
+    from cuda.bindings import runtime
+
+    err, flags = runtime.cudaStreamGetFlags(handle)
+    assert err == runtime.cudaError_t.cudaSuccess
+    return int(flags)
+
+
+@pytest.mark.gpu
+def test_new_stream_synchronizes_with_default_stream_as_rmm():
+    # RMM's Stream() is made with cudaStreamDefault: a copy on the legacy default stream then
+    # waits for work queued on it (the cause of issue 11's zeros from copy_to_host).
+    assert _stream_flags(Stream().handle) == 0
+    assert _stream_flags(Stream(flags=CudaStreamFlags.SYNC_DEFAULT).handle) == 0
+    assert _stream_flags(Stream(flags=CudaStreamFlags.NON_BLOCKING).handle) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", list(CudaStreamFlags))
+def test_stream_pool_flags(flags):
+    pool = CudaStreamPool(pool_size=4, flags=flags)
+    streams = [pool.get_stream() for _ in range(4)]
+    assert len({s.handle for s in streams}) == 4
+    assert all(_stream_flags(s.handle) == int(flags) for s in streams)
+    assert all(s != DEFAULT_STREAM for s in streams)

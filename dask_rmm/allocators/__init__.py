@@ -1,9 +1,9 @@
-"""Library allocators: point CuPy and Numba at dask-rmm's current device resource.
+"""Library allocators: point CuPy, Numba and PyTorch at dask-rmm's current device resource.
 
-``set_allocators(["cupy", "numba"])`` is what the worker plugin's ``allocators=[...]`` and
-``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
-:mod:`dask_rmm.allocators.cupy` and :mod:`dask_rmm.allocators.numba`. Importing this package
-imports neither library.
+``set_allocators(["cupy", "numba", "torch"])`` is what the worker plugin's ``allocators=[...]``
+and ``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
+:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba` and
+:mod:`dask_rmm.allocators.torch`. Importing this package imports none of the libraries.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ _HOOKS = {
         "set_numba_allocator",
         "reset_numba_allocator",
         "numba-cuda",
+    ),
+    "torch": (
+        "dask_rmm.allocators.torch",
+        "set_torch_allocator",
+        "reset_torch_allocator",
+        "torch (a CUDA build)",
     ),
 }
 
@@ -85,7 +91,8 @@ def set_allocators(names: str | Iterable[str] | None) -> list[str]:
     Parameters
     ----------
     names : str or iterable of str
-        Library names from :data:`SUPPORTED_ALLOCATORS` (``"cupy"``, ``"numba"``), case
+        Library names from :data:`SUPPORTED_ALLOCATORS` (``"cupy"``, ``"numba"``,
+        ``"torch"``), case
         insensitive; a string may hold several separated by commas (``"cupy,numba"``).
 
     Returns
@@ -106,7 +113,9 @@ def set_allocators(names: str | Iterable[str] | None) -> list[str]:
     Each library's hook looks the resource up at every allocation, so resources set later
     with :func:`dask_rmm.mr.set_current_device_resource` are used at once. Numba chooses its
     memory manager when it creates a CUDA context: set it before Numba's first CUDA call.
-    Setting an allocator twice is harmless.
+    PyTorch takes a new allocator only once per process, before its first CUDA tensor, and
+    cannot be given its own back (resetting "torch" does nothing). Setting an allocator twice
+    is harmless.
 
     Examples
     --------

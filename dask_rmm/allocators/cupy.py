@@ -6,9 +6,9 @@ of the device CuPy is on. Pinned host memory for CuPy is not covered.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
+from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.stream import Stream
 
 __all__ = ["rmm_cupy_allocator", "reset_cupy_allocator", "set_cupy_allocator"]
@@ -26,11 +26,25 @@ _streams: dict[int, Stream] = {}
 _MAX_CACHED_STREAMS = 1024
 
 
-def _stream_for(handle: int) -> Stream:
+def _stream_for(handle: int, cupy_stream: Any = None) -> Stream:
+    """The Stream for CuPy's current stream, cached by handle.
+
+    A non-default stream's Stream keeps the CuPy stream object alive (as RMM's allocator does
+    through its DeviceBuffer), so that an array outliving its ``cupy.cuda.Stream`` is still
+    freed on a live stream handle, never on a destroyed (or reused) one.
+    """
     if len(_streams) >= _MAX_CACHED_STREAMS:
         _streams.clear()
-    stream = _streams[handle] = Stream(handle)
+    if cupy_stream is None or handle <= _LAST_DEFAULT_HANDLE:
+        stream = Stream(handle)
+    else:
+        stream = Stream(cupy_stream)
+    _streams[handle] = stream
     return stream
+
+
+# Handles 0, 1 and 2 are the default streams, which are never destroyed.
+_LAST_DEFAULT_HANDLE = 2
 
 
 def _per_device_resource(device_id: int):
@@ -45,36 +59,12 @@ def _per_device_resource(device_id: int):
 _get_per_device_resource = _per_device_resource
 
 
-class _Allocation:
-    """Owner of one CuPy allocation: frees it when CuPy drops the memory object.
-
-    Held only by the ``cupy.cuda.UnownedMemory`` that CuPy keeps while any array (or view) of
-    the allocation lives, so ``__del__`` runs exactly once, when the last one goes.
-    """
-
-    __slots__ = ("mr", "ptr", "nbytes", "stream")
-
-    def __init__(self, mr: Any, ptr: int, nbytes: int, stream: Stream):
-        self.mr = mr
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.stream = stream
-
-    def __del__(self, _finalizing=sys.is_finalizing):
-        # At interpreter shutdown the process's memory goes with it, and the resource's module
-        # globals may already be None (a free would raise TypeError): skip the free then.
-        if not _finalizing():
-            self.mr.deallocate(self.ptr, self.nbytes, self.stream)
-
-    def __repr__(self) -> str:
-        return f"<CuPy allocation {self.ptr:#x} {self.nbytes} bytes on {self.stream!r} from {self.mr!r}>"
-
-
 if _cupy is not None:
     _get_device_id = _cupy.cuda.device.get_device_id
     _get_current_stream = _cupy.cuda.get_current_stream
     _UnownedMemory = _cupy.cuda.memory.UnownedMemory
     _MemoryPointer = _cupy.cuda.memory.MemoryPointer
+    _adopt = DeviceBuffer._adopt
 
     def rmm_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
         """A CuPy allocator that takes memory from the current device resource.
@@ -100,18 +90,20 @@ if _cupy is not None:
         >>> cupy.cuda.set_allocator(rmm_cupy_allocator)
         """
         # Hot path: no Stream object, no pointer-attribute query (the device is passed to
-        # UnownedMemory), one small owner object.
+        # UnownedMemory), one owner object: a DeviceBuffer adopting the pointer (as RMM's
+        # owner is a DeviceBuffer), which frees it when CuPy drops the memory.
         device_id = _get_device_id()
-        handle = _get_current_stream(device_id).ptr
+        cupy_stream = _get_current_stream(device_id)
+        handle = cupy_stream.ptr
         stream = _streams.get(handle)
-        if stream is None:
-            stream = _stream_for(handle)
+        if stream is None or (
+            handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
+        ):
+            stream = _stream_for(handle, cupy_stream)
         mr = _get_per_device_resource(device_id)
         ptr = mr.allocate(nbytes, stream)
-        if ptr == 0:  # nbytes == 0: nothing to free
-            return _MemoryPointer(_UnownedMemory(0, 0, None, device_id), 0)
         return _MemoryPointer(
-            _UnownedMemory(ptr, nbytes, _Allocation(mr, ptr, nbytes, stream), device_id), 0
+            _UnownedMemory(ptr, nbytes, _adopt(ptr, nbytes, stream, mr), device_id), 0
         )
 
 else:

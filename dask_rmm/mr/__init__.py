@@ -1,5 +1,6 @@
 """Memory resources under RMM's ``rmm.mr`` names. This module only re-exports (lazily, so that
-``import dask_rmm.mr`` stays cheap); each name lives in the module the table names."""
+``import dask_rmm.mr`` stays cheap); each name lives in the module the table names.
+``dask_rmm.mr.experimental`` holds RMM's experimental resources."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ _EXPORTS = {
     "DeviceMemoryResource": "dask_rmm.mr.base",
     "UpstreamResourceAdaptor": "dask_rmm.mr.base",
     "OutOfMemoryError": "dask_rmm.mr.base",
+    "CUDAAllocationError": "dask_rmm.mr.base",
     "ReservedMemoryInfo": "dask_rmm.mr.base",
     # base resources
     "CudaMemoryResource": "dask_rmm.mr.cuda",
@@ -32,6 +34,12 @@ _EXPORTS = {
     "FailureCallbackResourceAdaptor": "dask_rmm.mr.failure_callback_adaptor",
     "PrefetchResourceAdaptor": "dask_rmm.mr.prefetch_adaptor",
     "CallbackMemoryResource": "dask_rmm.mr.callback",
+    # RMM's experimental resources (the subpackage itself)
+    "experimental": "dask_rmm.mr.experimental",
+    # event logging of the registered resources (RMM has these in rmm.mr too)
+    "disable_logging": "dask_rmm.initialize",
+    "enable_logging": "dask_rmm.initialize",
+    "get_log_filenames": "dask_rmm.initialize",
     # per-device registry
     "available_device_memory": "dask_rmm.mr.registry",
     "get_current_device_resource": "dask_rmm.mr.registry",
@@ -53,7 +61,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dask_rmm.mr' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module.rsplit(".", 1)[-1] == name else getattr(imported, name)
     globals()[name] = value
     return value
 

@@ -28,7 +28,8 @@ from dask_rmm.mr.base import (
     deallocate_refused,
     format_bytes,
 )
-from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE, parse_pool_size
+from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE
+from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]
@@ -142,7 +143,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             else:
                 arena_size = align_up(_cuda.mem_get_info()[0] // 2)
         else:
-            arena_size = parse_pool_size(arena_size, upstream_mr, "arena_size")
+            arena_size = parse_resource_size(arena_size, upstream_mr, "arena_size")
         if arena_size < SUPERBLOCK_SIZE:
             raise ValueError(
                 f"arena_size ({format_bytes(arena_size)}) is smaller than one superblock (1 MiB)"

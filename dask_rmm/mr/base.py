@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm._cuda import CUDAError
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGNMENT",
+    "CUDAAllocationError",
     "gc_paused_lock",
     "DeviceMemoryResource",
     "OutOfMemoryError",
@@ -194,6 +196,20 @@ class OutOfMemoryError(MemoryError):
 
 def _rebuild_oom(message, fields):
     return OutOfMemoryError(message, **fields)
+
+
+class CUDAAllocationError(CUDAError, MemoryError):
+    """An allocation failed for a reason other than out-of-memory (an invalid or destroyed
+    memory pool, a device in an error state, ...).
+
+    A :class:`MemoryError`, as RMM raises for every failed allocation, and a
+    :class:`~dask_rmm.CUDAError` carrying CUDA's error name (``error_name``) and the call.
+    """
+
+    @classmethod
+    def from_error(cls, error: CUDAError, what: str) -> CUDAAllocationError:
+        """Wrap ``error`` with ``what`` was asked (resource, size, stream) in the message."""
+        return cls(error.error_name, error.call, f"{what} failed: {error}")
 
 
 class DeviceMemoryResource:

@@ -62,7 +62,16 @@ class CallbackMemoryResource(DeviceMemoryResource):
         self._deallocate_func = deallocate_func
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        ptr = self._allocate_func(nbytes, as_stream(stream))
+        """Call ``allocate_func``. A MemoryError or RuntimeError it raises passes through; any
+        other exception becomes a RuntimeError with its message (as RMM, whose C++ boundary
+        turns it into ``std::runtime_error``), chained to the original. KeyboardInterrupt and
+        SystemExit pass through unchanged."""
+        try:
+            ptr = self._allocate_func(nbytes, as_stream(stream))
+        except (MemoryError, RuntimeError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise RuntimeError(str(e)) from e
         try:
             return operator.index(ptr)
         except TypeError:
@@ -72,4 +81,6 @@ class CallbackMemoryResource(DeviceMemoryResource):
             ) from None
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        """Call ``deallocate_func``; what it raises passes through unchanged (a wrong free
+        raises ValueError there, as everywhere in dask-rmm)."""
         self._deallocate_func(ptr, nbytes, as_stream(stream))

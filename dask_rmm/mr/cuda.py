@@ -15,6 +15,7 @@ from typing import Any
 from dask_rmm import _cuda
 from dask_rmm.mr.base import (
     ALIGNMENT,
+    CUDAAllocationError,
     DeviceMemoryResource,
     OutOfMemoryError,
     align_up,
@@ -92,9 +93,9 @@ def _parse_size(value: Any, what: str, device: int | None) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return _check_size(value, what)
     if isinstance(value, (str, float)):
-        from dask_rmm.config import parse_device_bytes
+        from dask_rmm.sizes import parse_device_bytes
 
-        return parse_device_bytes(value, device=device)
+        return parse_device_bytes(value, device=device, option=what) or 0
     raise TypeError(
         f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
         f"device memory in (0, 1], got {value!r} ({type(value).__name__})"
@@ -105,6 +106,11 @@ def _handle(stream: Any) -> int:
     try:
         return stream.handle
     except AttributeError:
+        if stream is None:
+            raise TypeError(
+                "stream argument cannot be None: pass a Stream (DEFAULT_STREAM for the default "
+                "stream)"
+            ) from None
         return as_stream(stream).handle
 
 
@@ -142,9 +148,7 @@ class _CudaResource(DeviceMemoryResource):
             else:
                 ptr = self._alloc(nbytes, handle)
         except _cuda.CUDAError as e:
-            if e.error_name in _OOM_ERRORS:
-                raise self._out_of_memory(nbytes, handle) from e
-            raise
+            raise self._allocation_error(e, nbytes, handle) from e
         self._owned.add(ptr, nbytes)
         return ptr
 
@@ -152,8 +156,8 @@ class _CudaResource(DeviceMemoryResource):
         """Free ``ptr``, allocated here with ``nbytes``; a wrong call raises ValueError first."""
         if ptr == 0 and nbytes == 0:
             return
-        self._owned.remove(self, ptr, nbytes)
         handle = _handle(stream)
+        self._owned.remove(self, ptr, nbytes)
         try:
             if self._multi_device:
                 self._on_device(self._free, ptr, handle)
@@ -172,6 +176,18 @@ class _CudaResource(DeviceMemoryResource):
             return fn(*args)
         finally:
             _cuda.set_device(current)
+
+    def _allocation_error(self, error: _cuda.CUDAError, nbytes: int, stream_handle: int):
+        """The MemoryError an allocation that failed with ``error`` raises."""
+        if error.error_name in _OOM_ERRORS:
+            return self._out_of_memory(nbytes, stream_handle)
+        if isinstance(error, MemoryError):
+            return error
+        return CUDAAllocationError.from_error(
+            error,
+            f"{type(self).__name__}.allocate({nbytes}) on device {self.device_id}, stream "
+            f"{stream_handle:#x}",
+        )
 
     def _out_of_memory(self, nbytes: int, stream_handle: int) -> OutOfMemoryError:
         name = type(self).__name__
@@ -280,6 +296,22 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         _cuda.free_async(ptr, stream_handle)
 
 
+_HANDLE_POSIX_FD = 1  # cudaMemHandleTypePosixFileDescriptor
+_HANDLE_FABRIC = 8  # cudaMemHandleTypeFabric
+
+
+def _export_handle_type_supported(handle_type: int, device: int) -> bool:
+    """Whether ``device``'s memory pools can export ``handle_type`` (RMM's check: a runtime
+    that does not know the attribute counts as "not supported")."""
+    try:
+        mask = _cuda.get_device_attribute("MemoryPoolSupportedHandleTypes", device)
+    except _cuda.CUDAError as e:
+        if e.error_name == "cudaErrorInvalidValue":
+            return False
+        raise
+    return (mask & handle_type) == handle_type
+
+
 class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
     """Stream-ordered allocation (``cudaMallocAsync``) from a memory pool this resource owns.
 
@@ -293,6 +325,10 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
         the driver; default the device's total memory (as RMM), so the pool only grows.
     enable_ipc : bool
         Make the pool exportable to other processes (POSIX file descriptor handles).
+    enable_fabric : bool
+        Make the pool's memory exportable as fabric handles (multi-node NVLink). Where the
+        device cannot export the requested handle type, raises a RuntimeError (a
+        ``CUDAError``) ending in "Requested IPC memory handle type not supported", as RMM.
 
     Examples
     --------
@@ -306,9 +342,19 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
         initial_pool_size: int | str | None = None,
         release_threshold: int | str | None = None,
         enable_ipc: bool = False,
+        enable_fabric: bool = False,
     ):
-        if not isinstance(enable_ipc, bool):
-            raise TypeError(f"enable_ipc must be a bool, got {enable_ipc!r}")
+        for name, flag in (("enable_ipc", enable_ipc), ("enable_fabric", enable_fabric)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if enable_ipc and enable_fabric:
+            raise ValueError(
+                "CudaAsyncMemoryResource: enable_ipc and enable_fabric together are not "
+                "supported (cuda-python's cudaMemPoolProps takes one handle type); choose one"
+            )
+        handle_type = (
+            _HANDLE_POSIX_FD if enable_ipc else _HANDLE_FABRIC if enable_fabric else 0
+        )
         _cuda.require_cuda("CudaAsyncMemoryResource")
         device = _cuda.get_device()
         initial = (
@@ -328,11 +374,16 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
                 f"CudaAsyncMemoryResource: device {device} does not support cudaMallocAsync "
                 "memory pools",
             )
-        pool = _cuda.mem_pool_create(
-            device,
-            release_threshold=threshold,
-            handle_types="posix_file_descriptor" if enable_ipc else "none",
-        )
+        if handle_type and not _export_handle_type_supported(handle_type, device):
+            raise _cuda.CUDAError(
+                "cudaErrorNotSupported",
+                "CudaAsyncMemoryResource",
+                f"CudaAsyncMemoryResource(enable_ipc={enable_ipc}, enable_fabric={enable_fabric})"
+                f" on device {device}: the device's memory pools cannot export this handle type"
+                " (cudaDevAttrMemoryPoolSupportedHandleTypes); Requested IPC memory handle type"
+                " not supported",
+            )
+        pool = _cuda.mem_pool_create(device, release_threshold=threshold, handle_types=handle_type)
         self._owns_pool = False
         try:
             super().__init__(pool)
@@ -452,10 +503,13 @@ class SamHeadroomMemoryResource(_CudaResource):
         if nbytes == 0:
             return 0
         handle = _handle(stream)
-        if self._multi_device:
-            ptr = self._on_device(self._alloc, nbytes, handle)
-        else:
-            ptr = self._alloc(nbytes, handle)
+        try:
+            if self._multi_device:
+                ptr = self._on_device(self._alloc, nbytes, handle)
+            else:
+                ptr = self._alloc(nbytes, handle)
+        except _cuda.CUDAError as e:
+            raise self._allocation_error(e, nbytes, handle) from e
         self._owned.add(ptr, nbytes)
         return ptr
 

@@ -72,6 +72,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         Where to log; default the ``RMM_LOG_FILE`` environment variable.
     auto_flush : bool, default False
         Flush the file after every row (slow, but nothing is lost if the process dies).
+    append : bool, default False
+        Add to an existing file (the header only if it is empty) instead of truncating it as
+        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows.
 
     Raises
     ------
@@ -95,6 +98,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         upstream_mr: DeviceMemoryResource,
         log_file_name: str | os.PathLike | None = None,
         auto_flush: bool = False,
+        append: bool = False,
     ):
         super().__init__(upstream_mr)
         if log_file_name is None:
@@ -110,8 +114,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
         self._clock = _Clock()
-        self._file = open(self._file_name, "w", encoding="ascii", newline="")  # noqa: SIM115
-        self._file.write(CSV_HEADER + "\n")
+        self._file = open(self._file_name, "a" if append else "w", encoding="ascii", newline="")  # noqa: SIM115
+        if self._file.tell() == 0:
+            self._file.write(CSV_HEADER + "\n")
         if self.auto_flush:
             self._file.flush()
         self._upstream_allocate = upstream_mr.allocate

@@ -63,6 +63,7 @@ from dask_rmm.mr.base import (
     format_bytes,
     gc_paused_lock,
 )
+from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = ["PoolMemoryResource", "parse_pool_size"]
@@ -261,7 +262,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         # (and the streams of a host-memory replay or test may be made-up handles).
         self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         if maximum_pool_size is not None:
-            maximum_pool_size = parse_pool_size(maximum_pool_size, upstream_mr, "maximum_pool_size")
+            maximum_pool_size = parse_resource_size(maximum_pool_size, upstream_mr, "maximum_pool_size") or None
         if initial_pool_size is None:
             if upstream_mr.is_host_memory:
                 initial_pool_size = DEFAULT_HOST_POOL_SIZE
@@ -271,7 +272,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if maximum_pool_size is not None:
                 initial_pool_size = min(initial_pool_size, maximum_pool_size)
         else:
-            initial_pool_size = parse_pool_size(initial_pool_size, upstream_mr, "initial_pool_size")
+            initial_pool_size = parse_resource_size(initial_pool_size, upstream_mr, "initial_pool_size")
         if maximum_pool_size is not None and initial_pool_size > maximum_pool_size:
             raise ValueError(
                 f"initial_pool_size ({format_bytes(initial_pool_size)}) exceeds "

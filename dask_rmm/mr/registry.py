@@ -171,6 +171,20 @@ def available_device_memory() -> tuple[int, int]:
     return _cuda.mem_get_info()
 
 
+def _flush_logs() -> None:
+    """Flush the event log of every registered resource that keeps one (RMM's
+    ``_flush_logs``: a :class:`LoggingResourceAdaptor` anywhere in a device's stack)."""
+    from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
+
+    with _lock:
+        resources = list(_resources.values())
+    for mr in resources:
+        while mr is not None:
+            if isinstance(mr, LoggingResourceAdaptor):
+                mr.flush()
+            mr = getattr(mr, "upstream_mr", None)
+
+
 def _reset_for_tests() -> None:
     """Drop every registered resource (the test suite's autouse fixture calls this)."""
     global _single_device

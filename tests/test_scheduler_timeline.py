@@ -7,17 +7,13 @@ import json
 
 import dask
 import pytest
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 from fake_metrics import FakeRMMMetrics
 
-from dask_rmm.cluster import (
-    PLUGIN_NAME,
-    SchedulerTimelinePlugin,
-    Timeline,
-    cluster_report,
-    install_scheduler_plugin,
-)
+from dask_rmm.client import cluster_report
 from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.scheduler import SchedulerTimelinePlugin, Timeline, install_scheduler_plugin
+from dask_rmm.wire import PLUGIN_NAME
 
 
 def _attach(*workers, devices=("0",)) -> list[FakeRMMMetrics]:
@@ -62,7 +58,7 @@ def test_timeline_matches_a_bounded_deque(capacity):
         assert tl.peak() == max((s[2] for s in ref), default=0)
 
 
-@pytest.mark.parametrize("bad", [[[1.0, 2]], [[1.0, "x", 3]], [None], [[1.0, 2.5, 3]]])
+@pytest.mark.parametrize("bad", [[[4.0, 2]], [[4.0, "x", 3]], [None], [[4.0, 2.5, 3]]])
 def test_timeline_malformed_samples_change_nothing(bad):
     tl = Timeline(3)
     tl.extend([[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]])
@@ -114,31 +110,43 @@ async def test_report_equals_worker_statistics_and_timeline(c, s, a, b):
     assert da.status == "running"
     assert da.timeline_peak == da.peak_bytes == 4000
     assert [s[1] for s in da.timeline] == [1000, 4000, 1000, 1200]
-    assert da.task_groups[0].prefix == "sum" and da.task_groups[0].peak_bytes == 3000
+    assert da.task_groups[0] == ("sum", 0, 3000)
     db = report.device(b.address, "0")
     assert (db.current_bytes, db.timeline_peak) == (512, 512)
     t = report.totals
-    assert (t.workers, t.devices, t.current_bytes, t.peak_bytes) == (2, 2, 1712, 4512)
+    assert (t.workers, t.devices, t.current_bytes) == (2, 2, 1712)
+    # b's 512 came after a's 4000 went back to 1000: the cluster never held 4512 at once.
+    assert (t.peak_bytes, t.sum_of_device_peaks) == (4000, 4512)
     assert report.workers_without_dask_rmm == ()
 
 
 @gen_cluster(client=True)
-async def test_install_is_idempotent_and_wraps_heartbeat_once(c, s, a, b):
+async def test_install_is_idempotent_and_leaves_the_heartbeat_handler_alone(c, s, a, b):
     original = s.handlers["heartbeat_worker"]
     await install_scheduler_plugin(c)
     plugin = s.plugins[PLUGIN_NAME]
-    wrapped = s.handlers["heartbeat_worker"]
-    assert wrapped._dask_rmm_original == original
     await install_scheduler_plugin(c)
     await install_scheduler_plugin(a)
-    await install_scheduler_plugin(s)
     assert s.plugins[PLUGIN_NAME] is plugin
-    assert s.handlers["heartbeat_worker"] is wrapped
-    # A second plugin instance (after unregistering) reuses the wrapper and the routes.
-    await c.unregister_scheduler_plugin(PLUGIN_NAME)
+    assert s.handlers["heartbeat_worker"] is original
+
+
+@gen_cluster(client=True)
+async def test_a_heartbeat_the_poll_missed_loses_no_samples(c, s, a, b):
+    (fa,) = _attach(a)
     await install_scheduler_plugin(c)
-    assert s.plugins[PLUGIN_NAME] is not plugin
-    assert s.handlers["heartbeat_worker"] is wrapped
+    plugin = s.plugins[PLUGIN_NAME]
+    plugin._poller.stop()  # only the explicit polls below read heartbeats
+    fa["0"].allocate(10)
+    await a.heartbeat()
+    plugin.poll()
+    fa["0"].allocate(20)
+    await a.heartbeat()  # never polled: the next heartbeat repeats its samples
+    fa["0"].allocate(30)
+    await a.heartbeat()
+    plugin.poll()
+    report = await cluster_report(c)
+    assert [s[1] for s in report.device(a.address).timeline] == [10, 30, 60]
 
 
 @gen_cluster(client=True)
@@ -165,6 +173,7 @@ async def test_worker_that_leaves_is_marked_gone_and_report_renders(c, s, a, b, 
     _attach(a, b, w3)[2]["0"].allocate(777)
     await install_scheduler_plugin(c)
     await asyncio.gather(a.heartbeat(), b.heartbeat(), w3.heartbeat())
+    await cluster_report(c)  # the plugin has read w3's heartbeat (it polls every 0.1 s)
     await w3.close()
     while w3.address in s.workers:
         await asyncio.sleep(0.01)
@@ -183,6 +192,7 @@ async def test_keep_gone_bounds_departed_workers(c, s, *workers):
     _attach(*workers)
     await c.register_plugin(SchedulerTimelinePlugin(keep_gone=1))
     await asyncio.gather(*(w.heartbeat() for w in workers))
+    await cluster_report(c)
     for w in workers[2:]:
         await w.close()
     while len(s.workers) > 2:
@@ -261,3 +271,41 @@ async def test_unregistered_plugin_stops_recording(c, s, a, b):
     fa["0"].allocate(5)
     await a.heartbeat()
     assert a.address not in plugin._records
+
+
+@gen_cluster(client=True)
+async def test_worker_whose_metrics_go_leaves_the_report(c, s, a, b):
+    # unregister_worker_plugin("dask-rmm") removes the key; old numbers must not stay "running".
+    fa, fb = _attach(a, b)
+    fa["0"].allocate(123)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    report = await cluster_report(c)
+    assert report.device(a.address).current_bytes == 123
+    del a.metrics["dask-rmm"]
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert a.address not in report.workers and a.address in report.workers_without_dask_rmm
+    assert report.totals.workers == 1
+
+
+@gen_cluster(client=True)
+async def test_report_without_dask_rmm_logs_no_scheduler_error(c, s, a, b):
+    # Used to call the missing dask_rmm_report handler first: a KeyError traceback on the scheduler.
+    with captured_logger("distributed.core") as log:
+        report = await cluster_report(c)
+    assert "No handler" not in log.getvalue() and "KeyError" not in log.getvalue()
+    assert "no dask-rmm workers" in str(report)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_unregistering_rmm_plugin_removes_the_rows(c, s, a):
+    from dask_rmm.plugin import RMMPlugin
+
+    await c.register_plugin(RMMPlugin(base_resource="system"))
+    await a.heartbeat()
+    assert (await cluster_report(c)).device(a.address).status == "running"
+    await c.unregister_worker_plugin("dask-rmm")
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert report.devices == () and report.workers_without_dask_rmm == (a.address,)
+    assert "no dask-rmm workers" in str(report)

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dask_rmm.logs import Action, LiveAllocations, LogEvent, LogReader, format_time, read_logs
+from dask_rmm.logs.reader import (
+    Action,
+    LiveAllocations,
+    LogEvent,
+    LogReader,
+    format_time,
+    read_logs,
+)
 
 __all__ = [
     "LogSummary",

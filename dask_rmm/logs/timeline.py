@@ -8,7 +8,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dask_rmm.logs import Action, LiveAllocations, format_time, read_logs
+from dask_rmm._output import atomic_output, refuse_input
+from dask_rmm.logs.reader import Action, LiveAllocations, format_time, read_logs
 
 __all__ = ["Timeline", "in_use_timeline", "plot_logs"]
 
@@ -123,6 +124,7 @@ def plot_logs(
     list of Timeline
         What was plotted.
     """
+    refuse_input(output, paths)
     try:
         import matplotlib
 
@@ -174,7 +176,8 @@ def plot_logs(
         if len(timelines) > 1 or timelines[0].source:
             ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.fspath(output))
+        with atomic_output(output) as tmp:
+            fig.savefig(tmp)
     finally:
         plt.close(fig)
     return timelines

@@ -10,8 +10,9 @@ from distributed.utils_test import gen_cluster
 from fake_metrics import FakeRMMMetrics
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
-from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin
 from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.scheduler import install_scheduler_plugin
+from dask_rmm.wire import PLUGIN_NAME
 
 
 async def _get(s, path: str, **kwargs):
@@ -89,3 +90,22 @@ async def test_dashboard_prefix(c, s, a, b):
     r = await _get(s, "prefixed/dask-rmm")
     assert r.code == 200
     await asyncio.sleep(0)
+
+
+@gen_cluster(client=True)
+async def test_report_json_is_the_cli_json_document(c, s, a, b):
+    from dask_rmm.client import iter_reports
+
+    fake = FakeRMMMetrics()
+    a.metrics["dask-rmm"] = fake
+    fake["0"].allocate(3 << 20, "matmul")
+    fake["0"].free(1 << 20, "matmul")
+    await a.heartbeat()
+    await install_scheduler_plugin(c)
+    http = json.loads((await _get(s, "dask-rmm/report.json")).body)
+    async for report in iter_reports(s.address):  # what `dask rmm report --json` prints
+        cli = json.loads(report.to_json())
+    assert http.pop("time") and cli.pop("time")
+    assert http == cli
+    assert http["totals"]["current_bytes"] == 2 << 20
+    assert http["workers"][0]["devices"]["0"]["fragmentation"] >= 0

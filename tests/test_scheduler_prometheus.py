@@ -11,8 +11,8 @@ from fake_metrics import FakeRMMMetrics  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tornado.httpclient import AsyncHTTPClient  # noqa: E402
 
-from dask_rmm import prometheus  # noqa: E402
-from dask_rmm.cluster import PLUGIN_NAME, install_scheduler_plugin  # noqa: E402
+from dask_rmm.scheduler import install_scheduler_plugin  # noqa: E402
+from dask_rmm.wire import PLUGIN_NAME  # noqa: E402
 
 
 async def _families(s) -> dict:
@@ -61,10 +61,9 @@ async def test_no_double_registration_and_unregister(c, s, a, b):
     a.metrics["dask-rmm"] = FakeRMMMetrics()
     await install_scheduler_plugin(c)
     await a.heartbeat()
-    collector = prometheus._collector
     await c.unregister_scheduler_plugin(PLUGIN_NAME)
-    assert not (await _families(s))["dask_rmm_used_bytes"].samples
+    assert "dask_rmm_used_bytes" not in await _families(s)  # no stale series
     await install_scheduler_plugin(c)
-    assert prometheus._collector is collector
+    await install_scheduler_plugin(c)
     fams = await _families(s)
     assert len(fams["dask_rmm_used_bytes"].samples) == 1

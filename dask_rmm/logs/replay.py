@@ -16,18 +16,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
-from dask_rmm.logs import Action, LiveAllocations, LogReader, format_time
+from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
 from dask_rmm.mr.base import UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = [
     "RESOURCES",
     "CountingResource",
-    "ProgressBar",
     "ReplayFailure",
     "ReplayResult",
     "build_resource",
@@ -277,32 +276,6 @@ class ReplayResult:
         return d
 
 
-class ProgressBar:
-    """A one-line progress bar on ``file`` (stderr), redrawn at most every 0.2 s."""
-
-    def __init__(self, label: str, total: int, file: TextIO | None = None, width: int = 30):
-        self.label = label
-        self.total = max(total, 1)
-        self.file = file if file is not None else sys.stderr
-        self.width = width
-        self._last = 0.0
-
-    def update(self, done: int, rows: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < 0.2:
-            return
-        self._last = now
-        frac = min(done / self.total, 1.0)
-        filled = int(frac * self.width)
-        bar = "#" * filled + "-" * (self.width - filled)
-        self.file.write(f"\r{self.label} [{bar}] {frac:4.0%} {rows:,} rows")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.write("\n")
-        self.file.flush()
-
-
 def replay(
     path: str | os.PathLike,
     resource: str = "pool",
@@ -312,7 +285,7 @@ def replay(
     maximum_pool_size: int | None = None,
     block_size: int | None = None,
     retry_failures: bool = False,
-    progress: bool | ProgressBar | None = False,
+    progress: bool = False,
     progress_every: int = 8192,
 ) -> ReplayResult:
     """Replay the log at ``path`` against a freshly built ``resource``.
@@ -330,8 +303,8 @@ def replay(
         have satisfied them (a success is freed at once: the original program never got the
         block). Off by default, because a retried block that succeeds raises the footprint
         beyond what the workload really held.
-    progress : bool or ProgressBar
-        Draw a progress bar on stderr.
+    progress : bool
+        Draw a progress bar on stderr (click's).
 
     Returns
     -------
@@ -352,13 +325,13 @@ def replay(
         block_size=block_size,
     )
     reader = LogReader(path)
-    bar: ProgressBar | None
-    if isinstance(progress, ProgressBar):
-        bar = progress
-    elif progress:
-        bar = ProgressBar(f"replay {resource}", reader.total_bytes)
-    else:
-        bar = None
+    bar = None
+    if progress:
+        import click
+
+        bar = click.progressbar(
+            length=max(reader.total_bytes, 1), label=f"replay {resource}", file=sys.stderr
+        )
     streams = _StreamMap(gpu)
     get_stream = streams.get
     table = LiveAllocations()
@@ -378,7 +351,7 @@ def replay(
         for e in reader:
             rows += 1
             if bar is not None and rows % progress_every == 0:
-                bar.update(reader.bytes_read, rows)
+                bar.update(reader.bytes_read - bar.pos)
             action = e.action
             if action is FREE:
                 entry = (
@@ -450,8 +423,8 @@ def replay(
         streams.synchronize()
     finally:
         if bar is not None:
-            bar.update(reader.bytes_read, rows, force=True)
-            bar.close()
+            bar.update(reader.bytes_read - bar.pos)
+            bar.render_finish()
     seconds = clock() - start
     notes = []
     if n_failed > len(failures):
@@ -555,20 +528,3 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
     else:
         lines.append("every resource failed allocations the original run did not")
     return "\n".join(lines)
-
-
-def replay_many(
-    path: str | os.PathLike,
-    resources: Sequence[str],
-    progress: bool = False,
-    on_result: Callable[[ReplayResult], None] | None = None,
-    **options: Any,
-) -> list[ReplayResult]:
-    """Replay the same log on each of ``resources`` (a fresh resource each time)."""
-    out = []
-    for name in resources:
-        r = replay(path, name, progress=progress, **options)
-        if on_result is not None:
-            on_result(r)
-        out.append(r)
-    return out

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
+from dask_rmm._output import atomic_output
+
 __all__ = [
     "HEADER",
     "WORKER_COLUMN",
@@ -475,6 +477,9 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike | T
     column of an input that was itself merged), so it is read back by :func:`read_log` with each
     row's source intact and stays readable by tools that look columns up by name.
 
+    A path ``output`` is written to a temporary file and renamed at the end; it must not be one
+    of the inputs (ValueError).
+
     Returns
     -------
     int
@@ -484,16 +489,17 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike | T
     --------
     >>> merge_logs(["w0/rmm_log.dev0.csv", "w1/rmm_log.dev0.csv"], "merged.csv")  # doctest: +SKIP
     """
-    own = not hasattr(output, "write")
-    f = open(output, "w", newline="\n") if own else output  # noqa: SIM115
-    try:
-        f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
-        n = 0
-        write = f.write
-        for e in read_logs(list(paths)):
-            write(f"{format_event(e)},{e.source}\n")
-            n += 1
-        return n
-    finally:
-        if own:
-            f.close()
+    if hasattr(output, "write"):
+        return _write_merged(paths, output)
+    with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
+        return _write_merged(paths, f)
+
+
+def _write_merged(paths: Sequence[str | os.PathLike], f: TextIO) -> int:
+    f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
+    n = 0
+    write = f.write
+    for e in read_logs(list(paths)):
+        write(f"{format_event(e)},{e.source}\n")
+        n += 1
+    return n

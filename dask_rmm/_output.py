@@ -1,0 +1,55 @@
+"""Writing an output file safely: never over one of the command's inputs, never half-written.
+Every dask-rmm command that writes a file goes through :func:`atomic_output`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+
+__all__ = ["atomic_output", "refuse_input"]
+
+
+def refuse_input(path: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
+    """Raise ValueError if ``path`` is one of ``inputs`` (the same file, also through a link
+    or another spelling of its path)."""
+    if os.path.exists(path):
+        for source in inputs:
+            if os.path.exists(source) and os.path.samefile(path, source):
+                raise ValueError(
+                    f"refusing to write {os.fspath(path)}: it is also an input ({os.fspath(source)})"
+                )
+
+
+@contextlib.contextmanager
+def atomic_output(
+    path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()
+) -> Iterator[str]:
+    """Yield a temporary path beside ``path`` (same extension) to write; on success it is
+    renamed to ``path``, on an error removed, so ``path`` is either the old file or complete.
+
+    Raises
+    ------
+    ValueError
+        ``path`` is one of ``inputs`` (:func:`refuse_input`).
+    """
+    refuse_input(path, inputs)
+    target = os.path.realpath(path)  # a link keeps pointing at the new file
+    directory, name = os.path.split(target)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{name}.", suffix=f".partial{os.path.splitext(name)[1]}", dir=directory
+    )
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(
+            tmp, os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~umask
+        )
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,276 @@
+"""PyTorch allocator: ``rmm_torch_allocator`` hands PyTorch's CUDA tensors memory from the
+current device resource, in pure Python (no compiled library).
+
+PyTorch's pluggable allocator only needs two C function addresses,
+``void* alloc(size_t size, int device, cudaStream_t stream)`` and
+``void free(void* ptr, size_t size, int device, cudaStream_t stream)``. Here they are ctypes
+callbacks into Python, kept alive for the life of the process. The callbacks never raise into
+C: a failed allocation is retried once after a garbage collection, then returns NULL, keeps its
+exception for :func:`last_allocation_error` and makes the allocating Python call raise
+``TorchAllocationError`` (a ``torch.OutOfMemoryError`` and a ``MemoryError``);
+a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.py``).
+
+``rmm_torch_allocator`` is None when torch is not importable or has no usable CUDA, as RMM's.
+
+Examples
+--------
+Before the process's first CUDA tensor:
+
+>>> import torch  # doctest: +SKIP
+>>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP
+>>> torch.cuda.memory.change_current_allocator(rmm_torch_allocator)  # doctest: +SKIP
+
+or ``dask_rmm.allocators.set_allocators(["torch"])`` (what ``RMMPlugin(allocators=["torch"])``
+does on each worker).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import sys
+import threading
+from typing import Any
+
+from dask_rmm.stream import Stream
+
+__all__ = [
+    "last_allocation_error",
+    "reset_torch_allocator",
+    "rmm_torch_allocator",
+    "set_torch_allocator",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``void* (size_t size, int device, cudaStream_t stream)``, PyTorch's allocation callback.
+ALLOC_FN_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+#: ``void (void* ptr, size_t size, int device, cudaStream_t stream)``, its free callback.
+FREE_FN_TYPE = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+)
+
+# Pointer -> the resource it came from, so that a pointer goes back to its own resource even
+# when the current resource was replaced meanwhile (single dict operations: atomic under the GIL).
+_live: dict[int, Any] = {}
+_streams: dict[int, Stream] = {}
+_MAX_CACHED_STREAMS = 1024
+_errors = threading.local()
+
+
+def _per_device_resource(device: int):
+    # Imported on first use, like the CuPy hook: the registry may import CUDA-touching modules.
+    global _get_per_device_resource
+    from dask_rmm.mr.registry import get_per_device_resource
+
+    _get_per_device_resource = get_per_device_resource
+    return get_per_device_resource(device)
+
+
+_get_per_device_resource = _per_device_resource
+
+
+def _stream_for(handle: int) -> Stream:
+    if len(_streams) >= _MAX_CACHED_STREAMS:
+        _streams.clear()
+    stream = _streams[handle] = Stream._from_handle(handle)
+    return stream
+
+
+def allocate(size: int, device: int, stream: int | None) -> int | None:
+    """The allocation callback (also callable from Python): a pointer, or None (NULL) on failure."""
+    try:
+        handle = stream or 0
+        s = _streams.get(handle)
+        if s is None:
+            s = _stream_for(handle)
+        mr = _get_per_device_resource(device)
+        try:
+            ptr = mr.allocate(size, s)
+        except MemoryError:
+            # Tensors that are garbage but not yet collected may hold the memory asked for:
+            # collect once and retry before PyTorch sees NULL.
+            gc.collect()
+            ptr = mr.allocate(size, s)
+        if ptr:
+            _live[ptr] = mr
+        return ptr or None
+    except BaseException as e:  # never into C: PyTorch sees NULL
+        try:
+            _errors.last = e
+            _errors.message = (
+                f"rmm_torch_allocator: allocating {size} bytes on device {device}, stream "
+                f"{stream or 0:#x} failed: {e}"
+            )
+            logger.warning("%s", _errors.message)
+            _raise_when_back_in_python()
+        except BaseException:
+            pass
+        return None
+
+
+def _allocation_error_type() -> type[BaseException]:
+    """The exception raised in the allocating thread: a ``torch.OutOfMemoryError`` (what
+    PyTorch code catches) that is also a ``MemoryError`` and carries dask-rmm's message."""
+    global _AllocationFailed
+    if _AllocationFailed is None:
+        try:
+            from torch.cuda import OutOfMemoryError as torch_oom
+
+            bases: tuple[type, ...] = (torch_oom, MemoryError)
+        except ImportError:
+            bases = (MemoryError,)
+
+        class TorchAllocationError(*bases):
+            """PyTorch asked dask-rmm's resource for memory and did not get it; the message
+            is the resource's (``last_allocation_error()`` is the original exception)."""
+
+            def __init__(self, *args):
+                if not args:
+                    args = (getattr(_errors, "message", "rmm_torch_allocator: out of memory"),)
+                super().__init__(*args)
+
+        _AllocationFailed = TorchAllocationError
+    return _AllocationFailed
+
+
+_AllocationFailed: type[BaseException] | None = None
+
+
+def _raise_when_back_in_python() -> None:
+    """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``.
+
+    PyTorch 2.11 does not check the pointer its pluggable allocator returns: a NULL becomes a
+    tensor without memory whose first use fails on the device (and can take the CUDA context
+    down with it). An exception cannot cross the C frames between this callback and the
+    Python code that called PyTorch, so a one-shot profile hook is set on this thread: at the
+    first return (of a C call, or of a Python function) in a frame outside this module, which
+    is the call that asked PyTorch for memory, the hook restores the previous profiler and
+    raises there. A thread
+    PyTorch runs without Python code of its own (autograd's device threads) has nowhere to
+    raise: there only the NULL remains.
+    """
+    exc_type = _allocation_error_type()
+    previous = sys.getprofile()
+
+    def hook(frame, event, arg):
+        if event in ("c_return", "c_exception", "return") and frame.f_code.co_filename != __file__:
+            sys.setprofile(previous)
+            raise exc_type()
+
+    sys.setprofile(hook)
+
+
+def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> None:
+    """The free callback (also callable from Python); logs, never raises."""
+    if not ptr:
+        return
+    try:
+        handle = stream or 0
+        s = _streams.get(handle)
+        if s is None:
+            s = _stream_for(handle)
+        mr = _live.pop(ptr, None)
+        if mr is None:
+            mr = _get_per_device_resource(device)
+        mr.deallocate(ptr, size, s)
+    except BaseException as e:
+        try:
+            logger.warning(
+                "rmm_torch_allocator: freeing %#x (%d bytes) on device %d failed: %r",
+                ptr, size, device, e,
+            )
+        except BaseException:
+            pass
+
+
+def last_allocation_error() -> BaseException | None:
+    """The exception behind this thread's last failed PyTorch allocation (PyTorch only sees
+    NULL), e.g. an :class:`~dask_rmm.mr.OutOfMemoryError` with the pool's numbers."""
+    return getattr(_errors, "last", None)
+
+
+# The C-callable entry points. Module globals, never deleted: PyTorch keeps their addresses
+# for the life of the process.
+_alloc_callback = ALLOC_FN_TYPE(allocate)
+_free_callback = FREE_FN_TYPE(deallocate)
+
+
+def callback_addresses() -> tuple[int, int]:
+    """``(alloc_fn, free_fn)`` addresses, as ``torch._C._cuda_customAllocator`` takes them."""
+    return (
+        ctypes.cast(_alloc_callback, ctypes.c_void_p).value,
+        ctypes.cast(_free_callback, ctypes.c_void_p).value,
+    )
+
+
+def _make_allocator():
+    """A ``torch.cuda.memory.CUDAPluggableAllocator`` over the callbacks, or None without a
+    CUDA-enabled torch."""
+    try:
+        import torch
+        from torch.cuda.memory import CUDAPluggableAllocator
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch._C, "_cuda_customAllocator"):
+        return None
+
+    class PythonCallbackAllocator(CUDAPluggableAllocator):
+        """CUDAPluggableAllocator made from C-callable Python callbacks instead of a .so."""
+
+        def __init__(self, alloc_fn: int, free_fn: int):
+            self._allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
+
+    return PythonCallbackAllocator(*callback_addresses())
+
+
+#: Pass to ``torch.cuda.memory.change_current_allocator`` (once, before PyTorch's first CUDA
+#: allocation), or use :func:`set_torch_allocator`. None without a CUDA-enabled torch.
+rmm_torch_allocator = _make_allocator()
+
+_library_import_error: ImportError | None = None
+if rmm_torch_allocator is None:
+    _library_import_error = ImportError(
+        "torch is not importable or has no usable CUDA (rmm_torch_allocator is None)"
+    )
+
+_installed = False
+
+
+def set_torch_allocator() -> None:
+    """Make PyTorch allocate CUDA tensors from dask-rmm's current device resource.
+
+    PyTorch can change its allocator only once per process and only before its first CUDA
+    allocation; calling this again after it succeeded does nothing.
+
+    Raises
+    ------
+    ImportError
+        Without a CUDA-enabled torch.
+    RuntimeError
+        When PyTorch already allocated CUDA memory with its own allocator.
+    """
+    global _installed
+    if _installed:
+        return
+    if rmm_torch_allocator is None:
+        raise ImportError(
+            "set_torch_allocator needs torch with CUDA; rmm_torch_allocator is None here"
+        ) from _library_import_error
+    from torch.cuda.memory import change_current_allocator
+
+    try:
+        change_current_allocator(rmm_torch_allocator)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "cannot make PyTorch allocate from dask-rmm: PyTorch already made CUDA allocations "
+            "with its own allocator in this process; set the 'torch' allocator before the "
+            f"first CUDA tensor (PyTorch said: {e})"
+        ) from e
+    _installed = True
+
+
+def reset_torch_allocator() -> None:
+    """PyTorch cannot switch allocators back: this does nothing (tensors keep coming from
+    dask-rmm's current device resource until the process ends)."""

@@ -1,0 +1,391 @@
+"""The one options model of a worker's memory setup, and the one stack builder.
+
+:class:`RMMOptions` is built from ``RMMPlugin(...)`` arguments, the preload's flags, the
+``dask-rmm.*`` config and ``reinitialize(...)`` arguments, and owns their validation;
+:func:`build_stack` turns options into one device's resource stack. Installing stacks and their
+log files is :mod:`dask_rmm.worker_stack`'s job. Imports neither distributed nor CUDA (Dask's
+config only when asked for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dask_rmm.sizes import host_total_memory, parse_device_bytes
+from dask_rmm.worker_stack import DeviceStack, claim_log_file, log_file_path, resource_chain
+
+__all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions", "build_stack", "make_base_resource"]
+
+#: Where memory comes from: cudaMalloc, cudaMallocManaged, cudaMallocAsync, pinned host memory,
+#: host memory (the only one that works without a GPU; never picked silently).
+BASE_RESOURCES = ("cuda", "managed", "async", "pinned", "system")
+
+
+class OptionError(ValueError, RuntimeError):
+    """Options that cannot go together (``initial_pool_size > maximum_pool_size``, ...).
+
+    A ValueError, and a RuntimeError as RMM raises for the same mistakes in ``reinitialize``.
+    """
+
+
+def _size(option: str, value: Any) -> int | float | None:
+    """A size option as kept until a device is known: bytes, a fraction (float), or None."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and 0 < number <= 1 and not value.strip().isdigit():
+            value = number
+    # Parsing against a made-up total checks a fraction's form; bytes are exact here and
+    # aligned when a device resolves them.
+    nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    return nbytes
+
+
+def _bool(option: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", ""):
+        return False
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"`{option}` must be True or False, got {value!r}")
+
+
+def _allocators(value: Any) -> tuple[str, ...]:
+    from dask_rmm.allocators import SUPPORTED_ALLOCATORS
+
+    names = value.split(",") if isinstance(value, str) else list(value or ())
+    out: list[str] = []
+    for name in names:
+        name = str(name).strip().lower()
+        if name and name not in SUPPORTED_ALLOCATORS:
+            raise ValueError(
+                f"unknown library {name!r} in `allocators`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
+            )
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _devices(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    try:
+        devices = tuple(int(d) for d in value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`devices` must be device ids such as [0, 1] or '0,1', got {value!r}"
+        ) from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"`devices` must be distinct non-negative device ids, got {list(devices)}")
+    return devices or None
+
+
+def _log_directory(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"`log_directory` must be a directory path, got {value!r}")
+    path = os.fspath(value)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"`log_directory` {path!r} exists and is not a directory")
+    return path
+
+
+def _pause_fraction(value: Any) -> float | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"`device_pause_fraction` must be in (0, 1], None or False, got {value!r}")
+    return float(value)
+
+
+def _describe(value: int | float) -> str:
+    from dask_rmm.mr.base import format_bytes
+
+    return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+
+
+@dataclass(frozen=True)
+class RMMOptions:
+    """What a worker's (or ``reinitialize``'s) memory setup is made of, checked once.
+
+    Sizes are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
+    :func:`build_stack` resolves on the device; both aligned down to 256 bytes there.
+
+    Attributes
+    ----------
+    base_resource : {"cuda", "managed", "async", "pinned", "system"}
+        Where memory comes from. With ``"async"`` the pool sizes size cudaMallocAsync's own pool
+        (``maximum_pool_size`` is a ``LimitingResourceAdaptor``); otherwise a pool is a
+        ``PoolMemoryResource`` over the base.
+    pool_allocator : bool
+        Suballocate from a pool; true whenever ``pool_size`` is given.
+    pool_size, maximum_pool_size : int, float or None
+        Initial and largest pool size (None: the pool's defaults, no limit).
+    release_threshold : int, float or None
+        With ``"async"``: bytes its pool keeps when idle.
+    log_directory : str or None
+        One CSV allocation log per worker and device in this directory.
+    log_file_name : str or None
+        ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory.
+    track_allocations, statistics : bool
+        Add a ``TrackingResourceAdaptor``; a ``StatisticsResourceAdaptor`` (and, on a worker,
+        per-task-prefix attribution) feeding the heartbeat metrics.
+    allocators : tuple of str
+        Libraries pointed at the resource (names of :mod:`dask_rmm.allocators`' registry).
+    devices : tuple of int or None
+        Devices to set up; None: the current one.
+    device_memory_limit : int, float or None
+        Reserved for the memory-pressure layer (carried, validated, no behaviour yet).
+    spill_on_oom : bool
+        Reserved for the memory-pressure layer.
+    device_pause_fraction : float or None
+        Reserved: pause a worker whose device memory passes this fraction of
+        ``device_memory_limit``; like distributed's host ``pause`` (0.8), and only active when
+        ``device_memory_limit`` or ``spill_on_oom`` is set.
+    """
+
+    base_resource: str = "cuda"
+    pool_allocator: bool = False
+    pool_size: int | float | None = None
+    maximum_pool_size: int | float | None = None
+    release_threshold: int | float | None = None
+    log_directory: str | None = None
+    log_file_name: str | None = None
+    track_allocations: bool = False
+    statistics: bool = True
+    allocators: tuple[str, ...] = ()
+    devices: tuple[int, ...] | None = None
+    device_memory_limit: int | float | None = None
+    spill_on_oom: bool = False
+    device_pause_fraction: float | None = 0.8
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        base = self.base_resource
+        if not isinstance(base, str) or base.strip().lower() not in BASE_RESOURCES:
+            raise ValueError(
+                f"`base_resource` must be one of {', '.join(map(repr, BASE_RESOURCES))}, got {base!r}"
+            )
+        put("base_resource", base.strip().lower())
+        for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
+            put(name, _size(name, getattr(self, name)))
+        for name in ("pool_allocator", "track_allocations", "statistics", "spill_on_oom"):
+            put(name, _bool(name, getattr(self, name)))
+        put("pool_allocator", self.pool_allocator or self.pool_size is not None)
+        put("allocators", _allocators(self.allocators))
+        put("devices", _devices(self.devices))
+        put("log_directory", _log_directory(self.log_directory))
+        put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))
+        if self.log_file_name is not None:
+            put("log_file_name", os.fspath(self.log_file_name))
+        self._check_together()
+
+    def _check_together(self) -> None:
+        asynchronous = self.base_resource == "async"
+        if self.release_threshold is not None and not asynchronous:
+            raise OptionError("`release_threshold` requires `async_alloc=True`")
+        if self.maximum_pool_size is not None and not (self.pool_allocator or asynchronous):
+            raise OptionError(
+                "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
+            )
+        pool, maximum = self.pool_size, self.maximum_pool_size
+        if type(pool) is type(maximum) and pool is not None and maximum < pool:
+            raise OptionError(
+                f"`maximum_pool_size` ({_describe(maximum)}) is smaller than `pool_size` "
+                f"({_describe(pool)})"
+            )
+        if self.base_resource in ("system", "pinned") and self.allocators:
+            raise OptionError(
+                f"`allocators` {list(self.allocators)} need device memory: they cannot use "
+                f"host memory from base_resource={self.base_resource!r}"
+            )
+
+    # -- construction from the ways a user gives options ----------------------------------------
+
+    @classmethod
+    def from_config(cls, **given: Any) -> RMMOptions:
+        """Options from keyword arguments (RMMPlugin's names, including the dask-cuda aliases
+        ``managed_memory=True`` and ``async_alloc=True``), the rest from the ``dask-rmm.*``
+        config, which is validated first (:func:`dask_rmm.config.validate_config`)."""
+        from dask_rmm.config import config_value, validate_config
+
+        validate_config()
+        values = {f.name: config_value(f.name.replace("_", "-")) for f in CONFIG_FIELDS}
+        values.update({k: v for k, v in given.items() if k in values or k in ALIASES})
+        unknown = set(given) - set(values) - set(ALIASES)
+        if unknown:
+            raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
+        managed = _bool("managed_memory", values.pop("managed_memory", False) or False)
+        asynchronous = _bool("async_alloc", values.pop("async_alloc", False) or False)
+        if managed and asynchronous:
+            raise OptionError("`managed_memory` is incompatible with `async_alloc`: pick one")
+        alias = "managed" if managed else "async" if asynchronous else None
+        if alias is not None:
+            explicit = given.get("base_resource")
+            if explicit not in (None, "cuda", alias):  # "cuda": device memory, the default
+                option = "managed_memory" if managed else "async_alloc"
+                raise OptionError(
+                    f"`{option}=True` means base_resource={alias!r}, which conflicts with "
+                    f"base_resource={explicit!r}"
+                )
+            values["base_resource"] = alias
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain values (lists for tuples)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    def resolve_size(self, option: str, device: int, total: int) -> int | None:
+        """Option ``option`` in bytes on a device of ``total`` bytes (aligned down to 256)."""
+        from dask_rmm.mr.base import format_bytes
+
+        nbytes = parse_device_bytes(
+            getattr(self, option), device, total_memory=total, option=option
+        )
+        if nbytes is not None and nbytes > total:
+            where = "host memory" if self.host_memory else f"device {device}'s memory"
+            raise OptionError(
+                f"`{option}` ({format_bytes(nbytes)}) is larger than {where} ({format_bytes(total)})"
+            )
+        return nbytes
+
+    @property
+    def host_memory(self) -> bool:
+        return self.base_resource in ("system", "pinned")
+
+
+#: Options with a ``dask-rmm.<name>`` config key (``_`` written ``-``).
+CONFIG_FIELDS = [
+    f for f in dataclasses.fields(RMMOptions) if f.name not in ("pool_allocator", "log_file_name")
+]
+#: dask-cuda's option names that choose a base resource.
+ALIASES = ("managed_memory", "async_alloc")
+
+
+def make_base_resource(name: str, device: int, options: RMMOptions | None = None, total: int = 0):
+    """The base resource ``name`` on ``device`` (the current CUDA device must be ``device``)."""
+    from dask_rmm import _cuda, mr
+
+    if name == "system":
+        return mr.SystemMemoryResource(device_id=device)
+    _cuda.require_cuda(
+        f"base_resource={name!r} (use base_resource='system' for host memory without a GPU)"
+    )
+    if name == "async":
+        if options is None:
+            return mr.CudaAsyncMemoryResource()
+        return mr.CudaAsyncMemoryResource(
+            initial_pool_size=options.resolve_size("pool_size", device, total),
+            release_threshold=options.resolve_size("release_threshold", device, total),
+        )
+    maker = {
+        "cuda": mr.CudaMemoryResource,
+        "managed": mr.ManagedMemoryResource,
+        "pinned": mr.PinnedHostMemoryResource,
+    }[name]
+    return maker()
+
+
+def build_stack(
+    options: RMMOptions,
+    device: int,
+    *,
+    worker_name: Any = None,
+    task_key: Callable[[], Any] | None = None,
+    owner_name: Callable[[Any], str] | None = None,
+) -> DeviceStack:
+    """One device's resource stack, built completely (nothing installed).
+
+    Layers, outermost first (those that are off are left out)::
+
+        AttributionResourceAdaptor -> StatisticsResourceAdaptor -> LoggingResourceAdaptor
+          -> TrackingResourceAdaptor -> PoolMemoryResource | LimitingResourceAdaptor(async)
+          -> base resource
+
+    Attribution (with ``task_key``) charges what succeeded through every layer below; statistics
+    sits right under it so per-task bytes add up to its counters; logging and tracking record
+    the calls as asked; every adaptor sits above the pool so it sees requests, not the pool's
+    growth. A log file is ``options.log_file_name`` (``reinitialize``) or, with
+    ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
+    """
+    from dask_rmm import _cuda, mr
+
+    current = _cuda.get_device() if _cuda.is_available() else device
+    if current != device:
+        _cuda.set_device(device)
+    try:
+        total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
+        pool_size = options.resolve_size("pool_size", device, total)
+        maximum = options.resolve_size("maximum_pool_size", device, total)
+        if pool_size is not None and maximum is not None and maximum < pool_size:
+            raise OptionError(
+                f"`maximum_pool_size` ({_describe(maximum)}) is smaller than `pool_size` "
+                f"({_describe(pool_size)}) on device {device}"
+            )
+        top = make_base_resource(options.base_resource, device, options, total)
+        if options.base_resource == "async":
+            if maximum is not None:
+                top = mr.LimitingResourceAdaptor(top, allocation_limit=maximum)
+        elif options.pool_allocator:
+            top = mr.PoolMemoryResource(top, initial_pool_size=pool_size, maximum_pool_size=maximum)
+    finally:
+        if current != device:
+            _cuda.set_device(current)
+    stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory, options=options)
+    try:
+        if options.track_allocations:
+            top = mr.TrackingResourceAdaptor(top)
+        log_file_name = options.log_file_name
+        if options.log_directory is not None:
+            try:
+                os.makedirs(options.log_directory, exist_ok=True)
+                path = log_file_path(options.log_directory, worker_name, device)
+                stack.log_path, stack.log_fd = claim_log_file(path)
+                # The adaptor adds RMM's ".dev<id>" to the name it is given; a worker's log is
+                # appended to, so a worker restarted under the same name keeps what was there.
+                log_file_name = stack.log_path[: -len(f".dev{device}.csv")] + ".csv"
+                top = stack.logging = mr.LoggingResourceAdaptor(
+                    top, log_file_name=log_file_name, append=True
+                )
+            except OSError as e:
+                raise OSError(
+                    f"`log_directory` {options.log_directory!r}: cannot write the allocation log "
+                    f"of device {device}: {e}"
+                ) from e
+        elif log_file_name is not None:
+            top = stack.logging = mr.LoggingResourceAdaptor(top, log_file_name=log_file_name)
+        if stack.logging is not None:
+            stack.log_path = stack.logging.get_file_name()
+        if options.statistics:
+            top = stack.statistics = mr.StatisticsResourceAdaptor(top)
+            if task_key is not None:
+                from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+
+                top = stack.attribution = AttributionResourceAdaptor(
+                    top, task_key, owner_name=owner_name
+                )
+    except BaseException:
+        stack.close_log()
+        raise
+    stack.top = top
+    stack.chain = resource_chain(top)
+    stack.pool_size, stack.maximum_pool_size = pool_size, maximum
+    return stack

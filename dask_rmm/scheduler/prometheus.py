@@ -1,0 +1,72 @@
+"""Prometheus metrics for dask-rmm on the scheduler's /metrics: one series per running worker
+device for each :data:`dask_rmm.wire.GAUGES` field, plus fragmentation and worker counts.
+Needs prometheus_client (an optional dependency).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dask_rmm.wire import GAUGES, DeviceSample
+
+if TYPE_CHECKING:
+    from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
+
+__all__ = ["DaskRMMCollector", "register_collector", "unregister_collector"]
+
+LABELS = ["worker", "name", "device", "gpu"]
+
+
+class DaskRMMCollector:
+    """Yields the ``dask_rmm_*`` families of one SchedulerTimelinePlugin (none once it is
+    unregistered from its scheduler)."""
+
+    def __init__(self, plugin: SchedulerTimelinePlugin):
+        self.plugin = plugin
+
+    def describe(self) -> list:
+        # Describing none keeps registration from calling collect() and several schedulers
+        # in one process (tests) from clashing over the names.
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        plugin = self.plugin
+        if not plugin.poll():  # also reads the heartbeats since the last tick
+            return
+        kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+        gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
+        frag = GaugeMetricFamily(
+            "dask_rmm_fragmentation_ratio",
+            "1 - largest free block / free bytes in the pool",
+            labels=LABELS,
+        )
+        workers = GaugeMetricFamily(
+            "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
+        )
+        for address, name, dev, d in plugin.running_devices():
+            sample = DeviceSample.from_dict(d)
+            labels = [address, name, dev, sample.gpu_uuid or sample.gpu_name]
+            for field, family in gauges:
+                family.add_metric(labels, getattr(sample, field))
+            frag.add_metric(labels, sample.fragmentation)
+        for status, n in plugin.worker_counts().items():
+            workers.add_metric([status], n)
+        yield workers
+        for _, family in gauges:
+            yield family
+        yield frag
+
+
+def register_collector(plugin: SchedulerTimelinePlugin) -> DaskRMMCollector:
+    """Export ``plugin``'s data on prometheus_client's default registry (what /metrics serves)."""
+    collector = DaskRMMCollector(plugin)
+    REGISTRY.register(collector)
+    return collector
+
+
+def unregister_collector(collector: DaskRMMCollector) -> None:
+    REGISTRY.unregister(collector)

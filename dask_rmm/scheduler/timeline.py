@@ -1,0 +1,385 @@
+"""The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps a bounded
+timeline per worker device from the ``WorkerState.metrics[wire.METRICS_KEY]`` each heartbeat
+brings, and serves the report document. Not here: HTTP pages (``http.py``), Prometheus
+(``prometheus.py``), rendering (``dask_rmm.report``), fetching from a client (``dask_rmm.client``).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from time import time
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
+
+__all__ = ["PLUGIN_NAME", "REPORT_HANDLER", "SchedulerTimelinePlugin", "Timeline"]
+
+logger = logging.getLogger(__name__)
+
+#: Timeline length when neither the argument nor the config sets one.
+DEFAULT_TIMELINE_LENGTH = 3600
+#: How many departed workers stay in reports (marked "gone") before the oldest is forgotten.
+DEFAULT_KEEP_GONE = 32
+
+
+class Timeline:
+    """A ring buffer of ``(time, current_bytes, max_bytes_in_interval)`` samples.
+
+    Stored in three ``array`` columns (24 bytes a sample, no Python object per sample), so
+    64 workers x 3600 samples cost about 5.5 MB on the scheduler.
+
+    Parameters
+    ----------
+    capacity : int
+        The most samples kept; older ones are overwritten.
+    """
+
+    __slots__ = ("capacity", "_t", "_cur", "_max", "_head")
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"Timeline capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._t = array("d")
+        self._cur = array("q")
+        self._max = array("q")
+        self._head = 0  # oldest sample (next to overwrite) once full
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def extend(self, samples: Sequence[Sequence[float]]) -> None:
+        """Append samples (oldest first), dropping the oldest kept ones beyond ``capacity``.
+
+        Samples not newer than the newest kept one are skipped (heartbeats overlap).
+
+        A malformed sample raises (IndexError, TypeError, OverflowError) before anything changes.
+        """
+        if self._t:
+            newest = self._t[self._head - 1]
+            samples = [s for s in samples if s[0] > newest]
+        ts = array("d", [s[0] for s in samples])
+        cs = array("q", [s[1] for s in samples])
+        ms = array("q", [s[2] for s in samples])
+        cap = self.capacity
+        if len(ts) >= cap:
+            self._t, self._cur, self._max, self._head = ts[-cap:], cs[-cap:], ms[-cap:], 0
+            return
+        room = cap - len(self._t)
+        if room:
+            self._t.extend(ts[:room])
+            self._cur.extend(cs[:room])
+            self._max.extend(ms[:room])
+            if len(ts) <= room:
+                return
+            ts, cs, ms = ts[room:], cs[room:], ms[room:]
+        # Full: overwrite from the head, wrapping around the end.
+        h, k = self._head, len(ts)
+        first = min(k, cap - h)
+        self._t[h : h + first] = ts[:first]
+        self._cur[h : h + first] = cs[:first]
+        self._max[h : h + first] = ms[:first]
+        if k > first:
+            rest = k - first
+            self._t[:rest] = ts[first:]
+            self._cur[:rest] = cs[first:]
+            self._max[:rest] = ms[first:]
+        self._head = (h + k) % cap
+
+    def to_list(self, last: int | None = None) -> list[list[float | int]]:
+        """The samples oldest first as ``[time, current_bytes, max_bytes_in_interval]`` lists.
+
+        Parameters
+        ----------
+        last : int, optional
+            Only the newest ``last`` samples.
+        """
+        h = self._head
+        cols = []
+        for col in (self._t, self._cur, self._max):
+            values = col.tolist()
+            if h:
+                values = values[h:] + values[:h]
+            if last is not None:
+                values = values[-last:] if last > 0 else []
+            cols.append(values)
+        return [list(s) for s in zip(*cols, strict=True)]
+
+    def peak(self) -> int:
+        """The largest ``max_bytes_in_interval`` kept (0 when empty)."""
+        return int(max(self._max, default=0))
+
+
+class _WorkerRecord:
+    """What the plugin keeps per worker: its last dask-rmm metrics and one timeline per device."""
+
+    __slots__ = ("address", "name", "status", "metrics", "timelines", "last_seen", "error")
+
+    def __init__(self, address: str, name: str):
+        self.address = address
+        self.name = name
+        self.status = "running"
+        self.metrics: dict | None = None
+        self.timelines: dict[str, Timeline] = {}
+        self.last_seen: float | None = None
+        self.error: str | None = None
+
+
+class SchedulerTimelinePlugin(SchedulerPlugin):
+    """Keeps every worker's dask-rmm memory samples on the scheduler and serves reports.
+
+    Each heartbeat replaces ``WorkerState.metrics``; the plugin reads the dask-rmm entry of each
+    new one in ``add_worker``, ``remove_worker`` and a poll every ``poll_interval`` seconds
+    (cheaper than a heartbeat: one identity check per worker). Installed by ``RMMPlugin`` and by
+    :func:`dask_rmm.cluster_report`; installing it twice is a no-op. It adds, once per scheduler,
+    the ``dask_rmm_report`` handler, the ``/dask-rmm`` pages and a Prometheus collector; all of
+    them answer "not installed" once the plugin is unregistered.
+
+    Parameters
+    ----------
+    timeline_length : int, optional
+        Samples kept per worker and device; default config ``dask-rmm.scheduler.timeline-length``
+        (3600), read on the scheduler.
+    keep_gone : int
+        Departed workers kept in reports (marked "gone"); older ones are forgotten.
+    poll_interval : float
+        Seconds between two reads of the workers' metrics (a worker heartbeats every 0.5 s at
+        the most often, so 0.1 s misses none).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(
+        self,
+        timeline_length: int | None = None,
+        keep_gone: int = DEFAULT_KEEP_GONE,
+        poll_interval: float = 0.1,
+    ):
+        if timeline_length is not None:
+            _check_int("timeline_length", timeline_length, 1)
+        _check_int("keep_gone", keep_gone, 0)
+        if not isinstance(poll_interval, (int, float)) or not poll_interval > 0:
+            raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
+        self.timeline_length = timeline_length
+        self.keep_gone = keep_gone
+        self.poll_interval = poll_interval
+        self.scheduler: Scheduler | None = None
+        self._records: dict[str, _WorkerRecord] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._poller: PeriodicCallback | None = None
+        self._collector: Any = None
+
+    def __getstate__(self) -> dict:
+        # Only the options travel (client/worker -> scheduler); state is built in start.
+        return {k: getattr(self, k) for k in ("timeline_length", "keep_gone", "poll_interval")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, scheduler: Scheduler) -> None:
+        from dask_rmm.scheduler import http
+
+        self.scheduler = scheduler
+        if self.timeline_length is None:
+            self.timeline_length = _configured_timeline_length()
+        scheduler.handlers.setdefault(REPORT_HANDLER, _report_handler(scheduler))
+        http.install_routes(scheduler)
+        try:
+            from dask_rmm.scheduler.prometheus import register_collector
+
+            self._collector = register_collector(self)
+        except ImportError:
+            logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
+        self._poller = PeriodicCallback(self.poll, self.poll_interval * 1000)
+        self._poller.start()
+        self._ingest_all()  # not registered yet: register_scheduler_plugin starts, then adds
+
+    async def close(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.stop()
+        collector, self._collector = self._collector, None
+        if collector is not None:
+            from dask_rmm.scheduler.prometheus import unregister_collector
+
+            unregister_collector(collector)
+
+    @property
+    def active(self) -> bool:
+        """Started and still the scheduler's registered plugin (unregistering does not call
+        ``close``: the poll stops itself the first time it finds the plugin gone)."""
+        s = self.scheduler
+        return s is not None and s.plugins.get(self.name) is self
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        ws = scheduler.workers.get(worker)
+        if ws is not None:
+            self._ingest(ws)
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        rec = self._records.get(worker)
+        if rec is None or rec.status == "gone":
+            return
+        rec.status = "gone"
+        self._gone[worker] = None
+        while len(self._gone) > self.keep_gone:
+            old, _ = self._gone.popitem(last=False)
+            if old in self._records and self._records[old].status == "gone":
+                del self._records[old]
+
+    # -- ingest -------------------------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Read each worker's latest heartbeat metrics that this plugin has not seen yet;
+        False (and stop) if the plugin is not registered any more."""
+        if not self.active:
+            self._stop()
+            return False
+        self._ingest_all()
+        return True
+
+    def _ingest_all(self) -> None:
+        for ws in list(self.scheduler.workers.values()):
+            self._ingest(ws)
+
+    def _ingest(self, ws: WorkerState) -> None:
+        m = ws.metrics.get(METRICS_KEY)
+        rec = self._records.get(ws.address)
+        if m is None:
+            # No dask-rmm on this worker (any more): its old numbers must not look current.
+            if rec is not None and rec.status == "running":
+                del self._records[ws.address]
+            return
+        if rec is None or rec.status == "gone":
+            rec = self._records[ws.address] = _WorkerRecord(ws.address, str(ws.name))
+            self._gone.pop(ws.address, None)
+        elif m is rec.metrics:
+            return  # this heartbeat was read already
+        rec.metrics = m
+        try:
+            rec.last_seen = float(m.get("time") or time())
+            rec.error = None
+            for dev, d in m["devices"].items():
+                samples = d.get("samples")
+                if samples:
+                    tl = rec.timelines.get(dev)
+                    if tl is None:
+                        tl = rec.timelines[dev] = Timeline(self.timeline_length or 1)
+                    tl.extend(samples)
+        except Exception as e:
+            # A malformed metrics dict must never break the scheduler.
+            if rec.error is None:
+                logger.warning("dask-rmm: malformed metrics from %s: %r", ws.address, e)
+            rec.error = f"malformed dask-rmm metrics: {e!r}"
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def running_devices(self) -> Iterator[tuple[str, str, str, dict]]:
+        """``(address, name, device id, wire device dict)`` for each running worker's devices."""
+        for rec in list(self._records.values()):
+            devices = (rec.metrics or {}).get("devices") if rec.status == "running" else None
+            if isinstance(devices, dict):
+                for dev, d in devices.items():
+                    if isinstance(d, dict):
+                        yield rec.address, rec.name, str(dev), d
+
+    def worker_counts(self) -> dict[str, int]:
+        """How many workers report dask-rmm (``running``) and how many left (``gone``)."""
+        gone = sum(rec.status == "gone" for rec in list(self._records.values()))
+        return {"running": len(self._records) - gone, "gone": gone}
+
+    def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
+        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json).
+
+        Parameters
+        ----------
+        timeline : bool
+            Include each device's timeline.
+        last : int, optional
+            Only the newest ``last`` samples of each timeline.
+        """
+        self.poll()  # heartbeats that arrived since the last tick
+        workers = []
+        for rec in list(self._records.values()):
+            raw = (rec.metrics or {}).get("devices")
+            devices = {}
+            for dev, d in raw.items() if isinstance(raw, dict) else ():
+                if isinstance(d, dict):
+                    tl = rec.timelines.get(dev)
+                    devices[str(dev)] = dict(
+                        d, timeline=tl.to_list(last) if tl and timeline else []
+                    )
+            workers.append(
+                {
+                    "address": rec.address,
+                    "name": rec.name,
+                    "status": rec.status,
+                    "last_seen": rec.last_seen,
+                    "error": rec.error,
+                    "devices": devices,
+                }
+            )
+        scheduler = self.scheduler
+        without = (
+            []
+            if scheduler is None
+            else [a for a, ws in scheduler.workers.items() if METRICS_KEY not in ws.metrics]
+        )
+        data = {
+            "time": time(),
+            "scheduler": scheduler.address if scheduler is not None else "",
+            "timeline_length": self.timeline_length,
+            "workers": workers,
+            "workers_without_dask_rmm": without,
+        }
+        return ClusterMemoryReport.from_dict(data).to_dict(timeline=timeline)
+
+
+def _report_handler(scheduler: Scheduler):
+    """The ``dask_rmm_report`` scheduler handler: the registered plugin's report document, or
+    None when no SchedulerTimelinePlugin is registered."""
+
+    def dask_rmm_report(timeline: bool = True, last: int | None = None) -> dict | None:
+        plugin = current_plugin(scheduler)
+        return None if plugin is None else plugin.report_data(timeline=timeline, last=last)
+
+    return dask_rmm_report
+
+
+def current_plugin(scheduler: Scheduler) -> SchedulerTimelinePlugin | None:
+    """The SchedulerTimelinePlugin registered on ``scheduler``, if any."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    return plugin if isinstance(plugin, SchedulerTimelinePlugin) else None
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
+
+
+def _configured_timeline_length() -> int:
+    key = "dask-rmm.scheduler.timeline-length"
+    value = dask.config.get(key, default=DEFAULT_TIMELINE_LENGTH)
+    try:
+        _check_int(key, int(value), 1)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {key} must be a positive integer, got {value!r}") from None
+    return int(value)

@@ -1,0 +1,161 @@
+"""The heartbeat and report format: the only place its key, versions and field names are defined.
+
+Workers publish ``worker.metrics[METRICS_KEY]`` (:func:`heartbeat`); the scheduler keeps a timeline
+per device and serves the report document (``ClusterMemoryReport.to_dict()``): the report, the
+dashboard, ``/dask-rmm/report.json``, ``dask rmm report --json`` and Prometheus. To add a
+per-device field, add it to :class:`DeviceSample` (a default keeps old producers readable;
+``_exported(...)`` also exports it to Prometheus). No Dask, no CUDA here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "METRICS_KEY",
+    "METRICS_VERSION",
+    "PLUGIN_NAME",
+    "REPORT_HANDLER",
+    "REPORT_VERSION",
+    "SAMPLE_FIELDS",
+    "DeviceSample",
+    "TaskGroup",
+    "heartbeat",
+    "to_int",
+]
+
+#: Key of the heartbeat metrics in ``worker.metrics`` (and so in ``WorkerState.metrics``).
+METRICS_KEY = "dask-rmm"
+#: Version of the heartbeat dict; readers ignore the fields they do not know.
+METRICS_VERSION = 2
+#: Version of the report document (``ClusterMemoryReport.to_dict``, report.json, ``--json``).
+REPORT_VERSION = 2
+#: Name of the scheduler plugin that keeps the timelines (its key in ``Scheduler.plugins``).
+PLUGIN_NAME = "dask-rmm-timeline"
+#: Scheduler RPC handler that returns the report document.
+REPORT_HANDLER = "dask_rmm_report"
+#: One timeline sample: ``[time, current_bytes, max_bytes_in_interval]``.
+SAMPLE_FIELDS = ("time", "current_bytes", "max_bytes_in_interval")
+
+
+class TaskGroup(NamedTuple):
+    """Bytes one task group (key prefix) holds on one worker device, now and at its peak."""
+
+    prefix: str
+    current_bytes: int
+    peak_bytes: int
+
+
+def _exported(name: str, help: str, kind: str = "gauge") -> Any:
+    """An int field (default 0) that Prometheus exports as ``name``."""
+    return field(default=0, metadata={"gauge": name, "help": help, "kind": kind})
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """One worker device's memory at one heartbeat (the ``devices[id]`` entry of the heartbeat).
+
+    ``retired_bytes`` counts buffers still alive in stacks that a re-registration replaced
+    (they are not in ``current_bytes`` any more). ``gpu_*`` name the physical device (under
+    dask-cuda every worker's device id is 0); on host memory ``gpu_name`` is ``"host"``.
+    """
+
+    resource: str = ""
+    current_bytes: int = _exported("dask_rmm_used_bytes", "Bytes allocated through RMM now")
+    current_count: int = 0
+    peak_bytes: int = _exported(
+        "dask_rmm_peak_bytes", "Most bytes allocated at once since the resource was made"
+    )
+    peak_count: int = 0
+    total_bytes: int = 0
+    total_count: int = 0
+    failed_allocations: int = _exported(
+        "dask_rmm_failed_allocations", "Allocations whose upstream raised", "counter"
+    )
+    reserved_bytes: int = _exported(
+        "dask_rmm_reserved_bytes", "Bytes the pool holds from its upstream"
+    )
+    pool_free_bytes: int = _exported("dask_rmm_pool_free_bytes", "Bytes free inside the pool")
+    largest_free_block: int = _exported(
+        "dask_rmm_largest_free_block_bytes", "Largest free block in the pool"
+    )
+    retired_bytes: int = _exported(
+        "dask_rmm_retired_bytes", "Bytes still held in stacks replaced by a re-registration"
+    )
+    device_used_bytes: int = 0
+    device_total_bytes: int = _exported(
+        "dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"
+    )
+    gpu_name: str = ""
+    gpu_uuid: str = ""
+    pci_bus_id: str = ""
+    #: Largest peak first.
+    task_groups: tuple[TaskGroup, ...] = ()
+    error: str | None = None
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - largest free block / free bytes in the pool``; 0.0 when nothing is free."""
+        if self.pool_free_bytes <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.largest_free_block / self.pool_free_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the wire (``fragmentation`` included for readers without this class)."""
+        out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
+        out["task_groups"] = [list(g) for g in self.task_groups]
+        out["fragmentation"] = self.fragmentation
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], **extra: Any) -> Any:
+        """Read a wire entry; missing or malformed fields take their default, unknown ones are
+        ignored (``extra`` sets the fields of a subclass)."""
+        values: dict[str, Any] = {}
+        for f in _FIELDS:
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            if f.type == "int":
+                values[f.name] = to_int(v)
+            elif f.type == "str":
+                values[f.name] = "" if v is None else str(v)
+        groups = []
+        for g in d.get("task_groups") or ():
+            try:
+                groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
+            except (IndexError, TypeError, KeyError):
+                continue
+        return cls(**values, task_groups=tuple(groups), error=d.get("error") or None, **extra)
+
+
+_FIELDS = dataclasses.fields(DeviceSample)
+#: Fields exported to Prometheus: ``(field name, metric name, help, "gauge" or "counter")``.
+GAUGES = tuple(
+    (f.name, f.metadata["gauge"], f.metadata["help"], f.metadata["kind"])
+    for f in _FIELDS
+    if "gauge" in f.metadata
+)
+#: The integer fields, in order (table, DataFrame and totals columns).
+COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
+
+
+def heartbeat(
+    worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
+    ``samples`` (a list of ``SAMPLE_FIELDS`` rows taken since the previous heartbeat)."""
+    return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
+
+
+def to_int(value: Any) -> int:
+    """``int(value)``, or 0 when the value is missing or malformed (the wire never raises)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0

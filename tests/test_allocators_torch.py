@@ -1,0 +1,220 @@
+"""dask_rmm.allocators.torch: the C-callable callbacks PyTorch's pluggable allocator calls, and
+(on a GPU host with torch) PyTorch tensors allocated from dask-rmm's resources."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dask_rmm import _cuda, mr
+from dask_rmm.allocators import SUPPORTED_ALLOCATORS
+from dask_rmm.allocators import torch as torch_hook
+
+HAS_GPU = _cuda.is_available()
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.fixture
+def host_mr():
+    previous = mr.get_current_device_resource() if HAS_GPU else None
+    res = mr.StatisticsResourceAdaptor(mr.SystemMemoryResource())
+    mr.set_current_device_resource(res)
+    yield res
+    mr.set_current_device_resource(previous)
+
+
+def _c_functions():
+    alloc_addr, free_addr = torch_hook.callback_addresses()
+    return torch_hook.ALLOC_FN_TYPE(alloc_addr), torch_hook.FREE_FN_TYPE(free_addr)
+
+
+def test_torch_is_a_supported_allocator_name():
+    assert "torch" in SUPPORTED_ALLOCATORS
+
+
+def test_allocator_is_none_without_cuda_torch():
+    if not _torch_cuda():
+        assert torch_hook.rmm_torch_allocator is None
+    else:
+        from torch.cuda.memory import CUDAPluggableAllocator
+
+        assert isinstance(torch_hook.rmm_torch_allocator, CUDAPluggableAllocator)
+
+
+def test_callbacks_through_their_c_addresses(host_mr):
+    # Called the way PyTorch calls them: through the function pointers, with C types.
+    alloc, free = _c_functions()
+    ptr = alloc(1000, 0, None)
+    assert ptr and ptr % 256 == 0
+    assert host_mr.allocation_counts.current_bytes == 1000
+    ctypes.memset(ptr, 7, 1000)
+    free(ptr, 1000, 0, None)
+    assert host_mr.allocation_counts.current_bytes == 0
+    assert host_mr.allocation_counts.total_count == 1
+
+
+def test_failed_allocation_returns_null_and_keeps_the_error(host_mr, caplog):
+    alloc, _ = _c_functions()
+    limited = mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096)
+    mr.set_current_device_resource(limited)
+    returned = []
+    with caplog.at_level(logging.WARNING, logger="dask_rmm.allocators.torch"):
+        # NULL to C, then the calling Python code raises as soon as it runs again
+        with pytest.raises(MemoryError) as info:
+            returned.append(alloc(1 << 20, 0, None))
+    assert returned == [None]
+    assert isinstance(torch_hook.last_allocation_error(), MemoryError)
+    assert type(info.value).__name__ == "TorchAllocationError"
+    assert "1048576" in str(info.value)
+    assert "1048576 bytes" in caplog.text
+    assert host_mr.allocation_counts.current_bytes == 0
+
+
+def test_free_goes_back_to_the_resource_it_came_from(host_mr):
+    alloc, free = _c_functions()
+    ptr = alloc(512, 0, None)
+    other = mr.SystemMemoryResource()
+    mr.set_current_device_resource(other)  # replaced while the tensor lives
+    free(ptr, 512, 0, None)
+    assert host_mr.allocation_counts.current_bytes == 0
+
+
+def test_bad_free_is_logged_not_raised(host_mr, caplog):
+    _, free = _c_functions()
+    with caplog.at_level(logging.WARNING, logger="dask_rmm.allocators.torch"):
+        free(0x1000, 64, 0, None)  # never allocated: the resource refuses, nothing raises into C
+    assert "freeing 0x1000" in caplog.text
+    free(None, 0, 0, None)  # NULL is ignored
+
+
+def test_stream_reaches_the_resource(host_mr):
+    seen = []
+
+    def allocate(nbytes, stream):
+        seen.append(stream.handle)
+        return host_mr.allocate(nbytes, stream)
+
+    def deallocate(ptr, nbytes, stream):
+        seen.append(stream.handle)
+        host_mr.deallocate(ptr, nbytes, stream)
+
+    mr.set_current_device_resource(mr.CallbackMemoryResource(allocate, deallocate))
+    alloc, free = _c_functions()
+    ptr = alloc(256, 0, 0x1234)
+    free(ptr, 256, 0, 0x1234)
+    assert seen == [0x1234, 0x1234]
+
+
+def test_set_torch_allocator_without_torch_is_import_error():
+    if torch_hook.rmm_torch_allocator is not None:
+        pytest.skip("torch with CUDA is installed here")
+    from dask_rmm.allocators import set_allocators
+
+    with pytest.raises(ImportError, match="torch"):
+        set_allocators(["torch"])
+
+
+# --- PyTorch on a GPU: each scenario in its own process (PyTorch takes one allocator per process,
+# before its first CUDA allocation) ------------------------------------------------------------
+
+_SCENARIO = textwrap.dedent(
+    """
+    import gc, json, sys
+    import torch
+    from dask_rmm import mr
+    from dask_rmm.allocators import set_allocators
+
+    stats = mr.StatisticsResourceAdaptor(
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26))
+    mr.set_current_device_resource(stats)
+    set_allocators(["torch"])
+    out = {}
+    x = torch.ones(1000, device="cuda")
+    out["bytes_with_tensor"] = stats.allocation_counts.current_bytes
+    out["pointer_in_pool"] = stats.get_upstream().reserved_memory_info().reserved_bytes >= 4000
+    out["sum"] = float(x.sum())
+    del x
+    gc.collect()
+    out["bytes_after_free"] = stats.allocation_counts.current_bytes
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        z = y * 2
+    torch.cuda.current_stream().wait_stream(s)
+    out["second_stream_ok"] = bool((z[-1] == 2 * ((1 << 20) - 1)).item())
+    del y, z
+    gc.collect()
+    torch.cuda.synchronize()
+    out["bytes_end"] = stats.allocation_counts.current_bytes
+    out["allocations"] = stats.allocation_counts.total_count
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        out["oom"] = "no error"
+    except torch.OutOfMemoryError as e:
+        out["oom"] = type(e).__name__ if isinstance(e, MemoryError) else "not a MemoryError"
+    out["after_oom"] = float(torch.ones(10, device="cuda").sum())
+    set_allocators(["torch"])  # again: harmless
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_come_from_the_current_resource():
+    if not _torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _SCENARIO], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    out = json.loads(line[len("RESULT"):])
+    assert out["bytes_with_tensor"] >= 4000
+    assert out["pointer_in_pool"]
+    assert out["sum"] == 1000.0
+    assert out["bytes_after_free"] == 0
+    assert out["second_stream_ok"]
+    assert out["bytes_end"] == 0
+    assert out["allocations"] >= 3
+    assert out["after_oom"] == 10.0
+    assert out["oom"] == "TorchAllocationError", out["oom"]
+
+
+def test_out_of_memory_collects_garbage_and_retries(host_mr):
+    alloc, free = _c_functions()
+    limited = mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096)
+    mr.set_current_device_resource(limited)
+
+    class Holder:
+        pass
+
+    garbage = Holder()
+    garbage.ptr = alloc(4096, 0, None)
+    garbage.cycle = garbage  # only the cyclic collector frees it
+
+    def release(ptr=garbage.ptr):
+        free(ptr, 4096, 0, None)
+
+    import weakref
+
+    weakref.finalize(garbage, release)
+    del garbage
+    ptr = alloc(4096, 0, None)  # full until the cycle is collected
+    assert ptr
+    free(ptr, 4096, 0, None)
+    assert host_mr.allocation_counts.current_bytes == 0
