@@ -252,3 +252,19 @@ def test_heartbeat_fields_are_plain_data():
     assert d["oom_count"] == 1 and d["device_memory_limit"] == 3 * MiB and "device" not in d
     assert len(d["oom_events"]) == 1 and len(d["oom_events"][0]["recent_events"]) == 2
     assert _json.loads(_json.dumps(d)) == d
+
+
+def test_allocation_errors_that_are_not_oom_pass_straight_through():
+    from dask_rmm import mr
+    from dask_rmm.mr.base import CUDAAllocationError
+    from dask_rmm.pressure.worker import WorkerPressure
+
+    class Broken(mr.SystemMemoryResource):
+        def allocate(self, nbytes, stream=None):
+            raise CUDAAllocationError("cudaErrorInvalidValue", "cudaMallocFromPoolAsync")
+
+    wp = WorkerPressure(spill_on_oom=True)
+    top = wp.wrap(0, Broken(), capacity=MiB)
+    with pytest.raises(CUDAAllocationError):
+        top.allocate(256)
+    assert wp.oom_events() == [] and wp.metrics()[0].oom_count == 0

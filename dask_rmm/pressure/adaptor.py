@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.base import CUDAAllocationError, DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
@@ -88,6 +88,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                     self._quiet_until = now + _QUIET_SECONDS
         try:
             ptr = self._upstream_allocate(nbytes, stream)
+        except CUDAAllocationError:
+            raise  # not out of memory (a broken pool or device): spilling cannot help
         except MemoryError as e:
             ptr = self._allocate_after_oom(nbytes, stream, e)
         self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
