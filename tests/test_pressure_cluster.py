@@ -24,7 +24,7 @@ from tests.pressure_helpers import (
 pytestmark = pytest.mark.slow
 
 POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
-N, SIZE = 16, 2 * MiB  # 32 MiB of outputs over 2 workers: 16 MiB each, twice the pool
+N, SIZE = 32, MiB  # 32 MiB of outputs over 2 workers: 16 MiB each, twice the pool
 
 
 def _workload(client, tag: str) -> None:
@@ -37,9 +37,17 @@ def _workload(client, tag: str) -> None:
 
 
 def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_them():
+    import dask
+
     from dask_rmm.mr.base import OutOfMemoryError
 
-    with local_process_cluster() as (cluster, client):
+    # No work stealing: a stolen task moves its input between workers, and a value being sent
+    # or received is referenced, so not spillable; on a loaded host several at once could
+    # fill the whole (tiny) pool.
+    with (
+        dask.config.set({"distributed.scheduler.work-stealing": False}),
+        local_process_cluster() as (cluster, client),
+    ):
         client.register_plugin(RMMPlugin(**POOL))
         with pytest.raises(OutOfMemoryError):
             _workload(client, "plain")
