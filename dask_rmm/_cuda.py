@@ -336,6 +336,19 @@ def device_total_memory(device: int | None = None) -> int:
         set_device(current)
 
 
+def device_identity(device: int) -> tuple[str, str, str]:
+    """``(name, uuid, pci_bus_id)`` of ``device``: its marketing name, ``GPU-xxxxxxxx-...`` as
+    nvidia-smi prints it, and ``DDDDDDDD:BB:DD.0``. Names the physical GPU whatever the index
+    (under CUDA_VISIBLE_DEVICES every worker's device is 0)."""
+    props = check(_rt().cudaGetDeviceProperties(_check_device(device)), "cudaGetDeviceProperties")
+    name = props.name
+    name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+    u = bytes(props.uuid.bytes).hex()
+    uuid = f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
+    pci = f"{props.pciDomainID:08X}:{props.pciBusID:02X}:{props.pciDeviceID:02X}.0"
+    return name, uuid, pci
+
+
 def _device_attr(name_or_enum: Any):
     rt = _rt()
     if isinstance(name_or_enum, str):

@@ -62,13 +62,7 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
         return {"gpu_name": "host", "gpu_uuid": "", "pci_bus_id": ""}
     from dask_rmm import _cuda
 
-    # TODO(lead): move into _cuda as device_properties(device) (dropin owns _cuda.py).
-    props = _cuda.check(_cuda._rt().cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
-    name = props.name
-    name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
-    u = bytes(props.uuid.bytes).hex()
-    uuid = f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
-    pci = f"{props.pciDomainID:08X}:{props.pciBusID:02X}:{props.pciDeviceID:02X}.0"
+    name, uuid, pci = _cuda.device_identity(device)
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 

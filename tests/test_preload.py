@@ -170,7 +170,7 @@ def test_a_failing_setup_stops_the_worker_with_the_reason(scheduler):
             ["--rmm-async", "--rmm-managed-memory"],
             "--rmm-managed-memory is incompatible with --rmm-async",
         ),
-        (["--set-rmm-allocator-for-libs", "torch"], "supported: cupy, numba"),
+        (["--set-rmm-allocator-for-libs", "tensorflow"], "unknown library 'tensorflow'"),
         (["--rmm-base-resource", "tpu"], "Invalid value for '--rmm-base-resource'"),
         (["--rmm-pool-sise", "1GiB"], "No such option"),
     ],
