@@ -8,7 +8,6 @@ What to spill and how is the ``handler``'s job (``DevicePressure``); this module
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,24 +75,48 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self._task_key = task_key if task_key is not None else _no_task
         self._events: deque = deque(maxlen=max(int(history), 1))
         self._quiet_until = 0.0
-        self._local = threading.local()
+        # Bytes allocated through this adaptor, kept without a lock: the limit is measured
+        # exactly (handler.current_bytes, which takes the pool's lock) only when this estimate
+        # says it may be crossed. Updates lost to thread switches make it drift a little;
+        # every exact measurement (and the periodic check, via resync) resets it.
+        self._estimate = 0
+        self.resync()
+
+    def resync(self) -> None:
+        """Reset the running estimate of the bytes in use to the handler's exact count."""
+        try:
+            self._estimate = self.handler.current_bytes()
+        except Exception:  # a broken counter must not break allocations
+            self._estimate = 0
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         h = self.handler
-        if h.limit is not None and nbytes and not h.busy():
-            now = time.monotonic()
-            if now >= self._quiet_until:
-                over = h.current_bytes() + nbytes - h.limit
-                if over > 0 and h.spill(over) == 0:
-                    self._quiet_until = now + _QUIET_SECONDS
+        limit = h.limit
+        if limit is not None and self._estimate + nbytes > limit and nbytes:
+            self._check_limit(nbytes, limit)
         try:
             ptr = self._upstream_allocate(nbytes, stream)
         except CUDAAllocationError:
             raise  # not out of memory (a broken pool or device): spilling cannot help
         except MemoryError as e:
             ptr = self._allocate_after_oom(nbytes, stream, e)
+        self._estimate += nbytes
         self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
         return ptr
+
+    def _check_limit(self, nbytes: int, limit: int) -> None:
+        """The estimate says ``nbytes`` more would cross the limit: measure, and spill."""
+        h = self.handler
+        if h.busy():
+            return
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        current = h.current_bytes()
+        over = current + nbytes - limit
+        if over > 0 and h.spill(over) == 0:
+            self._quiet_until = now + _QUIET_SECONDS
+        self.resync()
 
     def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
         h = self.handler
@@ -116,6 +139,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         self._upstream_deallocate(ptr, nbytes, stream)
+        self._estimate -= nbytes
         self._events.append((time.time(), "free", nbytes, ptr, None))
 
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:

@@ -89,6 +89,8 @@ class DevicePressure:
         self.statistics = find_layer(resource, StatisticsResourceAdaptor)
         self.attribution = find_layer(resource, AttributionResourceAdaptor)
         self.oom_events: deque[OOMEvent] = deque(maxlen=MAX_OOM_EVENTS)
+        #: The SpillOnDemandResourceAdaptor this policy serves (set by WorkerPressure.wrap).
+        self.adaptor: Any = None
         self.counters: PressureCounters = store.counters
         self.counters.set_limit(device, limit)
 
@@ -157,6 +159,8 @@ class DevicePressure:
     def relieve(self) -> bool:
         """One check: spill to the limit, and while over the pause threshold spill down to it.
         Returns True when the device is still over the pause threshold."""
+        if self.adaptor is not None:
+            self.adaptor.resync()
         self.spill_to_limit()
         threshold = self.pause_threshold()
         if threshold is None:

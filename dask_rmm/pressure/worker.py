@@ -110,7 +110,8 @@ class WorkerPressure:
             on_oom=self._on_oom,
         )
         self.devices[device] = dp
-        return SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+        dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+        return dp.adaptor
 
     # -- the worker -----------------------------------------------------------------------------
 
