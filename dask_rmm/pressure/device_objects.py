@@ -288,4 +288,5 @@ _LAZY: dict[str, Callable[[], None]] = {
     "cupy": _register_cupy,
     "cupy_backends": _register_cupy,
     "numba": _register_numba,
+    "numba_cuda": _register_numba,
 }
