@@ -97,6 +97,7 @@ class DeviceStack:
     options: RMMOptions | None = None
     pool_size: int | None = None  # bytes, as resolved on this device
     maximum_pool_size: int | None = None
+    pressure: Any = None  # dask_rmm.pressure.DevicePressure when the options ask for it
 
     @property
     def live_bytes(self) -> int:
@@ -229,6 +230,8 @@ class WorkerStack:
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
     token: str | None = None
+    #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
+    pressure: Any = None
     _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
     _released: bool = False
 
@@ -252,6 +255,16 @@ class WorkerStack:
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
         allocators.set_allocators(list(options.allocators))
+
+    def set_pressure(self, worker: Any, pressure: Any) -> None:
+        """Detach the memory-pressure layer in place (its spilled outputs come back to the
+        device) and attach ``pressure`` (or none) to ``worker``'s data."""
+        previous, self.pressure = self.pressure, None
+        if previous is not None:
+            previous.detach(worker)
+        if pressure is not None:
+            pressure.attach(worker)
+            self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
         """Uninstall ``stacks``, close their logs, and keep the ones still holding memory."""
@@ -283,6 +296,7 @@ class WorkerStack:
 
         stacks, options = self.active, self.options
         self.active, self.options, self.token, self._released = [], None, None, False
+        self.set_pressure(None, None)  # while its stacks are installed: outputs come back there
         if options is not None:
             allocators.reset_allocators(list(options.allocators))
         self.retire(stacks)
