@@ -149,13 +149,14 @@ class RMMOptions:
     devices : tuple of int or None
         Devices to set up; None: the current one.
     device_memory_limit : int, float or None
-        Reserved for the memory-pressure layer (carried, validated, no behaviour yet).
+        Above this many bytes in use (measured by the resource), a worker spills its least
+        recently used task outputs to host memory (:mod:`dask_rmm.pressure`).
     spill_on_oom : bool
-        Reserved for the memory-pressure layer.
+        An allocation that fails spills task outputs and is retried.
     device_pause_fraction : float or None
-        Reserved: pause a worker whose device memory passes this fraction of
-        ``device_memory_limit``; like distributed's host ``pause`` (0.8), and only active when
-        ``device_memory_limit`` or ``spill_on_oom`` is set.
+        Pause a worker whose bytes in use pass this fraction of the device's capacity (the
+        pool's maximum, else the device's memory), like distributed's host ``pause`` (0.8);
+        only active when ``device_memory_limit`` or ``spill_on_oom`` is set.
     """
 
     base_resource: str = "cuda"

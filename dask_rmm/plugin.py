@@ -26,7 +26,7 @@ from distributed.utils import thread_state
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
 from dask_rmm.worker_metrics import WorkerMetrics
-from dask_rmm.worker_stack import worker_stack
+from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
     from distributed import Scheduler, Worker
@@ -97,7 +97,9 @@ class RMMPlugin(WorkerPlugin):
     devices : list of int, optional
         Device ids to set up; default the worker's current device.
     device_memory_limit, spill_on_oom, device_pause_fraction
-        Reserved for the memory-pressure layer (validated and carried).
+        GPU memory pressure: spill task outputs to host above ``device_memory_limit`` bytes in
+        use, spill and retry when an allocation fails, pause the worker above
+        ``device_pause_fraction`` of the device (docs/memory-pressure.md).
 
     Notes
     -----
@@ -163,7 +165,7 @@ class RMMPlugin(WorkerPlugin):
         # installed until ours are ready (or for good if we fail).
         kept = ws.take_released()
         self._worker = worker
-        stacks, error = [], None
+        stacks, error, pressure = [], None, None
         try:
             validate_config()
             metrics_options = (
@@ -181,6 +183,9 @@ class RMMPlugin(WorkerPlugin):
                         owner_name=task_prefix,
                     )
                 )
+            from dask_rmm.pressure.worker import wrap_stacks
+
+            pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         if self.coordinated:
@@ -198,8 +203,12 @@ class RMMPlugin(WorkerPlugin):
                 f"(worker {worker.address} {kept_what}): {reasons}"
             )
         ws.install(stacks, self.options, self.token)
+        ws.set_pressure(worker, pressure)
         for stack in stacks:
             logger.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
+        note = cupy_allocator_note()
+        if note is not None:
+            logger.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws, *metrics_options)
         await self._install_scheduler_plugin(worker)
 
@@ -280,6 +289,11 @@ class RMMPlugin(WorkerPlugin):
         self._worker = None
 
     # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def worker_pressure(self) -> Any:
+        """The memory-pressure layer on this plugin's worker (``WorkerPressure``), or None."""
+        return worker_stack(self._worker).pressure if self._worker is not None else None
 
     def resources(self) -> dict[int, DeviceMemoryResource]:
         """The top of each device's installed stack on this plugin's worker (empty before setup)."""

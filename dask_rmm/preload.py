@@ -233,12 +233,12 @@ def _recovered_argv(args: list[str]) -> list[str]:
     "--device-memory-limit",
     type=SIZE,
     default=None,
-    help="Reserved for the memory-pressure layer (checked, no effect yet).",
+    help="Spill task outputs to host memory above this many bytes in use on the device.",
 )
 @click.option(
     "--spill-on-oom/--no-spill-on-oom",
     default=None,
-    help="Reserved for the memory-pressure layer (checked, no effect yet).",
+    help="Spill task outputs and retry when an allocation runs out of memory.",
 )
 @click.option(
     "--rmm-statistics/--no-rmm-statistics",

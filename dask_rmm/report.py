@@ -100,6 +100,15 @@ class ClusterTotals:
     pool_free_bytes: int
     largest_free_block: int
     failed_allocations: int
+    # memory pressure (dask_rmm.pressure)
+    spilled_bytes: int = 0
+    spilled_count: int = 0
+    total_spilled_bytes: int = 0
+    total_unspilled_bytes: int = 0
+    ooms_avoided: int = 0
+    oom_count: int = 0
+    pauses: int = 0
+    paused_devices: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -216,7 +225,19 @@ class ClusterMemoryReport:
             pool_free_bytes=sum(d.pool_free_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
             failed_allocations=sum(d.failed_allocations for d in run),
+            **{k: sum(getattr(d, k) for d in run) for k in _PRESSURE_TOTALS},
+            paused_devices=sum(1 for d in run if d.paused),
         )
+
+    @property
+    def oom_events(self) -> list[dict[str, Any]]:
+        """Every OOM snapshot the workers still report (``OOMEvent.to_dict()`` plus
+        ``worker`` and ``device``), oldest first: the out-of-memory errors that reached a task,
+        with their verdict, "fragmentation" or "demand" (docs/memory-pressure.md)."""
+        events = [
+            dict(e, worker=d.worker, device=d.device) for d in self.devices for e in d.oom_events
+        ]
+        return sorted(events, key=lambda e: e.get("time") or 0)
 
     def task_group_peaks(self) -> dict[str, dict[str, int]]:
         """``{prefix: {worker/device label: peak bytes}}``, prefixes by their largest sum first."""
@@ -252,6 +273,7 @@ class ClusterMemoryReport:
             "workers_without_dask_rmm": list(self.workers_without_dask_rmm),
             "errors": list(self.errors),
             "totals": self.totals.to_dict(),
+            "oom_events": self.oom_events,
         }
 
     def to_json(self, timeline: bool = True, **kwargs: Any) -> str:
@@ -359,6 +381,7 @@ class ClusterMemoryReport:
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines.append(self._peak_note())
+        lines += self.pressure_lines()
         if self.workers_without_dask_rmm:
             lines.append(f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
         for d in self.devices:
@@ -366,6 +389,35 @@ class ClusterMemoryReport:
                 lines.append(f"error on {d.worker} device {d.device}: {d.error}")
         lines.extend(f"error: {e}" for e in self.errors)
         return "\n".join(lines)
+
+    def pressure_lines(self) -> list[str]:
+        """Memory pressure, one line per device that spilled, paused or ran out of memory,
+        then one per OOM event (none when nothing happened)."""
+        lines = []
+        for d in self.devices:
+            if not (d.total_spilled_count or d.pauses or d.oom_count or d.ooms_avoided):
+                continue
+            limit = format_bytes(d.device_memory_limit) if d.device_memory_limit else "none"
+            lines.append(
+                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.spilled_bytes)} spilled now "
+                f"({d.spilled_count}), {format_bytes(d.total_spilled_bytes)} spilled and "
+                f"{format_bytes(d.total_unspilled_bytes)} back in "
+                f"{d.spill_seconds + d.unspill_seconds:.2f} s, {d.ooms_avoided} OOMs avoided, "
+                f"{d.oom_count} OOMs, {d.pauses} pauses{' (paused)' if d.paused else ''}, "
+                f"limit {limit}"
+            )
+        for e in self.oom_events:
+            when = _time.strftime("%H:%M:%S", _time.localtime(e.get("time") or 0))
+            lines.append(
+                f"OOM {when} {e.get('worker')}/dev{e.get('device')} task "
+                f"{e.get('task_key') or '(none)'}: {e.get('verdict')}, requested "
+                f"{format_bytes(to_int(e.get('requested')))}, free "
+                f"{format_bytes(e.get('free_bytes'))}, largest free block "
+                f"{format_bytes(e.get('largest_free_block'))}"
+            )
+        if lines:
+            lines.insert(0, "memory pressure:")
+        return lines
 
     def __repr__(self) -> str:
         t = self.totals
@@ -413,6 +465,10 @@ class ClusterMemoryReport:
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
                 f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(self._peak_note())}</p>"
             )
+        pressure = self.pressure_lines()
+        if pressure:
+            items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
+            parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
         if self.workers_without_dask_rmm:
             parts.append(
                 f"<p>{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics.</p>"
@@ -460,6 +516,17 @@ _HEADER = (
     "frag",
     "failures",
     "top task groups (peak)",
+)
+
+#: Device fields summed into the cluster totals (memory pressure).
+_PRESSURE_TOTALS = (
+    "spilled_bytes",
+    "spilled_count",
+    "total_spilled_bytes",
+    "total_unspilled_bytes",
+    "ooms_avoided",
+    "oom_count",
+    "pauses",
 )
 
 _PEAK_NOTE = (

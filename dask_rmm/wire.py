@@ -24,6 +24,7 @@ __all__ = [
     "DeviceSample",
     "TaskGroup",
     "heartbeat",
+    "to_float",
     "to_int",
 ]
 
@@ -94,6 +95,30 @@ class DeviceSample:
     pci_bus_id: str = ""
     #: Largest peak first.
     task_groups: tuple[TaskGroup, ...] = ()
+    # Memory pressure (dask_rmm.pressure; zero without device_memory_limit / spill_on_oom).
+    spilled_bytes: int = _exported("dask_rmm_spilled_bytes", "Device bytes of outputs on host now")
+    spilled_count: int = 0
+    total_spilled_bytes: int = _exported("dask_rmm_spill_bytes", "Bytes spilled to host", "counter")
+    total_spilled_count: int = 0
+    total_unspilled_bytes: int = _exported(
+        "dask_rmm_unspill_bytes", "Bytes brought back to the device", "counter"
+    )
+    total_unspilled_count: int = 0
+    spill_seconds: float = 0.0
+    unspill_seconds: float = 0.0
+    ooms_avoided: int = _exported(
+        "dask_rmm_ooms_avoided", "Failed allocations served after spilling", "counter"
+    )
+    oom_count: int = _exported(
+        "dask_rmm_oom_events", "OutOfMemoryErrors that reached a task", "counter"
+    )
+    pauses: int = _exported("dask_rmm_pauses", "Pauses for device memory", "counter")
+    paused: int = _exported("dask_rmm_paused", "1 while paused for device memory")
+    device_memory_limit: int = _exported(
+        "dask_rmm_device_memory_limit_bytes", "device_memory_limit (0: none)"
+    )
+    #: The last OOM snapshots (``dask_rmm.pressure.OOMEvent.to_dict()``), oldest first.
+    oom_events: tuple[dict, ...] = ()
     error: str | None = None
 
     @property
@@ -107,6 +132,7 @@ class DeviceSample:
         """Plain data for the wire (``fragmentation`` included for readers without this class)."""
         out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
         out["task_groups"] = [list(g) for g in self.task_groups]
+        out["oom_events"] = [dict(e) for e in self.oom_events]
         out["fragmentation"] = self.fragmentation
         if self.error:
             out["error"] = self.error
@@ -125,13 +151,22 @@ class DeviceSample:
                 values[f.name] = to_int(v)
             elif f.type == "str":
                 values[f.name] = "" if v is None else str(v)
+            elif f.type == "float":
+                values[f.name] = to_float(v)
         groups = []
         for g in d.get("task_groups") or ():
             try:
                 groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
             except (IndexError, TypeError, KeyError):
                 continue
-        return cls(**values, task_groups=tuple(groups), error=d.get("error") or None, **extra)
+        events = tuple(e for e in d.get("oom_events") or () if isinstance(e, Mapping))
+        return cls(
+            **values,
+            task_groups=tuple(groups),
+            oom_events=events,
+            error=d.get("error") or None,
+            **extra,
+        )
 
 
 _FIELDS = dataclasses.fields(DeviceSample)
@@ -151,6 +186,14 @@ def heartbeat(
     """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
     ``samples`` (a list of ``SAMPLE_FIELDS`` rows taken since the previous heartbeat)."""
     return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
+
+
+def to_float(value: Any) -> float:
+    """``float(value)``, or 0.0 when the value is missing or malformed."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
 
 
 def to_int(value: Any) -> int:

@@ -219,6 +219,11 @@ class WorkerMetrics:
                 d["task_groups"] = [m.to_list() for m in attribution.top(top_n)]
         except Exception as e:
             errors.append(f"task groups: {type(e).__name__}: {e}")
+        try:
+            if stack.pressure is not None:
+                d.update(stack.pressure.heartbeat_fields())
+        except Exception as e:
+            errors.append(f"memory pressure: {type(e).__name__}: {e}")
         if errors:
             d["error"] = "; ".join(errors)
         # This heartbeat's samples after the previous heartbeat's: the scheduler reads the

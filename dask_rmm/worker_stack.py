@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ __all__ = [
     "DeviceStack",
     "WorkerStack",
     "claim_log_file",
+    "cupy_allocator_note",
     "install_stack",
     "log_file_path",
     "resource_chain",
@@ -95,6 +97,7 @@ class DeviceStack:
     options: RMMOptions | None = None
     pool_size: int | None = None  # bytes, as resolved on this device
     maximum_pool_size: int | None = None
+    pressure: Any = None  # dask_rmm.pressure.DevicePressure when the options ask for it
 
     @property
     def live_bytes(self) -> int:
@@ -183,6 +186,31 @@ def uninstall_stack(stack: DeviceStack) -> None:
         set_per_device_resource(stack.device, active[-1].top)
 
 
+def cupy_allocator_note() -> str | None:
+    """Which allocator CuPy uses now, in words; None when CuPy is not imported.
+
+    Says whether CuPy's memory goes through dask-rmm's stacks, through compiled RMM's current
+    device resource (dask-cuda's ``rmm_allocator_external_lib_list=["cupy"]``: a separate
+    allocator stack that dask-rmm neither sees nor counts) or through CuPy's own pool.
+    """
+    cupy = sys.modules.get("cupy")
+    try:
+        allocator = cupy.cuda.get_allocator()
+    except AttributeError:  # CuPy not imported (None), or too old to tell
+        return None
+    owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
+    module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
+    name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
+    where = f"{module}.{name}"
+    if module.startswith("dask_rmm."):
+        owner = "dask-rmm's resources, counted in its metrics"
+    elif module.startswith("rmm."):
+        owner = "compiled RMM's current device resource; dask-rmm does not see or count it"
+    else:
+        owner = "CuPy's own allocator; dask-rmm does not see or count it"
+    return f"CuPy allocates through {where} ({owner})"
+
+
 # -- one worker's stacks -----------------------------------------------------------------------
 
 
@@ -202,6 +230,8 @@ class WorkerStack:
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
     token: str | None = None
+    #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
+    pressure: Any = None
     _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
     _released: bool = False
 
@@ -225,6 +255,16 @@ class WorkerStack:
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
         allocators.set_allocators(list(options.allocators))
+
+    def set_pressure(self, worker: Any, pressure: Any) -> None:
+        """Detach the memory-pressure layer in place (its spilled outputs come back to the
+        device) and attach ``pressure`` (or none) to ``worker``'s data."""
+        previous, self.pressure = self.pressure, None
+        if previous is not None:
+            previous.detach(worker)
+        if pressure is not None:
+            pressure.attach(worker)
+            self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
         """Uninstall ``stacks``, close their logs, and keep the ones still holding memory."""
@@ -256,6 +296,7 @@ class WorkerStack:
 
         stacks, options = self.active, self.options
         self.active, self.options, self.token, self._released = [], None, None, False
+        self.set_pressure(None, None)  # while its stacks are installed: outputs come back there
         if options is not None:
             allocators.reset_allocators(list(options.allocators))
         self.retire(stacks)

@@ -1230,3 +1230,24 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 except _cuda.CUDAError:
                     _cuda.device_synchronize()
 
+
+    def memory_layout(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The pool's address space, read-only: ``(chunks, free blocks, live blocks)``, each a
+        list of ``(ptr, size)`` sorted by address.
+
+        Live sizes are what a block occupies (its rounded size), so that within a chunk the
+        free and live blocks tile it. Blocks never coalesce across a chunk boundary. For callers
+        that decide which live blocks, once freed, would merge into a large enough free block
+        (``dask_rmm.pressure``); cached blocks are merged first, as ``reserved_memory_info`` does.
+        """
+        with gc_paused_lock(self._lock):
+            self._flush_caches()
+            free = sorted(p for fl in self._lists.values() for p in fl.starts.items())
+            live = []
+            for ptr, tag in self._live.items():
+                n = ~tag if tag < 0 else tag
+                if tag >= 0 and n <= _CACHED_LIMIT:
+                    live.append((ptr, _ROUNDED[(n + 255) >> 8]))
+                else:
+                    live.append((ptr, (n + 255) & -256))
+            return sorted(self._chunks.items()), free, sorted(live)

@@ -1,0 +1,156 @@
+"""``SpillOnDemandResourceAdaptor``: the top of a worker's stack under memory pressure. Before an
+allocation that would cross the device limit it has stored outputs spilled; when the resources
+below run out of memory it has outputs spilled and retries; an ``OutOfMemoryError`` that still
+gets through is reported (OOM forensics). It also keeps the last allocation events.
+
+What to spill and how is the ``handler``'s job (``DevicePressure``); this module is Dask-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from dask_rmm.mr.base import CUDAAllocationError, DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+__all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
+
+#: After a spill for the limit found nothing to spill, allocations skip the limit check this
+#: long (the periodic monitor keeps checking), so a full device costs no scan per allocation.
+_QUIET_SECONDS = 0.05
+
+
+class PressureHandler(Protocol):
+    """What the adaptor asks of its handler (see ``DevicePressure``)."""
+
+    limit: int | None
+    spill_on_oom: bool
+
+    def busy(self) -> bool: ...
+    def current_bytes(self) -> int: ...
+    def spill(self, need: int) -> int: ...
+    def spill_until(
+        self, attempt: Callable[[], int], request: int
+    ) -> tuple[int | None, MemoryError | None, int]: ...
+    def avoided_oom(self) -> None: ...
+    def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> None: ...
+
+
+class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
+    """Spill on a device limit and on out-of-memory, then retry; report OOMs that get through.
+
+    Parameters
+    ----------
+    upstream_mr : DeviceMemoryResource
+        The worker's stack below (statistics, pool, ...).
+    handler : PressureHandler
+        Decides and performs the spilling and records OOM events.
+    task_key : callable, optional
+        Returns the running task's key (recorded with each event).
+    history : int
+        How many allocation events to keep for OOM forensics.
+
+    Notes
+    -----
+    An allocation made while this thread is spilling (copying to host may allocate) neither
+    spills nor is recorded as an OOM: there is no re-entry. No lock is held while spilling or
+    calling the upstream. Several threads may fail at once; one spills and retries at a time,
+    and each first retries, picking up what the others' spills freed.
+    """
+
+    def __init__(
+        self,
+        upstream_mr: DeviceMemoryResource,
+        handler: PressureHandler,
+        task_key: Callable[[], Any] | None = None,
+        history: int = 64,
+    ):
+        super().__init__(upstream_mr)
+        self.handler = handler
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+        self._task_key = task_key if task_key is not None else _no_task
+        self._events: deque = deque(maxlen=max(int(history), 1))
+        self._quiet_until = 0.0
+        # Bytes allocated through this adaptor, kept without a lock: the limit is measured
+        # exactly (handler.current_bytes, which takes the pool's lock) only when this estimate
+        # says it may be crossed. Updates lost to thread switches make it drift a little;
+        # every exact measurement (and the periodic check, via resync) resets it.
+        self._estimate = 0
+        self.resync()
+
+    def resync(self) -> None:
+        """Reset the running estimate of the bytes in use to the handler's exact count."""
+        try:
+            self._estimate = self.handler.current_bytes()
+        except Exception:  # a broken counter must not break allocations
+            self._estimate = 0
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        h = self.handler
+        limit = h.limit
+        if limit is not None and self._estimate + nbytes > limit and nbytes:
+            self._check_limit(nbytes, limit)
+        try:
+            ptr = self._upstream_allocate(nbytes, stream)
+        except CUDAAllocationError:
+            raise  # not out of memory (a broken pool or device): spilling cannot help
+        except MemoryError as e:
+            ptr = self._allocate_after_oom(nbytes, stream, e)
+        self._estimate += nbytes
+        self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
+        return ptr
+
+    def _check_limit(self, nbytes: int, limit: int) -> None:
+        """The estimate says ``nbytes`` more would cross the limit: measure, and spill."""
+        h = self.handler
+        if h.busy():
+            return
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        current = h.current_bytes()
+        over = current + nbytes - limit
+        if over > 0 and h.spill(over) == 0:
+            self._quiet_until = now + _QUIET_SECONDS
+        self.resync()
+
+    def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
+        h = self.handler
+        if h.busy():
+            raise error
+        spilled = 0
+        if h.spill_on_oom:
+            upstream_allocate = self._upstream_allocate
+            ptr, last, spilled = h.spill_until(lambda: upstream_allocate(nbytes, stream), nbytes)
+            if last is None:
+                h.avoided_oom()
+                return ptr
+            error = last
+        self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
+        try:
+            h.record_oom(error, nbytes, spilled, self.recent_events())
+        except Exception:  # forensics must never change the error the caller sees
+            pass
+        raise error
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._upstream_deallocate(ptr, nbytes, stream)
+        self._estimate -= nbytes
+        self._events.append((time.time(), "free", nbytes, ptr, None))
+
+    def recent_events(self) -> list[tuple[float, str, int, int, Any]]:
+        """The last allocation events, oldest first: ``(unix time, op, nbytes, ptr, task key)``."""
+        for _ in range(8):
+            try:
+                return list(self._events)
+            except RuntimeError:  # another thread appended while copying
+                continue
+        return []
+
+
+def _no_task() -> None:
+    return None

@@ -1,0 +1,253 @@
+"""``DevicePressure``: memory pressure on one device of one worker. It measures the bytes in use
+from the worker's resource, decides when to spill (over the limit, on OOM, while paused), and
+takes the OOM snapshots. Dask-free: the worker side wires it up (``install.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError, align_up
+from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
+from dask_rmm.pressure.metrics import PressureCounters
+from dask_rmm.pressure.store import DeviceSpillStore
+
+__all__ = ["DevicePressure", "find_layer"]
+
+#: OOM snapshots kept per device.
+MAX_OOM_EVENTS = 32
+#: Task prefixes listed in a snapshot's live bytes.
+TOP_PREFIXES = 20
+
+
+def find_layer(top: DeviceMemoryResource | None, cls: type) -> Any:
+    """The first resource of type ``cls`` in ``top``'s upstream chain (``top`` included)."""
+    mr = top
+    while mr is not None:
+        if isinstance(mr, cls):
+            return mr
+        mr = getattr(mr, "upstream_mr", None)
+    return None
+
+
+class DevicePressure:
+    """Spilling policy and OOM forensics for one device.
+
+    Parameters
+    ----------
+    device : int
+        The device id.
+    store : DeviceSpillStore
+        The worker's data store (spills values of this device).
+    resource : DeviceMemoryResource
+        The worker's stack for this device, below the spill adaptor. A pool in it is used for
+        free-block layouts, a StatisticsResourceAdaptor for the bytes in use, an
+        AttributionResourceAdaptor for live bytes by task prefix.
+    capacity : int
+        What the pause fraction is a fraction of: the pool's maximum, else the device's memory.
+    limit : int, optional
+        ``device_memory_limit`` in bytes: above it, stored values are spilled.
+    spill_on_oom : bool
+        Spill and retry when an allocation fails.
+    pause_fraction : float or None
+        Above ``pause_fraction * capacity`` bytes in use, :meth:`should_pause` is true.
+    task_key : callable, optional
+        The running task's key (for OOM snapshots).
+    on_oom : callable, optional
+        ``on_oom(event)`` after each snapshot (to save it, log it, send it).
+    """
+
+    def __init__(
+        self,
+        device: int,
+        store: DeviceSpillStore,
+        resource: DeviceMemoryResource,
+        capacity: int,
+        *,
+        limit: int | None = None,
+        spill_on_oom: bool = False,
+        pause_fraction: float | None = None,
+        task_key: Callable[[], Any] | None = None,
+        on_oom: Callable[[OOMEvent], Any] | None = None,
+    ):
+        from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+        from dask_rmm.mr.pool import PoolMemoryResource
+        from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
+
+        self.device = device
+        self.store = store
+        self.resource = resource
+        self.capacity = capacity
+        self.limit = limit
+        self.spill_on_oom = spill_on_oom
+        self.pause_fraction = pause_fraction
+        self.task_key = task_key
+        self.on_oom = on_oom
+        self.pool = find_layer(resource, PoolMemoryResource)
+        self.statistics = find_layer(resource, StatisticsResourceAdaptor)
+        self.attribution = find_layer(resource, AttributionResourceAdaptor)
+        self.oom_events: deque[OOMEvent] = deque(maxlen=MAX_OOM_EVENTS)
+        #: The SpillOnDemandResourceAdaptor this policy serves (set by WorkerPressure.wrap).
+        self.adaptor: Any = None
+        self.counters: PressureCounters = store.counters
+        self.counters.set_limit(device, limit)
+
+    # -- what the adaptor asks ------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return self.store.spilling_on_this_thread()
+
+    def current_bytes(self) -> int:
+        """Bytes allocated on this device through the worker's resource."""
+        if self.statistics is not None:
+            return self.statistics.current_bytes
+        if self.pool is not None:
+            info = self.pool.reserved_memory_info()
+            return info.reserved_bytes - info.free_bytes
+        return self.store.device_bytes(self.device)
+
+    def spill(self, need: int) -> int:
+        """Spill least recently used values of this device adding up to ``need`` bytes."""
+        return self.store.spill(need, device=self.device)
+
+    def spill_until(
+        self, attempt: Callable[[], int], request: int
+    ) -> tuple[int | None, MemoryError | None, int]:
+        """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry.
+        With a pool, only values whose blocks would merge into a large enough free block are
+        spilled; a request larger than the pool's maximum spills nothing."""
+        layout = release = None
+        pool = self.pool
+        if pool is not None:
+            maximum = pool.maximum_pool_size
+            if maximum is not None and align_up(request) > maximum:
+                try:
+                    return attempt(), None, 0
+                except MemoryError as e:
+                    return None, e, 0
+            layout = pool.memory_layout
+            if maximum is None or maximum - pool.pool_size() >= align_up(request):
+                # The pool could grow but its upstream is full: chunks freed entirely by
+                # spilling go back to the device.
+                release = pool.release
+        return self.store.spill_until(
+            attempt, request, device=self.device, layout=layout, release=release
+        )
+
+    def avoided_oom(self) -> None:
+        self.counters.add(self.device, "ooms_avoided")
+
+    # -- periodic and store-time checks ---------------------------------------------------------
+
+    def spill_to_limit(self) -> int:
+        """Spill until the bytes in use are at most the limit (or nothing more can be spilled)."""
+        if self.limit is None:
+            return 0
+        return self._spill_down_to(self.limit)
+
+    def pause_threshold(self) -> int | None:
+        if self.pause_fraction is None:
+            return None
+        return int(self.pause_fraction * self.capacity)
+
+    def should_pause(self) -> bool:
+        threshold = self.pause_threshold()
+        return threshold is not None and self.current_bytes() > threshold
+
+    def relieve(self) -> bool:
+        """One check: spill to the limit, and while over the pause threshold spill down to it.
+        Returns True when the device is still over the pause threshold."""
+        if self.adaptor is not None:
+            self.adaptor.resync()
+        self.spill_to_limit()
+        threshold = self.pause_threshold()
+        if threshold is None:
+            return False
+        if self.current_bytes() > threshold:
+            self._spill_down_to(threshold)
+        return self.current_bytes() > threshold
+
+    def _spill_down_to(self, target: int) -> int:
+        total = 0
+        while True:
+            over = self.current_bytes() - target
+            if over <= 0:
+                return total
+            freed = self.spill(over)
+            if freed <= 0:
+                return total
+            total += freed
+
+    def heartbeat_fields(self, max_events: int = 8, max_recent: int = 16) -> dict[str, Any]:
+        """This device's pressure metrics for the heartbeat (``PressureMetrics.to_dict()``
+        without ``device``), plus ``oom_events``: the last ``max_events`` snapshots as dicts,
+        each with its last ``max_recent`` allocation events."""
+        d = self.counters.snapshot(self.device).to_dict()
+        del d["device"]
+        d["paused"] = int(d["paused"])
+        d["device_memory_limit"] = d["device_memory_limit"] or 0
+        events = []
+        for event in list(self.oom_events)[-max_events:]:
+            e = event.to_dict()
+            e["recent_events"] = e["recent_events"][-max_recent:]
+            events.append(e)
+        d["oom_events"] = events
+        return d
+
+    # -- forensics --------------------------------------------------------------------------------
+
+    def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> OOMEvent:
+        """Take the snapshot of an OOM that reached the caller and keep it."""
+        from dask.utils import key_split
+
+        pool_size = maximum = free = largest = None
+        if isinstance(error, OutOfMemoryError):
+            pool_size, maximum = error.pool_size, error.maximum_pool_size
+            free, largest = error.free_bytes, error.largest_free_block
+        histogram: list = []
+        if self.pool is not None:
+            _chunks, free_blocks, _live = self.pool.memory_layout()
+            histogram = free_block_histogram(s for _, s in free_blocks)
+            if free is None:
+                info = self.pool.reserved_memory_info()
+                pool_size, maximum = info.reserved_bytes, self.pool.maximum_pool_size
+                free, largest = info.free_bytes, info.largest_free_block
+        by_prefix: list = []
+        if self.attribution is not None:
+            owners = sorted(self.attribution.get_attribution(), key=lambda o: -o.current_bytes)
+            by_prefix = [(o.owner, o.current_bytes) for o in owners if o.current_bytes][
+                :TOP_PREFIXES
+            ]
+        key = self.task_key() if self.task_key is not None else None
+        if key is None:
+            # No task on this thread: the event loop bringing a spilled input back.
+            reading = self.store.reading_on_this_thread()
+            if reading is not None:
+                key = f"(reading back {reading!s})"
+        event = OOMEvent(
+            time=time.time(),
+            device=self.device,
+            task_key=None if key is None else str(key),
+            task_prefix=None if key is None else key_split(key),
+            requested=nbytes,
+            resource=getattr(error, "resource", "") or type(self.resource).__name__,
+            message=str(error),
+            pool_size=pool_size,
+            maximum_pool_size=maximum,
+            free_bytes=free,
+            largest_free_block=largest,
+            verdict=oom_verdict(nbytes, free, largest),
+            spilled_trying=spilled,
+            free_block_histogram=histogram,
+            live_bytes_by_prefix=by_prefix,
+            recent_events=[
+                (t, op, n, p, None if k is None else str(k)) for t, op, n, p, k in events
+            ],
+        )
+        self.oom_events.append(event)
+        self.counters.add(self.device, "oom_count")
+        if self.on_oom is not None:
+            self.on_oom(event)
+        return event

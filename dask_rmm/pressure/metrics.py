@@ -1,0 +1,119 @@
+"""Memory-pressure counters of one worker, per device: what is spilled now, what was spilled and
+brought back, the time it took, OOMs avoided and OOMs that reached a task, pauses. Dask-free;
+``PressureMetrics.to_dict()`` is the form that travels in the heartbeat."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+__all__ = ["PressureCounters", "PressureMetrics"]
+
+
+@dataclass(frozen=True)
+class PressureMetrics:
+    """One device's memory-pressure counters at one moment.
+
+    Bytes are device bytes: what the spilled objects held on the device.
+    """
+
+    device: int = 0
+    #: Bytes and objects on host (or disk) now that were moved off the device.
+    spilled_bytes: int = 0
+    spilled_count: int = 0
+    #: Totals since setup: moved off the device, and brought back.
+    total_spilled_bytes: int = 0
+    total_spilled_count: int = 0
+    total_unspilled_bytes: int = 0
+    total_unspilled_count: int = 0
+    #: Seconds spent copying to host and back.
+    spill_seconds: float = 0.0
+    unspill_seconds: float = 0.0
+    #: Allocations that failed, then succeeded after spilling.
+    ooms_avoided: int = 0
+    #: OutOfMemoryErrors that reached the caller (each has an entry in the OOM events).
+    oom_count: int = 0
+    #: Times the worker was paused for device memory, and whether it is paused now.
+    pauses: int = 0
+    paused: bool = False
+    #: The device_memory_limit in bytes (None: no limit).
+    device_memory_limit: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PressureCounters:
+    """The mutable counters behind :class:`PressureMetrics`, one set per device, thread safe."""
+
+    _FIELDS = tuple(
+        f for f in PressureMetrics.__dataclass_fields__ if f not in ("device", "paused",
+                                                                     "device_memory_limit")
+    )
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_device: dict[int, dict] = {}
+        self._paused: dict[int, bool] = {}
+        self._limits: dict[int, int | None] = {}
+
+    def _row(self, device: int) -> dict:
+        row = self._by_device.get(device)
+        if row is None:
+            row = self._by_device[device] = dict.fromkeys(self._FIELDS, 0)
+            row["spill_seconds"] = row["unspill_seconds"] = 0.0
+        return row
+
+    def spilled(self, device: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            r = self._row(device)
+            r["spilled_bytes"] += nbytes
+            r["spilled_count"] += 1
+            r["total_spilled_bytes"] += nbytes
+            r["total_spilled_count"] += 1
+            r["spill_seconds"] += seconds
+
+    def unspilled(self, device: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            r = self._row(device)
+            r["spilled_bytes"] -= nbytes
+            r["spilled_count"] -= 1
+            r["total_unspilled_bytes"] += nbytes
+            r["total_unspilled_count"] += 1
+            r["unspill_seconds"] += seconds
+
+    def forgotten(self, device: int, nbytes: int) -> None:
+        """A spilled object was deleted without being brought back."""
+        with self._lock:
+            r = self._row(device)
+            r["spilled_bytes"] -= nbytes
+            r["spilled_count"] -= 1
+
+    def add(self, device: int, field: str, n: int = 1) -> None:
+        with self._lock:
+            self._row(device)[field] += n
+
+    def set_paused(self, device: int, paused: bool) -> None:
+        with self._lock:
+            if paused and not self._paused.get(device, False):
+                self._row(device)["pauses"] += 1
+            self._paused[device] = paused
+
+    def set_limit(self, device: int, limit: int | None) -> None:
+        with self._lock:
+            self._row(device)
+            self._limits[device] = limit
+
+    def devices(self) -> list[int]:
+        with self._lock:
+            return sorted(self._by_device)
+
+    def snapshot(self, device: int) -> PressureMetrics:
+        with self._lock:
+            r = dict(self._row(device))
+            return PressureMetrics(
+                device=device,
+                paused=self._paused.get(device, False),
+                device_memory_limit=self._limits.get(device),
+                **r,
+            )

@@ -1,0 +1,346 @@
+"""``DeviceSpillStore``: a worker's data mapping that keeps task outputs holding device memory on
+the device and moves the least recently used ones to host memory when told to (over the
+device limit, or to serve an allocation that failed), bringing them back when read.
+
+It wraps the worker's own mapping (distributed's ``SpillBuffer`` or a dict): host copies and
+every non-device value live there, so distributed's host-memory spilling to disk applies below
+it unchanged. Deciding *when* to spill is ``DevicePressure``'s job (``device.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from typing import Any
+
+from dask_rmm.mr.base import align_up
+from dask_rmm.pressure.device_objects import HostCopy, device_allocations, to_host
+from dask_rmm.pressure.metrics import PressureCounters
+from dask_rmm.pressure.victims import Candidate, coalescing_victims, lru_victims
+
+__all__ = ["DeviceSpillStore"]
+
+logger = logging.getLogger(__name__)
+
+_getrefcount = sys.getrefcount
+_probe = {0: object()}
+#: References a value held only by a dict has, as seen by ``sys.getrefcount(d[k])``.
+_DICT_ONLY_REFS = _getrefcount(_probe[0])
+del _probe
+
+
+class _Entry:
+    __slots__ = ("device", "nbytes", "ptrs")
+
+    def __init__(self, device: int, nbytes: int, ptrs: tuple[int, ...]):
+        self.device = device
+        self.nbytes = nbytes
+        self.ptrs = ptrs
+
+
+class DeviceSpillStore(MutableMapping):
+    """A ``MutableMapping`` over the worker's mapping ``inner`` that spills device objects.
+
+    Values that hold device memory (see :mod:`dask_rmm.pressure.device_objects`) are kept here,
+    in least-recently-used order; :meth:`spill` replaces the chosen ones by host copies stored
+    in ``inner``; reading a spilled key copies it back to the device. Only values that nothing
+    else references (no running task, no transfer) are spilled: spilling anything else would
+    free no device memory. Other attributes (``fast``, ``evict``, ``spilled_total`` of a
+    ``SpillBuffer``) are ``inner``'s, so distributed's memory monitor keeps working.
+
+    Thread safe: the event loop reads and writes while task threads may spill (from inside a
+    failed allocation). No lock is held while device memory is allocated.
+
+    Parameters
+    ----------
+    inner : MutableMapping
+        The worker's data mapping (empty or not).
+    counters : PressureCounters, optional
+        Where spill counts and times are added.
+    on_store : callable, optional
+        ``on_store(device)`` after a device value was stored (the limit check).
+    """
+
+    def __init__(
+        self,
+        inner: MutableMapping | None = None,
+        counters: PressureCounters | None = None,
+        on_store: Callable[[int], Any] | None = None,
+    ):
+        self.inner = {} if inner is None else inner
+        self.counters = counters if counters is not None else PressureCounters()
+        self.on_store = on_store
+        self._lock = threading.Lock()
+        self._spill_lock = threading.Lock()
+        self._local = threading.local()
+        self._device: dict[Hashable, Any] = {}
+        self._lru: OrderedDict[Hashable, _Entry] = OrderedDict()
+        # key -> (device, device bytes, serial): the serial tells a re-spilled key from the
+        # spill an unspill started from.
+        self._spilled: dict[Hashable, tuple[int, int, int]] = {}
+        self._serial = itertools.count()
+
+    # -- MutableMapping ----------------------------------------------------------------------
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        allocs = device_allocations(value)
+        if allocs is None:
+            with self._lock:
+                self._forget(key)
+                self.inner[key] = value
+            return
+        device = allocs[0].device if allocs else 0
+        entry = _Entry(device, sum(a.nbytes for a in allocs), tuple(a.ptr for a in allocs))
+        with self._lock:
+            self._forget(key)
+            self._device[key] = value
+            self._lru[key] = entry
+        if self.on_store is not None:
+            self.on_store(device)
+
+    def __getitem__(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._device.get(key)
+            if value is not None:
+                self._lru.move_to_end(key)
+                return value
+            value = self.inner[key]
+            spilled = self._spilled.get(key)
+            if spilled is None or not isinstance(value, HostCopy):
+                return value
+        return self._unspill(key, value, spilled)
+
+    def __delitem__(self, key: Hashable) -> None:
+        with self._lock:
+            if key in self._device:
+                del self._device[key]
+                del self._lru[key]
+                return
+            del self.inner[key]
+            spilled = self._spilled.pop(key, None)
+        if spilled is not None:
+            self.counters.forgotten(*spilled[:2])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._device or key in self.inner
+
+    def __len__(self) -> int:
+        return len(self._device) + len(self.inner)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        with self._lock:
+            keys = list(self._device) + list(self.inner)
+        return iter(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: SpillBuffer's fast/slow/evict/spilled_total.
+        if name.startswith("_") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return (
+            f"<DeviceSpillStore: {len(self._device)} on device, {len(self._spilled)} spilled, "
+            f"inner {type(self.inner).__name__}>"
+        )
+
+    def _forget(self, key: Hashable) -> None:
+        """Drop ``key`` wherever it is (lock held)."""
+        if key in self._device:
+            del self._device[key]
+            del self._lru[key]
+        elif key in self.inner:
+            del self.inner[key]
+            spilled = self._spilled.pop(key, None)
+            if spilled is not None:
+                self.counters.forgotten(*spilled[:2])
+
+    # -- reading back --------------------------------------------------------------------------
+
+    def _unspill(self, key: Hashable, copy: HostCopy, spilled: tuple[int, int, int]) -> Any:
+        device, nbytes, _serial = spilled
+        t0 = time.perf_counter()
+        # Outside the lock: the allocation may fail and spill other keys first.
+        self._local.reading = key
+        try:
+            value = copy.to_device()
+        finally:
+            self._local.reading = None
+        with self._lock:
+            if self._spilled.get(key) == spilled:
+                self._device[key] = value
+                self._lru[key] = self._entry_of(value, device, nbytes)
+                del self._spilled[key]
+                del self.inner[key]
+            else:  # deleted or replaced meanwhile: hand out what was asked for, store nothing
+                return value
+        self.counters.unspilled(device, nbytes, time.perf_counter() - t0)
+        return value
+
+    @staticmethod
+    def _entry_of(value: Any, device: int, nbytes: int) -> _Entry:
+        allocs = device_allocations(value) or []
+        return _Entry(device, sum(a.nbytes for a in allocs) or nbytes, tuple(a.ptr for a in allocs))
+
+    # -- spilling -------------------------------------------------------------------------------
+
+    def reading_on_this_thread(self) -> Hashable | None:
+        """The key this thread is bringing back to the device, if any (for OOM reports)."""
+        return getattr(self._local, "reading", None)
+
+    def spilling_on_this_thread(self) -> bool:
+        """True while this thread is inside :meth:`spill` (an allocation it makes must not
+        spill again)."""
+        return getattr(self._local, "active", False)
+
+    def device_bytes(self, device: int | None = None) -> int:
+        """Device bytes held by the stored values (by their allocations' sizes)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._lru.values() if device is None or e.device == device)
+
+    def adopt(self, other: DeviceSpillStore) -> None:
+        """Take over everything ``other`` holds (its inner mapping, device values, spilled
+        keys); ``other`` is left empty."""
+        with other._lock, self._lock:
+            self.inner = other.inner
+            self._device.update(other._device)
+            self._lru.update(other._lru)
+            self._spilled.update(other._spilled)
+            other._device.clear()
+            other._lru.clear()
+            other._spilled.clear()
+            other.inner = {}
+            spilled = list(self._spilled.values())
+        for device, nbytes, _serial in spilled:
+            self.counters.spilled(device, nbytes, 0.0)
+
+    def take_device_values(self) -> list[tuple[Hashable, Any]]:
+        """Remove and return the values kept on the device (teardown moves them to ``inner``)."""
+        with self._lock:
+            items = list(self._device.items())
+            self._device.clear()
+            self._lru.clear()
+        return items
+
+    def spilled_keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._spilled)
+
+    def candidates(self, device: int | None = None) -> list[Candidate]:
+        """Spillable values, least recently used first: ``(key, device bytes, block ptrs)``."""
+        out = []
+        with self._lock:
+            for key, e in self._lru.items():
+                if e.nbytes == 0 or (device is not None and e.device != device):
+                    continue
+                if _getrefcount(self._device[key]) > _DICT_ONLY_REFS:
+                    continue  # a running task or a transfer holds it
+                out.append((key, e.nbytes, e.ptrs))
+        return out
+
+    def spill(
+        self,
+        need: int,
+        *,
+        device: int | None = None,
+    ) -> int:
+        """Move the least recently used spillable device values (of ``device``, or any) adding
+        up to ``need`` bytes to host memory; return the device bytes they held."""
+        with self._spill_lock:
+            self._local.active = True
+            try:
+                return self._spill_keys(lru_victims(self.candidates(device), need))
+            finally:
+                self._local.active = False
+
+    def spill_until(
+        self,
+        attempt: Callable[[], Any],
+        request: int,
+        *,
+        device: int | None = None,
+        layout: Callable[[], tuple[list, list, list]] | None = None,
+        release: Callable[[], Any] | None = None,
+    ) -> tuple[Any, MemoryError | None, int]:
+        """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
+        until it succeeds or nothing is left to spill.
+
+        Returns ``(result, None, bytes spilled)``, or ``(None, last MemoryError, bytes spilled)``.
+        One thread at a time: the first attempt also picks up what another thread's spill freed.
+        With ``layout`` (a pool's ``memory_layout``) the values spilled are those whose blocks
+        would merge into one free block of ``request`` bytes, the fewest bytes first. If no such
+        set exists, nothing is spilled (freeing other blocks cannot help a pool at its maximum)
+        unless ``release`` is given (a pool that may grow): then the least recently used values
+        are spilled and ``release()`` hands fully free chunks back, so the pool can grow.
+        """
+        spilled = 0
+        with self._spill_lock:
+            self._local.active = True
+            try:
+                error = None
+                while True:
+                    try:
+                        result = attempt()
+                    except MemoryError as e:
+                        error = e
+                    else:
+                        # A kept error's traceback reaches, through frames, the caller's new
+                        # object (a DeviceBuffer being made): a cycle that would keep it
+                        # referenced, and so unspillable, until the next garbage collection.
+                        error = None
+                        return result, None, spilled
+                    cands = self.candidates(device)
+                    if not cands:
+                        return None, error, spilled
+                    victims = None
+                    growing = False
+                    if layout is not None:
+                        chunks, free, live = layout()
+                        victims = coalescing_victims(cands, align_up(request), chunks, free, live)
+                        if victims is None:
+                            if release is None:
+                                return None, error, spilled
+                            growing = True
+                    if not victims:  # no layout, or it says a block fits (it did not): LRU
+                        victims = lru_victims(cands, request)
+                    freed = self._spill_keys(victims)
+                    if not freed:
+                        return None, error, spilled
+                    spilled += freed
+                    if growing:
+                        release()
+            finally:
+                self._local.active = False
+
+    def _spill_keys(self, keys: list[Hashable]) -> int:
+        freed = 0
+        for key in keys:
+            with self._lock:
+                value = self._device.get(key)
+                entry = self._lru.get(key)
+                # References: the dict, ``value`` here and getrefcount's argument.
+                if value is None or _getrefcount(value) > _DICT_ONLY_REFS + 1:
+                    continue
+            t0 = time.perf_counter()
+            try:
+                copy = to_host(value)
+            except Exception as e:  # e.g. out of host memory: this one stays on the device
+                logger.warning("dask-rmm: could not spill %r to host: %r", key, e)
+                continue
+            with self._lock:
+                if self._device.get(key) is not value or _getrefcount(value) > _DICT_ONLY_REFS + 1:
+                    continue  # read (and so referenced) while being copied: keep it
+                # Into inner first: a reader that takes no lock (``in``) always finds the key.
+                self.inner[key] = copy
+                self._spilled[key] = (entry.device, entry.nbytes, next(self._serial))
+                del self._device[key]
+                del self._lru[key]
+            del value  # the last reference: the device memory goes back now
+            self.counters.spilled(entry.device, entry.nbytes, time.perf_counter() - t0)
+            freed += entry.nbytes
+        return freed

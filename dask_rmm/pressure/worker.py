@@ -1,0 +1,311 @@
+"""Memory pressure on a Dask worker: puts ``DeviceSpillStore`` in front of the worker's data,
+``SpillOnDemandResourceAdaptor`` on top of each device's stack, and a periodic check that
+spills to the limit and pauses the worker while a device is above its pause fraction.
+Teardown undoes all of it. Not here: the options (``RMMPlugin``) and the spilling itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.pressure.adaptor import SpillOnDemandResourceAdaptor
+from dask_rmm.pressure.device import DevicePressure
+from dask_rmm.pressure.forensics import OOMEvent
+from dask_rmm.pressure.metrics import PressureCounters, PressureMetrics
+from dask_rmm.pressure.store import DeviceSpillStore
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_rmm.mr.base import DeviceMemoryResource
+
+__all__ = ["MONITOR_KEY", "WorkerPressure", "wrap_stacks"]
+
+logger = logging.getLogger(__name__)
+
+#: Key of the pressure check in ``worker.periodic_callbacks``.
+MONITOR_KEY = "dask-rmm-pressure"
+
+
+class WorkerPressure:
+    """Device-memory pressure handling for one worker.
+
+    Use: :meth:`wrap` each device's stack top before installing it (nothing on the worker
+    changes), then :meth:`attach` to the worker; :meth:`detach` on teardown.
+
+    Parameters
+    ----------
+    spill_on_oom : bool
+        Spill and retry when an allocation fails.
+    pause_fraction : float or None
+        Pause the worker while a device's bytes in use exceed this fraction of its capacity
+        (the pool's maximum, else the device's memory). None: never pause.
+    monitor_interval : float
+        Seconds between checks (spill to the limit, pause and resume).
+    oom_directory : str, optional
+        Save each OOM snapshot as JSON here (``oom-<time>-<device>.json``).
+    task_key : callable, optional
+        The running task's key.
+
+    Examples
+    --------
+    >>> wp = WorkerPressure(spill_on_oom=True)  # doctest: +SKIP
+    >>> stack.top = wp.wrap(0, stack.top, capacity=pool_max, limit=limit)  # doctest: +SKIP
+    >>> wp.attach(worker)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        spill_on_oom: bool = False,
+        pause_fraction: float | None = None,
+        monitor_interval: float = 0.1,
+        oom_directory: str | None = None,
+        task_key: Callable[[], Any] | None = None,
+    ):
+        self.spill_on_oom = spill_on_oom
+        self.pause_fraction = pause_fraction
+        self.monitor_interval = monitor_interval
+        self.oom_directory = oom_directory
+        self.task_key = task_key
+        self.counters = PressureCounters()
+        self.store = DeviceSpillStore(None, self.counters, on_store=self._on_store)
+        self.devices: dict[int, DevicePressure] = {}
+        self._worker: Any = None
+        self._monitor: Any = None
+        self._paused_by_us = False
+
+    # -- building -------------------------------------------------------------------------------
+
+    def wrap(
+        self,
+        device: int,
+        top: DeviceMemoryResource,
+        *,
+        capacity: int,
+        limit: int | None = None,
+    ) -> SpillOnDemandResourceAdaptor:
+        """The adaptor to install on top of ``top`` for ``device``.
+
+        Without a StatisticsResourceAdaptor in ``top``'s chain one is added under the adaptor:
+        the bytes in use are measured, never estimated.
+        """
+        from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
+        from dask_rmm.pressure.device import find_layer
+
+        if find_layer(top, StatisticsResourceAdaptor) is None:
+            top = StatisticsResourceAdaptor(top)
+        dp = DevicePressure(
+            device,
+            self.store,
+            top,
+            capacity,
+            limit=limit,
+            spill_on_oom=self.spill_on_oom,
+            pause_fraction=self.pause_fraction,
+            task_key=self.task_key,
+            on_oom=self._on_oom,
+        )
+        self.devices[device] = dp
+        dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+        return dp.adaptor
+
+    # -- the worker -----------------------------------------------------------------------------
+
+    def attach(self, worker: Worker) -> None:
+        """Put the store in front of ``worker``'s data and start the periodic check."""
+        from tornado.ioloop import PeriodicCallback
+
+        inner = worker.data
+        if isinstance(inner, DeviceSpillStore):
+            # Left by an earlier setup whose spilled outputs did not fit back: take them over.
+            self.store.adopt(inner)
+        else:
+            self.store.inner = inner
+        # distributed keeps the one mapping in both places (see Worker.data's docstring).
+        worker.memory_manager.data = self.store
+        worker.state.data = self.store
+        self._worker = worker
+        if self.monitor_interval and (
+            self.pause_fraction is not None
+            or any(dp.limit is not None for dp in self.devices.values())
+        ):
+            monitor = PeriodicCallback(self.check, self.monitor_interval * 1000)
+            self._monitor = monitor
+            worker.periodic_callbacks[MONITOR_KEY] = monitor
+            if worker.status.name in ("running", "paused", "closing_gracefully"):
+                monitor.start()
+
+    def detach(self, worker: Worker | None = None) -> None:
+        """Undo :meth:`attach` (on its worker by default): spilled values come back to the
+        device, the worker's mapping is its own again, a pause this made is lifted. Idempotent."""
+        worker = worker if worker is not None else self._worker
+        if worker is None:
+            return
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.stop()
+            if worker.periodic_callbacks.get(MONITOR_KEY) is monitor:
+                del worker.periodic_callbacks[MONITOR_KEY]
+        self._resume(worker)
+        self._worker = None
+        store = self.store
+        store.on_store = None
+        for dp in self.devices.values():  # bringing values back must not spill others
+            dp.limit = None
+            dp.spill_on_oom = False
+            dp.pause_fraction = None
+        if worker.memory_manager.data is not store:
+            return
+        inner = store.inner
+        failed = []
+        for key in store.spilled_keys():
+            try:
+                store[key]  # brings it back to the device
+            except Exception as e:
+                failed.append((key, e))
+        if failed:
+            # Without the store those keys would reach tasks as HostCopy objects: it stays in
+            # front of the worker's data, spilling nothing, bringing them back when read.
+            logger.warning(
+                "dask-rmm: %d spilled outputs do not fit back on the device at teardown (first: "
+                "%r: %r); they stay in host memory and come back when a task reads them",
+                len(failed), *failed[0],
+            )
+            return
+        for key, value in store.take_device_values():
+            inner[key] = value
+        worker.memory_manager.data = inner
+        worker.state.data = inner
+
+    # -- periodic check and pause ---------------------------------------------------------------
+
+    def check(self) -> None:
+        """Spill to the limits; pause the worker while a device stays above its pause fraction,
+        resume it when all are below. Never raises."""
+        worker = self._worker
+        try:
+            over = False
+            for dp in self.devices.values():
+                if dp.relieve():
+                    over = True
+            if worker is None:
+                return
+            if over:
+                self._pause(worker)
+            else:
+                self._resume(worker)
+        except Exception:
+            logger.exception("dask-rmm: memory-pressure check failed")
+
+    def _pause(self, worker: Worker) -> None:
+        from distributed.core import Status
+
+        if worker.status == Status.running:
+            if not self._paused_by_us:
+                logger.warning(
+                    "dask-rmm: device memory above %.0f%% of capacity; pausing worker %s",
+                    100 * (self.pause_fraction or 0), worker.address,
+                )
+                for dp in self.devices.values():
+                    self.counters.set_paused(dp.device, dp.should_pause())
+            # Also when distributed's host-memory monitor resumed a worker paused here.
+            worker.status = Status.paused
+            self._paused_by_us = True
+
+    def _resume(self, worker: Worker) -> None:
+        from distributed.core import Status
+
+        if not self._paused_by_us:
+            return
+        self._paused_by_us = False
+        for dp in self.devices.values():
+            self.counters.set_paused(dp.device, False)
+        if worker.status == Status.paused:
+            logger.warning("dask-rmm: device memory back below the pause fraction; resuming %s",
+                           worker.address)
+            worker.status = Status.running
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _on_store(self, device: int) -> None:
+        dp = self.devices.get(device)
+        if dp is not None and dp.limit is not None:
+            dp.spill_to_limit()
+
+    def _on_oom(self, event: OOMEvent) -> None:
+        logger.warning("dask-rmm: out of device memory: %s", event.summary())
+        if self.oom_directory is not None:
+            name = f"oom-{event.time:.6f}-dev{event.device}.json"
+            try:
+                os.makedirs(self.oom_directory, exist_ok=True)
+                event.save(os.path.join(self.oom_directory, name))
+            except OSError as e:
+                logger.warning("dask-rmm: could not save the OOM snapshot: %r", e)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def metrics(self) -> list[PressureMetrics]:
+        """Counters per device."""
+        return [self.counters.snapshot(d) for d in sorted(self.devices)]
+
+    def oom_events(self) -> list[OOMEvent]:
+        """The OOM snapshots kept, oldest first, all devices."""
+        events = [e for dp in self.devices.values() for e in dp.oom_events]
+        return sorted(events, key=lambda e: e.time)
+
+
+def _total_memory(device: int, host_memory: bool) -> int:
+    if host_memory:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from dask_rmm import _cuda
+
+    return _cuda.device_total_memory(device)
+
+
+def _capacity(top: Any, maximum: int | None, total: int) -> int:
+    """What a pause fraction is a fraction of: the pool's maximum, a limiting adaptor's limit,
+    else the device's memory."""
+    from dask_rmm.mr.limiting_adaptor import LimitingResourceAdaptor
+    from dask_rmm.mr.pool import PoolMemoryResource
+    from dask_rmm.pressure.device import find_layer
+
+    if maximum is None:
+        pool = find_layer(top, PoolMemoryResource)
+        maximum = pool.maximum_pool_size if pool is not None else None
+    if maximum is None:
+        limiting = find_layer(top, LimitingResourceAdaptor)
+        maximum = limiting.get_allocation_limit() if limiting is not None else None
+    return min(maximum, total) if maximum is not None else total
+
+
+def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | None = None):
+    """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack's
+    ``top`` wrapped, or None when neither ``device_memory_limit`` nor ``spill_on_oom`` is set
+    (then nothing changes). Nothing on the worker changes until :meth:`WorkerPressure.attach`.
+    """
+    import dask.config
+    from dask.utils import parse_timedelta
+
+    if options.device_memory_limit is None and not options.spill_on_oom:
+        return None
+    interval = parse_timedelta(
+        dask.config.get("distributed.worker.memory.monitor-interval", "100ms"), default="ms"
+    )
+    wp = WorkerPressure(
+        spill_on_oom=options.spill_on_oom,
+        pause_fraction=options.device_pause_fraction,
+        monitor_interval=interval or 0.1,
+        task_key=task_key,
+    )
+    for stack in stacks:
+        host = bool(getattr(stack, "host_memory", False))
+        total = _total_memory(stack.device, host)
+        limit = options.resolve_size("device_memory_limit", stack.device, total)
+        capacity = _capacity(stack.top, getattr(stack, "maximum_pool_size", None), total)
+        stack.top = wp.wrap(stack.device, stack.top, capacity=capacity, limit=limit)
+        stack.pressure = wp.devices[stack.device]
+    return wp

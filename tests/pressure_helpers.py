@@ -1,0 +1,118 @@
+"""Helpers of the memory-pressure tests: a small pool stack with the pressure adaptor on top,
+and DeviceBuffers (or CuPy arrays on a GPU) carrying a byte pattern that can be checked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def pressure_stack(
+    pool_bytes: int = 4 * MiB,
+    *,
+    base: str = "system",
+    limit: int | None = None,
+    spill_on_oom: bool = True,
+    pause_fraction: float | None = None,
+    task_key=None,
+):
+    """``(WorkerPressure, top)``: a fixed-size pool (initial = maximum = ``pool_bytes``) under a
+    StatisticsResourceAdaptor and an AttributionResourceAdaptor, wrapped for pressure, and made
+    device 0's resource."""
+    from dask_rmm import mr
+    from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+    from dask_rmm.pressure.worker import WorkerPressure
+    from tests.conftest import make_base_resource
+
+    pool = mr.PoolMemoryResource(
+        make_base_resource(base), initial_pool_size=pool_bytes, maximum_pool_size=pool_bytes
+    )
+    stats = mr.StatisticsResourceAdaptor(pool)
+    owner = task_key or (lambda: None)
+    attrib = AttributionResourceAdaptor(stats, owner, owner_name=lambda k: str(k).split("-")[0])
+    wp = WorkerPressure(
+        spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key
+    )
+    top = wp.wrap(0, attrib, capacity=pool_bytes, limit=limit)
+    mr.set_per_device_resource(0, top)
+    return wp, top
+
+
+def patterned_buffer(nbytes: int, value: int, mr=None):
+    """A DeviceBuffer of ``nbytes`` filled with a pattern derived from ``value``."""
+    from dask_rmm import DeviceBuffer
+
+    buf = DeviceBuffer(size=nbytes, mr=mr)
+    buf.copy_from_host(pattern(nbytes, value))
+    return buf
+
+
+_OFFSETS = 4093  # values below this give distinct patterns
+_noise: list[np.ndarray] = [np.empty(0, np.uint8)]
+
+
+def pattern(nbytes: int, value: int) -> np.ndarray:
+    """``nbytes`` pseudo-random bytes, a different sequence for each ``value`` (a slice of one
+    cached random array, so that making and checking patterns stays cheap)."""
+    if len(_noise[0]) < nbytes + _OFFSETS:
+        _noise[0] = np.random.default_rng(0).integers(0, 256, nbytes + _OFFSETS, dtype=np.uint8)
+    offset = value % _OFFSETS
+    return _noise[0][offset : offset + nbytes].copy()
+
+
+def check_buffer(buf, value: int) -> None:
+    got = buf.copy_to_host()
+    expected = pattern(buf.size, value)
+    if not np.array_equal(got, expected):
+        bad = int(np.flatnonzero(got != expected)[0])
+        raise AssertionError(f"buffer {value}: byte {bad} is {got[bad]}, expected {expected[bad]}")
+
+
+# -- tasks of the cluster tests (run on workers) ----------------------------------------------
+
+
+def make_output(nbytes: int, value: int):
+    """A task output: a patterned DeviceBuffer from the worker's resource."""
+    return patterned_buffer(nbytes, value)
+
+
+def output_checksum(buf, value: int) -> int:
+    """Checks the pattern (raises on a corrupted byte) and returns the byte sum."""
+    check_buffer(buf, value)
+    return int(buf.copy_to_host().astype("int64").sum())
+
+
+def expected_checksum(nbytes: int, value: int) -> int:
+    return int(pattern(nbytes, value).astype("int64").sum())
+
+
+def allocate_once(nbytes: int) -> int:
+    """A task that needs one block of ``nbytes`` for a moment."""
+    from dask_rmm import DeviceBuffer
+
+    return DeviceBuffer(size=nbytes).size
+
+
+def fragment_then_allocate(block: int, n: int, request: int) -> int:
+    """A task that fills the pool with ``n`` blocks, frees every other one, then asks for
+    ``request`` bytes (more than one hole, less than all of them)."""
+    from dask_rmm import DeviceBuffer
+
+    blocks = [DeviceBuffer(size=block) for _ in range(n)]
+    del blocks[::2]
+    return DeviceBuffer(size=request).size
+
+
+def worker_pressure_state(dask_worker) -> dict:
+    """What the worker's pressure layer reports: metrics per device and OOM events (dicts)."""
+    plugin = dask_worker.plugins.get("dask-rmm")
+    wp = getattr(plugin, "worker_pressure", None)
+    if wp is None:
+        return {"installed": False, "data": type(dask_worker.data).__name__}
+    return {
+        "installed": True,
+        "data": type(dask_worker.data).__name__,
+        "metrics": {m.device: m.to_dict() for m in wp.metrics()},
+        "oom_events": [e.to_dict() for e in wp.oom_events()],
+    }

@@ -1,0 +1,108 @@
+"""End to end on host memory: a LocalCluster (2 worker processes) with base_resource="system" and
+an 8 MiB pool per worker persists 32 MiB of outputs. Without the pressure options it runs out of memory; with
+``device_memory_limit`` and, separately, ``spill_on_oom`` it completes with correct results. A
+request larger than the pool fails with a "demand" OOM event; built fragmentation gives
+"fragmentation"."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import wait
+
+from dask_rmm import RMMPlugin, cluster_report
+from tests.conftest import local_process_cluster, wait_until
+from tests.pressure_helpers import (
+    MiB,
+    allocate_once,
+    expected_checksum,
+    fragment_then_allocate,
+    make_output,
+    output_checksum,
+    worker_pressure_state,
+)
+
+pytestmark = pytest.mark.slow
+
+POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
+N, SIZE = 32, MiB  # 32 MiB of outputs over 2 workers: 16 MiB each, twice the pool
+
+
+def _workload(client, tag: str) -> None:
+    keys = [f"out-{tag}-{i}" for i in range(N)]
+    outputs = client.map(make_output, [SIZE] * N, range(N), key=keys)
+    wait(outputs)
+    sums = client.gather(client.map(output_checksum, outputs, range(N)))
+    assert sums == [expected_checksum(SIZE, i) for i in range(N)]
+    del outputs
+
+
+def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_them():
+    import dask
+
+    from dask_rmm.mr.base import OutOfMemoryError
+
+    # No work stealing: a stolen task moves its input between workers, and a value being sent
+    # or received is referenced, so not spillable; on a loaded host several at once could
+    # fill the whole (tiny) pool.
+    with (
+        dask.config.set({"distributed.scheduler.work-stealing": False}),
+        local_process_cluster() as (cluster, client),
+    ):
+        client.register_plugin(RMMPlugin(**POOL))
+        with pytest.raises(OutOfMemoryError):
+            _workload(client, "plain")
+        assert not any(s["installed"] for s in client.run(worker_pressure_state).values())
+
+        client.register_plugin(RMMPlugin(**POOL, device_memory_limit="6MiB"))
+        _workload(client, "limit")
+        states = client.run(worker_pressure_state).values()
+        assert all(s["installed"] and s["data"] == "DeviceSpillStore" for s in states)
+        assert sum(s["metrics"][0]["total_spilled_count"] for s in states) > 0
+        assert all(s["metrics"][0]["device_memory_limit"] == 6 * MiB for s in states)
+        report = wait_until(
+            lambda: (r := cluster_report(client)).totals.total_spilled_bytes > 0 and r,
+            what="spilled bytes in the cluster report",
+        )
+        assert report.to_dict()["totals"]["total_spilled_bytes"] > 0
+        assert {d.device_memory_limit for d in report.running} == {6 * MiB}
+
+        # No pause: its periodic check would spill too; here only failed allocations do.
+        client.register_plugin(RMMPlugin(**POOL, spill_on_oom=True, device_pause_fraction=None))
+        _workload(client, "oom")
+        states = client.run(worker_pressure_state).values()
+        assert sum(s["metrics"][0]["ooms_avoided"] for s in states) > 0
+
+        # Teardown gave the workers their own mapping back.
+        client.register_plugin(RMMPlugin(**POOL))
+        assert all(s["data"] != "DeviceSpillStore" for s in client.run(worker_pressure_state).values())
+
+
+def test_oom_events_and_their_verdicts():
+    from dask_rmm.mr.base import OutOfMemoryError
+
+    with local_process_cluster() as (cluster, client):
+        client.register_plugin(RMMPlugin(**POOL, spill_on_oom=True))
+        with pytest.raises(OutOfMemoryError):
+            client.submit(allocate_once, 9 * MiB, key="too-big-1").result()
+        with pytest.raises(OutOfMemoryError):
+            client.submit(fragment_then_allocate, MiB, 8, 2 * MiB, key="fragmented-1").result()
+        events = [e for s in client.run(worker_pressure_state).values() for e in s["oom_events"]]
+        by_task = {e["task_key"]: e for e in events}
+        assert by_task["too-big-1"]["verdict"] == "demand"
+        assert by_task["too-big-1"]["requested"] == 9 * MiB
+        frag = by_task["fragmented-1"]
+        assert frag["verdict"] == "fragmentation" and frag["task_prefix"] == "fragmented"
+        assert frag["free_bytes"] >= 2 * MiB > frag["largest_free_block"]
+
+        # They reach the scheduler with the heartbeats: the report, its dict and its text.
+        def reported():
+            report = cluster_report(client)
+            return report if len(report.oom_events) >= 2 else None
+
+        report = wait_until(reported, what="the OOM events in the cluster report")
+        verdicts = {e["task_key"]: e["verdict"] for e in report.to_dict()["oom_events"]}
+        assert verdicts == {"too-big-1": "demand", "fragmented-1": "fragmentation"}
+        assert report.totals.oom_count == 2
+        text = str(report)
+        assert "memory pressure:" in text and "fragmented-1: fragmentation" in text
+        assert "OOM" in report.to_html()
