@@ -1,5 +1,9 @@
 """Allocator micro-benchmark: ns per allocate+deallocate pair from Python, single and 8 threads.
 
+Every row of issue 13's table (pool, statistics, tracking, binning, arena, async, DeviceBuffer,
+8 threads) is measured in one run with its peers beside it: RMM's compiled resources, CuPy's
+MemoryPool, a bare cuMemAllocAsync/cuMemFreeAsync pair and a plain dict+lock resource.
+
 Workload (the issue's): W=1000 live blocks; each step frees a random live block and allocates
 a log-uniform size in [256 B, 4 MiB]; sizes and victims are drawn before timing; the figure is
 the median over 5 runs of (wall time / steps). With T threads, each thread runs the same loop
@@ -13,6 +17,7 @@ Usage: python bench/alloc.py [--steps N] [--threads T] [--only NAME,...] [--json
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -34,8 +39,10 @@ MIN_SIZE, MAX_SIZE = 256, 4 << 20
 POOL_SIZE = 2 << 30
 
 
+@functools.lru_cache(maxsize=64)
 def draw(steps: int, live: int, seed: int) -> tuple[list[int], list[int], list[int]]:
-    """Initial sizes, per-step victims and per-step sizes."""
+    """Initial sizes, per-step victims and per-step sizes (the same draws for every row;
+    callers only read them)."""
     rng = random.Random(seed)
     lo, hi = math.log(MIN_SIZE), math.log(MAX_SIZE)
 
@@ -72,32 +79,32 @@ def _worker(barrier, alloc, free, load):
     run_loop(alloc, free, *load)
 
 
-def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
-    """Median ns per pair for resource factory ``make() -> (alloc, free, keepalive)``."""
-    results = []
-    for r in range(repeats):
-        alloc, free, keep = make()
-        per = W // threads
-        loads = [draw(steps // threads, per, seed=1000 * r + t) for t in range(threads)]
-        if threads == 1:
-            ns = run_loop(alloc, free, *loads[0])
-        else:
-            barrier = threading.Barrier(threads + 1)
+def measure_once(make, steps: int, threads: int, r: int) -> float:
+    """ns per pair of one run (repeat ``r``) of resource factory ``make() -> (alloc, free, keep)``."""
+    alloc, free, keep = make()
+    per = W // threads
+    loads = [draw(steps // threads, per, seed=1000 * r + t) for t in range(threads)]
+    if threads == 1:
+        ns = run_loop(alloc, free, *loads[0])
+    else:
+        barrier = threading.Barrier(threads + 1)
+        ts = [threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads]
+        for t in ts:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        for t in ts:
+            t.join()
+        ns = time.perf_counter_ns() - t0
+    del alloc, free, keep
+    gc.collect()
+    return ns / (steps // threads * threads)
 
-            ts = [
-                threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads
-            ]
-            for t in ts:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter_ns()
-            for t in ts:
-                t.join()
-            ns = time.perf_counter_ns() - t0
-        results.append(ns / (steps // threads * threads))
-        del alloc, free, keep
-        gc.collect()
-    return statistics.median(results)
+
+def measure(make, steps: int, threads: int, repeats: int = 5) -> float:
+    """Median ns per pair over ``repeats`` runs of one row (rows measured alone; main() instead
+    interleaves every row's repeats)."""
+    return statistics.median(measure_once(make, steps, threads, r) for r in range(repeats))
 
 
 # -- rows ---------------------------------------------------------------------------------------
@@ -139,17 +146,49 @@ def ours(name):
             r = mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE)
         elif name == "pool+statistics":
             r = mr.StatisticsResourceAdaptor(mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE))
+        elif name == "pool+tracking":
+            r = mr.TrackingResourceAdaptor(mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE))
         elif name == "arena":
             r = mr.ArenaMemoryResource(up, arena_size=POOL_SIZE)
         elif name == "binning":
-            r = mr.BinningMemoryResource(up, 8, 22)
+            r = mr.BinningMemoryResource(mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE), 18, 22)
         elif name == "fixed_size":
             r = mr.FixedSizeMemoryResource(up, block_size=MAX_SIZE, blocks_to_preallocate=W + 64)
+        elif name == "async":
+            _cuda.require_cuda("CudaAsyncMemoryResource")
+            r = mr.CudaAsyncMemoryResource()
         else:
             raise ValueError(name)
         return r.allocate, r.deallocate, r
 
     return make
+
+
+def ours_device_buffer():
+    """``DeviceBuffer(size=n)`` over a pool set as the current resource; freed by dropping it."""
+    from dask_rmm import mr
+    from dask_rmm.device_buffer import DeviceBuffer
+
+    pool = mr.PoolMemoryResource(base(), initial_pool_size=POOL_SIZE)
+    previous = mr.set_current_device_resource(pool)
+
+    def alloc(n):
+        return DeviceBuffer(size=n)
+
+    def free(p, n):
+        pass  # the loop drops the buffer, which frees it
+
+    return alloc, free, _Restore(lambda: mr.set_current_device_resource(previous), pool)
+
+
+class _Restore:
+    """Keeps a row's objects alive and runs ``undo`` when the row is done with them."""
+
+    def __init__(self, undo, *keep):
+        self.undo, self.keep = undo, keep
+
+    def __del__(self):
+        self.undo()
 
 
 def rmm_row(name):
@@ -159,10 +198,20 @@ def rmm_row(name):
         cuda = rmm.mr.CudaMemoryResource()
         if name == "pool":
             r = rmm.mr.PoolMemoryResource(cuda, initial_pool_size=POOL_SIZE)
+        elif name == "pool+statistics":
+            r = rmm.mr.StatisticsResourceAdaptor(
+                rmm.mr.PoolMemoryResource(cuda, initial_pool_size=POOL_SIZE)
+            )
+        elif name == "pool+tracking":
+            r = rmm.mr.TrackingResourceAdaptor(
+                rmm.mr.PoolMemoryResource(cuda, initial_pool_size=POOL_SIZE)
+            )
         elif name == "arena":
             r = rmm.mr.ArenaMemoryResource(cuda, arena_size=POOL_SIZE)
         elif name == "binning":
-            r = rmm.mr.BinningMemoryResource(cuda, 8, 22)
+            r = rmm.mr.BinningMemoryResource(
+                rmm.mr.PoolMemoryResource(cuda, initial_pool_size=POOL_SIZE), 18, 22
+            )
         elif name == "async":
             r = rmm.mr.CudaAsyncMemoryResource()
         else:
@@ -170,6 +219,23 @@ def rmm_row(name):
         return r.allocate, r.deallocate, (r, cuda)
 
     return make
+
+
+def rmm_device_buffer():
+    import rmm
+
+    pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=POOL_SIZE)
+    previous = rmm.mr.get_current_device_resource()
+    rmm.mr.set_current_device_resource(pool)
+    DeviceBuffer = rmm.DeviceBuffer
+
+    def alloc(n):
+        return DeviceBuffer(size=n)
+
+    def free(p, n):
+        pass
+
+    return alloc, free, _Restore(lambda: rmm.mr.set_current_device_resource(previous), pool)
 
 
 def cupy_row():
@@ -184,13 +250,34 @@ def cupy_row():
 
 
 def raw_async_row():
-    from cuda.bindings import runtime
+    """The floor of any async resource from Python: cuMemAllocAsync/cuMemFreeAsync called
+    straight through cuda.bindings' driver API on the legacy default stream."""
+    from cuda.bindings import driver
 
-    _cuda.require_cuda("cudaMallocAsync")
-    malloc, freeasync = runtime.cudaMallocAsync, runtime.cudaFreeAsync
+    _cuda.require_cuda("cuMemAllocAsync")
+    malloc, freeasync = driver.cuMemAllocAsync, driver.cuMemFreeAsync
+    stream = driver.CUstream(0)
 
     def alloc(n):
-        return malloc(n, 0)[1]
+        return malloc(n, stream)[1]
+
+    def free(p, n):
+        freeasync(p, stream)
+
+    return alloc, free, None
+
+
+def raw_runtime_async_row():
+    """The same floor through the runtime API (what dask-rmm's async resource calls):
+    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers."""
+    from cuda.bindings import runtime
+
+    _cuda.require_cuda("cudaMallocFromPoolAsync")
+    err, pool = runtime.cudaDeviceGetDefaultMemPool(0)
+    malloc, freeasync = runtime.cudaMallocFromPoolAsync, runtime.cudaFreeAsync
+
+    def alloc(n):
+        return malloc(n, pool, 0)[1]
 
     def free(p, n):
         freeasync(p, 0)
@@ -203,19 +290,27 @@ def dict_row():
     return r.allocate, r.deallocate, r
 
 
+#: (row name, factory, measured with threads too). Each issue-table row sits with its peers.
 ROWS = [
-    ("dict baseline", dict_row),
-    ("dask-rmm pool", ours("pool")),
-    ("dask-rmm pool+statistics", ours("pool+statistics")),
-    ("dask-rmm arena", ours("arena")),
-    ("dask-rmm binning", ours("binning")),
-    ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size")),
-    ("rmm pool", rmm_row("pool")),
-    ("rmm arena", rmm_row("arena")),
-    ("rmm binning", rmm_row("binning")),
-    ("rmm async", rmm_row("async")),
-    ("cupy MemoryPool", cupy_row),
-    ("cudaMallocAsync (cuda.bindings)", raw_async_row),
+    ("dict+lock baseline", dict_row, True),
+    ("dask-rmm pool", ours("pool"), True),
+    ("rmm pool", rmm_row("pool"), True),
+    ("cupy MemoryPool", cupy_row, True),
+    ("dask-rmm statistics(pool)", ours("pool+statistics"), True),
+    ("rmm statistics(pool)", rmm_row("pool+statistics"), False),
+    ("dask-rmm tracking(pool)", ours("pool+tracking"), False),
+    ("rmm tracking(pool)", rmm_row("pool+tracking"), False),
+    ("dask-rmm binning(pool, 2^18..2^22)", ours("binning"), False),
+    ("rmm binning(pool, 2^18..2^22)", rmm_row("binning"), False),
+    ("dask-rmm arena", ours("arena"), True),
+    ("rmm arena", rmm_row("arena"), False),
+    ("dask-rmm async", ours("async"), False),
+    ("rmm async", rmm_row("async"), False),
+    ("cuMemAllocAsync+cuMemFreeAsync", raw_async_row, False),
+    ("cudaMallocFromPoolAsync+cudaFreeAsync", raw_runtime_async_row, False),
+    ("dask-rmm DeviceBuffer(size=n) over pool", ours_device_buffer, False),
+    ("rmm DeviceBuffer(size=n) over pool", rmm_device_buffer, False),
+    ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size"), False),
 ]
 
 
@@ -224,6 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100_000, help="steps per run (default 100000)")
     ap.add_argument("--threads", type=int, default=8, help="threads for the threaded column")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--all-threaded", action="store_true",
+                    help="measure every row with threads too (default: the marked rows)")
     ap.add_argument("--only", default="", help="comma-separated substrings of row names")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     ap.add_argument("--out", default="", help="write the results as JSON to this path")
@@ -232,27 +329,49 @@ def main(argv=None) -> int:
 
     host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
     print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
-          f"median of {args.repeats}  python {platform.python_version()}  ({host})")
-    print(f"{'resource':<38} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+          f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})")
+    print(f"{'resource':<42} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+    # Repeats are the outer loop and rows the inner one, so that a machine drifting during the
+    # run (clock boost, other load) spreads over every row alike instead of favouring the last.
+    columns = [("ns_per_pair", 1)]
+    if args.threads > 1:
+        columns.append((f"ns_per_pair_{args.threads}_threads", args.threads))
+    rows = [(n, m, t) for n, m, t in ROWS if not only or any(s in n for s in only)]
+    runs: dict[tuple[str, str], list[float]] = {}
+    skipped: dict[str, str] = {}
+    for r in range(args.repeats):
+        for name, make, threaded in rows:
+            if name in skipped:
+                continue
+            for column, threads in columns:
+                if threads > 1 and not (threaded or args.all_threaded):
+                    continue
+                try:
+                    runs.setdefault((name, column), []).append(
+                        measure_once(make, args.steps, threads, r)
+                    )
+                except Exception as e:  # a library or device that this host lacks
+                    skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+                    break
+        print(f"# repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     results = []
-    for name, make in ROWS:
-        if only and not any(s in name for s in only):
-            continue
-        row = {"resource": name}
-        try:
-            row["ns_per_pair"] = measure(make, args.steps, 1, args.repeats)
-            row[f"ns_per_pair_{args.threads}_threads"] = measure(
-                make, args.steps, args.threads, args.repeats
-            )
-        except Exception as e:  # a library or device that this host lacks
-            row["skipped"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
-            print(f"{name:<38} {'skipped: ' + row['skipped']}")
+    for name, _make, _threaded in rows:
+        row: dict = {"resource": name}
+        if name in skipped:
+            row["skipped"] = skipped[name]
+            print(f"{name:<42} {'skipped: ' + row['skipped']}")
             results.append(row)
             continue
-        print(f"{name:<38} {row['ns_per_pair']:>17.0f} "
-              f"{row[f'ns_per_pair_{args.threads}_threads']:>18.0f}")
+        for column, _threads in columns:
+            values = runs.get((name, column))
+            if values:
+                row[column] = statistics.median(values)
+                row[column + "_runs"] = values
+        threads_ns = row.get(f"ns_per_pair_{args.threads}_threads")
+        print(f"{name:<42} {row['ns_per_pair']:>17.0f} "
+              f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}")
         results.append(row)
-        sys.stdout.flush()
+    sys.stdout.flush()
     doc = {"benchmark": "alloc", "workload": {"live_blocks": W, "min_size": MIN_SIZE,
            "max_size": MAX_SIZE, "steps": args.steps, "repeats": args.repeats,
            "threads": args.threads}, "python": platform.python_version(),

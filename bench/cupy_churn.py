@@ -3,7 +3,7 @@
 Rows: CuPy's own pool, RMM's ``rmm_cupy_allocator`` over RMM's pool (when ``import rmm`` works),
 dask-rmm's ``rmm_cupy_allocator`` over ``PoolMemoryResource`` and over
 ``StatisticsResourceAdaptor(PoolMemoryResource)``. Prints a table of median ns per
-allocate+free for each size (the issue's target: ours <= CuPy's pool, 4673 ns on an H200).
+allocate+free for each size (issue 13's target: ours <= CuPy's own pool).
 
     python bench/cupy_churn.py [--iterations 100000] [--repeat 7] [--sizes 8,1024,1048576]
 """
@@ -62,11 +62,51 @@ def _ours(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
     return setup
 
 
+def _prototype_function_allocator(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
+    """A candidate design for rmm_cupy_allocator, measured beside it: CuPy's
+    ``PythonFunctionAllocator`` (its C-level memory object calls ``malloc(nbytes, device)`` and
+    ``free(ptr, device)``) with a ``ptr -> (nbytes, stream)`` table, so that no Python object
+    with a finalizer and no CuPy memory object are made from Python per allocation."""
+
+    def setup() -> Callable[[], None]:
+        from dask_rmm.mr import CudaMemoryResource, PoolMemoryResource, StatisticsResourceAdaptor
+        from dask_rmm.stream import Stream
+
+        mr = PoolMemoryResource(CudaMemoryResource(), initial_pool_size=1 << 30)
+        if statistics_adaptor:
+            mr = StatisticsResourceAdaptor(mr)
+        allocate, deallocate = mr.allocate, mr.deallocate
+        get_stream = cupy.cuda.get_current_stream
+        streams: dict = {}
+        live: dict = {}
+
+        def malloc(nbytes, device_id):
+            cupy_stream = get_stream(device_id)
+            handle = cupy_stream.ptr
+            stream = streams.get(handle)
+            if stream is None:
+                stream = streams[handle] = Stream(cupy_stream)
+            ptr = allocate(nbytes, stream)
+            live[ptr] = (nbytes, stream)
+            return ptr
+
+        def free(ptr, device_id):
+            nbytes, stream = live.pop(ptr)
+            deallocate(ptr, nbytes, stream)
+
+        allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free)
+        cupy.cuda.set_allocator(allocator.malloc)
+        return lambda: mr
+
+    return setup
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--sizes", default="8,1024,1048576", help="comma-separated bytes")
+    parser.add_argument("--json", default="", help="also write the results as JSON here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -84,31 +124,45 @@ def main() -> None:
         rows.append(("dask-rmm + statistics(pool)", _ours(True)))
     except (ImportError, AttributeError):
         print("StatisticsResourceAdaptor is not available: skipping its row")
+    if hasattr(cupy.cuda.memory, "PythonFunctionAllocator"):
+        rows.append(("prototype: function allocator + pool", _prototype_function_allocator(False)))
+        rows.append(
+            ("prototype: function allocator + stats(pool)", _prototype_function_allocator(True))
+        )
 
     original = cupy.cuda.get_allocator()
-    results: dict[str, list[float]] = {}
-    for label, setup in rows:
-        teardown = setup()
-        try:
-            per_size = []
-            for n in sizes:
-                _churn(n, 1000)  # warm up: pool growth, stream cache, first-call binding
-                per_size.append(
-                    statistics.median(_churn(n, args.iterations) for _ in range(args.repeat))
-                )
-            results[label] = per_size
-        finally:
-            cupy.cuda.set_allocator(original)
-            teardown()
+    # Repeats outer, rows inner: drift of the machine during the run hits every row alike.
+    runs: dict[str, list[list[float]]] = {label: [[] for _ in sizes] for label, _ in rows}
+    for _ in range(args.repeat):
+        for label, setup in rows:
+            teardown = setup()
+            try:
+                for k, n in enumerate(sizes):
+                    _churn(n, 1000)  # warm up: pool growth, stream cache, first-call binding
+                    runs[label][k].append(_churn(n, args.iterations))
+            finally:
+                cupy.cuda.set_allocator(original)
+                teardown()
+    results = {label: [statistics.median(v) for v in per] for label, per in runs.items()}
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     device = device.decode() if isinstance(device, bytes) else device
     print(f"cupy.empty(n, uint8); del  -- median ns per iteration on {device}")
-    header = f"{'allocator':<30}" + "".join(f"{f'n={n}':>14}" for n in sizes)
+    header = f"{'allocator':<44}" + "".join(f"{f'n={n}':>14}" for n in sizes)
     print(header)
     print("-" * len(header))
     for label, per_size in results.items():
-        print(f"{label:<30}" + "".join(f"{v:>14.0f}" for v in per_size))
+        print(f"{label:<44}" + "".join(f"{v:>14.0f}" for v in per_size))
+    if args.json:
+        import json
+        import platform
+
+        doc = {"benchmark": "cupy_churn", "device": device, "sizes": sizes,
+               "iterations": args.iterations, "repeat": args.repeat,
+               "python": platform.python_version(), "cupy": cupy.__version__,
+               "rows": [{"allocator": k, "ns": v, "runs": runs[k]} for k, v in results.items()]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

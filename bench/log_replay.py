@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 
-from dask_rmm import log_summary, logs, replay
-from dask_rmm.logs import Action, LogEvent, format_event
+from dask_rmm import logs
+from dask_rmm.logs import Action, LogEvent, format_event, replay, summary
+from dask_rmm.mr.base import format_bytes
 
 
 def write_log(path: str, rows: int, seed: int = 0) -> None:
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(1 for _ in logs.read_log(path))
         read_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        s = log_summary.summarize(path).files[0]
+        s = summary.summarize(path).files[0]
         summary_s = time.perf_counter() - t0
 
         rows = [("read", read_s, "", "", ""), ("summarize", summary_s, "", "", "")]
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"replay {name}",
                     r.seconds,
                     f"{r.call_seconds:.2f}",
-                    log_summary._fmt_bytes(r.peak_upstream_bytes).split(" (")[0],
+                    format_bytes(r.peak_upstream_bytes),
                     f"{r.new_failures:,}",
                 )
             )
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- log: {n:,} rows, {size_mb:.1f} MB (synthetic: ~1000 live blocks, 256 B..4 MiB, "
         f"4 threads, 3 streams){'' if args.log is None else ' from ' + args.log}",
         f"- generating it took {gen_s:.1f} s; replay on {memory}",
-        f"- peak in use {log_summary._fmt_bytes(s.peak_bytes)}; pool and arena sized "
+        f"- peak in use {summary.format_size(s.peak_bytes)}; pool and arena sized "
         f"{args.initial_pool_size >> 20} MiB, binning with RMM's 256 KiB..4 MiB bins",
         "",
         "| step | seconds | us/row | in allocate/deallocate (s) | peak upstream | new failures |",

@@ -79,9 +79,8 @@ def _dask_rmm_cluster(threads: int):
 
 
 def part1(args, save=lambda rows: None) -> list[dict]:
-    from dask_rmm.sizes import parse_device_bytes
-
     from dask_rmm import RMMPlugin
+    from dask_rmm.sizes import parse_device_bytes
 
     pool_max = parse_device_bytes(args.pool_max, total_memory=1 << 50, alignment=256)
     working_set = args.n * args.n * 8

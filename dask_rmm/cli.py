@@ -58,16 +58,10 @@ def _user_errors() -> Iterator[None]:
 def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
-    try:
-        from dask_rmm.sizes import parse_device_bytes
-    except ImportError:
-        parse_device_bytes = None
-    try:
-        if parse_device_bytes is not None:
-            return parse_device_bytes(value)
-        from dask.utils import parse_bytes
+    from dask_rmm.sizes import parse_device_bytes
 
-        return int(value) if value.isdigit() else parse_bytes(value)
+    try:
+        return parse_device_bytes(value)
     except (ValueError, TypeError) as e:
         raise click.BadParameter(f"{value!r} is not a size such as 4GiB or 1073741824 ({e})") from e
 

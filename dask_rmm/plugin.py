@@ -26,7 +26,7 @@ from distributed.utils import thread_state
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
 from dask_rmm.worker_metrics import WorkerMetrics
-from dask_rmm.worker_stack import worker_stack
+from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
     from distributed import Scheduler, Worker
@@ -206,6 +206,9 @@ class RMMPlugin(WorkerPlugin):
         ws.set_pressure(worker, pressure)
         for stack in stacks:
             logger.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
+        note = cupy_allocator_note()
+        if note is not None:
+            logger.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws, *metrics_options)
         await self._install_scheduler_plugin(worker)
 

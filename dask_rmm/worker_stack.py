@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ __all__ = [
     "DeviceStack",
     "WorkerStack",
     "claim_log_file",
+    "cupy_allocator_note",
     "install_stack",
     "log_file_path",
     "resource_chain",
@@ -182,6 +184,31 @@ def uninstall_stack(stack: DeviceStack) -> None:
             set_per_device_resource(stack.device, previous)
     elif was_newest:
         set_per_device_resource(stack.device, active[-1].top)
+
+
+def cupy_allocator_note() -> str | None:
+    """Which allocator CuPy uses now, in words; None when CuPy is not imported.
+
+    Says whether CuPy's memory goes through dask-rmm's stacks, through compiled RMM's current
+    device resource (dask-cuda's ``rmm_allocator_external_lib_list=["cupy"]``: a separate
+    allocator stack that dask-rmm neither sees nor counts) or through CuPy's own pool.
+    """
+    cupy = sys.modules.get("cupy")
+    try:
+        allocator = cupy.cuda.get_allocator()
+    except AttributeError:  # CuPy not imported (None), or too old to tell
+        return None
+    owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
+    module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
+    name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
+    where = f"{module}.{name}"
+    if module.startswith("dask_rmm."):
+        owner = "dask-rmm's resources, counted in its metrics"
+    elif module.startswith("rmm."):
+        owner = "compiled RMM's current device resource; dask-rmm does not see or count it"
+    else:
+        owner = "CuPy's own allocator; dask-rmm does not see or count it"
+    return f"CuPy allocates through {where} ({owner})"
 
 
 # -- one worker's stacks -----------------------------------------------------------------------

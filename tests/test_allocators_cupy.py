@@ -160,13 +160,13 @@ def test_set_allocators_cupy():
 
 
 def test_supported_names():
-    assert SUPPORTED_ALLOCATORS == ("cupy", "numba", "torch")
+    assert SUPPORTED_ALLOCATORS == ("cupy", "numba", "rmm", "torch")
 
 
 @pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
 def test_unknown_names_list_supported(names):
     original = cupy.cuda.get_allocator()
-    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'torch'\]"):
+    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'rmm', 'torch'\]"):
         set_allocators(names)
     assert cupy.cuda.get_allocator() is original  # nothing was set
 

@@ -14,13 +14,18 @@ import pytest
 
 from dask_rmm import mr
 from dask_rmm.device_buffer import DeviceBuffer
-from dask_rmm.stream import DEFAULT_STREAM, CudaStreamFlags, Stream
+from dask_rmm.stream import (
+    DEFAULT_STREAM,
+    PER_THREAD_DEFAULT_STREAM,
+    CudaStreamFlags,
+    Stream,
+)
 
 pytestmark = pytest.mark.gpu
 
 SIZES = [1, 7, 255, 256, 257, 4097, 10**5, 10**6, 10**7, 10**8]
 RESOURCES = ["cuda", "pool", "async", "managed", "async_managed"]
-STREAM_KINDS = ["sync_default", "non_blocking", "cupy_non_blocking", "cupy_blocking"]
+STREAM_KINDS = ["sync_default", "non_blocking", "cupy_non_blocking", "cupy_blocking", "ptds"]
 
 
 def _resource(kind: str):
@@ -49,6 +54,8 @@ def _stream(kind: str):
     if kind == "non_blocking":
         s = Stream(flags=CudaStreamFlags.NON_BLOCKING)
         return s, s
+    if kind == "ptds":
+        return PER_THREAD_DEFAULT_STREAM, None
     cupy = pytest.importorskip("cupy")
     cs = cupy.cuda.Stream(non_blocking=kind == "cupy_non_blocking")
     return Stream(cs), cs

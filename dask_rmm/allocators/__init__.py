@@ -27,6 +27,13 @@ _HOOKS = {
         "reset_numba_allocator",
         "numba-cuda",
     ),
+    # RAPIDS libraries (cuDF, cuML, ...) allocate through the compiled RMM's current resource.
+    "rmm": (
+        "dask_rmm.allocators.rmm_interop",
+        "set_rmm_callback_resource",
+        "reset_rmm_callback_resource",
+        "rmm-cu13",
+    ),
     "torch": (
         "dask_rmm.allocators.torch",
         "set_torch_allocator",

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
-from dask_rmm.mr.base import UpstreamResourceAdaptor
+from dask_rmm.logs.summary import format_size
+from dask_rmm.mr.base import UpstreamResourceAdaptor, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = [
@@ -455,22 +456,16 @@ def replay(
     )
 
 
-def _fmt(n: int) -> str:
-    from dask_rmm.mr.base import format_bytes
-
-    return format_bytes(n)
-
-
 def format_result(r: ReplayResult, max_failures: int = 10) -> str:
     """Text report of one replay."""
     lines = [
         f"replay of {r.path} on {r.description}",
         f"  rows             {r.rows:,} ({r.allocations:,} allocations, {r.frees:,} frees, "
         f"{r.streams} non-default streams)",
-        f"  peak in use      {_fmt(r.peak_bytes)} ({r.peak_bytes:,} B)",
-        f"  peak upstream    {_fmt(r.peak_upstream_bytes)} ({r.peak_upstream_bytes:,} B) in "
+        f"  peak in use      {format_size(r.peak_bytes)}",
+        f"  peak upstream    {format_size(r.peak_upstream_bytes)} in "
         f"{r.upstream_allocations:,} upstream allocations",
-        f"  upstream at end  {_fmt(r.final_upstream_bytes)}",
+        f"  upstream at end  {format_bytes(r.final_upstream_bytes)}",
         f"  time             {r.seconds:.3f} s ({r.call_seconds:.3f} s in allocate/deallocate, "
         f"{1e6 * r.seconds / max(r.rows, 1):.2f} us per row)",
     ]
@@ -492,7 +487,7 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
     listed = [f for f in r.failures if not f.original_failed][:max_failures]
     for f in listed:
         lines.append(
-            f"    line {f.line}: {_fmt(f.size)} ({f.size:,} B) at {format_time(f.time)} thread "
+            f"    line {f.line}: {format_size(f.size)} at {format_time(f.time)} thread "
             f"{f.thread} stream {f.stream:#x}: {f.error}"
         )
     if r.truncated:
@@ -512,7 +507,7 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
     for r in results:
         ratio = r.peak_upstream_bytes / r.peak_bytes if r.peak_bytes else float("nan")
         lines.append(
-            f"{r.resource:<12} {_fmt(r.peak_upstream_bytes):>14} {ratio:>8.2f}x "
+            f"{r.resource:<12} {format_bytes(r.peak_upstream_bytes):>14} {ratio:>8.2f}x "
             f"{r.upstream_allocations:>15,} {r.new_failures:>12,} {r.seconds:>9.3f} "
             f"{1e6 * r.seconds / max(r.rows, 1):>7.2f}"
         )
@@ -523,7 +518,7 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
         best = min(pooled, key=lambda r: r.peak_upstream_bytes)
         lines.append(
             f"smallest footprint without new failures: {best.resource} "
-            f"({_fmt(best.peak_upstream_bytes)})"
+            f"({format_bytes(best.peak_upstream_bytes)})"
         )
     else:
         lines.append("every resource failed allocations the original run did not")

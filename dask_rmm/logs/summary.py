@@ -25,6 +25,7 @@ __all__ = [
     "Summarizer",
     "SummaryReport",
     "Totals",
+    "format_size",
     "format_summary",
     "size_bucket",
     "summarize",
@@ -362,10 +363,11 @@ def summarize(
     )
 
 
-def _fmt_bytes(n: int) -> str:
+def format_size(n: int) -> str:
+    """``format_bytes(n)``, with the exact count from 1 KiB up: ``"1.50 MiB (1,572,864 B)"``."""
     from dask_rmm.mr.base import format_bytes
 
-    return f"{format_bytes(n)}" if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
 
 
 def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
@@ -378,11 +380,11 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         )
     lines.append(f"  rows          {s.rows:,}")
     lines.append(
-        f"  allocations   {s.allocations:,} ({_fmt_bytes(s.allocated_bytes)})   "
-        f"frees {s.frees:,} ({_fmt_bytes(s.freed_bytes)})   "
-        f"failures {s.failures:,} ({_fmt_bytes(s.failed_bytes)})"
+        f"  allocations   {s.allocations:,} ({format_size(s.allocated_bytes)})   "
+        f"frees {s.frees:,} ({format_size(s.freed_bytes)})   "
+        f"failures {s.failures:,} ({format_size(s.failed_bytes)})"
     )
-    peak = f"  peak          {_fmt_bytes(s.peak_bytes)}"
+    peak = f"  peak          {format_size(s.peak_bytes)}"
     if s.peak_time is not None:
         rel = s.peak_time - s.start if s.start is not None else 0.0
         peak += f" at {format_time(s.peak_time)} (+{rel:.6f} s, line {s.peak_line}"
@@ -390,13 +392,13 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
     lines.append(peak)
     lines.append(f"  most live     {s.peak_count:,} allocations at once")
     lines.append(
-        f"  outstanding   {_fmt_bytes(s.outstanding_bytes)} in {s.outstanding_count:,} "
+        f"  outstanding   {format_size(s.outstanding_bytes)} in {s.outstanding_count:,} "
         "allocations never freed"
     )
     for o in s.largest_outstanding[:top_rows]:
         where = f"{o.source} " if s.name == "combined" else ""
         lines.append(
-            f"      {_fmt_bytes(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
+            f"      {format_size(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
             f"thread {o.thread}  stream {o.stream:#x}"
         )
     notes = []

@@ -8,7 +8,14 @@ a superblock that becomes empty goes back to the global arena. When an arena can
 superblock, all empty superblocks of all arenas are returned (after synchronizing the device)
 and the request is retried once, as RMM's defragment step does.
 
-One lock guards all of it: under CPython's GIL finer locks would only add acquire costs.
+In front of that sits a per-stream cache, the fast path, as in :mod:`dask_rmm.mr.pool` (whose
+size classes it shares): requests below 16 MiB are rounded up to their size class's floor (at
+most 1/16 more), and a freed block is kept, still counted as used by its superblock, in the
+freeing stream's cache for the next request of its class on that stream. Neither path takes
+the lock: ``list.pop``/``list.append`` and a dict store or pop are atomic, so each block goes
+to exactly one caller. Cached blocks go back to their arenas (after a device synchronization:
+they may move to another stream) when a request cannot be served otherwise, before the
+defragment step. One lock guards everything else.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from itertools import compress
 from typing import Any
 
 from dask_rmm.mr.base import (
@@ -27,8 +35,17 @@ from dask_rmm.mr.base import (
     check_nbytes,
     deallocate_refused,
     format_bytes,
+    gc_paused_lock,
 )
-from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE
+from dask_rmm.mr.pool import (
+    _CACHED_LIMIT,
+    _CLASS_INDEXES,
+    _N_CLASSES,
+    _ROUNDED,
+    _SRCH,
+    DEFAULT_HOST_POOL_SIZE,
+    _class_floor,
+)
 from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
@@ -155,18 +172,19 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         self._global = _Regions()
         self._global.add(self._base, arena_size)
         self._arenas: dict[Any, _Arena] = {}
-        # ptr -> (nbytes, arena or None for the global arena, superblock start)
-        self._live: dict[int, tuple[int, _Arena | None, int]] = {}
+        # stream key -> per-class lists of cached free blocks (class floor size each)
+        self._caches: dict[Any, list[list[int]]] = {}
+        # ptr -> tag of every live block: nbytes for a block of its class's floor size (those
+        # are cached when freed), ~nbytes for one of exact 256-aligned size
+        self._live: dict[int, int] = {}
+        # ptr -> (arena or None for the global arena, superblock start, size) of every block
+        # handed out of an arena and not back in it: live or cached
+        self._home: dict[int, tuple[_Arena | None, int, int]] = {}
 
     def arena_size(self) -> int:
         return self._size
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
-            if nbytes == 0:
-                return 0
-        size = (nbytes + 255) & -256
         try:
             key = stream.handle
         except AttributeError:
@@ -174,17 +192,51 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == 2:
             key = stream.order_key()
-        with self._lock:
-            ptr = self._try_allocate(nbytes, size, key)
+        if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
+            caches = self._caches.get(key)
+            if caches is not None:
+                cached = caches[_SRCH[(nbytes + 255) >> 8]]
+                if cached:
+                    try:
+                        ptr = cached.pop()
+                    except IndexError:  # another thread took the last one
+                        pass
+                    else:
+                        self._live[ptr] = nbytes
+                        return ptr
+        return self._allocate_slow(nbytes, stream, key)
+
+    def _allocate_slow(self, nbytes: Any, stream: Stream, key: Any) -> int:
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        if nbytes <= _CACHED_LIMIT:
+            size, tag = _ROUNDED[(nbytes + 255) >> 8], nbytes
+        else:
+            size, tag = (nbytes + 255) & -256, ~nbytes
+        with gc_paused_lock(self._lock):
+            if key not in self._caches:
+                self._caches[key] = [[] for _ in range(_N_CLASSES)]
+            ptr = self._try_allocate(size, key, tag)
         if ptr:
             return ptr
+        # Out of room: take every cached block back, wait for the streams they were freed on,
+        # return them and the empty superblocks to the global arena, and try again.
+        with gc_paused_lock(self._lock):
+            stolen = self._steal_caches()
         if self._ordered:
             from dask_rmm import _cuda
 
             _cuda.device_synchronize()
-        with self._lock:
+        with gc_paused_lock(self._lock):
+            for ptr, csize in stolen:
+                self._give_back(ptr, csize)
             self._defragment()
-            ptr = self._try_allocate(nbytes, size, key)
+            ptr = self._try_allocate(size, key, tag)
+            if not ptr and size != (nbytes + 255) & -256:
+                # the rounded size does not fit: the exact one may
+                ptr = self._try_allocate((nbytes + 255) & -256, key, ~nbytes)
             if ptr:
                 return ptr
             if self.dump_log_on_failure:
@@ -211,35 +263,43 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == 2:
             key = stream.order_key()
-        with self._lock:
-            entry = self._live.get(ptr)
-            if entry is None or entry[0] != nbytes or type(ptr) is not int:
-                bad = entry
+        live = self._live
+        n = live.pop(ptr, None)
+        if n is not None:
+            if n == nbytes and type(ptr) is int:
+                caches = self._caches.get(key)
+                if caches is not None:
+                    # Stream order: the block is handed out again only on this stream.
+                    caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                    return
+            live[ptr] = n  # the slow path takes it again under the lock
+        self._deallocate_slow(ptr, nbytes, stream, key)
+
+    def _deallocate_slow(self, ptr: Any, nbytes: Any, stream: Stream, key: Any) -> None:
+        with gc_paused_lock(self._lock):
+            tag = self._live.get(ptr)
+            if tag is None or type(ptr) is not int or (tag != nbytes and tag != ~nbytes):
+                bad = tag
             else:
                 bad = False
-                n, arena, sb = entry
+                arena, _sb, size = self._home[ptr]
                 other = arena is None or self._arenas.get(key) is not arena
         if bad is not False:
-            return self._bad_deallocate(ptr, nbytes, bad, stream)
+            allocated = None if bad is None else (bad if bad >= 0 else ~bad)
+            return deallocate_refused(self, "ArenaMemoryResource", ptr, nbytes, allocated, stream)
         if other and self._ordered:
             # Memory goes to the global arena or to another stream's arena, where it can be
             # handed out without ordering: the freeing stream must be done with it first.
             stream.synchronize()
-        with self._lock:
+        with gc_paused_lock(self._lock):
             if self._live.pop(ptr, None) is None:  # freed concurrently by another thread
-                return self._bad_deallocate(ptr, nbytes, None, stream)
-            size = (n + 255) & -256
-            if arena is None:
-                self._global.add(ptr, size)
-                return
-            arena.free.add(ptr, size)
-            used = arena.used[sb] - size
-            arena.used[sb] = used
-            if used == 0 and len(arena.superblocks) > 1:
-                self._return_superblock(arena, sb)
+                return deallocate_refused(
+                    self, "ArenaMemoryResource", ptr, nbytes, None, stream
+                )
+            self._give_back(ptr, size)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
-        with self._lock:
+        with gc_paused_lock(self._lock):
             return ReservedMemoryInfo(self._size, self._free_bytes(), self._largest_free())
 
     def __del__(self):
@@ -255,11 +315,12 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     # -- internals (called with the lock held) -------------------------------------------------
 
-    def _try_allocate(self, nbytes: int, size: int, key: Any) -> int:
+    def _try_allocate(self, size: int, key: Any, tag: int) -> int:
         if size > SUPERBLOCK_SIZE:
             ptr = self._global.take(size)
             if ptr:
-                self._live[ptr] = (nbytes, None, ptr)
+                self._home[ptr] = (None, ptr, size)
+                self._live[ptr] = tag
             return ptr
         arena = self._arenas.get(key)
         if arena is None:
@@ -277,8 +338,47 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             ptr = arena.free.take(size)
         sb = self._superblock_of(arena, ptr)
         arena.used[sb] += size
-        self._live[ptr] = (nbytes, arena, sb)
+        self._home[ptr] = (arena, sb, size)
+        self._live[ptr] = tag
         return ptr
+
+    def _give_back(self, ptr: int, size: int) -> None:
+        """Return a block (no longer live nor cached) to its arena or the global arena."""
+        arena, sb, size = self._home.pop(ptr)
+        if arena is None:
+            self._global.add(ptr, size)
+            return
+        arena.free.add(ptr, size)
+        used = arena.used[sb] - size
+        arena.used[sb] = used
+        if used == 0 and len(arena.superblocks) > 1:
+            self._return_superblock(arena, sb)
+
+    def _steal_caches(self) -> list[tuple[int, int]]:
+        """Take every cached block out of the caches: ``(ptr, size)`` pairs (lock held).
+
+        One pop at a time: lock-free callers may pop or append meanwhile."""
+        stolen = []
+        for caches in self._caches.values():
+            for c in compress(_CLASS_INDEXES, caches):
+                cached = caches[c]
+                size = _class_floor(c) << 8
+                while cached:
+                    try:
+                        stolen.append((cached.pop(), size))
+                    except IndexError:
+                        break
+        return stolen
+
+    def _cached_bytes(self) -> tuple[int, int]:
+        """Bytes in the caches and the largest cached block (lock held)."""
+        total = largest = 0
+        for caches in self._caches.values():
+            for c in compress(_CLASS_INDEXES, caches):
+                size = _class_floor(c) << 8
+                total += size * len(caches[c])
+                largest = max(largest, size)
+        return total, largest
 
     @staticmethod
     def _superblock_of(arena: _Arena, ptr: int) -> int:
@@ -298,10 +398,17 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
                 self._return_superblock(arena, sb)
 
     def _free_bytes(self) -> int:
-        return self._global.total() + sum(a.free.total() for a in self._arenas.values())
+        return (
+            self._global.total()
+            + sum(a.free.total() for a in self._arenas.values())
+            + self._cached_bytes()[0]
+        )
 
     def _largest_free(self) -> int:
-        return max([self._global.largest()] + [a.free.largest() for a in self._arenas.values()])
+        return max(
+            [self._global.largest(), self._cached_bytes()[1]]
+            + [a.free.largest() for a in self._arenas.values()]
+        )
 
     def _dump_memory_log(self, size: int) -> None:
         logger.warning(
@@ -315,7 +422,3 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             len(self._arenas),
             sum(len(a.superblocks) for a in self._arenas.values()),
         )
-
-    def _bad_deallocate(self, ptr: Any, nbytes: Any, entry, stream) -> None:
-        allocated = None if entry is None else entry[0]
-        return deallocate_refused(self, "ArenaMemoryResource", ptr, nbytes, allocated, stream)

@@ -5,12 +5,14 @@ a getter that reads the running task's key. Overall counters are StatisticsResou
 
 from __future__ import annotations
 
-import gc
+import functools
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.pool import OwnerAccounts, PoolMemoryResource
+from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["UNATTRIBUTED", "AttributionResourceAdaptor", "OwnerMemory"]
@@ -34,57 +36,34 @@ class OwnerMemory:
         return [self.owner, self.current_bytes, self.peak_bytes]
 
 
-def _fusable_pool(upstream):
+def _charging_pool(upstream):
     """The PoolMemoryResource calls would reach with no other layer in between: the upstream
-    itself, or the pool a StatisticsResourceAdaptor right above it has fused with."""
-    from dask_rmm.mr.pool import PoolMemoryResource
-
+    itself, or the pool that counts for a StatisticsResourceAdaptor right above it (whose calls
+    are the pool's own)."""
     if type(upstream) is PoolMemoryResource:
         return upstream
-    fused = getattr(upstream, "_fused_with", None)
-    if type(fused) is PoolMemoryResource and upstream.allocate == fused.allocate:
-        return fused
+    if isinstance(upstream, StatisticsResourceAdaptor):
+        pool = upstream.counting_pool
+        if type(pool) is PoolMemoryResource:
+            return pool
     return None
 
 
-class _FusedAttribution:
-    """What a PoolMemoryResource needs to charge owners itself: the owner getter, the token ->
-    counts cache, ptr -> counts of live blocks, and naming for new tokens. It shares the
-    adaptor's tables but holds no reference to the adaptor, so pool and adaptor form no
-    reference cycle (cyclic garbage finalizes in any order)."""
-
-    __slots__ = ("get_owner", "owner_name", "by_name", "by_token", "owner_of")
-
-    def __init__(self, adaptor):
-        self.get_owner = adaptor._get_owner
-        self.owner_name = adaptor._owner_name
-        self.by_name = adaptor._by_name
-        self.by_token = adaptor._by_token
-        self.owner_of: dict[int, list[int]] = {}
-
-    def counts_for(self, token) -> list[int]:
-        """A token not in the cache: its owner's counts. Called with the pool's lock held, so
-        the garbage collector is paused while the name and list are made (a finalizer run by it
-        could free into the pool on this thread and wait on the lock)."""
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            try:
-                name = UNATTRIBUTED if token is None else str(self.owner_name(token))
-            except Exception:
-                name = UNATTRIBUTED
-            counts = self.by_name.setdefault(name, [0, 0])
-            if len(self.by_token) >= _TOKEN_CACHE_SIZE:
-                self.by_token.clear()
-            try:
-                self.by_token[token] = counts
-            except TypeError:  # an unhashable token is named every time
-                pass
-            return counts
-        finally:
-            if paused:
-                gc.enable()
+def _open_account(owner_name, by_name: dict, by_token: dict, token) -> list[int]:
+    """The owner callback a pool calls under its lock (collector paused): the account of a
+    token not in ``by_token``. Never raises: an owner that cannot be named is UNATTRIBUTED."""
+    try:
+        name = UNATTRIBUTED if token is None else str(owner_name(token))
+    except Exception:
+        name = UNATTRIBUTED
+    account = by_name.setdefault(name, [0, 0])
+    if len(by_token) >= _TOKEN_CACHE_SIZE:
+        by_token.clear()
+    try:
+        by_token[token] = account
+    except TypeError:  # an unhashable token is named every time
+        pass
+    return account
 
 
 class AttributionResourceAdaptor(UpstreamResourceAdaptor):
@@ -93,11 +72,13 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
     A free is charged back to the owner that made the allocation, whichever thread frees it.
     Only successful allocations are charged; sizes are the sizes the caller asked for.
 
-    Over a :class:`PoolMemoryResource` (directly, or through a StatisticsResourceAdaptor fused
-    with it) the adaptor fuses with the pool as the statistics adaptor does: the owner is read
-    before the pool's lock is taken and charged inside it, and ``allocate``/``deallocate`` are
-    the pool's own. Allocations made on the pool directly are then charged too; blocks live
-    before the adaptor was made are never charged back.
+    Over a :class:`PoolMemoryResource` (directly, or through a StatisticsResourceAdaptor the pool
+    counts for) the pool does the charging, through its instrumentation interface
+    (:meth:`PoolMemoryResource.charge_owners` with an :class:`~dask_rmm.mr.pool.OwnerAccounts`
+    holding this adaptor's getter and accounts): the owner is read before the pool's lock is
+    taken and charged inside it, and ``allocate``/``deallocate`` are the pool's own.
+    Allocations made on the pool directly are then charged too; blocks live before the adaptor
+    was made are never charged back. :attr:`charging_pool` says which case applies.
 
     Parameters
     ----------
@@ -152,28 +133,36 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._live: dict[int, tuple[list[int], int]] = {}
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
-        self._fused_with = None
-        pool = _fusable_pool(upstream_mr)
+        self._charging_pool = None
+        pool = _charging_pool(upstream_mr)
         if pool is not None:
-            state = _FusedAttribution(self)
-            if pool._attach_attribution(state):
+            # The callback holds the tables, not the adaptor: pool and adaptor form no cycle.
+            opener = functools.partial(_open_account, owner_name, self._by_name, self._by_token)
+            owners = OwnerAccounts(get_owner, self._by_token, opener)
+            if pool.charge_owners(owners):
                 # The pool charges owners under its own lock, and calls go straight to it (see
                 # the class notes); readers take the pool's lock.
-                self._fused_with = pool
-                self._fused_state = state
-                self._lock = pool._lock
-                self._acquire = pool._lock.acquire
-                self._release = pool._lock.release
+                self._charging_pool = pool
+                self._owners = owners
+                self._lock = pool.instrumentation_lock
+                self._acquire = self._lock.acquire
+                self._release = self._lock.release
                 self.allocate = pool.allocate
                 self.deallocate = pool.deallocate
 
     def __del__(self):
         try:
-            pool = getattr(self, "_fused_with", None)
+            pool = getattr(self, "_charging_pool", None)
             if pool is not None:
-                pool._detach_attribution(self._fused_state)
+                pool.stop_charging(self._owners)
         except Exception:  # at interpreter shutdown module globals may be gone
             pass
+
+    @property
+    def charging_pool(self):
+        """The PoolMemoryResource that charges owners for this adaptor (its
+        ``allocate``/``deallocate`` are then the pool's), or None."""
+        return self._charging_pool
 
     def _counts_for_current_owner(self) -> list[int]:
         """The slow path: name the current owner and find (or make) its counts.

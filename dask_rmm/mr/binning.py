@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from bisect import bisect_left
 
 from dask_rmm.mr.base import (
     DeviceMemoryResource,
@@ -54,9 +55,12 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     ):
         super().__init__(upstream_mr)
         self._lock = threading.Lock()
-        # (sorted sizes, resources in the same order): swapped as one tuple so that
-        # allocate/deallocate read a consistent pair without the lock.
+        # (sorted sizes, resources in the same order): swapped as one tuple so that readers
+        # see a consistent pair without the lock.
         self._table: tuple[tuple[int, ...], tuple[DeviceMemoryResource, ...]] = ((), ())
+        # The hot path's copy: (sizes, bound allocate methods, bound deallocate methods), each
+        # ending with the upstream's (sizes above every bin), also swapped as one tuple.
+        self._routes = ((), (upstream_mr.allocate,), (upstream_mr.deallocate,))
         if min_size_exponent >= 0 and max_size_exponent >= 0:
             if min_size_exponent > max_size_exponent:
                 raise ValueError(
@@ -87,9 +91,14 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
                     self.upstream_mr, block_size=align_up(allocation_size)
                 )
             i = bisect.bisect_left(sizes, allocation_size)
-            self._table = (
-                sizes[:i] + (allocation_size,) + sizes[i:],
-                mrs[:i] + (bin_resource,) + mrs[i:],
+            sizes = sizes[:i] + (allocation_size,) + sizes[i:]
+            mrs = mrs[:i] + (bin_resource,) + mrs[i:]
+            self._table = (sizes, mrs)
+            targets = (*mrs, self.upstream_mr)
+            self._routes = (
+                sizes,
+                tuple(m.allocate for m in targets),
+                tuple(m.deallocate for m in targets),
             )
 
     @property
@@ -112,18 +121,16 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
             nbytes = check_nbytes(nbytes)
             if nbytes == 0:
                 return 0
-        sizes, mrs = self._table
-        i = bisect.bisect_left(sizes, nbytes)
-        return (mrs[i] if i < len(mrs) else self.upstream_mr).allocate(nbytes, stream)
+        sizes, allocs, _ = self._routes
+        return allocs[bisect_left(sizes, nbytes)](nbytes, stream)
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         if type(nbytes) is not int or nbytes <= 0:
             if ptr == 0 and nbytes == 0:
                 return
             nbytes = check_nbytes(nbytes)
-        sizes, mrs = self._table
-        i = bisect.bisect_left(sizes, nbytes)
-        (mrs[i] if i < len(mrs) else self.upstream_mr).deallocate(ptr, nbytes, stream)
+        sizes, _, deallocs = self._routes
+        deallocs[bisect_left(sizes, nbytes)](ptr, nbytes, stream)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo | None:
         """The bins' reservations added up (requests served upstream are not reserved)."""

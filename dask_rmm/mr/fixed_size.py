@@ -16,11 +16,11 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    acquire_contended,
     align_up,
     check_nbytes,
     deallocate_refused,
     format_bytes,
+    gc_paused_lock,
 )
 from dask_rmm.mr.pool import order_after
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
@@ -102,17 +102,16 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
-        lock = self._lock
-        if not lock.acquire(False):
-            acquire_contended(lock)
-        try:
-            blocks = self._free.get(key)
-            if blocks:
+        # Lock-free: list.pop and the dict store are atomic, so each block goes to one caller.
+        blocks = self._free.get(key)
+        if blocks:
+            try:
                 ptr = blocks.pop()
+            except IndexError:  # another thread took the last one
+                pass
+            else:
                 self._live[ptr] = nbytes
                 return ptr
-        finally:
-            lock.release()
         return self._allocate_slow(nbytes, key, stream)
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -123,23 +122,21 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
-        lock = self._lock
-        if not lock.acquire(False):
-            acquire_contended(lock)
-        try:
-            live = self._live
-            n = live.pop(ptr, None)
-            if n == nbytes and type(ptr) is int:
-                blocks = self._free.get(key)
-                if blocks is None:
-                    blocks = self._free[key] = []
-                    self._streams[key] = stream
-                blocks.append(ptr)
-                return
-            if n is not None:
-                live[ptr] = n
-        finally:
-            lock.release()
+        # Lock-free: of two threads freeing one pointer only one pops it from the live table.
+        live = self._live
+        n = live.pop(ptr, None)
+        if n == nbytes and type(ptr) is int:
+            blocks = self._free.get(key)
+            if blocks is None:
+                with gc_paused_lock(self._lock):  # a stream's first free: one list made
+                    blocks = self._free.get(key)
+                    if blocks is None:
+                        blocks = self._free[key] = []
+                        self._streams[key] = stream
+            blocks.append(ptr)
+            return
+        if n is not None:
+            live[ptr] = n
         return deallocate_refused(self, "FixedSizeMemoryResource", ptr, nbytes, n, stream)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
@@ -165,10 +162,18 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             gone = set(released)
             keys = set()
             for key, blocks in self._free.items():
-                kept = [p for p in blocks if starts[bisect.bisect_right(starts, p) - 1] not in gone]
-                if len(kept) != len(blocks):
+                # One pop at a time (lock-free callers may pop or append meanwhile); the blocks
+                # of chunks that stay are put back.
+                taken = []
+                while blocks:
+                    try:
+                        taken.append(blocks.pop())
+                    except IndexError:
+                        break
+                kept = [p for p in taken if starts[bisect.bisect_right(starts, p) - 1] not in gone]
+                if len(kept) != len(taken):
                     keys.add(key)
-                blocks[:] = kept
+                blocks.extend(reversed(kept))
             sizes = [(c, self._chunks.pop(c)) for c in released]
         if self._ordered and keys:
             from dask_rmm import _cuda
@@ -226,7 +231,10 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             ptr = 0
             for k, blocks in self._free.items():
                 if k != key and blocks:
-                    ptr = blocks.pop()
+                    try:
+                        ptr = blocks.pop()
+                    except IndexError:  # taken by a lock-free caller meanwhile
+                        continue
                     victim = (k, self._streams.get(k))
                     self._live[ptr] = nbytes
                     break

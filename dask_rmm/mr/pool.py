@@ -14,8 +14,7 @@ so the first candidate class is one C-level ``find`` (an int bitmap was tried: i
 shifts and masks cost ~40 ns each). Two more dicts per stream, ``start -> size`` and
 ``end -> start``, let a freed block merge with both neighbours in O(1). Live blocks are one dict
 ``ptr -> nbytes`` that also validates every deallocate. Class lookups for sizes below 16 MiB
-come from precomputed tables. The lock is taken with ``acquire``/``release`` (half the cost of
-``with`` in CPython 3.11).
+come from precomputed tables.
 
 In front of that sits a per-stream cache, the fast path: requests below 16 MiB are rounded up
 to the floor size of their search class (at most 1/16 more than asked, 3% on average; below
@@ -26,6 +25,30 @@ and allocating pops from it: no splitting and no merging, which cut a pair from 
 path cannot serve a request (before the pool grows), and by ``release()`` and
 ``reserved_memory_info()``. When the pool is too full for the rounded size, the exact
 256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
+
+Threads
+-------
+The fast path takes no lock. Its only shared-state operations are ``list.pop``/``list.append``
+on a cache list and a store or pop on the live-block dict, each atomic (under the GIL, and
+per object in free-threaded CPython): a cached block is popped by exactly one caller, and of
+two threads freeing one pointer only one pops it from the live table (the other is refused).
+Everything else (the coalescing lists, growth, merging the caches) happens under the pool's
+one lock; code there empties a cache list one ``pop`` at a time, so blocks appended or taken
+meanwhile by lock-free callers are never lost or handed out twice. A lock-free path makes no
+container objects, so a finalizer run by the garbage collector can free into the pool at any
+point. (The lock-free path was ~0.3 us per pair faster on one thread and removed the lock
+convoy of 8 threads sharing a pool; bench/alloc.py.)
+
+Instrumentation
+---------------
+Observers count and attribute allocations through one documented interface, used by
+StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResource.count_allocations`
+(an :class:`AllocationCounters` the pool updates) and :meth:`PoolMemoryResource.charge_owners`
+(an :class:`OwnerAccounts`: an owner getter called before the lock, a token -> account dict and
+an owner callback called under the lock for new tokens). While either is attached the fast path
+takes the lock and does the updates inline, so they agree with each other and with the blocks;
+:attr:`PoolMemoryResource.instrumentation_lock` is the lock to read them under. Nothing else
+reads or writes another object's private state.
 
 Stream order
 ------------
@@ -49,6 +72,7 @@ import gc
 import os
 import re
 import threading
+import time
 from itertools import compress
 from typing import Any
 
@@ -66,7 +90,7 @@ from dask_rmm.mr.base import (
 from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
-__all__ = ["PoolMemoryResource", "parse_pool_size"]
+__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "parse_pool_size"]
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
@@ -217,6 +241,116 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
             _cuda.device_synchronize()
 
 
+class TokenLock:
+    """A mutex made of one atomic list operation: ``pop`` takes the token, ``append`` returns it.
+
+    The pool's lock. It behaves as ``threading.Lock`` (``acquire(blocking)``, ``release``,
+    ``with``), but its hot-path use costs two argument-free list calls, about a third of
+    ``Lock.acquire(False)`` + ``release`` in CPython, whose argument parsing dominates. A waiter
+    yields the GIL (``time.sleep(0)``) and retries: the pool holds it for bookkeeping only, so a
+    waiter never waits long, and no lock convoy forms (see ``acquire_contended``).
+    """
+
+    __slots__ = ("token",)
+
+    def __init__(self):
+        self.token = [True]  # empty while held
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        token = self.token
+        try:
+            token.pop()
+            return True
+        except IndexError:
+            if not blocking:
+                return False
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        while True:
+            time.sleep(0)
+            try:
+                token.pop()
+                return True
+            except IndexError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+
+    def release(self) -> None:
+        if self.token:
+            raise RuntimeError("release unlocked lock")
+        self.token.append(True)
+
+    def locked(self) -> bool:
+        return not self.token
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class AllocationCounters:
+    """Allocation counters a :class:`PoolMemoryResource` keeps for an observer.
+
+    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.count_allocations`).
+    The pool updates these numbers under its own lock, after each operation succeeded; read
+    them holding :attr:`PoolMemoryResource.instrumentation_lock`. Sizes are the sizes callers
+    asked for. Current values are derived: ``current_bytes = total_bytes - freed_bytes``.
+
+    Attributes
+    ----------
+    total_bytes, total_count : int
+        Allocations counted, in bytes and in number.
+    freed_bytes, freed_count : int
+        Frees of counted allocations.
+    peak_bytes, peak_count : int
+        Largest current value seen; the pool raises them, an observer may lower them.
+    interval_peak : int
+        Like ``peak_bytes``; an observer resets it to sample short spikes.
+    failed : int
+        Allocations that raised ``MemoryError``.
+    """
+
+    __slots__ = (
+        "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
+        "interval_peak", "failed",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
+        self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
+
+
+class OwnerAccounts:
+    """How a :class:`PoolMemoryResource` charges each allocation to an owner.
+
+    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.charge_owners`).
+    An *account* is a list ``[current_bytes, peak_bytes]`` that the pool updates under its
+    lock: an allocation adds its size to the account of the owner current on the allocating
+    thread, its free (on any thread) subtracts it from that same account.
+
+    Parameters
+    ----------
+    get_owner : callable
+        ``get_owner() -> token``, called on the allocating thread *before* the pool's lock is
+        taken (it may run any Python). ``None`` is a token like any other.
+    accounts : dict
+        ``token -> account``, looked up under the pool's lock on every allocation.
+    open_account : callable
+        ``open_account(token) -> account``, the owner callback: called under the pool's lock
+        (with the garbage collector paused) for a token missing from ``accounts`` or one that
+        cannot be hashed. It returns the account to charge and may add it to ``accounts``; it
+        must not call into the pool.
+    """
+
+    __slots__ = ("get_owner", "accounts", "open_account")
+
+    def __init__(self, get_owner, accounts: dict, open_account):
+        self.get_owner = get_owner
+        self.accounts = accounts
+        self.open_account = open_account
+
+
 class PoolMemoryResource(UpstreamResourceAdaptor):
     """A coalescing, stream-ordered pool suballocator, as RMM's ``PoolMemoryResource``.
 
@@ -236,8 +370,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     The pool grows as RMM's does: without a maximum, by ``max(request, current pool size)``;
     with one, by ``max(request, half of the room left)``; a failed upstream allocation is
     retried with half the size, down to the request. :meth:`release` hands fully free upstream
-    chunks back. Thread safe: one lock, held for bookkeeping only (never across an upstream
-    call). Free blocks are kept per stream; see the module docstring for stream ordering.
+    chunks back. Thread safe: the cached fast path takes no lock, everything else one lock held
+    for bookkeeping only (never across an upstream call); see Threads in the module docstring.
+    Free blocks are kept per stream; see the module docstring for stream ordering, and
+    Instrumentation for how the statistics and attribution adaptors count through the pool.
 
     Examples
     --------
@@ -279,17 +415,23 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 f"maximum_pool_size ({format_bytes(maximum_pool_size)})"
             )
         self._maximum = maximum_pool_size
-        self._lock = threading.Lock()
+        self._lock = TokenLock()
+        self._token = self._lock.token  # the hot paths take and return it directly
         self._live: dict[int, int] = {}  # ptr -> nbytes as the caller asked
         self._lists: dict[Any, _FreeList] = {}
         self._chunks: dict[int, int] = {}  # upstream chunk start -> size
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
-        # Counters of a fused StatisticsResourceAdaptor (see _attach_statistics), or None.
-        self._stats = None
-        # Owner charging of a fused AttributionResourceAdaptor (_attach_attribution), or None.
-        self._attrib = None
+        # stream key -> that stream's _FreeList.cache, read by the lock-free fast paths
+        self._caches: dict[Any, list[list[int]]] = {}
+        # Instrumentation (see count_allocations / charge_owners); _instrumented is True when
+        # either is attached, so the uninstrumented fast paths test one attribute.
+        self._counters: AllocationCounters | None = None
+        self._uncounted: set[int] = set()  # live when counting began: their frees not counted
+        self._owners: OwnerAccounts | None = None
+        self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
+        self._instrumented = False
         if initial_pool_size:
             ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
             self._add_chunk(ptr, initial_pool_size)
@@ -305,11 +447,65 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def maximum_pool_size(self) -> int | None:
         return self._maximum
 
+    # -- instrumentation interface ---------------------------------------------------------
+
+    @property
+    def instrumentation_lock(self) -> TokenLock:
+        """The lock under which the pool updates attached counters and accounts: hold it to
+        read them consistently (briefly, and never while calling into the pool)."""
+        return self._lock
+
+    def count_allocations(self, counters: AllocationCounters) -> bool:
+        """Count every allocation and free made on this pool into ``counters``.
+
+        Blocks live now are not counted when they are freed. One set of counters at a time:
+        returns False (and changes nothing) when others are attached already. While counting,
+        the pool's fast path takes its lock (the counters' numbers must agree with each other);
+        without any instrumentation it takes none.
+        """
+        if not isinstance(counters, AllocationCounters):
+            raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
+        with gc_paused_lock(self._lock):
+            if self._counters is not None:
+                return False
+            self._uncounted = set(self._live)
+            self._counters = counters
+            self._instrumented = True
+            return True
+
+    def stop_counting(self, counters: AllocationCounters) -> None:
+        """Detach ``counters`` (no-op when they are not the attached ones)."""
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
+            if self._counters is counters:
+                self._counters = None
+                self._uncounted.clear()
+                self._instrumented = self._owners is not None
+
+    def charge_owners(self, owners: OwnerAccounts) -> bool:
+        """Charge every allocation made on this pool to an owner (see :class:`OwnerAccounts`).
+
+        Blocks live now are never charged back. Returns False (and changes nothing) when
+        another :class:`OwnerAccounts` is attached already.
+        """
+        if not isinstance(owners, OwnerAccounts):
+            raise TypeError(f"owners must be OwnerAccounts, got {type(owners).__name__}")
+        with gc_paused_lock(self._lock):
+            if self._owners is not None:
+                return False
+            self._owners = owners
+            self._instrumented = True
+            return True
+
+    def stop_charging(self, owners: OwnerAccounts) -> None:
+        """Detach ``owners`` (no-op when it is not the attached one)."""
+        with self._lock:  # makes nothing; also runs from finalizers at shutdown
+            if self._owners is owners:
+                self._owners = None
+                self._owner_of.clear()
+                self._instrumented = self._counters is not None
+
+
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
-            if nbytes == 0:
-                return 0
         try:
             key = stream.handle
         except AttributeError:
@@ -317,6 +513,83 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
+        # The fast path: a block of the request's class cached on this stream. Without
+        # instrumentation it takes no lock: list.pop and a dict store are atomic, so each
+        # cached block goes to exactly one caller (see Threads in the module notes).
+        if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
+            caches = self._caches.get(key)
+            if caches is not None:
+                cached = caches[_SRCH[(nbytes + 255) >> 8]]
+                if cached:
+                    if not self._instrumented:
+                        try:
+                            ptr = cached.pop()
+                        except IndexError:  # another thread took the last one
+                            pass
+                        else:
+                            self._live[ptr] = nbytes
+                            return ptr
+                    else:
+                        # Instrumented: the same under the lock, with the counting and the
+                        # owner charging inline (the statistics and attribution adaptors).
+                        owners = self._owners
+                        if owners is not None:
+                            # Outside the lock: a first read of a thread-local may allocate and
+                            # so run the GC.
+                            try:
+                                token = owners.get_owner()
+                            except Exception:
+                                token = None
+                        mutex = self._token
+                        try:
+                            mutex.pop()
+                        except IndexError:
+                            acquire_contended(self._lock)
+                        try:
+                            try:
+                                ptr = cached.pop()
+                            except IndexError:  # a lock-free caller that started before
+                                ptr = 0
+                            if ptr:
+                                self._live[ptr] = nbytes
+                                st = self._counters
+                                if st is not None:
+                                    t = st.total_bytes + nbytes
+                                    st.total_bytes = t
+                                    t -= st.freed_bytes
+                                    if t > st.peak_bytes:
+                                        st.peak_bytes = t
+                                    if t > st.interval_peak:
+                                        st.interval_peak = t
+                                    t = st.total_count + 1
+                                    st.total_count = t
+                                    t -= st.freed_count
+                                    if t > st.peak_count:
+                                        st.peak_count = t
+                                    if self._uncounted:
+                                        self._uncounted.discard(ptr)
+                                if owners is not None and self._owners is owners:
+                                    try:
+                                        account = owners.accounts[token]
+                                    except (KeyError, TypeError):
+                                        account = self._open_account(owners, token)
+                                    t = account[0] + nbytes
+                                    account[0] = t
+                                    if t > account[1]:
+                                        account[1] = t
+                                    self._owner_of[ptr] = account
+                                return ptr
+                        finally:
+                            mutex.append(True)
+        return self._allocate_locked(nbytes, stream, key)
+
+    def _allocate_locked(self, nbytes: Any, stream: Stream, key: Any) -> int:
+        """Everything but the lock-free fast path: validation, the coalescing lists under the
+        lock, instrumentation, and (through _allocate_slow) growth."""
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
         if nbytes <= _CACHED_LIMIT:
             u = (nbytes + 255) >> 8
             sc = _SRCH[u]
@@ -324,100 +597,83 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         else:
             size = (nbytes + 255) & -256
             sc = _search_class(size >> 8)
-        at = self._attrib
-        if at is not None:
+        owners = self._owners
+        if owners is not None:
             # Outside the lock: a first read of a thread-local may allocate and so run the GC.
             try:
-                token = at.get_owner()
+                token = owners.get_owner()
             except Exception:
                 token = None
-        lock = self._lock
-        if not lock.acquire(False):
-            acquire_contended(lock)
+        mutex = self._token
+        try:
+            mutex.pop()
+        except IndexError:
+            acquire_contended(self._lock)
         try:
             fl = self._lists.get(key)
             if fl is not None:
                 cached = fl.cache[sc]
+                ptr = 0
                 if cached:
-                    ptr = cached.pop()
-                    self._live[ptr] = nbytes
-                    if at is not None:
-                        try:
-                            counts = at.by_token[token]
-                        except (KeyError, TypeError):
-                            counts = at.counts_for(token)
-                        t = counts[0] + nbytes
-                        counts[0] = t
-                        if t > counts[1]:
-                            counts[1] = t
-                        at.owner_of[ptr] = counts
-                    st = self._stats
-                    if st is not None:
-                        t = st.total_bytes + nbytes
-                        st.total_bytes = t
-                        t -= st.freed_bytes
-                        if t > st.peak_bytes:
-                            st.peak_bytes = t
-                        if t > st.interval_peak:
-                            st.interval_peak = t
-                        t = st.total_count + 1
-                        st.total_count = t
-                        t -= st.freed_count
-                        if t > st.peak_count:
-                            st.peak_count = t
-                    return ptr
-                nonempty = fl.nonempty
-                c = nonempty.find(1, sc)
-                if c >= 0:
-                    bins = fl.bins
-                    b = bins[c]
-                    ptr, bsize = b.popitem()
-                    starts = fl.starts
-                    del starts[ptr]
-                    rem = bsize - size
-                    if rem:
-                        r = ptr + size
-                        starts[r] = rem
-                        fl.ends[r + rem] = r
-                        u = rem >> 8
-                        if u < _TABLE_UNITS:
-                            rc = _INS[u]
+                    try:
+                        ptr = cached.pop()
+                    except IndexError:  # taken by a lock-free caller meanwhile
+                        pass
+                if not ptr:
+                    nonempty = fl.nonempty
+                    c = nonempty.find(1, sc)
+                    if c >= 0:
+                        bins = fl.bins
+                        b = bins[c]
+                        ptr, bsize = b.popitem()
+                        starts = fl.starts
+                        del starts[ptr]
+                        rem = bsize - size
+                        if rem:
+                            r = ptr + size
+                            starts[r] = rem
+                            fl.ends[r + rem] = r
+                            u = rem >> 8
+                            if u < _TABLE_UNITS:
+                                rc = _INS[u]
+                            else:
+                                sh = u.bit_length() - 5
+                                rc = (sh << 4) + (u >> sh)
+                            if rc == c:
+                                b[r] = rem
+                            else:
+                                if not b:
+                                    nonempty[c] = 0
+                                b = bins[rc]
+                                b[r] = rem
+                                nonempty[rc] = 1
                         else:
-                            sh = u.bit_length() - 5
-                            rc = (sh << 4) + (u >> sh)
-                        if rc == c:
-                            b[r] = rem
-                        else:
+                            del fl.ends[ptr + bsize]
                             if not b:
                                 nonempty[c] = 0
-                            b = bins[rc]
-                            b[r] = rem
-                            nonempty[rc] = 1
-                    else:
-                        del fl.ends[ptr + bsize]
-                        if not b:
-                            nonempty[c] = 0
+                if ptr:
                     self._live[ptr] = nbytes
-                    if self._stats is not None:
-                        self._count_allocation(nbytes)
-                    if at is not None:
-                        self._charge_owner(at, token, ptr, nbytes)
+                    if self._counters is not None:
+                        self._count_allocation(ptr, nbytes)
+                    if owners is not None and self._owners is owners:
+                        self._charge_owner(owners, token, ptr, nbytes)
                     return ptr
         finally:
-            lock.release()
+            mutex.append(True)
         try:
             ptr = self._allocate_slow(nbytes, size, key, stream)
         except MemoryError:
-            if self._stats is not None:
+            if self._counters is not None:
                 with gc_paused_lock(self._lock):
-                    self._stats.failed += 1
+                    if self._counters is not None:
+                        self._counters.failed += 1
             raise
-        if self._stats is not None or at is not None:
+        if self._instrumented:
             with gc_paused_lock(self._lock):
-                if self._stats is not None:
-                    self._count_allocation(nbytes)
-                if at is not None and self._attrib is at:
-                    self._charge_owner(at, token, ptr, nbytes)
+                if self._counters is not None:
+                    self._count_allocation(ptr, nbytes)
+                if owners is not None and self._owners is owners:
+                    self._charge_owner(owners, token, ptr, nbytes)
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -428,9 +684,56 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
-        lock = self._lock
-        if not lock.acquire(False):
-            acquire_contended(lock)
+        if not self._instrumented:
+            # Lock-free fast path: the pop from the live table is atomic, so of two threads
+            # freeing one pointer only one gets it.
+            live = self._live
+            n = live.pop(ptr, None)
+            if n is not None:
+                if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
+                    caches = self._caches.get(key)
+                    if caches is not None:
+                        caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                        return
+                live[ptr] = n  # the general path below takes it again under the lock
+        else:
+            # Instrumented: the same under the lock, counters and owner accounts inline.
+            mutex = self._token
+            try:
+                mutex.pop()
+            except IndexError:
+                acquire_contended(self._lock)
+            try:
+                live = self._live
+                n = live.pop(ptr, None)
+                if n is not None:
+                    if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
+                        caches = self._caches.get(key)
+                        if caches is not None:
+                            st = self._counters
+                            if st is not None:
+                                if self._uncounted and ptr in self._uncounted:
+                                    self._uncounted.discard(ptr)
+                                else:
+                                    st.freed_bytes += n
+                                    st.freed_count += 1
+                            if self._owners is not None:
+                                account = self._owner_of.pop(ptr, None)
+                                if account is not None:
+                                    account[0] -= n
+                            caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                            return
+                    live[ptr] = n
+            finally:
+                mutex.append(True)
+        self._deallocate_locked(ptr, nbytes, stream, key)
+
+    def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Any) -> None:
+        mutex = self._token
+        try:
+            mutex.pop()
+        except IndexError:
+            acquire_contended(self._lock)
         try:
             live = self._live
             n = live.pop(ptr, None)
@@ -438,18 +741,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 fl = self._lists.get(key)
                 if fl is None:
                     fl = self._free_list(key, stream)
-                at = self._attrib
-                if at is not None:
-                    counts = at.owner_of.pop(ptr, None)
-                    if counts is not None:
-                        counts[0] -= n
-                st = self._stats
-                if st is not None:
-                    if st.uncounted and ptr in st.uncounted:
-                        st.uncounted.discard(ptr)
-                    else:
-                        st.freed_bytes += n
-                        st.freed_count += 1
+                if self._instrumented:
+                    self._uncount(ptr, n)
                 if n <= _CACHED_LIMIT:
                     fl.cache[_SRCH[(n + 255) >> 8]].append(ptr)
                     return
@@ -504,7 +797,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if n is not None:
                 live[ptr] = n
         finally:
-            lock.release()
+            mutex.append(True)
         self._deallocate_slow(ptr, nbytes, n, stream)
 
     def release(self) -> int:
@@ -602,61 +895,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 gc.disable()
             try:
                 fl = self._lists[key] = _FreeList(key, stream)
+                self._caches[key] = fl.cache
             finally:
                 if paused:
                     gc.enable()
         return fl
 
-    def _attach_statistics(self, counters) -> bool:
-        """Count allocations into a StatisticsResourceAdaptor's counters under this pool's lock.
-
-        Blocks live now are remembered so that their frees are not counted. Returns False
-        (and changes nothing) when another adaptor's counters are attached already.
-        """
-        with gc_paused_lock(self._lock):
-            if self._stats is not None:
-                return False
-            counters.uncounted = set(self._live)
-            self._stats = counters
-            return True
-
-    def _detach_statistics(self, counters) -> None:
-        with self._lock:  # makes nothing; also runs from finalizers at shutdown
-            if self._stats is counters:
-                self._stats = None
-
-    def _attach_attribution(self, state) -> bool:
-        """Charge allocations to owners for an AttributionResourceAdaptor under this pool's
-        lock (``state``: its _FusedAttribution). False when one is attached already."""
-        with gc_paused_lock(self._lock):
-            if self._attrib is not None:
-                return False
-            self._attrib = state
-            return True
-
-    def _detach_attribution(self, state) -> None:
-        with self._lock:  # makes nothing; also runs from finalizers at shutdown
-            if self._attrib is state:
-                self._attrib = None
-
-    @staticmethod
-    def _charge_owner(at, token, ptr: int, nbytes: int) -> None:
-        """Charge one allocation to its owner (lock held; the slow paths' twin of the inline
-        update in allocate's cache-hit branch)."""
-        try:
-            counts = at.by_token[token]
-        except (KeyError, TypeError):
-            counts = at.counts_for(token)
-        t = counts[0] + nbytes
-        counts[0] = t
-        if t > counts[1]:
-            counts[1] = t
-        at.owner_of[ptr] = counts
-
-    def _count_allocation(self, nbytes: int) -> None:
-        """Count one allocation into the fused counters (lock held; the slow paths' twin of
-        the inline update in allocate's cache-hit branch)."""
-        st = self._stats
+    def _count_allocation(self, ptr: int, nbytes: int) -> None:
+        """Count one allocation into the attached counters (lock held; the slow paths' twin
+        of the inline update in allocate's fast path)."""
+        st = self._counters
         t = st.total_bytes + nbytes
         st.total_bytes = t
         t -= st.freed_bytes
@@ -669,16 +917,48 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         t -= st.freed_count
         if t > st.peak_count:
             st.peak_count = t
+        if self._uncounted:
+            # Allocated lock-free while counting began: its free is counted after all.
+            self._uncounted.discard(ptr)
 
-    def _count_free(self, ptr: int, nbytes: int) -> None:
-        st = self._stats
-        if st is None:
-            return
-        if st.uncounted and ptr in st.uncounted:
-            st.uncounted.discard(ptr)
-        else:
-            st.freed_bytes += nbytes
-            st.freed_count += 1
+    def _charge_owner(self, owners: OwnerAccounts, token: Any, ptr: int, nbytes: int) -> None:
+        """Charge one allocation to its owner's account (lock held)."""
+        try:
+            account = owners.accounts[token]
+        except (KeyError, TypeError):
+            account = self._open_account(owners, token)
+        t = account[0] + nbytes
+        account[0] = t
+        if t > account[1]:
+            account[1] = t
+        self._owner_of[ptr] = account
+
+    @staticmethod
+    def _open_account(owners: OwnerAccounts, token: Any) -> list[int]:
+        """The owner callback, for a token not in ``owners.accounts`` (lock held)."""
+        # The callback makes objects: keep the collector out while the lock is held.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return owners.open_account(token)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _uncount(self, ptr: int, nbytes: int) -> None:
+        """Take a freed block out of the counters and its owner's account (lock held)."""
+        st = self._counters
+        if st is not None:
+            if self._uncounted and ptr in self._uncounted:
+                self._uncounted.discard(ptr)
+            else:
+                st.freed_bytes += nbytes
+                st.freed_count += 1
+        if self._owners is not None:
+            account = self._owner_of.pop(ptr, None)
+            if account is not None:
+                account[0] -= nbytes
 
     def _flush_caches(self) -> bool:
         """Merge every cached block into its stream's coalescing free list (lock held).
@@ -692,10 +972,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             for c in compress(_CLASS_INDEXES, cache):  # the non-empty classes, found in C
                 size = _class_floor(c) << 8
                 cached = cache[c]
-                for ptr in cached:
+                # One pop at a time: lock-free callers may pop or append meanwhile, and each
+                # block must end up in exactly one place.
+                while cached:
+                    try:
+                        ptr = cached.pop()
+                    except IndexError:
+                        break
                     insert(fl, ptr, size)
-                cached.clear()  # no new list: nothing made under the lock
-                flushed = True
+                    flushed = True
         return flushed
 
     def _add_chunk(self, ptr: int, size: int) -> None:
@@ -921,11 +1206,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
                 )
             del self._live[ptr]
-            self._count_free(ptr, nbytes)
-            if self._attrib is not None:
-                counts = self._attrib.owner_of.pop(ptr, None)
-                if counts is not None:
-                    counts[0] -= nbytes
+            if self._instrumented:
+                self._uncount(ptr, nbytes)
             self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
 
     def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, acquire_contended
+from dask_rmm.mr.pool import AllocationCounters, PoolMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["Statistics", "StatisticsResourceAdaptor"]
@@ -81,23 +82,6 @@ class Statistics:
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Statistics))
 
 
-class _Counters:
-    """The top counter frame's raw numbers. Current values are derived (allocated minus freed),
-    so that a free touches two counters. Kept apart from the adaptor so that a
-    PoolMemoryResource can update them under its own lock (``uncounted``: pointers that were
-    live in the pool when counting started, whose frees are not counted)."""
-
-    __slots__ = (
-        "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
-        "interval_peak", "failed", "uncounted",
-    )  # fmt: skip
-
-    def __init__(self):
-        self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
-        self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
-        self.uncounted: set[int] = set()
-
-
 class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     """Counts the allocations made through it: current, peak and total bytes and counts.
 
@@ -110,13 +94,15 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     increments :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or
     size) leaves every counter as it was.
 
-    Over a :class:`PoolMemoryResource` the adaptor *fuses* with the pool: the pool updates the
-    counters inside its own lock and the adaptor's ``allocate``/``deallocate`` are the pool's,
-    so counting costs a few attribute updates instead of a second lock and call layer per
-    operation (bench/stats_overhead.py). The numbers are the same, with one difference:
-    allocations made on that pool directly, bypassing the adaptor, are counted too (frees of
-    blocks that were already live when the adaptor was made are not). One adaptor fuses with a
-    pool at a time; a second one counts on its own.
+    Over a :class:`PoolMemoryResource` the pool does the counting, through its instrumentation
+    interface (:meth:`PoolMemoryResource.count_allocations`): it updates this adaptor's
+    :class:`~dask_rmm.mr.pool.AllocationCounters` under its own lock, and the adaptor, having
+    nothing left to do per call, makes the pool's ``allocate``/``deallocate`` its own. Counting
+    then costs a few integer updates instead of a second lock and call layer per operation
+    (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
+    on that pool directly, bypassing the adaptor, are counted too (frees of blocks that were
+    already live when the adaptor was made are not). One adaptor counts through a pool at a
+    time; a second one counts on its own. :attr:`counting_pool` says which case applies.
 
     Parameters
     ----------
@@ -144,19 +130,18 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         self._release = lock.release
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
-        # Top frame's counters (see _Counters). Outer frames: (current_bytes, current_count,
-        # peak_bytes, peak_count, total_bytes, total_count) at the time of the push.
-        self._c = _Counters()
+        # Top frame's counters. Outer frames: (current_bytes, current_count, peak_bytes,
+        # peak_count, total_bytes, total_count) at the time of the push.
+        self._c = AllocationCounters()
         self._frames: list[tuple[int, int, int, int, int, int]] = []
         # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
         self._base_bytes = 0
-        self._fused_with = None
-        attach = getattr(upstream_mr, "_attach_statistics", None)
-        if attach is not None and attach(self._c):
-            # The upstream (a PoolMemoryResource) counts under its own lock: every call goes
-            # straight to it, and readers take its lock. See the class notes.
-            self._fused_with = upstream_mr
-            self._lock = lock = upstream_mr._lock
+        self._counting_pool: PoolMemoryResource | None = None
+        if isinstance(upstream_mr, PoolMemoryResource) and upstream_mr.count_allocations(self._c):
+            # The pool counts under its own lock (see the class notes): calls go straight to
+            # it, and readers take its lock.
+            self._counting_pool = upstream_mr
+            self._lock = lock = upstream_mr.instrumentation_lock
             self._acquire = lock.acquire
             self._release = lock.release
             self.allocate = upstream_mr.allocate
@@ -164,11 +149,17 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     def __del__(self):
         try:
-            pool = getattr(self, "_fused_with", None)
+            pool = getattr(self, "_counting_pool", None)
             if pool is not None:
-                pool._detach_statistics(self._c)
+                pool.stop_counting(self._c)
         except Exception:  # at interpreter shutdown module globals may be gone
             pass
+
+    @property
+    def counting_pool(self) -> PoolMemoryResource | None:
+        """The pool that counts for this adaptor (its ``allocate``/``deallocate`` are then the
+        pool's), or None when the adaptor counts on its own."""
+        return self._counting_pool
 
     # -- hot path -------------------------------------------------------------------------
 

@@ -4,7 +4,6 @@ adaptor's job."""
 
 from __future__ import annotations
 
-import threading
 import traceback
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
@@ -44,70 +43,76 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         if not isinstance(capture_stacks, bool):
             raise TypeError(f"capture_stacks must be a bool, got {capture_stacks!r}")
         self.capture_stacks = capture_stacks
-        self._lock = threading.Lock()
-        # ptr -> (nbytes, formatted stack or None)
-        self._allocations: dict[int, tuple[int, str | None]] = {}
-        self._allocated_bytes = 0
+        # ptr -> nbytes of every live allocation. Updated without the lock: a dict store or pop
+        # is atomic, so of two threads freeing one pointer only one gets it.
+        self._allocations: dict[int, int] = {}
+        self._stacks: dict[int, str] = {}  # ptr -> formatted stack, when capturing
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self._upstream_allocate(nbytes, stream)
         if nbytes:
-            stack = "".join(traceback.format_stack()[:-1]) if self.capture_stacks else None
-            with self._lock:
-                if ptr in self._allocations:  # pragma: no cover - an upstream bug
-                    raise RuntimeError(
-                        f"TrackingResourceAdaptor: upstream returned {ptr:#x}, which is already "
-                        "tracked as live"
-                    )
-                self._allocations[ptr] = (nbytes, stack)
-                self._allocated_bytes += nbytes
+            if self.capture_stacks:
+                self._stacks[ptr] = "".join(traceback.format_stack()[:-1])
+            self._allocations[ptr] = nbytes
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        if not nbytes and not ptr:
-            self._upstream_deallocate(ptr, nbytes, stream)
+        allocations = self._allocations
+        # Taken out before the upstream call so that a concurrent double free is refused.
+        n = allocations.pop(ptr, None)
+        if n != nbytes:
+            self._refuse(ptr, nbytes, n, stream)
             return
-        with self._lock:
-            record = self._allocations.get(ptr)
-            if record is None:
-                raise ValueError(
-                    f"TrackingResourceAdaptor.deallocate({ptr:#x}, {nbytes}): pointer not "
-                    "allocated through this adaptor (foreign pointer or double free)"
-                )
-            if record[0] != nbytes:
-                raise ValueError(
-                    f"TrackingResourceAdaptor.deallocate({ptr:#x}, {nbytes}): wrong size, the "
-                    f"pointer was allocated with {record[0]} bytes"
-                )
-            # Taken out before the upstream call so that a concurrent double free is refused.
-            del self._allocations[ptr]
-            self._allocated_bytes -= nbytes
+        # Its stack goes too, before the address can be handed out again.
+        stack = self._stacks.pop(ptr, None) if self._stacks else None
         try:
             self._upstream_deallocate(ptr, nbytes, stream)
         except BaseException:
-            with self._lock:
-                self._allocations[ptr] = record
-                self._allocated_bytes += nbytes
+            allocations[ptr] = n
+            if stack is not None:
+                self._stacks[ptr] = stack
             raise
+
+    def _refuse(self, ptr, nbytes, n, stream) -> None:
+        if n is not None:
+            self._allocations[ptr] = n
+            raise ValueError(
+                f"TrackingResourceAdaptor.deallocate({ptr:#x}, {nbytes}): wrong size, the "
+                f"pointer was allocated with {n} bytes"
+            )
+        if not nbytes and not ptr:
+            self._upstream_deallocate(ptr, nbytes, stream)
+            return
+        raise ValueError(
+            f"TrackingResourceAdaptor.deallocate({ptr!r}, {nbytes!r}): pointer not "
+            "allocated through this adaptor (foreign pointer or double free)"
+        )
+
+    def _snapshot(self) -> dict[int, int]:
+        while True:
+            try:
+                return dict(self._allocations)
+            except RuntimeError:  # changed by another thread while copied (free-threaded)
+                continue
 
     def get_allocated_bytes(self) -> int:
         """Bytes currently allocated through this adaptor (sizes as requested)."""
-        return self._allocated_bytes
+        return sum(self._snapshot().values())
 
     def get_outstanding_allocations(self) -> dict[int, int]:
         """``{pointer: nbytes}`` of every live allocation."""
-        with self._lock:
-            return {p: n for p, (n, _) in self._allocations.items()}
+        return self._snapshot()
 
     def get_outstanding_allocations_str(self) -> str:
         """One line per live allocation, in address order, as RMM prints them:
         ``0x7f...: 1024 B``, followed by ``: callstack:`` and the stack when captured."""
-        with self._lock:
-            items = sorted(self._allocations.items())
+        items = sorted(self._snapshot().items())
+        stacks = dict(self._stacks)
         out = []
-        for ptr, (nbytes, stack) in items:
+        for ptr, nbytes in items:
+            stack = stacks.get(ptr)
             line = f"{ptr:#x}: {nbytes} B"
             if stack is not None:
                 line += " : callstack:\n" + stack.rstrip("\n")

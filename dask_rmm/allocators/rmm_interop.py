@@ -1,0 +1,395 @@
+"""RAPIDS interop: serve the compiled RMM library's allocations (cuDF, cuML, ...) from dask-rmm.
+
+:func:`set_rmm_callback_resource` makes each device's current resource in the compiled ``rmm``
+package an ``rmm.mr.CallbackMemoryResource`` whose callbacks allocate from, and free to, that
+device's dask-rmm resource; :func:`reset_rmm_callback_resource` gives RMM its previous resources
+back. It is the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`. Not here: anything
+about RMM's own C++ resources (dask-rmm never builds those) or libraries that bypass RMM.
+
+How the callbacks behave (RMM calls them with the GIL taken, from any thread):
+
+- ``allocate(nbytes, stream)`` looks up the device's dask-rmm resource at every call, like the
+  CuPy and Numba hooks, and remembers which resource served each pointer, so a free always goes
+  back to the resource that allocated, even after the registry changed. ``stream`` is RMM's
+  stream; it is wrapped as a :class:`~dask_rmm.stream.Stream` by handle, never created or
+  destroyed. A ``MemoryError`` (dask-rmm's ``OutOfMemoryError``) reaches C++ as
+  ``rmm::out_of_memory``, which cuDF's spilling and retry paths catch; any other error as
+  ``std::runtime_error``.
+- ``deallocate(ptr, nbytes, stream)`` never raises (RMM's C++ deallocate is ``noexcept``): a
+  failure is logged and counted; during interpreter shutdown it does nothing (the process's
+  memory goes with it). A free made by the garbage collector (an RMM buffer in a reference
+  cycle) is handed to a daemon thread: the collection may have started inside a resource's
+  locked bookkeeping on this very thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import sys
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from dask_rmm.mr.base import ALIGNMENT
+from dask_rmm.stream import Stream, as_stream
+
+__all__ = [
+    "RMMForwarder",
+    "get_rmm_forwarder",
+    "reset_rmm_callback_resource",
+    "set_rmm_callback_resource",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What to install when ``rmm`` is missing (the CUDA 13 wheel of the compiled package).
+RMM_REQUIREMENT = "rmm-cu13"
+
+try:
+    import rmm as _rmm
+    import rmm.mr  # noqa: F401  (the per-device resource functions and CallbackMemoryResource)
+except Exception as _e:  # rmm is optional; a broken install (missing librmm) is as good as none
+    _rmm = None
+    _library_import_error: ImportError | None = (
+        _e if isinstance(_e, ImportError) else ImportError(f"{type(_e).__name__}: {_e}")
+    )
+else:
+    _library_import_error = None
+
+
+#: dask-rmm Stream objects by handle, so that the hot path makes none (they only wrap the int).
+_streams: dict[int, Stream] = {}
+_MAX_CACHED_STREAMS = 1024
+
+
+def _our_stream(stream: Any) -> Stream:
+    """RMM's stream (anything with ``__cuda_stream__``, or an int) as a dask-rmm Stream."""
+    try:
+        handle = stream.__cuda_stream__()[1]
+    except AttributeError:
+        return as_stream(stream)
+    ours = _streams.get(handle)
+    if ours is None:
+        if len(_streams) >= _MAX_CACHED_STREAMS:
+            _streams.clear()
+        ours = _streams[handle] = Stream(handle)
+    return ours
+
+
+def _dead_ref() -> None:
+    return None
+
+
+class RMMForwarder:
+    """The two callbacks of one device's ``CallbackMemoryResource``.
+
+    Parameters
+    ----------
+    device : int
+        The device whose dask-rmm resource serves RMM's allocations.
+
+    Attributes
+    ----------
+    live : dict of int to DeviceMemoryResource
+        Pointer -> the dask-rmm resource that allocated it, for every allocation RMM holds.
+    failed_deallocations : int
+        Frees that could not be done (logged; the memory stays with its resource).
+    """
+
+    def __init__(self, device: int):
+        from dask_rmm.mr.registry import get_per_device_resource
+
+        self.device = device
+        self.live: dict[int, Any] = {}
+        self.failed_deallocations = 0
+        self._resource_of = get_per_device_resource
+        # The last resource found to be device memory, weakly: a forwarder outlives its stacks.
+        self._checked: Any = _dead_ref
+
+    def allocate(self, nbytes: Any, stream: Any, alignment: int | None = None) -> int:
+        """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``.
+
+        RMM up to 26.10 calls ``(nbytes, stream)``; later versions call
+        ``(stream, nbytes, alignment)``. Both are accepted (told apart by the alignment).
+        """
+        if alignment is not None:
+            stream, nbytes = nbytes, stream
+            if alignment > ALIGNMENT or ALIGNMENT % alignment:
+                raise ValueError(
+                    f"RMM asked for {nbytes} bytes aligned to {alignment}: dask-rmm's "
+                    f"allocations are aligned to {ALIGNMENT} bytes"
+                )
+        if nbytes == 0:
+            return 0
+        mr = self._resource_of(self.device)
+        if self._checked() is not mr:
+            _require_device_memory(mr, self.device)
+            try:
+                self._checked = weakref.ref(mr)
+            except TypeError:  # not weakly referenceable: checked at every allocation
+                pass
+        try:
+            ptr = mr.allocate(nbytes, _our_stream(stream))
+        except MemoryError:
+            raise  # rmm::out_of_memory in C++: its message already names the numbers
+        except Exception as e:  # std::runtime_error in C++, which keeps only the message
+            raise RuntimeError(
+                f"dask-rmm's {type(mr).__name__} on device {self.device} could not allocate "
+                f"{nbytes} bytes for RMM: {type(e).__name__}: {e}"
+            ) from e
+        self.live[ptr] = mr
+        return ptr
+
+    def deallocate(
+        self, ptr: Any, nbytes: Any, stream: Any, alignment: int | None = None,
+        *, _finalizing=sys.is_finalizing,
+    ) -> None:
+        """RMM's deallocate callback: give ``ptr`` back to the resource that allocated it.
+
+        ``(ptr, nbytes, stream)`` or, from RMM after 26.10, ``(stream, ptr, nbytes, alignment)``.
+        Never raises: RMM's C++ deallocate is ``noexcept`` and cannot pass an error on.
+        """
+        try:
+            if _finalizing():
+                return
+            if alignment is not None:
+                stream, ptr, nbytes = ptr, nbytes, stream
+            mr = self.live.pop(ptr, None)
+            if mr is None:
+                if ptr:
+                    self._failed(ptr, nbytes, "RMM freed a pointer this forwarder never handed out")
+                return
+            if getattr(_gc_state, "collecting", False):
+                _deferred_frees.put((self, mr, ptr, nbytes, stream))
+                return
+            mr.deallocate(ptr, nbytes, _our_stream(stream))
+        except BaseException as e:  # nothing may propagate into C++
+            self._failed(ptr, nbytes, f"{type(e).__name__}: {e}")
+
+    def _free_deferred(self, mr: Any, ptr: int, nbytes: int, stream: Any) -> None:
+        try:
+            mr.deallocate(ptr, nbytes, _our_stream(stream))
+        except BaseException as e:  # the free-thread must go on
+            self._failed(ptr, nbytes, f"{type(e).__name__}: {e}")
+
+    def _failed(self, ptr: Any, nbytes: Any, why: str) -> None:
+        try:
+            self.failed_deallocations += 1
+            logger.error(
+                "dask-rmm could not free RMM's allocation %#x (%s bytes) on device %s: %s",
+                ptr, nbytes, self.device, why,
+            )
+        except BaseException:  # logging itself may be gone at shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"<RMMForwarder device={self.device} live={len(self.live)}>"
+
+
+# -- frees during a garbage collection ----------------------------------------------------------
+#
+# The collector can start in any thread at (almost) any allocation, also while that thread holds
+# a dask-rmm resource's lock for bookkeeping; an RMM buffer it collects then calls deallocate,
+# which would wait for the lock its own thread holds. So frees that arrive while the calling
+# thread is collecting are queued (SimpleQueue.put is safe there) and done by one daemon thread,
+# which simply waits for the lock like any other thread.
+
+_gc_state = threading.local()
+_deferred_frees: queue.SimpleQueue = queue.SimpleQueue()
+_free_thread: threading.Thread | None = None
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _gc_state.collecting = phase == "start"
+
+
+def _free_deferred_forever() -> None:
+    while True:
+        forwarder, mr, ptr, nbytes, stream = _deferred_frees.get()
+        forwarder._free_deferred(mr, ptr, nbytes, stream)
+        del forwarder, mr, stream
+
+
+def _start_free_thread() -> None:
+    """Start the thread for deferred frees and watch collections (once; not during one)."""
+    global _free_thread
+    if _free_thread is not None and _free_thread.is_alive():
+        return
+    if _note_collection not in gc.callbacks:
+        gc.callbacks.append(_note_collection)
+    _free_thread = threading.Thread(
+        target=_free_deferred_forever, name="dask-rmm deferred RMM frees", daemon=True
+    )
+    _free_thread.start()
+
+
+def _require_device_memory(mr: Any, device: int) -> None:
+    if getattr(mr, "is_host_memory", False):
+        raise ValueError(
+            f"RMM's allocations on device {device} cannot be served by {mr!r}: it hands out host "
+            "memory (base_resource='system'); RMM's callers need device memory"
+        )
+
+
+class _Installation:
+    """What :func:`set_rmm_callback_resource` changed on one device."""
+
+    __slots__ = ("forwarder", "callback_resource", "rmm_previous")
+
+    def __init__(self, forwarder: RMMForwarder, callback_resource: Any, rmm_previous: Any):
+        self.forwarder = forwarder
+        self.callback_resource = callback_resource
+        self.rmm_previous = rmm_previous
+
+
+_lock = threading.Lock()
+#: device -> the installation RMM's per-device resource is (or was last) set to.
+_installed: dict[int, _Installation] = {}
+#: Uninstalled or replaced installations. RMM's C++ side keeps raw pointers to the callbacks in
+#: every buffer it allocated through them (cuDF columns hold no Python reference), so their
+#: Python objects must outlive every such buffer: they are kept for the life of the process
+#: (a few hundred bytes each; the dask-rmm resources they served are referenced only while
+#: pointers from them are live).
+_retired: list[_Installation] = []
+
+
+def _require_rmm(what: str):
+    if _rmm is None:
+        raise ImportError(
+            f"{what} needs the compiled RMM package ('rmm'), which is not importable here "
+            f"({_library_import_error}); install {RMM_REQUIREMENT} "
+            "(pip install 'dask-rmm[rmm]') or drop 'rmm' from the allocators"
+        ) from _library_import_error
+    return _rmm
+
+
+def _target_devices(devices: Iterable[int] | None) -> list[int]:
+    """The devices to install on; their dask-rmm resources exist afterwards (a device that does
+    not exist raises ValueError here, before anything changes)."""
+    from dask_rmm.mr import registry
+
+    if devices is None:
+        found = registry.registered_devices()
+        if found:
+            return found
+        registry.get_current_device_resource()  # makes the current device's default resource
+        return registry.registered_devices()
+    targets = sorted(set(devices))
+    for device in targets:
+        registry.get_per_device_resource(device)
+    return targets
+
+
+def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]:
+    """Serve the compiled RMM library's allocations from dask-rmm's per-device resources.
+
+    Sets RMM's per-device resource of each device to an ``rmm.mr.CallbackMemoryResource`` that
+    allocates from dask-rmm's resource of that device (looked up at every allocation, like the
+    CuPy and Numba hooks) and remembers RMM's previous resource for
+    :func:`reset_rmm_callback_resource`. Everything RAPIDS libraries allocate through RMM (cuDF,
+    cuML, ``rmm.DeviceBuffer``, ``rmm.allocators.cupy``) then shows in dask-rmm's statistics,
+    task-group attribution and allocation logs.
+
+    Parameters
+    ----------
+    devices : iterable of int, optional
+        Default: every device that has a dask-rmm resource now (the worker's configured devices),
+        or the current device when none has.
+
+    Returns
+    -------
+    list of int
+        The devices whose RMM resource forwards to dask-rmm.
+
+    Raises
+    ------
+    ImportError
+        When the compiled ``rmm`` package is not installed (nothing is changed).
+    ValueError
+        When a device's dask-rmm resource is host memory, or a device does not exist (nothing is
+        changed).
+
+    Notes
+    -----
+    Calling it again is harmless: a device already forwarding keeps its callback resource. A
+    device whose RMM resource someone else replaced since gets a new one (and that resource is
+    what :func:`reset_rmm_callback_resource` restores). Allocations RMM made before this call
+    stay with RMM's previous resource, which frees them.
+
+    Examples
+    --------
+    >>> from dask_rmm.allocators.rmm_interop import (
+    ...     reset_rmm_callback_resource, set_rmm_callback_resource)
+    >>> set_rmm_callback_resource()  # doctest: +SKIP
+    [0]
+    >>> reset_rmm_callback_resource()  # doctest: +SKIP
+    """
+    rmm = _require_rmm("set_rmm_callback_resource()")
+    from dask_rmm.mr.registry import get_per_device_resource
+
+    with _lock:
+        targets = _target_devices(devices)
+        for device in targets:  # check every device before changing any
+            _require_device_memory(get_per_device_resource(device), device)
+        _start_free_thread()
+        changed: list[tuple[int, _Installation | None]] = []
+        try:
+            for device in targets:
+                current = rmm.mr.get_per_device_resource(device)
+                old = _installed.get(device)
+                if old is not None and current is old.callback_resource:
+                    continue
+                forwarder = RMMForwarder(device)
+                callback = rmm.mr.CallbackMemoryResource(forwarder.allocate, forwarder.deallocate)
+                rmm.mr.set_per_device_resource(device, callback)
+                changed.append((device, old))
+                _installed[device] = _Installation(forwarder, callback, current)
+        except BaseException:
+            for device, old in reversed(changed):
+                new = _installed.pop(device)
+                rmm.mr.set_per_device_resource(device, new.rmm_previous)
+                _retired.append(new)
+                if old is not None:
+                    _installed[device] = old
+            raise
+        for _device, old in changed:
+            if old is not None:
+                _retired.append(old)
+    return targets
+
+
+def reset_rmm_callback_resource(devices: Iterable[int] | None = None) -> None:
+    """Give RMM back the per-device resources it had before :func:`set_rmm_callback_resource`.
+
+    A device whose RMM resource was replaced by someone else since keeps that resource. Buffers
+    allocated through the callbacks stay valid and are freed to the dask-rmm resource that
+    allocated them. Does nothing when ``rmm`` is not installed or nothing was set.
+
+    Parameters
+    ----------
+    devices : iterable of int, optional
+        Default: every device set by :func:`set_rmm_callback_resource`.
+    """
+    if _rmm is None:
+        return
+    with _lock:
+        for device in sorted(_installed) if devices is None else list(devices):
+            installation = _installed.pop(device, None)
+            if installation is None:
+                continue
+            if _rmm.mr.get_per_device_resource(device) is installation.callback_resource:
+                _rmm.mr.set_per_device_resource(device, installation.rmm_previous)
+            _retired.append(installation)
+
+
+def get_rmm_forwarder(device: int) -> RMMForwarder | None:
+    """The forwarder RMM's resource of ``device`` calls, or None when it does not forward."""
+    installation = _installed.get(device)
+    if installation is None or _rmm is None:
+        return None
+    if _rmm.mr.get_per_device_resource(device) is not installation.callback_resource:
+        return None
+    return installation.forwarder
