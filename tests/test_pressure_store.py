@@ -268,3 +268,15 @@ def test_allocation_errors_that_are_not_oom_pass_straight_through():
     with pytest.raises(CUDAAllocationError):
         top.allocate(256)
     assert wp.oom_events() == [] and wp.metrics()[0].oom_count == 0
+
+
+def test_clear_does_not_bring_spilled_values_back():
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    for i in range(8):
+        store[f"x-{i}"] = patterned_buffer(MiB, i)
+    store["plain"] = 1
+    store.clear()
+    assert len(store) == 0 and store.inner == {}
+    m = wp.metrics()[0]
+    assert m.total_unspilled_count == 0 and m.spilled_count == 0 and m.spilled_bytes == 0

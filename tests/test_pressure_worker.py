@@ -56,6 +56,7 @@ async def test_detach_keeps_the_store_when_outputs_do_not_fit_back(c, s, a: Work
     await wait(futures)
     wp.detach(a)
     assert isinstance(a.data, DeviceSpillStore)  # draining: still reads spilled values back
+    assert wp.oom_events() == []  # what did not fit back at teardown is no task's OOM
     assert "b-0" in a.data.spilled_keys()
     futures.pop().release()  # b-5 was on the device: room for one to come back
     while "b-5" in a.data:
@@ -123,3 +124,22 @@ async def test_detach_resumes_a_worker_it_paused(c, s, a: Worker):
     wp.detach(a)
     assert a.status == Status.running
     del held
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_closing_worker_does_not_copy_spilled_outputs_back(c, s, a: Worker):
+    from dask_rmm import RMMPlugin
+
+    await c.register_plugin(
+        RMMPlugin(base_resource="system", pool_size="4MiB", maximum_pool_size="4MiB",
+                  spill_on_oom=True)
+    )  # fmt: skip
+    wp = a.plugins["dask-rmm"].worker_pressure
+    futures = c.map(patterned_buffer, [MiB] * 8, range(8), key=[f"b-{i}" for i in range(8)])
+    await wait(futures)
+    spilled = wp.metrics()[0].spilled_count
+    assert spilled >= 4
+    await a.close()
+    m = wp.metrics()[0]
+    assert m.total_unspilled_count == 0 and m.oom_count == 0  # nothing tried to come back
+    del futures

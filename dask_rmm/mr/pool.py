@@ -1242,12 +1242,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """
         with gc_paused_lock(self._lock):
             self._flush_caches()
-            free = sorted(p for fl in self._lists.values() for p in fl.starts.items())
-            live = []
-            for ptr, tag in self._live.items():
-                n = ~tag if tag < 0 else tag
-                if tag >= 0 and n <= _CACHED_LIMIT:
-                    live.append((ptr, _ROUNDED[(n + 255) >> 8]))
-                else:
-                    live.append((ptr, (n + 255) & -256))
-            return sorted(self._chunks.items()), free, sorted(live)
+            free: list[tuple[int, int]] = []
+            for fl in list(self._lists.values()):
+                free.extend(fl.starts.items())  # copied in one C call (the GIL is held)
+            live_tags = list(self._live.items())  # likewise, lock-free paths may change it
+            chunks = list(self._chunks.items())
+        live = []
+        for ptr, tag in live_tags:
+            n = ~tag if tag < 0 else tag
+            if tag >= 0 and n <= _CACHED_LIMIT:
+                live.append((ptr, _ROUNDED[(n + 255) >> 8]))
+            else:
+                live.append((ptr, (n + 255) & -256))
+        return sorted(chunks), sorted(free), sorted(live)

@@ -91,6 +91,8 @@ class DevicePressure:
         self.oom_events: deque[OOMEvent] = deque(maxlen=MAX_OOM_EVENTS)
         #: The SpillOnDemandResourceAdaptor this policy serves (set by WorkerPressure.wrap).
         self.adaptor: Any = None
+        #: False while tearing down: failures then are not a task's (no snapshot is taken).
+        self.recording = True
         self.counters: PressureCounters = store.counters
         self.counters.set_limit(device, limit)
 
@@ -198,9 +200,14 @@ class DevicePressure:
 
     # -- forensics --------------------------------------------------------------------------------
 
-    def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> OOMEvent:
+    def record_oom(
+        self, error: MemoryError, nbytes: int, spilled: int, events: list
+    ) -> OOMEvent | None:
         """Take the snapshot of an OOM that reached the caller and keep it."""
         from dask.utils import key_split
+
+        if not self.recording:
+            return None
 
         pool_size = maximum = free = largest = None
         if isinstance(error, OutOfMemoryError):

@@ -126,6 +126,18 @@ class DeviceSpillStore(MutableMapping):
         if spilled is not None:
             self.counters.forgotten(*spilled[:2])
 
+    def clear(self) -> None:
+        """Drop everything (without bringing spilled values back, as
+        ``MutableMapping.clear`` would)."""
+        with self._lock:
+            spilled = list(self._spilled.values())
+            self._device.clear()
+            self._lru.clear()
+            self._spilled.clear()
+            self.inner.clear()
+        for device, nbytes, _serial in spilled:
+            self.counters.forgotten(device, nbytes)
+
     def __contains__(self, key: object) -> bool:
         return key in self._device or key in self.inner
 

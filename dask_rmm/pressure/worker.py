@@ -158,7 +158,12 @@ class WorkerPressure:
             dp.limit = None
             dp.spill_on_oom = False
             dp.pause_fraction = None
+            dp.recording = False
         if worker.memory_manager.data is not store:
+            return
+        if worker.status.name in ("closing", "closed", "failed", "closing_gracefully"):
+            # Leaving: no point copying spilled outputs back; the store (spilling nothing now)
+            # still hands them out to transfers until the worker is gone.
             return
         inner = store.inner
         failed = []
