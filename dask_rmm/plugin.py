@@ -23,6 +23,7 @@ from dask.utils import key_split
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
+from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
 from dask_rmm.worker_metrics import WorkerMetrics
@@ -168,6 +169,8 @@ class RMMPlugin(WorkerPlugin):
         stacks, error, pressure = [], None, None
         try:
             validate_config()
+            # a library the worker lacks fails here, before any stack is built or installed
+            allocators.check_allocators(self.options.allocators)
             metrics_options = (
                 int(config_value("metrics.top-task-groups")),
                 config_value("metrics.sample-interval"),

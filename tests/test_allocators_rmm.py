@@ -24,6 +24,7 @@ import pytest
 from dask_rmm.allocators import (
     _HOOKS,
     SUPPORTED_ALLOCATORS,
+    check_allocators,
     reset_allocators,
     rmm_interop,
     set_allocators,
@@ -76,6 +77,18 @@ def test_missing_rmm_names_the_package_and_changes_nothing():
     assert info.value.__cause__ is rmm_interop._library_import_error
     assert cupy.cuda.get_allocator() is before  # the CuPy hook was not set
     reset_allocators(["rmm"])  # nothing was set: a no-op, no error
+
+
+@needs_no_rmm
+def test_check_allocators_refuses_a_missing_library_and_sets_nothing():
+    # what the worker plugin calls while it builds a setup, before it installs anything
+    cupy = pytest.importorskip("cupy")
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(ImportError, match=r"'rmm' allocator.*install rmm-cu13"):
+        check_allocators("cupy,rmm")
+    assert cupy.cuda.get_allocator() is before
+    assert check_allocators(["CuPy", "cupy"]) == ["cupy"]
+    assert cupy.cuda.get_allocator() is before  # checking never sets
 
 
 @needs_no_rmm

@@ -144,3 +144,4 @@ def test_a_killed_worker_keeps_its_rows_and_its_restart_appends(tmp_path):
         assert len(_rows(path)) >= 6
         with open(path) as f:
             assert f.read().count("Thread,Time,Action") == 1
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-__all__ = ["SUPPORTED_ALLOCATORS", "reset_allocators", "set_allocators"]
+__all__ = ["SUPPORTED_ALLOCATORS", "check_allocators", "reset_allocators", "set_allocators"]
 
 #: Library name -> (module holding its hook, setter, resetter, pip requirement).
 _HOOKS = {
@@ -90,6 +90,19 @@ def _hook(name: str, which: int):
             "the allocators"
         ) from error
     return getattr(module, setter if which == 0 else resetter)
+
+
+def check_allocators(names: str | Iterable[str] | None) -> list[str]:
+    """Raise what :func:`set_allocators` would raise for ``names`` (an unknown name, a library
+    that is not installed) without changing any library; the normalized names otherwise.
+
+    The worker plugin calls it while it builds a new setup, so that a worker lacking a library
+    fails the registration before anything is installed.
+    """
+    selected = _normalize(names)
+    for name in selected:
+        _hook(name, 0)
+    return selected
 
 
 def set_allocators(names: str | Iterable[str] | None) -> list[str]:
