@@ -121,15 +121,21 @@ def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFA
     _copy(_check_ptr(d_dst, "d_dst"), _check_ptr(d_src, "d_src"), count, stream, False)
 
 
-def _free_buffer(mr: DeviceMemoryResource, ptr: int, nbytes: int, stream: Stream) -> None:
-    """Give a buffer's memory back; runs from ``__del__`` and must never raise."""
+def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
+    """Report a free that raised in ``__del__`` (which must never raise)."""
     try:
-        mr.deallocate(ptr, nbytes, stream)
-    except Exception as e:
-        try:
-            logger.warning("DeviceBuffer: freeing %#x (%d bytes) failed: %r", ptr, nbytes, e)
-        except Exception:
-            pass
+        logger.warning("DeviceBuffer: freeing %#x (%d bytes) failed: %r", ptr, nbytes, error)
+    except Exception:
+        pass
+
+
+def _current_resource() -> DeviceMemoryResource:
+    # Bound on first use (the registry may import CUDA-touching modules); then one call.
+    global _current_resource
+    from dask_rmm.mr.registry import get_current_device_resource
+
+    _current_resource = get_current_device_resource
+    return get_current_device_resource()
 
 
 class DeviceBuffer:
@@ -168,22 +174,21 @@ class DeviceBuffer:
         stream: Stream = DEFAULT_STREAM,
         mr: DeviceMemoryResource | None = None,
     ):
-        self._ptr = 0
-        self._capacity = 0
-        self._size = 0
-        size = check_nbytes(size, "size")
+        # The common call, DeviceBuffer(size=n), runs only the cheap checks (issue 13).
+        self._ptr = 0  # what __del__ reads if the allocation below fails
+        if type(size) is not int or size < 0:
+            size = check_nbytes(size, "size")
         src = 0 if ptr is None else _check_ptr(ptr, "ptr")
-        stream = _stream_arg(stream)
+        if type(stream) is not Stream:
+            stream = _stream_arg(stream)
         if mr is None:
-            from dask_rmm.mr.registry import get_current_device_resource
-
-            mr = get_current_device_resource()
+            mr = _current_resource()
         elif not isinstance(mr, DeviceMemoryResource):
             raise TypeError(f"mr must be a DeviceMemoryResource, got {type(mr).__name__}")
         self.mr = mr
         self.stream = stream
-        self._ptr = mr.allocate(size, stream)
         self._capacity = self._size = size
+        self._ptr = mr.allocate(size, stream)
         if src and size:
             _copy(self._ptr, src, size, stream, mr.is_host_memory)
 
@@ -205,15 +210,21 @@ class DeviceBuffer:
     # a worker's data, a module global, a reference cycle) may be finalized after its module's
     # globals were set to None, where a global lookup raises TypeError ('NoneType' object is
     # not callable / cannot be interpreted as an integer, from the resources' own globals).
-    def __del__(self, _free_buffer=_free_buffer, _finalizing=sys.is_finalizing):
-        if _finalizing():
-            # The process is exiting and its memory goes with it; the resources below may be
-            # half torn down already, so freeing into them can only fail.
+    def __del__(self, _free_failed=_free_failed, _finalizing=sys.is_finalizing):
+        try:
+            ptr = self._ptr
+        except AttributeError:  # made by __new__ alone
             return
-        ptr = getattr(self, "_ptr", 0)
         if ptr:
+            if _finalizing():
+                # The process is exiting and its memory goes with it; the resources below may
+                # be half torn down already, so freeing into them can only fail.
+                return
             self._ptr = 0
-            _free_buffer(self.mr, ptr, self._capacity, self.stream)
+            try:
+                self.mr.deallocate(ptr, self._capacity, self.stream)
+            except Exception as e:
+                _free_failed(ptr, self._capacity, e)
 
     # --- properties --------------------------------------------------------------------------
 

@@ -112,16 +112,15 @@ def test_all_or_nothing_across_two_gpus(per_gpu_cluster):
         client.run(release_occupied, workers=[w1])
 
     # the previous setup still serves and counts allocations on both GPUs
-    held = [
-        client.submit(cupy_ones, 2 * MiB, key="afterfail-gpu0", workers=[w0]),
-        client.submit(cupy_ones, 2 * MiB, key="afterfail-gpu1", workers=[w1]),
-    ]
+    # (task prefixes are key_split's: alphabetic words only)
+    groups = {w0: "afterfail-first", w1: "afterfail-second"}
+    held = [client.submit(cupy_ones, 2 * MiB, key=g, workers=[w]) for w, g in groups.items()]
     wait(held)
     report = _report(client)
-    for i, w in enumerate((w0, w1)):
+    for w, group in groups.items():
         d = report.device(w, 0)
         assert d.reserved_bytes == 128 * MiB
-        assert {g.prefix: g.current_bytes for g in d.task_groups}[f"afterfail-gpu{i}"] == 2 * MiB
+        assert {g.prefix: g.current_bytes for g in d.task_groups}[group] == 2 * MiB
     del held
 
 

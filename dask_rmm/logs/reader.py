@@ -1,5 +1,5 @@
 """The RMM allocation-log CSV format: rows read as typed events, written back, merged by time.
-Summaries are :mod:`dask_rmm.log_summary`; the timeline and its plot :mod:`dask_rmm.log_timeline`.
+Summaries are :mod:`dask_rmm.logs.summary`; the timeline and its plot :mod:`dask_rmm.logs.timeline`.
 
 A log is what RMM's ``logging_resource_adaptor`` (and our ``LoggingResourceAdaptor``) writes::
 
@@ -14,7 +14,7 @@ Thread is the OS thread id (decimal), Time the wall-clock time of day ``HH:MM:SS
 hex (``format_stream`` writes it with ``std::hex``, with or without ``0x``). Files merged by
 :func:`merge_logs` carry an extra ``Worker`` column, read back as each event's ``source``.
 
-Replaying a log against a resource lives in :mod:`dask_rmm.replay`; this module never touches a
+Replaying a log against a resource lives in :mod:`dask_rmm.logs.replay`; this module never touches a
 memory resource or CUDA.
 """
 

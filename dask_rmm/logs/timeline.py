@@ -1,5 +1,5 @@
 """Bytes in use over time from RMM allocation logs, one timeline per worker, and its plot
-(matplotlib). Reading logs is :mod:`dask_rmm.logs`; counts and leaks are :mod:`dask_rmm.log_summary`.
+(matplotlib). Reading logs is :mod:`dask_rmm.logs.reader`; counts and leaks are :mod:`dask_rmm.logs.summary`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import threading
 from typing import Any
 
 from dask_rmm import _cuda
@@ -41,40 +40,42 @@ _OOM_ERRORS = frozenset({"cudaErrorMemoryAllocation"})
 
 class _OwnedPointers:
     """The live pointers of a base resource and their sizes, so that foreign pointers,
-    double frees and wrong sizes are refused before anything is handed back."""
+    double frees and wrong sizes are refused before anything is handed back.
 
-    __slots__ = ("_sizes", "_lock")
+    No lock: ``sizes`` is changed only by single dict stores and pops, which are atomic, so of
+    two threads freeing one pointer only one pops it (the async resource's fast path uses
+    ``sizes`` directly, the same way)."""
+
+    __slots__ = ("sizes",)
 
     def __init__(self):
-        self._sizes: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.sizes: dict[int, int] = {}
 
     def add(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self._sizes[ptr] = nbytes
+        self.sizes[ptr] = nbytes
 
     def remove(self, owner: object, ptr: int, nbytes: int) -> None:
         """Forget ``ptr`` or raise ValueError (leaving it recorded) when the call is wrong."""
-        with self._lock:
-            size = self._sizes.get(ptr)
-            if size is None:
-                raise ValueError(
-                    f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): pointer not owned by "
-                    "this resource (foreign pointer or double free)"
-                )
-            if size != nbytes:
-                raise ValueError(
-                    f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): wrong size, the "
-                    f"pointer was allocated with {size} bytes"
-                )
-            del self._sizes[ptr]
+        size = self.sizes.pop(ptr, None)
+        if size is not None and size == nbytes:
+            return
+        if size is None:
+            raise ValueError(
+                f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): pointer not owned by "
+                "this resource (foreign pointer or double free)"
+            )
+        self.sizes[ptr] = size
+        raise ValueError(
+            f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): wrong size, the "
+            f"pointer was allocated with {size} bytes"
+        )
 
     def restore(self, ptr: int, nbytes: int) -> None:
         """Record ``ptr`` again after the free itself failed, so nothing is lost."""
-        self.add(ptr, nbytes)
+        self.sizes[ptr] = nbytes
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self.sizes)
 
 
 def _check_size(nbytes: Any, what: str = "nbytes") -> int:
@@ -295,6 +296,52 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     def _free(self, ptr: int, stream_handle: int) -> None:
         _cuda.free_async(ptr, stream_handle)
 
+    # Set by an owning subclass once it is finalized: the last free destroys the pool.
+    _finalized = False
+
+    # The fast paths (issue 13): the checked CUDA call and one dict store or pop, no other
+    # Python layer; anything unusual (bad arguments, other devices, errors) takes the general
+    # path of _CudaResource, with the same errors.
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        if type(nbytes) is int and 0 < nbytes <= _SIZE_MAX and not self._multi_device:
+            try:
+                handle = stream.handle
+            except AttributeError:
+                pass
+            else:
+                try:
+                    ptr = _cuda.malloc_from_pool_async(nbytes, self._pool, handle)
+                except _cuda.CUDAError as e:
+                    raise self._allocation_error(e, nbytes, handle) from e
+                self._owned.sizes[ptr] = nbytes
+                return ptr
+        return super().allocate(nbytes, stream)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        sizes = self._owned.sizes
+        n = sizes.pop(ptr, None)
+        if n is not None:
+            if n == nbytes and not self._multi_device:
+                try:
+                    _cuda.free_async(ptr, stream.handle)
+                except AttributeError:
+                    sizes[ptr] = n  # not a Stream: the general path converts or refuses it
+                except BaseException:
+                    sizes[ptr] = n
+                    raise
+                else:
+                    if self._finalized and not sizes:
+                        self._destroy_pool()
+                    return
+            else:
+                sizes[ptr] = n
+        super().deallocate(ptr, nbytes, stream)
+        if self._finalized and not sizes:
+            self._destroy_pool()
+
+    def _destroy_pool(self) -> None:  # pragma: no cover - only owning subclasses finalize
+        pass
+
 
 _HANDLE_POSIX_FD = 1  # cudaMemHandleTypePosixFileDescriptor
 _HANDLE_FABRIC = 8  # cudaMemHandleTypeFabric
@@ -447,11 +494,6 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
                 _cuda.mem_pool_destroy(self._pool)
             except Exception:
                 pass
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        super().deallocate(ptr, nbytes, stream)
-        if self._finalized and not len(self._owned):
-            self._destroy_pool()
 
 
 class SamHeadroomMemoryResource(_CudaResource):

@@ -1,0 +1,134 @@
+"""The async resources' fast paths (issue 13) on any host: cuda-python's calls are replaced by
+a fake memory pool, so the bookkeeping and error handling around them are checked without a GPU
+(the GPU suite runs the same resources on real memory)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dask_rmm import _cuda
+from dask_rmm.mr import CudaAsyncViewMemoryResource
+from dask_rmm.stream import DEFAULT_STREAM, Stream
+
+
+class FakePool:
+    def __init__(self):
+        self.live: dict[int, int] = {}
+        self.next = 1 << 30
+        self.fail: str | None = None
+        self.fail_free = False
+        self.calls: list[tuple] = []
+
+    def malloc(self, nbytes, pool, stream):
+        self.calls.append(("malloc", nbytes, pool, stream))
+        if self.fail:
+            raise _cuda.CUDAError(self.fail, "cudaMallocFromPoolAsync")
+        ptr = self.next
+        self.next += (nbytes + 255) & -256
+        self.live[ptr] = nbytes
+        return ptr
+
+    def free(self, ptr, stream):
+        self.calls.append(("free", ptr, stream))
+        if self.fail_free:
+            raise _cuda.CUDAError("cudaErrorInvalidValue", "cudaFreeAsync")
+        del self.live[ptr]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    pool = FakePool()
+    monkeypatch.setattr(_cuda, "require_cuda", lambda what: None)
+    monkeypatch.setattr(_cuda, "get_device", lambda: 0)
+    monkeypatch.setattr(_cuda, "get_device_count", lambda: 1)
+    monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 30, 1 << 34))
+    monkeypatch.setattr(_cuda, "malloc_from_pool_async", pool.malloc)
+    monkeypatch.setattr(_cuda, "free_async", pool.free)
+    return pool
+
+
+def test_allocate_and_free_in_stream_order(fake):
+    mr = CudaAsyncViewMemoryResource(1234)
+    s = Stream._from_handle(77)
+    p = mr.allocate(1000, s)
+    q = mr.allocate(300)
+    assert fake.calls[:2] == [("malloc", 1000, 1234, 77), ("malloc", 300, 1234, 0)]
+    assert mr.live_allocations == 2
+    mr.deallocate(p, 1000, s)
+    mr.deallocate(q, 300, DEFAULT_STREAM)
+    assert fake.calls[2:] == [("free", p, 77), ("free", q, 0)]
+    assert mr.live_allocations == 0 and fake.live == {}
+    assert mr.allocate(0) == 0
+    mr.deallocate(0, 0)
+
+
+def test_wrong_frees_are_refused_and_change_nothing(fake):
+    mr = CudaAsyncViewMemoryResource(1)
+    p = mr.allocate(1000)
+    with pytest.raises(ValueError, match="wrong size"):
+        mr.deallocate(p, 999)
+    with pytest.raises(ValueError, match="foreign pointer"):
+        mr.deallocate(p + 256, 1000)
+    with pytest.raises(TypeError):
+        mr.deallocate(p, 1000, None)  # refused as RMM refuses it; the pointer stays live
+    assert mr.live_allocations == 1 and p in fake.live
+    mr.deallocate(p, 1000)
+    with pytest.raises(ValueError, match="double free"):
+        mr.deallocate(p, 1000)
+
+
+def test_failed_free_keeps_the_pointer(fake):
+    mr = CudaAsyncViewMemoryResource(1)
+    p = mr.allocate(1000)
+    fake.fail_free = True
+    with pytest.raises(_cuda.CUDAError):
+        mr.deallocate(p, 1000)
+    assert mr.live_allocations == 1
+    fake.fail_free = False
+    mr.deallocate(p, 1000)
+    assert mr.live_allocations == 0
+
+
+def test_out_of_memory_is_a_memory_error_naming_the_request(fake):
+    mr = CudaAsyncViewMemoryResource(1)
+    fake.fail = "cudaErrorMemoryAllocation"
+    with pytest.raises(MemoryError, match="1000 bytes") as info:
+        mr.allocate(1000)
+    assert info.value.requested == 1000
+    fake.fail = "cudaErrorInvalidValue"
+    with pytest.raises(MemoryError):  # every failed allocation is a MemoryError (as RMM)
+        mr.allocate(1000)
+    assert mr.live_allocations == 0
+
+
+def test_bad_sizes_take_the_checked_path(fake):
+    mr = CudaAsyncViewMemoryResource(1)
+    for bad, err in ((-1, ValueError), (1.5, TypeError), (True, TypeError), (1 << 64, ValueError)):
+        with pytest.raises(err):
+            mr.allocate(bad)
+    assert fake.calls == []
+
+
+def test_concurrent_double_free_refused_once(fake):
+    mr = CudaAsyncViewMemoryResource(1)
+    for _ in range(20):
+        p = mr.allocate(512)
+        errors = []
+        barrier = threading.Barrier(4)
+
+        def free(p=p, barrier=barrier, errors=errors):
+            barrier.wait()
+            try:
+                mr.deallocate(p, 512)
+            except ValueError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=free) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(errors) == 3
+    assert fake.live == {} and mr.live_allocations == 0
