@@ -119,7 +119,7 @@ def part1(args, save=lambda rows: None) -> list[dict]:
     print(f"{'configuration':<32} {'seconds':>8} {'correct':>8}  spilled / OOMs avoided / error")
     for r in rows:
         w = r.get("worker", {}).get(0, {})
-        note = r.get("error") or (
+        note = r.get("error") or ("(no dask-rmm metrics)" if not w else None) or (
             f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled, "
             f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
             f"{w.get('ooms_avoided', 0)} OOMs avoided, "

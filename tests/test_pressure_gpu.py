@@ -84,7 +84,8 @@ def test_numba_roundtrip_is_bit_identical():
 
     host = np.arange(2000, dtype="float32").reshape(40, 50)
     for d in (numba_cuda.to_device(host), numba_cuda.to_device(host)[::2, 3:30:3],
-              numba_cuda.to_device(np.asfortranarray(host))):
+              numba_cuda.to_device(np.asfortranarray(host)),
+              numba_cuda.to_device(np.zeros((0, 3), "int8"))):
         assert device_allocations(d) is not None
         back = to_host(d).to_device()
         assert (back.shape, back.strides, back.dtype) == (d.shape, d.strides, d.dtype)

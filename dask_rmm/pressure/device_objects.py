@@ -269,16 +269,30 @@ def _register_numba() -> None:
         return [DeviceAllocation(device, int(cai["data"][0]) + lo, hi - lo)]
 
     def spill(arr):
+        from numba import cuda
+
+        from dask_rmm.device_buffer import copy_ptr_to_host
+
         device = arr.gpu_data.context.device.id if hasattr(arr.gpu_data, "context") else 0
-        host = arr.copy_to_host()  # same shape, strides and dtype
         lo, hi = _span(arr.shape, arr.strides, arr.dtype.itemsize)
-        return HostCopy("numba", device, host, None, hi - lo)
+        if lo < 0:
+            raise TypeError("a Numba array with negative strides is not spilled")
+        # The bytes the array spans, from its data pointer: a view keeps its strides (numba's
+        # to_device only takes contiguous host arrays back).
+        data = np.empty(hi, dtype=np.uint8)
+        if hi:
+            with cuda.gpus[device]:
+                cuda.synchronize()
+                copy_ptr_to_host(int(arr.__cuda_array_interface__["data"][0]), data)
+        return HostCopy("numba", device, data, (arr.shape, arr.strides, arr.dtype.str), hi)
 
     def rebuild(copy):
         from numba import cuda
 
+        shape, strides, dtype = copy.meta
         with cuda.gpus[copy.device]:
-            return cuda.to_device(copy.data)
+            buf = cuda.to_device(copy.data)  # contiguous bytes
+            return DeviceNDArray(shape, strides, np.dtype(dtype), gpu_data=buf.gpu_data)
 
     register_device_type(DeviceNDArray, allocations, spill, "numba", rebuild)
 
