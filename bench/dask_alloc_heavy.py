@@ -53,31 +53,46 @@ def _chain_block(block, steps):
     return y
 
 
-def chain(n: int, chunk: int, steps: int):
+def _fill(dtype, block_info=None):
+    import cupy
+
+    return cupy.full(block_info[None]["chunk-shape"], 1.0, dtype=dtype)
+
+
+def _ones(shape: tuple[int, int], chunks: tuple[int, int], dtype: str):
+    """A dask array of CuPy ones: cheap to make (one fill kernel per chunk), unlike a random
+    array, whose per-chunk CuPy RandomState (a cuRAND generator each) took longer than the
+    workload itself in GPU run 2."""
     import cupy
     import dask.array as da
 
-    rs = da.random.RandomState(1, RandomState=cupy.random.RandomState)
-    x = rs.random_sample((n, n), chunks=(chunk, chunk)).astype("float32")
+    blocks = tuple((c,) * (s // c) for s, c in zip(shape, chunks, strict=True))
+    return da.map_blocks(
+        _fill, dtype, chunks=blocks, dtype=dtype, meta=cupy.empty((0, 0), dtype=dtype)
+    )
+
+
+def chain(n: int, chunk: int, steps: int):
+    x = _ones((n, n), (chunk, chunk), "float32")
     return x.map_blocks(_chain_block, steps, dtype="float32").sum()
 
 
 def _scatter_block(block, groups):
     import cupy
 
-    keys = (block * groups).astype(cupy.int32).ravel()
-    sums = cupy.bincount(keys, weights=block.ravel(), minlength=groups)
+    flat = block.ravel()
+    idx = cupy.arange(flat.size, dtype=cupy.int64)
+    keys = (idx * 7919) % groups  # a fixed, well-mixed group of each element
+    values = flat * 0.5 + idx * 1e-6
+    sums = cupy.bincount(keys, weights=values, minlength=groups)
     counts = cupy.bincount(keys, minlength=groups)
     return cupy.concatenate([sums, counts.astype(sums.dtype)])[None, :]
 
 
 def scatter(n: int, chunk: int, groups: int = 64):
-    import cupy
-    import dask.array as da
 
-    rs = da.random.RandomState(2, RandomState=cupy.random.RandomState)
     blocks = n * n // (chunk * chunk)
-    x = rs.random_sample((blocks, chunk * chunk), chunks=(1, chunk * chunk))
+    x = _ones((blocks, chunk * chunk), (1, chunk * chunk), "float64")
     parts = x.map_blocks(
         _scatter_block, groups, dtype="float64", chunks=((1,) * blocks, (2 * groups,))
     )
@@ -183,10 +198,10 @@ def main() -> int:
     ap.add_argument("--anchor-rounds", type=int, default=2, help="rounds of the anchor")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--pool", default="8GiB", help="pool size of every pooled configuration")
-    ap.add_argument("--chain-n", type=int, default=8192)
+    ap.add_argument("--chain-n", type=int, default=4096)
     ap.add_argument("--chain-chunk", type=int, default=256)
-    ap.add_argument("--chain", type=int, default=30, help="steps of the elementwise chain")
-    ap.add_argument("--scatter-n", type=int, default=8192)
+    ap.add_argument("--chain", type=int, default=20, help="steps of the elementwise chain")
+    ap.add_argument("--scatter-n", type=int, default=4096)
     ap.add_argument("--scatter-chunk", type=int, default=128)
     ap.add_argument("--anchor-n", type=int, default=16000)
     ap.add_argument("--anchor-chunk", type=int, default=500)
@@ -246,6 +261,7 @@ def main() -> int:
         for label in labels:
             for name in ("chain", "scatter"):
                 last[name] = _time(clients[label], workloads[name])
+                print(f"warm-up {label:<32} {name:<8} {last[name]:7.3f} s", file=sys.stderr)
             small = _time(clients[label], lambda: anchor(args.anchor_n // 4, args.anchor_chunk))
             last.setdefault("anchor", 16 * small)  # a guess until the first real run
         print(f"# warm after {time.perf_counter() - start:.0f} s", file=sys.stderr)

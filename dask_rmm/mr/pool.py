@@ -36,8 +36,9 @@ Everything else (the coalescing lists, growth, merging the caches) happens under
 one lock; code there empties a cache list one ``pop`` at a time, so blocks appended or taken
 meanwhile by lock-free callers are never lost or handed out twice. A lock-free path makes no
 container objects, so a finalizer run by the garbage collector can free into the pool at any
-point. (The lock-free path was ~0.3 us per pair faster on one thread and removed the lock
-convoy of 8 threads sharing a pool; bench/alloc.py.)
+point. (Against the locked fast path it replaced: 1.8x -> 0.95x the cost of a plain dict+lock
+resource per pair on a CPU host, bench/results/2026-11-30-cpu-alloc.md; 1.07x on the H200,
+bench/results/2026-11-30-h200/.)
 
 Instrumentation
 ---------------
