@@ -208,8 +208,8 @@ class RMMOptions:
         pool, maximum = self.pool_size, self.maximum_pool_size
         if type(pool) is type(maximum) and pool is not None and maximum < pool:
             raise OptionError(
-                f"`maximum_pool_size` ({_describe(maximum)}) is smaller than `pool_size` "
-                f"({_describe(pool)})"
+                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
+                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool)})"
             )
         if self.base_resource in ("system", "pinned") and self.allocators:
             raise OptionError(
@@ -338,8 +338,9 @@ def build_stack(
         maximum = options.resolve_size("maximum_pool_size", device, total)
         if pool_size is not None and maximum is not None and maximum < pool_size:
             raise OptionError(
-                f"`maximum_pool_size` ({_describe(maximum)}) is smaller than `pool_size` "
-                f"({_describe(pool_size)}) on device {device}"
+                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
+                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool_size)}) "
+                f"on device {device}"
             )
         top = make_base_resource(options.base_resource, device, options, total)
         if options.base_resource == "async":

@@ -54,7 +54,9 @@ def test_pool_with_sizes(base):
 def test_initial_above_maximum_is_a_value_and_runtime_error():
     dask_rmm.reinitialize(base_resource="system")
     before = get_current_device_resource()
-    with pytest.raises(ValueError, match="`maximum_pool_size` .*smaller than `pool_size`") as info:
+    with pytest.raises(
+        ValueError, match="Initial pool size exceeds the maximum pool size: `maximum_pool_size` .*smaller than `pool_size`"
+    ) as info:
         dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="64MiB",
                               maximum_pool_size="16MiB", base_resource="system")
     assert isinstance(info.value, RuntimeError)  # what RMM raises

@@ -16,6 +16,7 @@ from dask_rmm.mr import (
     LimitingResourceAdaptor,
     PoolMemoryResource,
     StatisticsResourceAdaptor,
+    SystemMemoryResource,
 )
 from dask_rmm.mr.statistics_adaptor import Statistics
 
@@ -268,3 +269,10 @@ def test_repr_names_counts(base_resource):
 def test_rejects_non_resource_upstream():
     with pytest.raises(TypeError):
         StatisticsResourceAdaptor(object())
+
+
+def test_popping_the_last_counter_pair_is_refused_with_rmms_words():
+    mr = StatisticsResourceAdaptor(SystemMemoryResource())
+    with pytest.raises(IndexError, match="cannot pop the last counter pair"):
+        mr.pop_counters()
+    assert mr.get_allocation_counts() == Statistics(0, 0, 0, 0, 0, 0)  # nothing changed

@@ -307,7 +307,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         try:
             if not self._frames:
                 raise IndexError(
-                    "StatisticsResourceAdaptor.pop_counters(): cannot pop the last counter frame "
+                    "StatisticsResourceAdaptor.pop_counters(): cannot pop the last counter pair "
                     "(call push_counters() first)"
                 )
             inner = self._top_locked()
