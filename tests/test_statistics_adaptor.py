@@ -275,4 +275,4 @@ def test_popping_the_last_counter_pair_is_refused_with_rmms_words():
     mr = StatisticsResourceAdaptor(SystemMemoryResource())
     with pytest.raises(IndexError, match="cannot pop the last counter pair"):
         mr.pop_counters()
-    assert mr.get_allocation_counts() == Statistics(0, 0, 0, 0, 0, 0)  # nothing changed
+    assert mr.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)  # nothing changed
