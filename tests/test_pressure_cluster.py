@@ -59,9 +59,12 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_them
         assert all(s["installed"] and s["data"] == "DeviceSpillStore" for s in states)
         assert sum(s["metrics"][0]["total_spilled_count"] for s in states) > 0
         assert all(s["metrics"][0]["device_memory_limit"] == 6 * MiB for s in states)
+        # Heartbeats arrive per worker: wait until every worker's latest one is of this setup.
         report = wait_until(
-            lambda: (r := cluster_report(client)).totals.total_spilled_bytes > 0 and r,
-            what="spilled bytes in the cluster report",
+            lambda: (r := cluster_report(client)).totals.total_spilled_bytes > 0
+            and {d.device_memory_limit for d in r.running} == {6 * MiB}
+            and r,
+            what="spilled bytes and every worker's limit in the cluster report",
         )
         assert report.to_dict()["totals"]["total_spilled_bytes"] > 0
         assert {d.device_memory_limit for d in report.running} == {6 * MiB}
