@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -73,10 +74,10 @@ def test_failed_allocation_returns_null_and_keeps_the_error(host_mr, caplog):
     mr.set_current_device_resource(limited)
     returned = []
     with caplog.at_level(logging.WARNING, logger="dask_rmm.allocators.torch"):
-        # NULL to C, then the calling Python code raises as soon as it runs again
+        # NULL to C, then the calling Python code raises right after the call, on its line
         with pytest.raises(MemoryError) as info:
             returned.append(alloc(1 << 20, 0, None))
-    assert returned == [None]
+    assert returned == []  # raised before the next instruction of the calling line
     assert isinstance(torch_hook.last_allocation_error(), MemoryError)
     assert type(info.value).__name__ == "TorchAllocationError"
     assert "1048576" in str(info.value)
@@ -218,3 +219,167 @@ def test_out_of_memory_collects_garbage_and_retries(host_mr):
     assert ptr
     free(ptr, 4096, 0, None)
     assert host_mr.allocation_counts.current_bytes == 0
+
+
+# --- the one-shot "raise in the allocating Python call" hook, driven without torch ------------
+
+
+class _Frame:
+    class f_code:  # noqa: N801 - mimics a frame's f_code
+        co_filename = __file__
+
+
+class _Profiler(threading.local):
+    """Stands in for ``sys``'s per-thread profiler inside the allocator module; ``event`` plays
+    what the interpreter would report in the calling Python code (as CPython 3.12+ does, the
+    profiler the hook sets stays set after the hook raised)."""
+
+    _getframe = staticmethod(sys._getframe)
+
+    def __init__(self):
+        self.func = None
+        self.trace = None
+
+    def gettrace(self):
+        return self.trace
+
+    def settrace(self, func):
+        self.trace = func
+
+    def getprofile(self):
+        return self.func
+
+    def setprofile(self, func):
+        self.func = func
+
+    def event(self, name="c_return"):
+        if self.func is not None:
+            self.func(_Frame(), name, None)
+
+
+class _FlakyResource:
+    """Refuses allocations of ``refuse`` bytes or more; returns fake pointers otherwise."""
+
+    def __init__(self, refuse):
+        self.refuse = refuse
+        self.next_ptr = 0x10000
+
+    def allocate(self, nbytes, stream=None):
+        if nbytes >= self.refuse:
+            raise MemoryError(f"fake pool: {nbytes} bytes do not fit")
+        self.next_ptr += 0x1000
+        return self.next_ptr
+
+    def deallocate(self, ptr, nbytes, stream=None):
+        pass
+
+
+@pytest.fixture
+def profiler(monkeypatch):
+    prof = _Profiler()
+    monkeypatch.setattr(torch_hook, "sys", prof)
+    monkeypatch.setattr(torch_hook, "_get_per_device_resource",
+                        lambda device: _FlakyResource(refuse=1 << 40))
+    yield prof
+    torch_hook._disarm()
+
+
+def test_failed_allocation_raises_once_and_later_allocations_do_not(profiler):
+    big = 1 << 50
+    # One PyTorch call that asks twice (e.g. a retry) and gets NULL both times: then the
+    # caller's next event raises, once, with this allocation's message.
+    assert torch_hook.allocate(big, 0, None) is None
+    assert torch_hook.allocate(big, 0, None) is None
+    with pytest.raises(MemoryError) as info:
+        profiler.event("c_return")
+    assert type(info.value).__name__ == "TorchAllocationError"
+    message = str(info.value)
+    assert f"allocating {big} bytes" in message
+    assert message.count("rmm_torch_allocator") == 1  # not chained onto an earlier error
+    # Nothing stays armed: the next events and a later (successful) allocation never raise.
+    profiler.event("return")
+    ptr = torch_hook.allocate(40, 0, None)
+    assert ptr
+    profiler.event("c_return")
+    profiler.event("return")
+    torch_hook.deallocate(ptr, 40, 0, None)
+    assert profiler.getprofile() is None
+
+
+def test_failure_then_success_in_one_call_does_not_raise(profiler):
+    assert torch_hook.allocate(1 << 50, 0, None) is None
+    assert torch_hook.allocate(64, 0, None)  # PyTorch got memory after all
+    profiler.event("c_return")
+    assert profiler.getprofile() is None
+
+
+def test_hook_waits_until_the_callbacks_returned(profiler, monkeypatch):
+    # The previous failure's hook must not fire inside the resource's own Python code.
+    seen = []
+
+    class Resource(_FlakyResource):
+        def allocate(self, nbytes, stream=None):
+            profiler.event("return")  # the resource's code returning: inside the callback
+            seen.append(nbytes)
+            return super().allocate(nbytes, stream)
+
+    monkeypatch.setattr(torch_hook, "_get_per_device_resource",
+                        lambda device: Resource(refuse=1 << 40))
+    assert torch_hook.allocate(1 << 50, 0, None) is None
+    with pytest.raises(MemoryError):
+        profiler.event("c_return")
+    assert torch_hook.allocate(40, 0, None)
+    profiler.event("c_return")
+    assert seen == [1 << 50, 1 << 50, 40]
+
+
+def test_pending_error_is_per_thread(profiler):
+    assert torch_hook.allocate(1 << 50, 0, None) is None
+    other = []
+
+    def elsewhere():
+        try:
+            other.append(torch_hook.allocate(40, 0, None))
+            profiler.event("c_return")
+        except BaseException as e:  # pragma: no cover - the failure being tested
+            other.append(e)
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    t.join()
+    assert len(other) == 1 and isinstance(other[0], int)
+    with pytest.raises(MemoryError):
+        profiler.event("c_return")  # still raised in the thread that failed
+
+
+def test_real_profiler_is_left_as_it_was_after_a_failure(host_mr):
+    alloc, free = _c_functions()
+    mr.set_current_device_resource(mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096))
+    before = sys.getprofile()
+    with pytest.raises(MemoryError):
+        list(map(alloc, [1 << 20, 1 << 20], [0, 0], [None, None]))  # two NULLs, one C call
+    assert sys.getprofile() is before
+    ptr = alloc(64, 0, None)
+    assert ptr and len([ptr]) == 1  # later calls and allocations do not raise
+    free(ptr, 64, 0, None)
+    assert sys.getprofile() is before
+
+
+def test_raises_on_the_failing_line_not_at_a_later_call(host_mr):
+    # The GPU scenario without torch: a failing call followed by a line with no calls, then a
+    # later allocation. The error belongs to the first line; the later allocation succeeds.
+    alloc, free = _c_functions()
+    mr.set_current_device_resource(mr.LimitingResourceAdaptor(host_mr, allocation_limit=4096))
+    state = {}
+    try:
+        alloc(1 << 20, 0, None)
+        state["oom"] = "no error"
+    except MemoryError as e:
+        state["oom"] = type(e).__name__
+        state["message"] = str(e)
+    ptr = alloc(64, 0, None)
+    state["later"] = bool(ptr)
+    free(ptr, 64, 0, None)
+    assert state["oom"] == "TorchAllocationError"
+    assert state["message"].count("rmm_torch_allocator") == 1
+    assert state["later"]

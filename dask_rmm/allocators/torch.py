@@ -80,6 +80,11 @@ def _stream_for(handle: int) -> Stream:
 
 def allocate(size: int, device: int, stream: int | None) -> int | None:
     """The allocation callback (also callable from Python): a pointer, or None (NULL) on failure."""
+    # A hook armed by an earlier failure that has not fired yet is stale now: PyTorch is
+    # asking again (a retry, or a later call), so it must neither fire inside the resource's
+    # code below nor make this allocation raise.
+    _disarm()
+    _errors.depth = getattr(_errors, "depth", 0) + 1
     try:
         handle = stream or 0
         s = _streams.get(handle)
@@ -104,10 +109,12 @@ def allocate(size: int, device: int, stream: int | None) -> int | None:
                 f"{stream or 0:#x} failed: {e}"
             )
             logger.warning("%s", _errors.message)
-            _raise_when_back_in_python()
+            _raise_when_back_in_python(_errors.message)
         except BaseException:
             pass
         return None
+    finally:
+        _errors.depth -= 1
 
 
 def _allocation_error_type() -> type[BaseException]:
@@ -138,34 +145,89 @@ def _allocation_error_type() -> type[BaseException]:
 _AllocationFailed: type[BaseException] | None = None
 
 
-def _raise_when_back_in_python() -> None:
+def _raise_when_back_in_python(message: str) -> None:
     """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``.
 
     PyTorch 2.11 does not check the pointer its pluggable allocator returns: a NULL becomes a
     tensor without memory whose first use fails on the device (and can take the CUDA context
     down with it). An exception cannot cross the C frames between this callback and the
-    Python code that called PyTorch, so a one-shot profile hook is set on this thread: at the
-    first return (of a C call, or of a Python function) in a frame outside this module, which
-    is the call that asked PyTorch for memory, the hook restores the previous profiler and
-    raises there. A thread
-    PyTorch runs without Python code of its own (autograd's device threads) has nowhere to
-    raise: there only the NULL remains.
+    Python code that called PyTorch, so this thread is armed instead: the Python frame that
+    called into PyTorch gets an opcode trace function, which raises at its next instruction,
+    i.e. right after the failing call returns, on the same line. (A profile hook alone is not
+    enough: a profiler installed during a C call gets no ``c_return`` for that call, so it
+    fired at some later call, possibly inside the next allocation.) A profile hook stays as a
+    fallback, for a caller frame that cannot be traced. Whichever fires first restores the
+    previous tracer and profiler and raises, once, with this failure's message; events inside
+    the callbacks (the resource's own code) are ignored. The state is per thread
+    (``_errors``); a later allocation on the thread disarms anything still armed, so it never
+    raises an earlier failure. A thread PyTorch runs without Python code of its own
+    (autograd's device threads) has nowhere to raise: there only the NULL remains.
     """
     exc_type = _allocation_error_type()
-    previous = sys.getprofile()
+    _disarm()
+    _errors.pending = message
+
+    def fire(frame, event, arg):
+        if getattr(_errors, "depth", 0) or frame.f_code.co_filename == __file__:
+            return local
+        pending = getattr(_errors, "pending", None)
+        _disarm()
+        if pending is not None:
+            raise exc_type(pending)
+        return None
+
+    def local(frame, event, arg):  # the caller frame's f_trace: every opcode, line, return
+        return fire(frame, event, arg)
+
+    def global_trace(frame, event, arg):  # new frames are not traced
+        return None
 
     def hook(frame, event, arg):
-        if event in ("c_return", "c_exception", "return") and frame.f_code.co_filename != __file__:
-            sys.setprofile(previous)
-            raise exc_type()
+        if event in ("c_return", "c_exception", "return"):
+            fire(frame, event, arg)
 
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_code.co_filename == __file__:
+        caller = caller.f_back
+    _errors.armed = (sys.gettrace(), sys.getprofile(), caller,
+                     getattr(caller, "f_trace", None), getattr(caller, "f_trace_opcodes", False),
+                     global_trace, hook)
+    if caller is not None:
+        try:
+            caller.f_trace = local
+            caller.f_trace_opcodes = True
+            sys.settrace(global_trace)
+        except (AttributeError, TypeError, ValueError):  # not a real frame (tests) or no tracing
+            pass
     sys.setprofile(hook)
+
+
+def _disarm() -> None:
+    """Undo this thread's arming (tracer, profiler, the caller frame's trace) and forget its
+    pending error; what another tool set meanwhile is left alone."""
+    _errors.pending = None
+    armed = getattr(_errors, "armed", None)
+    if armed is None:
+        return
+    _errors.armed = None
+    trace, profile, caller, f_trace, f_trace_opcodes, global_trace, hook = armed
+    if sys.getprofile() is hook:
+        sys.setprofile(profile)
+    try:
+        if sys.gettrace() is global_trace:
+            sys.settrace(trace)
+        if caller is not None:
+            caller.f_trace = f_trace
+            caller.f_trace_opcodes = f_trace_opcodes
+    except (AttributeError, TypeError, ValueError):
+        pass
 
 
 def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> None:
     """The free callback (also callable from Python); logs, never raises."""
     if not ptr:
         return
+    _errors.depth = getattr(_errors, "depth", 0) + 1
     try:
         handle = stream or 0
         s = _streams.get(handle)
@@ -183,6 +245,8 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
             )
         except BaseException:
             pass
+    finally:
+        _errors.depth -= 1
 
 
 def last_allocation_error() -> BaseException | None:
