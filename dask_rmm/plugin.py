@@ -198,6 +198,10 @@ class RMMPlugin(WorkerPlugin):
         if failures:
             for stack in stacks:
                 stack.close_log()
+            # The error's traceback keeps this frame: drop the discarded stacks now, so that
+            # the memory their pools took is given back at once, not when the error is.
+            stacks.clear()
+            pressure = None
             self._publish(worker, ws, *_metrics_defaults())
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
             kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"

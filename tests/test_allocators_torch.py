@@ -77,7 +77,10 @@ def test_failed_allocation_returns_null_and_keeps_the_error(host_mr, caplog):
         # NULL to C, then the calling Python code raises right after the call, on its line
         with pytest.raises(MemoryError) as info:
             returned.append(alloc(1 << 20, 0, None))
-    assert returned == []  # raised before the next instruction of the calling line
+    # Raised on the calling line: before its next instruction on Python 3.11; on 3.12 the
+    # instruction event of the frame already running comes one instruction later (after the
+    # append). Either way the NULL never reaches a second statement (the H200 runs 3.12).
+    assert returned in ([], [None])
     assert isinstance(torch_hook.last_allocation_error(), MemoryError)
     assert type(info.value).__name__ == "TorchAllocationError"
     assert "1048576" in str(info.value)
