@@ -196,11 +196,10 @@ class RMMPlugin(WorkerPlugin):
         else:
             failures = {worker.address: error} if error else {}
         if failures:
-            for stack in stacks:
-                stack.close_log()
-            # The error's traceback keeps this frame: drop the discarded stacks now, so that
-            # the memory their pools took is given back at once, not when the error is.
-            stacks.clear()
+            # The error's traceback keeps this frame: leave no discarded stack in it (no loop
+            # variable either), so that the memory their pools took is given back at once.
+            while stacks:
+                stacks.pop().close_log()
             pressure = None
             self._publish(worker, ws, *_metrics_defaults())
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))

@@ -145,3 +145,36 @@ def test_a_killed_worker_keeps_its_rows_and_its_restart_appends(tmp_path):
         with open(path) as f:
             assert f.read().count("Thread,Time,Action") == 1
 
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_stacks_built_by_a_failed_registration_are_freed_at_once(c, s, a, b):
+    """The workers that built their stacks give the memory back when the vote fails, without
+    waiting for a garbage collection (seen on the H200: a discarded 70 GiB pool stayed)."""
+    import tempfile
+
+    import dask_rmm.plugin as plugin_module
+
+    built = []
+    real_build_stack = plugin_module.build_stack
+
+    def recording_build_stack(*args, **kwargs):
+        stack = real_build_stack(*args, **kwargs)
+        built.append(weakref.ref(stack.top))
+        return stack
+
+    plugin_module.build_stack = recording_build_stack
+    gc.disable()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(log_file_path(d, b.name, 0))  # b fails, a builds its stack
+            with pytest.raises(RMMSetupError):
+                await c.register_plugin(
+                    RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=d)
+                )
+        assert built, "no worker built a stack"
+        alive = [r for r in built if r() is not None]
+        assert not alive, f"{len(alive)} discarded stack(s) still alive"
+    finally:
+        gc.enable()
+        plugin_module.build_stack = real_build_stack
