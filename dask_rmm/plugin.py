@@ -188,8 +188,10 @@ class RMMPlugin(WorkerPlugin):
         else:
             failures = {worker.address: error} if error else {}
         if failures:
-            for stack in stacks:
-                stack.close_log()
+            # Let the stacks go now: the worker logs this error, and the log record's traceback
+            # keeps this frame (and whatever its locals hold, a pool included) alive.
+            while stacks:
+                stacks.pop().close_log()
             self._publish(worker, ws, *_metrics_defaults())
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
             kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
