@@ -117,8 +117,12 @@ class WorkerMetrics:
         self._retired = lambda: owner.retired
         self._top_n = top_n
         self._devices = [_DeviceSamples(stack) for stack in stacks]
-        worker.metrics[METRICS_KEY] = self.heartbeat_metrics
-        worker.metrics["rmm"] = self.rmm_metrics
+        # A new dict, never a change in place: a heartbeat suspended in Worker.get_metrics
+        # (at an awaitable metric) is iterating the old one, and a dict that changes size under
+        # it raises RuntimeError, which closes the worker.
+        worker.metrics = {
+            **worker.metrics, METRICS_KEY: self.heartbeat_metrics, "rmm": self.rmm_metrics
+        }
         interval = parse_timedelta(sample_interval, default="ms")
         if sampling and interval and interval > 0:
             sampler = PeriodicCallback(self.sample, interval * 1000)
@@ -137,14 +141,16 @@ class WorkerMetrics:
             sampler.stop()
             if worker.periodic_callbacks.get(SAMPLER_KEY) is sampler:
                 del worker.periodic_callbacks[SAMPLER_KEY]
-        if worker.metrics.get(METRICS_KEY) == self.heartbeat_metrics:
-            del worker.metrics[METRICS_KEY]
-        if worker.metrics.get("rmm") == self.rmm_metrics:
+        metrics = dict(worker.metrics)  # a new dict, as in install
+        if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
+            del metrics[METRICS_KEY]
+        if metrics.get("rmm") == self.rmm_metrics:
             previous = self._previous_rmm_metric
             if previous is None:
-                del worker.metrics["rmm"]
+                del metrics["rmm"]
             else:
-                worker.metrics["rmm"] = previous
+                metrics["rmm"] = previous
+        worker.metrics = metrics
         self._previous_rmm_metric = None
         self._retired = list
         self._top_n = 10
