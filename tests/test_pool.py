@@ -9,7 +9,7 @@ from conftest import make_base_resource, make_test_streams
 
 from dask_rmm import mr
 from dask_rmm.mr import pool as pool_module
-from dask_rmm.mr.pool import PoolMemoryResource, parse_pool_size
+from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM
 
 MiB = 1 << 20
@@ -33,19 +33,6 @@ def test_default_initial_size_on_host():
     assert p.pool_size() == pool_module.DEFAULT_HOST_POOL_SIZE
     q = PoolMemoryResource(mr.SystemMemoryResource(), maximum_pool_size=MiB)
     assert q.pool_size() == MiB
-
-
-def test_parse_pool_size():
-    up = mr.SystemMemoryResource()
-    assert parse_pool_size(1000, up) == 1024
-    assert parse_pool_size("1GB", up) == 10**9
-    assert parse_pool_size("1.5 KiB", up) == 1536
-    assert 0 < parse_pool_size(0.01, up) % 256 + 1
-    for bad in ("lots", "4 XB", 1.5, -3):
-        with pytest.raises(ValueError):
-            parse_pool_size(bad, up)
-    with pytest.raises(TypeError):
-        parse_pool_size(True, up)
 
 
 def test_initial_above_maximum_refused(base_resource):

@@ -70,8 +70,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import os
-import re
 import threading
 import time
 from itertools import compress
@@ -91,7 +89,7 @@ from dask_rmm.mr.base import (
 from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
-__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "parse_pool_size"]
+__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource"]
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
@@ -143,53 +141,6 @@ _CACHED_LIMIT = (_TABLE_UNITS - 1) << 8
 _CLASS_INDEXES = range(_N_CLASSES)
 #: Bytes a request of ``u`` units (u below _TABLE_UNITS) is given: its search class's floor.
 _ROUNDED = [_class_floor(_search_class(u)) << 8 for u in range(_TABLE_UNITS)]
-
-# ---------------------------------------------------------------------------------------------
-# sizes given as strings or fractions
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-    "ti": 2**40, "tib": 2**40, "pi": 2**50, "pib": 2**50,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)?\s*([a-zA-Z]*)\s*$")
-
-
-def _total_memory(upstream: DeviceMemoryResource) -> int:
-    if upstream.is_host_memory:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from dask_rmm import _cuda
-
-    return _cuda.device_total_memory(upstream.device_id)
-
-
-def parse_pool_size(value: Any, upstream: DeviceMemoryResource, what: str = "size") -> int:
-    """A pool size in bytes, rounded up to 256: an int, a string (``"4GiB"``, ``"500MB"``,
-    Dask's units) or a float in (0, 1], a fraction of the upstream's total memory (the device's,
-    or the host's for host-memory upstreams).
-
-    Kept in ``mr`` because ``mr`` never imports Dask; ``dask_rmm.config.parse_device_bytes``
-    accepts the same forms.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, a string or a fraction, got {value!r}")
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(
-                f"{what}={value!r}: a float is a fraction of total memory and must be in (0, 1]"
-            )
-        return align_up(int(value * _total_memory(upstream)))
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = _UNITS.get(m.group(2).lower()) if m else None
-        if m is None or unit is None:
-            raise ValueError(f"{what}={value!r} is not a size such as 4GiB, 500MB or 1e9")
-        number = float(m.group(1)) if m.group(1) else 1.0
-        return align_up(int(number * unit))
-    return align_up(check_nbytes(value, what))
-
 
 class _FreeList:
     """The free blocks of one stream: size-class dicts, their non-empty flags, address maps."""
