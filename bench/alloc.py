@@ -56,11 +56,11 @@ def draw(steps: int, live: int, seed: int) -> tuple[list[int], list[int], list[i
     )
 
 
-def run_loop(alloc, free, initial, victims, sizes) -> int:
-    """Time the steady-state loop; returns ns for ``len(victims)`` pairs."""
+def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -> int:
+    """Time the steady-state loop with ``clock``; returns ns for ``len(victims)`` pairs."""
     live = list(initial)
     ptrs = [alloc(n) for n in live]
-    t0 = time.perf_counter_ns()
+    t0 = clock()
     for k in range(len(victims)):
         i = victims[k]
         free(ptrs[i], live[i])
@@ -68,7 +68,7 @@ def run_loop(alloc, free, initial, victims, sizes) -> int:
         n = sizes[k]
         ptrs[i] = alloc(n)
         live[i] = n
-    elapsed = time.perf_counter_ns() - t0
+    elapsed = clock() - t0
     for p, n in zip(ptrs, live, strict=True):
         free(p, n)
     return elapsed

@@ -33,20 +33,7 @@ sys.path.insert(0, bench)
 import alloc as B
 
 def loop(alloc, free, initial, victims, sizes):
-    live = list(initial)
-    ptrs = [alloc(n) for n in live]
-    t0 = time.process_time_ns()
-    for k in range(len(victims)):
-        i = victims[k]
-        free(ptrs[i], live[i])
-        ptrs[i] = None
-        n = sizes[k]
-        ptrs[i] = alloc(n)
-        live[i] = n
-    el = time.process_time_ns() - t0
-    for p, n in zip(ptrs, live):
-        free(p, n)
-    return el
+    return B.run_loop(alloc, free, initial, victims, sizes, clock=time.process_time_ns)
 
 def make(name):
     up = mr.SystemMemoryResource()
