@@ -74,12 +74,11 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_a_li
         assert all(s["data"] != "DeviceSpillStore" for s in client.run(worker_pressure_state).values())
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 14 (open): spill_on_oom alone sometimes leaves nothing spillable when the "
-    "whole suite runs before it (passes alone; seen on CI-like hosts and on the H200)",
-)
 def test_outputs_beyond_the_pool_complete_with_spill_on_oom():
+    # This failed now and then on a loaded host: distributed's profiler (Worker.trigger_profile,
+    # every 10 ms) makes frame objects of the task thread's stack, which outlive their calls
+    # and keep the value being spilled referenced for a moment, and spill-on-OOM gave up on a
+    # spill that freed nothing (test_pressure_store has the deterministic version).
     import dask
 
     with (
@@ -91,6 +90,7 @@ def test_outputs_beyond_the_pool_complete_with_spill_on_oom():
         _workload(client, "oom")
         states = client.run(worker_pressure_state).values()
         assert sum(s["metrics"][0]["ooms_avoided"] for s in states) > 0
+        assert [e for s in states for e in s["oom_events"]] == []
 
 
 def test_oom_events_and_their_verdicts():

@@ -58,7 +58,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     An allocation made while this thread is spilling (copying to host may allocate) neither
     spills nor is recorded as an OOM: there is no re-entry. No lock is held while spilling or
     calling the upstream. Several threads may fail at once; one spills and retries at a time,
-    and each first retries, picking up what the others' spills freed.
+    and each first retries, picking up what the others' spills freed. When nothing can be
+    spilled, a failed allocation retries while other threads free memory (see
+    ``DeviceSpillStore.spill_until``) before the error reaches the caller.
     """
 
     def __init__(
@@ -80,6 +82,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         # says it may be crossed. Updates lost to thread switches make it drift a little;
         # every exact measurement (and the periodic check, via resync) resets it.
         self._estimate = 0
+        #: Deallocations so far (lock-free, so approximate): a failed allocation waiting for
+        #: memory to change watches it.
+        self.deallocations = 0
         self.resync()
 
     def resync(self) -> None:
@@ -140,6 +145,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         self._upstream_deallocate(ptr, nbytes, stream)
         self._estimate -= nbytes
+        self.deallocations += 1
         self._events.append((time.time(), "free", nbytes, ptr, None))
 
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:

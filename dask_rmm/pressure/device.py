@@ -117,9 +117,10 @@ class DevicePressure:
     def spill_until(
         self, attempt: Callable[[], int], request: int
     ) -> tuple[int | None, MemoryError | None, int]:
-        """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry.
+        """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry,
+        and while nothing can be spilled, as long as this device's memory keeps changing.
         With a pool, only values whose blocks would merge into a large enough free block are
-        spilled; a request larger than the pool's maximum spills nothing."""
+        spilled; a request larger than the pool's maximum spills nothing and fails at once."""
         layout = release = None
         pool = self.pool
         if pool is not None:
@@ -134,8 +135,14 @@ class DevicePressure:
                 # The pool could grow but its upstream is full: chunks freed entirely by
                 # spilling go back to the device.
                 release = pool.release
+        adaptor = self.adaptor
         return self.store.spill_until(
-            attempt, request, device=self.device, layout=layout, release=release
+            attempt,
+            request,
+            device=self.device,
+            layout=layout,
+            release=release,
+            activity=None if adaptor is None else lambda: adaptor.deallocations,
         )
 
     def avoided_oom(self) -> None:

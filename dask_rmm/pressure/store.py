@@ -34,6 +34,13 @@ _DICT_ONLY_REFS = _getrefcount(_probe[0])
 del _probe
 
 
+#: Rounds in a row whose victims were all referenced by the time they were copied before a
+#: spill waits (a value a reader holds stays unspillable for a while).
+_FRUITLESS_ROUNDS = 3
+#: Seconds between retries while waiting for memory to change.
+_WAIT_POLL = 0.002
+
+
 class _Entry:
     __slots__ = ("device", "nbytes", "ptrs")
 
@@ -84,6 +91,13 @@ class DeviceSpillStore(MutableMapping):
         # spill an unspill started from.
         self._spilled: dict[Hashable, tuple[int, int, int]] = {}
         self._serial = itertools.count()
+        #: Stores, deletions, spills and reads back so far: a change a waiting spill watches.
+        self._mutations = 0
+        #: A failed allocation that cannot spill anything retries every few milliseconds
+        #: while memory changes (see :meth:`spill_until`): it gives up after this many
+        #: retries in a row without a change, or after ``wait_limit`` seconds in all.
+        self.wait_retries = 100
+        self.wait_limit = 5.0
 
     # -- MutableMapping ----------------------------------------------------------------------
 
@@ -93,6 +107,7 @@ class DeviceSpillStore(MutableMapping):
             with self._lock:
                 self._forget(key)
                 self.inner[key] = value
+                self._mutations += 1
             return
         device = allocs[0].device if allocs else 0
         entry = _Entry(device, sum(a.nbytes for a in allocs), tuple(a.ptr for a in allocs))
@@ -100,6 +115,7 @@ class DeviceSpillStore(MutableMapping):
             self._forget(key)
             self._device[key] = value
             self._lru[key] = entry
+            self._mutations += 1
         if self.on_store is not None:
             self.on_store(device)
 
@@ -117,6 +133,7 @@ class DeviceSpillStore(MutableMapping):
 
     def __delitem__(self, key: Hashable) -> None:
         with self._lock:
+            self._mutations += 1
             if key in self._device:
                 del self._device[key]
                 del self._lru[key]
@@ -189,6 +206,7 @@ class DeviceSpillStore(MutableMapping):
                 self._lru[key] = self._entry_of(value, device, nbytes)
                 del self._spilled[key]
                 del self.inner[key]
+                self._mutations += 1
             else:  # deleted or replaced meanwhile: hand out what was asked for, store nothing
                 return value
         self.counters.unspilled(device, nbytes, time.perf_counter() - t0)
@@ -278,56 +296,107 @@ class DeviceSpillStore(MutableMapping):
         device: int | None = None,
         layout: Callable[[], tuple[list, list, list]] | None = None,
         release: Callable[[], Any] | None = None,
+        activity: Callable[[], int] | None = None,
     ) -> tuple[Any, MemoryError | None, int]:
         """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
-        until it succeeds or nothing is left to spill.
+        until it succeeds, or until nothing can be spilled and nothing changes.
 
         Returns ``(result, None, bytes spilled)``, or ``(None, last MemoryError, bytes spilled)``.
-        One thread at a time: the first attempt also picks up what another thread's spill freed.
-        With ``layout`` (a pool's ``memory_layout``) the values spilled are those whose blocks
-        would merge into one free block of ``request`` bytes, the fewest bytes first. If no such
-        set exists, nothing is spilled (freeing other blocks cannot help a pool at its maximum)
-        unless ``release`` is given (a pool that may grow): then the least recently used values
-        are spilled and ``release()`` hands fully free chunks back, so the pool can grow.
+        One thread spills at a time: the first attempt also picks up what another thread's
+        spill freed. With ``layout`` (a pool's ``memory_layout``) the values spilled are those
+        whose blocks would merge into one free block of ``request`` bytes, the fewest bytes
+        first. If no such set exists and ``release`` is given (a pool that may grow), the least
+        recently used values are spilled and ``release()`` hands fully free chunks back.
+
+        When nothing can be spilled now (every value that would help is referenced, or the
+        memory is held by other threads' temporaries), the spill lock is released and the
+        allocation retried every few milliseconds while the memory keeps changing: a free
+        (``activity()``, a count of deallocations, changes), a value stored, deleted or
+        spilled, a referenced value let go. It gives up after :attr:`wait_retries` retries in
+        a row without a change (counted in retries, not seconds: a loaded host slows the other
+        threads too) or after :attr:`wait_limit` seconds in all. A demand that the other
+        threads do not relieve is an out-of-memory error, as before.
         """
         spilled = 0
-        with self._spill_lock:
-            self._local.active = True
-            try:
-                error = None
-                while True:
-                    try:
-                        result = attempt()
-                    except MemoryError as e:
-                        error = e
-                    else:
-                        # A kept error's traceback reaches, through frames, the caller's new
-                        # object (a DeviceBuffer being made): a cycle that would keep it
-                        # referenced, and so unspillable, until the next garbage collection.
-                        error = None
-                        return result, None, spilled
-                    cands = self.candidates(device)
-                    if not cands:
-                        return None, error, spilled
-                    victims = None
-                    growing = False
-                    if layout is not None:
-                        chunks, free, live = layout()
-                        victims = coalescing_victims(cands, align_up(request), chunks, free, live)
-                        if victims is None:
-                            if release is None:
-                                return None, error, spilled
-                            growing = True
-                    if not victims:  # no layout, or it says a block fits (it did not): LRU
-                        victims = lru_victims(cands, request)
-                    freed = self._spill_keys(victims)
-                    if not freed:
-                        return None, error, spilled
-                    spilled += freed
-                    if growing:
-                        release()
-            finally:
-                self._local.active = False
+        error: MemoryError | None = None
+        started = None
+        seen = None
+        unchanged = 0
+        while True:
+            with self._spill_lock:
+                self._local.active = True
+                try:
+                    fruitless = 0
+                    while True:
+                        try:
+                            result = attempt()
+                        except MemoryError as e:
+                            error = e
+                        else:
+                            # A kept error's traceback reaches, through frames, the caller's
+                            # new object (a DeviceBuffer being made): a cycle that would keep
+                            # it referenced, and so unspillable, until a garbage collection.
+                            error = None
+                            return result, None, spilled
+                        victims, growing = self._choose(request, device, layout, release)
+                        if not victims:
+                            break
+                        freed = self._spill_keys(victims)
+                        if freed:
+                            spilled += freed
+                            fruitless = 0
+                            if growing:
+                                release()
+                            continue
+                        # Every victim was referenced by the time it was copied: a reader, or
+                        # a sampling profiler holding the spilling thread's frames (which
+                        # then keep their locals alive). Choose again among the others.
+                        fruitless += 1
+                        if fruitless >= _FRUITLESS_ROUNDS:
+                            break
+                finally:
+                    self._local.active = False
+            # Nothing could be spilled: wait for the memory to change, then try again.
+            now = time.monotonic()
+            state = (
+                activity() if activity is not None else None,
+                self._mutations,
+                tuple(k for k, _n, _p in self.candidates(device)),
+            )
+            if started is None:
+                started = now
+            if state != seen:
+                seen = state
+                unchanged = 0
+            else:
+                unchanged += 1
+            if unchanged >= self.wait_retries or now - started >= self.wait_limit:
+                return None, error, spilled
+            time.sleep(_WAIT_POLL)
+
+    def _choose(
+        self,
+        request: int,
+        device: int | None,
+        layout: Callable[[], tuple[list, list, list]] | None,
+        release: Callable[[], Any] | None,
+    ) -> tuple[list[Hashable], bool]:
+        """``(keys to spill, whether the pool should then release free chunks)``; no keys when
+        spilling cannot serve ``request`` now."""
+        cands = self.candidates(device)
+        if not cands:
+            return [], False
+        if layout is not None:
+            chunks, free, live = layout()
+            victims = coalescing_victims(cands, align_up(request), chunks, free, live)
+            if victims is None:
+                if release is None:
+                    return [], False  # referenced blocks are in the way everywhere
+                return lru_victims(cands, request), True
+            if victims:
+                return victims, False
+        # No layout, or it says a free block fits (it did not a moment ago): least recently used.
+        return lru_victims(cands, request), False
 
     def _spill_keys(self, keys: list[Hashable]) -> int:
         freed = 0
@@ -352,6 +421,7 @@ class DeviceSpillStore(MutableMapping):
                 self._spilled[key] = (entry.device, entry.nbytes, next(self._serial))
                 del self._device[key]
                 del self._lru[key]
+                self._mutations += 1
             del value  # the last reference: the device memory goes back now
             self.counters.spilled(entry.device, entry.nbytes, time.perf_counter() - t0)
             freed += entry.nbytes
