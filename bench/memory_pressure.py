@@ -9,11 +9,18 @@ with the same pool maximum and ``device_memory_limit`` (when importable; it may 
 with ``spill_on_oom`` only, and dask-rmm without the options (expected to fail).
 
 Part 2: the anchor workload of bench/dask_workload.py (16000^2, 500^2 chunks) on one cluster,
-alternating RMMPlugin(pool_size=0.3) and the same with device_memory_limit=0.9, spill_on_oom=True;
-medians of ``--repeats`` runs each after a warm-up.
+interleaving RMMPlugin(pool_size=0.3) and the same with device_memory_limit=0.9,
+spill_on_oom=True in rounds (ABBA order) after a warm-up round: medians, quartiles and the
+median of the per-round ratios.
+
+``--host``: part 1's pattern on host memory (``base_resource="system"``, DeviceBuffers, no GPU
+needed): blocks persisted, then every pair (i, j) + (j, i) summed through a temporary.
 
     python bench/memory_pressure.py [--n 20000] [--chunk 2500] [--pool-max 1.25GiB]
-        [--anchor-n 16000] [--repeats 3] [--skip-anchor] [--json bench/results/x.json]
+        [--anchor-n 16000] [--repeats 10] [--anchor-seconds S] [--skip-anchor]
+        [--skip-pressure] [--json bench/results/x.json]
+    python bench/memory_pressure.py --host [--host-blocks 8] [--host-block 16777216]
+        [--pool-max 400MiB] [--host-repeats 2]
 """
 
 from __future__ import annotations
@@ -61,8 +68,13 @@ def _worker_pressure(dask_worker) -> dict:
     if wp is None:
         return {}
     out = {m.device: m.to_dict() for m in wp.metrics()}
+    out["spilled_without_copy_bytes"] = getattr(wp.store, "spilled_without_copy", 0)
     out["oom_events"] = [e.to_dict() for e in wp.oom_events()][-3:]
     return out
+
+
+def _keep_no_host_copies(dask_worker) -> None:
+    dask_worker.plugins["dask-rmm"].worker_pressure.store.keep_host_copies = 0
 
 
 def _dask_rmm_cluster(threads: int):
@@ -78,6 +90,124 @@ def _dask_rmm_cluster(threads: int):
     return cluster, Client(cluster)
 
 
+# -- the same pattern on host memory (base_resource="system", no GPU) -------------------------
+
+
+def _host_view(buf):
+    """The bytes of a DeviceBuffer of the system resource, as a uint64 array (no copy)."""
+    import ctypes
+
+    import numpy as np
+
+    raw = (ctypes.c_uint8 * buf.size).from_address(buf.ptr)
+    return np.frombuffer(raw, dtype=np.uint64)
+
+
+def _host_block(nbytes: int, seed: int):
+    """A task output of ``nbytes``, made with a temporary of the same size (as random
+    generation on a GPU makes one)."""
+    from dask_rmm import DeviceBuffer
+
+    tmp = DeviceBuffer(size=nbytes)
+    _host_view(tmp)[:] = seed
+    out = DeviceBuffer(size=nbytes)
+    view = _host_view(out)
+    view[:] = _host_view(tmp)
+    view[::4096] += 1  # the block is ``seed`` with every 4096th word one more
+    del tmp
+    return out
+
+
+def _host_pair_sum(a, b) -> int:
+    """``a + b`` into a temporary, then its sum (as ``(x + x.T).sum()`` per block)."""
+    from dask_rmm import DeviceBuffer
+
+    tmp = DeviceBuffer(size=a.size)
+    t = _host_view(tmp)
+    t[:] = _host_view(a)
+    t += _host_view(b)
+    return int(t.sum())
+
+
+def _host_sum(a) -> int:
+    return int(_host_view(a).sum())
+
+
+def _host_workload(client, blocks: int, nbytes: int) -> dict:
+    """``blocks`` x ``blocks`` outputs persisted, then every pair (i, j) + (j, i) summed and
+    every block summed; checked against the closed form."""
+    from distributed import wait
+
+    t0 = time.perf_counter()
+    grid = {
+        (i, j): client.submit(_host_block, nbytes, i * blocks + j, key=f"block-{i}-{j}", pure=False)
+        for i in range(blocks)
+        for j in range(blocks)
+    }
+    wait(list(grid.values()))
+    t_persist = time.perf_counter() - t0
+    pairs = [
+        client.submit(_host_pair_sum, grid[i, j], grid[j, i], key=f"pair-{i}-{j}", pure=False)
+        for i in range(blocks)
+        for j in range(blocks)
+    ]
+    sums = [client.submit(_host_sum, grid[k], key=f"sum-{k[0]}-{k[1]}") for k in grid]
+    s_pairs = sum(client.gather(pairs))
+    s = sum(client.gather(sums))
+    elapsed = time.perf_counter() - t0
+    words = nbytes // 8
+    bumps = len(range(0, words, 4096))
+    expect = sum(seed * words + bumps for seed in range(blocks * blocks))
+    ok = s == expect and s_pairs == 2 * expect
+    del grid, pairs, sums
+    return {"seconds": elapsed, "persist_seconds": t_persist, "correct": ok}
+
+
+def part1_host(args, save=lambda rows: None) -> list[dict]:
+    """Part 1's pattern without a GPU: DeviceBuffers on host memory, a fixed pool per worker."""
+    from dask_rmm import RMMPlugin
+    from dask_rmm.sizes import parse_device_bytes
+
+    pool_max = parse_device_bytes(args.pool_max, total_memory=1 << 50, alignment=256)
+    nbytes = args.host_block
+    working_set = args.host_blocks**2 * nbytes
+    limit = int(pool_max * 0.8)
+    base = dict(base_resource="system", pool_size=pool_max, maximum_pool_size=pool_max)
+    with_limit = dict(base, device_memory_limit=limit, spill_on_oom=True)
+    configs = [
+        ("limit", "dask-rmm device_memory_limit", with_limit),
+        ("limit-nokeep", "dask-rmm limit, no kept host copies", with_limit),
+        ("oom", "dask-rmm spill_on_oom only", dict(base, spill_on_oom=True)),
+    ]
+    rows = []
+    # Repeats interleaved (a drifting machine affects all rows alike), then one run without
+    # the options (it fails).
+    runs = [c for rep in range(args.host_repeats) for c in configs]
+    runs.append(("none", "dask-rmm, no options", dict(base)))
+    for name, label, options in runs:
+        row = {"config": label, "options": dict(options)}
+        try:
+            cluster, client = _dask_rmm_cluster(args.threads)
+            with cluster, client:
+                client.register_plugin(RMMPlugin(**options))
+                if name == "limit-nokeep":
+                    client.run(_keep_no_host_copies)
+                row.update(_host_workload(client, args.host_blocks, nbytes))
+                row["worker"] = next(iter(client.run(_worker_pressure).values()))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        save(rows)
+    print(
+        f"\nPart 1 on host memory: {args.host_blocks}^2 blocks of {nbytes / (1 << 20):.0f} MiB = "
+        f"{working_set / GiB:.2f} GiB persisted, pool {pool_max / GiB:.2f} GiB "
+        f"({working_set / pool_max:.1f}x), limit {limit / GiB:.2f} GiB, 1 worker x "
+        f"{args.threads} threads"
+    )
+    _print_rows(rows)
+    return rows
+
+
 def part1(args, save=lambda rows: None) -> list[dict]:
     from dask_rmm import RMMPlugin
     from dask_rmm.sizes import parse_device_bytes
@@ -86,14 +216,17 @@ def part1(args, save=lambda rows: None) -> list[dict]:
     working_set = args.n * args.n * 8
     limit = int(pool_max * 0.8)
     base = dict(pool_size=min(pool_max, 512 << 20), maximum_pool_size=pool_max, allocators=["cupy"])
-    configs = [
-        ("dask-rmm device_memory_limit", dict(base, device_memory_limit=limit, spill_on_oom=True)),
-        ("dask-cuda device_memory_limit", None),
-        ("dask-rmm spill_on_oom only", dict(base, spill_on_oom=True)),
-        ("dask-rmm, no options", dict(base)),
-    ]
+    with_limit = dict(base, device_memory_limit=limit, spill_on_oom=True)
+    configs = {
+        "limit": ("dask-rmm device_memory_limit", with_limit),
+        "limit-nokeep": ("dask-rmm limit, no kept host copies", with_limit),
+        "dask-cuda": ("dask-cuda device_memory_limit", None),
+        "oom": ("dask-rmm spill_on_oom only", dict(base, spill_on_oom=True)),
+        "none": ("dask-rmm, no options", dict(base)),
+    }
     rows = []
-    for label, options in configs:
+    for name in args.configs.split(","):
+        label, options = configs[name]
         if options is None:
             rows.append(_dask_cuda_row(args, pool_max, limit))
             save(rows)
@@ -103,6 +236,8 @@ def part1(args, save=lambda rows: None) -> list[dict]:
             cluster, client = _dask_rmm_cluster(args.threads)
             with cluster, client:
                 client.register_plugin(RMMPlugin(**options))
+                if name == "limit-nokeep":  # the A/B of kept host copies
+                    client.run(_keep_no_host_copies)
                 row.update(_pressure_workload(client, args.n, args.chunk))
                 row["worker"] = next(iter(client.run(_worker_pressure).values()))
         except Exception as e:
@@ -116,18 +251,23 @@ def part1(args, save=lambda rows: None) -> list[dict]:
         f"persisted, pool maximum {pool_max / GiB:.2f} GiB ({working_set / pool_max:.1f}x), "
         f"limit {limit / GiB:.2f} GiB, 1 worker x {args.threads} threads"
     )
+    _print_rows(rows)
+    return rows
+
+
+def _print_rows(rows: list[dict]) -> None:
     print(f"{'configuration':<32} {'seconds':>8} {'correct':>8}  spilled / OOMs avoided / error")
     for r in rows:
         w = r.get("worker", {}).get(0, {})
         note = r.get("error") or ("(no dask-rmm metrics)" if not w else None) or (
-            f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled, "
+            f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled "
+            f"({r['worker'].get('spilled_without_copy_bytes', 0) / GiB:.2f} without a copy), "
             f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
             f"{w.get('ooms_avoided', 0)} OOMs avoided, "
             f"spill {w.get('spill_seconds', 0):.2f}s unspill {w.get('unspill_seconds', 0):.2f}s"
         )
         secs = f"{r['seconds']:.2f}" if "seconds" in r else "-"
         print(f"{r['config']:<32} {secs:>8} {str(r.get('correct', '-')):>8}  {note}")
-    return rows
 
 
 def _dask_cuda_row(args, pool_max: int, limit: int) -> dict:
@@ -175,34 +315,66 @@ def _anchor(n: int, chunk: int):
     return ((x + x.T) * 2 - x.mean(axis=0)).sum()
 
 
+def _spread(values: list[float]) -> dict:
+    """Median, quartiles, min and max of ``values``."""
+    v = sorted(values)
+    if not v:
+        return {}
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return {"n": len(v), "median": q[1], "q1": q[0], "q3": q[2], "min": v[0], "max": v[-1]}
+
+
 def part2(args, save=lambda partial: None) -> dict:
+    """Interleaved rounds on one cluster: each round runs the anchor once with the plain pool
+    and once with the pressure options, in alternating order (ABBA: a drift of the machine
+    cancels out); the first round is a warm-up. Rounds continue until ``--repeats`` rounds or
+    ``--anchor-seconds`` are spent. Reported: each configuration's median and quartiles, and
+    the median of the per-round ratios (options / plain) with its quartiles."""
     from dask_rmm import RMMPlugin
 
     # 0.3: a re-registration builds the new pool before the old one goes (two at once).
     plain = dict(pool_size=0.3, allocators=["cupy"])
     pressure = dict(plain, device_memory_limit=0.9, spill_on_oom=True)
-    times: dict[str, list[float]] = {"pool": [], "pool + pressure options": []}
+    configs = (("pool", plain), ("pool + pressure options", pressure))
+    times: dict[str, list[float]] = {label: [] for label, _ in configs}
+    ratios: list[float] = []
+    deadline = time.perf_counter() + args.anchor_seconds
     cluster, client = _dask_rmm_cluster(args.threads)
     with cluster, client:
         for i in range(args.repeats + 1):
-            for label, options in (("pool", plain), ("pool + pressure options", pressure)):
+            if i > 1 and time.perf_counter() > deadline:
+                break
+            order = configs if i % 2 == 0 else configs[::-1]
+            round_times = {}
+            for label, options in order:
                 client.register_plugin(RMMPlugin(**options))
                 t0 = time.perf_counter()
                 client.compute(_anchor(args.anchor_n, args.anchor_chunk)).result()
-                if i:  # the first round warms up kernels and the pool
-                    times[label].append(time.perf_counter() - t0)
-                    save({"times_s": times})
+                round_times[label] = time.perf_counter() - t0
+            if i:  # the first round warms up kernels and the pool
+                for label, t in round_times.items():
+                    times[label].append(t)
+                ratios.append(round_times["pool + pressure options"] / round_times["pool"])
+                save({"times_s": times, "ratios": ratios})
         worker = next(iter(client.run(_worker_pressure).values()))
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    ratio = medians["pool + pressure options"] / medians["pool"]
+    stats = {k: _spread(v) for k, v in times.items()}
+    ratio = _spread(ratios)
     print(
         f"\nPart 2: anchor {args.anchor_n}^2 in {args.anchor_chunk}^2 chunks, no pressure, "
-        f"alternating, median of {args.repeats}"
+        f"{len(ratios)} interleaved rounds (ABBA) after a warm-up"
     )
-    for k, v in times.items():
-        print(f"{k:<26} {medians[k]:>8.3f} s   ({', '.join(f'{t:.2f}' for t in v)})")
-    print(f"cost of the options: {100 * (ratio - 1):+.1f}% (target <= 2%)")
-    return {"times_s": times, "medians_s": medians, "ratio": ratio, "worker": worker}
+    for k, st in stats.items():
+        print(
+            f"{k:<26} median {st['median']:.3f} s  quartiles {st['q1']:.3f}-{st['q3']:.3f}  "
+            f"range {st['min']:.3f}-{st['max']:.3f}"
+        )
+    print(
+        f"cost of the options, median of per-round ratios: {100 * (ratio['median'] - 1):+.1f}% "
+        f"(quartiles {100 * (ratio['q1'] - 1):+.1f}% to {100 * (ratio['q3'] - 1):+.1f}%, "
+        f"range {100 * (ratio['min'] - 1):+.1f}% to {100 * (ratio['max'] - 1):+.1f}%; "
+        "target <= 2%)"
+    )
+    return {"times_s": times, "stats": stats, "ratios": ratios, "ratio": ratio, "worker": worker}
 
 
 def main() -> None:
@@ -211,12 +383,26 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2500)
     parser.add_argument("--pool-max", default="1.25GiB")
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument(
+        "--configs",
+        default="limit,dask-cuda,oom,none",
+        help="part 1 rows, in order: limit, limit-nokeep, dask-cuda, oom, none",
+    )
     parser.add_argument("--anchor-n", type=int, default=16000)
     parser.add_argument("--anchor-chunk", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved rounds, part 2")
+    parser.add_argument(
+        "--anchor-seconds", type=float, default=1e9, help="stop part 2's rounds after this"
+    )
     parser.add_argument("--skip-anchor", action="store_true")
     parser.add_argument("--skip-pressure", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--host", action="store_true", help="part 1's pattern on host memory (no GPU needed)"
+    )
+    parser.add_argument("--host-blocks", type=int, default=8)
+    parser.add_argument("--host-block", type=int, default=16 << 20)
+    parser.add_argument("--host-repeats", type=int, default=2)
     args = parser.parse_args()
 
     result: dict = {
@@ -236,6 +422,10 @@ def main() -> None:
         save()
 
     try:
+        if args.host:
+            result["pressure"] = part1_host(args, save_rows)
+            save()
+            args.skip_pressure = args.skip_anchor = True
         if not args.skip_pressure:
             result["pressure"] = part1(args, save_rows)
             save()

@@ -359,3 +359,44 @@ def test_clear_does_not_bring_spilled_values_back():
     assert len(store) == 0 and store.inner == {}
     m = wp.metrics()[0]
     assert m.total_unspilled_count == 0 and m.spilled_count == 0 and m.spilled_bytes == 0
+
+
+def test_a_value_brought_back_and_spilled_again_is_not_copied_again():
+    from dask_rmm.pressure import device_objects
+
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    copies = []
+    allocations, spill = device_objects._handlers(DeviceBuffer)
+    rebuild = device_objects._REBUILD["DeviceBuffer"]
+
+    def counted_spill(buf):
+        copies.append(buf.size)
+        return spill(buf)
+
+    device_objects.register_device_type(
+        DeviceBuffer, allocations, counted_spill, "DeviceBuffer", rebuild
+    )
+    try:
+        for i in range(8):  # twice the pool: x-0 .. x-3 spilled, one copy each
+            store[f"x-{i}"] = patterned_buffer(MiB, i)
+        assert len(copies) == 4
+        for _ in range(3):  # read all back, in turn: each read spills another
+            for i in range(8):
+                check_buffer(store[f"x-{i}"], i)
+        # Every value was copied to host once; later spills dropped the device copy only.
+        assert len(copies) == 8
+        assert store.spilled_without_copy > 0
+        m = wp.metrics()[0]
+        assert m.total_spilled_count > 8 and m.total_unspilled_count > 8
+        # A replaced value forgets its host copy: the new one is copied when spilled.
+        store["x-7"] = patterned_buffer(MiB, 70)
+        for i in range(7):
+            check_buffer(store[f"x-{i}"], i)
+        check_buffer(store["x-7"], 70)
+        assert len(copies) == 9
+    finally:
+        device_objects.register_device_type(
+            DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild
+        )
+    assert store._clean_bytes <= store.keep_host_copies == 4 * MiB

@@ -91,6 +91,16 @@ class DeviceSpillStore(MutableMapping):
         # spill an unspill started from.
         self._spilled: dict[Hashable, tuple[int, int, int]] = {}
         self._serial = itertools.count()
+        # Host copies kept for values brought back to the device: spilling one of those again
+        # copies nothing (task outputs are immutable). Dropped when the key is replaced or
+        # deleted; at most ``keep_host_copies`` bytes, oldest dropped first.
+        self._clean: OrderedDict[Hashable, HostCopy] = OrderedDict()
+        self._clean_bytes = 0
+        #: Bytes of host copies kept for values back on the device (0: none kept).
+        self.keep_host_copies = 0
+        #: Device bytes spilled by dropping the device copy of a value whose host copy was
+        #: kept: copies saved.
+        self.spilled_without_copy = 0
         #: Stores, deletions, spills and reads back so far: a change a waiting spill watches.
         self._mutations = 0
         #: A failed allocation that cannot spill anything retries every few milliseconds
@@ -137,6 +147,7 @@ class DeviceSpillStore(MutableMapping):
             if key in self._device:
                 del self._device[key]
                 del self._lru[key]
+                self._drop_clean(key)
                 return
             del self.inner[key]
             spilled = self._spilled.pop(key, None)
@@ -151,6 +162,8 @@ class DeviceSpillStore(MutableMapping):
             self._device.clear()
             self._lru.clear()
             self._spilled.clear()
+            self._clean.clear()
+            self._clean_bytes = 0
             self.inner.clear()
         for device, nbytes, _serial in spilled:
             self.counters.forgotten(device, nbytes)
@@ -183,6 +196,7 @@ class DeviceSpillStore(MutableMapping):
         if key in self._device:
             del self._device[key]
             del self._lru[key]
+            self._drop_clean(key)
         elif key in self.inner:
             del self.inner[key]
             spilled = self._spilled.pop(key, None)
@@ -207,10 +221,22 @@ class DeviceSpillStore(MutableMapping):
                 del self._spilled[key]
                 del self.inner[key]
                 self._mutations += 1
+                if copy.nbytes <= self.keep_host_copies:
+                    self._clean[key] = copy
+                    self._clean_bytes += copy.nbytes
+                    while self._clean_bytes > self.keep_host_copies:
+                        self._clean_bytes -= self._clean.popitem(last=False)[1].nbytes
             else:  # deleted or replaced meanwhile: hand out what was asked for, store nothing
                 return value
         self.counters.unspilled(device, nbytes, time.perf_counter() - t0)
         return value
+
+    def _drop_clean(self, key: Hashable) -> HostCopy | None:
+        """Forget the kept host copy of ``key`` (lock held); return it."""
+        copy = self._clean.pop(key, None)
+        if copy is not None:
+            self._clean_bytes -= copy.nbytes
+        return copy
 
     @staticmethod
     def _entry_of(value: Any, device: int, nbytes: int) -> _Entry:
@@ -244,6 +270,8 @@ class DeviceSpillStore(MutableMapping):
             other._device.clear()
             other._lru.clear()
             other._spilled.clear()
+            other._clean.clear()
+            other._clean_bytes = 0
             other.inner = {}
             spilled = list(self._spilled.values())
         for device, nbytes, _serial in spilled:
@@ -255,6 +283,8 @@ class DeviceSpillStore(MutableMapping):
             items = list(self._device.items())
             self._device.clear()
             self._lru.clear()
+            self._clean.clear()
+            self._clean_bytes = 0
         return items
 
     def spilled_keys(self) -> list[Hashable]:
@@ -407,15 +437,19 @@ class DeviceSpillStore(MutableMapping):
                 # References: the dict, ``value`` here and getrefcount's argument.
                 if value is None or _getrefcount(value) > _DICT_ONLY_REFS + 1:
                     continue
+                copy = self._clean.get(key)
             t0 = time.perf_counter()
-            try:
-                copy = to_host(value)
-            except Exception as e:  # e.g. out of host memory: this one stays on the device
-                logger.warning("dask-rmm: could not spill %r to host: %r", key, e)
-                continue
+            if copy is None:
+                try:
+                    copy = to_host(value)
+                except Exception as e:  # e.g. out of host memory: this one stays on the device
+                    logger.warning("dask-rmm: could not spill %r to host: %r", key, e)
+                    continue
             with self._lock:
                 if self._device.get(key) is not value or _getrefcount(value) > _DICT_ONLY_REFS + 1:
                     continue  # read (and so referenced) while being copied: keep it
+                if self._drop_clean(key) is copy:
+                    self.spilled_without_copy += entry.nbytes
                 # Into inner first: a reader that takes no lock (``in``) always finds the key.
                 self.inner[key] = copy
                 self._spilled[key] = (entry.device, entry.nbytes, next(self._serial))

@@ -110,6 +110,9 @@ class WorkerPressure:
             on_oom=self._on_oom,
         )
         self.devices[device] = dp
+        # A value brought back keeps its host copy (spilling it again then copies nothing):
+        # at most what this device may hold, so host memory grows by no more than that.
+        self.store.keep_host_copies += limit if limit is not None else capacity
         dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
         return dp.adaptor
 
