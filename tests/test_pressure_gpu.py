@@ -69,6 +69,27 @@ def test_cupy_outputs_several_times_the_pool(cupy_on_pool):
         del x
 
 
+def test_a_batch_of_cupy_victims_synchronizes_the_device_once(cupy_on_pool, monkeypatch):
+    from dask_rmm import _cuda
+
+    cupy, wp = cupy_on_pool
+    store = wp.store
+    for i in range(3):
+        store[f"x-{i}"] = cupy.full(MiB, i, dtype="float64")
+    calls = []
+    real = _cuda.device_synchronize
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(_cuda, "device_synchronize", counted)
+    assert store.spill(3 * 8 * MiB) == 3 * 8 * MiB  # one batch of three victims
+    assert len(calls) == 1
+    for i in range(3):
+        assert float(store[f"x-{i}"].max()) == i
+
+
 def test_cupy_request_larger_than_the_pool_is_a_demand_oom(cupy_on_pool):
     cupy, wp = cupy_on_pool
     with pytest.raises(MemoryError):

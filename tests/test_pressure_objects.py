@@ -112,3 +112,23 @@ def test_importing_the_pressure_layer_imports_no_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_spill_batch_synchronizes_each_device_once_per_thread():
+    from dask_rmm.pressure.device_objects import _synchronize, spill_batch
+
+    calls = []
+    sync = {d: (lambda d=d: calls.append(d)) for d in (0, 1)}
+    _synchronize(0, sync[0])
+    _synchronize(0, sync[0])  # outside a batch: every time
+    assert calls == [0, 0]
+    calls.clear()
+    with spill_batch():
+        for d in (0, 1, 0, 1, 0):
+            _synchronize(d, sync[d])
+        with spill_batch():  # nested: still the outer batch
+            _synchronize(0, sync[0])
+        _synchronize(1, sync[1])
+    assert calls == [0, 1]
+    _synchronize(0, sync[0])  # the batch is over
+    assert calls == [0, 1, 0]

@@ -8,8 +8,10 @@ device object and stays where it is. Add a type with :func:`register_device_type
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ __all__ = [
     "HostCopy",
     "device_allocations",
     "register_device_type",
+    "spill_batch",
     "to_host",
 ]
 
@@ -77,6 +80,37 @@ class HostCopy:
 
     def __repr__(self) -> str:
         return f"<HostCopy of a {self.kind} ({self.nbytes} bytes) from device {self.device}>"
+
+
+_batch = threading.local()
+
+
+@contextlib.contextmanager
+def spill_batch() -> Iterator[None]:
+    """Copies to host made by this thread inside the block synchronize each device once.
+
+    CuPy and Numba arrays do not say which stream wrote them, so copying one to host first
+    synchronizes its device; for a batch of victims chosen together (outputs nothing
+    references, so no new work can be queued on them) the first synchronization covers all.
+    """
+    outer = getattr(_batch, "synchronized", None)
+    if outer is None:
+        _batch.synchronized = set()
+    try:
+        yield
+    finally:
+        if outer is None:
+            _batch.synchronized = None
+
+
+def _synchronize(device: int, synchronize: Callable[[], Any]) -> None:
+    """``synchronize()`` (the device's), unless already done in this thread's spill batch."""
+    done = getattr(_batch, "synchronized", None)
+    if done is not None:
+        if device in done:
+            return
+        done.add(device)
+    synchronize()
 
 
 # type -> (allocations(obj) -> list[DeviceAllocation], to_host(obj) -> HostCopy)
@@ -228,7 +262,7 @@ def _register_cupy() -> None:
             with cupy.cuda.Device(arr.device.id):
                 # Whatever stream wrote the array (CuPy's streams may be non-blocking) is done
                 # before the bytes are read; the copy then synchronizes the default stream.
-                _cuda.device_synchronize()
+                _synchronize(arr.device.id, _cuda.device_synchronize)
                 copy_ptr_to_host(arr.data.ptr + lo, data)
         meta = (arr.shape, arr.strides, arr.dtype.str, -lo)
         return HostCopy("cupy", arr.device.id, data, meta, hi - lo)
@@ -282,7 +316,7 @@ def _register_numba() -> None:
         data = np.empty(hi, dtype=np.uint8)
         if hi:
             with cuda.gpus[device]:
-                cuda.synchronize()
+                _synchronize(device, cuda.synchronize)
                 copy_ptr_to_host(int(arr.__cuda_array_interface__["data"][0]), data)
         return HostCopy("numba", device, data, (arr.shape, arr.strides, arr.dtype.str), hi)
 

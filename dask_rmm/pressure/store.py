@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from typing import Any
 
 from dask_rmm.mr.base import align_up
-from dask_rmm.pressure.device_objects import HostCopy, device_allocations, to_host
+from dask_rmm.pressure.device_objects import HostCopy, device_allocations, spill_batch, to_host
 from dask_rmm.pressure.metrics import PressureCounters
 from dask_rmm.pressure.victims import Candidate, coalescing_victims, lru_victims
 
@@ -429,6 +429,10 @@ class DeviceSpillStore(MutableMapping):
         return lru_victims(cands, request), False
 
     def _spill_keys(self, keys: list[Hashable]) -> int:
+        with spill_batch():
+            return self._spill_batch(keys)
+
+    def _spill_batch(self, keys: list[Hashable]) -> int:
         freed = 0
         for key in keys:
             with self._lock:
