@@ -400,3 +400,40 @@ def test_a_value_brought_back_and_spilled_again_is_not_copied_again():
             DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild
         )
     assert store._clean_bytes <= store.keep_host_copies == 4 * MiB
+
+
+def test_threads_crossing_the_limit_together_spill_the_excess_once():
+    """A thread over the limit waits while another spills; once its turn comes, it spills what
+    is still over the limit then (here nothing), not what was over when it started waiting."""
+    import sys
+
+    wp, top = pressure_stack(8 * MiB, limit=4 * MiB, spill_on_oom=False)
+    store = wp.store
+    for i in range(4):
+        store[f"x-{i}"] = patterned_buffer(MiB, i)  # 4 MiB: at the limit
+    result = {}
+
+    def allocate():
+        result["buf"] = DeviceBuffer(size=MiB)  # 1 MiB over: must wait for the spill lock
+
+    with store._spill_lock:  # another thread is spilling
+        th = threading.Thread(target=allocate)
+        th.start()
+        # Until the thread waits for the lock (its innermost frame is DeviceSpillStore.spill).
+        for _ in range(10_000):
+            frame = sys._current_frames().get(th.ident)
+            if frame is not None and frame.f_code.co_name == "spill":
+                break
+            threading.Event().wait(0.001)
+        else:
+            raise AssertionError("the allocating thread never reached the spill lock")
+        del frame
+        # Meanwhile the other thread's spill freed room: 1 MiB gone from the device.
+        victim = store._device.pop("x-0")
+        store._lru.pop("x-0")
+        store.inner["x-0"] = victim.copy_to_host()
+        del victim
+    th.join(30)
+    assert result["buf"].size == MiB
+    assert store.spilled_keys() == []  # nothing more spilled: the excess was gone
+    assert sorted(store._device) == ["x-1", "x-2", "x-3"]

@@ -31,7 +31,7 @@ class PressureHandler(Protocol):
 
     def busy(self) -> bool: ...
     def current_bytes(self) -> int: ...
-    def spill(self, need: int) -> int: ...
+    def spill(self, need: int | Callable[[], int]) -> int: ...
     def spill_until(
         self, attempt: Callable[[], int], request: int
     ) -> tuple[int | None, MemoryError | None, int]: ...
@@ -117,9 +117,12 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         now = time.monotonic()
         if now < self._quiet_until:
             return
-        current = h.current_bytes()
-        over = current + nbytes - limit
-        if over > 0 and h.spill(over) == 0:
+        # What is over is measured once this thread may spill: threads that crossed the limit
+        # together would otherwise each spill the same excess.
+        def over() -> int:
+            return h.current_bytes() + nbytes - limit
+
+        if over() > 0 and h.spill(over) == 0 and over() > 0:  # nothing left to spill
             self._quiet_until = now + _QUIET_SECONDS
         self.resync()
 

@@ -110,8 +110,9 @@ class DevicePressure:
             return info.reserved_bytes - info.free_bytes
         return self.store.device_bytes(self.device)
 
-    def spill(self, need: int) -> int:
-        """Spill least recently used values of this device adding up to ``need`` bytes."""
+    def spill(self, need: int | Callable[[], int]) -> int:
+        """Spill least recently used values of this device adding up to ``need`` bytes (or
+        what ``need()`` says once this thread's turn to spill comes)."""
         return self.store.spill(need, device=self.device)
 
     def spill_until(
@@ -181,10 +182,10 @@ class DevicePressure:
     def _spill_down_to(self, target: int) -> int:
         total = 0
         while True:
-            over = self.current_bytes() - target
-            if over <= 0:
+            if self.current_bytes() <= target:
                 return total
-            freed = self.spill(over)
+            # Measured again once this thread may spill: another may have spilled meanwhile.
+            freed = self.spill(lambda: self.current_bytes() - target)
             if freed <= 0:
                 return total
             total += freed

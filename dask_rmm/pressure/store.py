@@ -305,15 +305,23 @@ class DeviceSpillStore(MutableMapping):
 
     def spill(
         self,
-        need: int,
+        need: int | Callable[[], int],
         *,
         device: int | None = None,
     ) -> int:
         """Move the least recently used spillable device values (of ``device``, or any) adding
-        up to ``need`` bytes to host memory; return the device bytes they held."""
+        up to ``need`` bytes to host memory; return the device bytes they held.
+
+        ``need`` may be a function, called once this thread may spill (another thread may have
+        been spilling meanwhile): what is still needed then, measured, not estimated before.
+        """
         with self._spill_lock:
             self._local.active = True
             try:
+                if callable(need):
+                    need = need()
+                if need <= 0:
+                    return 0
                 return self._spill_keys(lru_victims(self.candidates(device), need))
             finally:
                 self._local.active = False
