@@ -25,6 +25,15 @@ pytestmark = pytest.mark.slow
 
 POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
 N, SIZE = 32, MiB  # 32 MiB of outputs over 2 workers: 16 MiB each, twice the pool
+# No work stealing: a stolen task moves its input between workers, and a value being sent or
+# received is referenced, so not spillable. Transfers of at most 2 MiB: the scheduler may still
+# run a checksum on the worker without its input, and a worker sending a batch reads (and so
+# brings back to the device) all of its values at once; distributed's default batch (50 MB) is
+# six times the (tiny) pool (seen on the H200: "reading back out-limit-4", pool full).
+CONFIG = {
+    "distributed.scheduler.work-stealing": False,
+    "distributed.worker.transfer.message-bytes-limit": "2MiB",
+}
 
 
 def _workload(client, tag: str) -> None:
@@ -41,11 +50,8 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_a_li
 
     from dask_rmm.mr.base import OutOfMemoryError
 
-    # No work stealing: a stolen task moves its input between workers, and a value being sent
-    # or received is referenced, so not spillable; on a loaded host several at once could
-    # fill the whole (tiny) pool.
     with (
-        dask.config.set({"distributed.scheduler.work-stealing": False}),
+        dask.config.set(CONFIG),
         local_process_cluster() as (cluster, client),
     ):
         client.register_plugin(RMMPlugin(**POOL))
@@ -82,7 +88,7 @@ def test_outputs_beyond_the_pool_complete_with_spill_on_oom():
     import dask
 
     with (
-        dask.config.set({"distributed.scheduler.work-stealing": False}),
+        dask.config.set(CONFIG),
         local_process_cluster() as (cluster, client),
     ):
         # No pause: its periodic check would spill too; here only failed allocations do.
