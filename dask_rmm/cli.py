@@ -285,6 +285,13 @@ def report(
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
+    if plot_path is not None and scheduler_file:
+        from dask_rmm._output import refuse_input
+
+        try:
+            refuse_input(plot_path, [scheduler_file])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--plot") from e
     if scheduler_file:
         try:
             with open(scheduler_file) as f:

@@ -1,8 +1,9 @@
 """Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``.
 
 The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
-the worker starts (a failing setup closes the worker with the reason). Flags not given fall back
-to the worker's ``dask-rmm.*`` config, validated with them. What the options mean is documented
+the worker starts (a failing setup closes the worker with the reason, and ``dask worker`` exits
+with status 1). Flags not given fall back to the worker's ``dask-rmm.*`` config, validated with
+them. What the options mean is documented
 in docs/workers.md. Run ``python -m dask_rmm.preload --help`` to list the flags.
 
 Scheduler address: ``dask worker`` takes the first argument it does not know as its SCHEDULER
@@ -27,7 +28,7 @@ from typing import Any
 
 import click
 
-__all__ = ["dask_setup", "plugin_from_flags"]
+__all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
 
 logger = logging.getLogger(__name__)
 
@@ -256,14 +257,23 @@ async def dask_setup(worker: Any, **flags: Any) -> None:
     """
     plugin = plugin_from_flags(**flags)
     plugin.coordinated = False  # this worker alone: no vote with the others
-    # distributed logs and ignores a preload's errors: a worker whose setup failed closes
-    # itself rather than run without its memory setup.
     try:
         await worker.plugin_add(plugin, catch_errors=False)
     except Exception as e:
-        logger.error("dask-rmm: closing worker %s: %s: %s", worker.name, type(e).__name__, e)
-        await worker.close(reason=f"dask-rmm setup failed: {type(e).__name__}: {e}")
-        raise
+        reason = f"dask-rmm setup failed: {type(e).__name__}: {e}"
+        logger.error("dask-rmm: closing worker %s: %s", worker.name, reason)
+        await worker.close(reason=reason)
+        raise WorkerSetupFailed(reason) from e
+
+
+class WorkerSetupFailed(BaseException):
+    """The preload closed its worker because the dask-rmm setup failed; fails the worker's start.
+
+    A BaseException on purpose: distributed logs and ignores an ``Exception`` from a preload,
+    after which the closed worker would end with exit status 0 and a supervisor (systemd,
+    Kubernetes, dask-jobqueue) would take the failure for a clean stop. This one ends the
+    worker's start, so ``dask worker`` exits with status 1 (with or without a nanny).
+    """
 
 
 _FLAG_TO_OPTION = {
