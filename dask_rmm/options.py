@@ -112,10 +112,19 @@ def _pause_fraction(value: Any) -> float | None:
     return float(value)
 
 
-def _describe(value: int | float) -> str:
+def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
+    """RMM's error when the maximum pool size is below the initial one (both bytes, or both
+    fractions)."""
     from dask_rmm.mr.base import format_bytes
 
-    return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+    def describe(value: int | float) -> str:
+        return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+
+    if type(pool) is type(maximum) and pool is not None and maximum < pool:
+        raise OptionError(
+            f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
+            f"({describe(maximum)}) is smaller than `pool_size` ({describe(pool)}){where}"
+        )
 
 
 @dataclass(frozen=True)
@@ -205,12 +214,7 @@ class RMMOptions:
             raise OptionError(
                 "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
             )
-        pool, maximum = self.pool_size, self.maximum_pool_size
-        if type(pool) is type(maximum) and pool is not None and maximum < pool:
-            raise OptionError(
-                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
-                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool)})"
-            )
+        _check_pool_sizes(self.pool_size, self.maximum_pool_size)
         if self.base_resource in ("system", "pinned") and self.allocators:
             raise OptionError(
                 f"`allocators` {list(self.allocators)} need device memory: they cannot use "
@@ -336,12 +340,7 @@ def build_stack(
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
         maximum = options.resolve_size("maximum_pool_size", device, total)
-        if pool_size is not None and maximum is not None and maximum < pool_size:
-            raise OptionError(
-                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
-                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool_size)}) "
-                f"on device {device}"
-            )
+        _check_pool_sizes(pool_size, maximum, f" on device {device}")
         top = make_base_resource(options.base_resource, device, options, total)
         if options.base_resource == "async":
             if maximum is not None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import click
 
+from dask_rmm.options import BASE_RESOURCES
+
 __all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
 
 logger = logging.getLogger(__name__)
@@ -37,40 +39,33 @@ logger = logging.getLogger(__name__)
 _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
-class _SizeType(click.ParamType):
+def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A memory size: bytes, a size string such as ``4GiB``, or a fraction of device memory."""
+    from dask_rmm.options import _size
 
-    name = "size"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.options import _size
-
-        try:
+    try:
+        if value is not None:
             _size("size", value)
-        except (TypeError, ValueError) as e:
-            reason = str(e).removeprefix("size=")
-            self.fail(f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)")
         return value
+    except (TypeError, ValueError) as e:
+        reason = str(e).removeprefix("size=")
+        raise click.BadParameter(
+            f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)"
+        ) from None
 
 
-class _LibrariesType(click.ParamType):
+def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A comma-separated list of libraries to point at the worker's resource."""
+    from dask_rmm.options import _allocators
 
-    name = "libs"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.options import _allocators
-
-        try:
-            return list(_allocators(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+    try:
+        return value if value is None else list(_allocators(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
-SIZE = _SizeType()
 #: How usage errors name this command.
 PROG = "dask worker SCHEDULER --preload dask_rmm.preload"
-
 
 class _PreloadCommand(click.Command):
     """Checks the flags together right after parsing, so that incompatible flags are a usage
@@ -176,76 +171,47 @@ def _recovered_argv(args: list[str]) -> list[str]:
     return list(typed)
 
 
-@click.command(name="dask_rmm.preload", cls=_PreloadCommand)
-@click.option(
-    "--rmm-pool-size",
-    type=SIZE,
-    default=None,
-    help="Initial pool size: bytes, '4GiB' or a fraction of device memory ('0.8'). "
-    "No pool when not given.",
-)
-@click.option(
-    "--rmm-maximum-pool-size",
-    type=SIZE,
-    default=None,
-    help="The pool never grows beyond this (needs --rmm-pool-size or --rmm-async).",
-)
-@click.option(
-    "--rmm-managed-memory/--no-rmm-managed-memory",
-    default=None,
-    help="Allocate CUDA managed (unified) memory.",
-)
-@click.option(
-    "--rmm-async/--no-rmm-async",
-    default=None,
-    help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.",
-)
-@click.option(
-    "--rmm-release-threshold",
-    type=SIZE,
-    default=None,
-    help="Bytes the async pool keeps when idle (needs --rmm-async).",
-)
-@click.option(
-    "--rmm-log-directory",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Write one CSV allocation log per worker and device into this directory.",
-)
-@click.option(
-    "--rmm-track-allocations/--no-rmm-track-allocations",
-    default=None,
-    help="Track outstanding allocations (TrackingResourceAdaptor).",
-)
-@click.option(
-    "--set-rmm-allocator-for-libs",
-    type=_LibrariesType(),
-    default=None,
-    help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or several "
-    "('cupy,torch').",
-)
-@click.option(
-    "--rmm-base-resource",
-    type=click.Choice(["cuda", "managed", "async", "pinned", "system"], case_sensitive=False),
-    default=None,
-    help="Where memory comes from; 'system' (host memory) for hosts without a GPU.",
-)
-@click.option(
-    "--device-memory-limit",
-    type=SIZE,
-    default=None,
-    help="Spill task outputs to host memory above this many bytes in use on the device.",
-)
-@click.option(
-    "--spill-on-oom/--no-spill-on-oom",
-    default=None,
-    help="Spill task outputs and retry when an allocation runs out of memory.",
-)
-@click.option(
-    "--rmm-statistics/--no-rmm-statistics",
-    default=None,
-    help="Count allocations per worker and task prefix for the heartbeat metrics (on by default).",
-)
+#: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
+_FLAGS = [
+    ("--rmm-pool-size", "pool_size", dict(callback=_size, help="Initial pool size: bytes, '4GiB' "
+        "or a fraction of device memory ('0.8'). No pool when not given.")),
+    ("--rmm-maximum-pool-size", "maximum_pool_size", dict(callback=_size, help="The pool never "
+        "grows beyond this (needs --rmm-pool-size or --rmm-async).")),
+    ("--rmm-managed-memory/--no-rmm-managed-memory", "managed_memory",
+        dict(help="Allocate CUDA managed (unified) memory.")),
+    ("--rmm-async/--no-rmm-async", "async_alloc",
+        dict(help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.")),
+    ("--rmm-release-threshold", "release_threshold", dict(callback=_size, help="Bytes the async "
+        "pool keeps when idle (needs --rmm-async).")),
+    ("--rmm-log-directory", "log_directory", dict(type=click.Path(file_okay=False), help="Write "
+        "one CSV allocation log per worker and device into this directory.")),
+    ("--rmm-track-allocations/--no-rmm-track-allocations", "track_allocations",
+        dict(help="Track outstanding allocations (TrackingResourceAdaptor).")),
+    ("--set-rmm-allocator-for-libs", "allocators", dict(callback=_libraries, metavar="LIBS",
+        help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or "
+        "several ('cupy,torch').")),
+    ("--rmm-base-resource", "base_resource", dict(type=click.Choice(
+        BASE_RESOURCES, case_sensitive=False),
+        help="Where memory comes from; 'system' (host memory) for hosts without a GPU.")),
+    ("--device-memory-limit", "device_memory_limit", dict(callback=_size, help="Spill task "
+        "outputs to host memory above this many bytes in use on the device.")),
+    ("--spill-on-oom/--no-spill-on-oom", "spill_on_oom",
+        dict(help="Spill task outputs and retry when an allocation runs out of memory.")),
+    ("--rmm-statistics/--no-rmm-statistics", "statistics", dict(help="Count allocations per "
+        "worker and task prefix for the heartbeat metrics (on by default).")),
+]  # fmt: skip
+#: Parameter name (``rmm_pool_size``) -> RMMPlugin option (``pool_size``).
+_FLAG_TO_OPTION = {f.split("/")[0][2:].replace("-", "_"): o for f, o, _ in _FLAGS}
+
+
+def _with_flags(command: Any) -> Any:
+    for flag, _, settings in reversed(_FLAGS):
+        settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
+        command = click.option(flag, default=None, **settings)(command)
+    return click.command(name="dask_rmm.preload", cls=_PreloadCommand)(command)
+
+
+@_with_flags
 async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
 
@@ -274,22 +240,6 @@ class WorkerSetupFailed(BaseException):
     Kubernetes, dask-jobqueue) would take the failure for a clean stop. This one ends the
     worker's start, so ``dask worker`` exits with status 1 (with or without a nanny).
     """
-
-
-_FLAG_TO_OPTION = {
-    "rmm_pool_size": "pool_size",
-    "rmm_maximum_pool_size": "maximum_pool_size",
-    "rmm_managed_memory": "managed_memory",
-    "rmm_async": "async_alloc",
-    "rmm_release_threshold": "release_threshold",
-    "rmm_log_directory": "log_directory",
-    "rmm_track_allocations": "track_allocations",
-    "set_rmm_allocator_for_libs": "allocators",
-    "rmm_base_resource": "base_resource",
-    "rmm_statistics": "statistics",
-    "device_memory_limit": "device_memory_limit",
-    "spill_on_oom": "spill_on_oom",
-}
 
 
 def plugin_from_flags(**flags: Any):

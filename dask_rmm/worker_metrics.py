@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from dask.utils import parse_timedelta
-
 from dask_rmm import wire
 from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
@@ -103,11 +101,11 @@ class WorkerMetrics:
         stacks: Iterable[DeviceStack],
         *,
         top_n: int,
-        sample_interval: str | float | None,
+        sample_interval: float,
         sampling: bool,
     ) -> None:
         """Publish ``worker.metrics["dask-rmm"]`` and ``["rmm"]`` for ``stacks`` and, with
-        ``sampling`` and a positive ``sample_interval`` (ms if a number), start the sampler."""
+        ``sampling`` and a positive ``sample_interval`` (seconds), start the sampler."""
         from tornado.ioloop import PeriodicCallback
 
         from dask_rmm.worker_stack import worker_stack
@@ -123,9 +121,8 @@ class WorkerMetrics:
         worker.metrics = {
             **worker.metrics, METRICS_KEY: self.heartbeat_metrics, "rmm": self.rmm_metrics
         }
-        interval = parse_timedelta(sample_interval, default="ms")
-        if sampling and interval and interval > 0:
-            sampler = PeriodicCallback(self.sample, interval * 1000)
+        if sampling and sample_interval and sample_interval > 0:
+            sampler = PeriodicCallback(self.sample, sample_interval * 1000)
             self._sampler = sampler
             # Registered with the worker so that it is stopped on close even without teardown,
             # and started by the worker if setup runs before the worker starts (preload).
