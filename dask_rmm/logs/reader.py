@@ -26,7 +26,7 @@ import heapq
 import io
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -44,7 +44,6 @@ __all__ = [
     "default_source_name",
     "format_event",
     "format_time",
-    "iter_rows",
     "merge_logs",
     "parse_time",
     "read_log",
@@ -145,19 +144,12 @@ def parse_time(text: str) -> float:
     >>> parse_time("01:00:02.500000")
     3602.5
     """
-    if len(text) > 8 and text[2] == ":" and text[5] == ":":
-        seconds = text[6:]
-        if text[8] == ":":
-            seconds = seconds[:2] + "." + seconds[3:]
-        value = int(text[0:2]) * 3600 + int(text[3:5]) * 60 + float(seconds)
-    else:
-        parts = text.strip().split(":")
-        if len(parts) == 4:
-            parts = [parts[0], parts[1], parts[2] + "." + parts[3]]
-        if len(parts) != 3:
-            raise ValueError(f"time {text!r} is not HH:MM:SS.ffffff")
-        value = int(parts[0]) * 3600 + int(parts[1]) * 60 + float(parts[2])
-    if value < 0 or value != value:
+    try:
+        h, m, s = text.split(":", 2)
+        value = int(h) * 3600 + int(m) * 60 + float(s.replace(":", ".", 1))
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
         raise ValueError(f"time {text!r} is not HH:MM:SS.ffffff")
     return value
 
@@ -461,13 +453,6 @@ def format_event(event: LogEvent) -> str:
         f"{event.thread},{format_time(event.time)},{event.action.value},{ptr},"
         f"{event.size},{event.stream:x}"
     )
-
-
-def iter_rows(events: Iterable[LogEvent]) -> Iterator[str]:
-    """RMM-format CSV lines (header first, newline-terminated) for ``events``."""
-    yield ",".join(HEADER) + "\n"
-    for e in events:
-        yield format_event(e) + "\n"
 
 
 def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike | TextIO) -> int:

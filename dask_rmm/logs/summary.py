@@ -26,8 +26,8 @@ __all__ = [
     "SummaryReport",
     "Totals",
     "format_size",
+    "binary_unit",
     "format_summary",
-    "size_bucket",
     "summarize",
 ]
 
@@ -155,11 +155,6 @@ class LogSummary:
         ]
         d["truncated"] = list(self.truncated)
         return d
-
-
-def size_bucket(size: int) -> int:
-    """The power-of-two histogram bucket of ``size``: the smallest ``2**k >= size`` (0 for 0)."""
-    return 1 << (size - 1).bit_length() if size > 0 else 0
 
 
 class Summarizer:
@@ -420,20 +415,20 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         width = max(s.histogram.values())
         for bucket, count in s.histogram.items():
             bar = "#" * max(1, round(30 * count / width))
-            label = "0 B" if bucket == 0 else _pow2_label(bucket)
+            unit, scale = binary_unit(bucket)
+            label = f"{bucket / scale:g} {unit}"
             lines.append(f"                {label:>12} {count:>14,}  {bar}")
     lines.extend(_totals_table("thread", s.threads, str, top_rows))
     lines.extend(_totals_table("stream", s.streams, hex, top_rows))
     return "\n".join(lines)
 
 
-def _pow2_label(n: int) -> str:
+def binary_unit(n: float) -> tuple[str, int]:
+    """The largest of GiB, MiB, KiB and B that ``n`` reaches, and its size in bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return (
-                f"{n >> shift} {unit}" if n % (1 << shift) == 0 else f"{n / (1 << shift):g} {unit}"
-            )
-    return f"{n} B"
+            return unit, 1 << shift
+    return "B", 1
 
 
 def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) -> list[str]:

@@ -9,13 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dask_rmm._output import atomic_output, refuse_input
-from dask_rmm.logs.reader import Action, LiveAllocations, format_time, read_logs
+from dask_rmm.logs.reader import Action, format_time, read_logs
+from dask_rmm.logs.summary import Summarizer, binary_unit
 
 __all__ = ["Timeline", "in_use_timeline", "plot_logs"]
-
-_ALLOCATE = Action.ALLOCATE
-_FREE = Action.FREE
-_LATE = LiveAllocations.LATE_FREE
 
 
 class _Envelope:
@@ -66,44 +63,25 @@ def in_use_timeline(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    envelopes: dict[str, _Envelope] = {}
-    current: dict[str, int] = {}
-    peaks: dict[str, tuple[int, float | None]] = {}
-    failures: dict[str, list[tuple[float, int]]] = {}
-    table = LiveAllocations()
+    sources: dict[str, tuple[Summarizer, _Envelope, list[tuple[float, int]]]] = {}
     for e in read_logs(list(paths)):
-        src = e.source
-        env = envelopes.get(src)
-        if env is None:
-            env = envelopes[src] = _Envelope(max_points)
-            current[src] = 0
-            peaks[src] = (0, e.time)
-            failures[src] = []
-            env.add(e.time, 0)
-        if e.action is _ALLOCATE:
-            if e.size == 0:
-                continue
-            old = table.allocate((src, e.pointer), e.size)
-            if old is not None:
-                current[src] -= old
-            current[src] += e.size
-            if current[src] > peaks[src][0]:
-                peaks[src] = (current[src], e.time)
-        elif e.action is _FREE:
-            size = table.free((src, e.pointer))
-            if size is None or size is _LATE:
-                continue
-            current[src] -= size
-        else:
-            if len(failures[src]) < max_points:
-                failures[src].append((e.time, current[src]))
-            continue
-        env.add(e.time, current[src])
+        source = sources.get(e.source)
+        if source is None:
+            source = sources[e.source] = (Summarizer(e.source), _Envelope(max_points), [])
+            source[1].add(e.time, 0)
+        summary, envelope, failures = source
+        summary.add(e)
+        if e.action is not Action.ALLOCATE_FAILURE:
+            envelope.add(e.time, summary.current)
+        elif len(failures) < max_points:
+            failures.append((e.time, summary.current))
     out = []
-    for src, env in sorted(envelopes.items()):
-        pk, pt = peaks[src]
-        xs, ys = [p[0] for p in env.points], [p[1] for p in env.points]
-        out.append(Timeline(src, xs, ys, pk, pt, failures[src]))
+    for name, (summary, envelope, failures) in sorted(sources.items()):
+        peak = summary.peak_event
+        times, values = [p[0] for p in envelope.points], [p[1] for p in envelope.points]
+        out.append(
+            Timeline(name, times, values, summary.peak, peak.time if peak else None, failures)
+        )
     return out
 
 
@@ -140,7 +118,7 @@ def plot_logs(
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
     t0 = min(tl.times[0] for tl in timelines if tl.times)
     top = max(tl.peak_bytes for tl in timelines)
-    unit, scale = _plot_unit(top)
+    unit, scale = binary_unit(top)
     fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
     try:
         for tl in timelines:
@@ -181,10 +159,3 @@ def plot_logs(
     finally:
         plt.close(fig)
     return timelines
-
-
-def _plot_unit(n: int) -> tuple[str, int]:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return unit, 1 << shift
-    return "B", 1
