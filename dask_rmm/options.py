@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_rmm.sizes import host_total_memory, parse_device_bytes
-from dask_rmm.worker_stack import DeviceStack, claim_log_file, log_file_path, resource_chain
+from dask_rmm.worker_stack import (
+    DeviceStack,
+    claim_log_file,
+    log_file_path,
+    on_device,
+    resource_chain,
+)
 
 __all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions", "build_stack", "make_base_resource"]
 
@@ -333,10 +339,7 @@ def build_stack(
     """
     from dask_rmm import _cuda, mr
 
-    current = _cuda.get_device() if _cuda.is_available() else device
-    if current != device:
-        _cuda.set_device(device)
-    try:
+    with on_device(device):
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
         maximum = options.resolve_size("maximum_pool_size", device, total)
@@ -347,9 +350,6 @@ def build_stack(
                 top = mr.LimitingResourceAdaptor(top, allocation_limit=maximum)
         elif options.pool_allocator:
             top = mr.PoolMemoryResource(top, initial_pool_size=pool_size, maximum_pool_size=maximum)
-    finally:
-        if current != device:
-            _cuda.set_device(current)
     stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory, options=options)
     try:
         if options.track_allocations:

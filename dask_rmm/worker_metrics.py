@@ -69,15 +69,10 @@ def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
     if host_memory:
         return 0, 0
     from dask_rmm import _cuda
+    from dask_rmm.worker_stack import on_device
 
-    current = _cuda.get_device()
-    if current != device:
-        _cuda.set_device(device)
-    try:
+    with on_device(device):
         free, total = _cuda.mem_get_info()
-    finally:
-        if current != device:
-            _cuda.set_device(current)
     return total - free, total
 
 
