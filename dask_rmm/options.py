@@ -139,54 +139,33 @@ class RMMOptions:
 
     Sizes are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
     :func:`build_stack` resolves on the device; both aligned down to 256 bytes there.
-
-    Attributes
-    ----------
-    base_resource : {"cuda", "managed", "async", "pinned", "system"}
-        Where memory comes from. With ``"async"`` the pool sizes size cudaMallocAsync's own pool
-        (``maximum_pool_size`` is a ``LimitingResourceAdaptor``); otherwise a pool is a
-        ``PoolMemoryResource`` over the base.
-    pool_allocator : bool
-        Suballocate from a pool; true whenever ``pool_size`` is given.
-    pool_size, maximum_pool_size : int, float or None
-        Initial and largest pool size (None: the pool's defaults, no limit).
-    release_threshold : int, float or None
-        With ``"async"``: bytes its pool keeps when idle.
-    log_directory : str or None
-        One CSV allocation log per worker and device in this directory.
-    log_file_name : str or None
-        ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory.
-    track_allocations, statistics : bool
-        Add a ``TrackingResourceAdaptor``; a ``StatisticsResourceAdaptor`` (and, on a worker,
-        per-task-prefix attribution) feeding the heartbeat metrics.
-    allocators : tuple of str
-        Libraries pointed at the resource (names of :mod:`dask_rmm.allocators`' registry).
-    devices : tuple of int or None
-        Devices to set up; None: the current one.
-    device_memory_limit : int, float or None
-        Above this many bytes in use (measured by the resource), a worker spills its least
-        recently used task outputs to host memory (:mod:`dask_rmm.pressure`).
-    spill_on_oom : bool
-        An allocation that fails spills task outputs and is retried.
-    device_pause_fraction : float or None
-        Pause a worker whose bytes in use pass this fraction of the device's capacity (the
-        pool's maximum, else the device's memory), like distributed's host ``pause`` (0.8);
-        only active when ``device_memory_limit`` or ``spill_on_oom`` is set.
     """
 
+    #: Where memory comes from (:data:`BASE_RESOURCES`). With ``"async"`` the pool sizes size
+    #: cudaMallocAsync's own pool (``maximum_pool_size`` is a ``LimitingResourceAdaptor``);
+    #: otherwise a pool is a ``PoolMemoryResource`` over the base.
     base_resource: str = "cuda"
-    pool_allocator: bool = False
-    pool_size: int | float | None = None
-    maximum_pool_size: int | float | None = None
-    release_threshold: int | float | None = None
+    pool_allocator: bool = False  #: suballocate from a pool; true whenever ``pool_size`` is given
+    pool_size: int | float | None = None  #: initial pool size (None: the pool's default)
+    maximum_pool_size: int | float | None = None  #: the largest pool size (None: no limit)
+    release_threshold: int | float | None = None  #: with ``"async"``: bytes kept when idle
+    #: one CSV allocation log per worker and device in this directory, appended to
     log_directory: str | None = None
+    #: ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory
     log_file_name: str | None = None
-    track_allocations: bool = False
+    track_allocations: bool = False  #: add a ``TrackingResourceAdaptor``
+    #: a ``StatisticsResourceAdaptor`` (and, on a worker, per-task-prefix attribution) feeding
+    #: the heartbeat metrics
     statistics: bool = True
-    allocators: tuple[str, ...] = ()
-    devices: tuple[int, ...] | None = None
+    allocators: tuple[str, ...] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
+    devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
+    #: above this many bytes in use (measured by the resource), a worker spills its least
+    #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
     device_memory_limit: int | float | None = None
-    spill_on_oom: bool = False
+    spill_on_oom: bool = False  #: an allocation that fails spills task outputs and is retried
+    #: pause a worker whose bytes in use pass this fraction of the device's capacity (the pool's
+    #: maximum, else the device's memory), like distributed's host ``pause``; only active with
+    #: ``device_memory_limit`` or ``spill_on_oom``
     device_pause_fraction: float | None = 0.8
 
     def __post_init__(self) -> None:

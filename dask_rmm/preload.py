@@ -3,18 +3,8 @@
 The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
 the worker starts (a failing setup closes the worker with the reason, and ``dask worker`` exits
 with status 1). Flags not given fall back to the worker's ``dask-rmm.*`` config, validated with
-them. What the options mean is documented
-in docs/workers.md. Run ``python -m dask_rmm.preload --help`` to list the flags.
-
-Scheduler address: ``dask worker`` takes the first argument it does not know as its SCHEDULER
-address, so without an address before the flags (``--scheduler-file FILE``) it takes the first
-``--rmm-*`` flag (``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
-``--rmm-pool-size=4GiB`` / ``--rmm-async``) and hands the preload only the rest. This module sees
-that while ``dask worker`` checks the flags: with ``--scheduler-file`` (which the worker connects
-through, ignoring SCHEDULER) it puts the flag back, logs that it did, and leaves the recovered
-flags for the worker processes in the ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; with
-no address at all, or an address after the flags, ``dask worker`` stops with a usage error naming
-the flag. Either way no worker starts with fewer flags than were typed.
+them. A flag ``dask worker`` took as its SCHEDULER address is recovered when it can be (see
+:func:`_check_scheduler_argument`). Run ``python -m dask_rmm.preload --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -108,13 +98,16 @@ def _dask_worker_context(ctx: click.Context) -> click.Context | None:
 def _check_scheduler_argument(
     command: click.Command, worker_ctx: click.Context, args: list[str]
 ) -> list[str]:
-    """The flags as typed, given what ``dask worker`` parsed; raises a UsageError if a flag it
-    took as the scheduler address cannot be put back.
+    """The flags as typed, given what ``dask worker`` parsed; a UsageError if a flag it took as
+    the scheduler address cannot be put back.
 
-    ``dask worker`` has one optional SCHEDULER argument and passes every argument it does not
-    know on to the preload: SCHEDULER is the first of them, the preload gets the rest. An address
-    never starts with ``-``; when SCHEDULER does, it is a flag, and ``[SCHEDULER, *args]`` is
-    exactly what was typed for the preload.
+    ``dask worker`` takes the first argument it does not know as its SCHEDULER address (an
+    address never starts with ``-``) and hands the preload the rest, so without an address before
+    the flags it took ``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
+    ``--rmm-pool-size=4GiB``. With ``--scheduler-file`` (the worker connects through it, ignoring
+    SCHEDULER) the flag is put back, logged, and recorded for the worker processes in the
+    ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; otherwise it is a usage error naming
+    the flag. Either way no worker starts with fewer flags than were typed.
     """
     swallowed = worker_ctx.params.get("scheduler")
     if not (isinstance(swallowed, str) and swallowed.startswith("-")):

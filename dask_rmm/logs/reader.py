@@ -75,41 +75,19 @@ _FAILURE = Action.ALLOCATE_FAILURE
 
 
 class LogEvent(NamedTuple):
-    """One row of an allocation log.
+    """One row of an allocation log."""
 
-    Attributes
-    ----------
-    thread : int
-        OS thread id that made the call.
-    time : float
-        Seconds since midnight of the day the log started (times after a midnight in the log
-        keep counting up past 86400, so ``time`` never jumps backwards by a day).
-    action : Action
-        Allocate, free or allocate failure.
-    pointer : int
-        The pointer handed out or freed (0 for a failure).
-    size : int
-        Requested bytes.
-    stream : int
-        The stream handle the call was made on.
-    line : int
-        1-based line number in ``path``.
-    source : str
-        The worker or file the row belongs to (the file's name without ``.csv``, or the
-        ``Worker`` column of a merged log).
-    path : str
-        The file the row was read from.
-    """
-
-    thread: int
+    thread: int  #: OS thread id that made the call
+    #: seconds since midnight of the day the log started (past a midnight in the log it keeps
+    #: counting up past 86400: it never jumps back)
     time: float
     action: Action
-    pointer: int
-    size: int
-    stream: int
-    line: int
-    source: str
-    path: str
+    pointer: int  #: the pointer handed out or freed (0 for a failure)
+    size: int  #: requested bytes
+    stream: int  #: the stream handle
+    line: int  #: 1-based line number in ``path``
+    source: str  #: the worker: the file's name without ``.csv``, or a merged log's ``Worker``
+    path: str  #: the file the row was read from
 
 
 class LogFormatError(ValueError):

@@ -200,68 +200,32 @@ class ReplayFailure:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What replaying one log on one resource showed.
+    """What replaying one log on one resource showed."""
 
-    Attributes
-    ----------
-    resource : str
-        The ``--resource`` name; ``description`` says what was built.
-    host_memory : bool
-        True when replayed on host memory (no GPU).
-    rows, allocations, frees : int
-        Rows read, allocations and frees re-issued.
-    original_failures : int
-        ``allocate failure`` rows in the log.
-    retried_failures : bool
-        Whether those rows were re-issued (``retry_failures=True``).
-    original_failures_succeeded : int
-        Of those, how many this resource satisfied when re-issued.
-    new_failures : int
-        Allocations that succeeded originally and failed here: the resource could not have run
-        this workload.
-    failures : tuple of ReplayFailure
-        The failed rows (the first 50).
-    skipped_frees : int
-        Frees of blocks the replay does not hold (their allocation failed here, or the log
-        never showed it).
-    peak_bytes : int
-        Largest sum of live requested bytes during the replay (equals the log's peak when
-        nothing failed).
-    peak_upstream_bytes : int
-        Most memory the resource held from its base resource: its real footprint.
-    final_upstream_bytes : int
-        Held from the base at the end of the log, before the replay freed what the log left
-        outstanding.
-    upstream_allocations : int
-        Calls the resource made to the base resource.
-    streams : int
-        Distinct non-default streams used.
-    seconds : float
-        Wall time of the replay, log reading included.
-    call_seconds : float
-        Time spent inside allocate and deallocate.
-    """
-
-    resource: str
+    resource: str  #: the ``--resource`` name; ``description`` says what was built
     description: str
     path: str
-    host_memory: bool
-    rows: int
-    allocations: int
+    host_memory: bool  #: replayed on host memory (no GPU)
+    rows: int  #: rows read
+    allocations: int  #: allocations re-issued
     frees: int
-    original_failures: int
-    retried_failures: bool
-    original_failures_succeeded: int
+    original_failures: int  #: ``allocate failure`` rows in the log
+    retried_failures: bool  #: whether those were re-issued (``retry_failures=True``) ...
+    original_failures_succeeded: int  #: ... and how many of them succeeded here
+    #: allocations that succeeded originally and failed here: this resource could not have
+    #: run the workload
     new_failures: int
-    failures: tuple[ReplayFailure, ...]
+    failures: tuple[ReplayFailure, ...]  #: the failed rows (the first 50)
+    #: frees of blocks the replay does not hold (their allocation failed here, or was not logged)
     skipped_frees: int
+    #: the largest sum of live requested bytes (the log's peak when nothing failed)
     peak_bytes: int
-    peak_upstream_bytes: int
-    final_upstream_bytes: int
-    upstream_allocations: int
-    streams: int
-    seconds: float
-    call_seconds: float
+    peak_upstream_bytes: int  #: the most the resource held from its base: its real footprint
+    final_upstream_bytes: int  #: held from the base at the end of the log
+    upstream_allocations: int  #: calls the resource made to its base
+    streams: int  #: distinct non-default streams used
+    seconds: float  #: wall time, log reading included
+    call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
     notes: tuple[str, ...] = field(default=())
 

@@ -63,81 +63,41 @@ class Outstanding:
 
 @dataclass(frozen=True)
 class LogSummary:
-    """What a log (or several, combined) says about memory use.
+    """What a log (or several, combined) says about memory use. Byte counts are requested
+    sizes, as logged (what ``StatisticsResourceAdaptor`` counts), not what the resource reserved;
+    times are seconds since midnight."""
 
-    Byte counts are requested sizes, as logged (what ``StatisticsResourceAdaptor`` counts), not
-    what the resource reserved.
-
-    Attributes
-    ----------
-    name : str
-        The file's worker name, or ``"combined"``.
-    paths : tuple of str
-        The files summarized.
-    rows : int
-        Rows read.
-    start, end, duration : float
-        First and last time (seconds since midnight) and their difference.
-    allocations, frees, failures : int
-        Row counts per action.
-    allocated_bytes, freed_bytes, failed_bytes : int
-        Bytes per action.
-    peak_bytes : int
-        Largest sum of live allocations.
-    peak_count : int
-        Most allocations live at once (not necessarily at the time of ``peak_bytes``).
-    peak_time : float or None
-        When the peak was first reached.
-    peak_line, peak_source : int, str
-        The row that reached it.
-    outstanding_bytes, outstanding_count : int
-        Allocated and never freed by the end of the log.
-    largest_outstanding : tuple of Outstanding
-        The largest of those, biggest first.
-    unmatched_frees : int
-        Frees of pointers the log never saw allocated (logging started late), not counted in
-        bytes in use.
-    reallocated_live_pointers : int
-        Allocations of an address whose free row came later (rows of two threads written out
-        of order); the older block counts as freed at the new allocation.
-    size_mismatched_frees : int
-        Frees whose size differs from the allocation's.
-    histogram : dict of int to int
-        Allocations per power-of-two size bucket: key ``2**k`` counts sizes in
-        ``(2**(k-1), 2**k]`` (key 0 counts zero-byte allocations).
-    threads, streams : dict of int to Totals
-        Totals per thread id and per stream handle.
-    truncated : tuple of str
-        ``"path:line"`` of each cut-off last line that was skipped.
-    """
-
-    name: str
-    paths: tuple[str, ...]
+    name: str  #: the file's worker name, or ``"combined"``
+    paths: tuple[str, ...]  #: the files summarized
     rows: int
-    start: float | None
-    end: float | None
+    start: float | None  #: the first time
+    end: float | None  #: the last time
     duration: float
-    allocations: int
+    allocations: int  #: rows per action ...
     frees: int
     failures: int
-    allocated_bytes: int
+    allocated_bytes: int  #: ... and their bytes
     freed_bytes: int
     failed_bytes: int
-    peak_bytes: int
-    peak_count: int
-    peak_time: float | None
+    peak_bytes: int  #: the largest sum of live allocations
+    peak_count: int  #: most allocations live at once (not necessarily at ``peak_bytes``)
+    peak_time: float | None  #: when the peak was first reached, by the row ...
     peak_line: int | None
     peak_source: str | None
-    outstanding_bytes: int
+    outstanding_bytes: int  #: allocated and never freed by the end of the log
     outstanding_count: int
-    largest_outstanding: tuple[Outstanding, ...]
+    largest_outstanding: tuple[Outstanding, ...]  #: the largest of those, biggest first
+    #: frees of pointers the log never saw allocated (logging started late), not counted
     unmatched_frees: int
+    #: allocations of an address whose free row came later (two threads' rows out of order);
+    #: the older block counts as freed at the new allocation
     reallocated_live_pointers: int
-    size_mismatched_frees: int
+    size_mismatched_frees: int  #: frees whose size differs from the allocation's
+    #: allocations per power-of-two bucket: key ``2**k`` counts sizes in ``(2**(k-1), 2**k]``
     histogram: dict[int, int]
-    threads: dict[int, Totals]
-    streams: dict[int, Totals]
-    truncated: tuple[str, ...] = ()
+    threads: dict[int, Totals]  #: totals per thread id ...
+    streams: dict[int, Totals]  #: ... and per stream handle
+    truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
