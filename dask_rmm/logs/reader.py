@@ -170,24 +170,8 @@ class LogReader:
     which is taken to be cut off by a process that died mid-write: it is skipped, recorded in
     :attr:`truncated` and reported with a :class:`TruncatedLogWarning`.
 
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The CSV log (``.gz`` is decompressed on the fly).
-    source : str, optional
-        Name for the worker the log belongs to; default the file name without ``.csv``.
-        A ``Worker`` column in the file (see :func:`merge_logs`) overrides it per row.
-
-    Attributes
-    ----------
-    truncated : tuple of (int, str) or None
-        Line number and text of a skipped, cut-off last line.
-    rows : int
-        Rows yielded so far.
-    bytes_read : int
-        Characters consumed so far (for progress bars; equals bytes for RMM's ASCII logs).
-    total_bytes : int
-        Size of the file (compressed size for ``.gz``).
+    ``path`` may be gzipped (``.gz``). ``source`` names the worker the log belongs to (default
+    the file's name without ``.csv``); a ``Worker`` column (:func:`merge_logs`) overrides it.
 
     Examples
     --------
@@ -199,13 +183,12 @@ class LogReader:
     def __init__(self, path: str | os.PathLike, source: str | None = None):
         self.path = os.fspath(path)
         self.source = source if source is not None else default_source_name(self.path)
+        #: line number and text of a skipped, cut-off last line
         self.truncated: tuple[int, str] | None = None
-        self.rows = 0
-        self.bytes_read = 0
-        try:
-            self.total_bytes = os.path.getsize(self.path)
-        except OSError:
-            self.total_bytes = 0
+        self.rows = 0  #: rows yielded so far
+        self.bytes_read = 0  #: characters read so far (bytes for RMM's ASCII logs): progress
+        #: the file's size (compressed for ``.gz``)
+        self.total_bytes = os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
     def __iter__(self) -> Iterator[LogEvent]:
         with _open_text(self.path) as f:
@@ -433,36 +416,22 @@ def format_event(event: LogEvent) -> str:
     )
 
 
-def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike | TextIO) -> int:
-    """Merge several workers' logs by time into one CSV with a ``Worker`` column.
+def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:
+    """Merge several workers' logs by time into one CSV; return the rows written.
 
     The output has RMM's six columns followed by ``Worker`` (the file's name, or the ``Worker``
-    column of an input that was itself merged), so it is read back by :func:`read_log` with each
-    row's source intact and stays readable by tools that look columns up by name.
-
-    A path ``output`` is written to a temporary file and renamed at the end; it must not be one
-    of the inputs (ValueError).
-
-    Returns
-    -------
-    int
-        Rows written.
+    column of an input that was itself merged), so :func:`read_log` reads each row's source back
+    and tools that look columns up by name still read it. It is written to a temporary file and
+    renamed at the end, and must not be one of the inputs (ValueError).
 
     Examples
     --------
     >>> merge_logs(["w0/rmm_log.dev0.csv", "w1/rmm_log.dev0.csv"], "merged.csv")  # doctest: +SKIP
     """
-    if hasattr(output, "write"):
-        return _write_merged(paths, output)
-    with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
-        return _write_merged(paths, f)
-
-
-def _write_merged(paths: Sequence[str | os.PathLike], f: TextIO) -> int:
-    f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
     n = 0
-    write = f.write
-    for e in read_logs(list(paths)):
-        write(f"{format_event(e)},{e.source}\n")
-        n += 1
+    with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
+        f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
+        for e in read_logs(list(paths)):
+            f.write(f"{format_event(e)},{e.source}\n")
+            n += 1
     return n

@@ -92,26 +92,13 @@ def build_resource(
     maximum_pool_size: int | None = None,
     block_size: int | None = None,
 ) -> tuple[Any, CountingResource, str]:
-    """A fresh resource of kind ``name`` over a counting upstream.
+    """A fresh resource of kind ``name`` (one of :data:`RESOURCES`) over a counting upstream:
+    ``(resource to allocate from, its CountingResource, a one-line description)``.
 
-    Parameters
-    ----------
-    name : {"pool", "arena", "binning", "fixed_size", "async", "cuda"}
-        ``cuda`` is the base resource alone (no suballocator): CudaMemoryResource on a GPU,
-        SystemMemoryResource on host memory. ``async`` needs a GPU.
-    gpu : bool, optional
-        Device memory (default when a CUDA device is present) or host memory.
-    initial_pool_size, maximum_pool_size : int, optional
-        Pool sizes (``initial_pool_size`` is the arena size for ``arena`` and the initial pool
-        of ``async``).
-    block_size : int, optional
-        Block size of ``fixed_size`` (default 1 MiB, RMM's).
-
-    Returns
-    -------
-    (resource, counter, description)
-        The resource to allocate from, the :class:`CountingResource` measuring what it took
-        from the base resource, and a one-line description.
+    ``cuda`` is the base resource alone: CudaMemoryResource on a GPU (``gpu``, default when a
+    CUDA device is present), else SystemMemoryResource; ``async`` needs a GPU.
+    ``initial_pool_size`` is the arena size for ``arena`` and the initial pool of ``async``;
+    ``block_size`` is ``fixed_size``'s (default 1 MiB, RMM's).
     """
     from dask_rmm import mr
 
@@ -255,25 +242,12 @@ def replay(
 ) -> ReplayResult:
     """Replay the log at ``path`` against a freshly built ``resource``.
 
-    Parameters
-    ----------
-    path : str or os.PathLike
-        An RMM allocation log (a merged log keeps each worker's pointers apart).
-    resource : str
-        One of :data:`RESOURCES`; see :func:`build_resource` and its size options.
-    gpu : bool, optional
-        Device memory (default when a GPU is present) or host memory (SystemMemoryResource).
-    retry_failures : bool
-        Re-issue the log's ``allocate failure`` rows too, to see whether this resource would
-        have satisfied them (a success is freed at once: the original program never got the
-        block). Off by default, because a retried block that succeeds raises the footprint
-        beyond what the workload really held.
-    progress : bool
-        Draw a progress bar on stderr (click's).
-
-    Returns
-    -------
-    ReplayResult
+    ``path`` is an RMM allocation log (a merged one keeps each worker's pointers apart);
+    ``resource``, ``gpu`` and the sizes are :func:`build_resource`'s. ``retry_failures``
+    re-issues the log's ``allocate failure`` rows too, to see whether this resource would have
+    satisfied them (a success is freed at once: the program never got the block; off by default
+    because such a block raises the footprint beyond what the workload held). ``progress`` draws
+    click's progress bar on stderr.
 
     Examples
     --------

@@ -124,12 +124,7 @@ class Summarizer:
     allocations are keyed by ``(source, pointer)``, so logs of several workers can be fed
     interleaved into one summarizer.
 
-    Parameters
-    ----------
-    name : str
-        Name of the summary.
-    top : int
-        How many of the largest outstanding allocations to list.
+    ``top``: how many of the largest outstanding allocations to list.
     """
 
     def __init__(self, name: str, top: int = 10):
@@ -226,12 +221,7 @@ class Summarizer:
             start=self.start,
             end=self.end,
             duration=(self.end - self.start) if self.start is not None else 0.0,
-            allocations=self.total.allocations,
-            frees=self.total.frees,
-            failures=self.total.failures,
-            allocated_bytes=self.total.allocated_bytes,
-            freed_bytes=self.total.freed_bytes,
-            failed_bytes=self.total.failed_bytes,
+            **asdict(self.total),
             peak_bytes=self.peak,
             peak_count=self.peak_count,
             peak_time=pe.time if pe else None,
@@ -274,19 +264,8 @@ class SummaryReport:
 def summarize(
     paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10
 ) -> SummaryReport:
-    """Summarize one or several logs in one streaming pass.
-
-    Parameters
-    ----------
-    paths : path or sequence of paths
-        The logs, one per worker (or merged logs, whose ``Worker`` column is used).
-    top : int
-        How many of the largest outstanding allocations to list.
-
-    Returns
-    -------
-    SummaryReport
-        ``files`` in the order given; ``combined`` when there are several files.
+    """Summarize one or several logs (one per worker, or merged logs) in one streaming pass:
+    ``files`` in the order given, and ``combined`` when there are several files.
 
     Examples
     --------

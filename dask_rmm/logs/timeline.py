@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dask_rmm._output import atomic_output, refuse_input
 from dask_rmm.logs.reader import Action, format_time, read_logs
-from dask_rmm.logs.summary import Summarizer, binary_unit
+from dask_rmm.logs.summary import Summarizer
 
 __all__ = ["Timeline", "in_use_timeline", "plot_logs"]
 
@@ -102,60 +102,49 @@ def plot_logs(
     list of Timeline
         What was plotted.
     """
-    refuse_input(output, paths)
-    try:
-        import matplotlib
+    from dask_rmm._plot import byte_axis, figure
+    from dask_rmm.mr.base import format_bytes
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "plotting allocation logs needs matplotlib: pip install matplotlib "
-            "(or pip install 'dask-rmm[report]')"
-        ) from e
+    refuse_input(output, paths)
+    fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110)
     timelines = in_use_timeline(paths, max_points=max_points)
     if not timelines:
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
     t0 = min(tl.times[0] for tl in timelines if tl.times)
     top = max(tl.peak_bytes for tl in timelines)
-    unit, scale = binary_unit(top)
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
-    try:
-        for tl in timelines:
-            xs = [t - t0 for t in tl.times]
-            ys = [b / scale for b in tl.bytes]
-            (line,) = ax.step(xs, ys, where="post", linewidth=1.2, label=tl.source)
-            if tl.peak_time is not None:
-                px, py = tl.peak_time - t0, tl.peak_bytes / scale
-                ax.plot([px], [py], marker="v", color=line.get_color(), markersize=8)
-                ax.annotate(
-                    f"peak {py:.3g} {unit}",
-                    (px, py),
-                    textcoords="offset points",
-                    xytext=(4, 6),
-                    fontsize=8,
-                    color=line.get_color(),
-                )
-        fails = [(t - t0, b / scale) for tl in timelines for t, b in tl.failures]
-        if fails:
-            ax.scatter(
-                [f[0] for f in fails],
-                [f[1] for f in fails],
-                marker="x",
-                color="red",
-                zorder=3,
-                label=f"allocate failure ({len(fails)})",
+    ax = fig.subplots()
+    for tl in timelines:
+        xs = [t - t0 for t in tl.times]
+        (line,) = ax.step(xs, tl.bytes, where="post", linewidth=1.2, label=tl.source)
+        if tl.peak_time is not None:
+            peak, color = (tl.peak_time - t0, tl.peak_bytes), line.get_color()
+            ax.plot(*peak, marker="v", color=color, markersize=8)
+            ax.annotate(
+                f"peak {format_bytes(tl.peak_bytes)}",
+                peak,
+                textcoords="offset points",
+                xytext=(4, 6),
+                fontsize=8,
+                color=color,
             )
-        ax.set_xlabel(f"seconds since {format_time(t0)}")
-        ax.set_ylabel(f"bytes in use ({unit})")
-        ax.set_title(title or "RMM allocations: bytes in use")
-        ax.set_ylim(bottom=0, top=top / scale * 1.12 if top else 1)
-        ax.grid(True, alpha=0.3)
-        if len(timelines) > 1 or timelines[0].source:
-            ax.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        with atomic_output(output) as tmp:
-            fig.savefig(tmp)
-    finally:
-        plt.close(fig)
+    fails = [(t - t0, b) for tl in timelines for t, b in tl.failures]
+    if fails:
+        ax.scatter(
+            *zip(*fails, strict=True),
+            marker="x",
+            color="red",
+            zorder=3,
+            label=f"allocate failure ({len(fails)})",
+        )
+    ax.set_xlabel(f"seconds since {format_time(t0)}")
+    ax.set_ylabel("bytes in use")
+    byte_axis(ax.yaxis, top)
+    ax.set_title(title or "RMM allocations: bytes in use")
+    ax.set_ylim(bottom=0, top=top * 1.12 if top else 1)
+    ax.grid(True, alpha=0.3)
+    if len(timelines) > 1 or timelines[0].source:
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    with atomic_output(output) as tmp:
+        fig.savefig(tmp)
     return timelines
