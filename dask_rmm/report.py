@@ -316,42 +316,26 @@ class ClusterMemoryReport:
 
     def table_rows(self) -> list[list[str]]:
         """The text table's rows, header first (used by ``__str__`` and the CLI)."""
+
+        def memory(x: Any, peak: str) -> list[str]:  # a device, or the totals
+            retired = f" +{format_bytes(x.retired_bytes)} retired" if x.retired_bytes else ""
+            sizes = (x.current_bytes, x.total_bytes, x.pool_free_bytes, x.largest_free_block)
+            current, total, free, largest = map(format_bytes, sizes)
+            return [current, peak, total, format_bytes(x.reserved_bytes) + retired, free, largest]
+
         rows = [list(_HEADER)]
         for d in self.devices:
             rows.append(
-                [
-                    _worker_label(d),
-                    f"{d.device} {d.gpu}".strip(),
-                    d.status,
-                    format_bytes(d.current_bytes),
-                    format_bytes(d.peak_bytes),
-                    format_bytes(d.total_bytes),
-                    format_bytes(d.reserved_bytes)
-                    + (f" +{format_bytes(d.retired_bytes)} retired" if d.retired_bytes else ""),
-                    format_bytes(d.pool_free_bytes),
-                    format_bytes(d.largest_free_block),
-                    f"{d.fragmentation:.0%}",
-                    str(d.failed_allocations),
-                    _top_groups(d),
-                ]
+                [_worker_label(d), f"{d.device} {d.gpu}".strip(), d.status]
+                + memory(d, format_bytes(d.peak_bytes))
+                + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
             )
         t = self.totals
+        peak = "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *"
+        workers = f"total ({t.workers} worker{'s' if t.workers != 1 else ''})"
+        gone = f"{t.gone_workers} gone" if t.gone_workers else ""
         rows.append(
-            [
-                f"total ({t.workers} worker{'s' if t.workers != 1 else ''})",
-                str(t.devices),
-                f"{t.gone_workers} gone" if t.gone_workers else "",
-                format_bytes(t.current_bytes),
-                "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *",
-                format_bytes(t.total_bytes),
-                format_bytes(t.reserved_bytes)
-                + (f" +{format_bytes(t.retired_bytes)} retired" if t.retired_bytes else ""),
-                format_bytes(t.pool_free_bytes),
-                format_bytes(t.largest_free_block),
-                "",
-                str(t.failed_allocations),
-                "",
-            ]
+            [workers, str(t.devices), gone] + memory(t, peak) + ["", str(t.failed_allocations), ""]
         )
         return rows
 

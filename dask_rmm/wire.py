@@ -24,7 +24,6 @@ __all__ = [
     "DeviceSample",
     "TaskGroup",
     "heartbeat",
-    "to_float",
     "to_int",
 ]
 
@@ -152,7 +151,7 @@ class DeviceSample:
             elif f.type == "str":
                 values[f.name] = "" if v is None else str(v)
             elif f.type == "float":
-                values[f.name] = to_float(v)
+                values[f.name] = to_int(v, float)
         groups = []
         for g in d.get("task_groups") or ():
             try:
@@ -188,17 +187,10 @@ def heartbeat(
     return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
 
 
-def to_float(value: Any) -> float:
-    """``float(value)``, or 0.0 when the value is missing or malformed."""
+def to_int(value: Any, kind: type = int) -> Any:
+    """``kind(value)`` (int, or float), or 0 when the value is missing or malformed (the wire
+    never raises)."""
     try:
-        return float(value)
+        return kind(value)
     except (TypeError, ValueError, OverflowError):
-        return 0.0
-
-
-def to_int(value: Any) -> int:
-    """``int(value)``, or 0 when the value is missing or malformed (the wire never raises)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return 0
+        return kind(0)

@@ -184,9 +184,9 @@ class WorkerMetrics:
     ) -> dict[str, Any]:
         stack = device.stack
         d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
-        errors = []
-        stats = stack.statistics
-        try:
+
+        def statistics() -> None:
+            stats = stack.statistics
             if stats is not None:
                 counts = stats.allocation_counts
                 # Not Statistics.to_dict(): dataclasses.asdict costs microseconds per call.
@@ -202,26 +202,26 @@ class WorkerMetrics:
                 d["largest_free_block"] = int(info.largest_free_block)
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
             d["retired_bytes"] = retired_bytes(retired, stack.device)
-        except Exception as e:
-            errors.append(f"statistics: {type(e).__name__}: {e}")
-        try:
+
+        def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
-            d["device_used_bytes"], d["device_total_bytes"] = _device_memory(
-                stack.device, stack.host_memory
-            )
-        except Exception as e:
-            errors.append(f"device memory: {type(e).__name__}: {e}")
-        try:
-            attribution = stack.attribution
-            if attribution is not None:
-                d["task_groups"] = [m.to_list() for m in attribution.top(top_n)]
-        except Exception as e:
-            errors.append(f"task groups: {type(e).__name__}: {e}")
-        try:
+            used_total = _device_memory(stack.device, stack.host_memory)
+            d["device_used_bytes"], d["device_total_bytes"] = used_total
+
+        def task_groups() -> None:
+            if stack.attribution is not None:
+                d["task_groups"] = [m.to_list() for m in stack.attribution.top(top_n)]
+
+        def memory_pressure() -> None:
             if stack.pressure is not None:
                 d.update(stack.pressure.heartbeat_fields())
-        except Exception as e:
-            errors.append(f"memory pressure: {type(e).__name__}: {e}")
+
+        errors = []
+        for part in (statistics, device_memory, task_groups, memory_pressure):
+            try:  # one part failing leaves the others, and the heartbeat, intact
+                part()
+            except Exception as e:
+                errors.append(f"{part.__name__.replace('_', ' ')}: {type(e).__name__}: {e}")
         if errors:
             d["error"] = "; ".join(errors)
         # This heartbeat's samples after the previous heartbeat's: the scheduler reads the
