@@ -65,12 +65,14 @@ class _PreloadCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # distributed checks the flags with a context that has no name ("Usage:  [OPTIONS]")
         ctx.info_name = ctx.info_name or PROG
-        args = list(args)
-        worker_ctx = _dask_worker_context(ctx)
-        if worker_ctx is not None:
-            args = _check_scheduler_argument(self, worker_ctx, args)
+        # distributed checks --preload flags in a callback of its own `worker` command, with a
+        # fresh context for the preload; at worker start the preload's context is the current one
+        outer = click.get_current_context(silent=True)
+        worker_params = {p.name for p in outer.command.params} if outer not in (None, ctx) else ()
+        if {"scheduler", "scheduler_file", "preload_argv"} <= set(worker_params):
+            args = _check_scheduler_argument(self, outer, list(args))
         else:
-            args = _recovered_argv(args)
+            args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
         try:
             plugin_from_flags(**ctx.params)
@@ -78,21 +80,6 @@ class _PreloadCommand(click.Command):
             e.ctx = ctx  # the usage shown is this command's
             raise
         return rest
-
-
-def _dask_worker_context(ctx: click.Context) -> click.Context | None:
-    """The ``dask worker`` command's context while it validates the preload flags, else None.
-
-    distributed checks ``--preload`` flags in a callback of its own ``worker`` command, with a
-    fresh context for the preload; at worker start the preload's context is the current one.
-    """
-    outer = click.get_current_context(silent=True)
-    if outer is None or outer is ctx:
-        return None
-    names = {p.name for p in outer.command.params}
-    if {"scheduler", "scheduler_file", "preload_argv"} <= names:
-        return outer
-    return None
 
 
 def _check_scheduler_argument(
