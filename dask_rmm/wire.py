@@ -141,17 +141,9 @@ class DeviceSample:
     def from_dict(cls, d: Mapping[str, Any], **extra: Any) -> Any:
         """Read a wire entry; missing or malformed fields take their default, unknown ones are
         ignored (``extra`` sets the fields of a subclass)."""
-        values: dict[str, Any] = {}
-        for f in _FIELDS:
-            if f.name not in d:
-                continue
-            v = d[f.name]
-            if f.type == "int":
-                values[f.name] = to_int(v)
-            elif f.type == "str":
-                values[f.name] = "" if v is None else str(v)
-            elif f.type == "float":
-                values[f.name] = to_int(v, float)
+        values = {
+            f.name: _READERS[f.type](d[f.name]) for f in _FIELDS if f.name in d and f.type in _READERS
+        }
         groups = []
         for g in d.get("task_groups") or ():
             try:
@@ -169,6 +161,12 @@ class DeviceSample:
 
 
 _FIELDS = dataclasses.fields(DeviceSample)
+#: How each scalar field is read from the wire (never raising).
+_READERS = {
+    "int": lambda v: to_int(v),
+    "float": lambda v: to_int(v, float),
+    "str": lambda v: "" if v is None else str(v),
+}
 #: Fields exported to Prometheus: ``(field name, metric name, help, "gauge" or "counter")``.
 GAUGES = tuple(
     (f.name, f.metadata["gauge"], f.metadata["help"], f.metadata["kind"])

@@ -151,16 +151,11 @@ class _StreamMap:
         key = ("ptds", thread) if handle == _PTDS else handle
         s = self.streams.get(key)
         if s is None:
-            s = self.streams[key] = self._make(handle)
+            if not self.gpu and handle == _PTDS:
+                self._fake += 1
+            s = Stream() if self.gpu else Stream._from_handle(self._fake if key != handle else handle)
+            self.streams[key] = s
         return s
-
-    def _make(self, handle: int) -> Stream:
-        if self.gpu:
-            return Stream()
-        if handle == _PTDS:
-            self._fake += 1
-            return Stream._from_handle(self._fake)
-        return Stream._from_handle(handle)
 
     def synchronize(self) -> None:
         if self.gpu:
@@ -321,24 +316,13 @@ def replay(
                 ptr = allocate(size, stream)
             except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
                 call_seconds += clock() - t0
-                if original_ok:
-                    new_failures += 1
-                else:
-                    original_failures += 1
+                new_failures += original_ok
+                original_failures += not original_ok
                 n_failed += 1
                 if len(failures) < _MAX_LISTED_FAILURES:
-                    failures.append(
-                        ReplayFailure(
-                            e.line,
-                            e.source,
-                            size,
-                            e.stream,
-                            e.thread,
-                            e.time,
-                            not original_ok,
-                            str(err).splitlines()[0] if str(err) else type(err).__name__,
-                        )
-                    )
+                    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    row = (e.line, e.source, size, e.stream, e.thread, e.time, not original_ok)
+                    failures.append(ReplayFailure(*row, reason))
                 continue
             call_seconds += clock() - t0
             if not original_ok:
