@@ -66,21 +66,9 @@ def _downsample(
 
 
 def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 280) -> str:
-    """Memory over time, one line per worker device.
-
-    Parameters
-    ----------
-    series : sequence of (label, status, samples)
-        ``samples`` are ``(time, current_bytes, max_bytes_in_interval)``; the line follows
-        ``max_bytes_in_interval``. Series whose status is not "running" are drawn dashed.
-    width, height : int
-        Size in pixels.
-
-    Returns
-    -------
-    str
-        An ``<svg>`` element.
-    """
+    """An ``<svg>`` element of ``width`` x ``height`` pixels: memory over time, one line per
+    ``(label, status, samples)`` series following the samples' ``max_bytes_in_interval``
+    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"."""
     left, right, top, bottom = 78, 190, 12, 34
     pw, ph = width - left - right, height - top - bottom
     pts = [p for _, _, s in series for p in s]

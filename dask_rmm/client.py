@@ -20,14 +20,9 @@ __all__ = ["cluster_report", "fetch_report_data", "iter_reports"]
 async def fetch_report_data(
     scheduler_rpc: Any, *, timeline: bool = True, last: int | None = None, install: bool = True
 ) -> dict:
-    """The scheduler's report document; installs the scheduler plugin first (a no-op when it is
-    there), so that the scheduler never sees a request for a handler it lacks.
-
-    Parameters
-    ----------
-    scheduler_rpc
-        ``client.scheduler`` or a ``distributed.core.rpc`` to the scheduler.
-    """
+    """The report document from ``scheduler_rpc`` (``client.scheduler`` or a ``rpc``); the
+    scheduler plugin is installed first (a no-op when it is there), so that the scheduler never
+    sees a request for a handler it lacks."""
     if install:
         try:
             await install_scheduler_plugin(scheduler_rpc)

@@ -279,19 +279,17 @@ def make_base_resource(name: str, device: int, options: RMMOptions | None = None
     _cuda.require_cuda(
         f"base_resource={name!r} (use base_resource='system' for host memory without a GPU)"
     )
-    if name == "async":
-        if options is None:
-            return mr.CudaAsyncMemoryResource()
+    if name == "async" and options is not None:
         return mr.CudaAsyncMemoryResource(
             initial_pool_size=options.resolve_size("pool_size", device, total),
             release_threshold=options.resolve_size("release_threshold", device, total),
         )
-    maker = {
+    return {
         "cuda": mr.CudaMemoryResource,
         "managed": mr.ManagedMemoryResource,
         "pinned": mr.PinnedHostMemoryResource,
-    }[name]
-    return maker()
+        "async": mr.CudaAsyncMemoryResource,
+    }[name]()
 
 
 def build_stack(

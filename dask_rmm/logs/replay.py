@@ -56,20 +56,13 @@ class CountingResource(UpstreamResourceAdaptor):
 
     Put under a suballocator it measures the suballocator's footprint: ``peak_bytes`` is the
     most it ever held from upstream. Not locked: replay calls it from one thread.
-
-    Attributes
-    ----------
-    current_bytes, peak_bytes : int
-        Bytes held from upstream now, and at most.
-    allocations : int
-        Upstream allocations made.
     """
 
     def __init__(self, upstream_mr):
         super().__init__(upstream_mr)
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self.allocations = 0
+        self.current_bytes = 0  #: bytes held from upstream now ...
+        self.peak_bytes = 0  #: ... and at most
+        self.allocations = 0  #: upstream allocations made
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self.upstream_mr.allocate(nbytes, stream)

@@ -335,20 +335,14 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
             f"      {format_size(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
             f"thread {o.thread}  stream {o.stream:#x}"
         )
-    notes = []
-    if s.unmatched_frees:
-        notes.append(f"{s.unmatched_frees:,} frees of pointers never allocated in the log")
-    if s.reallocated_live_pointers:
-        notes.append(
-            f"{s.reallocated_live_pointers:,} allocations of an address whose free row came "
-            "later (threads' rows out of order)"
-        )
-    if s.size_mismatched_frees:
-        notes.append(f"{s.size_mismatched_frees:,} frees with a size other than allocated")
-    for t in s.truncated:
-        notes.append(f"cut-off last line skipped: {t}")
-    for n in notes:
-        lines.append(f"  note          {n}")
+    notes = [
+        (s.unmatched_frees, "frees of pointers never allocated in the log"),
+        (s.reallocated_live_pointers, "allocations of an address whose free row came later "
+            "(threads' rows out of order)"),
+        (s.size_mismatched_frees, "frees with a size other than allocated"),
+    ]  # fmt: skip
+    lines += [f"  note          {n:,} {what}" for n, what in notes if n]
+    lines += [f"  note          cut-off last line skipped: {t}" for t in s.truncated]
     if s.histogram:
         lines.append("  sizes         bucket (<=)        allocations")
         width = max(s.histogram.values())

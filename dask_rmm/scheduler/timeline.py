@@ -255,15 +255,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     # -- queries ------------------------------------------------------------------------------
 
     def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
-        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json).
-
-        Parameters
-        ----------
-        timeline : bool
-            Include each device's timeline.
-        last : int, optional
-            Only the newest ``last`` samples of each timeline.
-        """
+        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
+        each device's timeline (its newest ``last`` samples) if ``timeline``."""
         self.poll()  # heartbeats that arrived since the last tick
         workers = []
         for rec in list(self._records.values()):
