@@ -64,7 +64,7 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     if with_samples:
         ax_t.legend(loc="upper left", fontsize=8, ncols=1 + len(with_samples) // 8)
     else:
-        ax_t.text(0.5, 0.5, "no samples yet", ha="center", va="center", transform=ax_t.transAxes)
+        ax_t.text(0.5, 0.5, "no samples yet", ha="center", transform=ax_t.transAxes)
 
     groups = list(report.task_group_peaks().items())[:top_task_groups][::-1]
     labels = sorted({who for _, per in groups for who in per})
@@ -81,14 +81,7 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     if groups:
         ax_g.legend(loc="lower right", fontsize=8)
     else:
-        ax_g.text(
-            0.5,
-            0.5,
-            "no task-group attribution reported",
-            ha="center",
-            va="center",
-            transform=ax_g.transAxes,
-        )
+        ax_g.text(0.5, 0.5, "no task-group attribution", ha="center", transform=ax_g.transAxes)
 
     t = report.totals
     fig.suptitle(

@@ -26,7 +26,7 @@ from distributed.utils import thread_state
 from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
-from dask_rmm.worker_metrics import WorkerMetrics
+from dask_rmm.worker_metrics import WorkerMetrics, add_periodic, remove_periodic
 from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
@@ -221,8 +221,6 @@ class RMMPlugin(WorkerPlugin):
 
     def _publish(self, worker: Worker, ws: Any) -> None:
         """Heartbeat metrics and the log flusher for the worker's active stacks."""
-        from tornado.ioloop import PeriodicCallback
-
         if not ws.active:
             return
         try:  # validated at setup; a config changed since a kept setup falls back to defaults
@@ -234,10 +232,7 @@ class RMMPlugin(WorkerPlugin):
             worker, ws.active, top_n=top_n, sample_interval=interval, sampling=ws.options.statistics
         )
         if any(s.logging is not None for s in ws.active):
-            flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
-            worker.periodic_callbacks[_FLUSHER_KEY] = flusher
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                flusher.start()
+            add_periodic(worker, _FLUSHER_KEY, ws.flush_logs, LOG_FLUSH_INTERVAL)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -246,9 +241,7 @@ class RMMPlugin(WorkerPlugin):
         them until its own are ready; otherwise they are removed on the next loop iteration
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
-        flusher = worker.periodic_callbacks.pop(_FLUSHER_KEY, None)
-        if flusher is not None:
-            flusher.stop()
+        remove_periodic(worker, _FLUSHER_KEY)
         ws = worker_stack(worker)
         if ws.release():
             if worker.status.name in ("closing", "closed", "failed", "init"):

@@ -118,13 +118,7 @@ def _check_scheduler_argument(
     except click.UsageError as e:
         e.message = f"{e.message}\n({took}: {fix}.)"
         raise
-    logger.warning(
-        "%s (the address comes from --scheduler-file): recovered %s for dask_rmm.preload, "
-        "which now gets: %s",
-        took,
-        flag,
-        " ".join(typed),
-    )
+    _log_recovered(typed)
     os.environ[_RECOVERED_ENV] = json.dumps({"received": args, "argv": typed})
     return typed
 
@@ -142,13 +136,18 @@ def _recovered_argv(args: list[str]) -> list[str]:
         return args
     if received != args or not isinstance(typed, list):
         return args
+    _log_recovered(typed)
+    return list(typed)
+
+
+def _log_recovered(typed: list[str]) -> None:
     logger.warning(
         "dask worker took %r as its SCHEDULER address (the address comes from "
-        "--scheduler-file): recovered it for dask_rmm.preload, which gets: %s",
+        "--scheduler-file): recovered %s for dask_rmm.preload, which gets: %s",
         typed[0],
+        typed[0].split("=", 1)[0],
         " ".join(typed),
     )
-    return list(typed)
 
 
 #: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.

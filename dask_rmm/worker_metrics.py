@@ -76,6 +76,27 @@ def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
     return total - free, total
 
 
+def add_periodic(worker: Worker, key: str, callback: Callable[[], Any], seconds: float) -> Any:
+    """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
+    worker closes, even without a teardown, and started by the worker if added before it starts
+    (a preload)."""
+    from tornado.ioloop import PeriodicCallback
+
+    callback = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
+    if worker.status.name in ("running", "paused", "closing_gracefully"):
+        callback.start()
+    return callback
+
+
+def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
+    """Stop ``callback`` (default: the worker's ``key``) and take it off the worker."""
+    callback = callback or worker.periodic_callbacks.get(key)
+    if callback is not None:
+        callback.stop()
+        if worker.periodic_callbacks.get(key) is callback:
+            del worker.periodic_callbacks[key]
+
+
 class WorkerMetrics:
     """The heartbeat metrics of one worker's device stacks, and the sampler that feeds them.
 
@@ -101,8 +122,6 @@ class WorkerMetrics:
     ) -> None:
         """Publish ``worker.metrics["dask-rmm"]`` and ``["rmm"]`` for ``stacks`` and, with
         ``sampling`` and a positive ``sample_interval`` (seconds), start the sampler."""
-        from tornado.ioloop import PeriodicCallback
-
         from dask_rmm.worker_stack import worker_stack
 
         self._previous_rmm_metric = worker.metrics.get("rmm")
@@ -117,22 +136,13 @@ class WorkerMetrics:
             **worker.metrics, METRICS_KEY: self.heartbeat_metrics, "rmm": self.rmm_metrics
         }
         if sampling and sample_interval and sample_interval > 0:
-            sampler = PeriodicCallback(self.sample, sample_interval * 1000)
-            self._sampler = sampler
-            # Registered with the worker so that it is stopped on close even without teardown,
-            # and started by the worker if setup runs before the worker starts (preload).
-            worker.periodic_callbacks[SAMPLER_KEY] = sampler
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                sampler.start()
+            self._sampler = add_periodic(worker, SAMPLER_KEY, self.sample, sample_interval)
         self.sample()
 
     def remove(self, worker: Worker) -> None:
         """Stop the sampler and take back what :meth:`install` published (idempotent)."""
         sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.stop()
-            if worker.periodic_callbacks.get(SAMPLER_KEY) is sampler:
-                del worker.periodic_callbacks[SAMPLER_KEY]
+        remove_periodic(worker, SAMPLER_KEY, sampler)
         metrics = dict(worker.metrics)  # a new dict, as in install
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]

@@ -228,7 +228,6 @@ class LogReader:
         day_offset = 0.0
         last_time = None
         pending: LogFormatError | None = None
-        pending_text = ""
         for line in f:
             lineno += 1
             self.bytes_read += len(line)
@@ -258,19 +257,12 @@ class LogReader:
                 if worker_col is not None:
                     name = fields[worker_col].strip()
                     event_source = sources.setdefault(name, name)
-                event = (
-                    int(fields[i_thread]),
-                    t,
-                    action,
-                    _parse_pointer(fields[i_pointer]),
-                    size,
-                    int(fields[i_stream], 16),
-                )
+                thread, stream = int(fields[i_thread]), int(fields[i_stream], 16)
+                pointer = _parse_pointer(fields[i_pointer])
             except (ValueError, IndexError) as e:
                 if line.startswith(header_start):
                     continue  # a repeated header: the log was re-opened
                 pending = LogFormatError(path, lineno, f"malformed row ({e})", line)
-                pending_text = line
                 continue
             # Times are time of day: a backward jump of more than 12 h is a midnight.
             t += day_offset
@@ -279,14 +271,12 @@ class LogReader:
                 t += _DAY
             last_time = t
             self.rows += 1
-            yield LogEvent(
-                event[0], t, action, event[3], size, event[5], lineno, event_source, path
-            )
+            yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
-            self.truncated = (pending.line, pending_text.rstrip("\r\n"))
+            self.truncated = (pending.line, pending.text.rstrip("\r\n"))
             warnings.warn(
                 f"{path}:{pending.line}: skipped the cut-off last line "
-                f"{pending_text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
+                f"{pending.text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
                 "mid-line)",
                 TruncatedLogWarning,
                 stacklevel=3,

@@ -263,33 +263,20 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             raw = (rec.metrics or {}).get("devices")
             devices = {}
             for dev, d in raw.items() if isinstance(raw, dict) else ():
+                tl = rec.timelines.get(dev) if timeline else None
                 if isinstance(d, dict):
-                    tl = rec.timelines.get(dev)
-                    devices[str(dev)] = dict(
-                        d, timeline=tl.to_list(last) if tl and timeline else []
-                    )
-            workers.append(
-                {
-                    "address": rec.address,
-                    "name": rec.name,
-                    "status": rec.status,
-                    "last_seen": rec.last_seen,
-                    "error": rec.error,
-                    "devices": devices,
-                }
-            )
-        scheduler = self.scheduler
-        without = (
-            []
-            if scheduler is None
-            else [a for a, ws in scheduler.workers.items() if METRICS_KEY not in ws.metrics]
-        )
+                    devices[str(dev)] = dict(d, timeline=tl.to_list(last) if tl else [])
+            fields = ("address", "name", "status", "last_seen", "error")
+            workers.append({**{k: getattr(rec, k) for k in fields}, "devices": devices})
+        s = self.scheduler
         data = {
             "time": time(),
-            "scheduler": scheduler.address if scheduler is not None else "",
+            "scheduler": s.address if s is not None else "",
             "timeline_length": self.timeline_length,
             "workers": workers,
-            "workers_without_dask_rmm": without,
+            "workers_without_dask_rmm": [
+                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
+            ],
         }
         return ClusterMemoryReport.from_dict(data).to_dict(timeline=timeline)
 
