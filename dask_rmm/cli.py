@@ -319,12 +319,8 @@ def report(
                 if plot_path is not None:
                     click.echo(f"wrote {plot_path}")
 
-    try:
+    with _user_errors(), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ImportError, RuntimeError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -158,12 +158,8 @@ class Summarizer:
             self.start = t
         if self.end is None or t > self.end:
             self.end = t
-        thread = self.threads.get(e.thread)
-        if thread is None:
-            thread = self.threads[e.thread] = Totals()
-        stream = self.streams.get(e.stream)
-        if stream is None:
-            stream = self.streams[e.stream] = Totals()
+        thread = self.threads.get(e.thread) or self.threads.setdefault(e.thread, Totals())
+        stream = self.streams.get(e.stream) or self.streams.setdefault(e.stream, Totals())
         total = self.total
         action = e.action
         size = e.size

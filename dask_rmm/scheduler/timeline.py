@@ -152,6 +152,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             value = dask.config.get(key, default=DEFAULT_TIMELINE_LENGTH)
             _check_int(f"config {key}", value, 1)
             self.timeline_length = value
+
         def dask_rmm_report(timeline: bool = True, last: int | None = None) -> dict | None:
             """The registered plugin's report document, or None when none is registered."""
             plugin = scheduler.plugins.get(PLUGIN_NAME)
