@@ -189,9 +189,7 @@ class RMMOptions:
         put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))
         if self.log_file_name is not None:
             put("log_file_name", os.fspath(self.log_file_name))
-        self._check_together()
-
-    def _check_together(self) -> None:
+        # options that do not go together
         asynchronous = self.base_resource == "async"
         if self.release_threshold is not None and not asynchronous:
             raise OptionError("`release_threshold` requires `async_alloc=True`")
@@ -200,7 +198,7 @@ class RMMOptions:
                 "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
             )
         _check_pool_sizes(self.pool_size, self.maximum_pool_size)
-        if self.base_resource in ("system", "pinned") and self.allocators:
+        if self.host_memory and self.allocators:
             raise OptionError(
                 f"`allocators` {list(self.allocators)} need device memory: they cannot use "
                 f"host memory from base_resource={self.base_resource!r}"

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,14 +29,13 @@ class _Envelope:
         pts.append((t, v))
         if len(pts) >= 2 * self.max_points:
             last = pts[-1]
-            merged = [max(pts[i], pts[i + 1], key=_value) for i in range(0, len(pts) - 1, 2)]
+            merged = [max(pts[i], pts[i + 1], key=_BYTES) for i in range(0, len(pts) - 1, 2)]
             if merged[-1] is not last:
                 merged.append(last)
             self.points = merged
 
 
-def _value(p: tuple[float, int]) -> int:
-    return p[1]
+_BYTES = operator.itemgetter(1)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dask_rmm.wire import GAUGES
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
-__all__ = ["DaskRMMCollector", "register_collector", "unregister_collector"]
+__all__ = ["REGISTRY", "DaskRMMCollector"]
 
 LABELS = ["worker", "name", "device", "gpu"]
 
@@ -60,14 +60,3 @@ class DaskRMMCollector:
         for _, family in gauges:
             yield family
         yield frag
-
-
-def register_collector(plugin: SchedulerTimelinePlugin) -> DaskRMMCollector:
-    """Export ``plugin``'s data on prometheus_client's default registry (what /metrics serves)."""
-    collector = DaskRMMCollector(plugin)
-    REGISTRY.register(collector)
-    return collector
-
-
-def unregister_collector(collector: DaskRMMCollector) -> None:
-    REGISTRY.unregister(collector)

@@ -162,10 +162,11 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
         http.install_routes(scheduler)
-        try:
-            from dask_rmm.scheduler.prometheus import register_collector
+        try:  # on prometheus_client's default registry: what /metrics serves
+            from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector
 
-            self._collector = register_collector(self)
+            self._collector = DaskRMMCollector(self)
+            REGISTRY.register(self._collector)
         except ImportError:
             logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
         self._poller = PeriodicCallback(self.poll, self.poll_interval * 1000)
@@ -181,9 +182,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             poller.stop()
         collector, self._collector = self._collector, None
         if collector is not None:
-            from dask_rmm.scheduler.prometheus import unregister_collector
+            from dask_rmm.scheduler.prometheus import REGISTRY
 
-            unregister_collector(collector)
+            REGISTRY.unregister(collector)
 
     @property
     def active(self) -> bool:
