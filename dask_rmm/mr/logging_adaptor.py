@@ -39,6 +39,27 @@ def log_file_name_for_device(log_file_name: str, device_id: int) -> str:
     return os.path.abspath(f"{name}.dev{device_id}{ext}")
 
 
+def _drop_cut_off_line(path: str) -> None:
+    """Remove a last line without its newline (a writer killed mid-row) from ``path``, so that
+    rows appended after it start on a line of their own instead of making one malformed row."""
+    try:
+        f = open(path, "r+b")  # noqa: SIM115
+    except (FileNotFoundError, IsADirectoryError):
+        return  # nothing to repair; open() below reports what is wrong
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            newline = f.read(step).rfind(b"\n")
+            if newline >= 0:
+                pos += newline + 1 - step
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
+
+
 class _Clock:
     """``HH:MM:SS.micros`` in local time, formatting the seconds part once per second."""
 
@@ -74,7 +95,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         Flush the file after every row (slow, but nothing is lost if the process dies).
     append : bool, default False
         Add to an existing file (the header only if it is empty) instead of truncating it as
-        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows.
+        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows. A
+        last row cut off without its newline (the previous writer was killed mid-row) is
+        removed first, so that the rows added after it stay readable.
 
     Raises
     ------
@@ -114,6 +137,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
         self._clock = _Clock()
+        if append:
+            _drop_cut_off_line(self._file_name)
         self._file = open(self._file_name, "a" if append else "w", encoding="ascii", newline="")  # noqa: SIM115
         if self._file.tell() == 0:
             self._file.write(CSV_HEADER + "\n")
