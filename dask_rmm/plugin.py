@@ -253,7 +253,7 @@ class RMMPlugin(WorkerPlugin):
             sample_interval=sample_interval,
             sampling=ws.options.statistics,
         )
-        if any(s.logging is not None for s in ws.active):
+        if any(s.logging is not None for s in [*ws.active, *ws.retired]):
             flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
             worker.periodic_callbacks[_FLUSHER_KEY] = flusher
             if worker.status.name in ("running", "paused", "closing_gracefully"):
