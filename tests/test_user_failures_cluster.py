@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import hold, local_process_cluster, wait_until
+from conftest import HAS_GPU, hold, local_process_cluster, wait_until
 from distributed import Worker, wait
 from distributed.utils_test import gen_cluster
 from fake_metrics import FakeRMMMetrics
@@ -50,7 +50,11 @@ def test_a_worker_killed_mid_run_comes_back_as_one_row_and_every_tool_still_work
     and ``dask rmm log summary`` work, and after the nanny's restart the worker is one row."""
     with local_process_cluster() as (cluster, client):
         client.register_plugin(
-            RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=str(tmp_path))
+            RMMPlugin(
+                base_resource="cuda" if HAS_GPU else "system",
+                pool_size="16MiB",
+                log_directory=str(tmp_path),
+            )
         )
         info = client.scheduler_info()["workers"]
         victim, name = sorted((a, w["name"]) for a, w in info.items())[0]
