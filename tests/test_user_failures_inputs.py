@@ -41,3 +41,57 @@ def test_allocators_that_are_not_names_are_refused_naming_the_option():
         RMMPlugin(allocators=5)
     with pytest.raises(ValueError, match="unknown library 'nope' in `allocators`"):
         RMMPlugin(allocators=["nope"])
+
+
+class _NotAClientYet:
+    """Enough of a Client for cluster_report to check its arguments (never reached)."""
+
+    scheduler = None
+
+    def sync(self, *args, **kwargs):  # pragma: no cover - the checks come first
+        raise AssertionError("the bad argument reached the scheduler")
+
+
+def test_cluster_report_names_a_bad_client_or_last():
+    """``cluster_report("tcp://...:8786")`` raised "'str' object has no attribute 'sync'";
+    ``last="x"`` or ``1.5`` failed inside the scheduler's handler."""
+    from dask_rmm.client import cluster_report
+
+    with pytest.raises(TypeError, match="client must be a distributed.Client, got 'tcp://"):
+        cluster_report("tcp://127.0.0.1:8786")
+    for last in ("x", 1.5, -1, True):
+        with pytest.raises(ValueError, match="last must be a number of samples"):
+            cluster_report(_NotAClientYet(), last=last)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("option", ["--timeout", "--watch"])
+def test_dask_rmm_report_refuses_seconds_that_are_not_finite(option, bad):
+    """``dask rmm report ADDR --timeout nan`` passed click's range check and ended in a
+    KeyError traceback from distributed ("Invalid time unit: nan")."""
+    from click.testing import CliRunner
+
+    from dask_rmm.cli import main
+
+    result = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:1", option, bad])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output
+    assert "not a finite number of seconds" in result.output
+
+
+def test_writing_a_plot_to_a_directory_or_a_missing_one_names_the_path(tmp_path):
+    """``report.plot("/tmp")`` said "Format 'partial' is not supported"; a missing directory
+    named a temporary file the user never gave; ``plot(5)``: os.fspath's TypeError."""
+    from dask_rmm._output import atomic_output
+    from dask_rmm.report import ClusterMemoryReport
+
+    with pytest.raises(IsADirectoryError, match=f"directory, not a file: '{tmp_path}'"):
+        ClusterMemoryReport.from_dict({}).plot(str(tmp_path))
+    missing = str(tmp_path / "nope" / "x.png")
+    with pytest.raises(FileNotFoundError, match="directory does not exist: '.*nope/x.png'"):
+        with atomic_output(missing):
+            pass
+    with pytest.raises(TypeError, match="the output must be a file path, got 5"):
+        with atomic_output(5):
+            pass
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
