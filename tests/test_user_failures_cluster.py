@@ -95,3 +95,62 @@ def test_a_worker_killed_mid_run_comes_back_as_one_row_and_every_tool_still_work
             [*cli, "log", "summary", *logs], capture_output=True, text=True, timeout=60
         )
         assert out.returncode == 0, out.stderr
+
+
+def _registered_token(s):
+    from distributed.protocol.pickle import loads
+
+    plugin = s.worker_plugins.get("dask-rmm")
+    return None if plugin is None else (loads(plugin) if isinstance(plugin, bytes) else plugin).token
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: concurrent RMMPlugin registrations: each worker installs the setup whose "
+    "vote ends last, not the scheduler's current registration (fix belongs in plugin.py's vote)",
+)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_two_registrations_arriving_in_different_orders_leave_the_schedulers(c, s, a, b):
+    """Two clients register at once (or a script is re-run while the first registration still
+    sets up): the scheduler keeps the one it stored last, but the two ``plugin_add`` messages
+    travel on separate connections and may reach the workers in different orders. Each worker
+    installed whichever setup finished voting last, so the workers disagreed with each other and
+    with the scheduler (workers added later start with the scheduler's). Seen with a process
+    LocalCluster; here the arrival orders are made explicit."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm.worker_stack import worker_stack
+
+    first, last = (RMMPlugin(base_resource="system", pool_size=f"{n}MiB") for n in (8, 12))
+    s.worker_plugins["dask-rmm"] = dumps(last)  # what register_worker_plugin stores, in order
+
+    async def deliver(worker, order):
+        tasks = []
+        for plugin in order:
+            message = dict(plugin=dumps(plugin), name="dask-rmm")
+            tasks.append(asyncio.ensure_future(worker.plugin_add(**message)))
+            await asyncio.sleep(0)  # the first message is handled (up to its vote) first
+        await asyncio.gather(*tasks)
+
+    await asyncio.gather(deliver(a, [first, last]), deliver(b, [last, first]))
+    tokens = {w.address: worker_stack(w).token for w in (a, b)}
+    assert set(tokens.values()) == {last.token}, tokens
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_two_registrations_at_once_leave_one_setup_everywhere(c, s, *workers):
+    """Two clients registering at once (or a script re-run while the first still sets up):
+    each worker installed whichever setup finished voting last, while the scheduler kept the
+    one registered last, so workers added later started unlike the others."""
+    from dask_rmm.worker_stack import worker_stack
+
+    for round_ in range(2):
+        plugins = [
+            RMMPlugin(base_resource="system", pool_size=f"{8 + 2 * round_ + i}MiB") for i in (0, 1)
+        ]
+        await asyncio.gather(*(c.register_plugin(p) for p in plugins))
+        tokens = {w.address: worker_stack(w).token for w in workers}
+        assert set(tokens.values()) == {_registered_token(s)}, (round_, tokens)
+    async with Worker(s.address, nthreads=1) as late:
+        await c.wait_for_workers(4)
+        assert worker_stack(late).token == _registered_token(s)
