@@ -139,11 +139,16 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self._clock = _Clock()
         if append:
             _drop_cut_off_line(self._file_name)
-        self._file = open(self._file_name, "a" if append else "w", encoding="ascii", newline="")  # noqa: SIM115
+        else:
+            open(self._file_name, "w").close()  # RMM truncates; the rows are appended below
+        # Always O_APPEND: an adaptor still logging into a file that another one truncated since
+        # (reinitialize(logging=True) run twice with buffers of the first still alive) adds its
+        # rows at the end instead of at its old offset, which left a run of NUL bytes and then
+        # overwrote the newer adaptor's rows.
+        self._file = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
         if self._file.tell() == 0:
             self._file.write(CSV_HEADER + "\n")
-        if self.auto_flush:
-            self._file.flush()
+            self._file.flush()  # first in the file, before rows another adaptor appends
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
