@@ -70,3 +70,33 @@ def test_frees_of_buffers_held_across_a_re_registration_are_logged(tmp_path):
     assert (report.allocations, report.frees) == (3, 3)
     assert report.outstanding_count == 0
     ws.retire(ws.active)
+
+
+def test_reinitialize_with_the_same_log_file_twice_while_buffers_live(tmp_path):
+    """A notebook cell ``reinitialize(logging=True, log_file_name=...)`` run twice while arrays
+    of the first run are alive: the first adaptor kept writing at its old offset into the file
+    the second had truncated, leaving NUL bytes that ``dask rmm log summary`` refused (and
+    overwriting the second adaptor's rows)."""
+    import dask_rmm
+    from dask_rmm.mr import get_current_device_resource
+
+    name = str(tmp_path / "rmm.csv")
+    dask_rmm.reinitialize(base_resource="system", logging=True, log_file_name=name)
+    first = get_current_device_resource()
+    held = [DeviceBuffer(size=100 + i) for i in range(100)]
+    first.flush()
+    dask_rmm.reinitialize(base_resource="system", logging=True, log_file_name=name)
+    second = get_current_device_resource()
+    more = [DeviceBuffer(size=7) for _ in range(3)]
+    del held
+    gc.collect()
+    first.flush()
+    del more
+    second.flush()
+    path = tmp_path / "rmm.dev0.csv"
+    data = path.read_bytes()
+    assert b"\x00" not in data
+    assert data.startswith(HEADER.encode()) and data.count(b"Thread,Time") == 1
+    report = summarize([str(path)]).files[0]
+    assert (report.allocations, report.frees) == (3, 103)
+    assert report.unmatched_frees == 100  # allocated before the truncation
