@@ -25,6 +25,7 @@ __all__ = [
     "cupy_allocator_note",
     "install_stack",
     "log_file_path",
+    "replaced_resource_note",
     "resource_chain",
     "uninstall_stack",
     "worker_stack",
@@ -195,6 +196,27 @@ def uninstall_stack(stack: DeviceStack) -> None:
             set_per_device_resource(stack.device, previous)
     elif was_newest:
         set_per_device_resource(stack.device, active[-1].top)
+
+
+def replaced_resource_note(device: int) -> str | None:
+    """Why allocations on ``device`` may go uncounted, or None: its current resource neither is
+    nor wraps a stack dask-rmm installed there (code on the worker called ``reinitialize`` or
+    ``set_current_device_resource``), so what is allocated through it is not counted."""
+    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
+
+    current = get_per_device_resource(device) if device in registered_devices() else None
+    tops = [s.top for s in _installed.get(device, ())]
+    mr = current
+    while mr is not None:  # an adaptor over our stack (enable_statistics()) still reaches it
+        if any(mr is top for top in tops):
+            return None
+        mr = getattr(mr, "upstream_mr", None)
+    what = "the default resource" if current is None else type(current).__name__
+    return (
+        f"device {device}'s current resource was replaced outside dask-rmm (by {what}, e.g. "
+        "reinitialize or set_current_device_resource in a task): allocations through it are "
+        "not counted here; register the plugin again to install dask-rmm's stack"
+    )
 
 
 def cupy_allocator_note() -> str | None:
