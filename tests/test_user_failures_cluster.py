@@ -154,3 +154,42 @@ async def test_two_registrations_at_once_leave_one_setup_everywhere(c, s, *worke
     async with Worker(s.address, nthreads=1) as late:
         await c.wait_for_workers(4)
         assert worker_stack(late).token == _registered_token(s)
+
+
+def _reinitialize_in_a_task():
+    import dask_rmm
+
+    dask_rmm.reinitialize(base_resource="system", pool_allocator=True, initial_pool_size="4MiB")
+    return True
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_task_that_replaces_the_resource_is_not_hidden(c, s, a):
+    """A task calling ``reinitialize`` (or ``set_current_device_resource``) on a worker moved
+    every later allocation to a resource dask-rmm does not count, while the report kept
+    showing the old stack's numbers as if nothing had changed."""
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    await a.heartbeat()
+    assert (await cluster_report(c)).device(a.address).error is None
+    assert await c.submit(_reinitialize_in_a_task, pure=False)
+    await a.heartbeat()
+    error = (await cluster_report(c)).device(a.address).error
+    assert "current resource was replaced outside dask-rmm" in error, error
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    await a.heartbeat()
+    assert (await cluster_report(c)).device(a.address).error is None
+
+
+def _wrap_in_statistics():
+    import dask_rmm.statistics
+
+    dask_rmm.statistics.enable_statistics()
+    return True
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_an_adaptor_wrapped_over_the_workers_stack_is_not_a_replacement(c, s, a):
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    assert await c.submit(_wrap_in_statistics, pure=False)
+    await a.heartbeat()
+    assert (await cluster_report(c)).device(a.address).error is None
