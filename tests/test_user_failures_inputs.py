@@ -95,3 +95,11 @@ def test_writing_a_plot_to_a_directory_or_a_missing_one_names_the_path(tmp_path)
         with atomic_output(5):
             pass
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+@pytest.mark.parametrize("bad", [-1, "a", 1.0, True])
+def test_system_memory_resource_refuses_a_device_id_that_is_not_one(bad):
+    """``SystemMemoryResource(device_id="a")`` was accepted and named its log files
+    ``.deva``."""
+    with pytest.raises(ValueError, match=f"device_id must be a device id .*got {bad!r}"):
+        mr.SystemMemoryResource(device_id=bad)
