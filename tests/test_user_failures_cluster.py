@@ -104,37 +104,51 @@ def _registered_token(s):
     return None if plugin is None else (loads(plugin) if isinstance(plugin, bytes) else plugin).token
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: concurrent RMMPlugin registrations: each worker installs the setup whose "
-    "vote ends last, not the scheduler's current registration (fix belongs in plugin.py's vote)",
-)
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_two_registrations_arriving_in_different_orders_leave_the_schedulers(c, s, a, b):
+@pytest.mark.parametrize("late", [False, True])
+def test_two_registrations_arriving_in_different_orders_leave_the_schedulers(late):
     """Two clients register at once (or a script is re-run while the first registration still
     sets up): the scheduler keeps the one it stored last, but the two ``plugin_add`` messages
     travel on separate connections and may reach the workers in different orders. Each worker
     installed whichever setup finished voting last, so the workers disagreed with each other and
     with the scheduler (workers added later start with the scheduler's). Seen with a process
-    LocalCluster; here the arrival orders are made explicit."""
-    from distributed.protocol.pickle import dumps
+    LocalCluster; here the arrival orders are made explicit (``late``: the earlier registration
+    reaches b only after the later one was installed there)."""
 
-    from dask_rmm.worker_stack import worker_stack
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+    async def run(c, s, a, b):
+        from distributed.protocol.pickle import dumps
 
-    first, last = (RMMPlugin(base_resource="system", pool_size=f"{n}MiB") for n in (8, 12))
-    s.worker_plugins["dask-rmm"] = dumps(last)  # what register_worker_plugin stores, in order
+        from dask_rmm.worker_stack import worker_stack
 
-    async def deliver(worker, order):
-        tasks = []
-        for plugin in order:
-            message = dict(plugin=dumps(plugin), name="dask-rmm")
-            tasks.append(asyncio.ensure_future(worker.plugin_add(**message)))
-            await asyncio.sleep(0)  # the first message is handled (up to its vote) first
-        await asyncio.gather(*tasks)
+        first, last = (RMMPlugin(base_resource="system", pool_size=f"{n}MiB") for n in (8, 12))
+        s.worker_plugins["dask-rmm"] = dumps(last)  # what register_worker_plugin stores
 
-    await asyncio.gather(deliver(a, [first, last]), deliver(b, [last, first]))
-    tokens = {w.address: worker_stack(w).token for w in (a, b)}
-    assert set(tokens.values()) == {last.token}, tokens
+        async def deliver(worker, order, one_by_one=False):
+            tasks = []
+            for plugin in order:
+                message = dict(plugin=dumps(plugin), name="dask-rmm")
+                tasks.append(asyncio.ensure_future(worker.plugin_add(**message)))
+                if one_by_one:
+                    await tasks[-1]
+                await asyncio.sleep(0)  # the first message is handled (up to its vote) first
+            await asyncio.gather(*tasks)
+
+        await asyncio.gather(deliver(a, [first, last]), deliver(b, [last, first], late))
+        for w in (a, b):
+            assert worker_stack(w).token == last.token, w.address
+            assert worker_stack(w).options.pool_size == 12 * MiB
+            assert "dask-rmm" in w.metrics
+        await a.heartbeat()
+        await b.heartbeat()
+        report = await cluster_report(c)
+        assert {d.reserved_bytes for d in report.devices} == {12 * MiB}
+        await c.unregister_worker_plugin("dask-rmm")
+        while any(worker_stack(w).active for w in (a, b)):  # removed on the next loop turn
+            await asyncio.sleep(0.01)
+        for w in (a, b):  # nothing left behind by the registration that lost
+            assert "dask-rmm" not in w.metrics
+
+    run()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
