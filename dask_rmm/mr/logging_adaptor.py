@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -137,6 +138,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
         self._clock = _Clock()
+        #: Writes to the file that failed (a full disk): their rows are lost.
+        self.write_errors = 0
         if append:
             _drop_cut_off_line(self._file_name)
         else:
@@ -162,9 +165,24 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             f = self._file
             if f is None:
                 return
-            f.write(row)
-            if self.auto_flush:
-                f.flush()
+            try:
+                f.write(row)
+                if self.auto_flush:
+                    f.flush()
+            except OSError as e:
+                self._write_failed(e)
+
+    def _write_failed(self, error: OSError) -> None:
+        # A full disk must never fail (and leak) the allocation being logged: the row is lost,
+        # as RMM's logger loses it, and the first loss is reported.
+        self.write_errors += 1
+        if self.write_errors == 1:
+            warnings.warn(
+                f"LoggingResourceAdaptor: cannot write {self._file_name} ({error}); allocation "
+                "rows are lost until it can",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         try:
@@ -183,7 +201,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         """Write buffered rows to the file."""
         with self._lock:
             if self._file is not None:
-                self._file.flush()
+                try:
+                    self._file.flush()
+                except OSError as e:
+                    self._write_failed(e)
 
     def get_file_name(self) -> str:
         """The absolute path of the log file (with the ``.dev{id}`` suffix)."""
@@ -194,7 +215,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         with self._lock:
             f, self._file = self._file, None
         if f is not None:
-            f.close()
+            try:
+                f.close()
+            except OSError as e:  # the last rows could not be written; the file is closed
+                self._write_failed(e)
 
     def __del__(self):
         try:
