@@ -123,6 +123,39 @@ def test_a_block_freed_while_its_stream_works_is_not_overwritten_by_the_next_str
 
 
 @pytest.mark.gpu
+def test_cupy_arrays_through_the_allocator_reuse_a_pool_block_across_streams_in_order():
+    """CuPy frees an array on the stream it was allocated on: a kernel still writing it on
+    stream a must finish before an array allocated on stream b gets the block."""
+    cupy = _cupy()
+    from dask_rmm.allocators.cupy import rmm_cupy_allocator
+
+    res = _suballocator("pool")
+    previous = mr.get_current_device_resource()
+    mr.set_current_device_resource(res)
+    old_allocator = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    try:
+        a = cupy.cuda.Stream(non_blocking=True)
+        b = cupy.cuda.Stream(non_blocking=True)
+        with a:
+            x = cupy.empty(N, dtype=cupy.uint8)
+            ptr = x.data.ptr
+            spin_fill(ptr, N, 1, Stream(a))
+            del x
+        with b:
+            y = cupy.empty(N, dtype=cupy.uint8)
+            assert y.data.ptr == ptr
+            y.fill(2)
+            b.synchronize()
+        a.synchronize()
+        assert cupy.unique(y).tolist() == [2]
+        del y
+    finally:
+        cupy.cuda.set_allocator(old_allocator)
+        mr.set_current_device_resource(previous)
+
+
+@pytest.mark.gpu
 def test_a_buffer_freed_on_another_stream_orders_the_next_owner_after_that_stream():
     """Allocated on a, freed on b (which waits for a): the pool must order c after b."""
     from dask_rmm import _cuda
