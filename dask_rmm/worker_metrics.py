@@ -218,6 +218,13 @@ class WorkerMetrics:
             used_total = _device_memory(stack.device, stack.host_memory)
             d["device_used_bytes"], d["device_total_bytes"] = used_total
 
+        def current_resource() -> None:
+            from dask_rmm.worker_stack import replaced_resource_note
+
+            note = replaced_resource_note(stack.device)
+            if note is not None:
+                errors.append(note)
+
         def task_groups() -> None:
             if stack.attribution is not None:
                 d["task_groups"] = [m.to_list() for m in stack.attribution.top(top_n)]
@@ -227,7 +234,7 @@ class WorkerMetrics:
                 d.update(stack.pressure.heartbeat_fields())
 
         errors = []
-        for part in (statistics, device_memory, task_groups, memory_pressure):
+        for part in (statistics, device_memory, current_resource, task_groups, memory_pressure):
             try:  # one part failing leaves the others, and the heartbeat, intact
                 part()
             except Exception as e:
