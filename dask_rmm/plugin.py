@@ -166,13 +166,15 @@ class RMMPlugin(WorkerPlugin):
             failures, current = await self._vote(worker, error, ws.token if kept else None)
         else:
             failures = {worker.address: error} if error else {}
-        if failures:
+        if failures or not current:
             # The error's traceback keeps this frame: leave no discarded stack in it (no loop
             # variable either), so that the memory their pools took is given back at once.
             while stacks:
                 stacks.pop().close_log()
             pressure = None
-            self._publish(worker, ws)
+            if failures or worker.plugins.get(self.name) is self:
+                self._publish(worker, ws)
+        if failures:
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
             kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
             raise RMMSetupError(
@@ -182,11 +184,6 @@ class RMMPlugin(WorkerPlugin):
         if not current:
             # A registration that reached the scheduler after this one (two clients at once)
             # is the one every worker installs; this one changes nothing.
-            while stacks:
-                stacks.pop().close_log()
-            pressure = None
-            if worker.plugins.get(self.name) is self:
-                self._publish(worker, ws)
             logger.info("dask-rmm: worker %s: a later registration replaced this one", worker.name)
             return
         if worker.plugins.get(self.name) is not self:
