@@ -366,7 +366,4 @@ _worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def worker_stack(worker: Any) -> WorkerStack:
     """The :class:`WorkerStack` of ``worker`` (a distributed Worker), made on first use."""
-    ws = _worker_stacks.get(worker)
-    if ws is None:
-        ws = _worker_stacks[worker] = WorkerStack()
-    return ws
+    return _worker_stacks.get(worker) or _worker_stacks.setdefault(worker, WorkerStack())
