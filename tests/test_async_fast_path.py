@@ -12,8 +12,14 @@ from dask_rmm import _cuda
 from dask_rmm.mr import CudaAsyncViewMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
+_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation"}
+_CODES = {name: code for code, name in _ERRORS.items()}
+
 
 class FakePool:
+    """cuda-python's cudaMallocFromPoolAsync / cudaFreeAsync: ``(err, ptr)`` and ``(err,)``,
+    handles given as cuda-python handle objects (recorded as ints)."""
+
     def __init__(self):
         self.live: dict[int, int] = {}
         self.next = 1 << 30
@@ -22,31 +28,44 @@ class FakePool:
         self.calls: list[tuple] = []
 
     def malloc(self, nbytes, pool, stream):
-        self.calls.append(("malloc", nbytes, pool, stream))
+        self.calls.append(("malloc", nbytes, int(pool), int(stream)))
         if self.fail:
-            raise _cuda.CUDAError(self.fail, "cudaMallocFromPoolAsync")
+            return (_CODES[self.fail], None)
         ptr = self.next
         self.next += (nbytes + 255) & -256
         self.live[ptr] = nbytes
-        return ptr
+        return (0, ptr)
 
     def free(self, ptr, stream):
-        self.calls.append(("free", ptr, stream))
+        self.calls.append(("free", ptr, int(stream)))
         if self.fail_free:
-            raise _cuda.CUDAError("cudaErrorInvalidValue", "cudaFreeAsync")
+            return (_CODES["cudaErrorInvalidValue"],)
         del self.live[ptr]
+        return (0,)
 
 
 @pytest.fixture
 def fake(monkeypatch):
     pool = FakePool()
     monkeypatch.setattr(_cuda, "require_cuda", lambda what: None)
+    monkeypatch.setattr(_cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_cuda, "_error_name", _ERRORS.get)
     monkeypatch.setattr(_cuda, "get_device", lambda: 0)
     monkeypatch.setattr(_cuda, "get_device_count", lambda: 1)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 30, 1 << 34))
-    monkeypatch.setattr(_cuda, "malloc_from_pool_async", pool.malloc)
-    monkeypatch.setattr(_cuda, "free_async", pool.free)
+    # The binding functions themselves: the fast paths call them with no wrapper in between.
+    monkeypatch.setattr(_cuda, "_cudaMallocFromPoolAsync", pool.malloc)
+    monkeypatch.setattr(_cuda, "_cudaFreeAsync", pool.free)
     return pool
+
+
+def test_handle_objects_are_cached_per_int_handle():
+    a = _cuda.stream_objects[77]
+    assert int(a) == 77 and _cuda.stream_objects[77] is a
+    assert int(_cuda.mem_pool_objects[1234]) == 1234
+    assert _cuda.runtime_function("cudaFreeAsync") is _cuda.runtime_function("cudaFreeAsync")
+    with pytest.raises(ValueError, match="cudaMalloc"):
+        _cuda.runtime_function("cudaMemset")
 
 
 def test_allocate_and_free_in_stream_order(fake):
