@@ -28,6 +28,12 @@ __all__ = [
 
 _lock = threading.Lock()
 _resources: dict[int, DeviceMemoryResource] = {}
+#: ``lookup_per_device_resource(device) -> resource or None``: the registry read in one C call
+#: (``dict.get``), for allocation hooks that look the resource up on every allocation (the CuPy
+#: allocators). None means nothing is set for ``device`` yet: call
+#: :func:`get_per_device_resource`, which makes the default. Read-only: set resources with
+#: :func:`set_per_device_resource`.
+lookup_per_device_resource = _resources.get
 # With one device (or none) the current device is always 0, so the hot path skips cudaGetDevice.
 _single_device: bool | None = None
 
