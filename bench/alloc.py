@@ -269,7 +269,8 @@ def raw_async_row():
 
 def raw_runtime_async_row():
     """The same floor through the runtime API (what dask-rmm's async resource calls):
-    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers."""
+    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers and
+    an int stream handle (converted by cuda-python on every call)."""
     from cuda.bindings import runtime
 
     _cuda.require_cuda("cudaMallocFromPoolAsync")
@@ -281,6 +282,25 @@ def raw_runtime_async_row():
 
     def free(p, n):
         freeasync(p, 0)
+
+    return alloc, free, None
+
+
+def raw_runtime_objects_row():
+    """The floor of dask-rmm's async fast path: cudaMallocFromPoolAsync/cudaFreeAsync with
+    every handle a cached cuda-python object (no int conversion per call)."""
+    from cuda.bindings import runtime
+
+    _cuda.require_cuda("cudaMallocFromPoolAsync")
+    err, pool = runtime.cudaDeviceGetDefaultMemPool(0)
+    stream = runtime.cudaStream_t(0)
+    malloc, freeasync = runtime.cudaMallocFromPoolAsync, runtime.cudaFreeAsync
+
+    def alloc(n):
+        return malloc(n, pool, stream)[1]
+
+    def free(p, n):
+        freeasync(p, stream)
 
     return alloc, free, None
 
@@ -308,6 +328,7 @@ ROWS = [
     ("rmm async", rmm_row("async"), False),
     ("cuMemAllocAsync+cuMemFreeAsync", raw_async_row, False),
     ("cudaMallocFromPoolAsync+cudaFreeAsync", raw_runtime_async_row, False),
+    ("cudaMallocFromPoolAsync+cudaFreeAsync, objects", raw_runtime_objects_row, False),
     ("dask-rmm DeviceBuffer(size=n) over pool", ours_device_buffer, False),
     ("rmm DeviceBuffer(size=n) over pool", rmm_device_buffer, False),
     ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size"), False),
@@ -330,7 +351,7 @@ def main(argv=None) -> int:
     host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
     print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
           f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})")
-    print(f"{'resource':<42} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+    print(f"{'resource':<48} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
     # Repeats are the outer loop and rows the inner one, so that a machine drifting during the
     # run (clock boost, other load) spreads over every row alike instead of favouring the last.
     columns = [("ns_per_pair", 1)]
@@ -359,7 +380,7 @@ def main(argv=None) -> int:
         row: dict = {"resource": name}
         if name in skipped:
             row["skipped"] = skipped[name]
-            print(f"{name:<42} {'skipped: ' + row['skipped']}")
+            print(f"{name:<48} {'skipped: ' + row['skipped']}")
             results.append(row)
             continue
         for column, _threads in columns:
@@ -368,7 +389,7 @@ def main(argv=None) -> int:
                 row[column] = statistics.median(values)
                 row[column + "_runs"] = values
         threads_ns = row.get(f"ns_per_pair_{args.threads}_threads")
-        print(f"{name:<42} {row['ns_per_pair']:>17.0f} "
+        print(f"{name:<48} {row['ns_per_pair']:>17.0f} "
               f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}")
         results.append(row)
     sys.stdout.flush()
