@@ -89,7 +89,7 @@ from dask_rmm.mr.base import (
 from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
-__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource"]
+__all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_behind"]
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
@@ -183,6 +183,20 @@ class _FreeList:
 
 
 _FRESH = "fresh"  # order key of memory no stream has used yet
+
+
+def pool_behind(resource: Any) -> PoolMemoryResource | None:
+    """The :class:`PoolMemoryResource` whose own ``allocate``/``deallocate`` ``resource``'s
+    are: the pool itself, or an adaptor that made the pool's methods its own (a
+    StatisticsResourceAdaptor's ``counting_pool``, a TrackingResourceAdaptor's
+    ``tracking_pool``); None otherwise. Adaptors above use it to fuse with the pool too."""
+    if type(resource) is PoolMemoryResource:
+        return resource
+    for name in ("counting_pool", "tracking_pool"):
+        pool = getattr(resource, name, None)
+        if type(pool) is PoolMemoryResource:
+            return pool
+    return None
 
 
 def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> None:
@@ -476,6 +490,20 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 self._owners = None
                 self._owner_of.clear()
                 self._instrumented = self._counters is not None
+
+    def live_allocations(self) -> dict[int, int]:
+        """``{ptr: nbytes}`` of every block allocated from this pool and not yet freed, sizes as
+        the callers asked: a snapshot of the table every deallocate is checked against.
+
+        Part of the instrumentation interface (read-only): TrackingResourceAdaptor lists a
+        pool's outstanding allocations from it instead of keeping a second table.
+        """
+        while True:
+            try:
+                tags = dict(self._live)  # one C-level copy; lock-free callers may change it
+            except RuntimeError:  # changed during the copy (free-threaded CPython): again
+                continue
+            return {ptr: ~tag if tag < 0 else tag for ptr, tag in tags.items()}
 
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:

@@ -105,6 +105,10 @@ def get_current_device_resource() -> DeviceMemoryResource:
     'SystemMemoryResource'
     >>> _ = set_current_device_resource(previous)
     """
+    if _single_device:  # the hot path (DeviceBuffer's default): no further call
+        mr = _resources.get(0)
+        if mr is not None:
+            return mr
     device = _current_device()
     mr = _resources.get(device)
     if mr is not None:
