@@ -209,9 +209,13 @@ def main() -> int:
                     help="seconds: start no round that would likely end after this (0: no limit)")
     ap.add_argument("--configs", default="",
                     help="comma-separated substrings: run only the configurations named so")
+    ap.add_argument("--labels", default="",
+                    help="semicolon-separated exact configuration labels to run (labels hold "
+                         "commas, e.g. 'no plugin;dask-rmm pool, statistics on')")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     only = [s.strip() for s in args.configs.split(",") if s.strip()]
+    labels_only = [s.strip() for s in args.labels.split(";") if s.strip()]
     start = time.perf_counter()
 
     from distributed import Client, LocalCluster
@@ -241,6 +245,8 @@ def main() -> int:
         clients = {}
         for label, configure in configurations(args.pool):
             if only and not any(s in label for s in only):
+                continue
+            if labels_only and label not in labels_only:
                 continue
             try:
                 cluster = stack.enter_context(LocalCluster(
