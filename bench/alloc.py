@@ -7,9 +7,10 @@ MemoryPool, a bare cuMemAllocAsync/cuMemFreeAsync pair and a plain dict+lock res
 Workload (the issue's): W=1000 live blocks; each step frees a random live block and allocates
 a log-uniform size in [256 B, 4 MiB]; sizes and victims are drawn before timing; the figure is
 the median over 5 runs of (wall time / steps). With T threads, each thread runs the same loop
-on its own W/T live blocks against one shared resource and the figure is total wall time over
-total steps. Rows whose library is missing (RMM, CuPy, cuda.bindings on a GPU-less host) are
-skipped with the reason.
+on its own W/T live blocks against one shared resource and the figure is the wall time of the
+steady state (from all threads holding their blocks to the last loop's end) over total steps.
+Rows whose library is missing (RMM, CuPy, cuda.bindings on a GPU-less host) are skipped with
+the reason.
 
 Usage: python bench/alloc.py [--steps N] [--threads T] [--only NAME,...] [--json] [--out PATH]
 """
@@ -74,9 +75,23 @@ def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -
     return elapsed
 
 
-def _worker(barrier, alloc, free, load):
-    barrier.wait()
-    run_loop(alloc, free, *load)
+def _worker(barrier, alloc, free, load, ends):
+    """One thread's share: its initial blocks, then (all threads together) the timed loop;
+    records when its loop ended, before it frees its blocks."""
+    initial, victims, sizes = load
+    live = list(initial)
+    ptrs = [alloc(n) for n in live]
+    barrier.wait()  # every thread's blocks are live: the steady state starts for all at once
+    for k in range(len(victims)):
+        i = victims[k]
+        free(ptrs[i], live[i])
+        ptrs[i] = None
+        n = sizes[k]
+        ptrs[i] = alloc(n)
+        live[i] = n
+    ends.append(time.perf_counter_ns())
+    for p, n in zip(ptrs, live, strict=True):
+        free(p, n)
 
 
 def measure_once(make, steps: int, threads: int, r: int) -> float:
@@ -87,15 +102,22 @@ def measure_once(make, steps: int, threads: int, r: int) -> float:
     if threads == 1:
         ns = run_loop(alloc, free, *loads[0])
     else:
+        # Timed like the single-thread loop: from the moment every thread holds its initial
+        # blocks to the end of the last thread's loop (thread start-up, the initial
+        # allocations and the final frees are outside, as they are for one thread).
         barrier = threading.Barrier(threads + 1)
-        ts = [threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads]
+        ends: list[int] = []
+        ts = [
+            threading.Thread(target=_worker, args=(barrier, alloc, free, ld, ends))
+            for ld in loads
+        ]
         for t in ts:
             t.start()
         barrier.wait()
         t0 = time.perf_counter_ns()
         for t in ts:
             t.join()
-        ns = time.perf_counter_ns() - t0
+        ns = max(ends) - t0
     del alloc, free, keep
     gc.collect()
     return ns / (steps // threads * threads)
