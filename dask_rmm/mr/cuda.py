@@ -291,6 +291,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         self._stream_objects = _cuda.stream_objects
         self._malloc_call = _cuda.runtime_function("cudaMallocFromPoolAsync")
         self._free_call = _cuda.runtime_function("cudaFreeAsync")
+        self._sizes = self._owned.sizes  # the owned-pointer table, one attribute away
 
     def pool_handle(self) -> int:
         """The ``cudaMemPool_t`` handle allocations come from, as an int."""
@@ -320,7 +321,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
                 )
                 if err:
                     raise self._call_error(err, nbytes, handle)
-                self._owned.sizes[ptr] = nbytes
+                self._sizes[ptr] = nbytes
                 return ptr
         return super().allocate(nbytes, stream)
 
@@ -334,7 +335,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         raise AssertionError("fail() returned")  # pragma: no cover
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        sizes = self._owned.sizes
+        sizes = self._sizes
         n = sizes.pop(ptr, None)
         if n is not None:
             if n == nbytes and not self._multi_device:
