@@ -151,3 +151,35 @@ def test_concurrent_double_free_refused_once(fake):
             t.join()
         assert len(errors) == 3
     assert fake.live == {} and mr.live_allocations == 0
+
+
+def test_several_devices_fast_path_only_on_its_own_device(fake, monkeypatch):
+    # dask-cuda makes every device visible (rotated CUDA_VISIBLE_DEVICES): the fast path applies
+    # while the resource's device is current, the general path switches devices otherwise.
+    state = {"current": 1, "switches": [], "asked": 0}
+    monkeypatch.setattr(_cuda, "get_device_count", lambda: 2)
+
+    def get_device():  # the general path's device check (_on_device)
+        state["asked"] += 1
+        return state["current"]
+
+    monkeypatch.setattr(_cuda, "get_device", get_device)
+    monkeypatch.setattr(_cuda, "_cudaGetDevice", lambda: (0, state["current"]))
+
+    def set_device(d):
+        state["switches"].append(d)
+        state["current"] = d
+
+    monkeypatch.setattr(_cuda, "set_device", set_device)
+    mr = CudaAsyncViewMemoryResource(5)
+    assert mr.device_id == 1
+    state["asked"] = 0
+    p = mr.allocate(1000)
+    mr.deallocate(p, 1000)
+    assert state["switches"] == [] and state["asked"] == 0  # fast path, no switch
+    state["current"] = 0
+    q = mr.allocate(2000)
+    assert state["switches"] == [1, 0] and state["current"] == 0  # switched for the call, back
+    mr.deallocate(q, 2000)
+    assert state["switches"] == [1, 0, 1, 0]
+    assert fake.live == {} and mr.live_allocations == 0

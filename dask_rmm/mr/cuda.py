@@ -292,6 +292,9 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         self._malloc_call = _cuda.runtime_function("cudaMallocFromPoolAsync")
         self._free_call = _cuda.runtime_function("cudaFreeAsync")
         self._sizes = self._owned.sizes  # the owned-pointer table, one attribute away
+        # With several devices visible (dask-cuda's rotated CUDA_VISIBLE_DEVICES) the fast
+        # paths still apply when this resource's device is current: one cudaGetDevice call.
+        self._get_device_call = _cuda.runtime_function("cudaGetDevice")
 
     def pool_handle(self) -> int:
         """The ``cudaMemPool_t`` handle allocations come from, as an int."""
@@ -310,7 +313,11 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     # store or pop, no other Python layer; anything unusual (bad arguments, other devices,
     # errors) takes the general path of _CudaResource, with the same errors.
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        if type(nbytes) is int and 0 < nbytes <= _SIZE_MAX and not self._multi_device:
+        if (
+            type(nbytes) is int
+            and 0 < nbytes <= _SIZE_MAX
+            and (not self._multi_device or self._get_device_call()[1] == self.device_id)
+        ):
             try:
                 handle = stream.handle
             except AttributeError:
@@ -338,7 +345,9 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         sizes = self._sizes
         n = sizes.pop(ptr, None)
         if n is not None:
-            if n == nbytes and not self._multi_device:
+            if n == nbytes and (
+                not self._multi_device or self._get_device_call()[1] == self.device_id
+            ):
                 try:
                     handle = stream.handle
                 except AttributeError:
