@@ -48,8 +48,11 @@ StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResou
 (an :class:`OwnerAccounts`: an owner getter called before the lock, a token -> account dict and
 an owner callback called under the lock for new tokens). While either is attached the fast path
 takes the lock and does the updates inline, so they agree with each other and with the blocks;
-:attr:`PoolMemoryResource.instrumentation_lock` is the lock to read them under. Nothing else
-reads or writes another object's private state.
+:attr:`PoolMemoryResource.instrumentation_lock` is the lock to read them under.
+:meth:`PoolMemoryResource.live_allocations` (read-only: the table every deallocate is checked
+against) is what TrackingResourceAdaptor lists instead of keeping a table of its own, and
+:func:`pool_behind` finds the pool behind an adaptor that made the pool's methods its own.
+Nothing else reads or writes another object's private state.
 
 Stream order
 ------------
