@@ -210,11 +210,11 @@ def test_none_and_empty_names():
 
 # --- GPU --------------------------------------------------------------------------------------
 
-@pytest.fixture
-def gpu_cupy_allocator():
+@pytest.fixture(params=["rmm_cupy_allocator", "lean_cupy_allocator"])
+def gpu_cupy_allocator(request):
     original = cupy.cuda.get_allocator()
-    cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
-    yield
+    cupy.cuda.set_allocator(getattr(cupy_hook, request.param))
+    yield request.param
     cupy.cuda.set_allocator(original)
 
 
