@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -237,6 +238,14 @@ def replay(
         sys.exit(EXIT_NEW_FAILURES)
 
 
+def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # click's FloatRange lets nan and inf through; the scheduler rpc then fails on them with a
+    # KeyError traceback ("Invalid time unit: nan").
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds")
+    return value
+
+
 @main.command()
 @click.argument("scheduler_address", required=False)
 @click.option(
@@ -248,6 +257,7 @@ def replay(
 @click.option(
     "--watch",
     type=click.FloatRange(min=0.1),
+    callback=_finite_seconds,
     default=None,
     metavar="SECONDS",
     help="Refresh every SECONDS until interrupted (with --json: one JSON document a line).",
@@ -261,6 +271,7 @@ def replay(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
+    callback=_finite_seconds,
     default=5.0,
     show_default=True,
     help="Seconds to wait for each answer from the scheduler.",

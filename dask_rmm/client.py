@@ -69,6 +69,13 @@ def cluster_report(client: Client | None = None, *, timeline: bool = True, last:
         from distributed import default_client
 
         client = default_client()
+    elif not hasattr(client, "sync") or not hasattr(client, "scheduler"):
+        raise TypeError(
+            f"client must be a distributed.Client, got {client!r}; for a scheduler address use "
+            "cluster_report(Client(address)) or `dask rmm report ADDRESS`"
+        )
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+        raise ValueError(f"last must be a number of samples (an int >= 0) or None, got {last!r}")
 
     async def _report() -> ClusterMemoryReport:
         data = await fetch_report_data(client.scheduler, timeline=timeline, last=last)

@@ -62,7 +62,13 @@ def _bool(option: str, value: Any) -> bool:
 def _allocators(value: Any) -> tuple[str, ...]:
     from dask_rmm.allocators import SUPPORTED_ALLOCATORS
 
-    names = value.split(",") if isinstance(value, str) else list(value or ())
+    try:
+        names = value.split(",") if isinstance(value, str) else list(value or ())
+    except TypeError:
+        raise TypeError(
+            f"`allocators` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
+            f"got {value!r}"
+        ) from None
     out: list[str] = []
     for name in names:
         name = str(name).strip().lower()

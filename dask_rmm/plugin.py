@@ -191,8 +191,9 @@ class RMMPlugin(WorkerPlugin):
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        current = True
         if self.coordinated:
-            failures = await self._vote(worker, error, ws.token if kept else None)
+            failures, current = await self._vote(worker, error, ws.token if kept else None)
         else:
             failures = {worker.address: error} if error else {}
         if failures:
@@ -208,6 +209,21 @@ class RMMPlugin(WorkerPlugin):
                 f"dask-rmm setup failed on {len(failures)} worker(s), so no worker changed "
                 f"(worker {worker.address} {kept_what}): {reasons}"
             )
+        if not current:
+            # A registration that reached the scheduler after this one (two clients at once)
+            # is the one every worker installs; this one changes nothing.
+            while stacks:
+                stacks.pop().close_log()
+            pressure = None
+            if worker.plugins.get(self.name) is self:
+                self._publish(worker, ws, *metrics_options)
+            logger.info("dask-rmm: worker %s: a later registration replaced this one", worker.name)
+            return
+        if worker.plugins.get(self.name) is not self:
+            # That later registration reached this worker first, and this one, arriving after
+            # it, tore it down; the scheduler keeps it, so it is this worker's plugin again.
+            worker.plugins[self.name] = self
+            self._worker = worker
         ws.install(stacks, self.options, self.token)
         ws.set_pressure(worker, pressure)
         for stack in stacks:
@@ -218,18 +234,22 @@ class RMMPlugin(WorkerPlugin):
         self._publish(worker, ws, *metrics_options)
         await self._install_scheduler_plugin(worker)
 
-    async def _vote(self, worker: Worker, error: str | None, previous: str | None) -> dict:
-        """The failures of this registration on every worker (``{}``: all succeeded)."""
+    async def _vote(
+        self, worker: Worker, error: str | None, previous: str | None
+    ) -> tuple[dict, bool]:
+        """The failures of this registration on every worker (``{}``: all succeeded), and
+        whether it is still the scheduler's registration of the plugin."""
         from distributed.protocol.pickle import dumps
 
         try:
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
             )
-            return await worker.scheduler.dask_rmm_setup_vote(
+            answer = await worker.scheduler.dask_rmm_setup_vote(
                 token=self.token, name=self.name, worker=worker.address, error=error,
                 previous=previous,
             )  # fmt: skip
+            return answer["failures"], answer["current"]
         except Exception as e:
             logger.warning(
                 "dask-rmm: cannot agree the setup with the other workers (%s: %s); worker %s "
@@ -238,7 +258,7 @@ class RMMPlugin(WorkerPlugin):
                 e,
                 worker.address,
             )
-            return {worker.address: error} if error else {}
+            return ({worker.address: error} if error else {}), True
 
     def _publish(self, worker: Worker, ws: Any, top_n: int, sample_interval: Any) -> None:
         """Heartbeat metrics and the log flusher for the worker's active stacks."""
@@ -253,7 +273,7 @@ class RMMPlugin(WorkerPlugin):
             sample_interval=sample_interval,
             sampling=ws.options.statistics,
         )
-        if any(s.logging is not None for s in ws.active):
+        if any(s.logging is not None for s in [*ws.active, *ws.retired]):
             flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
             worker.periodic_callbacks[_FLUSHER_KEY] = flusher
             if worker.status.name in ("running", "paused", "closing_gracefully"):
@@ -328,7 +348,7 @@ def _metrics_defaults() -> tuple[int, Any]:
 class _Round:
     token: str
     name: str
-    plugin: Any  # what the scheduler stored for this registration
+    plugin: Any  # what the scheduler stored for this registration (None: a later one already)
     expected: set[str]
     votes: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     failures: dict[str, str] | None = None  # None until decided
@@ -371,6 +391,27 @@ class SetupCoordinator(SchedulerPlugin):
         worker: str,
         error: str | None = None,
         previous: str | None = None,
+    ) -> dict[str, Any]:
+        """``{"failures": {worker: reason}, "current": bool}``: ``current`` is False when the
+        scheduler holds a later registration of the plugin (two registered at once: the later
+        one is installed everywhere, whatever order the workers received them in)."""
+        failures = await self._failures(token, name, worker, error, previous)
+        return {"failures": failures, "current": self._stored_token(name) == token}
+
+    def _stored_token(self, name: str) -> str | None:
+        assert self.scheduler is not None
+        plugin = self.scheduler.worker_plugins.get(name)
+        if isinstance(plugin, bytes):
+            from distributed.protocol.pickle import loads
+
+            try:
+                plugin = loads(plugin)
+            except Exception:
+                return None
+        return getattr(plugin, "token", None)
+
+    async def _failures(
+        self, token: str, name: str, worker: str, error: str | None, previous: str | None
     ) -> dict[str, str]:
         alone = {worker: error} if error else {}
         if token in self.committed:  # a worker added after the registration succeeded
@@ -378,8 +419,12 @@ class SetupCoordinator(SchedulerPlugin):
         r = self.rounds.get(token)
         if r is None:
             assert self.scheduler is not None
+            stored = self.scheduler.worker_plugins.get(name)
             r = self.rounds[token] = _Round(
-                token, name, self.scheduler.worker_plugins.get(name), set(self.scheduler.workers)
+                token,
+                name,
+                stored if self._stored_token(name) == token else None,
+                set(self.scheduler.workers),
             )
             decided = [t for t, x in self.rounds.items() if x.failures is not None]
             for t in decided[: max(0, len(decided) - self.KEEP)]:
@@ -406,10 +451,11 @@ class SetupCoordinator(SchedulerPlugin):
         r.failures = {w: e for w, (e, _) in r.votes.items() if e} | missing
         plugins = self.scheduler.worker_plugins
         if not r.failures:
-            self.committed[r.token] = r.plugin
+            if r.plugin is not None:
+                self.committed[r.token] = r.plugin
             while len(self.committed) > self.KEEP:
                 del self.committed[next(iter(self.committed))]
-        elif plugins.get(r.name) is r.plugin:  # not registered again meanwhile
+        elif r.plugin is not None and plugins.get(r.name) is r.plugin:  # not registered again
             previous = {p for _, p in r.votes.values() if p in self.committed}
             if previous:
                 plugins[r.name] = self.committed[previous.pop()]

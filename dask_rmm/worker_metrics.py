@@ -220,6 +220,14 @@ class WorkerMetrics:
         except Exception as e:
             errors.append(f"device memory: {type(e).__name__}: {e}")
         try:
+            from dask_rmm.worker_stack import replaced_resource_note
+
+            note = replaced_resource_note(stack.device)
+            if note is not None:
+                errors.append(note)
+        except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
+            errors.append(f"current resource: {type(e).__name__}: {e}")
+        try:
             attribution = stack.attribution
             if attribution is not None:
                 d["task_groups"] = [m.to_list() for m in attribution.top(top_n)]

@@ -25,6 +25,7 @@ __all__ = [
     "cupy_allocator_note",
     "install_stack",
     "log_file_path",
+    "replaced_resource_note",
     "resource_chain",
     "uninstall_stack",
     "worker_stack",
@@ -120,18 +121,29 @@ class DeviceStack:
             f"{size(self.maximum_pool_size)}, base resource {base}, log {self.log_path or 'none'}"
         )
 
+    def flush_log(self) -> None:
+        """Write the log's buffered rows to its file (nothing without a log, or once the
+        adaptor of a retired stack was collected: it flushed and closed its file then)."""
+        if self.logging is not None:
+            try:
+                self.logging.flush()
+            except ReferenceError:
+                pass
+            except Exception:  # pragma: no cover - a timer or a teardown must go on
+                logger.exception("dask-rmm: flushing %s failed", self.log_path)
+
     def close_log(self) -> None:
         if self.logging is not None:
             for method in ("flush", "close"):
-                fn = getattr(self.logging, method, None)
-                if fn is not None:
-                    try:
-                        fn()
-                    except Exception:  # pragma: no cover - teardown must go on
-                        logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        if self.log_fd is not None:
-            os.close(self.log_fd)
-            self.log_fd = None
+                try:
+                    getattr(self.logging, method)()
+                except ReferenceError:  # a retired stack's adaptor, collected: closed already
+                    break
+                except Exception:  # pragma: no cover - teardown must go on
+                    logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
+        fd, self.log_fd = self.log_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def resource_chain(mr: Any) -> str:
@@ -184,6 +196,27 @@ def uninstall_stack(stack: DeviceStack) -> None:
             set_per_device_resource(stack.device, previous)
     elif was_newest:
         set_per_device_resource(stack.device, active[-1].top)
+
+
+def replaced_resource_note(device: int) -> str | None:
+    """Why allocations on ``device`` may go uncounted, or None: its current resource neither is
+    nor wraps a stack dask-rmm installed there (code on the worker called ``reinitialize`` or
+    ``set_current_device_resource``), so what is allocated through it is not counted."""
+    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
+
+    current = get_per_device_resource(device) if device in registered_devices() else None
+    tops = [s.top for s in _installed.get(device, ())]
+    mr = current
+    while mr is not None:  # an adaptor over our stack (enable_statistics()) still reaches it
+        if any(mr is top for top in tops):
+            return None
+        mr = getattr(mr, "upstream_mr", None)
+    what = "the default resource" if current is None else type(current).__name__
+    return (
+        f"device {device}'s current resource was replaced outside dask-rmm (by {what}, e.g. "
+        "reinitialize or set_current_device_resource in a task): allocations through it are "
+        "not counted here; register the plugin again to install dask-rmm's stack"
+    )
 
 
 def cupy_allocator_note() -> str | None:
@@ -239,8 +272,14 @@ class WorkerStack:
     def retired(self) -> list[DeviceStack]:
         """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
         live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
-        self._retired = [(r, s) for r, s in self._retired if r() is not None and s.live_bytes > 0]
-        return [s for _, s in self._retired]
+        kept = []
+        for alive, stack in self._retired:
+            if alive() is not None and stack.live_bytes > 0:
+                kept.append((alive, stack))
+            else:  # its last buffer was freed: its log is complete
+                stack.close_log()
+        self._retired = kept
+        return [s for _, s in kept]
 
     def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
         """Install ``stacks`` and retire the active ones (call after every stack is built)."""
@@ -267,11 +306,18 @@ class WorkerStack:
             self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
-        """Uninstall ``stacks``, close their logs, and keep the ones still holding memory."""
+        """Uninstall ``stacks`` and keep the ones still holding memory; close the others' logs.
+
+        A retired stack keeps its log file (and its claim on the name) until its last buffer is
+        freed, so that those frees are logged: closing it at once made every buffer held across
+        a re-registration look leaked to ``dask rmm log summary``.
+        """
         for stack in reversed(stacks):
             uninstall_stack(stack)
-            stack.close_log()
-            if stack.live_bytes > 0:
+            if stack.live_bytes <= 0:
+                stack.close_log()
+            else:
+                stack.flush_log()
                 alive = weakref.ref(stack.top)
                 for name in ("top", "statistics", "attribution", "logging"):
                     if getattr(stack, name) is not None:
@@ -302,13 +348,10 @@ class WorkerStack:
         self.retire(stacks)
 
     def flush_logs(self) -> None:
-        """Write every active stack's buffered log rows to its file."""
-        for stack in self.active:
-            if stack.logging is not None:
-                try:
-                    stack.logging.flush()
-                except Exception:  # pragma: no cover - a timer must not die
-                    logger.exception("dask-rmm: flushing %s failed", stack.log_path)
+        """Write the buffered log rows of every active stack, and of every retired stack
+        still holding memory, to their files."""
+        for stack in [*self.active, *self.retired]:
+            stack.flush_log()
 
 
 _worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

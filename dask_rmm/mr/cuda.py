@@ -621,6 +621,8 @@ class SystemMemoryResource(DeviceMemoryResource):
             _libc = _load_libc()
         if device_id is None:
             device_id = _cuda.get_device() if _cuda.is_available() else 0
+        elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+            raise ValueError(f"device_id must be a device id (an int >= 0), got {device_id!r}")
         super().__init__(device_id=device_id)
         self._owned = _OwnedPointers()
 

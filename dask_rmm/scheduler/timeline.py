@@ -245,6 +245,15 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             if old in self._records and self._records[old].status == "gone":
                 del self._records[old]
 
+    def _forget_gone_named(self, name: str) -> None:
+        """Drop departed workers named ``name``: a worker back under its name (a nanny
+        restart, ``client.restart()``) continues it, so the report keeps one row per name."""
+        for address in list(self._gone):
+            rec = self._records.get(address)
+            if rec is not None and rec.status == "gone" and rec.name == name:
+                del self._records[address]
+                del self._gone[address]
+
     # -- ingest -------------------------------------------------------------------------------
 
     def poll(self) -> bool:
@@ -271,6 +280,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if rec is None or rec.status == "gone":
             rec = self._records[ws.address] = _WorkerRecord(ws.address, str(ws.name))
             self._gone.pop(ws.address, None)
+            self._forget_gone_named(rec.name)
         elif m is rec.metrics:
             return  # this heartbeat was read already
         rec.metrics = m
