@@ -292,6 +292,17 @@ _IMPORT_ORDERS = {
         "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
         "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
     ),
+    "rmm before dask_rmm": (
+        "import rmm, cupy\n"
+        "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
+        "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
+    ),
+    "dask_rmm before rmm": (
+        "import dask_rmm, cupy\n"
+        "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
+        "import rmm, rmm.allocators.cupy\n"
+        "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
+    ),
 }
 _CHECK = (
     "import dask_rmm\n"
@@ -306,6 +317,8 @@ _CHECK = (
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
 def test_the_cupy_allocator_works_whatever_the_import_order(order):
+    if "rmm" in order.replace("dask_rmm", ""):
+        pytest.importorskip("rmm")
     out = subprocess.run(
         [sys.executable, "-c", _IMPORT_ORDERS[order] + _CHECK],
         capture_output=True, text=True, timeout=120,
