@@ -417,6 +417,10 @@ class SetupCoordinator(SchedulerPlugin):
         if token in self.committed:  # a worker added after the registration succeeded
             return alone
         r = self.rounds.get(token)
+        if r is not None and r.failures and worker in r.votes:
+            # This worker voted in that failed round already: the same plugin object is being
+            # registered again (a retry once the cause is fixed), which gets a round of its own.
+            r = None
         if r is None:
             assert self.scheduler is not None
             stored = self.scheduler.worker_plugins.get(name)
