@@ -8,6 +8,7 @@ Streams are identified by their integer handle; a resource keys stream-ordered f
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from typing import Any
 
@@ -86,6 +87,18 @@ def _handle_of(obj: Any) -> int:
         ) from None
 
 
+_this_thread = threading.local()
+_thread_numbers = itertools.count(1)
+
+
+def _per_thread_key() -> tuple[str, int]:
+    try:
+        return _this_thread.ptds_key
+    except AttributeError:
+        key = _this_thread.ptds_key = ("ptds", next(_thread_numbers))
+        return key
+
+
 class Stream:
     """A CUDA stream.
 
@@ -151,9 +164,11 @@ class Stream:
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, except that the
-        per-thread default stream is a different stream in each thread."""
+        per-thread default stream is a different stream in each thread (numbered per thread
+        for the life of the process: a thread id is reused once its thread exits, while work
+        that thread queued on its per-thread stream may still run)."""
         if self.handle == _PER_THREAD_HANDLE:
-            return ("ptds", threading.get_ident())
+            return _per_thread_key()
         return self.handle
 
     def synchronize(self) -> None:
