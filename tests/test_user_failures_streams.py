@@ -221,8 +221,8 @@ def test_per_thread_default_streams_of_two_threads_reuse_a_block_in_order():
 def test_copies_of_a_buffer_with_pending_work_on_a_non_blocking_stream(kind):
     """``copy()``, ``copy_to_host`` on another stream and ``tobytes`` right after a kernel on
     the buffer's own non-blocking stream see what the kernel wrote."""
-    res = {"pool": lambda: _suballocator("pool"), "cuda": mr.CudaMemoryResource,
-           "async": mr.CudaAsyncMemoryResource}[kind]()  # fmt: skip
+    res = {"pool": lambda: mr.PoolMemoryResource(mr.CudaMemoryResource(), 4 * N),
+           "cuda": mr.CudaMemoryResource, "async": mr.CudaAsyncMemoryResource}[kind]()  # fmt: skip
     a = Stream(flags=CudaStreamFlags.NON_BLOCKING)
     b = Stream(flags=CudaStreamFlags.NON_BLOCKING)
     buf = DeviceBuffer(size=N, stream=a, mr=res)
@@ -324,3 +324,18 @@ def test_the_cupy_allocator_works_whatever_the_import_order(order):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_threads_one_after_another_have_distinct_per_thread_stream_keys():
+    """A thread id is reused once its thread exits (CPython hands the same one to the next
+    thread), so keying the per-thread default stream on it let a new thread take a block whose
+    free was still queued behind the old thread's per-thread stream, with no wait: on the H200
+    the block read back the old kernel's bytes."""
+    keys = []
+    for _ in range(3):
+        t = threading.Thread(target=lambda: keys.append(PER_THREAD_DEFAULT_STREAM.order_key()))
+        t.start()
+        t.join()
+    keys.append(PER_THREAD_DEFAULT_STREAM.order_key())
+    assert len(set(keys)) == 4, keys
+    assert PER_THREAD_DEFAULT_STREAM.order_key() == keys[-1]  # stable within a thread
