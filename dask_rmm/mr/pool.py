@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import threading
 import time
 from itertools import compress
 from typing import Any
@@ -86,7 +87,7 @@ from dask_rmm.mr.base import (
     gc_paused_lock,
 )
 from dask_rmm.sizes import parse_resource_size
-from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource"]
 
@@ -174,11 +175,11 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
     """
     from dask_rmm import _cuda
 
-    me = PER_THREAD_DEFAULT_STREAM.order_key()  # this thread's per-thread default stream
+    me = threading.get_ident()
     for key, victim in victims:
         if key == _FRESH or victim is None or key == stream.order_key():
             continue
-        if isinstance(key, tuple) and key != me:
+        if isinstance(key, tuple) and key[1] != me:
             _cuda.device_synchronize()
             continue
         try:
