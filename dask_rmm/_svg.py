@@ -6,6 +6,7 @@ Used by the report's HTML and the scheduler's /dask-rmm page; the PNG plot is in
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
 from dask_rmm.mr.base import format_bytes
@@ -30,18 +31,12 @@ Series = tuple[str, str, Sequence[Sequence[float]]]
 
 
 def _nice_step(span: float, ticks: int = 5) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) giving about ``ticks`` ticks."""
     raw = span / max(ticks, 1)
     if raw <= 0:
         return 1.0
-    magnitude = 1.0
-    while magnitude * 10 <= raw:
-        magnitude *= 10
-    while magnitude > raw:
-        magnitude /= 10
-    for m in (1, 2, 2.5, 5, 10):
-        if magnitude * m >= raw:
-            return magnitude * m
-    return magnitude * 10
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
 
 
 def _byte_step(top: float) -> float:
@@ -71,21 +66,9 @@ def _downsample(
 
 
 def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 280) -> str:
-    """Memory over time, one line per worker device.
-
-    Parameters
-    ----------
-    series : sequence of (label, status, samples)
-        ``samples`` are ``(time, current_bytes, max_bytes_in_interval)``; the line follows
-        ``max_bytes_in_interval``. Series whose status is not "running" are drawn dashed.
-    width, height : int
-        Size in pixels.
-
-    Returns
-    -------
-    str
-        An ``<svg>`` element.
-    """
+    """An ``<svg>`` element of ``width`` x ``height`` pixels: memory over time, one line per
+    ``(label, status, samples)`` series following the samples' ``max_bytes_in_interval``
+    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"."""
     left, right, top, bottom = 78, 190, 12, 34
     pw, ph = width - left - right, height - top - bottom
     pts = [p for _, _, s in series for p in s]

@@ -188,6 +188,7 @@ def replay(
     """
     from dask_rmm.logs import replay as rp
 
+    names = [resource]
     if compare:
         names = list(rp.RESOURCES) if compare.strip() == "all" else compare.split(",")
         names = [n.strip() for n in names if n.strip()]
@@ -197,32 +198,29 @@ def replay(
                 f"unknown resource(s) {', '.join(unknown)}; choose from {', '.join(rp.RESOURCES)}",
                 param_hint="--compare",
             )
-    else:
-        names = [resource]
-    if progress is None:
-        progress = sys.stderr.isatty()
     with _user_errors():
-        gpu = False if host_memory else rp._has_gpu()
+        gpu = not host_memory and rp._has_gpu()
         if not gpu:
             if compare and "async" in names:
                 names.remove("async")
                 click.echo("skipping async: it needs a CUDA device", err=True)
-            base = "SystemMemoryResource"
             reason = "--host-memory" if host_memory else "no GPU on this host"
-            click.echo(f"{reason}: replaying on host memory ({base} upstream)", err=True)
-        results = []
-        for name in names:
-            r = rp.replay(
+            click.echo(
+                f"{reason}: replaying on host memory (SystemMemoryResource upstream)", err=True
+            )
+        sizes = dict(initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
+        results = [
+            rp.replay(
                 file,
                 name,
                 gpu=gpu,
-                initial_pool_size=initial_pool_size,
-                maximum_pool_size=maximum_pool_size,
                 block_size=block_size,
                 retry_failures=retry_failures,
-                progress=progress,
+                progress=sys.stderr.isatty() if progress is None else progress,
+                **sizes,
             )
-            results.append(r)
+            for name in names
+        ]
     if as_json:
         out = [r.to_dict() for r in results]
         click.echo(json.dumps(out if compare else out[0], indent=2))
@@ -292,11 +290,16 @@ def report(
     """
     import asyncio
 
+    from dask_rmm._output import refuse_input
     from dask_rmm.client import iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
     if scheduler_file:
+        try:
+            refuse_input(plot_path or "", [scheduler_file])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--plot") from e
         try:
             with open(scheduler_file) as f:
                 scheduler_address = json.load(f)["address"]
@@ -327,12 +330,8 @@ def report(
                 if plot_path is not None:
                     click.echo(f"wrote {plot_path}")
 
-    try:
+    with _user_errors(), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ImportError, RuntimeError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
 
 
 if __name__ == "__main__":

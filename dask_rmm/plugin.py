@@ -19,14 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask.utils import key_split
+from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
 from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
-from dask_rmm.worker_metrics import WorkerMetrics
+from dask_rmm.worker_metrics import WorkerMetrics, add_periodic, remove_periodic
 from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
@@ -71,36 +71,11 @@ def task_prefix(key: Any) -> str:
 class RMMPlugin(WorkerPlugin):
     """Give every worker an RMM memory-resource stack, per-task-group statistics and metrics.
 
-    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``); those
-    not given come from the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and
-    validated where the plugin is made. Every option is documented on
-    :class:`~dask_rmm.options.RMMOptions` and in docs/workers.md.
-
-    Parameters
-    ----------
-    pool_size, maximum_pool_size : int, str or float, optional
-        Initial and largest size of a ``PoolMemoryResource`` (bytes, ``"4GiB"`` or a fraction
-        of the device's memory). None: no pool.
-    managed_memory, async_alloc : bool
-        dask-cuda's names for ``base_resource="managed"`` and ``base_resource="async"``.
-    release_threshold : int, str or float, optional
-        Bytes the async pool keeps when idle; needs ``async_alloc``.
-    log_directory : str, optional
-        One CSV allocation log per worker and device, ``rmm_log_<worker name>.dev<device>.csv``,
-        appended to, written out at least every 0.5 s.
-    track_allocations, statistics : bool
-        Add a ``TrackingResourceAdaptor``; count allocations per task prefix (default True).
-    allocators : list of str
-        Libraries to point at the resource, from :mod:`dask_rmm.allocators` (``"cupy"``,
-        ``"numba"``, ``"torch"``...).
-    base_resource : {"cuda", "managed", "async", "pinned", "system"}
-        Where memory comes from; ``"system"`` (host memory) for hosts without a GPU.
-    devices : list of int, optional
-        Device ids to set up; default the worker's current device.
-    device_memory_limit, spill_on_oom, device_pause_fraction
-        GPU memory pressure: spill task outputs to host above ``device_memory_limit`` bytes in
-        use, spill and retry when an allocation fails, pause the worker above
-        ``device_pause_fraction`` of the device (docs/memory-pressure.md).
+    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``), plus
+    ``base_resource``, ``devices`` and the memory-pressure options; each is documented once, on
+    :class:`~dask_rmm.options.RMMOptions` (and in docs/workers.md). Those not given come from
+    the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and validated where the
+    plugin is made.
 
     Notes
     -----
@@ -171,12 +146,7 @@ class RMMPlugin(WorkerPlugin):
             validate_config()
             # a library the worker lacks fails here, before any stack is built or installed
             allocators.check_allocators(self.options.allocators)
-            metrics_options = (
-                int(config_value("metrics.top-task-groups")),
-                config_value("metrics.sample-interval"),
-            )
-            devices = self.options.devices or [_current_device()]
-            for device in devices:
+            for device in self.options.devices or [_current_device()]:
                 stacks.append(
                     build_stack(
                         self.options,
@@ -196,13 +166,15 @@ class RMMPlugin(WorkerPlugin):
             failures, current = await self._vote(worker, error, ws.token if kept else None)
         else:
             failures = {worker.address: error} if error else {}
-        if failures:
+        if failures or not current:
             # The error's traceback keeps this frame: leave no discarded stack in it (no loop
             # variable either), so that the memory their pools took is given back at once.
             while stacks:
                 stacks.pop().close_log()
             pressure = None
-            self._publish(worker, ws, *_metrics_defaults())
+            if failures or worker.plugins.get(self.name) is self:
+                self._publish(worker, ws)
+        if failures:
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
             kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
             raise RMMSetupError(
@@ -212,11 +184,6 @@ class RMMPlugin(WorkerPlugin):
         if not current:
             # A registration that reached the scheduler after this one (two clients at once)
             # is the one every worker installs; this one changes nothing.
-            while stacks:
-                stacks.pop().close_log()
-            pressure = None
-            if worker.plugins.get(self.name) is self:
-                self._publish(worker, ws, *metrics_options)
             logger.info("dask-rmm: worker %s: a later registration replaced this one", worker.name)
             return
         if worker.plugins.get(self.name) is not self:
@@ -231,8 +198,17 @@ class RMMPlugin(WorkerPlugin):
         note = cupy_allocator_note()
         if note is not None:
             logger.info("dask-rmm: worker %s: %s", worker.name, note)
-        self._publish(worker, ws, *metrics_options)
-        await self._install_scheduler_plugin(worker)
+        self._publish(worker, ws)
+        try:  # the cluster report's scheduler plugin, once (idempotent)
+            from dask_rmm.scheduler import install_scheduler_plugin
+
+            await install_scheduler_plugin(worker)
+        except Exception:
+            logger.warning(
+                "dask-rmm: could not install the scheduler plugin from worker %s",
+                worker.address,
+                exc_info=True,
+            )
 
     async def _vote(
         self, worker: Worker, error: str | None, previous: str | None
@@ -260,41 +236,20 @@ class RMMPlugin(WorkerPlugin):
             )
             return ({worker.address: error} if error else {}), True
 
-    def _publish(self, worker: Worker, ws: Any, top_n: int, sample_interval: Any) -> None:
+    def _publish(self, worker: Worker, ws: Any) -> None:
         """Heartbeat metrics and the log flusher for the worker's active stacks."""
-        from tornado.ioloop import PeriodicCallback
-
         if not ws.active:
             return
+        try:  # validated at setup; a config changed since a kept setup falls back to defaults
+            top_n = int(config_value("metrics.top-task-groups"))
+            interval = parse_timedelta(config_value("metrics.sample-interval"), default="ms")
+        except (TypeError, ValueError, KeyError):
+            top_n, interval = 10, 0.1
         self.worker_metrics.install(
-            worker,
-            ws.active,
-            top_n=top_n,
-            sample_interval=sample_interval,
-            sampling=ws.options.statistics,
+            worker, ws.active, top_n=top_n, sample_interval=interval, sampling=ws.options.statistics
         )
         if any(s.logging is not None for s in [*ws.active, *ws.retired]):
-            flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
-            worker.periodic_callbacks[_FLUSHER_KEY] = flusher
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                flusher.start()
-
-    async def _install_scheduler_plugin(self, worker: Worker) -> None:
-        """Install the cluster report's scheduler plugin once (logged, never fatal)."""
-        try:
-            from dask_rmm.scheduler import install_scheduler_plugin
-        except ImportError:
-            return
-        try:
-            result = install_scheduler_plugin(worker)
-            if result is not None and hasattr(result, "__await__"):
-                await result
-        except Exception:
-            logger.warning(
-                "dask-rmm: could not install the scheduler plugin from worker %s",
-                worker.address,
-                exc_info=True,
-            )
+            add_periodic(worker, _FLUSHER_KEY, ws.flush_logs, LOG_FLUSH_INTERVAL)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -303,9 +258,7 @@ class RMMPlugin(WorkerPlugin):
         them until its own are ready; otherwise they are removed on the next loop iteration
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
-        flusher = worker.periodic_callbacks.pop(_FLUSHER_KEY, None)
-        if flusher is not None:
-            flusher.stop()
+        remove_periodic(worker, _FLUSHER_KEY)
         ws = worker_stack(worker)
         if ws.release():
             if worker.status.name in ("closing", "closed", "failed", "init"):
@@ -332,13 +285,6 @@ def _current_device() -> int:
     from dask_rmm import _cuda
 
     return _cuda.get_device() if _cuda.is_available() else 0
-
-
-def _metrics_defaults() -> tuple[int, Any]:
-    try:
-        return int(config_value("metrics.top-task-groups")), config_value("metrics.sample-interval")
-    except (TypeError, ValueError):
-        return 10, "100ms"
 
 
 # -- the vote, on the scheduler ---------------------------------------------------------------

@@ -6,11 +6,13 @@ installs them and restores what was there, and their log files. Not here: buildi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "cupy_allocator_note",
     "install_stack",
     "log_file_path",
+    "on_device",
     "replaced_resource_note",
     "resource_chain",
     "uninstall_stack",
@@ -112,38 +115,48 @@ class DeviceStack:
         """One line: resources, pool size and maximum, base resource, log file."""
         from dask_rmm.mr.base import format_bytes
 
-        def size(n: int | None) -> str:
-            return "none" if n is None else format_bytes(n)
-
+        pool, maximum = (
+            "none" if n is None else format_bytes(n) for n in (self.pool_size, self.maximum_pool_size)
+        )
         base = self.options.base_resource if self.options is not None else "?"
         return (
-            f"device {self.device}: {self.chain}; pool {size(self.pool_size)}, maximum "
-            f"{size(self.maximum_pool_size)}, base resource {base}, log {self.log_path or 'none'}"
+            f"device {self.device}: {self.chain}; pool {pool}, maximum {maximum}, "
+            f"base resource {base}, log {self.log_path or 'none'}"
         )
 
-    def flush_log(self) -> None:
-        """Write the log's buffered rows to its file (nothing without a log, or once the
-        adaptor of a retired stack was collected: it flushed and closed its file then)."""
+    def flush_log(self, close: bool = False) -> None:
+        """Write the log's buffered rows to its file (and close it, releasing its name);
+        nothing without a log, or once the adaptor of a retired stack was collected (it flushed
+        and closed its file then)."""
         if self.logging is not None:
-            try:
-                self.logging.flush()
-            except ReferenceError:
-                pass
-            except Exception:  # pragma: no cover - a timer or a teardown must go on
-                logger.exception("dask-rmm: flushing %s failed", self.log_path)
-
-    def close_log(self) -> None:
-        if self.logging is not None:
-            for method in ("flush", "close"):
+            for method in ("flush", "close") if close else ("flush",):
                 try:
                     getattr(self.logging, method)()
                 except ReferenceError:  # a retired stack's adaptor, collected: closed already
                     break
-                except Exception:  # pragma: no cover - teardown must go on
+                except Exception:  # pragma: no cover - a timer or a teardown must go on
                     logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        fd, self.log_fd = self.log_fd, None
+        fd, self.log_fd = (self.log_fd, None) if close else (None, self.log_fd)
         if fd is not None:
             os.close(fd)
+
+    def close_log(self) -> None:
+        self.flush_log(close=True)
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` the current CUDA device for the block (no-op without CUDA)."""
+    from dask_rmm import _cuda
+
+    current = _cuda.get_device() if _cuda.is_available() else device
+    if current != device:
+        _cuda.set_device(device)
+    try:
+        yield
+    finally:
+        if current != device:
+            _cuda.set_device(current)
 
 
 def resource_chain(mr: Any) -> str:
@@ -220,28 +233,22 @@ def replaced_resource_note(device: int) -> str | None:
 
 
 def cupy_allocator_note() -> str | None:
-    """Which allocator CuPy uses now, in words; None when CuPy is not imported.
-
-    Says whether CuPy's memory goes through dask-rmm's stacks, through compiled RMM's current
-    device resource (dask-cuda's ``rmm_allocator_external_lib_list=["cupy"]``: a separate
-    allocator stack that dask-rmm neither sees nor counts) or through CuPy's own pool.
-    """
-    cupy = sys.modules.get("cupy")
+    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's as dask-cuda's
+    ``rmm_allocator_external_lib_list=["cupy"]`` sets, which dask-rmm neither sees nor counts,
+    or CuPy's own); None when CuPy is not imported."""
     try:
-        allocator = cupy.cuda.get_allocator()
-    except AttributeError:  # CuPy not imported (None), or too old to tell
+        allocator = sys.modules["cupy"].cuda.get_allocator()
+    except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
         return None
     owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
     module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
     name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
-    where = f"{module}.{name}"
+    owner = "CuPy's own allocator; dask-rmm does not see or count it"
     if module.startswith("dask_rmm."):
         owner = "dask-rmm's resources, counted in its metrics"
     elif module.startswith("rmm."):
         owner = "compiled RMM's current device resource; dask-rmm does not see or count it"
-    else:
-        owner = "CuPy's own allocator; dask-rmm does not see or count it"
-    return f"CuPy allocates through {where} ({owner})"
+    return f"CuPy allocates through {module}.{name} ({owner})"
 
 
 # -- one worker's stacks -----------------------------------------------------------------------
@@ -359,7 +366,4 @@ _worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def worker_stack(worker: Any) -> WorkerStack:
     """The :class:`WorkerStack` of ``worker`` (a distributed Worker), made on first use."""
-    ws = _worker_stacks.get(worker)
-    if ws is None:
-        ws = _worker_stacks[worker] = WorkerStack()
-    return ws
+    return _worker_stacks.get(worker) or _worker_stacks.setdefault(worker, WorkerStack())
