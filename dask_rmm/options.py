@@ -239,7 +239,20 @@ class RMMOptions:
                     f"base_resource={explicit!r}"
                 )
             values["base_resource"] = alias
-        return cls(**values)
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            from dask_rmm.config import ConfigError
+
+            # A value from the config that the schema lets through (a log directory that is a
+            # file, a pause fraction above 1): name its key and environment variable.
+            for name in sorted(set(values) - set(given) - {"maximum_pool_size", "release_threshold"}):
+                key = name.replace("_", "-")
+                try:
+                    cls(**{name: values[name]})
+                except (TypeError, ValueError) as own:
+                    raise ConfigError(f"dask-rmm.{key}", values[name], str(own)) from e
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         """The options as plain values (lists for tuples)."""

@@ -289,6 +289,8 @@ def _current_device() -> int:
 
 # -- the vote, on the scheduler ---------------------------------------------------------------
 
+_UNREADABLE = object()
+
 
 @dataclass
 class _Round:
@@ -342,9 +344,12 @@ class SetupCoordinator(SchedulerPlugin):
         scheduler holds a later registration of the plugin (two registered at once: the later
         one is installed everywhere, whatever order the workers received them in)."""
         failures = await self._failures(token, name, worker, error, previous)
-        return {"failures": failures, "current": self._stored_token(name) == token}
+        stored = self._stored_token(name)
+        return {"failures": failures, "current": stored == token or stored is _UNREADABLE}
 
-    def _stored_token(self, name: str) -> str | None:
+    def _stored_token(self, name: str) -> Any:
+        """The token of the registration the scheduler holds: None when it holds none (the
+        plugin was unregistered), ``_UNREADABLE`` when it cannot tell."""
         assert self.scheduler is not None
         plugin = self.scheduler.worker_plugins.get(name)
         if isinstance(plugin, bytes):
@@ -353,8 +358,8 @@ class SetupCoordinator(SchedulerPlugin):
             try:
                 plugin = loads(plugin)
             except Exception:
-                return None
-        return getattr(plugin, "token", None)
+                return _UNREADABLE
+        return None if plugin is None else getattr(plugin, "token", _UNREADABLE)
 
     async def _failures(
         self, token: str, name: str, worker: str, error: str | None, previous: str | None
@@ -363,13 +368,17 @@ class SetupCoordinator(SchedulerPlugin):
         if token in self.committed:  # a worker added after the registration succeeded
             return alone
         r = self.rounds.get(token)
+        if r is not None and r.failures and worker in r.votes:
+            # This worker voted in that failed round already: the same plugin object is being
+            # registered again (a retry once the cause is fixed), which gets a round of its own.
+            r = None
         if r is None:
             assert self.scheduler is not None
             stored = self.scheduler.worker_plugins.get(name)
             r = self.rounds[token] = _Round(
                 token,
                 name,
-                stored if self._stored_token(name) == token else None,
+                stored if self._stored_token(name) in (token, _UNREADABLE) else None,
                 set(self.scheduler.workers),
             )
             decided = [t for t, x in self.rounds.items() if x.failures is not None]

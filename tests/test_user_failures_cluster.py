@@ -207,3 +207,25 @@ async def test_an_adaptor_wrapped_over_the_workers_stack_is_not_a_replacement(c,
     assert await c.submit(_wrap_in_statistics, pure=False)
     await a.heartbeat()
     assert (await cluster_report(c)).device(a.address).error is None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_registering_the_same_plugin_again_after_fixing_the_cause_succeeds(c, s, a, b):
+    """``plugin = RMMPlugin(...)`` in one notebook cell, ``client.register_plugin(plugin)`` in
+    the next: after a failure, fixing its cause and re-running the second cell failed again with
+    the first attempt's reason (the vote answered from the first attempt's round)."""
+    import shutil
+    import tempfile
+
+    from dask_rmm.worker_stack import log_file_path, worker_stack
+
+    with tempfile.TemporaryDirectory() as d:
+        blocker = log_file_path(d, b.name, 0)
+        os.makedirs(blocker)  # b cannot open its log
+        plugin = RMMPlugin(base_resource="system", pool_size="8MiB", log_directory=d)
+        with pytest.raises(Exception, match="OSError: `log_directory`"):
+            await c.register_plugin(plugin)
+        shutil.rmtree(blocker)
+        await c.register_plugin(plugin)
+        assert [worker_stack(w).token for w in (a, b)] == [plugin.token] * 2
+        await c.unregister_worker_plugin("dask-rmm")

@@ -103,3 +103,25 @@ def test_system_memory_resource_refuses_a_device_id_that_is_not_one(bad):
     ``.deva``."""
     with pytest.raises(ValueError, match=f"device_id must be a device id .*got {bad!r}"):
         mr.SystemMemoryResource(device_id=bad)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("log-directory", "__file__"), ("device-pause-fraction", 5)],
+)
+def test_bad_config_the_schema_lets_through_names_its_key_and_variable(key, value):
+    """``DASK_DASK_RMM__LOG_DIRECTORY=/etc/passwd`` or ``..._DEVICE_PAUSE_FRACTION=5`` passed
+    the schema and then failed without naming the config key or its environment variable."""
+    import dask
+
+    from dask_rmm.config import ConfigError, environment_variable
+
+    value = __file__ if value == "__file__" else value
+    with dask.config.set({f"dask-rmm.{key}": value}):
+        with pytest.raises(ConfigError) as info:
+            RMMPlugin(base_resource="system")
+        with pytest.raises(ValueError, match=key.replace("-", "_")) as explicit:
+            RMMPlugin(base_resource="system", **{key.replace("-", "_"): value})
+        assert not isinstance(explicit.value, ConfigError)  # given explicitly: not the config's
+    message = str(info.value)
+    assert f"dask-rmm.{key}" in message and environment_variable(f"dask-rmm.{key}") in message

@@ -221,8 +221,8 @@ def test_per_thread_default_streams_of_two_threads_reuse_a_block_in_order():
 def test_copies_of_a_buffer_with_pending_work_on_a_non_blocking_stream(kind):
     """``copy()``, ``copy_to_host`` on another stream and ``tobytes`` right after a kernel on
     the buffer's own non-blocking stream see what the kernel wrote."""
-    res = {"pool": lambda: _suballocator("pool"), "cuda": mr.CudaMemoryResource,
-           "async": mr.CudaAsyncMemoryResource}[kind]()  # fmt: skip
+    res = {"pool": lambda: mr.PoolMemoryResource(mr.CudaMemoryResource(), 4 * N),
+           "cuda": mr.CudaMemoryResource, "async": mr.CudaAsyncMemoryResource}[kind]()  # fmt: skip
     a = Stream(flags=CudaStreamFlags.NON_BLOCKING)
     b = Stream(flags=CudaStreamFlags.NON_BLOCKING)
     buf = DeviceBuffer(size=N, stream=a, mr=res)
@@ -292,6 +292,17 @@ _IMPORT_ORDERS = {
         "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
         "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
     ),
+    "rmm before dask_rmm": (
+        "import rmm, cupy\n"
+        "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
+        "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
+    ),
+    "dask_rmm before rmm": (
+        "import dask_rmm, cupy\n"
+        "from dask_rmm.allocators.cupy import rmm_cupy_allocator\n"
+        "import rmm, rmm.allocators.cupy\n"
+        "cupy.cuda.set_allocator(rmm_cupy_allocator)\n"
+    ),
 }
 _CHECK = (
     "import dask_rmm\n"
@@ -306,8 +317,45 @@ _CHECK = (
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
 def test_the_cupy_allocator_works_whatever_the_import_order(order):
+    if "rmm" in order.replace("dask_rmm", ""):
+        pytest.importorskip("rmm")
     out = subprocess.run(
         [sys.executable, "-c", _IMPORT_ORDERS[order] + _CHECK],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_thread_reusing_an_earlier_threads_id_waits_for_its_per_thread_stream(monkeypatch):
+    """A thread id is reused once its thread exits (CPython hands the same one to the next
+    thread), and free lists are keyed ``("ptds", id)``: a new thread took a block whose free was
+    still queued behind the old thread's per-thread stream, with no wait (on the H200 the block
+    read back the old kernel's bytes; ``test_per_thread_default_streams_of_two_threads_...``).
+    The new thread now synchronizes the device on its first use of the key. Here only that
+    decision is checked (the GPU test checks the bytes)."""
+    from dask_rmm import _cuda
+    from dask_rmm import stream as stream_module
+
+    synced = []
+    monkeypatch.setattr(_cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_cuda, "device_synchronize", lambda: synced.append(threading.get_ident()))
+    known = set(stream_module._ptds_thread_ids)
+    idents = []
+
+    def use_ptds():
+        key = PER_THREAD_DEFAULT_STREAM.order_key()
+        assert PER_THREAD_DEFAULT_STREAM.order_key() is key  # decided once per thread
+        idents.append(key[1])
+
+    for _ in range(6):
+        t = threading.Thread(target=use_ptds)
+        t.start()
+        t.join()
+    expected = []
+    for ident in idents:
+        if ident in known:
+            expected.append(ident)
+        known.add(ident)
+    if not expected:
+        pytest.skip("no thread id was reused by a later thread: nothing to check")
+    assert synced == expected
