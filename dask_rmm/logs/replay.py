@@ -281,11 +281,7 @@ def replay(
                 bar.update(reader.bytes_read - bar.pos)
             action = e.action
             if action is FREE:
-                entry = (
-                    table.free((e.source, e.pointer))
-                    if table.late
-                    else live.pop((e.source, e.pointer), None)
-                )
+                entry = table.free((e.source, e.pointer))
                 if entry is None:
                     skipped += 1
                     continue
