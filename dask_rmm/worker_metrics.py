@@ -141,10 +141,7 @@ class WorkerMetrics:
             else:
                 metrics["rmm"] = previous
         worker.metrics = metrics
-        self._previous_rmm_metric = None
-        self._retired = list
-        self._top_n = 10
-        self._devices = []
+        self.__init__()  # nothing installed, as before install
 
     def sample(self) -> None:
         """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
