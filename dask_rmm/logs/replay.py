@@ -269,11 +269,9 @@ def replay(
     clock = time.perf_counter
     ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
     start = clock()
-    rows = 0
     try:
         for e in reader:
-            rows += 1
-            if bar is not None and rows % progress_every == 0:
+            if bar is not None and reader.rows % progress_every == 0:
                 bar.update(reader.bytes_read - bar.pos)
             action = e.action
             if action is FREE:
@@ -342,7 +340,7 @@ def replay(
         description=description,
         path=os.fspath(path),
         host_memory=not gpu,
-        rows=rows,
+        rows=reader.rows,
         allocations=allocations,
         frees=frees,
         original_failures=original_failures,
