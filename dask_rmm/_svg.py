@@ -92,8 +92,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
     ]
-    v = 0.0
-    while v <= ytop + 1e-9:
+    for i in range(round(ytop / ystep) + 1):
+        v = i * ystep
         yy = y(v)
         out.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e4e4e4"/>'
@@ -101,10 +101,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         out.append(
             f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{format_bytes(v)}</text>'
         )
-        v += ystep
     tstep = _nice_step(tspan)
-    k = 0
-    while k * tstep <= tspan + 1e-9:
+    for k in range(int((tspan + 1e-9) / tstep) + 1):
         xx = x(t0 + k * tstep)
         out.append(
             f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
@@ -112,7 +110,6 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         out.append(
             f'<text x="{xx:.1f}" y="{top + ph + 16}" text-anchor="middle">{k * tstep:g}s</text>'
         )
-        k += 1
     out.append(
         f'<text x="{left + pw / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#555">'
         "seconds since the oldest sample</text>"

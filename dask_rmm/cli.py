@@ -90,10 +90,8 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    blocks = [log_summary.format_summary(s) for s in report.files]
-    if report.combined is not None:
-        blocks.append(log_summary.format_summary(report.combined))
-    click.echo("\n\n".join(blocks))
+    summaries = [s for s in (*report.files, report.combined) if s is not None]
+    click.echo("\n\n".join(map(log_summary.format_summary, summaries)))
 
 
 @log.command()

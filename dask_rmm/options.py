@@ -9,6 +9,7 @@ config only when asked for it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -40,25 +41,20 @@ class OptionError(ValueError, RuntimeError):
 
 def _size(option: str, value: Any) -> int | float | None:
     """A size option as kept until a device is known: bytes, a fraction (float), or None."""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None and 0 < number <= 1 and not value.strip().isdigit():
-            value = number
+    if isinstance(value, str) and not value.strip().isdigit():
+        with contextlib.suppress(ValueError):  # "0.8" is a fraction, "1" one byte
+            value = float(value) if 0 < float(value) <= 1 else value
     # Parsing against a made-up total checks a fraction's form; bytes are exact here and
     # aligned when a device resolves them.
     nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    return nbytes
+    return value if isinstance(value, float) and 0 < value <= 1 else nbytes
 
 
 def _bool(option: str, value: Any) -> bool:
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "1", "yes", "on"):
         return True
-    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", ""):
+    if text in ("false", "0", "no", "off", ""):
         return False
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)

@@ -287,11 +287,7 @@ class ClusterMemoryReport:
                 "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
                 "(or pip install 'dask-rmm[report]')"
             ) from e
-        rows = []
-        for d in self.devices:
-            row = {"worker": d.worker, "name": d.name, "device": d.device, "status": d.status}
-            row.update({k: getattr(d, k) for k in _FRAME_COLUMNS[4:]})
-            rows.append(row)
+        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
         return pd.DataFrame(rows, columns=list(_FRAME_COLUMNS))
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):

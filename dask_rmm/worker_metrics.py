@@ -64,18 +64,6 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
-def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
-    """``(used, total)`` bytes of the device (cudaMemGetInfo); ``(0, 0)`` for host memory."""
-    if host_memory:
-        return 0, 0
-    from dask_rmm import _cuda
-    from dask_rmm.worker_stack import on_device
-
-    with on_device(device):
-        free, total = _cuda.mem_get_info()
-    return total - free, total
-
-
 def add_periodic(worker: Worker, key: str, callback: Callable[[], Any], seconds: float) -> Any:
     """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
     worker closes, even without a teardown, and started by the worker if added before it starts
@@ -153,10 +141,7 @@ class WorkerMetrics:
             else:
                 metrics["rmm"] = previous
         worker.metrics = metrics
-        self._previous_rmm_metric = None
-        self._retired = list
-        self._top_n = 10
-        self._devices = []
+        self.__init__()  # nothing installed, as before install
 
     def sample(self) -> None:
         """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
@@ -215,8 +200,13 @@ class WorkerMetrics:
 
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
-            used_total = _device_memory(stack.device, stack.host_memory)
-            d["device_used_bytes"], d["device_total_bytes"] = used_total
+            if not stack.host_memory:  # cudaMemGetInfo; 0 and 0 on host memory
+                from dask_rmm import _cuda
+                from dask_rmm.worker_stack import on_device
+
+                with on_device(stack.device):
+                    free, total = _cuda.mem_get_info()
+                d["device_used_bytes"], d["device_total_bytes"] = total - free, total
 
         def current_resource() -> None:
             from dask_rmm.worker_stack import replaced_resource_note

@@ -159,13 +159,16 @@ def on_device(device: int) -> Iterator[None]:
             _cuda.set_device(current)
 
 
+def _upstreams(mr: Any) -> Iterator[Any]:
+    """``mr`` and its upstreams, outermost first."""
+    while mr is not None:
+        yield mr
+        mr = getattr(mr, "upstream_mr", None)
+
+
 def resource_chain(mr: Any) -> str:
     """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
-    names = []
-    while mr is not None:
-        names.append(type(mr).__name__)
-        mr = getattr(mr, "upstream_mr", None)
-    return ">".join(names)
+    return ">".join(type(m).__name__ for m in _upstreams(mr))
 
 
 # Worker objects of one process share the per-device registry (gen_cluster, LocalCluster with
@@ -219,11 +222,9 @@ def replaced_resource_note(device: int) -> str | None:
 
     current = get_per_device_resource(device) if device in registered_devices() else None
     tops = [s.top for s in _installed.get(device, ())]
-    mr = current
-    while mr is not None:  # an adaptor over our stack (enable_statistics()) still reaches it
-        if any(mr is top for top in tops):
-            return None
-        mr = getattr(mr, "upstream_mr", None)
+    # an adaptor over our stack (enable_statistics()) still reaches it
+    if any(mr is top for mr in _upstreams(current) for top in tops):
+        return None
     what = "the default resource" if current is None else type(current).__name__
     return (
         f"device {device}'s current resource was replaced outside dask-rmm (by {what}, e.g. "

@@ -24,6 +24,7 @@ import enum
 import gzip
 import heapq
 import io
+import operator
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -334,11 +335,7 @@ def read_logs(
         readers.extend(made)
     if len(made) == 1:
         return iter(made[0])
-    return heapq.merge(*made, key=_event_time)
-
-
-def _event_time(event: LogEvent) -> float:
-    return event.time
+    return heapq.merge(*made, key=operator.attrgetter("time"))
 
 
 # --- live allocations ------------------------------------------------------------------------

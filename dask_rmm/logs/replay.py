@@ -105,10 +105,7 @@ def build_resource(
                 "resource 'async' (cudaMallocAsync) needs a CUDA device and this host has none; "
                 "replay with pool, arena, binning, fixed_size or cuda on host memory instead"
             )
-        kwargs = {}
-        if initial_pool_size is not None:
-            kwargs["initial_pool_size"] = initial_pool_size
-        counter = CountingResource(mr.CudaAsyncMemoryResource(**kwargs))
+        counter = CountingResource(mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size))
         return counter, counter, "CudaAsyncMemoryResource"
     base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
     base_name = type(base).__name__
@@ -120,8 +117,7 @@ def build_resource(
             counter, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size
         )
     elif name == "arena":
-        kwargs = {} if initial_pool_size is None else {"arena_size": initial_pool_size}
-        resource = mr.ArenaMemoryResource(counter, **kwargs)
+        resource = mr.ArenaMemoryResource(counter, arena_size=initial_pool_size)
     elif name == "binning":
         resource = mr.BinningMemoryResource(counter, *_BINNING_EXPONENTS)
     else:
@@ -273,19 +269,13 @@ def replay(
     clock = time.perf_counter
     ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
     start = clock()
-    rows = 0
     try:
         for e in reader:
-            rows += 1
-            if bar is not None and rows % progress_every == 0:
+            if bar is not None and reader.rows % progress_every == 0:
                 bar.update(reader.bytes_read - bar.pos)
             action = e.action
             if action is FREE:
-                entry = (
-                    table.free((e.source, e.pointer))
-                    if table.late
-                    else live.pop((e.source, e.pointer), None)
-                )
+                entry = table.free((e.source, e.pointer))
                 if entry is None:
                     skipped += 1
                     continue
@@ -350,7 +340,7 @@ def replay(
         description=description,
         path=os.fspath(path),
         host_memory=not gpu,
-        rows=rows,
+        rows=reader.rows,
         allocations=allocations,
         frees=frees,
         original_failures=original_failures,

@@ -202,7 +202,8 @@ class Summarizer:
                 tot.failed_bytes += size
 
     def add_truncated(self, reader: LogReader) -> None:
-        """Record a reader's skipped cut-off last line, if any."""
+        """Record a reader's file (also one without rows) and its skipped cut-off last line."""
+        self.paths.setdefault(reader.path, None)
         if reader.truncated is not None:
             self.truncated.append(f"{reader.path}:{reader.truncated[0]}")
 
@@ -282,11 +283,9 @@ def summarize(
         if combined is not None:
             combined.add(e)
     for r in readers:
-        per_file[r.path].add_truncated(r)
-        per_file[r.path].paths.setdefault(r.path, None)
-        if combined is not None:
-            combined.add_truncated(r)
-            combined.paths.setdefault(r.path, None)
+        for s in (per_file[r.path], combined):
+            if s is not None:
+                s.add_truncated(r)
     return SummaryReport(
         tuple(s.result() for s in per_file.values()),
         combined.result() if combined is not None else None,

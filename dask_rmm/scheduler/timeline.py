@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from time import time
@@ -130,7 +129,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.poll_interval = poll_interval
         self.scheduler: Scheduler | None = None
         self._records: dict[str, _WorkerRecord] = {}
-        self._gone: OrderedDict[str, None] = OrderedDict()
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
 
@@ -203,20 +201,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
-        self._gone[worker] = None
-        while len(self._gone) > self.keep_gone:
-            old, _ = self._gone.popitem(last=False)
-            if old in self._records and self._records[old].status == "gone":
-                del self._records[old]
-
-    def _forget_gone_named(self, name: str) -> None:
-        """Drop departed workers named ``name``: a worker back under its name (a nanny
-        restart, ``client.restart()``) continues it, so the report keeps one row per name."""
-        for address in list(self._gone):
-            rec = self._records.get(address)
-            if rec is not None and rec.status == "gone" and rec.name == name:
-                del self._records[address]
-                del self._gone[address]
+        self._records[worker] = self._records.pop(worker)  # the newest gone comes last
+        gone = [a for a, r in self._records.items() if r.status == "gone"]
+        for address in gone[: max(0, len(gone) - self.keep_gone)]:
+            del self._records[address]
 
     # -- ingest -------------------------------------------------------------------------------
 
@@ -242,9 +230,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 del self._records[ws.address]
             return
         if rec is None or rec.status == "gone":
-            rec = self._records[ws.address] = _WorkerRecord(ws.address, str(ws.name))
-            self._gone.pop(ws.address, None)
-            self._forget_gone_named(rec.name)
+            # A worker back under its name (a nanny restart, ``client.restart()``) continues
+            # the departed one: the report keeps one row per name.
+            name = str(ws.name)
+            for address, old in list(self._records.items()):
+                if old.status == "gone" and (old.name == name or address == ws.address):
+                    del self._records[address]
+            rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
         elif m is rec.metrics:
             return  # this heartbeat was read already
         rec.metrics = m
