@@ -7,9 +7,10 @@ MemoryPool, a bare cuMemAllocAsync/cuMemFreeAsync pair and a plain dict+lock res
 Workload (the issue's): W=1000 live blocks; each step frees a random live block and allocates
 a log-uniform size in [256 B, 4 MiB]; sizes and victims are drawn before timing; the figure is
 the median over 5 runs of (wall time / steps). With T threads, each thread runs the same loop
-on its own W/T live blocks against one shared resource and the figure is total wall time over
-total steps. Rows whose library is missing (RMM, CuPy, cuda.bindings on a GPU-less host) are
-skipped with the reason.
+on its own W/T live blocks against one shared resource and the figure is the wall time of the
+steady state (from all threads holding their blocks to the last loop's end) over total steps.
+Rows whose library is missing (RMM, CuPy, cuda.bindings on a GPU-less host) are skipped with
+the reason.
 
 Usage: python bench/alloc.py [--steps N] [--threads T] [--only NAME,...] [--json] [--out PATH]
 """
@@ -74,9 +75,23 @@ def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -
     return elapsed
 
 
-def _worker(barrier, alloc, free, load):
-    barrier.wait()
-    run_loop(alloc, free, *load)
+def _worker(barrier, alloc, free, load, ends):
+    """One thread's share: its initial blocks, then (all threads together) the timed loop;
+    records when its loop ended, before it frees its blocks."""
+    initial, victims, sizes = load
+    live = list(initial)
+    ptrs = [alloc(n) for n in live]
+    barrier.wait()  # every thread's blocks are live: the steady state starts for all at once
+    for k in range(len(victims)):
+        i = victims[k]
+        free(ptrs[i], live[i])
+        ptrs[i] = None
+        n = sizes[k]
+        ptrs[i] = alloc(n)
+        live[i] = n
+    ends.append(time.perf_counter_ns())
+    for p, n in zip(ptrs, live, strict=True):
+        free(p, n)
 
 
 def measure_once(make, steps: int, threads: int, r: int) -> float:
@@ -87,15 +102,22 @@ def measure_once(make, steps: int, threads: int, r: int) -> float:
     if threads == 1:
         ns = run_loop(alloc, free, *loads[0])
     else:
+        # Timed like the single-thread loop: from the moment every thread holds its initial
+        # blocks to the end of the last thread's loop (thread start-up, the initial
+        # allocations and the final frees are outside, as they are for one thread).
         barrier = threading.Barrier(threads + 1)
-        ts = [threading.Thread(target=_worker, args=(barrier, alloc, free, ld)) for ld in loads]
+        ends: list[int] = []
+        ts = [
+            threading.Thread(target=_worker, args=(barrier, alloc, free, ld, ends))
+            for ld in loads
+        ]
         for t in ts:
             t.start()
         barrier.wait()
         t0 = time.perf_counter_ns()
         for t in ts:
             t.join()
-        ns = time.perf_counter_ns() - t0
+        ns = max(ends) - t0
     del alloc, free, keep
     gc.collect()
     return ns / (steps // threads * threads)
@@ -269,7 +291,8 @@ def raw_async_row():
 
 def raw_runtime_async_row():
     """The same floor through the runtime API (what dask-rmm's async resource calls):
-    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers."""
+    cudaMallocFromPoolAsync on the device's default pool and cudaFreeAsync, int pointers and
+    an int stream handle (converted by cuda-python on every call)."""
     from cuda.bindings import runtime
 
     _cuda.require_cuda("cudaMallocFromPoolAsync")
@@ -281,6 +304,25 @@ def raw_runtime_async_row():
 
     def free(p, n):
         freeasync(p, 0)
+
+    return alloc, free, None
+
+
+def raw_runtime_objects_row():
+    """The floor of dask-rmm's async fast path: cudaMallocFromPoolAsync/cudaFreeAsync with
+    every handle a cached cuda-python object (no int conversion per call)."""
+    from cuda.bindings import runtime
+
+    _cuda.require_cuda("cudaMallocFromPoolAsync")
+    err, pool = runtime.cudaDeviceGetDefaultMemPool(0)
+    stream = runtime.cudaStream_t(0)
+    malloc, freeasync = runtime.cudaMallocFromPoolAsync, runtime.cudaFreeAsync
+
+    def alloc(n):
+        return malloc(n, pool, stream)[1]
+
+    def free(p, n):
+        freeasync(p, stream)
 
     return alloc, free, None
 
@@ -308,6 +350,7 @@ ROWS = [
     ("rmm async", rmm_row("async"), False),
     ("cuMemAllocAsync+cuMemFreeAsync", raw_async_row, False),
     ("cudaMallocFromPoolAsync+cudaFreeAsync", raw_runtime_async_row, False),
+    ("cudaMallocFromPoolAsync+cudaFreeAsync, objects", raw_runtime_objects_row, False),
     ("dask-rmm DeviceBuffer(size=n) over pool", ours_device_buffer, False),
     ("rmm DeviceBuffer(size=n) over pool", rmm_device_buffer, False),
     ("dask-rmm fixed_size (4 MiB blocks)", ours("fixed_size"), False),
@@ -330,7 +373,7 @@ def main(argv=None) -> int:
     host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
     print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
           f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})")
-    print(f"{'resource':<42} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
+    print(f"{'resource':<48} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
     # Repeats are the outer loop and rows the inner one, so that a machine drifting during the
     # run (clock boost, other load) spreads over every row alike instead of favouring the last.
     columns = [("ns_per_pair", 1)]
@@ -359,7 +402,7 @@ def main(argv=None) -> int:
         row: dict = {"resource": name}
         if name in skipped:
             row["skipped"] = skipped[name]
-            print(f"{name:<42} {'skipped: ' + row['skipped']}")
+            print(f"{name:<48} {'skipped: ' + row['skipped']}")
             results.append(row)
             continue
         for column, _threads in columns:
@@ -368,7 +411,7 @@ def main(argv=None) -> int:
                 row[column] = statistics.median(values)
                 row[column + "_runs"] = values
         threads_ns = row.get(f"ns_per_pair_{args.threads}_threads")
-        print(f"{name:<42} {row['ns_per_pair']:>17.0f} "
+        print(f"{name:<48} {row['ns_per_pair']:>17.0f} "
               f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}")
         results.append(row)
     sys.stdout.flush()

@@ -1,7 +1,8 @@
 """Cost of one ``cupy.empty(n); del`` through different CuPy allocators (needs a GPU).
 
 Rows: CuPy's own pool, RMM's ``rmm_cupy_allocator`` over RMM's pool (when ``import rmm`` works),
-dask-rmm's ``rmm_cupy_allocator`` over ``PoolMemoryResource`` and over
+dask-rmm's ``rmm_cupy_allocator`` and ``lean_cupy_allocator`` (what ``set_cupy_allocator`` and
+the Dask plugin install) over ``PoolMemoryResource`` and over
 ``StatisticsResourceAdaptor(PoolMemoryResource)``. Prints a table of median ns per
 allocate+free for each size (issue 13's target: ours <= CuPy's own pool).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -42,9 +44,9 @@ def _rmm_pool() -> Callable[[], None]:
     return lambda: rmm.reinitialize()
 
 
-def _ours(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
+def _ours(statistics_adaptor: bool, lean: bool = False) -> Callable[[], Callable[[], None]]:
     def setup() -> Callable[[], None]:
-        from dask_rmm.allocators.cupy import rmm_cupy_allocator
+        from dask_rmm.allocators import cupy as hook
         from dask_rmm.mr import (
             CudaMemoryResource,
             PoolMemoryResource,
@@ -56,7 +58,7 @@ def _ours(statistics_adaptor: bool) -> Callable[[], Callable[[], None]]:
         if statistics_adaptor:
             mr = StatisticsResourceAdaptor(mr)
         previous = set_current_device_resource(mr)
-        cupy.cuda.set_allocator(rmm_cupy_allocator)
+        cupy.cuda.set_allocator(hook.lean_cupy_allocator if lean else hook.rmm_cupy_allocator)
         return lambda: set_current_device_resource(previous)
 
     return setup
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--sizes", default="8,1024,1048576", help="comma-separated bytes")
     parser.add_argument("--json", default="", help="also write the results as JSON here")
+    parser.add_argument("--prototypes", action="store_true",
+                        help="also measure the PythonFunctionAllocator prototype (run 2)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -117,24 +121,25 @@ def main() -> None:
         rows.append(("rmm allocator + rmm pool", _rmm_pool))
     except ImportError:
         print("rmm is not importable: skipping its row")
-    rows.append(("dask-rmm + pool", _ours(False)))
-    try:
-        from dask_rmm.mr import StatisticsResourceAdaptor  # noqa: F401
-
-        rows.append(("dask-rmm + statistics(pool)", _ours(True)))
-    except (ImportError, AttributeError):
-        print("StatisticsResourceAdaptor is not available: skipping its row")
-    if hasattr(cupy.cuda.memory, "PythonFunctionAllocator"):
+    rows.append(("dask-rmm rmm_cupy_allocator + pool", _ours(False)))
+    rows.append(("dask-rmm rmm_cupy_allocator + stats(pool)", _ours(True)))
+    rows.append(("dask-rmm lean_cupy_allocator + pool", _ours(False, lean=True)))
+    rows.append(("dask-rmm lean_cupy_allocator + stats(pool)", _ours(True, lean=True)))
+    if args.prototypes and hasattr(cupy.cuda.memory, "PythonFunctionAllocator"):
         rows.append(("prototype: function allocator + pool", _prototype_function_allocator(False)))
         rows.append(
             ("prototype: function allocator + stats(pool)", _prototype_function_allocator(True))
         )
 
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    device = device.decode() if isinstance(device, bytes) else device
     original = cupy.cuda.get_allocator()
     # Repeats outer, rows inner: drift of the machine during the run hits every row alike.
     runs: dict[str, list[list[float]]] = {label: [[] for _ in sizes] for label, _ in rows}
-    for _ in range(args.repeat):
+    start = time.perf_counter()
+    for r in range(args.repeat):
         for label, setup in rows:
+            t0 = time.perf_counter()
             teardown = setup()
             try:
                 for k, n in enumerate(sizes):
@@ -143,22 +148,30 @@ def main() -> None:
             finally:
                 cupy.cuda.set_allocator(original)
                 teardown()
-    results = {label: [statistics.median(v) for v in per] for label, per in runs.items()}
+            print(f"# repeat {r} {label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        _report(args, device, sizes, runs, time.perf_counter() - start, final=r == args.repeat - 1)
 
-    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    device = device.decode() if isinstance(device, bytes) else device
-    print(f"cupy.empty(n, uint8); del  -- median ns per iteration on {device}")
-    header = f"{'allocator':<44}" + "".join(f"{f'n={n}':>14}" for n in sizes)
-    print(header)
-    print("-" * len(header))
-    for label, per_size in results.items():
-        print(f"{label:<44}" + "".join(f"{v:>14.0f}" for v in per_size))
+
+def _report(args, device, sizes, runs, elapsed: float, final: bool) -> None:
+    """Print the table (at the end) and write the JSON (after every repeat, so that a timeout
+    still leaves the repeats done)."""
+    results = {
+        label: [statistics.median(v) if v else float("nan") for v in per]
+        for label, per in runs.items()
+    }
+    if final:
+        print(f"cupy.empty(n, uint8); del  -- median ns per iteration on {device}")
+        header = f"{'allocator':<44}" + "".join(f"{f'n={n}':>14}" for n in sizes)
+        print(header)
+        print("-" * len(header))
+        for label, per_size in results.items():
+            print(f"{label:<44}" + "".join(f"{v:>14.0f}" for v in per_size))
     if args.json:
         import json
         import platform
 
         doc = {"benchmark": "cupy_churn", "device": device, "sizes": sizes,
-               "iterations": args.iterations, "repeat": args.repeat,
+               "iterations": args.iterations, "repeat": args.repeat, "elapsed_s": elapsed,
                "python": platform.python_version(), "cupy": cupy.__version__,
                "rows": [{"allocator": k, "ns": v, "runs": runs[k]} for k, v in results.items()]}
         with open(args.json, "w") as f:

@@ -175,6 +175,24 @@ def configurations(pool):
 # -- running --------------------------------------------------------------------------------------
 
 
+def _allocations_made(dask_worker=None) -> int:
+    """Allocations counted so far by the worker's dask-rmm statistics (-1 without them)."""
+    from dask_rmm.worker_stack import worker_stack
+
+    total = -1
+    for stack in worker_stack(dask_worker).active:
+        if stack.statistics is not None:
+            total = max(total, 0) + stack.statistics.allocation_counts.total_count
+    return total
+
+
+def _count_allocations(client) -> int:
+    try:
+        return sum(client.run(_allocations_made).values())
+    except Exception:  # not a dask-rmm configuration
+        return -1
+
+
 def _time(client, make) -> float:
     t0 = time.perf_counter()
     client.compute(make()).result()
@@ -209,9 +227,13 @@ def main() -> int:
                     help="seconds: start no round that would likely end after this (0: no limit)")
     ap.add_argument("--configs", default="",
                     help="comma-separated substrings: run only the configurations named so")
+    ap.add_argument("--labels", default="",
+                    help="semicolon-separated exact configuration labels to run (labels hold "
+                         "commas, e.g. 'no plugin;dask-rmm pool, statistics on')")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     only = [s.strip() for s in args.configs.split(",") if s.strip()]
+    labels_only = [s.strip() for s in args.labels.split(";") if s.strip()]
     start = time.perf_counter()
 
     from distributed import Client, LocalCluster
@@ -222,6 +244,7 @@ def main() -> int:
         "anchor": lambda: anchor(args.anchor_n, args.anchor_chunk),
     }
     results: dict[str, dict[str, list[float]]] = {}
+    allocations: dict[str, int] = {}  # per run of each workload, counted by dask-rmm's statistics
     details: dict[str, str] = {}
     doc = {"benchmark": "dask_alloc_heavy", "args": {k: str(v) for k, v in vars(args).items()},
            "python": platform.python_version(), "host": platform.node()}
@@ -233,6 +256,7 @@ def main() -> int:
             c: {w: _summary(t) for w, t in per.items() if t} for c, per in results.items()
         }
         doc["details"] = details
+        doc["allocations_per_run"] = allocations
         doc["elapsed_s"] = time.perf_counter() - start
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
@@ -241,6 +265,8 @@ def main() -> int:
         clients = {}
         for label, configure in configurations(args.pool):
             if only and not any(s in label for s in only):
+                continue
+            if labels_only and label not in labels_only:
                 continue
             try:
                 cluster = stack.enter_context(LocalCluster(
@@ -278,8 +304,11 @@ def main() -> int:
                         print(f"# skipped round {r} {label} {name}: {elapsed:.0f} s + "
                               f"~{last[name]:.0f} s > budget", file=sys.stderr)
                         continue
+                    counted = _count_allocations(clients[label]) if label == STATS_ON else -1
                     t = last[name] = _time(clients[label], workloads[name])
                     results[label][name].append(t)
+                    if counted >= 0:  # outside the timed span
+                        allocations[name] = _count_allocations(clients[label]) - counted
                     print(f"round {r} {label:<32} {name:<8} {t:7.3f} s", file=sys.stderr)
                     write()
 
@@ -301,6 +330,11 @@ def main() -> int:
             vs_cuda = f"{med / statistics.median(cuda):.2f}x" if cuda else "-"
             print(f"{label:<32} {name:<8} {med:>9.3f} {min(t):>7.3f} {max(t):>7.3f} "
                   f"{len(t):>4}  {vs_none:>7}  {vs_cuda:>12}")
+    for name, n in allocations.items():
+        per = results.get(STATS_ON, {}).get(name)
+        if per and n > 0:
+            print(f"{name}: {n} allocations per run ({STATS_ON}), i.e. one per "
+                  f"{statistics.median(per) / n * 1e6:.1f} us of the run's wall time")
     ours = results.get(STATS_ON, {})
     for name, want in (("chain", 0.9), ("scatter", 0.9), ("anchor", 1.0)):
         mine = ours.get(name)

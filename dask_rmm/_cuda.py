@@ -28,6 +28,7 @@ __all__ = [
     "event_query",
     "event_record",
     "event_synchronize",
+    "fail",
     "free",
     "free_async",
     "free_host",
@@ -35,6 +36,7 @@ __all__ = [
     "get_device_attribute",
     "get_device_count",
     "is_available",
+    "mem_pool_objects",
     "malloc",
     "malloc_async",
     "malloc_from_pool_async",
@@ -57,10 +59,12 @@ __all__ = [
     "memset_async",
     "pointer_attributes",
     "require_cuda",
+    "runtime_function",
     "runtime_get_version",
     "set_device",
     "stream_create",
     "stream_destroy",
+    "stream_objects",
     "stream_query",
     "stream_synchronize",
     "stream_wait_event",
@@ -143,6 +147,13 @@ def _fail(err, call: str):
     except Exception:  # pragma: no cover - clearing is best effort
         pass
     raise CUDAError(name, call)
+
+
+def fail(err, call: str):
+    """Raise the :class:`CUDAError` (or :class:`CUDAUnavailableError`) for the nonzero error
+    code ``err`` that the runtime function ``call`` returned (for callers of
+    :func:`runtime_function`)."""
+    _fail(err, call)
 
 
 def check(result, call: str):
@@ -232,6 +243,52 @@ _HOT = (
 )
 
 
+def runtime_function(name: str):
+    """The cuda-python runtime function ``name`` itself (one of the allocation and
+    stream-ordering calls this module binds), for a memory resource's hot path: one call, no
+    wrapper frame. It returns ``(err, *values)``; pass :data:`stream_objects` /
+    :data:`mem_pool_objects` entries as handles, and raise with :func:`fail`."""
+    if name not in _HOT:
+        raise ValueError(f"runtime_function({name!r}): not one of the bound hot calls {_HOT}")
+    fn = globals()["_" + name]
+    if getattr(fn, "unbound", False):
+        _bind_hot()
+        fn = globals()["_" + name]
+    return fn
+
+
+class HandleObjects(dict):
+    """``int handle -> cuda-python handle object`` (a ``cudaStream_t``, ``cudaMemPool_t``...),
+    made on first lookup: ``objects[handle]``.
+
+    cuda-python turns an int handle argument into a new handle object on every call (about as
+    costly as the call itself on a fast path: ~0.8 us per argument on the CPU host, issue 13);
+    a cached object is passed as is. Handles are plain values, so an entry never goes stale; the
+    table is cleared when it reaches 4096 entries. A value that is not an int is converted
+    every time, as cuda-python would.
+    """
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str):
+        super().__init__()
+        self.type_name = type_name
+
+    def __missing__(self, handle):
+        obj = getattr(_rt(), self.type_name)(handle)
+        if type(handle) is int:
+            if len(self) >= 4096:
+                self.clear()
+            self[handle] = obj
+        return obj
+
+
+#: Stream handle -> ``cudaStream_t`` (see :class:`HandleObjects`).
+stream_objects = HandleObjects("cudaStream_t")
+#: Memory pool handle -> ``cudaMemPool_t`` (see :class:`HandleObjects`).
+mem_pool_objects = HandleObjects("cudaMemPool_t")
+
+
 def _bind_hot() -> None:
     rt = _rt()
     g = globals()
@@ -245,6 +302,7 @@ def _lazy(name: str):
         return globals()["_" + name](*args)
 
     first_call.__name__ = name
+    first_call.unbound = True  # see runtime_function
     return first_call
 
 
@@ -429,7 +487,7 @@ def free_host(ptr: int) -> None:
 
 def malloc_async(nbytes: int, stream_handle: int) -> int:
     """``cudaMallocAsync`` from the current device's current memory pool."""
-    err, ptr = _cudaMallocAsync(nbytes, stream_handle)
+    err, ptr = _cudaMallocAsync(nbytes, stream_objects[stream_handle])
     if err:
         _fail(err, "cudaMallocAsync")
     return ptr
@@ -437,7 +495,9 @@ def malloc_async(nbytes: int, stream_handle: int) -> int:
 
 def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
     """``cudaMallocFromPoolAsync`` from an explicit memory pool."""
-    err, ptr = _cudaMallocFromPoolAsync(nbytes, pool, stream_handle)
+    err, ptr = _cudaMallocFromPoolAsync(
+        nbytes, mem_pool_objects[pool], stream_objects[stream_handle]
+    )
     if err:
         _fail(err, "cudaMallocFromPoolAsync")
     return ptr
@@ -445,7 +505,7 @@ def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
 
 def free_async(ptr: int, stream_handle: int) -> None:
     """``cudaFreeAsync``: return ``ptr`` to its pool in stream order."""
-    err, = _cudaFreeAsync(ptr, stream_handle)
+    err, = _cudaFreeAsync(ptr, stream_objects[stream_handle])
     if err:
         _fail(err, "cudaFreeAsync")
 
@@ -619,7 +679,7 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
-    err, = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_handle)
+    err, = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
     if err:
         _fail(err, "cudaMemcpyAsync")
 
@@ -710,7 +770,7 @@ def stream_destroy(handle: int) -> None:
 
 def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
-    err, = _cudaStreamSynchronize(handle)
+    err, = _cudaStreamSynchronize(stream_objects[handle])
     if err:
         _fail(err, "cudaStreamSynchronize")
 

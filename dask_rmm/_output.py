@@ -4,6 +4,7 @@ Every dask-rmm command that writes a file goes through :func:`atomic_output`."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -34,6 +35,12 @@ def atomic_output(
     ValueError
         ``path`` is one of ``inputs`` (:func:`refuse_input`).
     """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"the output must be a file path, got {path!r}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "the output is a directory, not a file", path)
+    if not os.path.isdir(os.path.dirname(os.path.realpath(path))):
+        raise FileNotFoundError(errno.ENOENT, "the output's directory does not exist", path)
     refuse_input(path, inputs)
     target = os.path.realpath(path)  # a link keeps pointing at the new file
     directory, name = os.path.split(target)

@@ -3,7 +3,7 @@ matplotlib figure (Agg backend, imported on first use). The dashboard's SVG is i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dask_rmm._output import atomic_output
 from dask_rmm._svg import PALETTE, _byte_step
@@ -12,33 +12,37 @@ from dask_rmm.mr.base import format_bytes
 if TYPE_CHECKING:
     from dask_rmm.report import ClusterMemoryReport
 
-__all__ = ["plot_report"]
+__all__ = ["byte_axis", "figure", "plot_report"]
 
 
-def _matplotlib():
+def figure(what: str, **kwargs: Any):
+    """A matplotlib Figure on the Agg canvas (no pyplot state, no display); without matplotlib
+    an ImportError saying that ``what`` needs it."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401  (first: its submodules may be loaded already)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError(
-            "ClusterMemoryReport.plot needs matplotlib: pip install matplotlib "
-            "(or pip install 'dask-rmm[report]')"
+            f"{what} needs matplotlib: pip install matplotlib (or pip install 'dask-rmm[report]')"
         ) from e
-    from matplotlib.figure import Figure
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def byte_axis(axis: Any, top: float) -> None:
+    """Label ``axis`` in bytes (``format_bytes``), with ticks at round binary sizes up to ``top``."""
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
-    del matplotlib
-    return Figure, FuncFormatter, MultipleLocator
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bytes(v)))
+    if top > 0:
+        axis.set_major_locator(MultipleLocator(_byte_step(top)))
 
 
 def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_task_groups: int = 10):
     """Draw ``report`` (see :meth:`ClusterMemoryReport.plot`); write a PNG to ``path`` if given."""
-    # Figure + FigureCanvasAgg directly: never touches pyplot's global state or a display.
-    Figure, FuncFormatter, MultipleLocator = _matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    byte_fmt = FuncFormatter(lambda v, _pos: format_bytes(v))
-    fig = Figure(figsize=(11, 7.5), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = figure("ClusterMemoryReport.plot", figsize=(11, 7.5), layout="constrained")
     ax_t, ax_g = fig.subplots(2, 1, height_ratios=[3, 2])
 
     with_samples = [d for d in report.devices if d.timeline]
@@ -54,16 +58,13 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     )
     ax_t.set_xlabel("seconds since the oldest sample")
     ax_t.set_ylabel("bytes")
-    ax_t.yaxis.set_major_formatter(byte_fmt)
+    byte_axis(ax_t.yaxis, max((s[2] for d in with_samples for s in d.timeline), default=0))
     ax_t.set_ylim(bottom=0)
-    top = max((s[2] for d in with_samples for s in d.timeline), default=0)
-    if top > 0:
-        ax_t.yaxis.set_major_locator(MultipleLocator(_byte_step(top)))
     ax_t.grid(alpha=0.3)
     if with_samples:
         ax_t.legend(loc="upper left", fontsize=8, ncols=1 + len(with_samples) // 8)
     else:
-        ax_t.text(0.5, 0.5, "no samples yet", ha="center", va="center", transform=ax_t.transAxes)
+        ax_t.text(0.5, 0.5, "no samples yet", ha="center", transform=ax_t.transAxes)
 
     groups = list(report.task_group_peaks().items())[:top_task_groups][::-1]
     labels = sorted({who for _, per in groups for who in per})
@@ -75,22 +76,12 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         )
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax_g.set_title("peak bytes per task group, stacked by worker device")
-    ax_g.xaxis.set_major_formatter(byte_fmt)
-    widest = max(left, default=0)
-    if widest > 0:
-        ax_g.xaxis.set_major_locator(MultipleLocator(_byte_step(widest)))
+    byte_axis(ax_g.xaxis, max(left, default=0))
     ax_g.grid(axis="x", alpha=0.3)
     if groups:
         ax_g.legend(loc="lower right", fontsize=8)
     else:
-        ax_g.text(
-            0.5,
-            0.5,
-            "no task-group attribution reported",
-            ha="center",
-            va="center",
-            transform=ax_g.transAxes,
-        )
+        ax_g.text(0.5, 0.5, "no task-group attribution", ha="center", transform=ax_g.transAxes)
 
     t = report.totals
     fig.suptitle(

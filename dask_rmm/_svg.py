@@ -6,6 +6,7 @@ Used by the report's HTML and the scheduler's /dask-rmm page; the PNG plot is in
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
 from dask_rmm.mr.base import format_bytes
@@ -30,18 +31,12 @@ Series = tuple[str, str, Sequence[Sequence[float]]]
 
 
 def _nice_step(span: float, ticks: int = 5) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) giving about ``ticks`` ticks."""
     raw = span / max(ticks, 1)
     if raw <= 0:
         return 1.0
-    magnitude = 1.0
-    while magnitude * 10 <= raw:
-        magnitude *= 10
-    while magnitude > raw:
-        magnitude /= 10
-    for m in (1, 2, 2.5, 5, 10):
-        if magnitude * m >= raw:
-            return magnitude * m
-    return magnitude * 10
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
 
 
 def _byte_step(top: float) -> float:
@@ -71,21 +66,9 @@ def _downsample(
 
 
 def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 280) -> str:
-    """Memory over time, one line per worker device.
-
-    Parameters
-    ----------
-    series : sequence of (label, status, samples)
-        ``samples`` are ``(time, current_bytes, max_bytes_in_interval)``; the line follows
-        ``max_bytes_in_interval``. Series whose status is not "running" are drawn dashed.
-    width, height : int
-        Size in pixels.
-
-    Returns
-    -------
-    str
-        An ``<svg>`` element.
-    """
+    """An ``<svg>`` element of ``width`` x ``height`` pixels: memory over time, one line per
+    ``(label, status, samples)`` series following the samples' ``max_bytes_in_interval``
+    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"."""
     left, right, top, bottom = 78, 190, 12, 34
     pw, ph = width - left - right, height - top - bottom
     pts = [p for _, _, s in series for p in s]
@@ -109,8 +92,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
     ]
-    v = 0.0
-    while v <= ytop + 1e-9:
+    for i in range(round(ytop / ystep) + 1):
+        v = i * ystep
         yy = y(v)
         out.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e4e4e4"/>'
@@ -118,10 +101,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         out.append(
             f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{format_bytes(v)}</text>'
         )
-        v += ystep
     tstep = _nice_step(tspan)
-    k = 0
-    while k * tstep <= tspan + 1e-9:
+    for k in range(int((tspan + 1e-9) / tstep) + 1):
         xx = x(t0 + k * tstep)
         out.append(
             f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
@@ -129,7 +110,6 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         out.append(
             f'<text x="{xx:.1f}" y="{top + ph + 16}" text-anchor="middle">{k * tstep:g}s</text>'
         )
-        k += 1
     out.append(
         f'<text x="{left + pw / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#555">'
         "seconds since the oldest sample</text>"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -89,10 +90,8 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    blocks = [log_summary.format_summary(s) for s in report.files]
-    if report.combined is not None:
-        blocks.append(log_summary.format_summary(report.combined))
-    click.echo("\n\n".join(blocks))
+    summaries = [s for s in (*report.files, report.combined) if s is not None]
+    click.echo("\n\n".join(map(log_summary.format_summary, summaries)))
 
 
 @log.command()
@@ -187,6 +186,7 @@ def replay(
     """
     from dask_rmm.logs import replay as rp
 
+    names = [resource]
     if compare:
         names = list(rp.RESOURCES) if compare.strip() == "all" else compare.split(",")
         names = [n.strip() for n in names if n.strip()]
@@ -196,32 +196,29 @@ def replay(
                 f"unknown resource(s) {', '.join(unknown)}; choose from {', '.join(rp.RESOURCES)}",
                 param_hint="--compare",
             )
-    else:
-        names = [resource]
-    if progress is None:
-        progress = sys.stderr.isatty()
     with _user_errors():
-        gpu = False if host_memory else rp._has_gpu()
+        gpu = not host_memory and rp._has_gpu()
         if not gpu:
             if compare and "async" in names:
                 names.remove("async")
                 click.echo("skipping async: it needs a CUDA device", err=True)
-            base = "SystemMemoryResource"
             reason = "--host-memory" if host_memory else "no GPU on this host"
-            click.echo(f"{reason}: replaying on host memory ({base} upstream)", err=True)
-        results = []
-        for name in names:
-            r = rp.replay(
+            click.echo(
+                f"{reason}: replaying on host memory (SystemMemoryResource upstream)", err=True
+            )
+        sizes = dict(initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
+        results = [
+            rp.replay(
                 file,
                 name,
                 gpu=gpu,
-                initial_pool_size=initial_pool_size,
-                maximum_pool_size=maximum_pool_size,
                 block_size=block_size,
                 retry_failures=retry_failures,
-                progress=progress,
+                progress=sys.stderr.isatty() if progress is None else progress,
+                **sizes,
             )
-            results.append(r)
+            for name in names
+        ]
     if as_json:
         out = [r.to_dict() for r in results]
         click.echo(json.dumps(out if compare else out[0], indent=2))
@@ -237,6 +234,14 @@ def replay(
         sys.exit(EXIT_NEW_FAILURES)
 
 
+def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # click's FloatRange lets nan and inf through; the scheduler rpc then fails on them with a
+    # KeyError traceback ("Invalid time unit: nan").
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds")
+    return value
+
+
 @main.command()
 @click.argument("scheduler_address", required=False)
 @click.option(
@@ -248,6 +253,7 @@ def replay(
 @click.option(
     "--watch",
     type=click.FloatRange(min=0.1),
+    callback=_finite_seconds,
     default=None,
     metavar="SECONDS",
     help="Refresh every SECONDS until interrupted (with --json: one JSON document a line).",
@@ -261,6 +267,7 @@ def replay(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
+    callback=_finite_seconds,
     default=5.0,
     show_default=True,
     help="Seconds to wait for each answer from the scheduler.",
@@ -281,11 +288,16 @@ def report(
     """
     import asyncio
 
+    from dask_rmm._output import refuse_input
     from dask_rmm.client import iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
     if scheduler_file:
+        try:
+            refuse_input(plot_path or "", [scheduler_file])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--plot") from e
         try:
             with open(scheduler_file) as f:
                 scheduler_address = json.load(f)["address"]
@@ -316,12 +328,8 @@ def report(
                 if plot_path is not None:
                     click.echo(f"wrote {plot_path}")
 
-    try:
+    with _user_errors(), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ImportError, RuntimeError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -20,14 +20,9 @@ __all__ = ["cluster_report", "fetch_report_data", "iter_reports"]
 async def fetch_report_data(
     scheduler_rpc: Any, *, timeline: bool = True, last: int | None = None, install: bool = True
 ) -> dict:
-    """The scheduler's report document; installs the scheduler plugin first (a no-op when it is
-    there), so that the scheduler never sees a request for a handler it lacks.
-
-    Parameters
-    ----------
-    scheduler_rpc
-        ``client.scheduler`` or a ``distributed.core.rpc`` to the scheduler.
-    """
+    """The report document from ``scheduler_rpc`` (``client.scheduler`` or a ``rpc``); the
+    scheduler plugin is installed first (a no-op when it is there), so that the scheduler never
+    sees a request for a handler it lacks."""
     if install:
         try:
             await install_scheduler_plugin(scheduler_rpc)
@@ -69,6 +64,13 @@ def cluster_report(client: Client | None = None, *, timeline: bool = True, last:
         from distributed import default_client
 
         client = default_client()
+    elif not hasattr(client, "sync") or not hasattr(client, "scheduler"):
+        raise TypeError(
+            f"client must be a distributed.Client, got {client!r}; for a scheduler address use "
+            "cluster_report(Client(address)) or `dask rmm report ADDRESS`"
+        )
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+        raise ValueError(f"last must be a number of samples (an int >= 0) or None, got {last!r}")
 
     async def _report() -> ClusterMemoryReport:
         data = await fetch_report_data(client.scheduler, timeline=timeline, last=last)
@@ -86,19 +88,10 @@ async def iter_reports(
     last: int | None = None,
     security: Any = None,
 ):
-    """Reports fetched from the scheduler at ``address`` without a Client (the CLI's path).
-
-    Parameters
-    ----------
-    address : str
-        Scheduler address (``tcp://host:8786`` or ``host:8786``).
-    interval : float, optional
-        Yield a new report every ``interval`` seconds until the caller stops; once when None.
-    timeout : float
-        Seconds to wait for each answer; an ``OSError`` names the address and the reason.
-    security : distributed.Security, optional
-        Default: from the dask config (``distributed.comm.tls``).
-    """
+    """Reports from the scheduler at ``address`` without a Client (the CLI's path): once, or
+    every ``interval`` seconds until the caller stops. Each answer gets ``timeout`` seconds; an
+    ``OSError`` names the address and the reason (a hint when the address answers HTTP).
+    ``security`` (a ``distributed.Security``) defaults to the dask config's."""
     from distributed import Security
     from distributed.core import rpc
 
@@ -114,26 +107,24 @@ async def iter_reports(
             )
             probe = asyncio.ensure_future(_http_hint(address, delay=min(0.5, timeout / 2)))
             try:
-                pending = {fetch, probe}
                 deadline = asyncio.get_running_loop().time() + timeout
-                while fetch in pending:
+                done, _ = await asyncio.wait(
+                    {fetch, probe}, timeout=timeout, return_when="FIRST_COMPLETED"
+                )
+                if probe in done and probe.result():
+                    raise OSError(probe.result())
+                if fetch not in done:  # not HTTP: wait out the timeout
                     left = deadline - asyncio.get_running_loop().time()
-                    done, pending = await asyncio.wait(
-                        pending, timeout=left, return_when="FIRST_COMPLETED"
-                    )
-                    if not done:
-                        raise asyncio.TimeoutError(f"no answer within {timeout:g} s")
-                    if probe in done and probe.result():
-                        raise OSError(probe.result())
+                    await asyncio.wait({fetch}, timeout=max(0.0, left))
+                if not fetch.done():
+                    raise asyncio.TimeoutError(f"no answer within {timeout:g} s")
                 data = fetch.result()
             except (OSError, asyncio.TimeoutError) as e:
                 reason = str(e) or type(e).__name__
-                raise OSError(
-                    f"could not reach the Dask scheduler at {address}: {reason}"
-                ) from e
+                raise OSError(f"could not reach the Dask scheduler at {address}: {reason}") from e
             finally:
-                for task in (fetch, probe):
-                    task.cancel()
+                fetch.cancel()
+                probe.cancel()
             install = False
             yield ClusterMemoryReport.from_dict(data)
             if interval is None:
@@ -145,32 +136,27 @@ async def iter_reports(
 
 async def _http_hint(address: str, delay: float) -> str | None:
     """After ``delay`` seconds without an answer: a hint if ``address`` speaks HTTP (a Dask
-    server greets first; an HTTP server waits for a request), else None."""
+    server greets first; an HTTP server answers a request), else None."""
     await asyncio.sleep(delay)
-    host_port = address.split("://", 1)[-1]
-    host, _, port = host_port.rpartition(":")
-    if not port.isdigit():
-        return None
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    writer = None
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host.strip("[]") or "127.0.0.1", int(port)), 1.0
         )
-    except (OSError, asyncio.TimeoutError):
-        return None
-    try:
         try:
-            greeting = await asyncio.wait_for(reader.read(1), 0.3)
+            await asyncio.wait_for(reader.read(1), 0.3)
+            return None  # it greeted: not HTTP
         except asyncio.TimeoutError:
             writer.write(b"HEAD / HTTP/1.0\r\n\r\n")
-            greeting = await asyncio.wait_for(reader.read(5), 1.0)
-            if greeting == b"HTTP/":
+            if await asyncio.wait_for(reader.read(5), 1.0) == b"HTTP/":
                 return (
                     f"{address} answers HTTP: that is a dashboard port, not the scheduler's "
                     "(the scheduler address usually ends in :8786, the dashboard's in :8787)"
                 )
-        del greeting
-        return None
-    except (OSError, asyncio.TimeoutError):
-        return None
+    except (OSError, ValueError, asyncio.TimeoutError):
+        pass
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
+    return None

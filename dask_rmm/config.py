@@ -121,15 +121,11 @@ def validate_config() -> None:
             parse_device_bytes(value, total_memory=1 << 40, alignment=1)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"dask-rmm.{key}", value, str(e)) from None
-    interval = config_value("metrics.sample-interval")
+    key, interval = "dask-rmm.metrics.sample-interval", config_value("metrics.sample-interval")
     try:
         parse_timedelta(interval, default="ms")
     except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(
-            "dask-rmm.metrics.sample-interval",
-            interval,
-            f"not a time interval such as '100ms' ({e})",
-        ) from None
+        raise ConfigError(key, interval, f"not a time interval such as '100ms' ({e})") from None
     for key in unknown:
         warnings.warn(
             f"unknown config key {key} ({environment_variable(key)}) ignored; dask-rmm's keys "

@@ -15,7 +15,7 @@ from typing import Any
 from dask_rmm import _cuda
 from dask_rmm.mr import registry
 from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
-from dask_rmm.options import BASE_RESOURCES, OptionError, RMMOptions, build_stack
+from dask_rmm.options import BASE_RESOURCES, OptionError, RMMOptions, _size, build_stack
 from dask_rmm.options import make_base_resource as _make_base  # noqa: F401 (tests make bases)
 
 __all__ = [
@@ -75,6 +75,8 @@ def _log_file_name(log_file_name: Any) -> str:
             "logging=True needs a log file: pass log_file_name=... or set the RMM_LOG_FILE "
             "environment variable"
         )
+    if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
+        raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
     return log_file_name
 
 
@@ -148,6 +150,10 @@ def reinitialize(
             "pass one of them (managed_memory=True is base_resource='managed')"
         )
     pool = bool(pool_allocator)
+    if pool:
+        # Checked under the names the caller used (the options call them pool_size, ...).
+        _size("initial_pool_size", initial_pool_size)
+        _size("maximum_pool_size", maximum_pool_size)
     options = RMMOptions(
         base_resource=base_resource,
         pool_allocator=pool,

@@ -9,6 +9,7 @@ config only when asked for it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_rmm.sizes import host_total_memory, parse_device_bytes
-from dask_rmm.worker_stack import DeviceStack, claim_log_file, log_file_path, resource_chain
+from dask_rmm.worker_stack import (
+    DeviceStack,
+    claim_log_file,
+    log_file_path,
+    on_device,
+    resource_chain,
+)
 
 __all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions", "build_stack", "make_base_resource"]
 
@@ -34,25 +41,20 @@ class OptionError(ValueError, RuntimeError):
 
 def _size(option: str, value: Any) -> int | float | None:
     """A size option as kept until a device is known: bytes, a fraction (float), or None."""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None and 0 < number <= 1 and not value.strip().isdigit():
-            value = number
+    if isinstance(value, str) and not value.strip().isdigit():
+        with contextlib.suppress(ValueError):  # "0.8" is a fraction, "1" one byte
+            value = float(value) if 0 < float(value) <= 1 else value
     # Parsing against a made-up total checks a fraction's form; bytes are exact here and
     # aligned when a device resolves them.
     nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    return nbytes
+    return value if isinstance(value, float) and 0 < value <= 1 else nbytes
 
 
 def _bool(option: str, value: Any) -> bool:
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "1", "yes", "on"):
         return True
-    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", ""):
+    if text in ("false", "0", "no", "off", ""):
         return False
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
@@ -62,7 +64,13 @@ def _bool(option: str, value: Any) -> bool:
 def _allocators(value: Any) -> tuple[str, ...]:
     from dask_rmm.allocators import SUPPORTED_ALLOCATORS
 
-    names = value.split(",") if isinstance(value, str) else list(value or ())
+    try:
+        names = value.split(",") if isinstance(value, str) else list(value or ())
+    except TypeError:
+        raise TypeError(
+            f"`allocators` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
+            f"got {value!r}"
+        ) from None
     out: list[str] = []
     for name in names:
         name = str(name).strip().lower()
@@ -112,10 +120,19 @@ def _pause_fraction(value: Any) -> float | None:
     return float(value)
 
 
-def _describe(value: int | float) -> str:
+def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
+    """RMM's error when the maximum pool size is below the initial one (both bytes, or both
+    fractions)."""
     from dask_rmm.mr.base import format_bytes
 
-    return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+    def describe(value: int | float) -> str:
+        return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+
+    if type(pool) is type(maximum) and pool is not None and maximum < pool:
+        raise OptionError(
+            f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
+            f"({describe(maximum)}) is smaller than `pool_size` ({describe(pool)}){where}"
+        )
 
 
 @dataclass(frozen=True)
@@ -124,54 +141,33 @@ class RMMOptions:
 
     Sizes are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
     :func:`build_stack` resolves on the device; both aligned down to 256 bytes there.
-
-    Attributes
-    ----------
-    base_resource : {"cuda", "managed", "async", "pinned", "system"}
-        Where memory comes from. With ``"async"`` the pool sizes size cudaMallocAsync's own pool
-        (``maximum_pool_size`` is a ``LimitingResourceAdaptor``); otherwise a pool is a
-        ``PoolMemoryResource`` over the base.
-    pool_allocator : bool
-        Suballocate from a pool; true whenever ``pool_size`` is given.
-    pool_size, maximum_pool_size : int, float or None
-        Initial and largest pool size (None: the pool's defaults, no limit).
-    release_threshold : int, float or None
-        With ``"async"``: bytes its pool keeps when idle.
-    log_directory : str or None
-        One CSV allocation log per worker and device in this directory.
-    log_file_name : str or None
-        ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory.
-    track_allocations, statistics : bool
-        Add a ``TrackingResourceAdaptor``; a ``StatisticsResourceAdaptor`` (and, on a worker,
-        per-task-prefix attribution) feeding the heartbeat metrics.
-    allocators : tuple of str
-        Libraries pointed at the resource (names of :mod:`dask_rmm.allocators`' registry).
-    devices : tuple of int or None
-        Devices to set up; None: the current one.
-    device_memory_limit : int, float or None
-        Above this many bytes in use (measured by the resource), a worker spills its least
-        recently used task outputs to host memory (:mod:`dask_rmm.pressure`).
-    spill_on_oom : bool
-        An allocation that fails spills task outputs and is retried.
-    device_pause_fraction : float or None
-        Pause a worker whose bytes in use pass this fraction of the device's capacity (the
-        pool's maximum, else the device's memory), like distributed's host ``pause`` (0.8);
-        only active when ``device_memory_limit`` or ``spill_on_oom`` is set.
     """
 
+    #: Where memory comes from (:data:`BASE_RESOURCES`). With ``"async"`` the pool sizes size
+    #: cudaMallocAsync's own pool (``maximum_pool_size`` is a ``LimitingResourceAdaptor``);
+    #: otherwise a pool is a ``PoolMemoryResource`` over the base.
     base_resource: str = "cuda"
-    pool_allocator: bool = False
-    pool_size: int | float | None = None
-    maximum_pool_size: int | float | None = None
-    release_threshold: int | float | None = None
+    pool_allocator: bool = False  #: suballocate from a pool; true whenever ``pool_size`` is given
+    pool_size: int | float | None = None  #: initial pool size (None: the pool's default)
+    maximum_pool_size: int | float | None = None  #: the largest pool size (None: no limit)
+    release_threshold: int | float | None = None  #: with ``"async"``: bytes kept when idle
+    #: one CSV allocation log per worker and device in this directory, appended to
     log_directory: str | None = None
+    #: ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory
     log_file_name: str | None = None
-    track_allocations: bool = False
+    track_allocations: bool = False  #: add a ``TrackingResourceAdaptor``
+    #: a ``StatisticsResourceAdaptor`` (and, on a worker, per-task-prefix attribution) feeding
+    #: the heartbeat metrics
     statistics: bool = True
-    allocators: tuple[str, ...] = ()
-    devices: tuple[int, ...] | None = None
+    allocators: tuple[str, ...] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
+    devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
+    #: above this many bytes in use (measured by the resource), a worker spills its least
+    #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
     device_memory_limit: int | float | None = None
-    spill_on_oom: bool = False
+    spill_on_oom: bool = False  #: an allocation that fails spills task outputs and is retried
+    #: pause a worker whose bytes in use pass this fraction of the device's capacity (the pool's
+    #: maximum, else the device's memory), like distributed's host ``pause``; only active with
+    #: ``device_memory_limit`` or ``spill_on_oom``
     device_pause_fraction: float | None = 0.8
 
     def __post_init__(self) -> None:
@@ -195,9 +191,7 @@ class RMMOptions:
         put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))
         if self.log_file_name is not None:
             put("log_file_name", os.fspath(self.log_file_name))
-        self._check_together()
-
-    def _check_together(self) -> None:
+        # options that do not go together
         asynchronous = self.base_resource == "async"
         if self.release_threshold is not None and not asynchronous:
             raise OptionError("`release_threshold` requires `async_alloc=True`")
@@ -205,13 +199,8 @@ class RMMOptions:
             raise OptionError(
                 "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
             )
-        pool, maximum = self.pool_size, self.maximum_pool_size
-        if type(pool) is type(maximum) and pool is not None and maximum < pool:
-            raise OptionError(
-                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
-                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool)})"
-            )
-        if self.base_resource in ("system", "pinned") and self.allocators:
+        _check_pool_sizes(self.pool_size, self.maximum_pool_size)
+        if self.host_memory and self.allocators:
             raise OptionError(
                 f"`allocators` {list(self.allocators)} need device memory: they cannot use "
                 f"host memory from base_resource={self.base_resource!r}"
@@ -246,7 +235,20 @@ class RMMOptions:
                     f"base_resource={explicit!r}"
                 )
             values["base_resource"] = alias
-        return cls(**values)
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            from dask_rmm.config import ConfigError
+
+            # A value from the config that the schema lets through (a log directory that is a
+            # file, a pause fraction above 1): name its key and environment variable.
+            for name in sorted(set(values) - set(given) - {"maximum_pool_size", "release_threshold"}):
+                key = name.replace("_", "-")
+                try:
+                    cls(**{name: values[name]})
+                except (TypeError, ValueError) as own:
+                    raise ConfigError(f"dask-rmm.{key}", values[name], str(own)) from e
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         """The options as plain values (lists for tuples)."""
@@ -290,19 +292,17 @@ def make_base_resource(name: str, device: int, options: RMMOptions | None = None
     _cuda.require_cuda(
         f"base_resource={name!r} (use base_resource='system' for host memory without a GPU)"
     )
-    if name == "async":
-        if options is None:
-            return mr.CudaAsyncMemoryResource()
+    if name == "async" and options is not None:
         return mr.CudaAsyncMemoryResource(
             initial_pool_size=options.resolve_size("pool_size", device, total),
             release_threshold=options.resolve_size("release_threshold", device, total),
         )
-    maker = {
+    return {
         "cuda": mr.CudaMemoryResource,
         "managed": mr.ManagedMemoryResource,
         "pinned": mr.PinnedHostMemoryResource,
-    }[name]
-    return maker()
+        "async": mr.CudaAsyncMemoryResource,
+    }[name]()
 
 
 def build_stack(
@@ -329,28 +329,17 @@ def build_stack(
     """
     from dask_rmm import _cuda, mr
 
-    current = _cuda.get_device() if _cuda.is_available() else device
-    if current != device:
-        _cuda.set_device(device)
-    try:
+    with on_device(device):
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
         maximum = options.resolve_size("maximum_pool_size", device, total)
-        if pool_size is not None and maximum is not None and maximum < pool_size:
-            raise OptionError(
-                f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
-                f"({_describe(maximum)}) is smaller than `pool_size` ({_describe(pool_size)}) "
-                f"on device {device}"
-            )
+        _check_pool_sizes(pool_size, maximum, f" on device {device}")
         top = make_base_resource(options.base_resource, device, options, total)
         if options.base_resource == "async":
             if maximum is not None:
                 top = mr.LimitingResourceAdaptor(top, allocation_limit=maximum)
         elif options.pool_allocator:
             top = mr.PoolMemoryResource(top, initial_pool_size=pool_size, maximum_pool_size=maximum)
-    finally:
-        if current != device:
-            _cuda.set_device(current)
     stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory, options=options)
     try:
         if options.track_allocations:

@@ -19,14 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask.utils import key_split
+from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
 from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.options import RMMOptions, build_stack
-from dask_rmm.worker_metrics import WorkerMetrics
+from dask_rmm.worker_metrics import WorkerMetrics, add_periodic, remove_periodic
 from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
@@ -71,36 +71,11 @@ def task_prefix(key: Any) -> str:
 class RMMPlugin(WorkerPlugin):
     """Give every worker an RMM memory-resource stack, per-task-group statistics and metrics.
 
-    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``); those
-    not given come from the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and
-    validated where the plugin is made. Every option is documented on
-    :class:`~dask_rmm.options.RMMOptions` and in docs/workers.md.
-
-    Parameters
-    ----------
-    pool_size, maximum_pool_size : int, str or float, optional
-        Initial and largest size of a ``PoolMemoryResource`` (bytes, ``"4GiB"`` or a fraction
-        of the device's memory). None: no pool.
-    managed_memory, async_alloc : bool
-        dask-cuda's names for ``base_resource="managed"`` and ``base_resource="async"``.
-    release_threshold : int, str or float, optional
-        Bytes the async pool keeps when idle; needs ``async_alloc``.
-    log_directory : str, optional
-        One CSV allocation log per worker and device, ``rmm_log_<worker name>.dev<device>.csv``,
-        appended to, written out at least every 0.5 s.
-    track_allocations, statistics : bool
-        Add a ``TrackingResourceAdaptor``; count allocations per task prefix (default True).
-    allocators : list of str
-        Libraries to point at the resource, from :mod:`dask_rmm.allocators` (``"cupy"``,
-        ``"numba"``, ``"torch"``...).
-    base_resource : {"cuda", "managed", "async", "pinned", "system"}
-        Where memory comes from; ``"system"`` (host memory) for hosts without a GPU.
-    devices : list of int, optional
-        Device ids to set up; default the worker's current device.
-    device_memory_limit, spill_on_oom, device_pause_fraction
-        GPU memory pressure: spill task outputs to host above ``device_memory_limit`` bytes in
-        use, spill and retry when an allocation fails, pause the worker above
-        ``device_pause_fraction`` of the device (docs/memory-pressure.md).
+    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``), plus
+    ``base_resource``, ``devices`` and the memory-pressure options; each is documented once, on
+    :class:`~dask_rmm.options.RMMOptions` (and in docs/workers.md). Those not given come from
+    the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and validated where the
+    plugin is made.
 
     Notes
     -----
@@ -171,12 +146,7 @@ class RMMPlugin(WorkerPlugin):
             validate_config()
             # a library the worker lacks fails here, before any stack is built or installed
             allocators.check_allocators(self.options.allocators)
-            metrics_options = (
-                int(config_value("metrics.top-task-groups")),
-                config_value("metrics.sample-interval"),
-            )
-            devices = self.options.devices or [_current_device()]
-            for device in devices:
+            for device in self.options.devices or [_current_device()]:
                 stacks.append(
                     build_stack(
                         self.options,
@@ -191,23 +161,36 @@ class RMMPlugin(WorkerPlugin):
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        current = True
         if self.coordinated:
-            failures = await self._vote(worker, error, ws.token if kept else None)
+            failures, current = await self._vote(worker, error, ws.token if kept else None)
         else:
             failures = {worker.address: error} if error else {}
-        if failures:
+        if failures or not current:
             # The error's traceback keeps this frame: leave no discarded stack in it (no loop
             # variable either), so that the memory their pools took is given back at once.
             while stacks:
                 stacks.pop().close_log()
             pressure = None
-            self._publish(worker, ws, *_metrics_defaults())
+            if failures or worker.plugins.get(self.name) is self:
+                self._publish(worker, ws)
+        if failures:
             reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
             kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
             raise RMMSetupError(
                 f"dask-rmm setup failed on {len(failures)} worker(s), so no worker changed "
                 f"(worker {worker.address} {kept_what}): {reasons}"
             )
+        if not current:
+            # A registration that reached the scheduler after this one (two clients at once)
+            # is the one every worker installs; this one changes nothing.
+            logger.info("dask-rmm: worker %s: a later registration replaced this one", worker.name)
+            return
+        if worker.plugins.get(self.name) is not self:
+            # That later registration reached this worker first, and this one, arriving after
+            # it, tore it down; the scheduler keeps it, so it is this worker's plugin again.
+            worker.plugins[self.name] = self
+            self._worker = worker
         ws.install(stacks, self.options, self.token)
         ws.set_pressure(worker, pressure)
         for stack in stacks:
@@ -215,21 +198,34 @@ class RMMPlugin(WorkerPlugin):
         note = cupy_allocator_note()
         if note is not None:
             logger.info("dask-rmm: worker %s: %s", worker.name, note)
-        self._publish(worker, ws, *metrics_options)
-        await self._install_scheduler_plugin(worker)
+        self._publish(worker, ws)
+        try:  # the cluster report's scheduler plugin, once (idempotent)
+            from dask_rmm.scheduler import install_scheduler_plugin
 
-    async def _vote(self, worker: Worker, error: str | None, previous: str | None) -> dict:
-        """The failures of this registration on every worker (``{}``: all succeeded)."""
+            await install_scheduler_plugin(worker)
+        except Exception:
+            logger.warning(
+                "dask-rmm: could not install the scheduler plugin from worker %s",
+                worker.address,
+                exc_info=True,
+            )
+
+    async def _vote(
+        self, worker: Worker, error: str | None, previous: str | None
+    ) -> tuple[dict, bool]:
+        """The failures of this registration on every worker (``{}``: all succeeded), and
+        whether it is still the scheduler's registration of the plugin."""
         from distributed.protocol.pickle import dumps
 
         try:
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
             )
-            return await worker.scheduler.dask_rmm_setup_vote(
+            answer = await worker.scheduler.dask_rmm_setup_vote(
                 token=self.token, name=self.name, worker=worker.address, error=error,
                 previous=previous,
             )  # fmt: skip
+            return answer["failures"], answer["current"]
         except Exception as e:
             logger.warning(
                 "dask-rmm: cannot agree the setup with the other workers (%s: %s); worker %s "
@@ -238,43 +234,22 @@ class RMMPlugin(WorkerPlugin):
                 e,
                 worker.address,
             )
-            return {worker.address: error} if error else {}
+            return ({worker.address: error} if error else {}), True
 
-    def _publish(self, worker: Worker, ws: Any, top_n: int, sample_interval: Any) -> None:
+    def _publish(self, worker: Worker, ws: Any) -> None:
         """Heartbeat metrics and the log flusher for the worker's active stacks."""
-        from tornado.ioloop import PeriodicCallback
-
         if not ws.active:
             return
+        try:  # validated at setup; a config changed since a kept setup falls back to defaults
+            top_n = int(config_value("metrics.top-task-groups"))
+            interval = parse_timedelta(config_value("metrics.sample-interval"), default="ms")
+        except (TypeError, ValueError, KeyError):
+            top_n, interval = 10, 0.1
         self.worker_metrics.install(
-            worker,
-            ws.active,
-            top_n=top_n,
-            sample_interval=sample_interval,
-            sampling=ws.options.statistics,
+            worker, ws.active, top_n=top_n, sample_interval=interval, sampling=ws.options.statistics
         )
-        if any(s.logging is not None for s in ws.active):
-            flusher = PeriodicCallback(ws.flush_logs, LOG_FLUSH_INTERVAL * 1000)
-            worker.periodic_callbacks[_FLUSHER_KEY] = flusher
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                flusher.start()
-
-    async def _install_scheduler_plugin(self, worker: Worker) -> None:
-        """Install the cluster report's scheduler plugin once (logged, never fatal)."""
-        try:
-            from dask_rmm.scheduler import install_scheduler_plugin
-        except ImportError:
-            return
-        try:
-            result = install_scheduler_plugin(worker)
-            if result is not None and hasattr(result, "__await__"):
-                await result
-        except Exception:
-            logger.warning(
-                "dask-rmm: could not install the scheduler plugin from worker %s",
-                worker.address,
-                exc_info=True,
-            )
+        if any(s.logging is not None for s in [*ws.active, *ws.retired]):
+            add_periodic(worker, _FLUSHER_KEY, ws.flush_logs, LOG_FLUSH_INTERVAL)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -283,9 +258,7 @@ class RMMPlugin(WorkerPlugin):
         them until its own are ready; otherwise they are removed on the next loop iteration
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
-        flusher = worker.periodic_callbacks.pop(_FLUSHER_KEY, None)
-        if flusher is not None:
-            flusher.stop()
+        remove_periodic(worker, _FLUSHER_KEY)
         ws = worker_stack(worker)
         if ws.release():
             if worker.status.name in ("closing", "closed", "failed", "init"):
@@ -314,21 +287,16 @@ def _current_device() -> int:
     return _cuda.get_device() if _cuda.is_available() else 0
 
 
-def _metrics_defaults() -> tuple[int, Any]:
-    try:
-        return int(config_value("metrics.top-task-groups")), config_value("metrics.sample-interval")
-    except (TypeError, ValueError):
-        return 10, "100ms"
-
-
 # -- the vote, on the scheduler ---------------------------------------------------------------
+
+_UNREADABLE = object()
 
 
 @dataclass
 class _Round:
     token: str
     name: str
-    plugin: Any  # what the scheduler stored for this registration
+    plugin: Any  # what the scheduler stored for this registration (None: a later one already)
     expected: set[str]
     votes: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     failures: dict[str, str] | None = None  # None until decided
@@ -371,15 +339,47 @@ class SetupCoordinator(SchedulerPlugin):
         worker: str,
         error: str | None = None,
         previous: str | None = None,
+    ) -> dict[str, Any]:
+        """``{"failures": {worker: reason}, "current": bool}``: ``current`` is False when the
+        scheduler holds a later registration of the plugin (two registered at once: the later
+        one is installed everywhere, whatever order the workers received them in)."""
+        failures = await self._failures(token, name, worker, error, previous)
+        stored = self._stored_token(name)
+        return {"failures": failures, "current": stored == token or stored is _UNREADABLE}
+
+    def _stored_token(self, name: str) -> Any:
+        """The token of the registration the scheduler holds: None when it holds none (the
+        plugin was unregistered), ``_UNREADABLE`` when it cannot tell."""
+        assert self.scheduler is not None
+        plugin = self.scheduler.worker_plugins.get(name)
+        if isinstance(plugin, bytes):
+            from distributed.protocol.pickle import loads
+
+            try:
+                plugin = loads(plugin)
+            except Exception:
+                return _UNREADABLE
+        return None if plugin is None else getattr(plugin, "token", _UNREADABLE)
+
+    async def _failures(
+        self, token: str, name: str, worker: str, error: str | None, previous: str | None
     ) -> dict[str, str]:
         alone = {worker: error} if error else {}
         if token in self.committed:  # a worker added after the registration succeeded
             return alone
         r = self.rounds.get(token)
+        if r is not None and r.failures and worker in r.votes:
+            # This worker voted in that failed round already: the same plugin object is being
+            # registered again (a retry once the cause is fixed), which gets a round of its own.
+            r = None
         if r is None:
             assert self.scheduler is not None
+            stored = self.scheduler.worker_plugins.get(name)
             r = self.rounds[token] = _Round(
-                token, name, self.scheduler.worker_plugins.get(name), set(self.scheduler.workers)
+                token,
+                name,
+                stored if self._stored_token(name) in (token, _UNREADABLE) else None,
+                set(self.scheduler.workers),
             )
             decided = [t for t, x in self.rounds.items() if x.failures is not None]
             for t in decided[: max(0, len(decided) - self.KEEP)]:
@@ -406,10 +406,11 @@ class SetupCoordinator(SchedulerPlugin):
         r.failures = {w: e for w, (e, _) in r.votes.items() if e} | missing
         plugins = self.scheduler.worker_plugins
         if not r.failures:
-            self.committed[r.token] = r.plugin
+            if r.plugin is not None:
+                self.committed[r.token] = r.plugin
             while len(self.committed) > self.KEEP:
                 del self.committed[next(iter(self.committed))]
-        elif plugins.get(r.name) is r.plugin:  # not registered again meanwhile
+        elif r.plugin is not None and plugins.get(r.name) is r.plugin:  # not registered again
             previous = {p for _, p in r.votes.values() if p in self.committed}
             if previous:
                 plugins[r.name] = self.committed[previous.pop()]

@@ -1,19 +1,10 @@
 """Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``.
 
 The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
-the worker starts (a failing setup closes the worker with the reason). Flags not given fall back
-to the worker's ``dask-rmm.*`` config, validated with them. What the options mean is documented
-in docs/workers.md. Run ``python -m dask_rmm.preload --help`` to list the flags.
-
-Scheduler address: ``dask worker`` takes the first argument it does not know as its SCHEDULER
-address, so without an address before the flags (``--scheduler-file FILE``) it takes the first
-``--rmm-*`` flag (``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
-``--rmm-pool-size=4GiB`` / ``--rmm-async``) and hands the preload only the rest. This module sees
-that while ``dask worker`` checks the flags: with ``--scheduler-file`` (which the worker connects
-through, ignoring SCHEDULER) it puts the flag back, logs that it did, and leaves the recovered
-flags for the worker processes in the ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; with
-no address at all, or an address after the flags, ``dask worker`` stops with a usage error naming
-the flag. Either way no worker starts with fewer flags than were typed.
+the worker starts (a failing setup closes the worker with the reason, and ``dask worker`` exits
+with status 1). Flags not given fall back to the worker's ``dask-rmm.*`` config, validated with
+them. A flag ``dask worker`` took as its SCHEDULER address is recovered when it can be (see
+:func:`_check_scheduler_argument`). Run ``python -m dask_rmm.preload --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -27,7 +18,9 @@ from typing import Any
 
 import click
 
-__all__ = ["dask_setup", "plugin_from_flags"]
+from dask_rmm.options import BASE_RESOURCES
+
+__all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,40 +29,33 @@ logger = logging.getLogger(__name__)
 _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
-class _SizeType(click.ParamType):
+def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A memory size: bytes, a size string such as ``4GiB``, or a fraction of device memory."""
+    from dask_rmm.options import _size
 
-    name = "size"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.options import _size
-
-        try:
+    try:
+        if value is not None:
             _size("size", value)
-        except (TypeError, ValueError) as e:
-            reason = str(e).removeprefix("size=")
-            self.fail(f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)")
         return value
+    except (TypeError, ValueError) as e:
+        reason = str(e).removeprefix("size=")
+        raise click.BadParameter(
+            f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)"
+        ) from None
 
 
-class _LibrariesType(click.ParamType):
+def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A comma-separated list of libraries to point at the worker's resource."""
+    from dask_rmm.options import _allocators
 
-    name = "libs"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from dask_rmm.options import _allocators
-
-        try:
-            return list(_allocators(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+    try:
+        return value if value is None else list(_allocators(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
-SIZE = _SizeType()
 #: How usage errors name this command.
 PROG = "dask worker SCHEDULER --preload dask_rmm.preload"
-
 
 class _PreloadCommand(click.Command):
     """Checks the flags together right after parsing, so that incompatible flags are a usage
@@ -79,12 +65,14 @@ class _PreloadCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # distributed checks the flags with a context that has no name ("Usage:  [OPTIONS]")
         ctx.info_name = ctx.info_name or PROG
-        args = list(args)
-        worker_ctx = _dask_worker_context(ctx)
-        if worker_ctx is not None:
-            args = _check_scheduler_argument(self, worker_ctx, args)
+        # distributed checks --preload flags in a callback of its own `worker` command, with a
+        # fresh context for the preload; at worker start the preload's context is the current one
+        outer = click.get_current_context(silent=True)
+        worker_params = {p.name for p in outer.command.params} if outer not in (None, ctx) else ()
+        if {"scheduler", "scheduler_file", "preload_argv"} <= set(worker_params):
+            args = _check_scheduler_argument(self, outer, list(args))
         else:
-            args = _recovered_argv(args)
+            args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
         try:
             plugin_from_flags(**ctx.params)
@@ -94,31 +82,19 @@ class _PreloadCommand(click.Command):
         return rest
 
 
-def _dask_worker_context(ctx: click.Context) -> click.Context | None:
-    """The ``dask worker`` command's context while it validates the preload flags, else None.
-
-    distributed checks ``--preload`` flags in a callback of its own ``worker`` command, with a
-    fresh context for the preload; at worker start the preload's context is the current one.
-    """
-    outer = click.get_current_context(silent=True)
-    if outer is None or outer is ctx:
-        return None
-    names = {p.name for p in outer.command.params}
-    if {"scheduler", "scheduler_file", "preload_argv"} <= names:
-        return outer
-    return None
-
-
 def _check_scheduler_argument(
     command: click.Command, worker_ctx: click.Context, args: list[str]
 ) -> list[str]:
-    """The flags as typed, given what ``dask worker`` parsed; raises a UsageError if a flag it
-    took as the scheduler address cannot be put back.
+    """The flags as typed, given what ``dask worker`` parsed; a UsageError if a flag it took as
+    the scheduler address cannot be put back.
 
-    ``dask worker`` has one optional SCHEDULER argument and passes every argument it does not
-    know on to the preload: SCHEDULER is the first of them, the preload gets the rest. An address
-    never starts with ``-``; when SCHEDULER does, it is a flag, and ``[SCHEDULER, *args]`` is
-    exactly what was typed for the preload.
+    ``dask worker`` takes the first argument it does not know as its SCHEDULER address (an
+    address never starts with ``-``) and hands the preload the rest, so without an address before
+    the flags it took ``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
+    ``--rmm-pool-size=4GiB``. With ``--scheduler-file`` (the worker connects through it, ignoring
+    SCHEDULER) the flag is put back, logged, and recorded for the worker processes in the
+    ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; otherwise it is a usage error naming
+    the flag. Either way no worker starts with fewer flags than were typed.
     """
     swallowed = worker_ctx.params.get("scheduler")
     if not (isinstance(swallowed, str) and swallowed.startswith("-")):
@@ -142,13 +118,7 @@ def _check_scheduler_argument(
     except click.UsageError as e:
         e.message = f"{e.message}\n({took}: {fix}.)"
         raise
-    logger.warning(
-        "%s (the address comes from --scheduler-file): recovered %s for dask_rmm.preload, "
-        "which now gets: %s",
-        took,
-        flag,
-        " ".join(typed),
-    )
+    _log_recovered(typed)
     os.environ[_RECOVERED_ENV] = json.dumps({"received": args, "argv": typed})
     return typed
 
@@ -166,85 +136,61 @@ def _recovered_argv(args: list[str]) -> list[str]:
         return args
     if received != args or not isinstance(typed, list):
         return args
-    logger.warning(
-        "dask worker took %r as its SCHEDULER address (the address comes from "
-        "--scheduler-file): recovered it for dask_rmm.preload, which gets: %s",
-        typed[0],
-        " ".join(typed),
-    )
+    _log_recovered(typed)
     return list(typed)
 
 
-@click.command(name="dask_rmm.preload", cls=_PreloadCommand)
-@click.option(
-    "--rmm-pool-size",
-    type=SIZE,
-    default=None,
-    help="Initial pool size: bytes, '4GiB' or a fraction of device memory ('0.8'). "
-    "No pool when not given.",
-)
-@click.option(
-    "--rmm-maximum-pool-size",
-    type=SIZE,
-    default=None,
-    help="The pool never grows beyond this (needs --rmm-pool-size or --rmm-async).",
-)
-@click.option(
-    "--rmm-managed-memory/--no-rmm-managed-memory",
-    default=None,
-    help="Allocate CUDA managed (unified) memory.",
-)
-@click.option(
-    "--rmm-async/--no-rmm-async",
-    default=None,
-    help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.",
-)
-@click.option(
-    "--rmm-release-threshold",
-    type=SIZE,
-    default=None,
-    help="Bytes the async pool keeps when idle (needs --rmm-async).",
-)
-@click.option(
-    "--rmm-log-directory",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Write one CSV allocation log per worker and device into this directory.",
-)
-@click.option(
-    "--rmm-track-allocations/--no-rmm-track-allocations",
-    default=None,
-    help="Track outstanding allocations (TrackingResourceAdaptor).",
-)
-@click.option(
-    "--set-rmm-allocator-for-libs",
-    type=_LibrariesType(),
-    default=None,
-    help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or several "
-    "('cupy,torch').",
-)
-@click.option(
-    "--rmm-base-resource",
-    type=click.Choice(["cuda", "managed", "async", "pinned", "system"], case_sensitive=False),
-    default=None,
-    help="Where memory comes from; 'system' (host memory) for hosts without a GPU.",
-)
-@click.option(
-    "--device-memory-limit",
-    type=SIZE,
-    default=None,
-    help="Spill task outputs to host memory above this many bytes in use on the device.",
-)
-@click.option(
-    "--spill-on-oom/--no-spill-on-oom",
-    default=None,
-    help="Spill task outputs and retry when an allocation runs out of memory.",
-)
-@click.option(
-    "--rmm-statistics/--no-rmm-statistics",
-    default=None,
-    help="Count allocations per worker and task prefix for the heartbeat metrics (on by default).",
-)
+def _log_recovered(typed: list[str]) -> None:
+    logger.warning(
+        "dask worker took %r as its SCHEDULER address (the address comes from "
+        "--scheduler-file): recovered %s for dask_rmm.preload, which gets: %s",
+        typed[0],
+        typed[0].split("=", 1)[0],
+        " ".join(typed),
+    )
+
+
+#: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
+_FLAGS = [
+    ("--rmm-pool-size", "pool_size", dict(callback=_size, help="Initial pool size: bytes, '4GiB' "
+        "or a fraction of device memory ('0.8'). No pool when not given.")),
+    ("--rmm-maximum-pool-size", "maximum_pool_size", dict(callback=_size, help="The pool never "
+        "grows beyond this (needs --rmm-pool-size or --rmm-async).")),
+    ("--rmm-managed-memory/--no-rmm-managed-memory", "managed_memory",
+        dict(help="Allocate CUDA managed (unified) memory.")),
+    ("--rmm-async/--no-rmm-async", "async_alloc",
+        dict(help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.")),
+    ("--rmm-release-threshold", "release_threshold", dict(callback=_size, help="Bytes the async "
+        "pool keeps when idle (needs --rmm-async).")),
+    ("--rmm-log-directory", "log_directory", dict(type=click.Path(file_okay=False), help="Write "
+        "one CSV allocation log per worker and device into this directory.")),
+    ("--rmm-track-allocations/--no-rmm-track-allocations", "track_allocations",
+        dict(help="Track outstanding allocations (TrackingResourceAdaptor).")),
+    ("--set-rmm-allocator-for-libs", "allocators", dict(callback=_libraries, metavar="LIBS",
+        help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or "
+        "several ('cupy,torch').")),
+    ("--rmm-base-resource", "base_resource", dict(type=click.Choice(
+        BASE_RESOURCES, case_sensitive=False),
+        help="Where memory comes from; 'system' (host memory) for hosts without a GPU.")),
+    ("--device-memory-limit", "device_memory_limit", dict(callback=_size, help="Spill task "
+        "outputs to host memory above this many bytes in use on the device.")),
+    ("--spill-on-oom/--no-spill-on-oom", "spill_on_oom",
+        dict(help="Spill task outputs and retry when an allocation runs out of memory.")),
+    ("--rmm-statistics/--no-rmm-statistics", "statistics", dict(help="Count allocations per "
+        "worker and task prefix for the heartbeat metrics (on by default).")),
+]  # fmt: skip
+#: Parameter name (``rmm_pool_size``) -> RMMPlugin option (``pool_size``).
+_FLAG_TO_OPTION = {f.split("/")[0][2:].replace("-", "_"): o for f, o, _ in _FLAGS}
+
+
+def _with_flags(command: Any) -> Any:
+    for flag, _, settings in reversed(_FLAGS):
+        settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
+        command = click.option(flag, default=None, **settings)(command)
+    return click.command(name="dask_rmm.preload", cls=_PreloadCommand)(command)
+
+
+@_with_flags
 async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
 
@@ -256,30 +202,23 @@ async def dask_setup(worker: Any, **flags: Any) -> None:
     """
     plugin = plugin_from_flags(**flags)
     plugin.coordinated = False  # this worker alone: no vote with the others
-    # distributed logs and ignores a preload's errors: a worker whose setup failed closes
-    # itself rather than run without its memory setup.
     try:
         await worker.plugin_add(plugin, catch_errors=False)
     except Exception as e:
-        logger.error("dask-rmm: closing worker %s: %s: %s", worker.name, type(e).__name__, e)
-        await worker.close(reason=f"dask-rmm setup failed: {type(e).__name__}: {e}")
-        raise
+        reason = f"dask-rmm setup failed: {type(e).__name__}: {e}"
+        logger.error("dask-rmm: closing worker %s: %s", worker.name, reason)
+        await worker.close(reason=reason)
+        raise WorkerSetupFailed(reason) from e
 
 
-_FLAG_TO_OPTION = {
-    "rmm_pool_size": "pool_size",
-    "rmm_maximum_pool_size": "maximum_pool_size",
-    "rmm_managed_memory": "managed_memory",
-    "rmm_async": "async_alloc",
-    "rmm_release_threshold": "release_threshold",
-    "rmm_log_directory": "log_directory",
-    "rmm_track_allocations": "track_allocations",
-    "set_rmm_allocator_for_libs": "allocators",
-    "rmm_base_resource": "base_resource",
-    "rmm_statistics": "statistics",
-    "device_memory_limit": "device_memory_limit",
-    "spill_on_oom": "spill_on_oom",
-}
+class WorkerSetupFailed(BaseException):
+    """The preload closed its worker because the dask-rmm setup failed; fails the worker's start.
+
+    A BaseException on purpose: distributed logs and ignores an ``Exception`` from a preload,
+    after which the closed worker would end with exit status 0 and a supervisor (systemd,
+    Kubernetes, dask-jobqueue) would take the failure for a clean stop. This one ends the
+    worker's start, so ``dask worker`` exits with status 1 (with or without a nanny).
+    """
 
 
 def plugin_from_flags(**flags: Any):

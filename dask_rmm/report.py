@@ -216,17 +216,11 @@ class ClusterMemoryReport:
             workers=len({d.worker for d in run}),
             gone_workers=len({d.worker for d in self.gone}),
             devices=len(run),
-            current_bytes=sum(d.current_bytes for d in run),
             peak_bytes=peak_of_sum(d.timeline for d in run),
             sum_of_device_peaks=sum(d.peak_bytes for d in run),
-            total_bytes=sum(d.total_bytes for d in run),
-            reserved_bytes=sum(d.reserved_bytes for d in run),
-            retired_bytes=sum(d.retired_bytes for d in run),
-            pool_free_bytes=sum(d.pool_free_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
-            failed_allocations=sum(d.failed_allocations for d in run),
-            **{k: sum(getattr(d, k) for d in run) for k in _PRESSURE_TOTALS},
             paused_devices=sum(1 for d in run if d.paused),
+            **{k: sum(getattr(d, k) for d in run) for k in _SUMMED},
         )
 
     @property
@@ -293,11 +287,7 @@ class ClusterMemoryReport:
                 "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
                 "(or pip install 'dask-rmm[report]')"
             ) from e
-        rows = []
-        for d in self.devices:
-            row = {"worker": d.worker, "name": d.name, "device": d.device, "status": d.status}
-            row.update({k: getattr(d, k) for k in _FRAME_COLUMNS[4:]})
-            rows.append(row)
+        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
         return pd.DataFrame(rows, columns=list(_FRAME_COLUMNS))
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):
@@ -322,42 +312,26 @@ class ClusterMemoryReport:
 
     def table_rows(self) -> list[list[str]]:
         """The text table's rows, header first (used by ``__str__`` and the CLI)."""
+
+        def memory(x: Any, peak: str) -> list[str]:  # a device, or the totals
+            retired = f" +{format_bytes(x.retired_bytes)} retired" if x.retired_bytes else ""
+            sizes = (x.current_bytes, x.total_bytes, x.pool_free_bytes, x.largest_free_block)
+            current, total, free, largest = map(format_bytes, sizes)
+            return [current, peak, total, format_bytes(x.reserved_bytes) + retired, free, largest]
+
         rows = [list(_HEADER)]
         for d in self.devices:
             rows.append(
-                [
-                    _worker_label(d),
-                    f"{d.device} {d.gpu}".strip(),
-                    d.status,
-                    format_bytes(d.current_bytes),
-                    format_bytes(d.peak_bytes),
-                    format_bytes(d.total_bytes),
-                    format_bytes(d.reserved_bytes)
-                    + (f" +{format_bytes(d.retired_bytes)} retired" if d.retired_bytes else ""),
-                    format_bytes(d.pool_free_bytes),
-                    format_bytes(d.largest_free_block),
-                    f"{d.fragmentation:.0%}",
-                    str(d.failed_allocations),
-                    _top_groups(d),
-                ]
+                [_worker_label(d), f"{d.device} {d.gpu}".strip(), d.status]
+                + memory(d, format_bytes(d.peak_bytes))
+                + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
             )
         t = self.totals
+        peak = "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *"
+        workers = f"total ({t.workers} worker{'s' if t.workers != 1 else ''})"
+        gone = f"{t.gone_workers} gone" if t.gone_workers else ""
         rows.append(
-            [
-                f"total ({t.workers} worker{'s' if t.workers != 1 else ''})",
-                str(t.devices),
-                f"{t.gone_workers} gone" if t.gone_workers else "",
-                format_bytes(t.current_bytes),
-                "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *",
-                format_bytes(t.total_bytes),
-                format_bytes(t.reserved_bytes)
-                + (f" +{format_bytes(t.retired_bytes)} retired" if t.retired_bytes else ""),
-                format_bytes(t.pool_free_bytes),
-                format_bytes(t.largest_free_block),
-                "",
-                str(t.failed_allocations),
-                "",
-            ]
+            [workers, str(t.devices), gone] + memory(t, peak) + ["", str(t.failed_allocations), ""]
         )
         return rows
 
@@ -381,14 +355,15 @@ class ClusterMemoryReport:
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines.append(self._peak_note())
-        lines += self.pressure_lines()
+        return "\n".join(lines + self.pressure_lines() + self._notes())
+
+    def _notes(self) -> list[str]:
+        """Workers without dask-rmm, and the errors, one line each."""
+        lines = [f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error]
+        lines += [f"error: {e}" for e in self.errors]
         if self.workers_without_dask_rmm:
-            lines.append(f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
-        for d in self.devices:
-            if d.error:
-                lines.append(f"error on {d.worker} device {d.device}: {d.error}")
-        lines.extend(f"error: {e}" for e in self.errors)
-        return "\n".join(lines)
+            lines.insert(0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
+        return lines
 
     def pressure_lines(self) -> list[str]:
         """Memory pressure, one line per device that spilled, paused or ran out of memory,
@@ -469,15 +444,7 @@ class ClusterMemoryReport:
         if pressure:
             items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
             parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
-        if self.workers_without_dask_rmm:
-            parts.append(
-                f"<p>{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics.</p>"
-            )
-        for d in self.devices:
-            if d.error:
-                parts.append(
-                    f'<p class="err">error on {esc(d.worker)} device {esc(d.device)}: {esc(d.error)}</p>'
-                )
+        parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
         if timeline and any(d.timeline for d in self.devices):
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
             parts.append("<h4>Memory over time (max per sample interval)</h4>")
@@ -518,16 +485,10 @@ _HEADER = (
     "top task groups (peak)",
 )
 
-#: Device fields summed into the cluster totals (memory pressure).
-_PRESSURE_TOTALS = (
-    "spilled_bytes",
-    "spilled_count",
-    "total_spilled_bytes",
-    "total_unspilled_bytes",
-    "ooms_avoided",
-    "oom_count",
-    "pauses",
-)
+#: Device fields summed into the cluster totals.
+_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
+_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
+_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
 _PEAK_NOTE = (
     "* total peak: the most the running devices held at once within their timelines "
@@ -546,7 +507,7 @@ _CSS = (
     ".dask-rmm-report td:last-child{white-space:normal}"
     ".dask-rmm-report thead th{background:#f3f3f3}"
     ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
-    ".dask-rmm-report .err{color:#b00}"
+    ".dask-rmm-report .note{color:#b00}"
 )
 
 

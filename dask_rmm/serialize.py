@@ -8,6 +8,7 @@ workers). Pickling is ``DeviceBuffer.__reduce__``, not here.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from distributed.protocol import (
@@ -64,12 +65,7 @@ def cuda_deserialize_device_buffer(header: dict, frames: list) -> DeviceBuffer:
         return frame
     if hasattr(frame, "__cuda_array_interface__"):
         cai = frame.__cuda_array_interface__
-        nbytes = header.get("size")
-        if nbytes is None:
-            nbytes = 1
-            for n in cai["shape"]:
-                nbytes *= n
-            nbytes *= int(cai["typestr"][2:])
+        nbytes = header.get("size", math.prod(cai["shape"]) * int(cai["typestr"][2:]))
         buf = DeviceBuffer(size=nbytes)
         buf.copy_from_device(frame)
         return buf

@@ -86,6 +86,33 @@ def _handle_of(obj: Any) -> int:
         ) from None
 
 
+_this_thread = threading.local()
+_ptds_thread_ids: set[int] = set()
+_ptds_lock = threading.Lock()
+
+
+def _per_thread_key() -> tuple[str, int]:
+    """``("ptds", thread id)``. A thread id is reused once its thread exits, while work that
+    thread queued on its per-thread stream may still run: allocators keyed on the id would
+    hand the new thread the old one's freed blocks without a wait. So a thread whose id an
+    earlier thread used synchronizes the device once, on its first use of the key."""
+    try:
+        return _this_thread.ptds_key
+    except AttributeError:
+        pass
+    ident = threading.get_ident()
+    with _ptds_lock:
+        reused = ident in _ptds_thread_ids
+        _ptds_thread_ids.add(ident)
+    if reused:
+        from dask_rmm import _cuda
+
+        if _cuda.is_available():
+            _cuda.device_synchronize()
+    key = _this_thread.ptds_key = ("ptds", ident)
+    return key
+
+
 class Stream:
     """A CUDA stream.
 
@@ -151,9 +178,10 @@ class Stream:
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, except that the
-        per-thread default stream is a different stream in each thread."""
+        per-thread default stream is a different stream in each thread (see
+        ``_per_thread_key`` for a thread id reused by a later thread)."""
         if self.handle == _PER_THREAD_HANDLE:
-            return ("ptds", threading.get_ident())
+            return _per_thread_key()
         return self.handle
 
     def synchronize(self) -> None:

@@ -24,7 +24,6 @@ __all__ = [
     "DeviceSample",
     "TaskGroup",
     "heartbeat",
-    "to_float",
     "to_int",
 ]
 
@@ -142,17 +141,9 @@ class DeviceSample:
     def from_dict(cls, d: Mapping[str, Any], **extra: Any) -> Any:
         """Read a wire entry; missing or malformed fields take their default, unknown ones are
         ignored (``extra`` sets the fields of a subclass)."""
-        values: dict[str, Any] = {}
-        for f in _FIELDS:
-            if f.name not in d:
-                continue
-            v = d[f.name]
-            if f.type == "int":
-                values[f.name] = to_int(v)
-            elif f.type == "str":
-                values[f.name] = "" if v is None else str(v)
-            elif f.type == "float":
-                values[f.name] = to_float(v)
+        values = {
+            f.name: _READERS[f.type](d[f.name]) for f in _FIELDS if f.name in d and f.type in _READERS
+        }
         groups = []
         for g in d.get("task_groups") or ():
             try:
@@ -170,6 +161,12 @@ class DeviceSample:
 
 
 _FIELDS = dataclasses.fields(DeviceSample)
+#: How each scalar field is read from the wire (never raising).
+_READERS = {
+    "int": lambda v: to_int(v),
+    "float": lambda v: to_int(v, float),
+    "str": lambda v: "" if v is None else str(v),
+}
 #: Fields exported to Prometheus: ``(field name, metric name, help, "gauge" or "counter")``.
 GAUGES = tuple(
     (f.name, f.metadata["gauge"], f.metadata["help"], f.metadata["kind"])
@@ -188,17 +185,10 @@ def heartbeat(
     return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
 
 
-def to_float(value: Any) -> float:
-    """``float(value)``, or 0.0 when the value is missing or malformed."""
+def to_int(value: Any, kind: type = int) -> Any:
+    """``kind(value)`` (int, or float), or 0 when the value is missing or malformed (the wire
+    never raises)."""
     try:
-        return float(value)
+        return kind(value)
     except (TypeError, ValueError, OverflowError):
-        return 0.0
-
-
-def to_int(value: Any) -> int:
-    """``int(value)``, or 0 when the value is missing or malformed (the wire never raises)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return 0
+        return kind(0)

@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from dask.utils import parse_timedelta
-
 from dask_rmm import wire
 from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
@@ -66,21 +64,25 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
-def _device_memory(device: int, host_memory: bool) -> tuple[int, int]:
-    """``(used, total)`` bytes of the device (cudaMemGetInfo); ``(0, 0)`` for host memory."""
-    if host_memory:
-        return 0, 0
-    from dask_rmm import _cuda
+def add_periodic(worker: Worker, key: str, callback: Callable[[], Any], seconds: float) -> Any:
+    """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
+    worker closes, even without a teardown, and started by the worker if added before it starts
+    (a preload)."""
+    from tornado.ioloop import PeriodicCallback
 
-    current = _cuda.get_device()
-    if current != device:
-        _cuda.set_device(device)
-    try:
-        free, total = _cuda.mem_get_info()
-    finally:
-        if current != device:
-            _cuda.set_device(current)
-    return total - free, total
+    callback = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
+    if worker.status.name in ("running", "paused", "closing_gracefully"):
+        callback.start()
+    return callback
+
+
+def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
+    """Stop ``callback`` (default: the worker's ``key``) and take it off the worker."""
+    callback = callback or worker.periodic_callbacks.get(key)
+    if callback is not None:
+        callback.stop()
+        if worker.periodic_callbacks.get(key) is callback:
+            del worker.periodic_callbacks[key]
 
 
 class WorkerMetrics:
@@ -103,13 +105,11 @@ class WorkerMetrics:
         stacks: Iterable[DeviceStack],
         *,
         top_n: int,
-        sample_interval: str | float | None,
+        sample_interval: float,
         sampling: bool,
     ) -> None:
         """Publish ``worker.metrics["dask-rmm"]`` and ``["rmm"]`` for ``stacks`` and, with
-        ``sampling`` and a positive ``sample_interval`` (ms if a number), start the sampler."""
-        from tornado.ioloop import PeriodicCallback
-
+        ``sampling`` and a positive ``sample_interval`` (seconds), start the sampler."""
         from dask_rmm.worker_stack import worker_stack
 
         self._previous_rmm_metric = worker.metrics.get("rmm")
@@ -123,24 +123,14 @@ class WorkerMetrics:
         worker.metrics = {
             **worker.metrics, METRICS_KEY: self.heartbeat_metrics, "rmm": self.rmm_metrics
         }
-        interval = parse_timedelta(sample_interval, default="ms")
-        if sampling and interval and interval > 0:
-            sampler = PeriodicCallback(self.sample, interval * 1000)
-            self._sampler = sampler
-            # Registered with the worker so that it is stopped on close even without teardown,
-            # and started by the worker if setup runs before the worker starts (preload).
-            worker.periodic_callbacks[SAMPLER_KEY] = sampler
-            if worker.status.name in ("running", "paused", "closing_gracefully"):
-                sampler.start()
+        if sampling and sample_interval and sample_interval > 0:
+            self._sampler = add_periodic(worker, SAMPLER_KEY, self.sample, sample_interval)
         self.sample()
 
     def remove(self, worker: Worker) -> None:
         """Stop the sampler and take back what :meth:`install` published (idempotent)."""
         sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.stop()
-            if worker.periodic_callbacks.get(SAMPLER_KEY) is sampler:
-                del worker.periodic_callbacks[SAMPLER_KEY]
+        remove_periodic(worker, SAMPLER_KEY, sampler)
         metrics = dict(worker.metrics)  # a new dict, as in install
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]
@@ -151,10 +141,7 @@ class WorkerMetrics:
             else:
                 metrics["rmm"] = previous
         worker.metrics = metrics
-        self._previous_rmm_metric = None
-        self._retired = list
-        self._top_n = 10
-        self._devices = []
+        self.__init__()  # nothing installed, as before install
 
     def sample(self) -> None:
         """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
@@ -192,9 +179,9 @@ class WorkerMetrics:
     ) -> dict[str, Any]:
         stack = device.stack
         d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
-        errors = []
-        stats = stack.statistics
-        try:
+
+        def statistics() -> None:
+            stats = stack.statistics
             if stats is not None:
                 counts = stats.allocation_counts
                 # Not Statistics.to_dict(): dataclasses.asdict costs microseconds per call.
@@ -210,26 +197,38 @@ class WorkerMetrics:
                 d["largest_free_block"] = int(info.largest_free_block)
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
             d["retired_bytes"] = retired_bytes(retired, stack.device)
-        except Exception as e:
-            errors.append(f"statistics: {type(e).__name__}: {e}")
-        try:
+
+        def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
-            d["device_used_bytes"], d["device_total_bytes"] = _device_memory(
-                stack.device, stack.host_memory
-            )
-        except Exception as e:
-            errors.append(f"device memory: {type(e).__name__}: {e}")
-        try:
-            attribution = stack.attribution
-            if attribution is not None:
-                d["task_groups"] = [m.to_list() for m in attribution.top(top_n)]
-        except Exception as e:
-            errors.append(f"task groups: {type(e).__name__}: {e}")
-        try:
+            if not stack.host_memory:  # cudaMemGetInfo; 0 and 0 on host memory
+                from dask_rmm import _cuda
+                from dask_rmm.worker_stack import on_device
+
+                with on_device(stack.device):
+                    free, total = _cuda.mem_get_info()
+                d["device_used_bytes"], d["device_total_bytes"] = total - free, total
+
+        def current_resource() -> None:
+            from dask_rmm.worker_stack import replaced_resource_note
+
+            note = replaced_resource_note(stack.device)
+            if note is not None:
+                errors.append(note)
+
+        def task_groups() -> None:
+            if stack.attribution is not None:
+                d["task_groups"] = [m.to_list() for m in stack.attribution.top(top_n)]
+
+        def memory_pressure() -> None:
             if stack.pressure is not None:
                 d.update(stack.pressure.heartbeat_fields())
-        except Exception as e:
-            errors.append(f"memory pressure: {type(e).__name__}: {e}")
+
+        errors = []
+        for part in (statistics, device_memory, current_resource, task_groups, memory_pressure):
+            try:  # one part failing leaves the others, and the heartbeat, intact
+                part()
+            except Exception as e:
+                errors.append(f"{part.__name__.replace('_', ' ')}: {type(e).__name__}: {e}")
         if errors:
             d["error"] = "; ".join(errors)
         # This heartbeat's samples after the previous heartbeat's: the scheduler reads the

@@ -6,11 +6,13 @@ installs them and restores what was there, and their log files. Not here: buildi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,8 @@ __all__ = [
     "cupy_allocator_note",
     "install_stack",
     "log_file_path",
+    "on_device",
+    "replaced_resource_note",
     "resource_chain",
     "uninstall_stack",
     "worker_stack",
@@ -111,36 +115,60 @@ class DeviceStack:
         """One line: resources, pool size and maximum, base resource, log file."""
         from dask_rmm.mr.base import format_bytes
 
-        def size(n: int | None) -> str:
-            return "none" if n is None else format_bytes(n)
-
+        pool, maximum = (
+            "none" if n is None else format_bytes(n) for n in (self.pool_size, self.maximum_pool_size)
+        )
         base = self.options.base_resource if self.options is not None else "?"
         return (
-            f"device {self.device}: {self.chain}; pool {size(self.pool_size)}, maximum "
-            f"{size(self.maximum_pool_size)}, base resource {base}, log {self.log_path or 'none'}"
+            f"device {self.device}: {self.chain}; pool {pool}, maximum {maximum}, "
+            f"base resource {base}, log {self.log_path or 'none'}"
         )
 
-    def close_log(self) -> None:
+    def flush_log(self, close: bool = False) -> None:
+        """Write the log's buffered rows to its file (and close it, releasing its name);
+        nothing without a log, or once the adaptor of a retired stack was collected (it flushed
+        and closed its file then)."""
         if self.logging is not None:
-            for method in ("flush", "close"):
-                fn = getattr(self.logging, method, None)
-                if fn is not None:
-                    try:
-                        fn()
-                    except Exception:  # pragma: no cover - teardown must go on
-                        logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        if self.log_fd is not None:
-            os.close(self.log_fd)
-            self.log_fd = None
+            for method in ("flush", "close") if close else ("flush",):
+                try:
+                    getattr(self.logging, method)()
+                except ReferenceError:  # a retired stack's adaptor, collected: closed already
+                    break
+                except Exception:  # pragma: no cover - a timer or a teardown must go on
+                    logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
+        fd, self.log_fd = (self.log_fd, None) if close else (None, self.log_fd)
+        if fd is not None:
+            os.close(fd)
+
+    def close_log(self) -> None:
+        self.flush_log(close=True)
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` the current CUDA device for the block (no-op without CUDA)."""
+    from dask_rmm import _cuda
+
+    current = _cuda.get_device() if _cuda.is_available() else device
+    if current != device:
+        _cuda.set_device(device)
+    try:
+        yield
+    finally:
+        if current != device:
+            _cuda.set_device(current)
+
+
+def _upstreams(mr: Any) -> Iterator[Any]:
+    """``mr`` and its upstreams, outermost first."""
+    while mr is not None:
+        yield mr
+        mr = getattr(mr, "upstream_mr", None)
 
 
 def resource_chain(mr: Any) -> str:
     """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
-    names = []
-    while mr is not None:
-        names.append(type(mr).__name__)
-        mr = getattr(mr, "upstream_mr", None)
-    return ">".join(names)
+    return ">".join(type(m).__name__ for m in _upstreams(mr))
 
 
 # Worker objects of one process share the per-device registry (gen_cluster, LocalCluster with
@@ -186,29 +214,42 @@ def uninstall_stack(stack: DeviceStack) -> None:
         set_per_device_resource(stack.device, active[-1].top)
 
 
-def cupy_allocator_note() -> str | None:
-    """Which allocator CuPy uses now, in words; None when CuPy is not imported.
+def replaced_resource_note(device: int) -> str | None:
+    """Why allocations on ``device`` may go uncounted, or None: its current resource neither is
+    nor wraps a stack dask-rmm installed there (code on the worker called ``reinitialize`` or
+    ``set_current_device_resource``), so what is allocated through it is not counted."""
+    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
 
-    Says whether CuPy's memory goes through dask-rmm's stacks, through compiled RMM's current
-    device resource (dask-cuda's ``rmm_allocator_external_lib_list=["cupy"]``: a separate
-    allocator stack that dask-rmm neither sees nor counts) or through CuPy's own pool.
-    """
-    cupy = sys.modules.get("cupy")
+    current = get_per_device_resource(device) if device in registered_devices() else None
+    tops = [s.top for s in _installed.get(device, ())]
+    # an adaptor over our stack (enable_statistics()) still reaches it
+    if any(mr is top for mr in _upstreams(current) for top in tops):
+        return None
+    what = "the default resource" if current is None else type(current).__name__
+    return (
+        f"device {device}'s current resource was replaced outside dask-rmm (by {what}, e.g. "
+        "reinitialize or set_current_device_resource in a task): allocations through it are "
+        "not counted here; register the plugin again to install dask-rmm's stack"
+    )
+
+
+def cupy_allocator_note() -> str | None:
+    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's as dask-cuda's
+    ``rmm_allocator_external_lib_list=["cupy"]`` sets, which dask-rmm neither sees nor counts,
+    or CuPy's own); None when CuPy is not imported."""
     try:
-        allocator = cupy.cuda.get_allocator()
-    except AttributeError:  # CuPy not imported (None), or too old to tell
+        allocator = sys.modules["cupy"].cuda.get_allocator()
+    except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
         return None
     owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
     module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
     name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
-    where = f"{module}.{name}"
+    owner = "CuPy's own allocator; dask-rmm does not see or count it"
     if module.startswith("dask_rmm."):
         owner = "dask-rmm's resources, counted in its metrics"
     elif module.startswith("rmm."):
         owner = "compiled RMM's current device resource; dask-rmm does not see or count it"
-    else:
-        owner = "CuPy's own allocator; dask-rmm does not see or count it"
-    return f"CuPy allocates through {where} ({owner})"
+    return f"CuPy allocates through {module}.{name} ({owner})"
 
 
 # -- one worker's stacks -----------------------------------------------------------------------
@@ -239,8 +280,14 @@ class WorkerStack:
     def retired(self) -> list[DeviceStack]:
         """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
         live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
-        self._retired = [(r, s) for r, s in self._retired if r() is not None and s.live_bytes > 0]
-        return [s for _, s in self._retired]
+        kept = []
+        for alive, stack in self._retired:
+            if alive() is not None and stack.live_bytes > 0:
+                kept.append((alive, stack))
+            else:  # its last buffer was freed: its log is complete
+                stack.close_log()
+        self._retired = kept
+        return [s for _, s in kept]
 
     def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
         """Install ``stacks`` and retire the active ones (call after every stack is built)."""
@@ -267,11 +314,18 @@ class WorkerStack:
             self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
-        """Uninstall ``stacks``, close their logs, and keep the ones still holding memory."""
+        """Uninstall ``stacks`` and keep the ones still holding memory; close the others' logs.
+
+        A retired stack keeps its log file (and its claim on the name) until its last buffer is
+        freed, so that those frees are logged: closing it at once made every buffer held across
+        a re-registration look leaked to ``dask rmm log summary``.
+        """
         for stack in reversed(stacks):
             uninstall_stack(stack)
-            stack.close_log()
-            if stack.live_bytes > 0:
+            if stack.live_bytes <= 0:
+                stack.close_log()
+            else:
+                stack.flush_log()
                 alive = weakref.ref(stack.top)
                 for name in ("top", "statistics", "attribution", "logging"):
                     if getattr(stack, name) is not None:
@@ -302,13 +356,10 @@ class WorkerStack:
         self.retire(stacks)
 
     def flush_logs(self) -> None:
-        """Write every active stack's buffered log rows to its file."""
-        for stack in self.active:
-            if stack.logging is not None:
-                try:
-                    stack.logging.flush()
-                except Exception:  # pragma: no cover - a timer must not die
-                    logger.exception("dask-rmm: flushing %s failed", stack.log_path)
+        """Write the buffered log rows of every active stack, and of every retired stack
+        still holding memory, to their files."""
+        for stack in [*self.active, *self.retired]:
+            stack.flush_log()
 
 
 _worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -316,7 +367,4 @@ _worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def worker_stack(worker: Any) -> WorkerStack:
     """The :class:`WorkerStack` of ``worker`` (a distributed Worker), made on first use."""
-    ws = _worker_stacks.get(worker)
-    if ws is None:
-        ws = _worker_stacks[worker] = WorkerStack()
-    return ws
+    return _worker_stacks.get(worker) or _worker_stacks.setdefault(worker, WorkerStack())

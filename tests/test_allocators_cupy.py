@@ -141,19 +141,27 @@ def test_set_and_reset_cupy_allocator():
     cupy_hook.set_cupy_allocator()
     cupy_hook.set_cupy_allocator()  # idempotent
     try:
-        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
+        # the lean one (the faster; the plugin's allocators=["cupy"] installs it this way)
+        assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
     finally:
         cupy_hook.reset_cupy_allocator()
     assert cupy.cuda.get_allocator() is original
     cupy_hook.reset_cupy_allocator()  # nothing to reset: no-op
     assert cupy.cuda.get_allocator() is original
+    # RMM's allocator set by hand counts as ours too: set is then a no-op, reset restores
+    cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
+    try:
+        cupy_hook.set_cupy_allocator()
+        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
+    finally:
+        cupy.cuda.set_allocator(original)
 
 
 def test_set_allocators_cupy():
     original = cupy.cuda.get_allocator()
     assert set_allocators("CuPy") == ["cupy"]
     try:
-        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
+        assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
     finally:
         reset_allocators(["cupy"])
     assert cupy.cuda.get_allocator() is original
@@ -202,11 +210,11 @@ def test_none_and_empty_names():
 
 # --- GPU --------------------------------------------------------------------------------------
 
-@pytest.fixture
-def gpu_cupy_allocator():
+@pytest.fixture(params=["rmm_cupy_allocator", "lean_cupy_allocator"])
+def gpu_cupy_allocator(request):
     original = cupy.cuda.get_allocator()
-    cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
-    yield
+    cupy.cuda.set_allocator(getattr(cupy_hook, request.param))
+    yield request.param
     cupy.cuda.set_allocator(original)
 
 
@@ -301,3 +309,96 @@ def test_allocation_keeps_its_cupy_stream_alive(host_cupy):
     gc.collect()
     assert base.live_allocations == 0
     assert ref() is None
+
+
+# --- lean_cupy_allocator: the same contract but the memory object, on host memory --------------
+
+
+def test_lean_allocator_counts_and_frees_like_rmm_cupy_allocator(host_cupy, host_stats):
+    mp = cupy_hook.lean_cupy_allocator(1000)
+    assert isinstance(mp, cupy.cuda.MemoryPointer)
+    mem = mp.mem
+    assert isinstance(mem, cupy_hook.ResourceMemory)
+    assert isinstance(mem, cupy.cuda.memory.UnownedMemory)
+    assert (mem.ptr, mem.size, mem.device_id, mem._owner) == (mp.ptr, 1000, 0, None)
+    assert mem.resource is host_stats and mem.stream.handle == 0
+    assert host_cupy["asked"] == [0]
+    ctypes.memset(mp.ptr, 0xCD, 1000)
+    stats = host_stats.allocation_counts
+    assert (stats.current_bytes, stats.current_count) == (1000, 1)
+    view = mp + 512  # a view keeps the allocation alive
+    del mp, mem
+    gc.collect()
+    assert host_stats.allocation_counts.current_bytes == 1000
+    del view
+    assert host_stats.allocation_counts.current_bytes == 0
+    empty = cupy_hook.lean_cupy_allocator(0)
+    assert empty.ptr == 0 and empty.device_id == 0
+    del empty
+    assert host_stats.allocation_counts.total_count == 1
+
+
+def test_lean_allocator_frees_on_the_allocation_stream_and_resource(host_cupy):
+    seen = []
+
+    class Recording(SystemMemoryResource):
+        def allocate(self, nbytes, stream=None):
+            seen.append(("allocate", self, stream.handle))
+            return super().allocate(nbytes, stream)
+
+        def deallocate(self, ptr, nbytes, stream=None):
+            seen.append(("deallocate", self, stream.handle, nbytes))
+            super().deallocate(ptr, nbytes, stream)
+
+    first, second = Recording(), Recording()
+    set_per_device_resource(0, first)
+    host_cupy["stream"] = 0x2345
+    mp = cupy_hook.lean_cupy_allocator(300)
+    host_cupy["stream"] = 0
+    set_per_device_resource(0, second)  # freed into the resource it came from
+    del mp
+    assert seen == [("allocate", first, 0x2345), ("deallocate", first, 0x2345, 300)]
+    assert first.live_allocations == 0
+
+
+def test_lean_allocator_keeps_resource_and_cupy_stream_alive(host_cupy):
+    import weakref
+
+    base = SystemMemoryResource()
+    set_per_device_resource(0, base)
+    cs = _FakeCupyStream(0x7100)
+    cupy_hook._streams.pop(cs.ptr, None)
+    holder = [cs]
+    saved = cupy_hook._get_current_stream
+    cupy_hook._get_current_stream = lambda device_id=-1: holder[0]
+    try:
+        mp = cupy_hook.lean_cupy_allocator(256)
+    finally:
+        cupy_hook._get_current_stream = saved
+    ref, mr_ref = weakref.ref(cs), weakref.ref(base)
+    del cs, base
+    holder.clear()
+    cupy_hook._streams.clear()
+    set_per_device_resource(0, SystemMemoryResource())
+    gc.collect()
+    assert ref() is not None and mr_ref() is not None
+    del mp
+    gc.collect()
+    assert ref() is None and mr_ref() is None
+
+
+def test_lean_allocator_free_failure_is_logged_not_raised(host_cupy, caplog):
+    class Refusing(SystemMemoryResource):
+        def deallocate(self, ptr, nbytes, stream=None):
+            raise ValueError("refused on purpose")
+
+    mr = Refusing()
+    set_per_device_resource(0, mr)
+    mp = cupy_hook.lean_cupy_allocator(128)
+    ptr = mp.ptr
+    with caplog.at_level("WARNING", logger="dask_rmm.allocators.cupy"):
+        del mp
+        gc.collect()
+    assert f"freeing {ptr:#x} (128 bytes) failed" in caplog.text
+    assert "refused on purpose" in caplog.text
+    SystemMemoryResource.deallocate(mr, ptr, 128)

@@ -12,8 +12,14 @@ from dask_rmm import _cuda
 from dask_rmm.mr import CudaAsyncViewMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
+_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation"}
+_CODES = {name: code for code, name in _ERRORS.items()}
+
 
 class FakePool:
+    """cuda-python's cudaMallocFromPoolAsync / cudaFreeAsync: ``(err, ptr)`` and ``(err,)``,
+    handles given as cuda-python handle objects (recorded as ints)."""
+
     def __init__(self):
         self.live: dict[int, int] = {}
         self.next = 1 << 30
@@ -22,31 +28,44 @@ class FakePool:
         self.calls: list[tuple] = []
 
     def malloc(self, nbytes, pool, stream):
-        self.calls.append(("malloc", nbytes, pool, stream))
+        self.calls.append(("malloc", nbytes, int(pool), int(stream)))
         if self.fail:
-            raise _cuda.CUDAError(self.fail, "cudaMallocFromPoolAsync")
+            return (_CODES[self.fail], None)
         ptr = self.next
         self.next += (nbytes + 255) & -256
         self.live[ptr] = nbytes
-        return ptr
+        return (0, ptr)
 
     def free(self, ptr, stream):
-        self.calls.append(("free", ptr, stream))
+        self.calls.append(("free", ptr, int(stream)))
         if self.fail_free:
-            raise _cuda.CUDAError("cudaErrorInvalidValue", "cudaFreeAsync")
+            return (_CODES["cudaErrorInvalidValue"],)
         del self.live[ptr]
+        return (0,)
 
 
 @pytest.fixture
 def fake(monkeypatch):
     pool = FakePool()
     monkeypatch.setattr(_cuda, "require_cuda", lambda what: None)
+    monkeypatch.setattr(_cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_cuda, "_error_name", _ERRORS.get)
     monkeypatch.setattr(_cuda, "get_device", lambda: 0)
     monkeypatch.setattr(_cuda, "get_device_count", lambda: 1)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 30, 1 << 34))
-    monkeypatch.setattr(_cuda, "malloc_from_pool_async", pool.malloc)
-    monkeypatch.setattr(_cuda, "free_async", pool.free)
+    # The binding functions themselves: the fast paths call them with no wrapper in between.
+    monkeypatch.setattr(_cuda, "_cudaMallocFromPoolAsync", pool.malloc)
+    monkeypatch.setattr(_cuda, "_cudaFreeAsync", pool.free)
     return pool
+
+
+def test_handle_objects_are_cached_per_int_handle():
+    a = _cuda.stream_objects[77]
+    assert int(a) == 77 and _cuda.stream_objects[77] is a
+    assert int(_cuda.mem_pool_objects[1234]) == 1234
+    assert _cuda.runtime_function("cudaFreeAsync") is _cuda.runtime_function("cudaFreeAsync")
+    with pytest.raises(ValueError, match="cudaMalloc"):
+        _cuda.runtime_function("cudaMemset")
 
 
 def test_allocate_and_free_in_stream_order(fake):
@@ -131,4 +150,36 @@ def test_concurrent_double_free_refused_once(fake):
         for t in threads:
             t.join()
         assert len(errors) == 3
+    assert fake.live == {} and mr.live_allocations == 0
+
+
+def test_several_devices_fast_path_only_on_its_own_device(fake, monkeypatch):
+    # dask-cuda makes every device visible (rotated CUDA_VISIBLE_DEVICES): the fast path applies
+    # while the resource's device is current, the general path switches devices otherwise.
+    state = {"current": 1, "switches": [], "asked": 0}
+    monkeypatch.setattr(_cuda, "get_device_count", lambda: 2)
+
+    def get_device():  # the general path's device check (_on_device)
+        state["asked"] += 1
+        return state["current"]
+
+    monkeypatch.setattr(_cuda, "get_device", get_device)
+    monkeypatch.setattr(_cuda, "_cudaGetDevice", lambda: (0, state["current"]))
+
+    def set_device(d):
+        state["switches"].append(d)
+        state["current"] = d
+
+    monkeypatch.setattr(_cuda, "set_device", set_device)
+    mr = CudaAsyncViewMemoryResource(5)
+    assert mr.device_id == 1
+    state["asked"] = 0
+    p = mr.allocate(1000)
+    mr.deallocate(p, 1000)
+    assert state["switches"] == [] and state["asked"] == 0  # fast path, no switch
+    state["current"] = 0
+    q = mr.allocate(2000)
+    assert state["switches"] == [1, 0] and state["current"] == 0  # switched for the call, back
+    mr.deallocate(q, 2000)
+    assert state["switches"] == [1, 0, 1, 0]
     assert fake.live == {} and mr.live_allocations == 0

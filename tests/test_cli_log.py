@@ -106,6 +106,27 @@ def test_merge(runner, two_logs, tmp_path):
     assert {e.source for e in merged} == {"worker-0", "worker-1"}
 
 
+def test_merge_and_plot_run_twice_give_the_same_output(runner, two_logs, tmp_path):
+    a, b, _, _ = two_logs
+    runs = [["log", "merge", str(a), str(b), "-o", str(tmp_path / "all.csv")]]
+    try:
+        import matplotlib  # noqa: F401
+
+        runs.append(["log", "plot", str(a), str(b), "-o", str(tmp_path / "plot.svg")])
+    except ImportError:
+        pass
+    for args in runs:
+        outputs = []
+        for _ in range(2):
+            assert runner.invoke(cli.main, args).exit_code == 0
+            outputs.append(Path(args[-1]).read_bytes())
+        assert outputs[0] and len(outputs[1]) > 0.9 * len(outputs[0])
+        if args[1] == "merge":
+            assert outputs[0] == outputs[1]
+    assert a.read_bytes() and b.read_bytes()
+    assert not [p.name for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
 def test_merge_run_twice_refuses_its_own_output(runner, two_logs, tmp_path, monkeypatch):
     # `dask rmm log merge *.csv -o all.csv` run twice: the second run's inputs include all.csv.
     a, b, _, _ = two_logs

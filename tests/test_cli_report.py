@@ -129,12 +129,25 @@ def test_json_and_scheduler_file(rmm_cluster):
 
 
 @pytest.mark.slow
-def test_plot(rmm_cluster):
+def test_plot_run_twice_replaces_its_own_output(rmm_cluster):
     address, _, tmp = rmm_cluster
-    out = _cli(address, "--plot", str(tmp / "cli.png"))
-    assert out.returncode == 0, out.stderr
-    assert (tmp / "cli.png").read_bytes()[:4] == b"\x89PNG"
-    assert f"wrote {tmp / 'cli.png'}" in out.stdout
+    for _ in range(2):
+        out = _cli(address, "--plot", str(tmp / "cli.png"))
+        assert out.returncode == 0, out.stderr
+        assert (tmp / "cli.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"wrote {tmp / 'cli.png'}" in out.stdout
+    assert [p.name for p in tmp.iterdir() if "cli.png" in p.name] == ["cli.png"]
+
+
+def test_plot_refuses_to_overwrite_the_scheduler_file(tmp_path):
+    sched_file = tmp_path / "scheduler.json"
+    sched_file.write_text(json.dumps({"address": "tcp://127.0.0.1:9"}))
+    before = sched_file.read_bytes()
+    r = CliRunner().invoke(
+        main, ["report", "--scheduler-file", str(sched_file), "--plot", str(sched_file)]
+    )
+    assert r.exit_code == 2 and "it is also an input" in r.output, r.output
+    assert sched_file.read_bytes() == before
 
 
 @pytest.mark.slow

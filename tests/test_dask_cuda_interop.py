@@ -32,7 +32,7 @@ from dask_rmm.plugin import RMMPlugin
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 MiB = 1 << 20
-OURS = "dask_rmm.allocators.cupy.rmm_cupy_allocator"
+OURS = "dask_rmm.allocators.cupy.lean_cupy_allocator"  # what allocators=["cupy"] installs
 COMPILED = "rmm.allocators.cupy.rmm_cupy_allocator"
 
 

@@ -292,3 +292,14 @@ def test_cached_blocks_are_reused_on_their_stream_and_merged_before_growing():
     assert whole == min(ptrs)
     pool.deallocate(whole, 1 << 20)
     assert pool.pool_size() == 1 << 20
+
+
+def test_size_class_tables_agree_with_the_class_functions():
+    # The tables are built one class (a run of equal entries) at a time, for import speed.
+    for u in range(pool_module._TABLE_UNITS):
+        sc = pool_module._search_class(u)
+        assert pool_module._INS[u] == pool_module._insert_class(u)
+        assert pool_module._SRCH[u] == sc
+        assert pool_module._ROUNDED[u] == pool_module._class_floor(sc) << 8
+    assert len(pool_module._INS) == len(pool_module._SRCH) == pool_module._TABLE_UNITS
+    assert len(pool_module._ROUNDED) == pool_module._TABLE_UNITS

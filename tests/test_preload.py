@@ -59,7 +59,9 @@ def scheduler(tmp_path):
         proc.wait(30)
 
 
-def _start_worker(address: str, *flags: str, name: str, env: dict[str, str] | None = None):
+def _start_worker(
+    address: str, *flags: str, name: str, env: dict[str, str] | None = None, nanny: bool = False
+):
     return subprocess.Popen(
         [
             *DASK,
@@ -70,7 +72,7 @@ def _start_worker(address: str, *flags: str, name: str, env: dict[str, str] | No
             "--nthreads",
             "1",
             "--no-dashboard",
-            "--no-nanny",
+            "--nanny" if nanny else "--no-nanny",
             "--preload",
             "dask_rmm.preload",
             *flags,
@@ -152,13 +154,52 @@ def test_environment_configures_a_preloaded_worker(scheduler):
 
 
 @pytest.mark.slow
-def test_a_failing_setup_stops_the_worker_with_the_reason(scheduler):
-    worker = _start_worker(
-        scheduler, "--rmm-pool-size", "1PiB", "--rmm-base-resource", "system", name="big-1"
-    )
-    out = worker.communicate(timeout=60)[0]  # the worker closed itself: it exits
-    assert "RMMSetupError" in out and "is larger than" in out
+@pytest.mark.parametrize(
+    "failure, nanny",
+    [("pool larger than memory", False), ("directory as log file", False), ("pool", True)],
+)
+def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(scheduler, tmp_path, failure, nanny):
+    """A supervisor (systemd, Kubernetes, dask-jobqueue) must see that the worker failed: the
+    ``dask worker`` process exits nonzero, and the log names the reason."""
+    flags = ["--rmm-base-resource", "system", "--rmm-pool-size", "1PiB"]
+    reason = "is larger than"
+    if failure == "directory as log file":
+        logs = tmp_path / "logs"
+        os.makedirs(log_file_path(logs, "bad-1", 0))  # a directory where the log file goes
+        flags = ["--rmm-base-resource", "system", "--rmm-log-directory", str(logs)]
+        reason = "cannot write the allocation log"
+    worker = _start_worker(scheduler, *flags, name="bad-1", nanny=nanny)
+    out = worker.communicate(timeout=90)[0]  # the worker closed itself: it exits
+    assert worker.returncode != 0, out
+    assert "RMMSetupError" in out and reason in out
     assert "dask-rmm setup failed" in out  # the reason it closed with
+
+
+_allocate = lambda nbytes: __import__("dask_rmm").DeviceBuffer(size=nbytes).size  # noqa: E731
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_path):
+    """The same ``dask worker`` command run again (a supervisor's restart) keeps the rows the
+    first run logged: the log is appended to, never truncated."""
+    from distributed import Client
+
+    logs = tmp_path / "logs"
+    path = log_file_path(logs, "again-1", 0)
+    flags = ("--rmm-base-resource", "system", "--rmm-log-directory", str(logs))
+    for nbytes in (4096, 8192):
+        worker = _start_worker(scheduler, *flags, name="again-1")
+        try:
+            with Client(scheduler, timeout="60s") as client:
+                client.wait_for_workers(1, timeout=60)
+                assert list(client.run(_allocate, nbytes).values()) == [nbytes]
+        finally:
+            _stop(worker)
+        assert worker.returncode is not None
+    with open(path) as f:
+        text = f.read()
+    assert ",allocate,0x" in text and ",4096," in text and ",8192," in text
+    assert text.count("Thread,Time,Action") == 1
 
 
 @pytest.mark.parametrize(

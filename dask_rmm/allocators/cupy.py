@@ -1,4 +1,14 @@
-"""CuPy allocator: ``rmm_cupy_allocator`` hands CuPy memory from the current device resource.
+"""CuPy allocators: hand CuPy memory from the current device resource.
+
+Two allocators, the same memory, stream order and statistics:
+
+- ``rmm_cupy_allocator``, RMM's: the memory object CuPy holds is an ``UnownedMemory`` whose
+  ``_owner`` is a :class:`~dask_rmm.DeviceBuffer` (RMM's tests and some user code look there).
+- ``lean_cupy_allocator``: the memory object is a :class:`ResourceMemory`, an ``UnownedMemory``
+  that gives itself back to the resource when CuPy drops it. One object and one Python call
+  fewer per allocation and free than through a DeviceBuffer (bench/cupy_churn.py), which is
+  why :func:`set_cupy_allocator` (and so the Dask plugin's ``allocators=["cupy"]``) installs
+  this one.
 
 Allocation and free happen on CuPy's current stream (at allocation time) and on the resource
 of the device CuPy is on. Pinned host memory for CuPy is not covered.
@@ -6,12 +16,22 @@ of the device CuPy is on. Pinned host memory for CuPy is not covered.
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.stream import Stream
 
-__all__ = ["rmm_cupy_allocator", "reset_cupy_allocator", "set_cupy_allocator"]
+__all__ = [
+    "ResourceMemory",
+    "lean_cupy_allocator",
+    "reset_cupy_allocator",
+    "rmm_cupy_allocator",
+    "set_cupy_allocator",
+]
+
+logger = logging.getLogger(__name__)
 
 try:
     import cupy as _cupy
@@ -48,15 +68,30 @@ _LAST_DEFAULT_HANDLE = 2
 
 
 def _per_device_resource(device_id: int):
-    # Imported on first use: the registry may import CUDA-touching modules.
-    global _get_per_device_resource
-    from dask_rmm.mr.registry import get_per_device_resource
+    # Imported on first use: the registry may import CUDA-touching modules. Afterwards the
+    # hot path reads the registry with one C call (its dict's get) and calls the registry's
+    # function only for a device with nothing set yet.
+    global _get_per_device_resource, _lookup_resource
+    from dask_rmm.mr.registry import get_per_device_resource, lookup_per_device_resource
 
     _get_per_device_resource = get_per_device_resource
+    _lookup_resource = lookup_per_device_resource
     return get_per_device_resource(device_id)
 
 
 _get_per_device_resource = _per_device_resource
+
+
+def _lookup_resource(device_id: int):
+    return None  # until the registry is bound: the caller then calls _get_per_device_resource
+
+
+def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
+    """Report a free that raised in a finalizer (which must never raise)."""
+    try:
+        logger.warning("CuPy memory: freeing %#x (%d bytes) failed: %r", ptr, nbytes, error)
+    except Exception:
+        pass
 
 
 if _cupy is not None:
@@ -100,11 +135,69 @@ if _cupy is not None:
             handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
         ):
             stream = _stream_for(handle, cupy_stream)
-        mr = _get_per_device_resource(device_id)
+        mr = _lookup_resource(device_id)
+        if mr is None:
+            mr = _get_per_device_resource(device_id)
         ptr = mr.allocate(nbytes, stream)
         return _MemoryPointer(
             _UnownedMemory(ptr, nbytes, _adopt(ptr, nbytes, stream, mr), device_id), 0
         )
+
+    class ResourceMemory(_UnownedMemory):
+        """CuPy memory from a dask-rmm memory resource that frees itself.
+
+        What :func:`lean_cupy_allocator` hands CuPy: an ``UnownedMemory`` (``ptr``, ``size``,
+        ``device_id`` as CuPy reads them) that also holds the resource it came from
+        (``resource``, kept alive by it) and the :class:`~dask_rmm.stream.Stream` it was
+        allocated on (``stream``). When CuPy drops it, it calls
+        ``resource.deallocate(ptr, size, stream)``; a free that raises is logged, never raised.
+        Its ``_owner`` is None: nothing else owns the memory.
+        """
+
+        __slots__ = ("resource", "stream")
+
+        # Bound as defaults: at interpreter shutdown module globals may already be None.
+        def __del__(self, _free_failed=_free_failed, _finalizing=sys.is_finalizing):
+            ptr = self.ptr
+            if ptr and not _finalizing():
+                try:
+                    self.resource.deallocate(ptr, self.size, self.stream)
+                except Exception as e:
+                    _free_failed(ptr, self.size, e)
+
+    def lean_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
+        """A CuPy allocator that takes memory from the current device resource, as
+        :func:`rmm_cupy_allocator` does, with fewer objects per allocation.
+
+        The memory comes from the resource of the device CuPy is on, on CuPy's current stream,
+        and goes back to that resource on that stream when CuPy frees it; statistics and
+        attribution see the same calls as through :func:`rmm_cupy_allocator`. The memory object
+        is a :class:`ResourceMemory` (no :class:`~dask_rmm.DeviceBuffer` is made).
+
+        Examples
+        --------
+        >>> import cupy
+        >>> from dask_rmm.allocators.cupy import lean_cupy_allocator
+        >>> cupy.cuda.set_allocator(lean_cupy_allocator)
+        """
+        device_id = _get_device_id()
+        cupy_stream = _get_current_stream(device_id)
+        handle = cupy_stream.ptr
+        stream = _streams.get(handle)
+        if stream is None or (
+            handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
+        ):
+            stream = _stream_for(handle, cupy_stream)
+        mr = _lookup_resource(device_id)
+        if mr is None:
+            mr = _get_per_device_resource(device_id)
+        ptr = mr.allocate(nbytes, stream)
+        mem = _ResourceMemory(ptr, nbytes, None, device_id)
+        mem.resource = mr
+        mem.stream = stream
+        return _MemoryPointer(mem, 0)
+
+    _ResourceMemory = ResourceMemory
 
 else:
 
@@ -114,6 +207,15 @@ else:
             "rmm_cupy_allocator needs CuPy, which is not importable here "
             f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
         ) from _library_import_error
+
+    def lean_cupy_allocator(nbytes: int):
+        """A CuPy allocator that takes memory from the current device resource (needs CuPy)."""
+        raise ImportError(
+            "lean_cupy_allocator needs CuPy, which is not importable here "
+            f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
+        ) from _library_import_error
+
+    ResourceMemory = None  # needs CuPy
 
 
 _previous_allocators: list[Any] = []
@@ -128,12 +230,18 @@ def _require_cupy():
     return _cupy
 
 
+#: What :func:`set_cupy_allocator` installs and :func:`reset_cupy_allocator` recognizes as its own.
+_OURS = (lean_cupy_allocator, rmm_cupy_allocator)
+
+
 def set_cupy_allocator() -> None:
     """Point CuPy's allocations at the current device resource.
 
-    Calls ``cupy.cuda.set_allocator(rmm_cupy_allocator)`` and remembers CuPy's previous
-    allocator for :func:`reset_cupy_allocator`. Calling it again while already set does
-    nothing (idempotent).
+    Calls ``cupy.cuda.set_allocator(lean_cupy_allocator)`` (the faster of this module's two
+    allocators; its memory objects are :class:`ResourceMemory`, not UnownedMemory owning a
+    DeviceBuffer, see the module notes) and remembers CuPy's previous allocator for
+    :func:`reset_cupy_allocator`. Calling it again while one of this module's allocators is
+    set does nothing (idempotent).
 
     Raises
     ------
@@ -148,9 +256,9 @@ def set_cupy_allocator() -> None:
     """
     cupy = _require_cupy()
     current = cupy.cuda.get_allocator()
-    if current is rmm_cupy_allocator:
+    if current in _OURS:
         return
-    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    cupy.cuda.set_allocator(lean_cupy_allocator)
     _previous_allocators.append(current)
 
 
@@ -162,7 +270,7 @@ def reset_cupy_allocator() -> None:
     """
     if _cupy is None or not _previous_allocators:
         return
-    if _cupy.cuda.get_allocator() is not rmm_cupy_allocator:
+    if _cupy.cuda.get_allocator() not in _OURS:
         _previous_allocators.clear()
         return
     _cupy.cuda.set_allocator(_previous_allocators.pop())

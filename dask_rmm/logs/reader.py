@@ -24,9 +24,10 @@ import enum
 import gzip
 import heapq
 import io
+import operator
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -44,7 +45,6 @@ __all__ = [
     "default_source_name",
     "format_event",
     "format_time",
-    "iter_rows",
     "merge_logs",
     "parse_time",
     "read_log",
@@ -76,41 +76,19 @@ _FAILURE = Action.ALLOCATE_FAILURE
 
 
 class LogEvent(NamedTuple):
-    """One row of an allocation log.
+    """One row of an allocation log."""
 
-    Attributes
-    ----------
-    thread : int
-        OS thread id that made the call.
-    time : float
-        Seconds since midnight of the day the log started (times after a midnight in the log
-        keep counting up past 86400, so ``time`` never jumps backwards by a day).
-    action : Action
-        Allocate, free or allocate failure.
-    pointer : int
-        The pointer handed out or freed (0 for a failure).
-    size : int
-        Requested bytes.
-    stream : int
-        The stream handle the call was made on.
-    line : int
-        1-based line number in ``path``.
-    source : str
-        The worker or file the row belongs to (the file's name without ``.csv``, or the
-        ``Worker`` column of a merged log).
-    path : str
-        The file the row was read from.
-    """
-
-    thread: int
+    thread: int  #: OS thread id that made the call
+    #: seconds since midnight of the day the log started (past a midnight in the log it keeps
+    #: counting up past 86400: it never jumps back)
     time: float
     action: Action
-    pointer: int
-    size: int
-    stream: int
-    line: int
-    source: str
-    path: str
+    pointer: int  #: the pointer handed out or freed (0 for a failure)
+    size: int  #: requested bytes
+    stream: int  #: the stream handle
+    line: int  #: 1-based line number in ``path``
+    source: str  #: the worker: the file's name without ``.csv``, or a merged log's ``Worker``
+    path: str  #: the file the row was read from
 
 
 class LogFormatError(ValueError):
@@ -145,19 +123,12 @@ def parse_time(text: str) -> float:
     >>> parse_time("01:00:02.500000")
     3602.5
     """
-    if len(text) > 8 and text[2] == ":" and text[5] == ":":
-        seconds = text[6:]
-        if text[8] == ":":
-            seconds = seconds[:2] + "." + seconds[3:]
-        value = int(text[0:2]) * 3600 + int(text[3:5]) * 60 + float(seconds)
-    else:
-        parts = text.strip().split(":")
-        if len(parts) == 4:
-            parts = [parts[0], parts[1], parts[2] + "." + parts[3]]
-        if len(parts) != 3:
-            raise ValueError(f"time {text!r} is not HH:MM:SS.ffffff")
-        value = int(parts[0]) * 3600 + int(parts[1]) * 60 + float(parts[2])
-    if value < 0 or value != value:
+    try:
+        h, m, s = text.split(":", 2)
+        value = int(h) * 3600 + int(m) * 60 + float(s.replace(":", ".", 1))
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
         raise ValueError(f"time {text!r} is not HH:MM:SS.ffffff")
     return value
 
@@ -200,24 +171,8 @@ class LogReader:
     which is taken to be cut off by a process that died mid-write: it is skipped, recorded in
     :attr:`truncated` and reported with a :class:`TruncatedLogWarning`.
 
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The CSV log (``.gz`` is decompressed on the fly).
-    source : str, optional
-        Name for the worker the log belongs to; default the file name without ``.csv``.
-        A ``Worker`` column in the file (see :func:`merge_logs`) overrides it per row.
-
-    Attributes
-    ----------
-    truncated : tuple of (int, str) or None
-        Line number and text of a skipped, cut-off last line.
-    rows : int
-        Rows yielded so far.
-    bytes_read : int
-        Characters consumed so far (for progress bars; equals bytes for RMM's ASCII logs).
-    total_bytes : int
-        Size of the file (compressed size for ``.gz``).
+    ``path`` may be gzipped (``.gz``). ``source`` names the worker the log belongs to (default
+    the file's name without ``.csv``); a ``Worker`` column (:func:`merge_logs`) overrides it.
 
     Examples
     --------
@@ -229,13 +184,12 @@ class LogReader:
     def __init__(self, path: str | os.PathLike, source: str | None = None):
         self.path = os.fspath(path)
         self.source = source if source is not None else default_source_name(self.path)
+        #: line number and text of a skipped, cut-off last line
         self.truncated: tuple[int, str] | None = None
-        self.rows = 0
-        self.bytes_read = 0
-        try:
-            self.total_bytes = os.path.getsize(self.path)
-        except OSError:
-            self.total_bytes = 0
+        self.rows = 0  #: rows yielded so far
+        self.bytes_read = 0  #: characters read so far (bytes for RMM's ASCII logs): progress
+        #: the file's size (compressed for ``.gz``)
+        self.total_bytes = os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
     def __iter__(self) -> Iterator[LogEvent]:
         with _open_text(self.path) as f:
@@ -275,7 +229,6 @@ class LogReader:
         day_offset = 0.0
         last_time = None
         pending: LogFormatError | None = None
-        pending_text = ""
         for line in f:
             lineno += 1
             self.bytes_read += len(line)
@@ -305,19 +258,12 @@ class LogReader:
                 if worker_col is not None:
                     name = fields[worker_col].strip()
                     event_source = sources.setdefault(name, name)
-                event = (
-                    int(fields[i_thread]),
-                    t,
-                    action,
-                    _parse_pointer(fields[i_pointer]),
-                    size,
-                    int(fields[i_stream], 16),
-                )
+                thread, stream = int(fields[i_thread]), int(fields[i_stream], 16)
+                pointer = _parse_pointer(fields[i_pointer])
             except (ValueError, IndexError) as e:
                 if line.startswith(header_start):
                     continue  # a repeated header: the log was re-opened
                 pending = LogFormatError(path, lineno, f"malformed row ({e})", line)
-                pending_text = line
                 continue
             # Times are time of day: a backward jump of more than 12 h is a midnight.
             t += day_offset
@@ -326,14 +272,12 @@ class LogReader:
                 t += _DAY
             last_time = t
             self.rows += 1
-            yield LogEvent(
-                event[0], t, action, event[3], size, event[5], lineno, event_source, path
-            )
+            yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
-            self.truncated = (pending.line, pending_text.rstrip("\r\n"))
+            self.truncated = (pending.line, pending.text.rstrip("\r\n"))
             warnings.warn(
                 f"{path}:{pending.line}: skipped the cut-off last line "
-                f"{pending_text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
+                f"{pending.text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
                 "mid-line)",
                 TruncatedLogWarning,
                 stacklevel=3,
@@ -391,11 +335,7 @@ def read_logs(
         readers.extend(made)
     if len(made) == 1:
         return iter(made[0])
-    return heapq.merge(*made, key=_event_time)
-
-
-def _event_time(event: LogEvent) -> float:
-    return event.time
+    return heapq.merge(*made, key=operator.attrgetter("time"))
 
 
 # --- live allocations ------------------------------------------------------------------------
@@ -463,43 +403,22 @@ def format_event(event: LogEvent) -> str:
     )
 
 
-def iter_rows(events: Iterable[LogEvent]) -> Iterator[str]:
-    """RMM-format CSV lines (header first, newline-terminated) for ``events``."""
-    yield ",".join(HEADER) + "\n"
-    for e in events:
-        yield format_event(e) + "\n"
-
-
-def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike | TextIO) -> int:
-    """Merge several workers' logs by time into one CSV with a ``Worker`` column.
+def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:
+    """Merge several workers' logs by time into one CSV; return the rows written.
 
     The output has RMM's six columns followed by ``Worker`` (the file's name, or the ``Worker``
-    column of an input that was itself merged), so it is read back by :func:`read_log` with each
-    row's source intact and stays readable by tools that look columns up by name.
-
-    A path ``output`` is written to a temporary file and renamed at the end; it must not be one
-    of the inputs (ValueError).
-
-    Returns
-    -------
-    int
-        Rows written.
+    column of an input that was itself merged), so :func:`read_log` reads each row's source back
+    and tools that look columns up by name still read it. It is written to a temporary file and
+    renamed at the end, and must not be one of the inputs (ValueError).
 
     Examples
     --------
     >>> merge_logs(["w0/rmm_log.dev0.csv", "w1/rmm_log.dev0.csv"], "merged.csv")  # doctest: +SKIP
     """
-    if hasattr(output, "write"):
-        return _write_merged(paths, output)
-    with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
-        return _write_merged(paths, f)
-
-
-def _write_merged(paths: Sequence[str | os.PathLike], f: TextIO) -> int:
-    f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
     n = 0
-    write = f.write
-    for e in read_logs(list(paths)):
-        write(f"{format_event(e)},{e.source}\n")
-        n += 1
+    with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
+        f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
+        for e in read_logs(list(paths)):
+            f.write(f"{format_event(e)},{e.source}\n")
+            n += 1
     return n

@@ -56,20 +56,13 @@ class CountingResource(UpstreamResourceAdaptor):
 
     Put under a suballocator it measures the suballocator's footprint: ``peak_bytes`` is the
     most it ever held from upstream. Not locked: replay calls it from one thread.
-
-    Attributes
-    ----------
-    current_bytes, peak_bytes : int
-        Bytes held from upstream now, and at most.
-    allocations : int
-        Upstream allocations made.
     """
 
     def __init__(self, upstream_mr):
         super().__init__(upstream_mr)
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self.allocations = 0
+        self.current_bytes = 0  #: bytes held from upstream now ...
+        self.peak_bytes = 0  #: ... and at most
+        self.allocations = 0  #: upstream allocations made
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self.upstream_mr.allocate(nbytes, stream)
@@ -92,26 +85,13 @@ def build_resource(
     maximum_pool_size: int | None = None,
     block_size: int | None = None,
 ) -> tuple[Any, CountingResource, str]:
-    """A fresh resource of kind ``name`` over a counting upstream.
+    """A fresh resource of kind ``name`` (one of :data:`RESOURCES`) over a counting upstream:
+    ``(resource to allocate from, its CountingResource, a one-line description)``.
 
-    Parameters
-    ----------
-    name : {"pool", "arena", "binning", "fixed_size", "async", "cuda"}
-        ``cuda`` is the base resource alone (no suballocator): CudaMemoryResource on a GPU,
-        SystemMemoryResource on host memory. ``async`` needs a GPU.
-    gpu : bool, optional
-        Device memory (default when a CUDA device is present) or host memory.
-    initial_pool_size, maximum_pool_size : int, optional
-        Pool sizes (``initial_pool_size`` is the arena size for ``arena`` and the initial pool
-        of ``async``).
-    block_size : int, optional
-        Block size of ``fixed_size`` (default 1 MiB, RMM's).
-
-    Returns
-    -------
-    (resource, counter, description)
-        The resource to allocate from, the :class:`CountingResource` measuring what it took
-        from the base resource, and a one-line description.
+    ``cuda`` is the base resource alone: CudaMemoryResource on a GPU (``gpu``, default when a
+    CUDA device is present), else SystemMemoryResource; ``async`` needs a GPU.
+    ``initial_pool_size`` is the arena size for ``arena`` and the initial pool of ``async``;
+    ``block_size`` is ``fixed_size``'s (default 1 MiB, RMM's).
     """
     from dask_rmm import mr
 
@@ -125,10 +105,7 @@ def build_resource(
                 "resource 'async' (cudaMallocAsync) needs a CUDA device and this host has none; "
                 "replay with pool, arena, binning, fixed_size or cuda on host memory instead"
             )
-        kwargs = {}
-        if initial_pool_size is not None:
-            kwargs["initial_pool_size"] = initial_pool_size
-        counter = CountingResource(mr.CudaAsyncMemoryResource(**kwargs))
+        counter = CountingResource(mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size))
         return counter, counter, "CudaAsyncMemoryResource"
     base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
     base_name = type(base).__name__
@@ -140,8 +117,7 @@ def build_resource(
             counter, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size
         )
     elif name == "arena":
-        kwargs = {} if initial_pool_size is None else {"arena_size": initial_pool_size}
-        resource = mr.ArenaMemoryResource(counter, **kwargs)
+        resource = mr.ArenaMemoryResource(counter, arena_size=initial_pool_size)
     elif name == "binning":
         resource = mr.BinningMemoryResource(counter, *_BINNING_EXPONENTS)
     else:
@@ -164,16 +140,11 @@ class _StreamMap:
         key = ("ptds", thread) if handle == _PTDS else handle
         s = self.streams.get(key)
         if s is None:
-            s = self.streams[key] = self._make(handle)
+            if not self.gpu and handle == _PTDS:
+                self._fake += 1
+            s = Stream() if self.gpu else Stream._from_handle(self._fake if key != handle else handle)
+            self.streams[key] = s
         return s
-
-    def _make(self, handle: int) -> Stream:
-        if self.gpu:
-            return Stream()
-        if handle == _PTDS:
-            self._fake += 1
-            return Stream._from_handle(self._fake)
-        return Stream._from_handle(handle)
 
     def synchronize(self) -> None:
         if self.gpu:
@@ -200,68 +171,32 @@ class ReplayFailure:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What replaying one log on one resource showed.
+    """What replaying one log on one resource showed."""
 
-    Attributes
-    ----------
-    resource : str
-        The ``--resource`` name; ``description`` says what was built.
-    host_memory : bool
-        True when replayed on host memory (no GPU).
-    rows, allocations, frees : int
-        Rows read, allocations and frees re-issued.
-    original_failures : int
-        ``allocate failure`` rows in the log.
-    retried_failures : bool
-        Whether those rows were re-issued (``retry_failures=True``).
-    original_failures_succeeded : int
-        Of those, how many this resource satisfied when re-issued.
-    new_failures : int
-        Allocations that succeeded originally and failed here: the resource could not have run
-        this workload.
-    failures : tuple of ReplayFailure
-        The failed rows (the first 50).
-    skipped_frees : int
-        Frees of blocks the replay does not hold (their allocation failed here, or the log
-        never showed it).
-    peak_bytes : int
-        Largest sum of live requested bytes during the replay (equals the log's peak when
-        nothing failed).
-    peak_upstream_bytes : int
-        Most memory the resource held from its base resource: its real footprint.
-    final_upstream_bytes : int
-        Held from the base at the end of the log, before the replay freed what the log left
-        outstanding.
-    upstream_allocations : int
-        Calls the resource made to the base resource.
-    streams : int
-        Distinct non-default streams used.
-    seconds : float
-        Wall time of the replay, log reading included.
-    call_seconds : float
-        Time spent inside allocate and deallocate.
-    """
-
-    resource: str
+    resource: str  #: the ``--resource`` name; ``description`` says what was built
     description: str
     path: str
-    host_memory: bool
-    rows: int
-    allocations: int
+    host_memory: bool  #: replayed on host memory (no GPU)
+    rows: int  #: rows read
+    allocations: int  #: allocations re-issued
     frees: int
-    original_failures: int
-    retried_failures: bool
-    original_failures_succeeded: int
+    original_failures: int  #: ``allocate failure`` rows in the log
+    retried_failures: bool  #: whether those were re-issued (``retry_failures=True``) ...
+    original_failures_succeeded: int  #: ... and how many of them succeeded here
+    #: allocations that succeeded originally and failed here: this resource could not have
+    #: run the workload
     new_failures: int
-    failures: tuple[ReplayFailure, ...]
+    failures: tuple[ReplayFailure, ...]  #: the failed rows (the first 50)
+    #: frees of blocks the replay does not hold (their allocation failed here, or was not logged)
     skipped_frees: int
+    #: the largest sum of live requested bytes (the log's peak when nothing failed)
     peak_bytes: int
-    peak_upstream_bytes: int
-    final_upstream_bytes: int
-    upstream_allocations: int
-    streams: int
-    seconds: float
-    call_seconds: float
+    peak_upstream_bytes: int  #: the most the resource held from its base: its real footprint
+    final_upstream_bytes: int  #: held from the base at the end of the log
+    upstream_allocations: int  #: calls the resource made to its base
+    streams: int  #: distinct non-default streams used
+    seconds: float  #: wall time, log reading included
+    call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
     notes: tuple[str, ...] = field(default=())
 
@@ -291,25 +226,12 @@ def replay(
 ) -> ReplayResult:
     """Replay the log at ``path`` against a freshly built ``resource``.
 
-    Parameters
-    ----------
-    path : str or os.PathLike
-        An RMM allocation log (a merged log keeps each worker's pointers apart).
-    resource : str
-        One of :data:`RESOURCES`; see :func:`build_resource` and its size options.
-    gpu : bool, optional
-        Device memory (default when a GPU is present) or host memory (SystemMemoryResource).
-    retry_failures : bool
-        Re-issue the log's ``allocate failure`` rows too, to see whether this resource would
-        have satisfied them (a success is freed at once: the original program never got the
-        block). Off by default, because a retried block that succeeds raises the footprint
-        beyond what the workload really held.
-    progress : bool
-        Draw a progress bar on stderr (click's).
-
-    Returns
-    -------
-    ReplayResult
+    ``path`` is an RMM allocation log (a merged one keeps each worker's pointers apart);
+    ``resource``, ``gpu`` and the sizes are :func:`build_resource`'s. ``retry_failures``
+    re-issues the log's ``allocate failure`` rows too, to see whether this resource would have
+    satisfied them (a success is freed at once: the program never got the block; off by default
+    because such a block raises the footprint beyond what the workload held). ``progress`` draws
+    click's progress bar on stderr.
 
     Examples
     --------
@@ -347,19 +269,13 @@ def replay(
     clock = time.perf_counter
     ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
     start = clock()
-    rows = 0
     try:
         for e in reader:
-            rows += 1
-            if bar is not None and rows % progress_every == 0:
+            if bar is not None and reader.rows % progress_every == 0:
                 bar.update(reader.bytes_read - bar.pos)
             action = e.action
             if action is FREE:
-                entry = (
-                    table.free((e.source, e.pointer))
-                    if table.late
-                    else live.pop((e.source, e.pointer), None)
-                )
+                entry = table.free((e.source, e.pointer))
                 if entry is None:
                     skipped += 1
                     continue
@@ -383,24 +299,13 @@ def replay(
                 ptr = allocate(size, stream)
             except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
                 call_seconds += clock() - t0
-                if original_ok:
-                    new_failures += 1
-                else:
-                    original_failures += 1
+                new_failures += original_ok
+                original_failures += not original_ok
                 n_failed += 1
                 if len(failures) < _MAX_LISTED_FAILURES:
-                    failures.append(
-                        ReplayFailure(
-                            e.line,
-                            e.source,
-                            size,
-                            e.stream,
-                            e.thread,
-                            e.time,
-                            not original_ok,
-                            str(err).splitlines()[0] if str(err) else type(err).__name__,
-                        )
-                    )
+                    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    row = (e.line, e.source, size, e.stream, e.thread, e.time, not original_ok)
+                    failures.append(ReplayFailure(*row, reason))
                 continue
             call_seconds += clock() - t0
             if not original_ok:
@@ -435,7 +340,7 @@ def replay(
         description=description,
         path=os.fspath(path),
         host_memory=not gpu,
-        rows=rows,
+        rows=reader.rows,
         allocations=allocations,
         frees=frees,
         original_failures=original_failures,

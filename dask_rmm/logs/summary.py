@@ -26,8 +26,8 @@ __all__ = [
     "SummaryReport",
     "Totals",
     "format_size",
+    "binary_unit",
     "format_summary",
-    "size_bucket",
     "summarize",
 ]
 
@@ -63,81 +63,41 @@ class Outstanding:
 
 @dataclass(frozen=True)
 class LogSummary:
-    """What a log (or several, combined) says about memory use.
+    """What a log (or several, combined) says about memory use. Byte counts are requested
+    sizes, as logged (what ``StatisticsResourceAdaptor`` counts), not what the resource reserved;
+    times are seconds since midnight."""
 
-    Byte counts are requested sizes, as logged (what ``StatisticsResourceAdaptor`` counts), not
-    what the resource reserved.
-
-    Attributes
-    ----------
-    name : str
-        The file's worker name, or ``"combined"``.
-    paths : tuple of str
-        The files summarized.
-    rows : int
-        Rows read.
-    start, end, duration : float
-        First and last time (seconds since midnight) and their difference.
-    allocations, frees, failures : int
-        Row counts per action.
-    allocated_bytes, freed_bytes, failed_bytes : int
-        Bytes per action.
-    peak_bytes : int
-        Largest sum of live allocations.
-    peak_count : int
-        Most allocations live at once (not necessarily at the time of ``peak_bytes``).
-    peak_time : float or None
-        When the peak was first reached.
-    peak_line, peak_source : int, str
-        The row that reached it.
-    outstanding_bytes, outstanding_count : int
-        Allocated and never freed by the end of the log.
-    largest_outstanding : tuple of Outstanding
-        The largest of those, biggest first.
-    unmatched_frees : int
-        Frees of pointers the log never saw allocated (logging started late), not counted in
-        bytes in use.
-    reallocated_live_pointers : int
-        Allocations of an address whose free row came later (rows of two threads written out
-        of order); the older block counts as freed at the new allocation.
-    size_mismatched_frees : int
-        Frees whose size differs from the allocation's.
-    histogram : dict of int to int
-        Allocations per power-of-two size bucket: key ``2**k`` counts sizes in
-        ``(2**(k-1), 2**k]`` (key 0 counts zero-byte allocations).
-    threads, streams : dict of int to Totals
-        Totals per thread id and per stream handle.
-    truncated : tuple of str
-        ``"path:line"`` of each cut-off last line that was skipped.
-    """
-
-    name: str
-    paths: tuple[str, ...]
+    name: str  #: the file's worker name, or ``"combined"``
+    paths: tuple[str, ...]  #: the files summarized
     rows: int
-    start: float | None
-    end: float | None
+    start: float | None  #: the first time
+    end: float | None  #: the last time
     duration: float
-    allocations: int
+    allocations: int  #: rows per action ...
     frees: int
     failures: int
-    allocated_bytes: int
+    allocated_bytes: int  #: ... and their bytes
     freed_bytes: int
     failed_bytes: int
-    peak_bytes: int
-    peak_count: int
-    peak_time: float | None
+    peak_bytes: int  #: the largest sum of live allocations
+    peak_count: int  #: most allocations live at once (not necessarily at ``peak_bytes``)
+    peak_time: float | None  #: when the peak was first reached, by the row ...
     peak_line: int | None
     peak_source: str | None
-    outstanding_bytes: int
+    outstanding_bytes: int  #: allocated and never freed by the end of the log
     outstanding_count: int
-    largest_outstanding: tuple[Outstanding, ...]
+    largest_outstanding: tuple[Outstanding, ...]  #: the largest of those, biggest first
+    #: frees of pointers the log never saw allocated (logging started late), not counted
     unmatched_frees: int
+    #: allocations of an address whose free row came later (two threads' rows out of order);
+    #: the older block counts as freed at the new allocation
     reallocated_live_pointers: int
-    size_mismatched_frees: int
+    size_mismatched_frees: int  #: frees whose size differs from the allocation's
+    #: allocations per power-of-two bucket: key ``2**k`` counts sizes in ``(2**(k-1), 2**k]``
     histogram: dict[int, int]
-    threads: dict[int, Totals]
-    streams: dict[int, Totals]
-    truncated: tuple[str, ...] = ()
+    threads: dict[int, Totals]  #: totals per thread id ...
+    streams: dict[int, Totals]  #: ... and per stream handle
+    truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
@@ -157,11 +117,6 @@ class LogSummary:
         return d
 
 
-def size_bucket(size: int) -> int:
-    """The power-of-two histogram bucket of ``size``: the smallest ``2**k >= size`` (0 for 0)."""
-    return 1 << (size - 1).bit_length() if size > 0 else 0
-
-
 class Summarizer:
     """Accumulates a :class:`LogSummary` from events fed one at a time, in file order.
 
@@ -169,12 +124,7 @@ class Summarizer:
     allocations are keyed by ``(source, pointer)``, so logs of several workers can be fed
     interleaved into one summarizer.
 
-    Parameters
-    ----------
-    name : str
-        Name of the summary.
-    top : int
-        How many of the largest outstanding allocations to list.
+    ``top``: how many of the largest outstanding allocations to list.
     """
 
     def __init__(self, name: str, top: int = 10):
@@ -208,12 +158,8 @@ class Summarizer:
             self.start = t
         if self.end is None or t > self.end:
             self.end = t
-        thread = self.threads.get(e.thread)
-        if thread is None:
-            thread = self.threads[e.thread] = Totals()
-        stream = self.streams.get(e.stream)
-        if stream is None:
-            stream = self.streams[e.stream] = Totals()
+        thread = self.threads.get(e.thread) or self.threads.setdefault(e.thread, Totals())
+        stream = self.streams.get(e.stream) or self.streams.setdefault(e.stream, Totals())
         total = self.total
         action = e.action
         size = e.size
@@ -256,7 +202,8 @@ class Summarizer:
                 tot.failed_bytes += size
 
     def add_truncated(self, reader: LogReader) -> None:
-        """Record a reader's skipped cut-off last line, if any."""
+        """Record a reader's file (also one without rows) and its skipped cut-off last line."""
+        self.paths.setdefault(reader.path, None)
         if reader.truncated is not None:
             self.truncated.append(f"{reader.path}:{reader.truncated[0]}")
 
@@ -271,12 +218,7 @@ class Summarizer:
             start=self.start,
             end=self.end,
             duration=(self.end - self.start) if self.start is not None else 0.0,
-            allocations=self.total.allocations,
-            frees=self.total.frees,
-            failures=self.total.failures,
-            allocated_bytes=self.total.allocated_bytes,
-            freed_bytes=self.total.freed_bytes,
-            failed_bytes=self.total.failed_bytes,
+            **asdict(self.total),
             peak_bytes=self.peak,
             peak_count=self.peak_count,
             peak_time=pe.time if pe else None,
@@ -319,19 +261,8 @@ class SummaryReport:
 def summarize(
     paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10
 ) -> SummaryReport:
-    """Summarize one or several logs in one streaming pass.
-
-    Parameters
-    ----------
-    paths : path or sequence of paths
-        The logs, one per worker (or merged logs, whose ``Worker`` column is used).
-    top : int
-        How many of the largest outstanding allocations to list.
-
-    Returns
-    -------
-    SummaryReport
-        ``files`` in the order given; ``combined`` when there are several files.
+    """Summarize one or several logs (one per worker, or merged logs) in one streaming pass:
+    ``files`` in the order given, and ``combined`` when there are several files.
 
     Examples
     --------
@@ -352,11 +283,9 @@ def summarize(
         if combined is not None:
             combined.add(e)
     for r in readers:
-        per_file[r.path].add_truncated(r)
-        per_file[r.path].paths.setdefault(r.path, None)
-        if combined is not None:
-            combined.add_truncated(r)
-            combined.paths.setdefault(r.path, None)
+        for s in (per_file[r.path], combined):
+            if s is not None:
+                s.add_truncated(r)
     return SummaryReport(
         tuple(s.result() for s in per_file.values()),
         combined.result() if combined is not None else None,
@@ -401,39 +330,33 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
             f"      {format_size(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
             f"thread {o.thread}  stream {o.stream:#x}"
         )
-    notes = []
-    if s.unmatched_frees:
-        notes.append(f"{s.unmatched_frees:,} frees of pointers never allocated in the log")
-    if s.reallocated_live_pointers:
-        notes.append(
-            f"{s.reallocated_live_pointers:,} allocations of an address whose free row came "
-            "later (threads' rows out of order)"
-        )
-    if s.size_mismatched_frees:
-        notes.append(f"{s.size_mismatched_frees:,} frees with a size other than allocated")
-    for t in s.truncated:
-        notes.append(f"cut-off last line skipped: {t}")
-    for n in notes:
-        lines.append(f"  note          {n}")
+    notes = [
+        (s.unmatched_frees, "frees of pointers never allocated in the log"),
+        (s.reallocated_live_pointers, "allocations of an address whose free row came later "
+            "(threads' rows out of order)"),
+        (s.size_mismatched_frees, "frees with a size other than allocated"),
+    ]  # fmt: skip
+    lines += [f"  note          {n:,} {what}" for n, what in notes if n]
+    lines += [f"  note          cut-off last line skipped: {t}" for t in s.truncated]
     if s.histogram:
         lines.append("  sizes         bucket (<=)        allocations")
         width = max(s.histogram.values())
         for bucket, count in s.histogram.items():
             bar = "#" * max(1, round(30 * count / width))
-            label = "0 B" if bucket == 0 else _pow2_label(bucket)
+            unit, scale = binary_unit(bucket)
+            label = f"{bucket / scale:g} {unit}"
             lines.append(f"                {label:>12} {count:>14,}  {bar}")
     lines.extend(_totals_table("thread", s.threads, str, top_rows))
     lines.extend(_totals_table("stream", s.streams, hex, top_rows))
     return "\n".join(lines)
 
 
-def _pow2_label(n: int) -> str:
+def binary_unit(n: float) -> tuple[str, int]:
+    """The largest of GiB, MiB, KiB and B that ``n`` reaches, and its size in bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return (
-                f"{n >> shift} {unit}" if n % (1 << shift) == 0 else f"{n / (1 << shift):g} {unit}"
-            )
-    return f"{n} B"
+            return unit, 1 << shift
+    return "B", 1
 
 
 def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) -> list[str]:

@@ -4,18 +4,16 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dask_rmm._output import atomic_output, refuse_input
-from dask_rmm.logs.reader import Action, LiveAllocations, format_time, read_logs
+from dask_rmm.logs.reader import Action, format_time, read_logs
+from dask_rmm.logs.summary import Summarizer
 
 __all__ = ["Timeline", "in_use_timeline", "plot_logs"]
-
-_ALLOCATE = Action.ALLOCATE
-_FREE = Action.FREE
-_LATE = LiveAllocations.LATE_FREE
 
 
 class _Envelope:
@@ -31,14 +29,13 @@ class _Envelope:
         pts.append((t, v))
         if len(pts) >= 2 * self.max_points:
             last = pts[-1]
-            merged = [max(pts[i], pts[i + 1], key=_value) for i in range(0, len(pts) - 1, 2)]
+            merged = [max(pts[i], pts[i + 1], key=_BYTES) for i in range(0, len(pts) - 1, 2)]
             if merged[-1] is not last:
                 merged.append(last)
             self.points = merged
 
 
-def _value(p: tuple[float, int]) -> int:
-    return p[1]
+_BYTES = operator.itemgetter(1)
 
 
 @dataclass
@@ -66,44 +63,25 @@ def in_use_timeline(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    envelopes: dict[str, _Envelope] = {}
-    current: dict[str, int] = {}
-    peaks: dict[str, tuple[int, float | None]] = {}
-    failures: dict[str, list[tuple[float, int]]] = {}
-    table = LiveAllocations()
+    sources: dict[str, tuple[Summarizer, _Envelope, list[tuple[float, int]]]] = {}
     for e in read_logs(list(paths)):
-        src = e.source
-        env = envelopes.get(src)
-        if env is None:
-            env = envelopes[src] = _Envelope(max_points)
-            current[src] = 0
-            peaks[src] = (0, e.time)
-            failures[src] = []
-            env.add(e.time, 0)
-        if e.action is _ALLOCATE:
-            if e.size == 0:
-                continue
-            old = table.allocate((src, e.pointer), e.size)
-            if old is not None:
-                current[src] -= old
-            current[src] += e.size
-            if current[src] > peaks[src][0]:
-                peaks[src] = (current[src], e.time)
-        elif e.action is _FREE:
-            size = table.free((src, e.pointer))
-            if size is None or size is _LATE:
-                continue
-            current[src] -= size
-        else:
-            if len(failures[src]) < max_points:
-                failures[src].append((e.time, current[src]))
-            continue
-        env.add(e.time, current[src])
+        source = sources.get(e.source)
+        if source is None:
+            source = sources[e.source] = (Summarizer(e.source), _Envelope(max_points), [])
+            source[1].add(e.time, 0)
+        summary, envelope, failures = source
+        summary.add(e)
+        if e.action is not Action.ALLOCATE_FAILURE:
+            envelope.add(e.time, summary.current)
+        elif len(failures) < max_points:
+            failures.append((e.time, summary.current))
     out = []
-    for src, env in sorted(envelopes.items()):
-        pk, pt = peaks[src]
-        xs, ys = [p[0] for p in env.points], [p[1] for p in env.points]
-        out.append(Timeline(src, xs, ys, pk, pt, failures[src]))
+    for name, (summary, envelope, failures) in sorted(sources.items()):
+        peak = summary.peak_event
+        times, values = [p[0] for p in envelope.points], [p[1] for p in envelope.points]
+        out.append(
+            Timeline(name, times, values, summary.peak, peak.time if peak else None, failures)
+        )
     return out
 
 
@@ -124,67 +102,49 @@ def plot_logs(
     list of Timeline
         What was plotted.
     """
-    refuse_input(output, paths)
-    try:
-        import matplotlib
+    from dask_rmm._plot import byte_axis, figure
+    from dask_rmm.mr.base import format_bytes
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "plotting allocation logs needs matplotlib: pip install matplotlib "
-            "(or pip install 'dask-rmm[report]')"
-        ) from e
+    refuse_input(output, paths)
+    fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110)
     timelines = in_use_timeline(paths, max_points=max_points)
     if not timelines:
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
     t0 = min(tl.times[0] for tl in timelines if tl.times)
     top = max(tl.peak_bytes for tl in timelines)
-    unit, scale = _plot_unit(top)
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
-    try:
-        for tl in timelines:
-            xs = [t - t0 for t in tl.times]
-            ys = [b / scale for b in tl.bytes]
-            (line,) = ax.step(xs, ys, where="post", linewidth=1.2, label=tl.source)
-            if tl.peak_time is not None:
-                px, py = tl.peak_time - t0, tl.peak_bytes / scale
-                ax.plot([px], [py], marker="v", color=line.get_color(), markersize=8)
-                ax.annotate(
-                    f"peak {py:.3g} {unit}",
-                    (px, py),
-                    textcoords="offset points",
-                    xytext=(4, 6),
-                    fontsize=8,
-                    color=line.get_color(),
-                )
-        fails = [(t - t0, b / scale) for tl in timelines for t, b in tl.failures]
-        if fails:
-            ax.scatter(
-                [f[0] for f in fails],
-                [f[1] for f in fails],
-                marker="x",
-                color="red",
-                zorder=3,
-                label=f"allocate failure ({len(fails)})",
+    ax = fig.subplots()
+    for tl in timelines:
+        xs = [t - t0 for t in tl.times]
+        (line,) = ax.step(xs, tl.bytes, where="post", linewidth=1.2, label=tl.source)
+        if tl.peak_time is not None:
+            peak, color = (tl.peak_time - t0, tl.peak_bytes), line.get_color()
+            ax.plot(*peak, marker="v", color=color, markersize=8)
+            ax.annotate(
+                f"peak {format_bytes(tl.peak_bytes)}",
+                peak,
+                textcoords="offset points",
+                xytext=(4, 6),
+                fontsize=8,
+                color=color,
             )
-        ax.set_xlabel(f"seconds since {format_time(t0)}")
-        ax.set_ylabel(f"bytes in use ({unit})")
-        ax.set_title(title or "RMM allocations: bytes in use")
-        ax.set_ylim(bottom=0, top=top / scale * 1.12 if top else 1)
-        ax.grid(True, alpha=0.3)
-        if len(timelines) > 1 or timelines[0].source:
-            ax.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        with atomic_output(output) as tmp:
-            fig.savefig(tmp)
-    finally:
-        plt.close(fig)
+    fails = [(t - t0, b) for tl in timelines for t, b in tl.failures]
+    if fails:
+        ax.scatter(
+            *zip(*fails, strict=True),
+            marker="x",
+            color="red",
+            zorder=3,
+            label=f"allocate failure ({len(fails)})",
+        )
+    ax.set_xlabel(f"seconds since {format_time(t0)}")
+    ax.set_ylabel("bytes in use")
+    byte_axis(ax.yaxis, top)
+    ax.set_title(title or "RMM allocations: bytes in use")
+    ax.set_ylim(bottom=0, top=top * 1.12 if top else 1)
+    ax.grid(True, alpha=0.3)
+    if len(timelines) > 1 or timelines[0].source:
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    with atomic_output(output) as tmp:
+        fig.savefig(tmp)
     return timelines
-
-
-def _plot_unit(n: int) -> tuple[str, int]:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return unit, 1 << shift
-    return "B", 1

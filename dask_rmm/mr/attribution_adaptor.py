@@ -11,8 +11,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
-from dask_rmm.mr.pool import OwnerAccounts, PoolMemoryResource
-from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
+from dask_rmm.mr.pool import OwnerAccounts, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["UNATTRIBUTED", "AttributionResourceAdaptor", "OwnerMemory"]
@@ -38,15 +37,9 @@ class OwnerMemory:
 
 def _charging_pool(upstream):
     """The PoolMemoryResource calls would reach with no other layer in between: the upstream
-    itself, or the pool that counts for a StatisticsResourceAdaptor right above it (whose calls
-    are the pool's own)."""
-    if type(upstream) is PoolMemoryResource:
-        return upstream
-    if isinstance(upstream, StatisticsResourceAdaptor):
-        pool = upstream.counting_pool
-        if type(pool) is PoolMemoryResource:
-            return pool
-    return None
+    itself, or the pool behind a StatisticsResourceAdaptor or TrackingResourceAdaptor right
+    above it whose calls are the pool's own (:func:`~dask_rmm.mr.pool.pool_behind`)."""
+    return pool_behind(upstream)
 
 
 def _open_account(owner_name, by_name: dict, by_token: dict, token) -> list[int]:

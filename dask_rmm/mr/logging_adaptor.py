@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -37,6 +38,27 @@ def log_file_name_for_device(log_file_name: str, device_id: int) -> str:
     """``"rmm.log"`` -> absolute ``".../rmm.dev0.log"``: RMM's per-device file name."""
     name, ext = os.path.splitext(os.fspath(log_file_name))
     return os.path.abspath(f"{name}.dev{device_id}{ext}")
+
+
+def _drop_cut_off_line(path: str) -> None:
+    """Remove a last line without its newline (a writer killed mid-row) from ``path``, so that
+    rows appended after it start on a line of their own instead of making one malformed row."""
+    try:
+        f = open(path, "r+b")  # noqa: SIM115
+    except (FileNotFoundError, IsADirectoryError):
+        return  # nothing to repair; open() below reports what is wrong
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            newline = f.read(step).rfind(b"\n")
+            if newline >= 0:
+                pos += newline + 1 - step
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
 
 
 class _Clock:
@@ -74,7 +96,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         Flush the file after every row (slow, but nothing is lost if the process dies).
     append : bool, default False
         Add to an existing file (the header only if it is empty) instead of truncating it as
-        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows.
+        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows. A
+        last row cut off without its newline (the previous writer was killed mid-row) is
+        removed first, so that the rows added after it stay readable.
 
     Raises
     ------
@@ -114,11 +138,20 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
         self._clock = _Clock()
-        self._file = open(self._file_name, "a" if append else "w", encoding="ascii", newline="")  # noqa: SIM115
+        #: Writes to the file that failed (a full disk): their rows are lost.
+        self.write_errors = 0
+        if append:
+            _drop_cut_off_line(self._file_name)
+        else:
+            open(self._file_name, "w").close()  # RMM truncates; the rows are appended below
+        # Always O_APPEND: an adaptor still logging into a file that another one truncated since
+        # (reinitialize(logging=True) run twice with buffers of the first still alive) adds its
+        # rows at the end instead of at its old offset, which left a run of NUL bytes and then
+        # overwrote the newer adaptor's rows.
+        self._file = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
         if self._file.tell() == 0:
             self._file.write(CSV_HEADER + "\n")
-        if self.auto_flush:
-            self._file.flush()
+            self._file.flush()  # first in the file, before rows another adaptor appends
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
@@ -132,9 +165,24 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             f = self._file
             if f is None:
                 return
-            f.write(row)
-            if self.auto_flush:
-                f.flush()
+            try:
+                f.write(row)
+                if self.auto_flush:
+                    f.flush()
+            except OSError as e:
+                self._write_failed(e)
+
+    def _write_failed(self, error: OSError) -> None:
+        # A full disk must never fail (and leak) the allocation being logged: the row is lost,
+        # as RMM's logger loses it, and the first loss is reported.
+        self.write_errors += 1
+        if self.write_errors == 1:
+            warnings.warn(
+                f"LoggingResourceAdaptor: cannot write {self._file_name} ({error}); allocation "
+                "rows are lost until it can",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         try:
@@ -153,7 +201,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         """Write buffered rows to the file."""
         with self._lock:
             if self._file is not None:
-                self._file.flush()
+                try:
+                    self._file.flush()
+                except OSError as e:
+                    self._write_failed(e)
 
     def get_file_name(self) -> str:
         """The absolute path of the log file (with the ``.dev{id}`` suffix)."""
@@ -164,7 +215,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         with self._lock:
             f, self._file = self._file, None
         if f is not None:
-            f.close()
+            try:
+                f.close()
+            except OSError as e:  # the last rows could not be written; the file is closed
+                self._write_failed(e)
 
     def __del__(self):
         try:

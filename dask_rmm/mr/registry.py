@@ -28,6 +28,12 @@ __all__ = [
 
 _lock = threading.Lock()
 _resources: dict[int, DeviceMemoryResource] = {}
+#: ``lookup_per_device_resource(device) -> resource or None``: the registry read in one C call
+#: (``dict.get``), for allocation hooks that look the resource up on every allocation (the CuPy
+#: allocators). None means nothing is set for ``device`` yet: call
+#: :func:`get_per_device_resource`, which makes the default. Read-only: set resources with
+#: :func:`set_per_device_resource`.
+lookup_per_device_resource = _resources.get
 # With one device (or none) the current device is always 0, so the hot path skips cudaGetDevice.
 _single_device: bool | None = None
 
@@ -99,6 +105,10 @@ def get_current_device_resource() -> DeviceMemoryResource:
     'SystemMemoryResource'
     >>> _ = set_current_device_resource(previous)
     """
+    if _single_device:  # the hot path (DeviceBuffer's default): no further call
+        mr = _resources.get(0)
+        if mr is not None:
+            return mr
     device = _current_device()
     mr = _resources.get(device)
     if mr is not None:

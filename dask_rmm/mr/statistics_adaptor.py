@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, acquire_contended
-from dask_rmm.mr.pool import AllocationCounters, PoolMemoryResource
+from dask_rmm.mr.pool import AllocationCounters, PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["Statistics", "StatisticsResourceAdaptor"]
@@ -94,7 +94,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     increments :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or
     size) leaves every counter as it was.
 
-    Over a :class:`PoolMemoryResource` the pool does the counting, through its instrumentation
+    Over a :class:`PoolMemoryResource` (or an adaptor whose calls are the pool's own, such as
+    a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its instrumentation
     interface (:meth:`PoolMemoryResource.count_allocations`): it updates this adaptor's
     :class:`~dask_rmm.mr.pool.AllocationCounters` under its own lock, and the adaptor, having
     nothing left to do per call, makes the pool's ``allocate``/``deallocate`` its own. Counting
@@ -137,15 +138,16 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
         self._base_bytes = 0
         self._counting_pool: PoolMemoryResource | None = None
-        if isinstance(upstream_mr, PoolMemoryResource) and upstream_mr.count_allocations(self._c):
+        pool = upstream_mr if isinstance(upstream_mr, PoolMemoryResource) else pool_behind(upstream_mr)
+        if pool is not None and pool.count_allocations(self._c):
             # The pool counts under its own lock (see the class notes): calls go straight to
             # it, and readers take its lock.
-            self._counting_pool = upstream_mr
-            self._lock = lock = upstream_mr.instrumentation_lock
+            self._counting_pool = pool
+            self._lock = lock = pool.instrumentation_lock
             self._acquire = lock.acquire
             self._release = lock.release
-            self.allocate = upstream_mr.allocate
-            self.deallocate = upstream_mr.deallocate
+            self.allocate = pool.allocate
+            self.deallocate = pool.deallocate
 
     def __del__(self):
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import traceback
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["TrackingResourceAdaptor"]
@@ -18,6 +19,15 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     Unlike RMM, which logs and carries on, a deallocation of a pointer this adaptor did not hand
     out, or with a size other than the allocated one, raises ``ValueError`` before the upstream is
     called, and nothing changes.
+
+    Directly over a :class:`PoolMemoryResource` that has no live allocations yet, and without
+    ``capture_stacks``, the adaptor keeps no table of its own: the pool already keeps one of
+    every live block (it checks each deallocate against it), and the adaptor reads it through
+    the pool's instrumentation interface (:meth:`PoolMemoryResource.live_allocations`), making
+    the pool's ``allocate``/``deallocate`` its own. Tracking then costs nothing per call
+    (bench/alloc.py). The lists are the same, with one difference: allocations made on that
+    pool directly, bypassing the adaptor, are listed too; a wrong deallocate raises the pool's
+    ``ValueError`` (also before anything changes). :attr:`tracking_pool` says which case applies.
 
     Parameters
     ----------
@@ -42,18 +52,39 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         super().__init__(upstream_mr)
         if not isinstance(capture_stacks, bool):
             raise TypeError(f"capture_stacks must be a bool, got {capture_stacks!r}")
-        self.capture_stacks = capture_stacks
+        self._capture_stacks = capture_stacks
         # ptr -> nbytes of every live allocation. Updated without the lock: a dict store or pop
         # is atomic, so of two threads freeing one pointer only one gets it.
         self._allocations: dict[int, int] = {}
         self._stacks: dict[int, str] = {}  # ptr -> formatted stack, when capturing
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
+        self._tracking_pool: PoolMemoryResource | None = None
+        if (
+            not capture_stacks
+            and type(upstream_mr) is PoolMemoryResource
+            and not upstream_mr.live_allocations()
+        ):
+            # The pool's live table is this adaptor's (see the class notes).
+            self._tracking_pool = upstream_mr
+            self.allocate = upstream_mr.allocate
+            self.deallocate = upstream_mr.deallocate
+
+    @property
+    def capture_stacks(self) -> bool:
+        """Whether the Python stack of each allocation is recorded (fixed at construction)."""
+        return self._capture_stacks
+
+    @property
+    def tracking_pool(self) -> PoolMemoryResource | None:
+        """The pool whose live-block table this adaptor reads (its ``allocate``/``deallocate``
+        are then the pool's), or None when the adaptor keeps its own."""
+        return self._tracking_pool
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self._upstream_allocate(nbytes, stream)
         if nbytes:
-            if self.capture_stacks:
+            if self._capture_stacks:
                 self._stacks[ptr] = "".join(traceback.format_stack()[:-1])
             self._allocations[ptr] = nbytes
         return ptr
@@ -91,6 +122,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         )
 
     def _snapshot(self) -> dict[int, int]:
+        if self._tracking_pool is not None:
+            return self._tracking_pool.live_allocations()
         while True:
             try:
                 return dict(self._allocations)

@@ -18,21 +18,12 @@ __all__ = ["SchedulerTimelinePlugin", "Timeline", "dask_setup", "install_schedul
 
 
 def install_scheduler_plugin(target: Client | Worker | Scheduler | Any, **options: Any):
-    """Install :class:`SchedulerTimelinePlugin` on the scheduler, unless one is there already.
+    """Install :class:`SchedulerTimelinePlugin` (with ``options``) on the scheduler from
+    ``target`` (a Client, Worker, Scheduler, or an rpc to the scheduler), unless one is there.
 
-    ``RMMPlugin.setup`` calls this with its worker and ``cluster_report`` with its client's
-    ``scheduler`` rpc, so users never need to; it is safe to call as often as you like.
-
-    Parameters
-    ----------
-    target : Client, Worker, Scheduler, or an rpc to the scheduler
-        Where to install from.
-    **options
-        ``SchedulerTimelinePlugin`` arguments.
-
-    Returns
-    -------
-    None for a synchronous Client; otherwise an awaitable.
+    ``RMMPlugin.setup`` calls it with its worker and ``cluster_report`` with its client's
+    ``scheduler`` rpc, so users never need to; it is idempotent. Returns None for a synchronous
+    Client, otherwise an awaitable.
     """
     plugin = SchedulerTimelinePlugin(**options)
     if isinstance(target, Client):

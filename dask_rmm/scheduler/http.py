@@ -26,15 +26,12 @@ __all__ = ["ReportJSON", "ReportPage", "install_routes", "routes"]
 
 
 class _ReportHandler(RequestHandler):
-    def _plugin(self) -> SchedulerTimelinePlugin:
-        plugin = self.server.plugins.get(PLUGIN_NAME)
+    def _report(self) -> dict[str, Any]:
+        plugin: SchedulerTimelinePlugin | None = self.server.plugins.get(PLUGIN_NAME)
         if not hasattr(plugin, "report_data"):
             raise web.HTTPError(404, "the dask-rmm scheduler plugin is not installed")
-        return plugin
-
-    def _report(self) -> dict[str, Any]:
         timeline = self.get_query_argument("timeline", "1").lower() not in ("0", "false", "no", "")
-        return self._plugin().report_data(timeline=timeline, last=self._int("last"))
+        return plugin.report_data(timeline=timeline, last=self._int("last"))
 
     def _int(self, name: str) -> int | None:
         value = self.get_query_argument(name, None)

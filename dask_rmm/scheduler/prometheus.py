@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dask_rmm.wire import GAUGES, DeviceSample
+from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.wire import GAUGES
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
-__all__ = ["DaskRMMCollector", "register_collector", "unregister_collector"]
+__all__ = ["REGISTRY", "DaskRMMCollector"]
 
 LABELS = ["worker", "name", "device", "gpu"]
 
@@ -35,7 +36,7 @@ class DaskRMMCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         plugin = self.plugin
-        if not plugin.poll():  # also reads the heartbeats since the last tick
+        if not plugin.poll():  # stops a plugin that was unregistered
             return
         kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
         gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
@@ -47,26 +48,15 @@ class DaskRMMCollector:
         workers = GaugeMetricFamily(
             "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
         )
-        for address, name, dev, d in plugin.running_devices():
-            sample = DeviceSample.from_dict(d)
-            labels = [address, name, dev, sample.gpu_uuid or sample.gpu_name]
+        report = ClusterMemoryReport.from_dict(plugin.report_data(timeline=False))
+        for d in report.running:
+            labels = [d.worker, d.name, d.device, d.gpu_uuid or d.gpu_name]
             for field, family in gauges:
-                family.add_metric(labels, getattr(sample, field))
-            frag.add_metric(labels, sample.fragmentation)
-        for status, n in plugin.worker_counts().items():
-            workers.add_metric([status], n)
+                family.add_metric(labels, getattr(d, field))
+            frag.add_metric(labels, d.fragmentation)
+        workers.add_metric(["running"], report.totals.workers)
+        workers.add_metric(["gone"], report.totals.gone_workers)
         yield workers
         for _, family in gauges:
             yield family
         yield frag
-
-
-def register_collector(plugin: SchedulerTimelinePlugin) -> DaskRMMCollector:
-    """Export ``plugin``'s data on prometheus_client's default registry (what /metrics serves)."""
-    collector = DaskRMMCollector(plugin)
-    REGISTRY.register(collector)
-    return collector
-
-
-def unregister_collector(collector: DaskRMMCollector) -> None:
-    REGISTRY.unregister(collector)

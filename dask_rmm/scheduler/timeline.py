@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from time import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,106 +35,57 @@ DEFAULT_KEEP_GONE = 32
 
 
 class Timeline:
-    """A ring buffer of ``(time, current_bytes, max_bytes_in_interval)`` samples.
+    """The newest ``capacity`` samples ``(time, current_bytes, max_bytes_in_interval)``.
 
     Stored in three ``array`` columns (24 bytes a sample, no Python object per sample), so
     64 workers x 3600 samples cost about 5.5 MB on the scheduler.
-
-    Parameters
-    ----------
-    capacity : int
-        The most samples kept; older ones are overwritten.
     """
 
-    __slots__ = ("capacity", "_t", "_cur", "_max", "_head")
+    __slots__ = ("capacity", "_columns")
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"Timeline capacity must be at least 1, got {capacity}")
         self.capacity = capacity
-        self._t = array("d")
-        self._cur = array("q")
-        self._max = array("q")
-        self._head = 0  # oldest sample (next to overwrite) once full
+        self._columns = (array("d"), array("q"), array("q"))
 
     def __len__(self) -> int:
-        return len(self._t)
+        return len(self._columns[0])
 
     def extend(self, samples: Sequence[Sequence[float]]) -> None:
-        """Append samples (oldest first), dropping the oldest kept ones beyond ``capacity``.
-
-        Samples not newer than the newest kept one are skipped (heartbeats overlap).
-
-        A malformed sample raises (IndexError, TypeError, OverflowError) before anything changes.
-        """
-        if self._t:
-            newest = self._t[self._head - 1]
-            samples = [s for s in samples if s[0] > newest]
-        ts = array("d", [s[0] for s in samples])
-        cs = array("q", [s[1] for s in samples])
-        ms = array("q", [s[2] for s in samples])
-        cap = self.capacity
-        if len(ts) >= cap:
-            self._t, self._cur, self._max, self._head = ts[-cap:], cs[-cap:], ms[-cap:], 0
-            return
-        room = cap - len(self._t)
-        if room:
-            self._t.extend(ts[:room])
-            self._cur.extend(cs[:room])
-            self._max.extend(ms[:room])
-            if len(ts) <= room:
-                return
-            ts, cs, ms = ts[room:], cs[room:], ms[room:]
-        # Full: overwrite from the head, wrapping around the end.
-        h, k = self._head, len(ts)
-        first = min(k, cap - h)
-        self._t[h : h + first] = ts[:first]
-        self._cur[h : h + first] = cs[:first]
-        self._max[h : h + first] = ms[:first]
-        if k > first:
-            rest = k - first
-            self._t[:rest] = ts[first:]
-            self._cur[:rest] = cs[first:]
-            self._max[:rest] = ms[first:]
-        self._head = (h + k) % cap
+        """Append samples (oldest first) newer than the newest kept one (heartbeats overlap),
+        dropping the oldest beyond ``capacity``. A malformed sample raises (IndexError,
+        TypeError, OverflowError) before anything changes."""
+        times = self._columns[0]
+        if times:
+            samples = [s for s in samples if s[0] > times[-1]]
+        new = [array(col.typecode, [s[i] for s in samples]) for i, col in enumerate(self._columns)]
+        for col, values in zip(self._columns, new, strict=True):
+            col.extend(values)
+            del col[: max(0, len(col) - self.capacity)]
 
     def to_list(self, last: int | None = None) -> list[list[float | int]]:
-        """The samples oldest first as ``[time, current_bytes, max_bytes_in_interval]`` lists.
-
-        Parameters
-        ----------
-        last : int, optional
-            Only the newest ``last`` samples.
-        """
-        h = self._head
-        cols = []
-        for col in (self._t, self._cur, self._max):
-            values = col.tolist()
-            if h:
-                values = values[h:] + values[:h]
-            if last is not None:
-                values = values[-last:] if last > 0 else []
-            cols.append(values)
-        return [list(s) for s in zip(*cols, strict=True)]
+        """The samples oldest first as ``[time, current_bytes, max_bytes_in_interval]`` lists
+        (only the newest ``last`` ones if given)."""
+        start = 0 if last is None else max(len(self) - max(last, 0), 0)
+        return [list(s) for s in zip(*(c[start:].tolist() for c in self._columns), strict=True)]
 
     def peak(self) -> int:
         """The largest ``max_bytes_in_interval`` kept (0 when empty)."""
-        return int(max(self._max, default=0))
+        return int(max(self._columns[2], default=0))
 
 
+@dataclass(eq=False)
 class _WorkerRecord:
     """What the plugin keeps per worker: its last dask-rmm metrics and one timeline per device."""
 
-    __slots__ = ("address", "name", "status", "metrics", "timelines", "last_seen", "error")
-
-    def __init__(self, address: str, name: str):
-        self.address = address
-        self.name = name
-        self.status = "running"
-        self.metrics: dict | None = None
-        self.timelines: dict[str, Timeline] = {}
-        self.last_seen: float | None = None
-        self.error: str | None = None
+    address: str
+    name: str
+    status: str = "running"
+    metrics: dict | None = None
+    timelines: dict[str, Timeline] = field(default_factory=dict)
+    last_seen: float | None = None
+    error: str | None = None
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -178,7 +129,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.poll_interval = poll_interval
         self.scheduler: Scheduler | None = None
         self._records: dict[str, _WorkerRecord] = {}
-        self._gone: OrderedDict[str, None] = OrderedDict()
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
 
@@ -196,13 +146,25 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
         self.scheduler = scheduler
         if self.timeline_length is None:
-            self.timeline_length = _configured_timeline_length()
-        scheduler.handlers.setdefault(REPORT_HANDLER, _report_handler(scheduler))
-        http.install_routes(scheduler)
-        try:
-            from dask_rmm.scheduler.prometheus import register_collector
+            key = "dask-rmm.scheduler.timeline-length"
+            value = dask.config.get(key, default=DEFAULT_TIMELINE_LENGTH)
+            _check_int(f"config {key}", value, 1)
+            self.timeline_length = value
 
-            self._collector = register_collector(self)
+        def dask_rmm_report(timeline: bool = True, last: int | None = None) -> dict | None:
+            """The registered plugin's report document, or None when none is registered."""
+            plugin = scheduler.plugins.get(PLUGIN_NAME)
+            if not isinstance(plugin, SchedulerTimelinePlugin):
+                return None
+            return plugin.report_data(timeline=timeline, last=last)
+
+        scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
+        http.install_routes(scheduler)
+        try:  # on prometheus_client's default registry: what /metrics serves
+            from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector
+
+            self._collector = DaskRMMCollector(self)
+            REGISTRY.register(self._collector)
         except ImportError:
             logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
         self._poller = PeriodicCallback(self.poll, self.poll_interval * 1000)
@@ -218,9 +180,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             poller.stop()
         collector, self._collector = self._collector, None
         if collector is not None:
-            from dask_rmm.scheduler.prometheus import unregister_collector
+            from dask_rmm.scheduler.prometheus import REGISTRY
 
-            unregister_collector(collector)
+            REGISTRY.unregister(collector)
 
     @property
     def active(self) -> bool:
@@ -239,11 +201,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
-        self._gone[worker] = None
-        while len(self._gone) > self.keep_gone:
-            old, _ = self._gone.popitem(last=False)
-            if old in self._records and self._records[old].status == "gone":
-                del self._records[old]
+        self._records[worker] = self._records.pop(worker)  # the newest gone comes last
+        gone = [a for a, r in self._records.items() if r.status == "gone"]
+        for address in gone[: max(0, len(gone) - self.keep_gone)]:
+            del self._records[address]
 
     # -- ingest -------------------------------------------------------------------------------
 
@@ -269,8 +230,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 del self._records[ws.address]
             return
         if rec is None or rec.status == "gone":
-            rec = self._records[ws.address] = _WorkerRecord(ws.address, str(ws.name))
-            self._gone.pop(ws.address, None)
+            # A worker back under its name (a nanny restart, ``client.restart()``) continues
+            # the departed one: the report keeps one row per name.
+            name = str(ws.name)
+            for address, old in list(self._records.items()):
+                if old.status == "gone" and (old.name == name or address == ws.address):
+                    del self._records[address]
+            rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
         elif m is rec.metrics:
             return  # this heartbeat was read already
         rec.metrics = m
@@ -292,94 +258,33 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     # -- queries ------------------------------------------------------------------------------
 
-    def running_devices(self) -> Iterator[tuple[str, str, str, dict]]:
-        """``(address, name, device id, wire device dict)`` for each running worker's devices."""
-        for rec in list(self._records.values()):
-            devices = (rec.metrics or {}).get("devices") if rec.status == "running" else None
-            if isinstance(devices, dict):
-                for dev, d in devices.items():
-                    if isinstance(d, dict):
-                        yield rec.address, rec.name, str(dev), d
-
-    def worker_counts(self) -> dict[str, int]:
-        """How many workers report dask-rmm (``running``) and how many left (``gone``)."""
-        gone = sum(rec.status == "gone" for rec in list(self._records.values()))
-        return {"running": len(self._records) - gone, "gone": gone}
-
     def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
-        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json).
-
-        Parameters
-        ----------
-        timeline : bool
-            Include each device's timeline.
-        last : int, optional
-            Only the newest ``last`` samples of each timeline.
-        """
+        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
+        each device's timeline (its newest ``last`` samples) if ``timeline``."""
         self.poll()  # heartbeats that arrived since the last tick
         workers = []
         for rec in list(self._records.values()):
             raw = (rec.metrics or {}).get("devices")
             devices = {}
             for dev, d in raw.items() if isinstance(raw, dict) else ():
+                tl = rec.timelines.get(dev) if timeline else None
                 if isinstance(d, dict):
-                    tl = rec.timelines.get(dev)
-                    devices[str(dev)] = dict(
-                        d, timeline=tl.to_list(last) if tl and timeline else []
-                    )
-            workers.append(
-                {
-                    "address": rec.address,
-                    "name": rec.name,
-                    "status": rec.status,
-                    "last_seen": rec.last_seen,
-                    "error": rec.error,
-                    "devices": devices,
-                }
-            )
-        scheduler = self.scheduler
-        without = (
-            []
-            if scheduler is None
-            else [a for a, ws in scheduler.workers.items() if METRICS_KEY not in ws.metrics]
-        )
+                    devices[str(dev)] = dict(d, timeline=tl.to_list(last) if tl else [])
+            fields = ("address", "name", "status", "last_seen", "error")
+            workers.append({**{k: getattr(rec, k) for k in fields}, "devices": devices})
+        s = self.scheduler
         data = {
             "time": time(),
-            "scheduler": scheduler.address if scheduler is not None else "",
+            "scheduler": s.address if s is not None else "",
             "timeline_length": self.timeline_length,
             "workers": workers,
-            "workers_without_dask_rmm": without,
+            "workers_without_dask_rmm": [
+                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
+            ],
         }
         return ClusterMemoryReport.from_dict(data).to_dict(timeline=timeline)
-
-
-def _report_handler(scheduler: Scheduler):
-    """The ``dask_rmm_report`` scheduler handler: the registered plugin's report document, or
-    None when no SchedulerTimelinePlugin is registered."""
-
-    def dask_rmm_report(timeline: bool = True, last: int | None = None) -> dict | None:
-        plugin = current_plugin(scheduler)
-        return None if plugin is None else plugin.report_data(timeline=timeline, last=last)
-
-    return dask_rmm_report
-
-
-def current_plugin(scheduler: Scheduler) -> SchedulerTimelinePlugin | None:
-    """The SchedulerTimelinePlugin registered on ``scheduler``, if any."""
-    plugin = scheduler.plugins.get(PLUGIN_NAME)
-    return plugin if isinstance(plugin, SchedulerTimelinePlugin) else None
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
-
-
-def _configured_timeline_length() -> int:
-    key = "dask-rmm.scheduler.timeline-length"
-    value = dask.config.get(key, default=DEFAULT_TIMELINE_LENGTH)
-    try:
-        _check_int(key, int(value), 1)
-    except (TypeError, ValueError):
-        raise ValueError(f"config {key} must be a positive integer, got {value!r}") from None
-    return int(value)
