@@ -668,7 +668,7 @@ def test_gpu_rmm_cupy_allocator_lands_in_the_pool(real_rmm, gpu_stack):
 @pytest.mark.gpu
 def test_gpu_cupy_and_rmm_together_then_reset(real_rmm):
     cupy = pytest.importorskip("cupy")
-    from dask_rmm.allocators.cupy import rmm_cupy_allocator as our_cupy_allocator
+    from dask_rmm.allocators.cupy import lean_cupy_allocator as our_cupy_allocator
 
     before_cupy = cupy.cuda.get_allocator()
     before_rmm = real_rmm.mr.get_per_device_resource(0)
