@@ -148,7 +148,8 @@ def test_cupy_arrays_through_the_allocator_reuse_a_pool_block_across_streams_in_
             y.fill(2)
             b.synchronize()
         a.synchronize()
-        assert cupy.unique(y).tolist() == [2]
+        # Checked on the host: cupy.unique needs device temporaries the 32 MiB pool lacks.
+        assert np.unique(cupy.asnumpy(y, stream=b)).tolist() == [2]
         del y
     finally:
         cupy.cuda.set_allocator(old_allocator)
