@@ -35,13 +35,6 @@ class OwnerMemory:
         return [self.owner, self.current_bytes, self.peak_bytes]
 
 
-def _charging_pool(upstream):
-    """The PoolMemoryResource calls would reach with no other layer in between: the upstream
-    itself, or the pool behind a StatisticsResourceAdaptor or TrackingResourceAdaptor right
-    above it whose calls are the pool's own (:func:`~dask_rmm.mr.pool.pool_behind`)."""
-    return pool_behind(upstream)
-
-
 def _open_account(owner_name, by_name: dict, by_token: dict, token) -> list[int]:
     """The owner callback a pool calls under its lock (collector paused): the account of a
     token not in ``by_token``. Never raises: an owner that cannot be named is UNATTRIBUTED."""
@@ -127,7 +120,8 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
         self._charging_pool = None
-        pool = _charging_pool(upstream_mr)
+        # The pool calls would reach with no other layer in between (see pool_behind).
+        pool = pool_behind(upstream_mr)
         if pool is not None:
             # The callback holds the tables, not the adaptor: pool and adaptor form no cycle.
             opener = functools.partial(_open_account, owner_name, self._by_name, self._by_token)

@@ -327,19 +327,13 @@ class CudaAsyncViewMemoryResource(_CudaResource):
                     nbytes, self._pool_object, self._stream_objects[handle]
                 )
                 if err:
-                    raise self._call_error(err, nbytes, handle)
+                    try:
+                        _cuda.fail(err, "cudaMallocFromPoolAsync")
+                    except _cuda.CUDAError as e:
+                        raise self._allocation_error(e, nbytes, handle) from e
                 self._sizes[ptr] = nbytes
                 return ptr
         return super().allocate(nbytes, stream)
-
-    def _call_error(self, err, nbytes: int, handle: int) -> MemoryError:
-        try:
-            _cuda.fail(err, "cudaMallocFromPoolAsync")
-        except _cuda.CUDAError as e:
-            error = self._allocation_error(e, nbytes, handle)
-            error.__cause__ = e
-            return error
-        raise AssertionError("fail() returned")  # pragma: no cover
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         sizes = self._sizes
