@@ -130,7 +130,8 @@ class WorkerMetrics:
     def remove(self, worker: Worker) -> None:
         """Stop the sampler and take back what :meth:`install` published (idempotent)."""
         sampler, self._sampler = self._sampler, None
-        remove_periodic(worker, SAMPLER_KEY, sampler)
+        if sampler is not None:  # without one, the worker's SAMPLER_KEY is another's
+            remove_periodic(worker, SAMPLER_KEY, sampler)
         metrics = dict(worker.metrics)  # a new dict, as in install
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]

@@ -136,8 +136,8 @@ class DeviceStack:
                     break
                 except Exception:  # pragma: no cover - a timer or a teardown must go on
                     logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        fd, self.log_fd = (self.log_fd, None) if close else (None, self.log_fd)
-        if fd is not None:
+        if close and self.log_fd is not None:
+            fd, self.log_fd = self.log_fd, None
             os.close(fd)
 
     def close_log(self) -> None:

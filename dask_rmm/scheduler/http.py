@@ -26,12 +26,13 @@ __all__ = ["ReportJSON", "ReportPage", "install_routes", "routes"]
 
 
 class _ReportHandler(RequestHandler):
-    def _report(self) -> dict[str, Any]:
+    def _report(self) -> tuple[ClusterMemoryReport, bool]:
+        """The plugin's report, and whether it was asked with timelines."""
         plugin: SchedulerTimelinePlugin | None = self.server.plugins.get(PLUGIN_NAME)
         if not hasattr(plugin, "report_data"):
             raise web.HTTPError(404, "the dask-rmm scheduler plugin is not installed")
         timeline = self.get_query_argument("timeline", "1").lower() not in ("0", "false", "no", "")
-        return plugin.report_data(timeline=timeline, last=self._int("last"))
+        return plugin._report(timeline=timeline, last=self._int("last")), timeline
 
     def _int(self, name: str) -> int | None:
         value = self.get_query_argument(name, None)
@@ -47,7 +48,7 @@ class ReportPage(_ReportHandler):
     """``GET /dask-rmm[?timeline=0][&last=N][&refresh=SECONDS]``: the report as a web page."""
 
     def get(self) -> None:
-        report = ClusterMemoryReport.from_dict(self._report())
+        report, _ = self._report()
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(report.to_html(full_page=True, refresh=self._int("refresh")))
 
@@ -56,8 +57,9 @@ class ReportJSON(_ReportHandler):
     """``GET /dask-rmm/report.json[?timeline=0][&last=N]``: the report document."""
 
     def get(self) -> None:
+        report, timeline = self._report()
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps(self._report()))
+        self.write(json.dumps(report.to_dict(timeline=timeline)))
 
 
 #: distributed's route list format: ``(path, handler, kwargs)``.

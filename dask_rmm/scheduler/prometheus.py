@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dask_rmm.report import ClusterMemoryReport
 from dask_rmm.wire import GAUGES
 
 if TYPE_CHECKING:
@@ -48,14 +47,15 @@ class DaskRMMCollector:
         workers = GaugeMetricFamily(
             "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
         )
-        report = ClusterMemoryReport.from_dict(plugin.report_data(timeline=False))
+        report = plugin._report(timeline=False)
         for d in report.running:
             labels = [d.worker, d.name, d.device, d.gpu_uuid or d.gpu_name]
             for field, family in gauges:
                 family.add_metric(labels, getattr(d, field))
             frag.add_metric(labels, d.fragmentation)
-        workers.add_metric(["running"], report.totals.workers)
-        workers.add_metric(["gone"], report.totals.gone_workers)
+        totals = report.totals
+        workers.add_metric(["running"], totals.workers)
+        workers.add_metric(["gone"], totals.gone_workers)
         yield workers
         for _, family in gauges:
             yield family

@@ -261,6 +261,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
         """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
         each device's timeline (its newest ``last`` samples) if ``timeline``."""
+        return self._report(timeline, last).to_dict(timeline=timeline)
+
+    def _report(self, timeline: bool = True, last: int | None = None) -> ClusterMemoryReport:
+        """The report behind :meth:`report_data` (the Prometheus collector reads it as is)."""
         self.poll()  # heartbeats that arrived since the last tick
         workers = []
         for rec in list(self._records.values()):
@@ -282,7 +286,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
             ],
         }
-        return ClusterMemoryReport.from_dict(data).to_dict(timeline=timeline)
+        return ClusterMemoryReport.from_dict(data)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
