@@ -16,10 +16,10 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections import defaultdict
 
 import pytest
+from conftest import wait_until
 
 from dask_rmm.allocators import (
     _HOOKS,
@@ -38,17 +38,6 @@ from dask_rmm.mr import (
 from dask_rmm.mr.base import OutOfMemoryError, UpstreamResourceAdaptor
 
 MiB = 1 << 20
-
-
-def _wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- the registry entry and a missing rmm (what CI sees) ----------------------------------------
@@ -535,7 +524,7 @@ def test_buffers_freed_by_the_garbage_collector_do_not_deadlock(fake_rmm):
         cb.deallocate(cb.allocate(512, 0), 512, 0)
 
     _churn_with_cyclic_buffers(lambda: _StandInBuffer(cb, 2048), allocate_and_free)
-    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the deferred frees")
+    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees")
     assert stats.allocation_counts.total_count == 3 * 1500
     assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
 
@@ -559,11 +548,11 @@ def test_frees_during_a_collection_are_deferred_to_another_thread(fake_rmm):
             cb.deallocate(ptr, 4096, 0)
         finally:
             rmm_interop._note_collection("stop", {})
-        _wait_until(lambda: freed_by, what="the deferred free")
+        wait_until(lambda: freed_by, timeout=30.0, what="the deferred free")
     finally:
         rmm_interop.RMMForwarder._free_deferred = original
     assert freed_by == ["dask-rmm deferred RMM frees"]
-    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the free to land")
+    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the free to land")
     assert rmm_interop._note_collection in gc.callbacks
 
 
@@ -840,7 +829,7 @@ def test_gpu_rmm_buffers_in_reference_cycles_do_not_deadlock_the_pool(real_rmm, 
         del r
 
     _churn_with_cyclic_buffers(lambda: real_rmm.DeviceBuffer(size=2048), allocate_and_free, 500)
-    _wait_until(lambda: stats.allocation_counts.current_bytes == 0, what="the deferred frees")
+    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees")
     assert stats.allocation_counts.total_count == 3 * 500
     assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
 
@@ -928,7 +917,7 @@ def _check_dask_workload(client, log_directory=None) -> None:
         report = dask_rmm.cluster_report(client, timeline=False)
         return report if report.totals.current_bytes == total else None
 
-    report = _wait_until(lambda: report_with(3 * MiB), what="3 MiB in the cluster report")
+    report = wait_until(lambda: report_with(3 * MiB), timeout=30.0, what="3 MiB in the cluster report")
     (device,) = report.running
     assert {g.prefix: g.current_bytes for g in device.task_groups} == {"rmm_hold": 3 * MiB}
     assert device.current_count == 2 and device.reserved_bytes == 64 * MiB
@@ -936,7 +925,7 @@ def _check_dask_workload(client, log_directory=None) -> None:
     assert view["rmm_resource"] == "CallbackMemoryResource"
 
     del futures
-    report = _wait_until(lambda: report_with(0), what="the frees in the cluster report")
+    report = wait_until(lambda: report_with(0), timeout=30.0, what="the frees in the cluster report")
     (device,) = report.running
     assert {g.prefix: g.peak_bytes for g in device.task_groups}["rmm_hold"] == 3 * MiB
     (view,) = client.run(_worker_view).values()
@@ -953,7 +942,7 @@ def _check_dask_workload(client, log_directory=None) -> None:
                     sizes += [int(r["Size"]) for r in csv.DictReader(f) if r["Action"] == "allocate"]
             return sorted(sizes) if len(sizes) >= 2 else None
 
-        assert _wait_until(logged_sizes, what="the allocation log") == [MiB, 2 * MiB]
+        assert wait_until(logged_sizes, timeout=30.0, what="the allocation log") == [MiB, 2 * MiB]
 
 
 @contextlib.contextmanager
