@@ -57,11 +57,8 @@ def draw(steps: int, live: int, seed: int) -> tuple[list[int], list[int], list[i
     )
 
 
-def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -> int:
-    """Time the steady-state loop with ``clock``; returns ns for ``len(victims)`` pairs."""
-    live = list(initial)
-    ptrs = [alloc(n) for n in live]
-    t0 = clock()
+def _steady_state(alloc, free, ptrs, live, victims, sizes) -> None:
+    """The measured loop: free victim ``victims[k]``'s block, allocate ``sizes[k]`` in its place."""
     for k in range(len(victims)):
         i = victims[k]
         free(ptrs[i], live[i])
@@ -69,6 +66,14 @@ def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -
         n = sizes[k]
         ptrs[i] = alloc(n)
         live[i] = n
+
+
+def run_loop(alloc, free, initial, victims, sizes, clock=time.perf_counter_ns) -> int:
+    """Time the steady-state loop with ``clock``; returns ns for ``len(victims)`` pairs."""
+    live = list(initial)
+    ptrs = [alloc(n) for n in live]
+    t0 = clock()
+    _steady_state(alloc, free, ptrs, live, victims, sizes)
     elapsed = clock() - t0
     for p, n in zip(ptrs, live, strict=True):
         free(p, n)
@@ -82,13 +87,7 @@ def _worker(barrier, alloc, free, load, ends):
     live = list(initial)
     ptrs = [alloc(n) for n in live]
     barrier.wait()  # every thread's blocks are live: the steady state starts for all at once
-    for k in range(len(victims)):
-        i = victims[k]
-        free(ptrs[i], live[i])
-        ptrs[i] = None
-        n = sizes[k]
-        ptrs[i] = alloc(n)
-        live[i] = n
+    _steady_state(alloc, free, ptrs, live, victims, sizes)
     ends.append(time.perf_counter_ns())
     for p, n in zip(ptrs, live, strict=True):
         free(p, n)
