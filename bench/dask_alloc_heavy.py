@@ -27,7 +27,6 @@ round, to ``--json`` (a timeout still leaves the rounds done).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import platform
 import statistics
@@ -37,6 +36,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dask_workload import dask_cuda_rmm_pool  # noqa: E402
 
 STATS_ON = "dask-rmm pool, statistics on"
 
@@ -111,13 +112,6 @@ def anchor(n: int, chunk: int):
 # -- configurations -------------------------------------------------------------------------------
 
 
-def _cupy_to_rmm():
-    import cupy
-    from rmm.allocators.cupy import rmm_cupy_allocator
-
-    cupy.cuda.set_allocator(rmm_cupy_allocator)
-
-
 def configurations(pool):
     """(label, configure(client) -> description) pairs; rows that cannot be made are skipped."""
     from dask_rmm import RMMPlugin
@@ -144,30 +138,8 @@ def configurations(pool):
         print(f"dask-rmm async row skipped: {e}", file=sys.stderr)
     else:
         configs.append(("dask-rmm async, statistics on", ours(async_alloc=True, statistics=True)))
-    try:
-        import rmm  # noqa: F401
-        from dask_cuda.plugins import RMMSetup
-    except ImportError as e:
-        print(f"dask-cuda/rmm not importable, its row skipped: {e}", file=sys.stderr)
-    else:
-
-        def dask_cuda(client):
-            kwargs = dict(
-                initial_pool_size=pool,
-                maximum_pool_size=None,
-                managed_memory=False,
-                async_alloc=False,
-                release_threshold=None,
-                log_directory=None,
-                track_allocations=False,
-                external_lib_list=["cupy"],
-            )
-            params = inspect.signature(RMMSetup).parameters
-            client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
-            if "external_lib_list" not in params:
-                client.run(_cupy_to_rmm)
-            return f"dask_cuda RMMSetup(initial_pool_size={pool!r}) + rmm_cupy_allocator"
-
+    dask_cuda = dask_cuda_rmm_pool(pool)
+    if dask_cuda is not None:
         configs.append(("dask-cuda RMM pool", dask_cuda))
     return configs
 

@@ -52,34 +52,41 @@ def _configurations(pool):
         return f"RMMPlugin(pool_size={pool!r}, allocators=['cupy'], statistics=True)"
 
     configs = [("no plugin", none), ("dask-rmm RMMPlugin", dask_rmm)]
+    dask_cuda = dask_cuda_rmm_pool(pool)
+    if dask_cuda is not None:
+        configs.append(("dask-cuda rmm_pool_size", dask_cuda))
+    return configs
+
+
+def dask_cuda_rmm_pool(pool):
+    """``configure(client)`` registering dask-cuda's RMMSetup with an RMM pool of ``pool`` and
+    CuPy on RMM (as ``LocalCUDACluster(rmm_pool_size=pool)``), or None without dask-cuda/rmm."""
     try:
         import rmm  # noqa: F401
         from dask_cuda.plugins import RMMSetup
-    except ImportError:
-        print("dask-cuda/rmm not importable: skipping the dask-cuda row", file=sys.stderr)
-    else:
-        import inspect
+    except ImportError as e:
+        print(f"dask-cuda/rmm not importable, its row skipped: {e}", file=sys.stderr)
+        return None
+    import inspect
 
-        def dask_cuda(client):
-            kwargs = dict(
-                initial_pool_size=pool,
-                maximum_pool_size=None,
-                managed_memory=False,
-                async_alloc=False,
-                release_threshold=None,
-                log_directory=None,
-                track_allocations=False,
-            )
-            params = inspect.signature(RMMSetup).parameters
-            if "external_lib_list" in params:
-                kwargs["external_lib_list"] = ["cupy"]
-            client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
-            if "external_lib_list" not in params:
-                client.run(_cupy_to_rmm)
-            return f"dask_cuda RMMSetup(initial_pool_size={pool!r}) + rmm_cupy_allocator"
+    def dask_cuda(client):
+        kwargs = dict(
+            initial_pool_size=pool,
+            maximum_pool_size=None,
+            managed_memory=False,
+            async_alloc=False,
+            release_threshold=None,
+            log_directory=None,
+            track_allocations=False,
+            external_lib_list=["cupy"],
+        )
+        params = inspect.signature(RMMSetup).parameters
+        client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
+        if "external_lib_list" not in params:
+            client.run(_cupy_to_rmm)
+        return f"dask_cuda RMMSetup(initial_pool_size={pool!r}) + rmm_cupy_allocator"
 
-        configs.append(("dask-cuda rmm_pool_size", dask_cuda))
-    return configs
+    return dask_cuda
 
 
 def _cupy_to_rmm():
