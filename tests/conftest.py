@@ -98,15 +98,16 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition", interv
 
 
 @contextlib.contextmanager
-def local_process_cluster():
-    """A LocalCluster of two single-threaded worker processes (scheduler dashboard on a free
-    port, none on the workers) and a Client of it; yields ``(cluster, client)``."""
+def local_process_cluster(n_workers: int = 2, threads_per_worker: int = 1):
+    """A LocalCluster of worker processes (two single-threaded ones by default; scheduler
+    dashboard on a free port, none on the workers) and a Client of it; yields
+    ``(cluster, client)``."""
     from distributed import Client, LocalCluster
 
     with (
         LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
+            n_workers=n_workers,
+            threads_per_worker=threads_per_worker,
             processes=True,
             dashboard_address=":0",
             worker_dashboard_address=None,

@@ -19,7 +19,7 @@ import threading
 from collections import defaultdict
 
 import pytest
-from conftest import wait_until
+from conftest import local_process_cluster, wait_until
 
 from dask_rmm.allocators import (
     _HOOKS,
@@ -947,18 +947,7 @@ def _check_dask_workload(client, log_directory=None) -> None:
 
 @contextlib.contextmanager
 def _one_worker_cluster():
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=2,
-            processes=True,
-            dashboard_address=":0",
-            worker_dashboard_address=None,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with local_process_cluster(n_workers=1, threads_per_worker=2) as (_, client):
         yield client
 
 
