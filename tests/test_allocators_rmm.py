@@ -173,17 +173,12 @@ def fake_rmm(monkeypatch, request):
     return rmm
 
 
-class _AsDeviceMemory(UpstreamResourceAdaptor):
-    """Host memory presented as device memory (the stand-in's C++ never touches it), recording
-    the stream of every call."""
+class _Recording(UpstreamResourceAdaptor):
+    """Forwards, recording (call, stream handle) of every call."""
 
     def __init__(self, upstream):
         super().__init__(upstream)
         self.streams: list[tuple[str, int]] = []
-
-    @property
-    def is_host_memory(self) -> bool:
-        return False
 
     def allocate(self, nbytes, stream):
         self.streams.append(("allocate", stream.handle))
@@ -192,6 +187,15 @@ class _AsDeviceMemory(UpstreamResourceAdaptor):
     def deallocate(self, ptr, nbytes, stream):
         self.streams.append(("deallocate", stream.handle))
         self.upstream_mr.deallocate(ptr, nbytes, stream)
+
+
+class _AsDeviceMemory(_Recording):
+    """Host memory presented as device memory (the stand-in's C++ never touches it), recording
+    the stream of every call."""
+
+    @property
+    def is_host_memory(self) -> bool:
+        return False
 
 
 def _stack(pool_size: int = 4 * MiB, maximum: int | None = None):
@@ -407,7 +411,9 @@ def test_alignments_above_256_bytes_are_refused(fake_rmm, monkeypatch):
         ptr = cb.allocate(1000, 0, alignment)
         assert ptr % 256 == 0
         cb.deallocate(ptr, 1000, 0)
-    with pytest.raises(RuntimeError, match="aligned to 512: dask-rmm's allocations are aligned to 256"):
+    with pytest.raises(
+        RuntimeError, match="aligned to 512: dask-rmm's allocations are aligned to 256"
+    ):
         cb.allocate(1000, 0, 512)
     assert stats.allocation_counts.current_bytes == 0
 
@@ -524,7 +530,9 @@ def test_buffers_freed_by_the_garbage_collector_do_not_deadlock(fake_rmm):
         cb.deallocate(cb.allocate(512, 0), 512, 0)
 
     _churn_with_cyclic_buffers(lambda: _StandInBuffer(cb, 2048), allocate_and_free)
-    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees")
+    wait_until(
+        lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees"
+    )
     assert stats.allocation_counts.total_count == 3 * 1500
     assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
 
@@ -552,7 +560,9 @@ def test_frees_during_a_collection_are_deferred_to_another_thread(fake_rmm):
     finally:
         rmm_interop.RMMForwarder._free_deferred = original
     assert freed_by == ["dask-rmm deferred RMM frees"]
-    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the free to land")
+    wait_until(
+        lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the free to land"
+    )
     assert rmm_interop._note_collection in gc.callbacks
 
 
@@ -576,22 +586,6 @@ def real_rmm():
     yield rmm
     rmm_interop.reset_rmm_callback_resource()
     rmm.mr.set_per_device_resource(0, before)
-
-
-class _Recording(UpstreamResourceAdaptor):
-    """Forwards, recording (call, stream handle) of every call."""
-
-    def __init__(self, upstream):
-        super().__init__(upstream)
-        self.streams: list[tuple[str, int]] = []
-
-    def allocate(self, nbytes, stream):
-        self.streams.append(("allocate", stream.handle))
-        return self.upstream_mr.allocate(nbytes, stream)
-
-    def deallocate(self, ptr, nbytes, stream):
-        self.streams.append(("deallocate", stream.handle))
-        self.upstream_mr.deallocate(ptr, nbytes, stream)
 
 
 @pytest.fixture
@@ -664,7 +658,9 @@ def test_gpu_cupy_and_rmm_together_then_reset(real_rmm):
     assert set_allocators("cupy,rmm") == ["cupy", "rmm"]
     try:
         assert cupy.cuda.get_allocator() is our_cupy_allocator
-        assert isinstance(real_rmm.mr.get_per_device_resource(0), real_rmm.mr.CallbackMemoryResource)
+        assert isinstance(
+            real_rmm.mr.get_per_device_resource(0), real_rmm.mr.CallbackMemoryResource
+        )
     finally:
         reset_allocators(["cupy", "rmm"])
     assert cupy.cuda.get_allocator() is before_cupy
@@ -746,7 +742,9 @@ def test_gpu_pool_out_of_memory_is_rmms_out_of_memory(real_rmm, gpu_stack):
             raise ValueError("broken on purpose")
 
     set_per_device_resource(0, Broken(top))
-    with pytest.raises(RuntimeError, match="could not allocate 256 bytes for RMM: ValueError: broken"):
+    with pytest.raises(
+        RuntimeError, match="could not allocate 256 bytes for RMM: ValueError: broken"
+    ):
         real_rmm.DeviceBuffer(size=256, mr=adaptor)
     assert calls == [32 * MiB, 128 * MiB]  # not an out_of_memory: no spill callback
     assert stats.allocation_counts.current_bytes == 0
@@ -771,7 +769,10 @@ def _run_in_native_thread(fn) -> list:
     routine = start_routine(body)
     thread = ctypes.c_ulong()
     libc.pthread_create.argtypes = [
-        ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p, start_routine, ctypes.c_void_p
+        ctypes.POINTER(ctypes.c_ulong),
+        ctypes.c_void_p,
+        start_routine,
+        ctypes.c_void_p,
     ]
     assert libc.pthread_create(ctypes.byref(thread), None, routine, None) == 0
     assert libc.pthread_join(thread, None) == 0  # CDLL calls release the GIL
@@ -829,7 +830,9 @@ def test_gpu_rmm_buffers_in_reference_cycles_do_not_deadlock_the_pool(real_rmm, 
         del r
 
     _churn_with_cyclic_buffers(lambda: real_rmm.DeviceBuffer(size=2048), allocate_and_free, 500)
-    wait_until(lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees")
+    wait_until(
+        lambda: stats.allocation_counts.current_bytes == 0, timeout=30.0, what="the deferred frees"
+    )
     assert stats.allocation_counts.total_count == 3 * 500
     assert rmm_interop.get_rmm_forwarder(0).failed_deallocations == 0
 
@@ -917,7 +920,9 @@ def _check_dask_workload(client, log_directory=None) -> None:
         report = dask_rmm.cluster_report(client, timeline=False)
         return report if report.totals.current_bytes == total else None
 
-    report = wait_until(lambda: report_with(3 * MiB), timeout=30.0, what="3 MiB in the cluster report")
+    report = wait_until(
+        lambda: report_with(3 * MiB), timeout=30.0, what="3 MiB in the cluster report"
+    )
     (device,) = report.running
     assert {g.prefix: g.current_bytes for g in device.task_groups} == {"rmm_hold": 3 * MiB}
     assert device.current_count == 2 and device.reserved_bytes == 64 * MiB
@@ -925,7 +930,9 @@ def _check_dask_workload(client, log_directory=None) -> None:
     assert view["rmm_resource"] == "CallbackMemoryResource"
 
     del futures
-    report = wait_until(lambda: report_with(0), timeout=30.0, what="the frees in the cluster report")
+    report = wait_until(
+        lambda: report_with(0), timeout=30.0, what="the frees in the cluster report"
+    )
     (device,) = report.running
     assert {g.prefix: g.peak_bytes for g in device.task_groups}["rmm_hold"] == 3 * MiB
     (view,) = client.run(_worker_view).values()
@@ -939,7 +946,9 @@ def _check_dask_workload(client, log_directory=None) -> None:
             sizes = []
             for path in glob.glob(os.path.join(log_directory, "*.csv")):
                 with open(path) as f:
-                    sizes += [int(r["Size"]) for r in csv.DictReader(f) if r["Action"] == "allocate"]
+                    sizes += [
+                        int(r["Size"]) for r in csv.DictReader(f) if r["Action"] == "allocate"
+                    ]
             return sorted(sizes) if len(sizes) >= 2 else None
 
         assert wait_until(logged_sizes, timeout=30.0, what="the allocation log") == [MiB, 2 * MiB]
