@@ -3,13 +3,15 @@ caller when threads race, and the pool's instrumentation interface (counters, ow
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
 import pytest
 
 from dask_rmm import mr
-from dask_rmm.mr.pool import AllocationCounters, OwnerAccounts, PoolMemoryResource
+from dask_rmm.mr.pool import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts, PoolMemoryResource
+from dask_rmm.mr.statistics_adaptor import Statistics
 
 MiB = 1 << 20
 
@@ -84,13 +86,18 @@ def test_pool_counts_through_its_instrumentation_interface(base_resource):
     assert not pool.count_allocations(AllocationCounters())  # one at a time
     a = pool.allocate(3000)
     b = pool.allocate(2 * MiB)  # not from the cache
+    assert len(c.journal) == 2  # journaled, not yet folded in
     with pool.instrumentation_lock:
+        c.settle()
         assert (c.total_bytes, c.total_count, c.peak_bytes, c.peak_count) == (
             3000 + 2 * MiB, 2, 3000 + 2 * MiB, 2)
+    assert c.journal == []
     pool.deallocate(a, 3000)
     pool.deallocate(before, 1000)
     with pytest.raises(MemoryError):
         pool.allocate(3 * MiB)
+    with pool.instrumentation_lock:
+        c.settle()
     assert (c.freed_bytes, c.freed_count, c.failed) == (3000, 1, 1)
     pool.deallocate(b, 2 * MiB)
     pool.stop_counting(c)
@@ -99,6 +106,99 @@ def test_pool_counts_through_its_instrumentation_interface(base_resource):
     assert pool.count_allocations(AllocationCounters())
     with pytest.raises(TypeError, match="AllocationCounters"):
         pool.count_allocations(object())
+
+
+@pytest.mark.parametrize("ops", [10, 300, 3 * JOURNAL_LIMIT])
+def test_counting_journal_folds_to_a_step_by_step_count(ops, base_resource):
+    """The journal, folded by ``settle`` (in Python for short journals, with NumPy for long
+    ones, and by the pool itself at JOURNAL_LIMIT entries), gives the numbers of counting every
+    operation as it happens, peaks included; reading in between (which settles) changes none."""
+    pool = PoolMemoryResource(base_resource, initial_pool_size=64 * MiB)
+    stats = mr.StatisticsResourceAdaptor(pool)
+    assert stats.counting_pool is pool
+    rng = random.Random(ops)
+    live: list[tuple[int, int]] = []
+    cur_b = cur_c = peak_b = peak_c = total_b = total_c = 0
+    interval_peak = 0
+    for i in range(ops):
+        if live and (len(live) > 40 or rng.random() < 0.45):
+            ptr, n = live.pop(rng.randrange(len(live)))
+            stats.deallocate(ptr, n)
+            cur_b -= n
+            cur_c -= 1
+        else:
+            # mostly cached sizes (the lock-free path), some beyond the caches (the locked one)
+            n = rng.choice([256, 1000, 4096, 70_000]) if rng.random() < 0.9 else 2 * MiB + i
+            live.append((stats.allocate(n), n))
+            cur_b += n
+            cur_c += 1
+            total_b += n
+            total_c += 1
+            peak_b, peak_c = max(peak_b, cur_b), max(peak_c, cur_c)
+            interval_peak = max(interval_peak, cur_b)
+        if i % 97 == 96:
+            assert stats.take_interval_peak() == interval_peak
+            interval_peak = cur_b
+        if i % 1000 == 999:
+            assert stats.current_bytes == cur_b
+    assert stats.allocation_counts == Statistics(cur_b, cur_c, peak_b, peak_c, total_b, total_c)
+    assert len(pool._counters.journal) == 0
+    for ptr, n in live:
+        stats.deallocate(ptr, n)
+    assert stats.allocation_counts == Statistics(0, 0, peak_b, peak_c, total_b, total_c)
+
+
+def test_settle_keeps_what_was_journaled_while_it_copied():
+    """An allocation journaled between settle's copy of the journal and its trim stays for the
+    next settle (a lock-free caller does not wait for the reader)."""
+
+    class AppendsDuringCopy(list):
+        def __getitem__(self, index):
+            copied = super().__getitem__(index)
+            self.append(777)  # another thread's allocation, right after the copy
+            return copied
+
+    c = AllocationCounters()
+    c.journal = AppendsDuringCopy([100, 200, -100])
+    c.settle()
+    assert (c.total_bytes, c.freed_bytes, c.peak_bytes, c.peak_count) == (300, 100, 300, 2)
+    assert list(c.journal) == [777]
+
+
+def test_counting_from_eight_threads_loses_nothing_while_a_reader_settles(base_resource):
+    """Eight threads allocate and free through the lock-free counting path while another thread
+    keeps reading (and so settling) the counters: every operation is counted exactly once."""
+    stats = mr.StatisticsResourceAdaptor(PoolMemoryResource(base_resource, initial_pool_size=64 * MiB))
+    pairs, held = 3000, 4
+    done = threading.Event()
+    seen = []
+
+    def churn():
+        mine = []
+        for k in range(pairs):
+            mine.append(stats.allocate(512 + 256 * (k % 3)))
+            if len(mine) == held:
+                for j, p in enumerate(mine):
+                    stats.deallocate(p, 512 + 256 * ((k - held + 1 + j) % 3))
+                mine.clear()
+        return mine
+
+    def read():
+        while not done.is_set():
+            seen.append(stats.allocation_counts.current_count)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        results = _race(8, churn)
+    finally:
+        done.set()
+        reader.join()
+    assert results == [[]] * 8
+    s = stats.allocation_counts
+    assert (s.current_bytes, s.current_count, s.total_count) == (0, 0, 8 * pairs)
+    assert held <= s.peak_count <= 8 * held
+    assert seen and all(0 <= c <= 8 * held for c in seen)
 
 
 def test_pool_charges_owner_accounts(base_resource):

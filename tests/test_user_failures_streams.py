@@ -22,13 +22,19 @@ from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, CudaStreamFlags, Stream
 
 N = 32 << 20  # above the pool's size classes: the exact block is reused
-SPIN_CYCLES = 200_000_000  # ~0.1 s at the H200's clock
+SPIN_NS = 100_000_000  # 0.1 s of GPU time
 
 _SPIN_FILL = r"""
 extern "C" __global__ void spin_fill(unsigned char* p, unsigned long long n, unsigned char v,
-                                     long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
+                                     unsigned long long ns) {
+    // %globaltimer: one nanosecond clock for the whole GPU, so the spin lasts 0.1 s of wall time
+    // whatever the SM clock and wherever a block preempted by another process resumes
+    // (clock64() counts cycles of one SM, and the SMs' counters differ by milliseconds).
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
          i < n; i += (unsigned long long)gridDim.x * blockDim.x) {
         p[i] = v;
@@ -53,7 +59,7 @@ def spin_fill(ptr: int, n: int, value: int, stream: Stream) -> None:
     kernel = cupy.RawKernel(_SPIN_FILL, "spin_fill")
     with cupy.cuda.ExternalStream(stream.handle):
         kernel(
-            (264,), (256,), (_view(ptr, n), np.uint64(n), np.uint8(value), np.int64(SPIN_CYCLES))
+            (264,), (256,), (_view(ptr, n), np.uint64(n), np.uint8(value), np.uint64(SPIN_NS))
         )
 
 

@@ -46,9 +46,11 @@ Observers count and attribute allocations through one documented interface, used
 StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResource.count_allocations`
 (an :class:`AllocationCounters` the pool updates) and :meth:`PoolMemoryResource.charge_owners`
 (an :class:`OwnerAccounts`: an owner getter called before the lock, a token -> account dict and
-an owner callback called under the lock for new tokens). While either is attached the fast path
-takes the lock and does the updates inline, so they agree with each other and with the blocks;
-:attr:`PoolMemoryResource.instrumentation_lock` is the lock to read them under.
+an owner callback called under the lock for new tokens). Counting alone keeps the fast path
+lock-free: each counted operation appends its size to the counters' journal, folded in by
+:meth:`AllocationCounters.settle` (under the lock, by readers, and by the pool every
+:data:`JOURNAL_LIMIT` entries). Charging owners takes the lock on the fast path and updates the
+accounts inline. :attr:`PoolMemoryResource.instrumentation_lock` is the lock to read under.
 :meth:`PoolMemoryResource.live_allocations` (read-only: the table every deallocate is checked
 against) is what TrackingResourceAdaptor lists instead of keeping a table of its own, and
 :func:`pool_behind` finds the pool behind an adaptor that made the pool's methods its own.
@@ -283,9 +285,15 @@ class AllocationCounters:
     """Allocation counters a :class:`PoolMemoryResource` keeps for an observer.
 
     Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.count_allocations`).
-    The pool updates these numbers under its own lock, after each operation succeeded; read
-    them holding :attr:`PoolMemoryResource.instrumentation_lock`. Sizes are the sizes callers
-    asked for. Current values are derived: ``current_bytes = total_bytes - freed_bytes``.
+    Sizes are the sizes callers asked for. Current values are derived: ``current_bytes =
+    total_bytes - freed_bytes``.
+
+    The pool does not update the numbers on every call: it appends each counted allocation's
+    size, and each counted free's negated size, to :attr:`journal` (one atomic ``list.append``,
+    so the pool's cached fast path stays lock-free while counting), and :meth:`settle` folds the
+    journal into the numbers in order, peaks included (with NumPy for long journals). Readers hold
+    :attr:`PoolMemoryResource.instrumentation_lock` and call :meth:`settle` before reading; the
+    pool settles on its own when the journal reaches :data:`JOURNAL_LIMIT` entries.
 
     Attributes
     ----------
@@ -299,16 +307,87 @@ class AllocationCounters:
         Like ``peak_bytes``; an observer resets it to sample short spikes.
     failed : int
         Allocations that raised ``MemoryError``.
+    journal : list[int]
+        Counted operations not yet folded in: ``+nbytes`` per allocation, ``-nbytes`` per free.
     """
 
     __slots__ = (
         "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
-        "interval_peak", "failed",
+        "interval_peak", "failed", "journal",
     )  # fmt: skip
 
     def __init__(self):
         self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
         self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
+        self.journal: list[int] = []
+
+    def settle(self) -> None:
+        """Fold :attr:`journal` into the numbers (hold the instrumentation lock).
+
+        Entries appended meanwhile by lock-free callers stay for the next call. The peaks are
+        those of the journal's order: each entry is appended while its block is the caller's
+        (after an allocation took it, before a free hands it back), so a block is never
+        counted twice at once.
+        """
+        journal = self.journal
+        n = len(journal)
+        if not n:
+            return
+        # Making the lists below may run the garbage collector, whose finalizers may free into
+        # the pool on this thread, which holds the pool's lock: keep the collector out.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            entries = journal[:n]
+            del journal[:n]  # appends made since the copy are past n: they stay
+            current = self.total_bytes - self.freed_bytes
+            count = self.total_count - self.freed_count
+            if n < _SETTLE_IN_NUMPY:
+                peak_bytes, peak_count = current, count
+                allocated_bytes = allocated = 0
+                net = sum(entries)
+                for e in entries:
+                    current += e
+                    if e > 0:
+                        allocated_bytes += e
+                        allocated += 1
+                        count += 1
+                        if current > peak_bytes:
+                            peak_bytes = current
+                        if count > peak_count:
+                            peak_count = count
+                    else:
+                        count -= 1
+            else:
+                import numpy as np
+
+                sizes = np.array(entries, dtype=np.int64)
+                peak_bytes = current + max(int(np.cumsum(sizes).max()), 0)
+                taken = sizes > 0
+                allocated_bytes = int(sizes[taken].sum())
+                allocated = int(np.count_nonzero(taken))
+                peak_count = count + max(int(np.cumsum(np.where(taken, 1, -1)).max()), 0)
+                net = int(sizes.sum())
+            if peak_bytes > self.peak_bytes:
+                self.peak_bytes = peak_bytes
+            if peak_bytes > self.interval_peak:
+                self.interval_peak = peak_bytes
+            if peak_count > self.peak_count:
+                self.peak_count = peak_count
+            self.total_bytes += allocated_bytes
+            self.freed_bytes += allocated_bytes - net
+            self.total_count += allocated
+            self.freed_count += n - allocated
+        finally:
+            if paused:
+                gc.enable()
+
+
+#: Journal entries at which an allocation settles the counters itself (bounds the journal's
+#: memory and each settle's pause: 4096 entries take ~0.2 ms).
+JOURNAL_LIMIT = 4096
+_SETTLE_IN_NUMPY = 64  # journals at least this long are folded with NumPy (~10x faster)
 
 
 class OwnerAccounts:
@@ -418,6 +497,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         # Instrumentation (see count_allocations / charge_owners); _instrumented is True when
         # either is attached, so the uninstrumented fast paths test one attribute.
         self._counters: AllocationCounters | None = None
+        self._journal: list[int] | None = None  # self._counters.journal, for the fast paths
         self._uncounted: set[int] = set()  # live when counting began: their frees not counted
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
@@ -449,9 +529,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """Count every allocation and free made on this pool into ``counters``.
 
         Blocks live now are not counted when they are freed. One set of counters at a time:
-        returns False (and changes nothing) when others are attached already. While counting,
-        the pool's fast path takes its lock (the counters' numbers must agree with each other);
-        without any instrumentation it takes none.
+        returns False (and changes nothing) when others are attached already. Counting is
+        journaled (see :class:`AllocationCounters`): read the counters under
+        :attr:`instrumentation_lock` after calling their ``settle()``.
         """
         if not isinstance(counters, AllocationCounters):
             raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
@@ -460,16 +540,30 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 return False
             self._uncounted = set(self._live)
             self._counters = counters
+            self._journal = counters.journal
             self._instrumented = True
             return True
 
     def stop_counting(self, counters: AllocationCounters) -> None:
         """Detach ``counters`` (no-op when they are not the attached ones)."""
-        with self._lock:  # makes nothing; also runs from finalizers at shutdown
+        with self._lock:  # also runs from finalizers at shutdown
             if self._counters is counters:
-                self._counters = None
+                counters.settle()
+                self._counters = self._journal = None
                 self._uncounted.clear()
                 self._instrumented = self._owners is not None
+
+    def _after_journaled_allocation(self, ptr: int) -> None:
+        """After the fast path journaled an allocation: a block live when counting began is
+        counted from now on, and a journal of JOURNAL_LIMIT entries is folded in."""
+        if self._uncounted:
+            self._uncounted.discard(ptr)
+        journal = self._journal
+        if journal is not None and len(journal) >= JOURNAL_LIMIT:
+            with self._lock:  # settle() keeps the garbage collector out
+                st = self._counters
+                if st is not None:
+                    st.settle()
 
     def charge_owners(self, owners: OwnerAccounts) -> bool:
         """Charge every allocation made on this pool to an owner (see :class:`OwnerAccounts`).
@@ -525,25 +619,32 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if caches is not None:
                 cached = caches[_SRCH[(nbytes + 255) >> 8]]
                 if cached:
-                    if not self._instrumented:
+                    if self._owners is None:
+                        # Lock-free: list.pop and a dict store are atomic, so each cached block
+                        # goes to exactly one caller. Counting (the statistics adaptor) adds one
+                        # journal append (AllocationCounters.settle folds it in).
                         try:
                             ptr = cached.pop()
                         except IndexError:  # another thread took the last one
                             pass
                         else:
                             self._live[ptr] = nbytes
+                            journal = self._journal
+                            if journal is not None:
+                                journal.append(nbytes)
+                                if self._uncounted or len(journal) >= JOURNAL_LIMIT:
+                                    self._after_journaled_allocation(ptr)
                             return ptr
                     else:
-                        # Instrumented: the same under the lock, with the counting and the
-                        # owner charging inline (the statistics and attribution adaptors).
+                        # Charging owners (the attribution adaptor): the same under the lock,
+                        # the owner's account updated inline.
                         owners = self._owners
-                        if owners is not None:
-                            # Outside the lock: a first read of a thread-local may allocate and
-                            # so run the GC.
-                            try:
-                                token = owners.get_owner()
-                            except Exception:
-                                token = None
+                        # Outside the lock: a first read of a thread-local may allocate and
+                        # so run the GC.
+                        try:
+                            token = owners.get_owner()
+                        except Exception:
+                            token = None
                         mutex = self._token
                         try:
                             mutex.pop()
@@ -556,23 +657,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                                 ptr = 0
                             if ptr:
                                 self._live[ptr] = nbytes
-                                st = self._counters
-                                if st is not None:
-                                    t = st.total_bytes + nbytes
-                                    st.total_bytes = t
-                                    t -= st.freed_bytes
-                                    if t > st.peak_bytes:
-                                        st.peak_bytes = t
-                                    if t > st.interval_peak:
-                                        st.interval_peak = t
-                                    t = st.total_count + 1
-                                    st.total_count = t
-                                    t -= st.freed_count
-                                    if t > st.peak_count:
-                                        st.peak_count = t
-                                    if self._uncounted:
-                                        self._uncounted.discard(ptr)
-                                if owners is not None and self._owners is owners:
+                                if self._counters is not None:
+                                    self._count_allocation(ptr, nbytes)
+                                if self._owners is owners:
                                     try:
                                         account = owners.accounts[token]
                                     except (KeyError, TypeError):
@@ -688,20 +775,27 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             key = stream.handle
         if key == _PTDS_HANDLE:
             key = stream.order_key()
-        if not self._instrumented:
+        if self._owners is None:
             # Lock-free fast path: the pop from the live table is atomic, so of two threads
-            # freeing one pointer only one gets it.
+            # freeing one pointer only one gets it. Counting journals the free before the block
+            # is handed back, so that its next allocation is journaled after it.
             live = self._live
             n = live.pop(ptr, None)
             if n is not None:
                 if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
                     caches = self._caches.get(key)
                     if caches is not None:
+                        journal = self._journal
+                        if journal is not None:
+                            if self._uncounted and ptr in self._uncounted:
+                                self._uncounted.discard(ptr)
+                            else:
+                                journal.append(-n)
                         caches[_SRCH[(n + 255) >> 8]].append(ptr)
                         return
                 live[ptr] = n  # the general path below takes it again under the lock
         else:
-            # Instrumented: the same under the lock, counters and owner accounts inline.
+            # Charging owners: the same under the lock, the owner's account updated inline.
             mutex = self._token
             try:
                 mutex.pop()
@@ -719,12 +813,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                                 if self._uncounted and ptr in self._uncounted:
                                     self._uncounted.discard(ptr)
                                 else:
-                                    st.freed_bytes += n
-                                    st.freed_count += 1
-                            if self._owners is not None:
-                                account = self._owner_of.pop(ptr, None)
-                                if account is not None:
-                                    account[0] -= n
+                                    st.journal.append(-n)
+                            account = self._owner_of.pop(ptr, None)
+                            if account is not None:
+                                account[0] -= n
                             caches[_SRCH[(n + 255) >> 8]].append(ptr)
                             return
                     live[ptr] = n
@@ -906,21 +998,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return fl
 
     def _count_allocation(self, ptr: int, nbytes: int) -> None:
-        """Count one allocation into the attached counters (lock held; the slow paths' twin
-        of the inline update in allocate's fast path)."""
-        st = self._counters
-        t = st.total_bytes + nbytes
-        st.total_bytes = t
-        t -= st.freed_bytes
-        if t > st.peak_bytes:
-            st.peak_bytes = t
-        if t > st.interval_peak:
-            st.interval_peak = t
-        t = st.total_count + 1
-        st.total_count = t
-        t -= st.freed_count
-        if t > st.peak_count:
-            st.peak_count = t
+        """Count one allocation into the attached counters (lock held)."""
+        journal = self._counters.journal
+        journal.append(nbytes)
+        if len(journal) >= JOURNAL_LIMIT:
+            self._counters.settle()
         if self._uncounted:
             # Allocated lock-free while counting began: its free is counted after all.
             self._uncounted.discard(ptr)
@@ -957,8 +1039,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if self._uncounted and ptr in self._uncounted:
                 self._uncounted.discard(ptr)
             else:
-                st.freed_bytes += nbytes
-                st.freed_count += 1
+                st.journal.append(-nbytes)
         if self._owners is not None:
             account = self._owner_of.pop(ptr, None)
             if account is not None:

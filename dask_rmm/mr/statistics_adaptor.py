@@ -96,11 +96,11 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     Over a :class:`PoolMemoryResource` (or an adaptor whose calls are the pool's own, such as
     a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its instrumentation
-    interface (:meth:`PoolMemoryResource.count_allocations`): it updates this adaptor's
-    :class:`~dask_rmm.mr.pool.AllocationCounters` under its own lock, and the adaptor, having
-    nothing left to do per call, makes the pool's ``allocate``/``deallocate`` its own. Counting
-    then costs a few integer updates instead of a second lock and call layer per operation
-    (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
+    interface (:meth:`PoolMemoryResource.count_allocations`): it journals every operation in
+    this adaptor's :class:`~dask_rmm.mr.pool.AllocationCounters`, folded in when they are read,
+    and the adaptor, having nothing left to do per call, makes the pool's
+    ``allocate``/``deallocate`` its own. Counting then costs one list append per operation on the
+    pool's lock-free fast path instead of a second lock and call layer (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
     on that pool directly, bypassing the adaptor, are counted too (frees of blocks that were
     already live when the adaptor was made are not). One adaptor counts through a pool at a
     time; a second one counts on its own. :attr:`counting_pool` says which case applies.
@@ -211,6 +211,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     # -- reading --------------------------------------------------------------------------
 
     def _top_locked(self) -> Statistics:
+        self._c.settle()
         return Statistics(
             int(self._c.total_bytes - self._c.freed_bytes),
             self._c.total_count - self._c.freed_count,
@@ -239,6 +240,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """Bytes currently allocated through this adaptor, across all counter frames."""
         self._acquire()
         try:
+            self._c.settle()
             return int(self._base_bytes + self._c.total_bytes - self._c.freed_bytes)
         finally:
             self._release()
@@ -251,6 +253,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """
         self._acquire()
         try:
+            self._c.settle()
             peak = self._base_bytes + self._c.interval_peak
             self._c.interval_peak = self._c.total_bytes - self._c.freed_bytes
             return int(peak)
@@ -312,7 +315,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
                     "StatisticsResourceAdaptor.pop_counters(): cannot pop the last counter pair "
                     "(call push_counters() first)"
                 )
-            inner = self._top_locked()
+            inner = self._top_locked()  # settles the journal
             cb, cc, pb, pc, tb, tc = self._frames.pop()
             self._base_bytes -= cb
             self._c.interval_peak += cb
