@@ -16,8 +16,8 @@ Workloads (CuPy arrays through dask.array):
 - ``anchor``: the anchor workload of bench/dask_workload.py, ``((x + x.T) * 2 -
   x.mean(axis=0)).sum()`` on a 16000^2 float64 array in 500^2 chunks.
 
-Configurations: no plugin (CuPy's own MemoryPool); dask-rmm ``RMMPlugin`` with a pool,
-statistics on and off; dask-rmm with the async resource; dask-cuda's RMM pool (``RMMSetup``
+Configurations: no plugin (CuPy's own MemoryPool); dask-rmm ``RMMPlugin`` with a pool and with
+the async resource, statistics on and off each; dask-cuda's RMM pool (``RMMSetup``
 with real RMM and ``rmm_cupy_allocator``) when importable. Results go to stdout and, after every
 round, to ``--json`` (a timeout still leaves the rounds done).
 
@@ -138,6 +138,7 @@ def configurations(pool):
         print(f"dask-rmm async row skipped: {e}", file=sys.stderr)
     else:
         configs.append(("dask-rmm async, statistics on", ours(async_alloc=True, statistics=True)))
+        configs.append(("dask-rmm async, statistics off", ours(async_alloc=True, statistics=False)))
     dask_cuda = dask_cuda_rmm_pool(pool)
     if dask_cuda is not None:
         configs.append(("dask-cuda RMM pool", dask_cuda))
