@@ -805,26 +805,6 @@ def event_record(event: int, stream_handle: int) -> None:
         _fail(err, "cudaEventRecord")
 
 
-def wait_for_blocking_streams(stream_handle: int) -> None:
-    """Make future work on ``stream_handle`` wait, on the GPU, for all work queued so far on
-    the current context's blocking streams, the per-thread default streams of every thread
-    included (they are not addressable from another thread).
-
-    An event recorded on the legacy default stream completes only after everything queued
-    before it on blocking streams (CUDA's legacy-stream semantics); the stream waits on it.
-    Nothing waits on the host, unlike ``cudaDeviceSynchronize`` (which the 2026-11-30 and
-    2026-12-01 H200 runs saw hang for over 60 s in a thread under a 16-process load)."""
-    event = event_create(disable_timing=True)
-    try:
-        event_record(event, _LEGACY_STREAM)
-        stream_wait_event(stream_handle, event)
-    finally:
-        event_destroy(event)
-
-
-_LEGACY_STREAM = 1  # cudaStreamLegacy
-
-
 def event_synchronize(event: int) -> None:
     """Wait for the event's recorded work."""
     check(_rt().cudaEventSynchronize(event), "cudaEventSynchronize")

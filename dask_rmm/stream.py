@@ -95,8 +95,7 @@ def _per_thread_key() -> tuple[str, int]:
     """``("ptds", thread id)``. A thread id is reused once its thread exits, while work that
     thread queued on its per-thread stream may still run: allocators keyed on the id would
     hand the new thread the old one's freed blocks without a wait. So a thread whose id an
-    earlier thread used makes its per-thread stream wait once, on its first use of the key,
-    for all work queued so far on blocking streams (the old thread's per-thread stream is one)."""
+    earlier thread used synchronizes the device once, on its first use of the key."""
     try:
         return _this_thread.ptds_key
     except AttributeError:
@@ -109,7 +108,7 @@ def _per_thread_key() -> tuple[str, int]:
         from dask_rmm import _cuda
 
         if _cuda.is_available():
-            _cuda.wait_for_blocking_streams(_PER_THREAD_HANDLE)
+            _cuda.device_synchronize()
     key = _this_thread.ptds_key = ("ptds", ident)
     return key
 

@@ -110,49 +110,6 @@ def test_the_spinning_kernel_outlasts_an_unordered_write():
 
 
 @pytest.mark.gpu
-def test_a_stream_waits_for_another_threads_per_thread_stream_through_the_legacy_stream():
-    """``_cuda.wait_for_blocking_streams`` (what the allocators use for a block freed on another
-    thread's per-thread default stream, which cannot be recorded on from here): a non-blocking
-    stream's write queued after it lands after the other thread's spinning kernel, without any
-    wait on the host."""
-    from dask_rmm import _cuda
-
-    res = mr.CudaMemoryResource()
-    p = res.allocate(N)
-    _cuda.device_synchronize()
-    launched = threading.Event()
-
-    def other_thread():
-        spin_fill(p, N, 1, PER_THREAD_DEFAULT_STREAM)
-        launched.set()
-
-    t = threading.Thread(target=other_thread)
-    t.start()
-    t.join()
-    assert launched.is_set()
-    b = Stream(flags=CudaStreamFlags.NON_BLOCKING)
-    _cuda.wait_for_blocking_streams(b.handle)
-    fill(p, N, 2, b)
-    assert np.unique(read(p, N)).tolist() == [2]
-    res.deallocate(p, N)
-
-
-def test_another_threads_per_thread_stream_is_waited_for_on_the_gpu(monkeypatch):
-    """Taking a block freed on another thread's per-thread default stream: the taking stream
-    waits through the legacy stream (``wait_for_blocking_streams``), the host does not
-    synchronize the device. The decision only (the GPU tests check the bytes)."""
-    from dask_rmm import _cuda
-    from dask_rmm.mr.pool import order_after
-
-    calls = []
-    monkeypatch.setattr(_cuda, "wait_for_blocking_streams", lambda h: calls.append(("wait", h)))
-    monkeypatch.setattr(_cuda, "device_synchronize", lambda: calls.append(("device sync",)))
-    taker = Stream._from_handle(0x1234)
-    order_after([(("ptds", threading.get_ident() + 1), PER_THREAD_DEFAULT_STREAM)], taker)
-    assert calls == [("wait", 0x1234)]
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", SUBALLOCATORS)
 def test_a_block_freed_while_its_stream_works_is_not_overwritten_by_the_next_stream(kind):
     res = _suballocator(kind)
@@ -381,18 +338,14 @@ def test_a_thread_reusing_an_earlier_threads_id_waits_for_its_per_thread_stream(
     thread), and free lists are keyed ``("ptds", id)``: a new thread took a block whose free was
     still queued behind the old thread's per-thread stream, with no wait (on the H200 the block
     read back the old kernel's bytes; ``test_per_thread_default_streams_of_two_threads_...``).
-    The new thread's per-thread stream now waits, on its first use of the key, for everything
-    queued on blocking streams. Here only that decision is checked (the GPU test checks the
-    bytes)."""
+    The new thread now synchronizes the device on its first use of the key. Here only that
+    decision is checked (the GPU test checks the bytes)."""
     from dask_rmm import _cuda
     from dask_rmm import stream as stream_module
 
     synced = []
     monkeypatch.setattr(_cuda, "is_available", lambda: True)
-    monkeypatch.setattr(
-        _cuda, "wait_for_blocking_streams",
-        lambda handle: synced.append((threading.get_ident(), handle)),
-    )  # fmt: skip
+    monkeypatch.setattr(_cuda, "device_synchronize", lambda: synced.append(threading.get_ident()))
     known = set(stream_module._ptds_thread_ids)
     idents = []
 
@@ -412,4 +365,4 @@ def test_a_thread_reusing_an_earlier_threads_id_waits_for_its_per_thread_stream(
         known.add(ident)
     if not expected:
         pytest.skip("no thread id was reused by a later thread: nothing to check")
-    assert synced == [(ident, 2) for ident in expected]  # 2: the per-thread default stream
+    assert synced == expected

@@ -67,8 +67,8 @@ served from any single list, all other streams' free lists are merged into B's (
 stream), so adjacent blocks freed on different streams coalesce before the pool grows.
 Memory fresh from upstream at construction belongs to no stream and is taken without a wait.
 Without CUDA (host memory on a GPU-less host) there is no stream work to order and no event
-is used. Another thread's per-thread default stream cannot be recorded on from this thread: B
-then waits for an event on the legacy default stream, which follows all blocking streams.
+is used. A block from another thread's per-thread default stream cannot be recorded on from
+this thread, so that case synchronizes the device instead (rare: only under memory pressure).
 """
 
 from __future__ import annotations
@@ -209,10 +209,9 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
 
     ``victims`` are ``(order key, Stream)`` pairs of the streams whose freed blocks ``stream``
     takes over. An event is recorded on the victim now and ``stream`` waits on it; a victim that
-    is another thread's per-thread default stream (not addressable from here) is covered by an
-    event on the legacy default stream, which follows every blocking stream
-    (``_cuda.wait_for_blocking_streams``); one whose handle is no longer valid by a device
-    synchronization. Call only when CUDA is available, and outside any resource lock.
+    is another thread's per-thread default stream (not addressable from here), or whose handle
+    is no longer valid, is covered by a device synchronization instead. Call only when CUDA is
+    available, and outside any resource lock.
     """
     from dask_rmm import _cuda
 
@@ -221,7 +220,7 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
         if key == _FRESH or victim is None or key == stream.order_key():
             continue
         if isinstance(key, tuple) and key[1] != me:
-            _cuda.wait_for_blocking_streams(stream.handle)
+            _cuda.device_synchronize()
             continue
         try:
             ev = _cuda.event_create(disable_timing=True)
