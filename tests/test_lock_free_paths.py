@@ -4,6 +4,8 @@ caller when threads race, and the pool's instrumentation interface (counters, ow
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -146,6 +148,23 @@ def test_counting_journal_folds_to_a_step_by_step_count(ops, base_resource):
     for ptr, n in live:
         stats.deallocate(ptr, n)
     assert stats.allocation_counts == Statistics(0, 0, peak_b, peak_c, total_b, total_c)
+
+
+def test_counting_imports_numpy_when_attached_not_under_the_pools_lock():
+    """settle() folds long journals with NumPy while holding the pool's lock: the import (which
+    takes Python's import locks) must have happened before, when the counters were attached."""
+    code = (
+        "import sys\n"
+        "from dask_rmm.mr import PoolMemoryResource, StatisticsResourceAdaptor, SystemMemoryResource\n"
+        "assert 'numpy' not in sys.modules, 'imported by dask_rmm.mr already: nothing to check'\n"
+        "stats = StatisticsResourceAdaptor(PoolMemoryResource(SystemMemoryResource(), 1 << 20))\n"
+        "print('numpy' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if "nothing to check" in out.stderr:
+        pytest.skip("dask_rmm.mr imports NumPy itself")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
 
 
 def test_settle_keeps_what_was_journaled_while_it_copied():

@@ -535,6 +535,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """
         if not isinstance(counters, AllocationCounters):
             raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
+        import numpy  # noqa: F401  settle() folds long journals with it: imported here, never under the lock
+
         with gc_paused_lock(self._lock):
             if self._counters is not None:
                 return False
