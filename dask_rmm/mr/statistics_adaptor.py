@@ -95,12 +95,13 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     size) leaves every counter as it was.
 
     Over a :class:`PoolMemoryResource` (or an adaptor whose calls are the pool's own, such as
-    a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its instrumentation
-    interface (:meth:`PoolMemoryResource.count_allocations`): it journals every operation in
-    this adaptor's :class:`~dask_rmm.mr.pool.AllocationCounters`, folded in when they are read,
-    and the adaptor, having nothing left to do per call, makes the pool's
+    a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its
+    instrumentation interface (:meth:`PoolMemoryResource.count_allocations`): it journals every
+    operation in this adaptor's :class:`~dask_rmm.mr.pool.AllocationCounters`, folded in when
+    they are read, and the adaptor, having nothing left to do per call, makes the pool's
     ``allocate``/``deallocate`` its own. Counting then costs one list append per operation on the
-    pool's lock-free fast path instead of a second lock and call layer (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
+    pool's lock-free fast path instead of a second lock and call layer
+    (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
     on that pool directly, bypassing the adaptor, are counted too (frees of blocks that were
     already live when the adaptor was made are not). One adaptor counts through a pool at a
     time; a second one counts on its own. :attr:`counting_pool` says which case applies.
