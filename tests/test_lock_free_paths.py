@@ -167,6 +167,28 @@ def test_counting_imports_numpy_when_attached_not_under_the_pools_lock():
     assert out.stdout.strip() == "True"
 
 
+def test_stop_counting_detaches_even_when_the_fold_fails(base_resource):
+    """A finalizer at interpreter shutdown may detach counters whose fold cannot run (NumPy
+    gone): the pool must stop journaling into them all the same."""
+
+    class Unfoldable(AllocationCounters):
+        __slots__ = ()
+
+        def settle(self):
+            raise RuntimeError("cannot fold now")
+
+    pool = PoolMemoryResource(base_resource, initial_pool_size=4 * MiB)
+    c = Unfoldable()
+    assert pool.count_allocations(c)
+    pool.deallocate(pool.allocate(1000), 1000)
+    with pytest.raises(RuntimeError, match="cannot fold"):
+        pool.stop_counting(c)
+    before = len(c.journal)
+    pool.deallocate(pool.allocate(1000), 1000)
+    assert len(c.journal) == before  # not counted any more
+    assert pool.count_allocations(AllocationCounters())  # and another can attach
+
+
 def test_settle_keeps_what_was_journaled_while_it_copied():
     """An allocation journaled between settle's copy of the journal and its trim stays for the
     next settle (a lock-free caller does not wait for the reader)."""

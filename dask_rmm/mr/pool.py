@@ -551,10 +551,12 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """Detach ``counters`` (no-op when they are not the attached ones)."""
         with self._lock:  # also runs from finalizers at shutdown
             if self._counters is counters:
-                counters.settle()
-                self._counters = self._journal = None
-                self._uncounted.clear()
-                self._instrumented = self._owners is not None
+                try:
+                    counters.settle()
+                finally:  # detached even if folding failed (at shutdown NumPy may be gone)
+                    self._counters = self._journal = None
+                    self._uncounted.clear()
+                    self._instrumented = self._owners is not None
 
     def _after_journaled_allocation(self, ptr: int) -> None:
         """After the fast path journaled an allocation: a block live when counting began is
