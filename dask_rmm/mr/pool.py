@@ -346,7 +346,6 @@ class AllocationCounters:
             if n < _SETTLE_IN_NUMPY:
                 peak_bytes, peak_count = current, count
                 allocated_bytes = allocated = 0
-                net = sum(entries)
                 for e in entries:
                     current += e
                     if e > 0:
@@ -359,16 +358,18 @@ class AllocationCounters:
                             peak_count = count
                     else:
                         count -= 1
+                net = current - (self.total_bytes - self.freed_bytes)  # the loop's running sum
             else:
                 import numpy as np
 
                 sizes = np.array(entries, dtype=np.int64)
-                peak_bytes = current + max(int(np.cumsum(sizes).max()), 0)
+                running = np.cumsum(sizes)
+                peak_bytes = current + max(int(running.max()), 0)
                 taken = sizes > 0
                 allocated_bytes = int(sizes[taken].sum())
                 allocated = int(np.count_nonzero(taken))
                 peak_count = count + max(int(np.cumsum(np.where(taken, 1, -1)).max()), 0)
-                net = int(sizes.sum())
+                net = int(running[-1])
             if peak_bytes > self.peak_bytes:
                 self.peak_bytes = peak_bytes
             if peak_bytes > self.interval_peak:
