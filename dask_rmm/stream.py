@@ -87,29 +87,28 @@ def _handle_of(obj: Any) -> int:
 
 
 _this_thread = threading.local()
-_ptds_thread_ids: set[int] = set()
+_ptds_serial = [0]
 _ptds_lock = threading.Lock()
 
 
 def _per_thread_key() -> tuple[str, int]:
-    """``("ptds", thread id)``. A thread id is reused once its thread exits, while work that
-    thread queued on its per-thread stream may still run: allocators keyed on the id would
-    hand the new thread the old one's freed blocks without a wait. So a thread whose id an
-    earlier thread used synchronizes the device once, on its first use of the key."""
+    """``("ptds", n)``, where ``n`` is a number no other thread of this process has had.
+
+    Not the thread id: CPython hands an exited thread's id to the next thread while work the
+    old thread queued on its per-thread stream may still run, so keys made of ids would give
+    the new thread the old one's freed blocks without a wait. With a number of its own, a
+    thread that takes such a block goes through ``order_after`` (another thread's per-thread
+    stream), and a new thread's first use of the key costs no device synchronization. (That
+    synchronization, made while the previous thread was exiting, was what stalled for over
+    45 s on the H200 under a 16-process test load: docs/internals.md.)"""
     try:
         return _this_thread.ptds_key
     except AttributeError:
         pass
-    ident = threading.get_ident()
     with _ptds_lock:
-        reused = ident in _ptds_thread_ids
-        _ptds_thread_ids.add(ident)
-    if reused:
-        from dask_rmm import _cuda
-
-        if _cuda.is_available():
-            _cuda.device_synchronize()
-    key = _this_thread.ptds_key = ("ptds", ident)
+        _ptds_serial[0] += 1
+        serial = _ptds_serial[0]
+    key = _this_thread.ptds_key = ("ptds", serial)
     return key
 
 
@@ -178,8 +177,8 @@ class Stream:
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, except that the
-        per-thread default stream is a different stream in each thread (see
-        ``_per_thread_key`` for a thread id reused by a later thread)."""
+        per-thread default stream is a different stream in each thread: ``("ptds", n)`` with a
+        number ``n`` of the thread's own, never reused (see ``_per_thread_key``)."""
         if self.handle == _PER_THREAD_HANDLE:
             return _per_thread_key()
         return self.handle

@@ -199,11 +199,11 @@ def test_cross_stream_take_waits_on_an_event(pool, monkeypatch):
 def test_per_thread_default_stream_is_one_stream_per_thread(pool):
     a = pool.allocate(1000, PER_THREAD_DEFAULT_STREAM)
     pool.deallocate(a, 1000, PER_THREAD_DEFAULT_STREAM)
-    assert {k for _, _, k in pool._free_blocks()} == {("ptds", threading.get_ident())}
-    other_ident = []
+    assert {k for _, _, k in pool._free_blocks()} == {PER_THREAD_DEFAULT_STREAM.order_key()}
+    other_key = []
 
     def other():
-        other_ident.append(threading.get_ident())
+        other_key.append(PER_THREAD_DEFAULT_STREAM.order_key())
         b = pool.allocate(1000, PER_THREAD_DEFAULT_STREAM)
         pool.deallocate(b, 1000, PER_THREAD_DEFAULT_STREAM)
 
@@ -211,8 +211,8 @@ def test_per_thread_default_stream_is_one_stream_per_thread(pool):
     t.start()
     t.join()
     # the other thread's per-thread stream is another stream: it took the block over
-    assert ("ptds", other_ident[0]) in {k for _, _, k in pool._free_blocks()}
-    assert other_ident[0] != threading.get_ident()
+    assert other_key[0] in {k for _, _, k in pool._free_blocks()}
+    assert other_key[0] != PER_THREAD_DEFAULT_STREAM.order_key()
 
 
 def test_release_keeps_chunks_in_use(base_resource):

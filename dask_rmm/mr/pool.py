@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import threading
 import time
 from itertools import compress
 from typing import Any
@@ -214,12 +213,13 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
     available, and outside any resource lock.
     """
     from dask_rmm import _cuda
+    from dask_rmm.stream import _per_thread_key
 
-    me = threading.get_ident()
+    mine = _per_thread_key()
     for key, victim in victims:
         if key == _FRESH or victim is None or key == stream.order_key():
             continue
-        if isinstance(key, tuple) and key[1] != me:
+        if isinstance(key, tuple) and key != mine:
             _cuda.device_synchronize()
             continue
         try:
