@@ -91,6 +91,30 @@ _ptds_serial = [0]
 _ptds_lock = threading.Lock()
 
 
+class _DrainAtThreadExit:
+    """Kept in a thread's ``threading.local`` once the thread uses its per-thread default
+    stream through dask-rmm. CPython releases a thread's locals in that thread as it exits,
+    before ``Thread.join`` returns, so ``__del__`` runs there and waits for the work still
+    queued on the thread's per-thread stream.
+
+    Why: on the H200 (driver 580, 16 processes sharing the GPU), a thread that exited with
+    work pending on its per-thread stream was seen to stay running in the driver's teardown
+    while holding a driver mutex, with the GPU idle; every later ``cudaDeviceSynchronize`` in
+    the process then blocked on that mutex (stalls > 45 s, until the process ended). With the
+    stream drained first, the teardown has nothing to wait for (docs/internals.md)."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        try:
+            from dask_rmm import _cuda
+
+            if _cuda.is_available():
+                _cuda.stream_synchronize(_PER_THREAD_HANDLE)
+        except Exception:  # a thread's exit, or interpreter shutdown: nothing to report to
+            pass
+
+
 def _per_thread_key() -> tuple[str, int]:
     """``("ptds", n)``, where ``n`` is a number no other thread of this process has had.
 
@@ -98,9 +122,8 @@ def _per_thread_key() -> tuple[str, int]:
     old thread queued on its per-thread stream may still run, so keys made of ids would give
     the new thread the old one's freed blocks without a wait. With a number of its own, a
     thread that takes such a block goes through ``order_after`` (another thread's per-thread
-    stream), and a new thread's first use of the key costs no device synchronization. (That
-    synchronization, made while the previous thread was exiting, was what stalled for over
-    45 s on the H200 under a 16-process test load: docs/internals.md.)"""
+    stream), and a new thread's first use of the key costs no device synchronization. The
+    first use also arms :class:`_DrainAtThreadExit` for the thread."""
     try:
         return _this_thread.ptds_key
     except AttributeError:
@@ -108,6 +131,7 @@ def _per_thread_key() -> tuple[str, int]:
     with _ptds_lock:
         _ptds_serial[0] += 1
         serial = _ptds_serial[0]
+    _this_thread.drain_at_exit = _DrainAtThreadExit()
     key = _this_thread.ptds_key = ("ptds", serial)
     return key
 

@@ -181,3 +181,33 @@ def test_stream_pool_flags(flags):
     assert len({s.handle for s in streams}) == 4
     assert all(_stream_flags(s.handle) == int(flags) for s in streams)
     assert all(s != DEFAULT_STREAM for s in streams)
+
+
+def test_a_thread_that_used_its_per_thread_stream_drains_it_before_join_returns(monkeypatch):
+    """A thread exiting with work on its per-thread stream left the driver holding a mutex on
+    the H200, and every later device synchronization in the process blocked behind it. So the
+    first use of the key arms a drain that runs in the exiting thread, before ``join`` returns;
+    a thread that never used its per-thread stream through dask-rmm drains nothing, and a
+    failing drain does not escape the thread's exit."""
+    from dask_rmm import _cuda
+
+    drained = []
+    monkeypatch.setattr(_cuda, "is_available", lambda: True)
+
+    def fake_sync(handle):
+        drained.append((threading.get_ident(), handle))
+        if len(drained) == 2:
+            raise _cuda.CUDAError("cudaStreamSynchronize failed (on purpose)")
+
+    monkeypatch.setattr(_cuda, "stream_synchronize", fake_sync)
+    idents = []
+
+    def use_ptds():
+        idents.append(threading.get_ident())
+        PER_THREAD_DEFAULT_STREAM.order_key()
+
+    for target in (use_ptds, lambda: idents.append(threading.get_ident()), use_ptds):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert drained == [(idents[0], 2), (idents[2], 2)]

@@ -202,9 +202,8 @@ def test_device_buffers_on_two_streams_reuse_a_pool_block_in_order():
 def test_per_thread_default_streams_of_two_threads_reuse_a_block_in_order():
     """A block freed on one thread's per-thread stream while its kernel still runs is taken by
     another thread's per-thread stream only after that kernel. The first thread stays alive
-    until the second has queued its write, as in a thread pool: a thread exiting while another
-    thread's first CUDA call synchronized the device stalled for over 45 s on the H200 under a
-    16-process load (docs/internals.md), whatever the allocator does."""
+    until the second has queued its write, as in a thread pool (a thread that exits waits for
+    its per-thread stream first, so the kernel would be over before the second thread came)."""
     res = _suballocator("pool")
     got = {}
     freed, taken = threading.Event(), threading.Event()
