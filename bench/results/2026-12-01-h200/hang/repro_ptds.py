@@ -1,3 +1,4 @@
+# ruff: noqa  (a record of what ran on the H200 on 2026-12-01, kept as it ran)
 """Reproduce the per-thread-stream device-sync hang outside pytest.
 mode A: the test's scenario (thread 1 spins on its ptds and exits; thread 2 allocates -> sync)
 mode B: as A, but thread 1 stays alive until thread 2 has allocated
