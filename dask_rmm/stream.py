@@ -8,6 +8,7 @@ Streams are identified by their integer handle; a resource keys stream-ordered f
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from typing import Any
 
@@ -87,7 +88,7 @@ def _handle_of(obj: Any) -> int:
 
 
 _this_thread = threading.local()
-_ptds_serial = [0]
+_ptds_serials = itertools.count(1)
 _ptds_lock = threading.Lock()
 
 
@@ -107,12 +108,14 @@ class _DrainAtThreadExit:
 
     def __del__(self):
         try:
-            from dask_rmm import _cuda
-
-            if _cuda.is_available():
-                _cuda.stream_synchronize(_PER_THREAD_HANDLE)
+            PER_THREAD_DEFAULT_STREAM.synchronize()
         except Exception:  # a thread's exit, or interpreter shutdown: nothing to report to
             pass
+
+
+def _own_per_thread_key() -> tuple[str, int] | None:
+    """This thread's per-thread stream key if it has one yet, else None; makes none."""
+    return getattr(_this_thread, "ptds_key", None)
 
 
 def _per_thread_key() -> tuple[str, int]:
@@ -129,8 +132,7 @@ def _per_thread_key() -> tuple[str, int]:
     except AttributeError:
         pass
     with _ptds_lock:
-        _ptds_serial[0] += 1
-        serial = _ptds_serial[0]
+        serial = next(_ptds_serials)
     _this_thread.drain_at_exit = _DrainAtThreadExit()
     key = _this_thread.ptds_key = ("ptds", serial)
     return key

@@ -303,3 +303,26 @@ def test_size_class_tables_agree_with_the_class_functions():
         assert pool_module._ROUNDED[u] == pool_module._class_floor(sc) << 8
     assert len(pool_module._INS) == len(pool_module._SRCH) == pool_module._TABLE_UNITS
     assert len(pool_module._ROUNDED) == pool_module._TABLE_UNITS
+
+
+def test_ordering_after_another_threads_per_thread_stream_gives_this_thread_no_key(monkeypatch):
+    """A thread that never used its per-thread stream, taking a block another thread freed on
+    its own: the device is synchronized, and this thread gets no per-thread key (so no drain
+    of a stream it never used when it exits)."""
+    from dask_rmm import _cuda
+    from dask_rmm import stream as stream_module
+    from dask_rmm.stream import Stream
+
+    synced = []
+    monkeypatch.setattr(_cuda, "device_synchronize", lambda: synced.append(1))
+    seen = []
+
+    def taker():
+        other = ("ptds", -1)  # a key no thread has
+        pool_module.order_after([(other, PER_THREAD_DEFAULT_STREAM)], Stream._from_handle(0x1234))
+        seen.append(stream_module._own_per_thread_key())
+
+    t = threading.Thread(target=taker)
+    t.start()
+    t.join()
+    assert synced == [1] and seen == [None]

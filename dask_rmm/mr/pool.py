@@ -213,9 +213,9 @@ def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> Non
     available, and outside any resource lock.
     """
     from dask_rmm import _cuda
-    from dask_rmm.stream import _per_thread_key
+    from dask_rmm.stream import _own_per_thread_key
 
-    mine = _per_thread_key()
+    mine = _own_per_thread_key()  # None: every per-thread key is another thread's
     for key, victim in victims:
         if key == _FRESH or victim is None or key == stream.order_key():
             continue
