@@ -47,7 +47,7 @@ class DaskRMMCollector:
         workers = GaugeMetricFamily(
             "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
         )
-        report = plugin._report(timeline=False)
+        report = plugin.memory_report(timeline=False)
         for d in report.running:
             labels = [d.worker, d.name, d.device, d.gpu_uuid or d.gpu_name]
             for field, family in gauges:

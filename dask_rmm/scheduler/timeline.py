@@ -261,10 +261,12 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
         """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
         each device's timeline (its newest ``last`` samples) if ``timeline``."""
-        return self._report(timeline, last).to_dict(timeline=timeline)
+        return self.memory_report(timeline, last).to_dict(timeline=timeline)
 
-    def _report(self, timeline: bool = True, last: int | None = None) -> ClusterMemoryReport:
-        """The report behind :meth:`report_data` (the Prometheus collector reads it as is)."""
+    def memory_report(self, timeline: bool = True, last: int | None = None) -> ClusterMemoryReport:
+        """The cluster's memory report as a :class:`~dask_rmm.report.ClusterMemoryReport` (what
+        :meth:`report_data` serializes; the web page and the Prometheus collector read it as is),
+        with each device's timeline (its newest ``last`` samples) if ``timeline``."""
         self.poll()  # heartbeats that arrived since the last tick
         workers = []
         for rec in list(self._records.values()):
