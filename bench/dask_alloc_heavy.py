@@ -150,7 +150,7 @@ def configurations(pool):
 
 def _allocations_made(dask_worker=None) -> int:
     """Allocations counted so far by the worker's dask-rmm statistics (-1 without them)."""
-    from dask_rmm.worker_stack import worker_stack
+    from dask_rmm.worker.stacks import worker_stack
 
     total = -1
     for stack in worker_stack(dask_worker).active:

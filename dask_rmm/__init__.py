@@ -69,7 +69,7 @@ _LAZY = {
     "copy_ptr_to_host": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
     "RMMPlugin": "dask_rmm.plugin",
-    "cluster_report": "dask_rmm.client",
+    "cluster_report": "dask_rmm.report.fetch",
     "ClusterMemoryReport": "dask_rmm.report",
 }
 
@@ -125,7 +125,7 @@ def __dir__():
 
 
 def _register_dask_serializers() -> None:
-    """Make distributed import ``dask_rmm.serialize`` the first time it (de)serializes an object
+    """Make distributed import ``dask_rmm.worker.serialize`` the first time it (de)serializes an object
     of a dask_rmm type (distributed's own lazy registration, keyed on the top-level package)."""
     from distributed.protocol import (
         cuda_deserialize,
@@ -135,7 +135,7 @@ def _register_dask_serializers() -> None:
     )
 
     def register() -> None:
-        importlib.import_module("dask_rmm.serialize")
+        importlib.import_module("dask_rmm.worker.serialize")
 
     for dispatch in (cuda_serialize, cuda_deserialize, dask_serialize, dask_deserialize):
         dispatch.register_lazy("dask_rmm", register)
@@ -160,6 +160,36 @@ class _OnDistributedProtocol(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_then_register
         return spec
 
+
+#: Modules that moved when the package was laid out by role (old name -> new), so that code
+#: importing the old path keeps working; importing an old name imports the new module.
+MOVED_MODULES = {
+    "dask_rmm.options": "dask_rmm.stack.options",
+    "dask_rmm.worker_stack": "dask_rmm.worker.stacks",
+    "dask_rmm.worker_metrics": "dask_rmm.worker.metrics",
+    "dask_rmm.serialize": "dask_rmm.worker.serialize",
+    "dask_rmm.client": "dask_rmm.report.fetch",
+}
+
+
+class _MovedModuleLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Answers an old module path of :data:`MOVED_MODULES` with the module now holding it."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(name, _MovedModuleLoader())
+
+
+sys.meta_path.append(_MovedModuleFinder())
 
 if "distributed.protocol" in sys.modules:
     _register_dask_serializers()

@@ -289,7 +289,7 @@ def report(
     import asyncio
 
     from dask_rmm._output import refuse_input
-    from dask_rmm.client import iter_reports
+    from dask_rmm.report.fetch import iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")

@@ -2,7 +2,7 @@
 
 Importing this module registers ``dask-rmm.yaml``'s defaults with ``dask.config``; the schema
 beside it documents every key and :func:`validate_config` checks against it. It never imports
-distributed. Turning the settings into options is :mod:`dask_rmm.options`' job.
+distributed. Turning the settings into options is :mod:`dask_rmm.stack`' job.
 """
 
 from __future__ import annotations

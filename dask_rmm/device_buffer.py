@@ -3,7 +3,7 @@ and the pointer copy helpers ``copy_ptr_to_host`` / ``copy_host_to_ptr`` / ``cop
 
 Copies on the default stream synchronize it; on any other stream they are asynchronous. When the
 memory is host memory (``mr.is_host_memory``) or the host has no GPU, copies are plain
-``memmove``, so the CPU test path can check bytes. Dask serialization lives in ``serialize.py``.
+``memmove``, so the CPU test path can check bytes. Dask serialization lives in :mod:`dask_rmm.worker.serialize`.
 """
 
 from __future__ import annotations

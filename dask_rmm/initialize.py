@@ -1,6 +1,6 @@
 """``reinitialize`` and its companions, as RMM's top-level functions: build each device's
 resource stack (base resource, optional pool, optional event log; built by
-:func:`dask_rmm.options.build_stack`) and install it in the per-device registry; hooks that run
+:func:`dask_rmm.stack.build_stack`) and install it in the per-device registry; hooks that run
 before; per-device event logging.
 
 The registry itself (get/set the current resource) is :mod:`dask_rmm.mr.registry`'s.
@@ -15,8 +15,9 @@ from typing import Any
 from dask_rmm import _cuda
 from dask_rmm.mr import registry
 from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
-from dask_rmm.options import BASE_RESOURCES, OptionError, RMMOptions, _size, build_stack
-from dask_rmm.options import make_base_resource as _make_base  # noqa: F401 (tests make bases)
+from dask_rmm.stack.build import build_stack
+from dask_rmm.stack.build import make_base_resource as _make_base  # noqa: F401 (tests make bases)
+from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions, _size
 
 __all__ = [
     "BASE_RESOURCES",
@@ -98,7 +99,7 @@ def reinitialize(
     """Replace every device's resource with a new stack built from these options.
 
     The registered hooks run first (last registered first). Then, for each of ``devices``, a
-    stack is built by :func:`dask_rmm.options.build_stack` (the one the Dask worker plugin
+    stack is built by :func:`dask_rmm.stack.build_stack` (the one the Dask worker plugin
     uses): a base resource on that device, a :class:`~dask_rmm.mr.PoolMemoryResource` if
     ``pool_allocator``, a :class:`~dask_rmm.mr.LoggingResourceAdaptor` if ``logging``. All
     stacks are built before any is installed, so a failure changes nothing. Devices not listed
@@ -130,7 +131,7 @@ def reinitialize(
 
     Raises
     ------
-    dask_rmm.options.OptionError
+    dask_rmm.stack.OptionError
         A ValueError and a RuntimeError (as RMM raises), for options that do not go together,
         such as ``initial_pool_size > maximum_pool_size``.
 

@@ -1,48 +1,46 @@
 """RMMPlugin: options -> one stack builder -> install, on every worker, all or nothing.
 
 Each worker builds its new stacks completely while the old ones stay installed; the workers then
-vote through :class:`SetupCoordinator` (a scheduler plugin with one handler), and either every
-worker installs its new stacks or every worker keeps its previous ones and the scheduler forgets
-the failed registration. Not here: the options and the builder (``options.py``), installing and
-retiring stacks (``worker_stack.py``), heartbeat metrics (``worker_metrics.py``), CLI flags
-(``preload.py``).
+vote through :class:`~dask_rmm.scheduler.setup_vote.SetupCoordinator` (a scheduler plugin with
+one handler), and either every worker installs its new stacks or every worker keeps its previous ones and the scheduler forgets
+the failed registration. Not here: the options and the builder (:mod:`dask_rmm.stack`), installing and retiring stacks
+(:mod:`dask_rmm.worker.stacks`), heartbeat metrics (:mod:`dask_rmm.worker.metrics`), the vote's
+scheduler side (:mod:`dask_rmm.scheduler.setup_vote`), CLI flags (:mod:`dask_rmm.preload`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split, parse_timedelta
-from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import thread_state
 
 from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
-from dask_rmm.options import RMMOptions, build_stack
-from dask_rmm.worker_metrics import WorkerMetrics, add_periodic, remove_periodic
-from dask_rmm.worker_stack import cupy_allocator_note, worker_stack
+from dask_rmm.scheduler.setup_vote import SetupCoordinator
+from dask_rmm.stack.build import build_stack
+from dask_rmm.stack.options import RMMOptions
+from dask_rmm.worker.metrics import WorkerMetrics, add_periodic, remove_periodic
+from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 
 if TYPE_CHECKING:
-    from distributed import Scheduler, Worker
+    from distributed import Worker
 
     from dask_rmm.mr.base import DeviceMemoryResource
 
-__all__ = ["RMMPlugin", "RMMSetupError", "SetupCoordinator", "current_task_key", "task_prefix"]
+__all__ = ["RMMPlugin", "RMMSetupError", "current_task_key", "task_prefix"]
 
 logger = logging.getLogger(__name__)
 
 #: How often a worker writes its allocation logs' buffered rows to disk (seconds): at most
 #: distributed's shortest heartbeat interval, so a killed worker loses at most that much.
 LOG_FLUSH_INTERVAL = 0.5
-#: How long a worker's setup waits for the other workers' votes.
-VOTE_TIMEOUT = 60.0
 _FLUSHER_KEY = "dask-rmm-log-flush"
 
 
@@ -73,7 +71,7 @@ class RMMPlugin(WorkerPlugin):
 
     Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``), plus
     ``base_resource``, ``devices`` and the memory-pressure options; each is documented once, on
-    :class:`~dask_rmm.options.RMMOptions` (and in docs/workers.md). Those not given come from
+    :class:`~dask_rmm.stack.RMMOptions` (and in docs/workers.md). Those not given come from
     the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and validated where the
     plugin is made.
 
@@ -112,7 +110,7 @@ class RMMPlugin(WorkerPlugin):
         device_pause_fraction: float | None = _UNSET,
     ):
         given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        #: The checked options (:class:`~dask_rmm.options.RMMOptions`).
+        #: The checked options (:class:`~dask_rmm.stack.RMMOptions`).
         self.options = RMMOptions.from_config(**{k: v for k, v in given.items() if v is not _UNSET})
         #: Identifies this registration in the setup vote.
         self.token = uuid.uuid4().hex
@@ -285,135 +283,3 @@ def _current_device() -> int:
     from dask_rmm import _cuda
 
     return _cuda.get_device() if _cuda.is_available() else 0
-
-
-# -- the vote, on the scheduler ---------------------------------------------------------------
-
-_UNREADABLE = object()
-
-
-@dataclass
-class _Round:
-    token: str
-    name: str
-    plugin: Any  # what the scheduler stored for this registration (None: a later one already)
-    expected: set[str]
-    votes: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
-    failures: dict[str, str] | None = None  # None until decided
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class SetupCoordinator(SchedulerPlugin):
-    """The scheduler's side of RMMPlugin's all-or-nothing setup: one vote per registration.
-
-    Adds the ``dask_rmm_setup_vote`` handler. Every worker that got the registration votes with
-    its error (or None) once its stacks are built; the answer, once every worker present at the
-    first vote has voted (or left, or ``VOTE_TIMEOUT`` passed), is the failures. On a failure the
-    scheduler's record of the worker plugin goes back to the registration the workers keep (or
-    is dropped), so that workers added later start like the others.
-    """
-
-    name = "dask-rmm-setup"
-    idempotent = True
-    #: Committed registrations remembered (token -> what the scheduler stored).
-    KEEP = 16
-
-    def __init__(self) -> None:
-        self.rounds: dict[str, _Round] = {}
-        self.committed: dict[str, Any] = {}
-        self.scheduler: Scheduler | None = None
-
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        scheduler.handlers["dask_rmm_setup_vote"] = self.vote
-
-    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        for r in list(self.rounds.values()):
-            r.expected.discard(worker)
-            self._decide_if_complete(r)
-
-    async def vote(
-        self,
-        token: str,
-        name: str,
-        worker: str,
-        error: str | None = None,
-        previous: str | None = None,
-    ) -> dict[str, Any]:
-        """``{"failures": {worker: reason}, "current": bool}``: ``current`` is False when the
-        scheduler holds a later registration of the plugin (two registered at once: the later
-        one is installed everywhere, whatever order the workers received them in)."""
-        failures = await self._failures(token, name, worker, error, previous)
-        stored = self._stored_token(name)
-        return {"failures": failures, "current": stored == token or stored is _UNREADABLE}
-
-    def _stored_token(self, name: str) -> Any:
-        """The token of the registration the scheduler holds: None when it holds none (the
-        plugin was unregistered), ``_UNREADABLE`` when it cannot tell."""
-        assert self.scheduler is not None
-        plugin = self.scheduler.worker_plugins.get(name)
-        if isinstance(plugin, bytes):
-            from distributed.protocol.pickle import loads
-
-            try:
-                plugin = loads(plugin)
-            except Exception:
-                return _UNREADABLE
-        return None if plugin is None else getattr(plugin, "token", _UNREADABLE)
-
-    async def _failures(
-        self, token: str, name: str, worker: str, error: str | None, previous: str | None
-    ) -> dict[str, str]:
-        alone = {worker: error} if error else {}
-        if token in self.committed:  # a worker added after the registration succeeded
-            return alone
-        r = self.rounds.get(token)
-        if r is not None and r.failures and worker in r.votes:
-            # This worker voted in that failed round already: the same plugin object is being
-            # registered again (a retry once the cause is fixed), which gets a round of its own.
-            r = None
-        if r is None:
-            assert self.scheduler is not None
-            stored = self.scheduler.worker_plugins.get(name)
-            r = self.rounds[token] = _Round(
-                token,
-                name,
-                stored if self._stored_token(name) in (token, _UNREADABLE) else None,
-                set(self.scheduler.workers),
-            )
-            decided = [t for t, x in self.rounds.items() if x.failures is not None]
-            for t in decided[: max(0, len(decided) - self.KEEP)]:
-                del self.rounds[t]
-        if r.failures is not None:
-            return r.failures or alone
-        r.votes[worker] = (error, previous)
-        self._decide_if_complete(r)
-        try:
-            await asyncio.wait_for(r.done.wait(), VOTE_TIMEOUT)
-        except asyncio.TimeoutError:
-            missing = r.expected - set(r.votes)
-            self._decide(r, {w: f"no answer within {VOTE_TIMEOUT:g} s" for w in missing})
-        return r.failures
-
-    def _decide_if_complete(self, r: _Round) -> None:
-        if r.failures is None and r.votes and r.expected <= set(r.votes):
-            self._decide(r, {})
-
-    def _decide(self, r: _Round, missing: dict[str, str]) -> None:
-        assert self.scheduler is not None
-        if r.failures is not None:
-            return
-        r.failures = {w: e for w, (e, _) in r.votes.items() if e} | missing
-        plugins = self.scheduler.worker_plugins
-        if not r.failures:
-            if r.plugin is not None:
-                self.committed[r.token] = r.plugin
-            while len(self.committed) > self.KEEP:
-                del self.committed[next(iter(self.committed))]
-        elif r.plugin is not None and plugins.get(r.name) is r.plugin:  # not registered again
-            previous = {p for _, p in r.votes.values() if p in self.committed}
-            if previous:
-                plugins[r.name] = self.committed[previous.pop()]
-            else:
-                plugins.pop(r.name, None)
-        r.done.set()

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from dask_rmm.options import BASE_RESOURCES
+from dask_rmm.stack.options import BASE_RESOURCES
 
 __all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
 
@@ -31,7 +31,7 @@ _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A memory size: bytes, a size string such as ``4GiB``, or a fraction of device memory."""
-    from dask_rmm.options import _size
+    from dask_rmm.stack.options import _size
 
     try:
         if value is not None:
@@ -46,7 +46,7 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A comma-separated list of libraries to point at the worker's resource."""
-    from dask_rmm.options import _allocators
+    from dask_rmm.stack.options import _allocators
 
     try:
         return value if value is None else list(_allocators(value))

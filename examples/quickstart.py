@@ -96,7 +96,7 @@ def main() -> None:
                 )
 
         try:
-            from dask_rmm.client import cluster_report
+            from dask_rmm.report.fetch import cluster_report
         except ImportError:
             return
         print()

@@ -67,7 +67,7 @@ async def beat(dask_worker=None) -> None:
 def worker_setup(dask_worker=None) -> dict:
     """What dask-rmm installed on this worker: registration token, and per device id (a str)
     its pool size and resource chain."""
-    from dask_rmm.worker_stack import worker_stack
+    from dask_rmm.worker.stacks import worker_stack
 
     ws = worker_stack(dask_worker)
     return {

@@ -4,6 +4,8 @@ alone in a fresh interpreter, and the Dask-free parts stay free of distributed."
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,18 +93,25 @@ def test_no_import_cycles():
     assert find_cycle(import_graph()) is None
 
 
-DASK_FREE = ["dask_rmm", "dask_rmm.wire", "dask_rmm.report", "dask_rmm.logs", "dask_rmm.cli"]
+DASK_FREE = [
+    "dask_rmm",
+    "dask_rmm.wire",
+    "dask_rmm.stack",
+    "dask_rmm.report",
+    "dask_rmm.logs",
+    "dask_rmm.cli",
+]
 SCHEDULER_AND_CLIENT = [
     "dask_rmm.scheduler",
     "dask_rmm.scheduler.timeline",
     "dask_rmm.scheduler.http",
     "dask_rmm.scheduler.prometheus",
-    "dask_rmm.client",
-    "dask_rmm.worker_metrics",
+    "dask_rmm.report.fetch",
+    "dask_rmm.worker.metrics",
     "dask_rmm.logs.replay",
     "dask_rmm.logs.summary",
     "dask_rmm.logs.timeline",
-    "dask_rmm._plot",
+    "dask_rmm.report.plot",
 ]
 
 
@@ -129,3 +138,132 @@ def test_scheduler_and_client_modules_import_alone():
         "print('ok')"
     )
     assert _run(code) == "ok"
+
+
+# -- layers: the tree is the architecture ----------------------------------------------------------
+
+#: The RMM API (top-level modules, no Dask), memory resources, library allocators and the stack
+#: builder: the bottom of the package.
+LOWER_LAYERS = ("dask_rmm.mr", "dask_rmm.allocators", "dask_rmm.stack")
+RMM_API = (
+    "dask_rmm",
+    "dask_rmm._cuda",
+    "dask_rmm.stream",
+    "dask_rmm.device_buffer",
+    "dask_rmm.statistics",
+    "dask_rmm.logger",
+    "dask_rmm.initialize",
+    "dask_rmm.sizes",
+    "dask_rmm.config",
+    "dask_rmm.wire",
+)
+#: What the lower layers must never import, however late (function-level imports included).
+UPPER_LAYERS = (
+    "dask_rmm.plugin",
+    "dask_rmm.preload",
+    "dask_rmm.worker",
+    "dask_rmm.pressure",
+    "dask_rmm.scheduler",
+    "dask_rmm.report",
+    "dask_rmm.cli",
+)
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for each lower-layer module ``a`` that imports an upper-layer module ``b``."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module in RMM_API or _in(module, LOWER_LAYERS)
+        for target in targets
+        if _in(target, UPPER_LAYERS)
+    )
+
+
+def test_layer_violations_are_found():
+    graph = {"dask_rmm.mr.pool": {"dask_rmm.worker.stacks"}, "dask_rmm.plugin": {"dask_rmm.mr"}}
+    assert layer_violations(graph) == ["dask_rmm.mr.pool -> dask_rmm.worker.stacks"]
+
+
+def test_the_rmm_api_and_mr_never_import_the_worker_scheduler_or_report_layers():
+    assert layer_violations(import_graph()) == []
+
+
+def test_every_module_belongs_to_a_layer():
+    # a new top-level module must be placed on purpose: in the RMM API, or in a layer's folder
+    top_level = {m for m in _modules() if m.count(".") == 1}
+    known = set(RMM_API) | {"dask_rmm._output"} | set(UPPER_LAYERS) | set(LOWER_LAYERS)
+    known |= {"dask_rmm.logs"}
+    assert top_level - known == set()
+
+
+def test_import_dask_rmm_loads_no_dask_and_no_worker_module():
+    loaded = _run(
+        "import sys, dask_rmm; print(' '.join(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('dask', 'distributed') or m.startswith(('dask_rmm.worker', "
+        "'dask_rmm.plugin', 'dask_rmm.scheduler', 'dask_rmm.report', 'dask_rmm.pressure')))))"
+    )
+    assert loaded == ""
+
+
+# -- every documented import path works -----------------------------------------------------------
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FROM_IMPORT = re.compile(r"from (dask_rmm[\w.]*) import \(?([\w, ]+)")
+_DOTTED = re.compile(r"`(dask_rmm(?:\.\w+)+)")
+
+
+def documented_paths() -> set[str]:
+    """``module:name`` for each ``from dask_rmm... import name`` in README.md and docs/, and each
+    dotted ``dask_rmm.x.y`` they cite in backquotes."""
+    paths: set[str] = set()
+    for doc in DOCS:
+        text = doc.read_text()
+        for module, names in _FROM_IMPORT.findall(text):
+            paths.update(f"{module}:{n.strip()}" for n in names.split(",") if n.strip())
+        paths.update(_DOTTED.findall(text))
+    return paths
+
+
+def _resolves(path: str) -> bool:
+    module, _, name = path.partition(":")
+    if not name:  # dotted: the longest importable prefix, then attributes
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[i:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                return False
+            return True
+        return False
+    return hasattr(importlib.import_module(module), name)
+
+
+def test_documented_paths_are_found():
+    found = documented_paths()
+    assert "dask_rmm:RMMPlugin" in found and "dask_rmm.stack.build_stack" in found
+    assert _resolves("dask_rmm.mr:PoolMemoryResource")
+    assert not _resolves("dask_rmm.mr.no_such_module")
+    assert not _resolves("dask_rmm:no_such_name")
+
+
+def test_every_documented_import_path_works():
+    broken = sorted(p for p in documented_paths() if not _resolves(p))
+    assert broken == []
+
+
+@pytest.mark.parametrize("old", ["options", "worker_stack", "worker_metrics", "serialize", "client"])
+def test_modules_that_moved_import_under_their_old_path(old):
+    import dask_rmm
+
+    new = dask_rmm.MOVED_MODULES[f"dask_rmm.{old}"]
+    assert importlib.import_module(f"dask_rmm.{old}") is importlib.import_module(new)

@@ -102,8 +102,8 @@ def plot_logs(
     list of Timeline
         What was plotted.
     """
-    from dask_rmm._plot import byte_axis, figure
     from dask_rmm.mr.base import format_bytes
+    from dask_rmm.report.plot import byte_axis, figure
 
     refuse_input(output, paths)
     fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110)

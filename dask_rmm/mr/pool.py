@@ -137,7 +137,7 @@ def _class_floor(c: int) -> int:
 def _class_tables() -> tuple[list[int], list[int], list[int]]:
     """``(_INS, _SRCH, _ROUNDED)`` for every size below _TABLE_UNITS units, built one size class
     at a time (a class is a run of equal entries; ~200 runs instead of 3 x 65536 calls, which
-    took ~0.15 s of ``import dask_rmm``). tests/test_pool.py checks them against
+    took ~0.15 s of ``import dask_rmm``). tests/mr/test_pool.py checks them against
     :func:`_insert_class` and :func:`_search_class`."""
     ins: list[int] = []
     srch: list[int] = []

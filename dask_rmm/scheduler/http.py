@@ -14,7 +14,7 @@ import tornado.routing
 from distributed.http.utils import RequestHandler, get_handlers
 from tornado import web
 
-from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.wire import PLUGIN_NAME
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps a bounded
 timeline per worker device from the ``WorkerState.metrics[wire.METRICS_KEY]`` each heartbeat
 brings, and serves the report document. Not here: HTTP pages (``http.py``), Prometheus
-(``prometheus.py``), rendering (``dask_rmm.report``), fetching from a client (``dask_rmm.client``).
+(``prometheus.py``), rendering (``dask_rmm.report``), fetching from a client (``dask_rmm.report.fetch``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
-from dask_rmm.report import ClusterMemoryReport
+from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER
 
 if TYPE_CHECKING:

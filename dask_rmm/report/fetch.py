@@ -1,0 +1,162 @@
+"""The client side of cluster memory reports: fetch the report document from the scheduler
+(``cluster_report(client)``, and ``iter_reports(address)`` for the CLI, which needs no Client).
+Rendering is ``dask_rmm.report``'s; the scheduler side is ``dask_rmm.scheduler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.report.memory_report import ClusterMemoryReport
+from dask_rmm.scheduler import install_scheduler_plugin
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["cluster_report", "fetch_report_data", "iter_reports"]
+
+
+async def fetch_report_data(
+    scheduler_rpc: Any, *, timeline: bool = True, last: int | None = None, install: bool = True
+) -> dict:
+    """The report document from ``scheduler_rpc`` (``client.scheduler`` or a ``rpc``); the
+    scheduler plugin is installed first (a no-op when it is there), so that the scheduler never
+    sees a request for a handler it lacks."""
+    if install:
+        try:
+            await install_scheduler_plugin(scheduler_rpc)
+        except (ImportError, AttributeError, TypeError) as e:
+            raise RuntimeError(
+                f"could not install dask-rmm's scheduler plugin ({type(e).__name__}: {e}); "
+                "is dask-rmm installed on the scheduler?"
+            ) from e
+    data = await scheduler_rpc.dask_rmm_report(timeline=timeline, last=last)
+    if not isinstance(data, dict) or "workers" not in data:
+        raise RuntimeError(f"the scheduler answered the dask-rmm report request with {data!r}")
+    return data
+
+
+def cluster_report(client: Client | None = None, *, timeline: bool = True, last: int | None = None):
+    """The cluster's RMM memory now, per worker and device, with the recent timeline.
+
+    Parameters
+    ----------
+    client : distributed.Client, optional
+        Default: the current default client.
+    timeline : bool
+        Fetch the per-device sample timelines (needed for plots and the cluster's peak).
+    last : int, optional
+        Only the newest ``last`` samples of each timeline.
+
+    Returns
+    -------
+    ClusterMemoryReport
+        (or an awaitable of one with an asynchronous client). A cluster without dask-rmm
+        workers gives a report that says so.
+
+    Examples
+    --------
+    >>> client.register_plugin(RMMPlugin(pool_size="4GiB"))  # doctest: +SKIP
+    >>> print(cluster_report(client))  # doctest: +SKIP
+    """
+    if client is None:
+        from distributed import default_client
+
+        client = default_client()
+    elif not hasattr(client, "sync") or not hasattr(client, "scheduler"):
+        raise TypeError(
+            f"client must be a distributed.Client, got {client!r}; for a scheduler address use "
+            "cluster_report(Client(address)) or `dask rmm report ADDRESS`"
+        )
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+        raise ValueError(f"last must be a number of samples (an int >= 0) or None, got {last!r}")
+
+    async def _report() -> ClusterMemoryReport:
+        data = await fetch_report_data(client.scheduler, timeline=timeline, last=last)
+        return ClusterMemoryReport.from_dict(data)
+
+    return client.sync(_report)
+
+
+async def iter_reports(
+    address: str,
+    *,
+    interval: float | None = None,
+    timeout: float = 5.0,
+    timeline: bool = True,
+    last: int | None = None,
+    security: Any = None,
+):
+    """Reports from the scheduler at ``address`` without a Client (the CLI's path): once, or
+    every ``interval`` seconds until the caller stops. Each answer gets ``timeout`` seconds; an
+    ``OSError`` names the address and the reason (a hint when the address answers HTTP).
+    ``security`` (a ``distributed.Security``) defaults to the dask config's."""
+    from distributed import Security
+    from distributed.core import rpc
+
+    security = security or Security()
+    scheduler = rpc(
+        address, timeout=timeout, connection_args=security.get_connection_args("client")
+    )
+    install = True
+    try:
+        while True:
+            fetch = asyncio.ensure_future(
+                fetch_report_data(scheduler, timeline=timeline, last=last, install=install)
+            )
+            probe = asyncio.ensure_future(_http_hint(address, delay=min(0.5, timeout / 2)))
+            try:
+                deadline = asyncio.get_running_loop().time() + timeout
+                done, _ = await asyncio.wait(
+                    {fetch, probe}, timeout=timeout, return_when="FIRST_COMPLETED"
+                )
+                if probe in done and probe.result():
+                    raise OSError(probe.result())
+                if fetch not in done:  # not HTTP: wait out the timeout
+                    left = deadline - asyncio.get_running_loop().time()
+                    await asyncio.wait({fetch}, timeout=max(0.0, left))
+                if not fetch.done():
+                    raise asyncio.TimeoutError(f"no answer within {timeout:g} s")
+                data = fetch.result()
+            except (OSError, asyncio.TimeoutError) as e:
+                reason = str(e) or type(e).__name__
+                raise OSError(f"could not reach the Dask scheduler at {address}: {reason}") from e
+            finally:
+                fetch.cancel()
+                probe.cancel()
+            install = False
+            yield ClusterMemoryReport.from_dict(data)
+            if interval is None:
+                return
+            await asyncio.sleep(interval)
+    finally:
+        await scheduler.close_rpc()
+
+
+async def _http_hint(address: str, delay: float) -> str | None:
+    """After ``delay`` seconds without an answer: a hint if ``address`` speaks HTTP (a Dask
+    server greets first; an HTTP server answers a request), else None."""
+    await asyncio.sleep(delay)
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]") or "127.0.0.1", int(port)), 1.0
+        )
+        try:
+            await asyncio.wait_for(reader.read(1), 0.3)
+            return None  # it greeted: not HTTP
+        except asyncio.TimeoutError:
+            writer.write(b"HEAD / HTTP/1.0\r\n\r\n")
+            if await asyncio.wait_for(reader.read(5), 1.0) == b"HTTP/":
+                return (
+                    f"{address} answers HTTP: that is a dashboard port, not the scheduler's "
+                    "(the scheduler address usually ends in :8786, the dashboard's in :8787)"
+                )
+    except (OSError, ValueError, asyncio.TimeoutError):
+        pass
+    finally:
+        if writer is not None:
+            writer.close()
+    return None

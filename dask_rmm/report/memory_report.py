@@ -1,0 +1,524 @@
+"""ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
+(text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
+
+Pure data and formatting: it never talks to a scheduler (``dask_rmm.report.fetch`` fetches the
+data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time as _time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_rmm.mr.base import format_bytes
+from dask_rmm.report.svg import timeline_svg
+from dask_rmm.wire import COUNTERS, REPORT_VERSION, DeviceSample, to_int
+
+__all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]
+
+
+@dataclass(frozen=True)
+class DeviceMemory(DeviceSample):
+    """One worker device's memory, as its last heartbeat reported it (the :class:`DeviceSample`
+    fields), with the worker and ``timeline``: ``(time, current_bytes, max_bytes_in_interval)``
+    samples, oldest first."""
+
+    worker: str = ""
+    device: str = "0"
+    name: str = ""
+    status: str = "running"
+    timeline: tuple[tuple[float, int, int], ...] = ()
+    last_seen: float | None = None
+
+    @property
+    def timeline_peak(self) -> int:
+        """The largest ``max_bytes_in_interval`` in the timeline (0 without samples)."""
+        return max((s[2] for s in self.timeline), default=0)
+
+    @property
+    def gpu(self) -> str:
+        """The physical device: name and the start of its UUID (``"host"`` on host memory)."""
+        uuid = self.gpu_uuid[:12] if self.gpu_uuid else self.pci_bus_id
+        return f"{self.gpu_name} {uuid}".strip()
+
+    @property
+    def label(self) -> str:
+        """``host:port (name)/dev0`` for legends, with ``(gone)`` for departed workers."""
+        gone = " (gone)" if self.status != "running" else ""
+        return f"{_worker_label(self)}/dev{self.device}{gone}"
+
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """This device's entry in the report document (the wire fields plus ``timeline``)."""
+        out = super().to_dict()
+        if timeline:
+            out["timeline"] = [list(s) for s in self.timeline]
+        return out
+
+    @classmethod
+    def from_worker(
+        cls, worker: Mapping[str, Any], device: str, d: Mapping[str, Any]
+    ) -> DeviceMemory:
+        samples = []
+        for s in d.get("timeline") or ():
+            try:
+                samples.append((float(s[0]), to_int(s[1]), to_int(s[2])))
+            except (IndexError, TypeError, ValueError):
+                continue
+        return cls.from_dict(
+            d,
+            worker=str(worker.get("address", "")),
+            device=str(device),
+            name=str(worker.get("name", "")),
+            status=str(worker.get("status", "running")),
+            timeline=tuple(samples),
+            last_seen=worker.get("last_seen"),
+        )
+
+
+@dataclass(frozen=True)
+class ClusterTotals:
+    """Sums over the running workers' devices; ``largest_free_block`` is the largest anywhere.
+
+    ``peak_bytes`` is the peak of the summed timelines (the most the cluster held at once
+    within the timeline; None without timelines); ``sum_of_device_peaks`` adds peaks that need
+    not have happened at the same time (an upper bound, not the cluster's peak).
+    """
+
+    workers: int
+    gone_workers: int
+    devices: int
+    current_bytes: int
+    peak_bytes: int | None
+    sum_of_device_peaks: int
+    total_bytes: int
+    reserved_bytes: int
+    retired_bytes: int
+    pool_free_bytes: int
+    largest_free_block: int
+    failed_allocations: int
+    # memory pressure (dask_rmm.pressure)
+    spilled_bytes: int = 0
+    spilled_count: int = 0
+    total_spilled_bytes: int = 0
+    total_unspilled_bytes: int = 0
+    ooms_avoided: int = 0
+    oom_count: int = 0
+    pauses: int = 0
+    paused_devices: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
+    """The largest sum over devices of each device's latest ``max_bytes_in_interval`` sample,
+    taken at every sample time (None when there are no samples)."""
+    events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
+    if not events:
+        return None
+    latest: dict[int, int] = {}
+    total = peak = 0
+    for _t, i, value in events:
+        total += value - latest.get(i, 0)
+        latest[i] = value
+        peak = max(peak, total)
+    return int(peak)
+
+
+def _sort_key(address: str) -> tuple:
+    # Sort "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
+    return tuple(int(p) if p.isdigit() else p for p in address.replace(":", ".").split("."))
+
+
+@dataclass(frozen=True)
+class ClusterMemoryReport:
+    """Every worker's RMM memory at one moment, with the recent timeline.
+
+    Made by :func:`dask_rmm.cluster_report` (or from a ``to_dict()`` with :meth:`from_dict`).
+    ``print(report)`` shows a table; Jupyter shows the HTML; :meth:`to_frame`, :meth:`to_json`
+    and :meth:`plot` export it.
+
+    Examples
+    --------
+    >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
+    >>> print(report)  # doctest: +SKIP
+    >>> report.totals.current_bytes  # doctest: +SKIP
+    >>> report.plot("memory.png")  # doctest: +SKIP
+    """
+
+    devices: tuple[DeviceMemory, ...] = ()
+    time: float = field(default_factory=_time.time)
+    scheduler: str = ""
+    timeline_length: int = 0
+    workers_without_dask_rmm: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterMemoryReport:
+        """Build a report from the scheduler's report data (the ``to_dict()`` format)."""
+        version = data.get("version", REPORT_VERSION)
+        if version != REPORT_VERSION:
+            raise ValueError(
+                f"cluster report format version {version!r} is not supported "
+                f"(this dask-rmm reads version {REPORT_VERSION}); "
+                "use the same dask-rmm version on the scheduler and the client"
+            )
+        devices = []
+        errors = [str(e) for e in data.get("errors") or ()]
+        for worker in data.get("workers") or ():
+            if worker.get("error"):
+                errors.append(f"{worker.get('address')}: {worker['error']}")
+            for dev, d in sorted((worker.get("devices") or {}).items()):
+                devices.append(DeviceMemory.from_worker(worker, dev, d))
+        devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
+        return cls(
+            devices=tuple(devices),
+            time=float(data.get("time") or _time.time()),
+            scheduler=str(data.get("scheduler", "")),
+            timeline_length=to_int(data.get("timeline_length", 0)),
+            workers_without_dask_rmm=tuple(data.get("workers_without_dask_rmm") or ()),
+            errors=tuple(errors),
+        )
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[str]:
+        """Worker addresses in the report (running first, then gone)."""
+        return list(dict.fromkeys(d.worker for d in self.devices))
+
+    @property
+    def running(self) -> list[DeviceMemory]:
+        return [d for d in self.devices if d.status == "running"]
+
+    @property
+    def gone(self) -> list[DeviceMemory]:
+        return [d for d in self.devices if d.status != "running"]
+
+    def device(self, worker: str, device: int | str = 0) -> DeviceMemory:
+        """The entry for one worker (address or name) and device id."""
+        for d in self.devices:
+            if (d.worker == worker or d.name == str(worker)) and d.device == str(device):
+                return d
+        raise KeyError(f"no dask-rmm data for worker {worker!r} device {device!r} in this report")
+
+    @property
+    def totals(self) -> ClusterTotals:
+        """Cluster totals over running workers."""
+        run = self.running
+        return ClusterTotals(
+            workers=len({d.worker for d in run}),
+            gone_workers=len({d.worker for d in self.gone}),
+            devices=len(run),
+            peak_bytes=peak_of_sum(d.timeline for d in run),
+            sum_of_device_peaks=sum(d.peak_bytes for d in run),
+            largest_free_block=max((d.largest_free_block for d in run), default=0),
+            paused_devices=sum(1 for d in run if d.paused),
+            **{k: sum(getattr(d, k) for d in run) for k in _SUMMED},
+        )
+
+    @property
+    def oom_events(self) -> list[dict[str, Any]]:
+        """Every OOM snapshot the workers still report (``OOMEvent.to_dict()`` plus
+        ``worker`` and ``device``), oldest first: the out-of-memory errors that reached a task,
+        with their verdict, "fragmentation" or "demand" (docs/memory-pressure.md)."""
+        events = [
+            dict(e, worker=d.worker, device=d.device) for d in self.devices for e in d.oom_events
+        ]
+        return sorted(events, key=lambda e: e.get("time") or 0)
+
+    def task_group_peaks(self) -> dict[str, dict[str, int]]:
+        """``{prefix: {worker/device label: peak bytes}}``, prefixes by their largest sum first."""
+        out: dict[str, dict[str, int]] = {}
+        for d in self.devices:
+            for prefix, _current, peak in d.task_groups:
+                out.setdefault(prefix, {})[d.label] = peak
+        return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
+
+    # -- exports ------------------------------------------------------------------------------
+
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """The report as plain data (the format :meth:`from_dict` reads and the JSON route serves)."""
+        workers: dict[str, dict[str, Any]] = {}
+        for d in self.devices:
+            w = workers.setdefault(
+                d.worker,
+                {
+                    "address": d.worker,
+                    "name": d.name,
+                    "status": d.status,
+                    "last_seen": d.last_seen,
+                    "devices": {},
+                },
+            )
+            w["devices"][d.device] = d.to_dict(timeline=timeline)
+        return {
+            "version": REPORT_VERSION,
+            "time": self.time,
+            "scheduler": self.scheduler,
+            "timeline_length": self.timeline_length,
+            "workers": list(workers.values()),
+            "workers_without_dask_rmm": list(self.workers_without_dask_rmm),
+            "errors": list(self.errors),
+            "totals": self.totals.to_dict(),
+            "oom_events": self.oom_events,
+        }
+
+    def to_json(self, timeline: bool = True, **kwargs: Any) -> str:
+        """:meth:`to_dict` as a JSON string (``kwargs`` go to :func:`json.dumps`)."""
+        return json.dumps(self.to_dict(timeline=timeline), **kwargs)
+
+    def to_frame(self):
+        """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
+
+        Columns: worker, name, device, status, the wire's counters, fragmentation, resource,
+        gpu_name, gpu_uuid, pci_bus_id, error.
+        """
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError(
+                "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
+                "(or pip install 'dask-rmm[report]')"
+            ) from e
+        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
+        return pd.DataFrame(rows, columns=list(_FRAME_COLUMNS))
+
+    def plot(self, path: str | None = None, *, top_task_groups: int = 10):
+        """Draw memory over time per worker device and per-task-group peaks.
+
+        Parameters
+        ----------
+        path : str, optional
+            Write a PNG there (matplotlib's Agg backend; no display needed).
+        top_task_groups : int
+            How many task groups the bar chart shows.
+
+        Returns
+        -------
+        matplotlib.figure.Figure
+        """
+        from dask_rmm.report.plot import plot_report
+
+        return plot_report(self, path, top_task_groups=top_task_groups)
+
+    # -- text and HTML ------------------------------------------------------------------------
+
+    def table_rows(self) -> list[list[str]]:
+        """The text table's rows, header first (used by ``__str__`` and the CLI)."""
+
+        def memory(x: Any, peak: str) -> list[str]:  # a device, or the totals
+            retired = f" +{format_bytes(x.retired_bytes)} retired" if x.retired_bytes else ""
+            sizes = (x.current_bytes, x.total_bytes, x.pool_free_bytes, x.largest_free_block)
+            current, total, free, largest = map(format_bytes, sizes)
+            return [current, peak, total, format_bytes(x.reserved_bytes) + retired, free, largest]
+
+        rows = [list(_HEADER)]
+        for d in self.devices:
+            rows.append(
+                [_worker_label(d), f"{d.device} {d.gpu}".strip(), d.status]
+                + memory(d, format_bytes(d.peak_bytes))
+                + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
+            )
+        t = self.totals
+        peak = "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *"
+        workers = f"total ({t.workers} worker{'s' if t.workers != 1 else ''})"
+        gone = f"{t.gone_workers} gone" if t.gone_workers else ""
+        rows.append(
+            [workers, str(t.devices), gone] + memory(t, peak) + ["", str(t.failed_allocations), ""]
+        )
+        return rows
+
+    def __str__(self) -> str:
+        rows = self.table_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+        right = {3, 4, 5, 6, 7, 8, 9, 10}
+
+        def fmt(r: list[str]) -> str:
+            cells = [
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ]
+            return "  ".join(cells).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        lines = [f"dask-rmm cluster memory report: {self.scheduler or 'scheduler'} at {when}"]
+        if not self.devices:
+            lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
+        else:
+            lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
+            lines.append(self._peak_note())
+        return "\n".join(lines + self.pressure_lines() + self._notes())
+
+    def _notes(self) -> list[str]:
+        """Workers without dask-rmm, and the errors, one line each."""
+        lines = [f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error]
+        lines += [f"error: {e}" for e in self.errors]
+        if self.workers_without_dask_rmm:
+            lines.insert(0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
+        return lines
+
+    def pressure_lines(self) -> list[str]:
+        """Memory pressure, one line per device that spilled, paused or ran out of memory,
+        then one per OOM event (none when nothing happened)."""
+        lines = []
+        for d in self.devices:
+            if not (d.total_spilled_count or d.pauses or d.oom_count or d.ooms_avoided):
+                continue
+            limit = format_bytes(d.device_memory_limit) if d.device_memory_limit else "none"
+            lines.append(
+                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.spilled_bytes)} spilled now "
+                f"({d.spilled_count}), {format_bytes(d.total_spilled_bytes)} spilled and "
+                f"{format_bytes(d.total_unspilled_bytes)} back in "
+                f"{d.spill_seconds + d.unspill_seconds:.2f} s, {d.ooms_avoided} OOMs avoided, "
+                f"{d.oom_count} OOMs, {d.pauses} pauses{' (paused)' if d.paused else ''}, "
+                f"limit {limit}"
+            )
+        for e in self.oom_events:
+            when = _time.strftime("%H:%M:%S", _time.localtime(e.get("time") or 0))
+            lines.append(
+                f"OOM {when} {e.get('worker')}/dev{e.get('device')} task "
+                f"{e.get('task_key') or '(none)'}: {e.get('verdict')}, requested "
+                f"{format_bytes(to_int(e.get('requested')))}, free "
+                f"{format_bytes(e.get('free_bytes'))}, largest free block "
+                f"{format_bytes(e.get('largest_free_block'))}"
+            )
+        if lines:
+            lines.insert(0, "memory pressure:")
+        return lines
+
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"<ClusterMemoryReport: {t.workers} workers ({t.gone_workers} gone), {t.devices} devices, "
+            f"{format_bytes(t.current_bytes)} used, {format_bytes(t.reserved_bytes)} reserved>"
+        )
+
+    def to_html(
+        self, *, timeline: bool = True, full_page: bool = False, refresh: int | None = None
+    ) -> str:
+        """The report as HTML: the table, then the timeline drawn as inline SVG.
+
+        Parameters
+        ----------
+        timeline : bool
+            Include the SVG timeline.
+        full_page : bool
+            A whole standalone document (the dashboard page) rather than a fragment.
+        refresh : int, optional
+            With ``full_page``, reload the page every ``refresh`` seconds.
+        """
+        esc = html.escape
+        rows = self.table_rows()
+        head = "".join(f"<th>{esc(c)}</th>" for c in rows[0])
+        body = []
+        for d, r in zip(self.devices, rows[1:-1], strict=True):
+            cls = "gone" if d.status != "running" else ""
+            tip = f' title="{esc(d.worker)} &middot; {esc(d.resource)}"'
+            body.append(
+                f'<tr class="{cls}"{tip}>' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+            )
+        foot = "".join(f"<th>{esc(c)}</th>" for c in rows[-1])
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        parts = [
+            f'<div class="dask-rmm-report"><style>{_CSS}</style>',
+            f"<h3>dask-rmm cluster memory &middot; {esc(self.scheduler)} &middot; {esc(when)}</h3>",
+        ]
+        if not self.devices:
+            parts.append(
+                "<p>No dask-rmm workers (register <code>dask_rmm.RMMPlugin</code> on the workers).</p>"
+            )
+        else:
+            parts.append(
+                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
+                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(self._peak_note())}</p>"
+            )
+        pressure = self.pressure_lines()
+        if pressure:
+            items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
+            parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
+        parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
+        if timeline and any(d.timeline for d in self.devices):
+            series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
+            parts.append("<h4>Memory over time (max per sample interval)</h4>")
+            parts.append(timeline_svg(series))
+        parts.append("</div>")
+        fragment = "".join(parts)
+        if not full_page:
+            return fragment
+        meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
+        return (
+            '<!DOCTYPE html><html><head><meta charset="utf-8">'
+            f"<title>dask-rmm cluster memory</title>{meta}</head>"
+            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
+            '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
+        )
+
+    def _peak_note(self) -> str:
+        if self.totals.peak_bytes is None:
+            return "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+        return _PEAK_NOTE
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+_HEADER = (
+    "worker",
+    "dev",
+    "status",
+    "current",
+    "peak",
+    "allocated (total)",
+    "reserved",
+    "pool free",
+    "largest free",
+    "frag",
+    "failures",
+    "top task groups (peak)",
+)
+
+#: Device fields summed into the cluster totals.
+_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
+_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
+_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+
+_PEAK_NOTE = (
+    "* total peak: the most the running devices held at once within their timelines "
+    "(not the sum of their peaks)"
+)
+_FRAME_COLUMNS = ("worker", "name", "device", "status", *COUNTERS, "fragmentation", "resource")
+_FRAME_COLUMNS += ("gpu_name", "gpu_uuid", "pci_bus_id", "error")
+
+_CSS = (
+    ".dask-rmm-report{font-family:system-ui,sans-serif;font-size:13px}"
+    ".dask-rmm-report table{border-collapse:collapse}"
+    ".dask-rmm-report th,.dask-rmm-report td{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right}"
+    ".dask-rmm-report th:nth-child(-n+3),.dask-rmm-report td:nth-child(-n+3),"
+    ".dask-rmm-report td:last-child,.dask-rmm-report th:last-child{text-align:left}"
+    ".dask-rmm-report th,.dask-rmm-report td{white-space:nowrap}"
+    ".dask-rmm-report td:last-child{white-space:normal}"
+    ".dask-rmm-report thead th{background:#f3f3f3}"
+    ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
+    ".dask-rmm-report .note{color:#b00}"
+)
+
+
+def _worker_label(d: DeviceMemory) -> str:
+    """``host:port``, then the worker's name when it says more than the address."""
+    short = d.worker.rsplit("//", 1)[-1]
+    if d.name and d.name not in (d.worker, short):
+        return f"{short} ({d.name})"
+    return short
+
+
+def _top_groups(d: DeviceMemory, n: int = 3) -> str:
+    groups = sorted(d.task_groups, key=lambda g: -g[2])[:n]
+    return ", ".join(f"{prefix} {format_bytes(peak)}" for prefix, _, peak in groups)

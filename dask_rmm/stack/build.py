@@ -1,0 +1,267 @@
+"""The one stack builder: options and a device id in, one device's resource stack out
+(:class:`DeviceStack`, built completely, nothing installed), with its allocation log file.
+Not here: the options model (``options.py``), installing stacks on a worker
+(:mod:`dask_rmm.worker.stacks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.sizes import host_total_memory
+from dask_rmm.stack.options import RMMOptions, _check_pool_sizes
+
+if TYPE_CHECKING:
+    from dask_rmm.mr.base import DeviceMemoryResource
+
+__all__ = [
+    "DeviceStack",
+    "build_stack",
+    "claim_log_file",
+    "log_file_path",
+    "make_base_resource",
+    "on_device",
+    "resource_chain",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# -- log files ------------------------------------------------------------------------------------
+
+
+def _sanitise(name: Any) -> str:
+    text = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("._")
+    return text or "worker"
+
+
+def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: int) -> str:
+    """``<log_directory>/rmm_log_<worker name>.dev<device>.csv``, the name made filename-safe.
+
+    Examples
+    --------
+    >>> log_file_path("/logs", "tcp://10.0.0.1:4242", 0)
+    '/logs/rmm_log_tcp_10.0.0.1_4242.dev0.csv'
+    """
+    return os.path.join(
+        os.fspath(log_directory), f"rmm_log_{_sanitise(worker_name)}.dev{device}.csv"
+    )
+
+
+def claim_log_file(path: str) -> tuple[str, int | None]:
+    """Reserve ``path`` for this worker with an exclusive ``flock`` held until teardown.
+
+    A file another live worker holds (two clusters sharing a directory, or two names that
+    sanitise alike) gets this process's id, then a counter, added to its name instead.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no reservation, the name is used as is
+        return path, None
+    stem, _, ext = path.rpartition(".dev")
+    candidates = [path, f"{stem}-{os.getpid()}.dev{ext}"]
+    candidates += [f"{stem}-{os.getpid()}-{i}.dev{ext}" for i in range(1, 64)]
+    for candidate in candidates:
+        fd = os.open(candidate, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        return candidate, fd
+    raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
+
+
+# -- per-device state on one worker --------------------------------------------------------------
+
+
+@dataclass
+class DeviceStack:
+    """What setup built for one device, and what teardown needs to undo it."""
+
+    device: int
+    top: DeviceMemoryResource
+    statistics: Any = None  # StatisticsResourceAdaptor or None
+    attribution: Any = None  # AttributionResourceAdaptor or None
+    logging: Any = None  # LoggingResourceAdaptor or None
+    log_path: str | None = None
+    log_fd: int | None = None
+    chain: str = ""
+    host_memory: bool = False
+    options: RMMOptions | None = None
+    pool_size: int | None = None  # bytes, as resolved on this device
+    maximum_pool_size: int | None = None
+    pressure: Any = None  # dask_rmm.pressure.DevicePressure when the options ask for it
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated through this stack and not yet freed (0 without statistics)."""
+        try:
+            return int(self.statistics.current_bytes) if self.statistics is not None else 0
+        except Exception:  # a broken counter must not break a teardown
+            return 0
+
+    def describe(self) -> str:
+        """One line: resources, pool size and maximum, base resource, log file."""
+        from dask_rmm.mr.base import format_bytes
+
+        pool, maximum = (
+            "none" if n is None else format_bytes(n) for n in (self.pool_size, self.maximum_pool_size)
+        )
+        base = self.options.base_resource if self.options is not None else "?"
+        return (
+            f"device {self.device}: {self.chain}; pool {pool}, maximum {maximum}, "
+            f"base resource {base}, log {self.log_path or 'none'}"
+        )
+
+    def flush_log(self, close: bool = False) -> None:
+        """Write the log's buffered rows to its file (and close it, releasing its name);
+        nothing without a log, or once the adaptor of a retired stack was collected (it flushed
+        and closed its file then)."""
+        if self.logging is not None:
+            for method in ("flush", "close") if close else ("flush",):
+                try:
+                    getattr(self.logging, method)()
+                except ReferenceError:  # a retired stack's adaptor, collected: closed already
+                    break
+                except Exception:  # pragma: no cover - a timer or a teardown must go on
+                    logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
+        if close and self.log_fd is not None:
+            fd, self.log_fd = self.log_fd, None
+            os.close(fd)
+
+    def close_log(self) -> None:
+        self.flush_log(close=True)
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` the current CUDA device for the block (no-op without CUDA)."""
+    from dask_rmm import _cuda
+
+    current = _cuda.get_device() if _cuda.is_available() else device
+    if current != device:
+        _cuda.set_device(device)
+    try:
+        yield
+    finally:
+        if current != device:
+            _cuda.set_device(current)
+
+
+def _upstreams(mr: Any) -> Iterator[Any]:
+    """``mr`` and its upstreams, outermost first."""
+    while mr is not None:
+        yield mr
+        mr = getattr(mr, "upstream_mr", None)
+
+
+def resource_chain(mr: Any) -> str:
+    """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
+    return ">".join(type(m).__name__ for m in _upstreams(mr))
+
+
+
+def make_base_resource(name: str, device: int, options: RMMOptions | None = None, total: int = 0):
+    """The base resource ``name`` on ``device`` (the current CUDA device must be ``device``)."""
+    from dask_rmm import _cuda, mr
+
+    if name == "system":
+        return mr.SystemMemoryResource(device_id=device)
+    _cuda.require_cuda(
+        f"base_resource={name!r} (use base_resource='system' for host memory without a GPU)"
+    )
+    if name == "async" and options is not None:
+        return mr.CudaAsyncMemoryResource(
+            initial_pool_size=options.resolve_size("pool_size", device, total),
+            release_threshold=options.resolve_size("release_threshold", device, total),
+        )
+    return {
+        "cuda": mr.CudaMemoryResource,
+        "managed": mr.ManagedMemoryResource,
+        "pinned": mr.PinnedHostMemoryResource,
+        "async": mr.CudaAsyncMemoryResource,
+    }[name]()
+
+
+def build_stack(
+    options: RMMOptions,
+    device: int,
+    *,
+    worker_name: Any = None,
+    task_key: Callable[[], Any] | None = None,
+    owner_name: Callable[[Any], str] | None = None,
+) -> DeviceStack:
+    """One device's resource stack, built completely (nothing installed).
+
+    Layers, outermost first (those that are off are left out)::
+
+        AttributionResourceAdaptor -> StatisticsResourceAdaptor -> LoggingResourceAdaptor
+          -> TrackingResourceAdaptor -> PoolMemoryResource | LimitingResourceAdaptor(async)
+          -> base resource
+
+    Attribution (with ``task_key``) charges what succeeded through every layer below; statistics
+    sits right under it so per-task bytes add up to its counters; logging and tracking record
+    the calls as asked; every adaptor sits above the pool so it sees requests, not the pool's
+    growth. A log file is ``options.log_file_name`` (``reinitialize``) or, with
+    ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
+    """
+    from dask_rmm import _cuda, mr
+
+    with on_device(device):
+        total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
+        pool_size = options.resolve_size("pool_size", device, total)
+        maximum = options.resolve_size("maximum_pool_size", device, total)
+        _check_pool_sizes(pool_size, maximum, f" on device {device}")
+        top = make_base_resource(options.base_resource, device, options, total)
+        if options.base_resource == "async":
+            if maximum is not None:
+                top = mr.LimitingResourceAdaptor(top, allocation_limit=maximum)
+        elif options.pool_allocator:
+            top = mr.PoolMemoryResource(top, initial_pool_size=pool_size, maximum_pool_size=maximum)
+    stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory, options=options)
+    try:
+        if options.track_allocations:
+            top = mr.TrackingResourceAdaptor(top)
+        log_file_name = options.log_file_name
+        if options.log_directory is not None:
+            try:
+                os.makedirs(options.log_directory, exist_ok=True)
+                path = log_file_path(options.log_directory, worker_name, device)
+                stack.log_path, stack.log_fd = claim_log_file(path)
+                # The adaptor adds RMM's ".dev<id>" to the name it is given; a worker's log is
+                # appended to, so a worker restarted under the same name keeps what was there.
+                log_file_name = stack.log_path[: -len(f".dev{device}.csv")] + ".csv"
+                top = stack.logging = mr.LoggingResourceAdaptor(
+                    top, log_file_name=log_file_name, append=True
+                )
+            except OSError as e:
+                raise OSError(
+                    f"`log_directory` {options.log_directory!r}: cannot write the allocation log "
+                    f"of device {device}: {e}"
+                ) from e
+        elif log_file_name is not None:
+            top = stack.logging = mr.LoggingResourceAdaptor(top, log_file_name=log_file_name)
+        if stack.logging is not None:
+            stack.log_path = stack.logging.get_file_name()
+        if options.statistics:
+            top = stack.statistics = mr.StatisticsResourceAdaptor(top)
+            if task_key is not None:
+                from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+
+                top = stack.attribution = AttributionResourceAdaptor(
+                    top, task_key, owner_name=owner_name
+                )
+    except BaseException:
+        stack.close_log()
+        raise
+    stack.top = top
+    stack.chain = resource_chain(top)
+    stack.pool_size, stack.maximum_pool_size = pool_size, maximum
+    return stack

@@ -1,0 +1,275 @@
+"""The one options model of a worker's memory setup.
+
+:class:`RMMOptions` is built from ``RMMPlugin(...)`` arguments, the preload's flags, the
+``dask-rmm.*`` config and ``reinitialize(...)`` arguments, and owns their validation;
+:func:`~dask_rmm.stack.build.build_stack` turns options into one device's resource stack;
+installing stacks is :mod:`dask_rmm.worker.stacks`'s job. Imports neither distributed nor CUDA (Dask's
+config only when asked for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dask_rmm.sizes import parse_device_bytes
+
+__all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
+
+#: Where memory comes from: cudaMalloc, cudaMallocManaged, cudaMallocAsync, pinned host memory,
+#: host memory (the only one that works without a GPU; never picked silently).
+BASE_RESOURCES = ("cuda", "managed", "async", "pinned", "system")
+
+
+class OptionError(ValueError, RuntimeError):
+    """Options that cannot go together (``initial_pool_size > maximum_pool_size``, ...).
+
+    A ValueError, and a RuntimeError as RMM raises for the same mistakes in ``reinitialize``.
+    """
+
+
+def _size(option: str, value: Any) -> int | float | None:
+    """A size option as kept until a device is known: bytes, a fraction (float), or None."""
+    if isinstance(value, str) and not value.strip().isdigit():
+        with contextlib.suppress(ValueError):  # "0.8" is a fraction, "1" one byte
+            value = float(value) if 0 < float(value) <= 1 else value
+    # Parsing against a made-up total checks a fraction's form; bytes are exact here and
+    # aligned when a device resolves them.
+    nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
+    return value if isinstance(value, float) and 0 < value <= 1 else nbytes
+
+
+def _bool(option: str, value: Any) -> bool:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off", ""):
+        return False
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"`{option}` must be True or False, got {value!r}")
+
+
+def _allocators(value: Any) -> tuple[str, ...]:
+    from dask_rmm.allocators import SUPPORTED_ALLOCATORS
+
+    try:
+        names = value.split(",") if isinstance(value, str) else list(value or ())
+    except TypeError:
+        raise TypeError(
+            f"`allocators` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
+            f"got {value!r}"
+        ) from None
+    out: list[str] = []
+    for name in names:
+        name = str(name).strip().lower()
+        if name and name not in SUPPORTED_ALLOCATORS:
+            raise ValueError(
+                f"unknown library {name!r} in `allocators`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
+            )
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _devices(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    try:
+        devices = tuple(int(d) for d in value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`devices` must be device ids such as [0, 1] or '0,1', got {value!r}"
+        ) from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"`devices` must be distinct non-negative device ids, got {list(devices)}")
+    return devices or None
+
+
+def _log_directory(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"`log_directory` must be a directory path, got {value!r}")
+    path = os.fspath(value)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"`log_directory` {path!r} exists and is not a directory")
+    return path
+
+
+def _pause_fraction(value: Any) -> float | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"`device_pause_fraction` must be in (0, 1], None or False, got {value!r}")
+    return float(value)
+
+
+def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
+    """RMM's error when the maximum pool size is below the initial one (both bytes, or both
+    fractions)."""
+    from dask_rmm.mr.base import format_bytes
+
+    def describe(value: int | float) -> str:
+        return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
+
+    if type(pool) is type(maximum) and pool is not None and maximum < pool:
+        raise OptionError(
+            f"Initial pool size exceeds the maximum pool size: `maximum_pool_size` "
+            f"({describe(maximum)}) is smaller than `pool_size` ({describe(pool)}){where}"
+        )
+
+
+@dataclass(frozen=True)
+class RMMOptions:
+    """What a worker's (or ``reinitialize``'s) memory setup is made of, checked once.
+
+    Sizes are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
+    :func:`build_stack` resolves on the device; both aligned down to 256 bytes there.
+    """
+
+    #: Where memory comes from (:data:`BASE_RESOURCES`). With ``"async"`` the pool sizes size
+    #: cudaMallocAsync's own pool (``maximum_pool_size`` is a ``LimitingResourceAdaptor``);
+    #: otherwise a pool is a ``PoolMemoryResource`` over the base.
+    base_resource: str = "cuda"
+    pool_allocator: bool = False  #: suballocate from a pool; true whenever ``pool_size`` is given
+    pool_size: int | float | None = None  #: initial pool size (None: the pool's default)
+    maximum_pool_size: int | float | None = None  #: the largest pool size (None: no limit)
+    release_threshold: int | float | None = None  #: with ``"async"``: bytes kept when idle
+    #: one CSV allocation log per worker and device in this directory, appended to
+    log_directory: str | None = None
+    #: ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory
+    log_file_name: str | None = None
+    track_allocations: bool = False  #: add a ``TrackingResourceAdaptor``
+    #: a ``StatisticsResourceAdaptor`` (and, on a worker, per-task-prefix attribution) feeding
+    #: the heartbeat metrics
+    statistics: bool = True
+    allocators: tuple[str, ...] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
+    devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
+    #: above this many bytes in use (measured by the resource), a worker spills its least
+    #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
+    device_memory_limit: int | float | None = None
+    spill_on_oom: bool = False  #: an allocation that fails spills task outputs and is retried
+    #: pause a worker whose bytes in use pass this fraction of the device's capacity (the pool's
+    #: maximum, else the device's memory), like distributed's host ``pause``; only active with
+    #: ``device_memory_limit`` or ``spill_on_oom``
+    device_pause_fraction: float | None = 0.8
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        base = self.base_resource
+        if not isinstance(base, str) or base.strip().lower() not in BASE_RESOURCES:
+            raise ValueError(
+                f"`base_resource` must be one of {', '.join(map(repr, BASE_RESOURCES))}, got {base!r}"
+            )
+        put("base_resource", base.strip().lower())
+        for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
+            put(name, _size(name, getattr(self, name)))
+        for name in ("pool_allocator", "track_allocations", "statistics", "spill_on_oom"):
+            put(name, _bool(name, getattr(self, name)))
+        put("pool_allocator", self.pool_allocator or self.pool_size is not None)
+        put("allocators", _allocators(self.allocators))
+        put("devices", _devices(self.devices))
+        put("log_directory", _log_directory(self.log_directory))
+        put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))
+        if self.log_file_name is not None:
+            put("log_file_name", os.fspath(self.log_file_name))
+        # options that do not go together
+        asynchronous = self.base_resource == "async"
+        if self.release_threshold is not None and not asynchronous:
+            raise OptionError("`release_threshold` requires `async_alloc=True`")
+        if self.maximum_pool_size is not None and not (self.pool_allocator or asynchronous):
+            raise OptionError(
+                "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
+            )
+        _check_pool_sizes(self.pool_size, self.maximum_pool_size)
+        if self.host_memory and self.allocators:
+            raise OptionError(
+                f"`allocators` {list(self.allocators)} need device memory: they cannot use "
+                f"host memory from base_resource={self.base_resource!r}"
+            )
+
+    # -- construction from the ways a user gives options ----------------------------------------
+
+    @classmethod
+    def from_config(cls, **given: Any) -> RMMOptions:
+        """Options from keyword arguments (RMMPlugin's names, including the dask-cuda aliases
+        ``managed_memory=True`` and ``async_alloc=True``), the rest from the ``dask-rmm.*``
+        config, which is validated first (:func:`dask_rmm.config.validate_config`)."""
+        from dask_rmm.config import config_value, validate_config
+
+        validate_config()
+        values = {f.name: config_value(f.name.replace("_", "-")) for f in CONFIG_FIELDS}
+        values.update({k: v for k, v in given.items() if k in values or k in ALIASES})
+        unknown = set(given) - set(values) - set(ALIASES)
+        if unknown:
+            raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
+        managed = _bool("managed_memory", values.pop("managed_memory", False) or False)
+        asynchronous = _bool("async_alloc", values.pop("async_alloc", False) or False)
+        if managed and asynchronous:
+            raise OptionError("`managed_memory` is incompatible with `async_alloc`: pick one")
+        alias = "managed" if managed else "async" if asynchronous else None
+        if alias is not None:
+            explicit = given.get("base_resource")
+            if explicit not in (None, "cuda", alias):  # "cuda": device memory, the default
+                option = "managed_memory" if managed else "async_alloc"
+                raise OptionError(
+                    f"`{option}=True` means base_resource={alias!r}, which conflicts with "
+                    f"base_resource={explicit!r}"
+                )
+            values["base_resource"] = alias
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            from dask_rmm.config import ConfigError
+
+            # A value from the config that the schema lets through (a log directory that is a
+            # file, a pause fraction above 1): name its key and environment variable.
+            for name in sorted(set(values) - set(given) - {"maximum_pool_size", "release_threshold"}):
+                key = name.replace("_", "-")
+                try:
+                    cls(**{name: values[name]})
+                except (TypeError, ValueError) as own:
+                    raise ConfigError(f"dask-rmm.{key}", values[name], str(own)) from e
+            raise
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain values (lists for tuples)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    def resolve_size(self, option: str, device: int, total: int) -> int | None:
+        """Option ``option`` in bytes on a device of ``total`` bytes (aligned down to 256)."""
+        from dask_rmm.mr.base import format_bytes
+
+        nbytes = parse_device_bytes(
+            getattr(self, option), device, total_memory=total, option=option
+        )
+        if nbytes is not None and nbytes > total:
+            where = "host memory" if self.host_memory else f"device {device}'s memory"
+            raise OptionError(
+                f"`{option}` ({format_bytes(nbytes)}) is larger than {where} ({format_bytes(total)})"
+            )
+        return nbytes
+
+    @property
+    def host_memory(self) -> bool:
+        return self.base_resource in ("system", "pinned")
+
+
+#: Options with a ``dask-rmm.<name>`` config key (``_`` written ``-``).
+CONFIG_FIELDS = [
+    f for f in dataclasses.fields(RMMOptions) if f.name not in ("pool_allocator", "log_file_name")
+]
+#: dask-cuda's option names that choose a base resource.
+ALIASES = ("managed_memory", "async_alloc")

@@ -1,0 +1,228 @@
+"""What dask-rmm installed on a worker: one worker's stacks with the retired ones still holding
+memory (:class:`WorkerStack`), and the per-process registry that installs stacks and restores
+what was there. Not here: building a stack and its log file (:mod:`dask_rmm.stack`),
+distributed (:mod:`dask_rmm.plugin`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.stack.build import DeviceStack, _upstreams
+
+if TYPE_CHECKING:
+    from dask_rmm.stack.options import RMMOptions
+
+__all__ = [
+    "WorkerStack",
+    "cupy_allocator_note",
+    "install_stack",
+    "replaced_resource_note",
+    "uninstall_stack",
+    "worker_stack",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# Worker objects of one process share the per-device registry (gen_cluster, LocalCluster with
+# processes=False): the stacks installed per device, newest last, and what was there before the
+# first, so that tearing down in any order restores the right resource.
+_installed: dict[int, list[DeviceStack]] = {}
+_original: dict[int, Any] = {}
+
+
+def install_stack(stack: DeviceStack) -> None:
+    """Make ``stack`` its device's resource, remembering what it replaced."""
+    from dask_rmm.mr.registry import set_per_device_resource
+
+    active = _installed.setdefault(stack.device, [])
+    previous = set_per_device_resource(stack.device, stack.top)
+    if not active:
+        _original[stack.device] = previous
+    active.append(stack)
+
+
+def uninstall_stack(stack: DeviceStack) -> None:
+    """Undo :func:`install_stack`: the newest stack still installed, or else the original, is
+    the device's resource again (unless someone else replaced ours). Unknown stacks: no-op."""
+    from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
+
+    active = _installed.get(stack.device, [])
+    if stack not in active:
+        return
+    was_newest = active[-1] is stack
+    active.remove(stack)
+    if not active:
+        del _installed[stack.device]
+        previous = _original.pop(stack.device, None)
+        try:
+            current = get_per_device_resource(stack.device)
+        except Exception:
+            current = None
+        # Someone replaced our resource after us (set_current_device_resource, reinitialize):
+        # theirs stays.
+        if current is stack.top:
+            set_per_device_resource(stack.device, previous)
+    elif was_newest:
+        set_per_device_resource(stack.device, active[-1].top)
+
+
+def replaced_resource_note(device: int) -> str | None:
+    """Why allocations on ``device`` may go uncounted, or None: its current resource neither is
+    nor wraps a stack dask-rmm installed there (code on the worker called ``reinitialize`` or
+    ``set_current_device_resource``), so what is allocated through it is not counted."""
+    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
+
+    current = get_per_device_resource(device) if device in registered_devices() else None
+    tops = [s.top for s in _installed.get(device, ())]
+    # an adaptor over our stack (enable_statistics()) still reaches it
+    if any(mr is top for mr in _upstreams(current) for top in tops):
+        return None
+    what = "the default resource" if current is None else type(current).__name__
+    return (
+        f"device {device}'s current resource was replaced outside dask-rmm (by {what}, e.g. "
+        "reinitialize or set_current_device_resource in a task): allocations through it are "
+        "not counted here; register the plugin again to install dask-rmm's stack"
+    )
+
+
+def cupy_allocator_note() -> str | None:
+    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's as dask-cuda's
+    ``rmm_allocator_external_lib_list=["cupy"]`` sets, which dask-rmm neither sees nor counts,
+    or CuPy's own); None when CuPy is not imported."""
+    try:
+        allocator = sys.modules["cupy"].cuda.get_allocator()
+    except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
+        return None
+    owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
+    module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
+    name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
+    owner = "CuPy's own allocator; dask-rmm does not see or count it"
+    if module.startswith("dask_rmm."):
+        owner = "dask-rmm's resources, counted in its metrics"
+    elif module.startswith("rmm."):
+        owner = "compiled RMM's current device resource; dask-rmm does not see or count it"
+    return f"CuPy allocates through {module}.{name} ({owner})"
+
+
+# -- one worker's stacks -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WorkerStack:
+    """The stacks dask-rmm installed on one worker, across plugin registrations.
+
+    ``active``: the installed stacks (one per device), made from ``options`` by the
+    registration ``token``. ``retired``: stacks replaced or removed while buffers allocated
+    through them were still alive; they are listed, with :attr:`DeviceStack.live_bytes`, until
+    those buffers are freed, so that re-registering never hides memory in use (the heartbeat
+    metrics read them). Teardown hands the active stacks back with :meth:`release` instead of
+    removing them at once, so that a registration replacing them can :meth:`take_released` and
+    keep them installed until its own stacks are ready (or keep them if it fails).
+    """
+
+    active: list[DeviceStack] = field(default_factory=list)
+    options: RMMOptions | None = None
+    token: str | None = None
+    #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
+    pressure: Any = None
+    _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
+    _released: bool = False
+
+    @property
+    def retired(self) -> list[DeviceStack]:
+        """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
+        live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
+        kept = []
+        for alive, stack in self._retired:
+            if alive() is not None and stack.live_bytes > 0:
+                kept.append((alive, stack))
+            else:  # its last buffer was freed: its log is complete
+                stack.close_log()
+        self._retired = kept
+        return [s for _, s in kept]
+
+    def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
+        """Install ``stacks`` and retire the active ones (call after every stack is built)."""
+        from dask_rmm import allocators
+
+        previous, previous_options = self.active, self.options
+        for stack in stacks:
+            install_stack(stack)
+        if previous_options is not None:
+            dropped = [a for a in previous_options.allocators if a not in options.allocators]
+            allocators.reset_allocators(dropped)
+        self.active, self.options, self.token, self._released = stacks, options, token, False
+        self.retire(previous)
+        allocators.set_allocators(list(options.allocators))
+
+    def set_pressure(self, worker: Any, pressure: Any) -> None:
+        """Detach the memory-pressure layer in place (its spilled outputs come back to the
+        device) and attach ``pressure`` (or none) to ``worker``'s data."""
+        previous, self.pressure = self.pressure, None
+        if previous is not None:
+            previous.detach(worker)
+        if pressure is not None:
+            pressure.attach(worker)
+            self.pressure = pressure
+
+    def retire(self, stacks: list[DeviceStack]) -> None:
+        """Uninstall ``stacks`` and keep the ones still holding memory; close the others' logs.
+
+        A retired stack keeps its log file (and its claim on the name) until its last buffer is
+        freed, so that those frees are logged: closing it at once made every buffer held across
+        a re-registration look leaked to ``dask rmm log summary``.
+        """
+        for stack in reversed(stacks):
+            uninstall_stack(stack)
+            if stack.live_bytes <= 0:
+                stack.close_log()
+            else:
+                stack.flush_log()
+                alive = weakref.ref(stack.top)
+                for name in ("top", "statistics", "attribution", "logging"):
+                    if getattr(stack, name) is not None:
+                        setattr(stack, name, weakref.proxy(getattr(stack, name)))
+                self._retired.append((alive, stack))
+
+    def release(self) -> bool:
+        """Mark the active stacks as handed back (see the class doc); False if there are none."""
+        self._released = bool(self.active)
+        return self._released
+
+    def take_released(self) -> bool:
+        """Claim stacks handed back by :meth:`release` and not yet removed (they stay installed)."""
+        taken, self._released = self._released, False
+        return taken
+
+    def remove_released(self) -> None:
+        """Remove the active stacks if they were released and nobody took them."""
+        if not self._released:
+            return
+        from dask_rmm import allocators
+
+        stacks, options = self.active, self.options
+        self.active, self.options, self.token, self._released = [], None, None, False
+        self.set_pressure(None, None)  # while its stacks are installed: outputs come back there
+        if options is not None:
+            allocators.reset_allocators(list(options.allocators))
+        self.retire(stacks)
+
+    def flush_logs(self) -> None:
+        """Write the buffered log rows of every active stack, and of every retired stack
+        still holding memory, to their files."""
+        for stack in [*self.active, *self.retired]:
+            stack.flush_log()
+
+
+_worker_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def worker_stack(worker: Any) -> WorkerStack:
+    """The :class:`WorkerStack` of ``worker`` (a distributed Worker), made on first use."""
+    return _worker_stacks.get(worker) or _worker_stacks.setdefault(worker, WorkerStack())

@@ -1,0 +1,295 @@
+"""Tests of ``dask rmm log ...`` (dask_rmm.cli): through click's CliRunner, and once each as a
+real process (``python -m dask_rmm.cli`` and the ``dask rmm`` entry point)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from logdata import write_synthetic
+
+from dask_rmm import cli, logs
+from dask_rmm.logs import replay
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture
+def two_logs(tmp_path):
+    a, b = tmp_path / "worker-0.csv", tmp_path / "worker-1.csv"
+    ea = write_synthetic(a, 2000, seed=1, failure_rate=0.0)
+    eb = write_synthetic(b, 1500, seed=2, start=12 * 3600.0 + 0.01, failure_rate=0.0)
+    return a, b, ea, eb
+
+
+def test_summary_text(runner, two_logs):
+    a, b, ea, eb = two_logs
+    result = runner.invoke(cli.main, ["log", "summary", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "== worker-0" in out and "== worker-1" in out and "== combined" in out
+    assert f"{ea.peak_bytes:,} B" in out
+    assert "per thread" in out and "per stream" in out and "sizes" in out
+
+
+def test_summary_json(runner, two_logs):
+    a, b, ea, eb = two_logs
+    result = runner.invoke(cli.main, ["log", "summary", "--json", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [f["peak_bytes"] for f in data["files"]] == [ea.peak_bytes, eb.peak_bytes]
+    assert data["files"][0]["outstanding_bytes"] == ea.outstanding_bytes
+    assert data["combined"]["allocations"] == ea.allocations + eb.allocations
+
+
+def test_summary_of_a_malformed_log_names_the_line(runner, tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "1,00:00:01.000000,allocate,0x100,256,0\n"
+        "1,00:00:01.000001,allocate,0x200,,0\n"
+        "1,00:00:01.000002,free,0x100,256,0\n"
+    )
+    result = runner.invoke(cli.main, ["log", "summary", str(p)])
+    assert result.exit_code == 1
+    assert f"{p}:3: malformed row" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_summary_of_a_cut_log_warns_and_succeeds(runner, tmp_path):
+    p = tmp_path / "cut.csv"
+    exp = write_synthetic(p, 300, seed=4)
+    with open(p, "a") as f:
+        f.write("140001,12:00:09.1")
+    result = runner.invoke(cli.main, ["log", "summary", str(p)])
+    assert result.exit_code == 0, result.output
+    assert "warning:" in result.stderr and ":302:" in result.stderr
+    assert f"{exp.peak_bytes:,} B" in result.stdout
+
+
+def test_plot(runner, two_logs, tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b, _, _ = two_logs
+    out = tmp_path / "plot.png"
+    result = runner.invoke(cli.main, ["log", "plot", str(a), str(b), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_says_what_to_install(runner, two_logs, tmp_path, monkeypatch):
+    a, _, _, _ = two_logs
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = runner.invoke(cli.main, ["log", "plot", str(a), "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 1
+    assert "needs matplotlib" in result.output
+
+
+def test_merge(runner, two_logs, tmp_path):
+    a, b, ea, eb = two_logs
+    out = tmp_path / "merged.csv"
+    result = runner.invoke(cli.main, ["log", "merge", str(a), str(b), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "merged 3,500 rows from 2 files" in result.stdout
+    merged = list(logs.read_log(out))
+    assert [e.time for e in merged] == sorted(e.time for e in merged)
+    assert {e.source for e in merged} == {"worker-0", "worker-1"}
+
+
+def test_merge_and_plot_run_twice_give_the_same_output(runner, two_logs, tmp_path):
+    a, b, _, _ = two_logs
+    runs = [["log", "merge", str(a), str(b), "-o", str(tmp_path / "all.csv")]]
+    try:
+        import matplotlib  # noqa: F401
+
+        runs.append(["log", "plot", str(a), str(b), "-o", str(tmp_path / "plot.svg")])
+    except ImportError:
+        pass
+    for args in runs:
+        outputs = []
+        for _ in range(2):
+            assert runner.invoke(cli.main, args).exit_code == 0
+            outputs.append(Path(args[-1]).read_bytes())
+        assert outputs[0] and len(outputs[1]) > 0.9 * len(outputs[0])
+        if args[1] == "merge":
+            assert outputs[0] == outputs[1]
+    assert a.read_bytes() and b.read_bytes()
+    assert not [p.name for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+def test_merge_run_twice_refuses_its_own_output(runner, two_logs, tmp_path, monkeypatch):
+    # `dask rmm log merge *.csv -o all.csv` run twice: the second run's inputs include all.csv.
+    a, b, _, _ = two_logs
+    monkeypatch.chdir(a.parent)
+    args = ["log", "merge", a.name, b.name, "-o", "all.csv"]
+    assert runner.invoke(cli.main, args).exit_code == 0
+    before = (a.parent / "all.csv").read_bytes()
+    result = runner.invoke(cli.main, ["log", "merge", a.name, b.name, "all.csv", "-o", "./all.csv"])
+    assert result.exit_code == 1 and "refusing to write ./all.csv" in result.output
+    assert (a.parent / "all.csv").read_bytes() == before
+
+
+def test_merge_refuses_a_worker_log_as_output_also_through_a_link(runner, two_logs, tmp_path):
+    a, b, _, _ = two_logs
+    before = a.read_bytes()
+    link = tmp_path / "link.csv"
+    link.symlink_to(a)
+    for out in (a, link):
+        result = runner.invoke(cli.main, ["log", "merge", str(a), str(b), "-o", str(out)])
+        assert result.exit_code == 1 and "it is also an input" in result.output
+    assert a.read_bytes() == before
+
+
+def test_merge_failure_leaves_no_partial_output(runner, two_logs, tmp_path, monkeypatch):
+    a, b, _, _ = two_logs
+    out = tmp_path / "merged.csv"
+    out.write_text("previous\n")
+    rows = []
+
+    def format_event(e):
+        rows.append(e)
+        if len(rows) > 100:
+            raise OSError("disk full")
+        return "row"
+
+    monkeypatch.setattr(logs.reader, "format_event", format_event)
+    result = runner.invoke(cli.main, ["log", "merge", str(a), str(b), "-o", str(out)])
+    assert result.exit_code == 1 and "disk full" in result.output
+    assert out.read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.csv", "worker-0.csv", "worker-1.csv"]
+
+
+def test_plot_refuses_to_overwrite_an_input(runner, two_logs):
+    a, b, _, _ = two_logs
+    before = a.read_bytes()
+    result = runner.invoke(cli.main, ["log", "plot", str(a), str(b), "-o", str(a)])
+    assert result.exit_code == 1 and "it is also an input" in result.output
+    assert a.read_bytes() == before
+
+
+def test_replay(runner, two_logs):
+    a, _, ea, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "replay", str(a), "-r", "cuda", "--host-memory"])
+    assert result.exit_code == 0, result.output
+    assert "replaying on host memory" in result.stderr
+    assert f"({ea.peak_bytes:,} B)" in result.stdout  # peak in use reproduced
+
+
+def test_replay_json_and_sizes(runner, two_logs):
+    a, _, ea, _ = two_logs
+    result = runner.invoke(
+        cli.main,
+        ["log", "replay", str(a), "--resource", "pool", "--initial-pool-size", "64MiB", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["peak_bytes"] == ea.peak_bytes
+    assert data["peak_upstream_bytes"] >= 64 << 20
+    assert data["new_failures"] == 0
+
+
+def test_replay_exit_code_on_new_failures(runner, two_logs):
+    a, _, _, _ = two_logs
+    result = runner.invoke(
+        cli.main,
+        [
+            "log",
+            "replay",
+            str(a),
+            "--initial-pool-size",
+            "1MiB",
+            "--maximum-pool-size",
+            "2MiB",
+        ],
+    )
+    assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
+    assert "NEW FAILURES" in result.stdout
+    assert "line " in result.stdout
+
+
+def test_replay_compare(runner, two_logs):
+    a, _, _, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "replay", str(a), "--compare", "pool,cuda"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("pool ") for line in lines)
+    assert any(line.startswith("cuda ") for line in lines)
+    assert "smallest footprint" in result.stdout
+
+
+def test_replay_bad_arguments(runner, two_logs):
+    a, _, _, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "replay", str(a), "--compare", "pool,tlsf"])
+    assert result.exit_code == 2 and "tlsf" in result.output
+    result = runner.invoke(cli.main, ["log", "replay", str(a), "--initial-pool-size", "lots"])
+    assert result.exit_code == 2 and "lots" in result.output
+
+
+def test_progress_bar_goes_to_stderr(runner, two_logs):
+    a, _, _, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "replay", str(a), "-r", "cuda", "--progress"])
+    assert result.exit_code == 0, result.output
+    # click hides the bar itself when stderr is not a terminal, but still names the replay there.
+    assert "replay cuda" in result.stderr and "replay cuda" not in result.stdout
+
+
+def test_resource_names_match_replay():
+    assert cli._RESOURCE_NAMES == replay.RESOURCES
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_importing_the_cli_is_light():
+    code = (
+        "import sys, dask_rmm.cli; "
+        "heavy = [m for m in ('dask_rmm.logs', 'dask_rmm.log_summary', 'dask_rmm.log_timeline',"
+        " 'dask_rmm.replay', 'matplotlib', 'distributed', 'cuda')"
+        " if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_python_m_dask_rmm_cli(two_logs):
+    a, b, ea, _ = two_logs
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_rmm.cli", "log", "summary", "--json", str(a), str(b)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["files"][0]["peak_bytes"] == ea.peak_bytes
+
+
+def test_dask_rmm_entry_point(two_logs):
+    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
+    if dask is None:
+        pytest.skip("the dask command is not installed")
+    check = subprocess.run([dask, "rmm", "--help"], capture_output=True, text=True)
+    if check.returncode != 0:
+        pytest.skip("dask-rmm is not installed (pip install -e .): no `dask rmm` entry point")
+    a, _, ea, _ = two_logs
+    out = subprocess.run(
+        [dask, "rmm", "log", "replay", str(a), "-r", "cuda", "--host-memory", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["peak_bytes"] == ea.peak_bytes

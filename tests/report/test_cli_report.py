@@ -1,0 +1,229 @@
+"""``dask rmm report`` against real ``dask scheduler`` / ``dask worker`` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import HAS_GPU
+from distributed import Client, wait
+
+from dask_rmm.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def _env(**config: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update({f"DASK_DASK_RMM__{k.upper()}": v for k, v in config.items()})
+    return env
+
+
+def _dask() -> list[str]:
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "dask"]
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dask_rmm.cli", "report", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _start_scheduler(tmp_path: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+    sched_file = tmp_path / f"{name}.json"
+    proc = subprocess.Popen(
+        [*_dask(), "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0",
+         "--scheduler-file", str(sched_file)],
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not sched_file.exists() or not sched_file.read_text().strip():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("dask scheduler did not start")
+        time.sleep(0.1)
+    time.sleep(0.2)  # the file is written in one go, but give the writer a moment to close it
+    return proc, json.loads(sched_file.read_text())["address"], sched_file
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def rmm_cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    sched, address, sched_file = _start_scheduler(tmp, "scheduler")
+    worker = subprocess.Popen(
+        [*_dask(), "worker", "--scheduler-file", str(sched_file), "--nthreads", "1", "--no-dashboard",
+         "--preload", "dask_rmm.preload"],
+        env=_env(pool_size="32MiB", base_resource="cuda" if HAS_GPU else "system"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(1, timeout=60)
+            # DeviceBuffer itself is the task (the worker cannot import this test module).
+            from dask_rmm import DeviceBuffer
+
+            held = [client.submit(DeviceBuffer, size=n * MiB, key=f"hold-{n}") for n in (1, 2)]
+            wait(held)
+            # Results stay on the worker while these futures live; let a heartbeat carry them.
+            deadline = time.monotonic() + 30
+            while True:
+                out = _cli(address, "--json")
+                if (
+                    out.returncode == 0
+                    and json.loads(out.stdout)["totals"]["current_bytes"] == 3 * MiB
+                ):
+                    break
+                assert time.monotonic() < deadline, out
+                time.sleep(0.2)
+            yield address, sched_file, tmp
+    finally:
+        _stop(worker, sched)
+
+
+@pytest.mark.slow
+def test_table(rmm_cluster):
+    address, _, _ = rmm_cluster
+    out = _cli(address)
+    assert out.returncode == 0, out.stderr
+    assert "dask-rmm cluster memory report" in out.stdout
+    assert "hold" in out.stdout and "3.00 MiB" in out.stdout and "32.00 MiB" in out.stdout
+
+
+@pytest.mark.slow
+def test_json_and_scheduler_file(rmm_cluster):
+    _, sched_file, _ = rmm_cluster
+    out = _cli("--scheduler-file", str(sched_file), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    (worker,) = data["workers"]
+    dev = worker["devices"]["0"]
+    assert dev["current_bytes"] == 3 * MiB and dev["reserved_bytes"] == 32 * MiB
+    assert dev["timeline"]
+    assert data["totals"]["workers"] == 1
+
+
+@pytest.mark.slow
+def test_plot_run_twice_replaces_its_own_output(rmm_cluster):
+    address, _, tmp = rmm_cluster
+    for _ in range(2):
+        out = _cli(address, "--plot", str(tmp / "cli.png"))
+        assert out.returncode == 0, out.stderr
+        assert (tmp / "cli.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"wrote {tmp / 'cli.png'}" in out.stdout
+    assert [p.name for p in tmp.iterdir() if "cli.png" in p.name] == ["cli.png"]
+
+
+def test_plot_refuses_to_overwrite_the_scheduler_file(tmp_path):
+    sched_file = tmp_path / "scheduler.json"
+    sched_file.write_text(json.dumps({"address": "tcp://127.0.0.1:9"}))
+    before = sched_file.read_bytes()
+    r = CliRunner().invoke(
+        main, ["report", "--scheduler-file", str(sched_file), "--plot", str(sched_file)]
+    )
+    assert r.exit_code == 2 and "it is also an input" in r.output, r.output
+    assert sched_file.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_watch_refreshes_until_interrupted(rmm_cluster):
+    address, _, _ = rmm_cluster
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    lines = []
+    while len(lines) < 3:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        lines.append(json.loads(line))
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 0
+    assert lines[-1]["time"] > lines[0]["time"]
+
+
+@pytest.mark.slow
+def test_unreachable_scheduler_fails_fast():
+    start = time.monotonic()
+    out = _cli("tcp://127.0.0.1:9", "--timeout", "1")
+    assert out.returncode == 1
+    assert "could not reach the Dask scheduler at tcp://127.0.0.1:9" in out.stderr
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_scheduler_without_dask_rmm_workers(tmp_path):
+    sched, address, _ = _start_scheduler(tmp_path, "bare")
+    try:
+        out = _cli(address)
+    finally:
+        _stop(sched)
+    assert out.returncode == 1
+    assert "no dask-rmm workers on the scheduler at" in out.stderr
+
+
+def test_address_or_scheduler_file_is_required(tmp_path):
+    r = CliRunner().invoke(main, ["report"])
+    assert r.exit_code == 2 and "SCHEDULER_ADDRESS or --scheduler-file" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    r = CliRunner().invoke(main, ["report", "--scheduler-file", str(bad)])
+    assert r.exit_code == 1 and "cannot read a scheduler address" in r.output
+
+
+def test_negative_timeout_is_a_usage_error():
+    r = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:9", "--timeout", "-1"])
+    assert r.exit_code == 2 and "--timeout" in r.output and "Traceback" not in r.output
+
+
+def test_unreachable_scheduler_names_the_reason():
+    out = _cli("tcp://127.0.0.1:9", "--timeout", "0.5")
+    assert out.returncode == 1
+    reason = out.stderr.split("tcp://127.0.0.1:9:", 1)[1].strip()
+    assert reason  # used to be empty
+
+
+def test_an_http_port_gets_a_hint():
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dask_rmm.report.fetch import iter_reports
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def first():
+        async for r in iter_reports(f"tcp://127.0.0.1:{server.server_port}", timeout=60):
+            return r
+
+    try:
+        with pytest.raises(OSError, match="answers HTTP: that is a dashboard port"):
+            asyncio.run(first())
+    finally:
+        server.shutdown()

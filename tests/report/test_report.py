@@ -1,0 +1,204 @@
+"""ClusterMemoryReport: construction, totals and every rendering (text, HTML, JSON, frame, PNG)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory, peak_of_sum
+from dask_rmm.report.svg import _downsample, timeline_svg
+
+
+def _data(**overrides) -> dict:
+    dev = {
+        "current_bytes": 3 << 20,
+        "current_count": 3,
+        "peak_bytes": 5 << 20,
+        "peak_count": 5,
+        "total_bytes": 9 << 20,
+        "total_count": 9,
+        "reserved_bytes": 8 << 20,
+        "pool_free_bytes": 5 << 20,
+        "largest_free_block": 4 << 20,
+        "failed_allocations": 1,
+        "device_used_bytes": 0,
+        "device_total_bytes": 0,
+        "resource": "StatisticsResourceAdaptor>PoolMemoryResource>SystemMemoryResource",
+        "task_groups": [["matmul", 2 << 20, 4 << 20], ["<script>", 1 << 20, 1 << 20]],
+        "timeline": [
+            [100.0, 1 << 20, 1 << 20],
+            [100.1, 5 << 20, 5 << 20],
+            [100.2, 3 << 20, 3 << 20],
+        ],
+    }
+    data = {
+        "version": 2,
+        "time": 1700000000.0,
+        "scheduler": "tcp://10.0.0.1:8786",
+        "timeline_length": 3600,
+        "workers": [
+            {
+                "address": "tcp://10.0.0.10:4000",
+                "name": "w10",
+                "status": "running",
+                "devices": {"0": dev},
+            },
+            {
+                "address": "tcp://10.0.0.2:4000",
+                "name": "w2",
+                "status": "running",
+                "devices": {"0": dict(dev, current_bytes=1 << 20)},
+            },
+            {
+                "address": "tcp://10.0.0.3:4000",
+                "name": "w3",
+                "status": "gone",
+                "devices": {"0": dev},
+            },
+        ],
+        "workers_without_dask_rmm": ["tcp://10.0.0.9:4000"],
+    }
+    data.update(overrides)
+    return data
+
+
+def test_from_dict_orders_running_by_address_then_gone():
+    r = ClusterMemoryReport.from_dict(_data())
+    assert [d.name for d in r.devices] == ["w2", "w10", "w3"]
+    assert [d.status for d in r.devices] == ["running", "running", "gone"]
+    assert r.workers == ["tcp://10.0.0.2:4000", "tcp://10.0.0.10:4000", "tcp://10.0.0.3:4000"]
+    assert r.device("w10").current_bytes == 3 << 20
+    with pytest.raises(KeyError, match="no dask-rmm data"):
+        r.device("nope")
+
+
+def test_totals_cover_running_workers_only():
+    t = ClusterMemoryReport.from_dict(_data()).totals
+    assert (t.workers, t.gone_workers, t.devices) == (2, 1, 2)
+    assert t.current_bytes == 4 << 20
+    assert t.peak_bytes == 10 << 20
+    assert t.reserved_bytes == 16 << 20
+    assert t.largest_free_block == 4 << 20
+    assert t.failed_allocations == 2
+
+
+def test_fragmentation():
+    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=25).fragmentation == 0.75
+    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=100).fragmentation == 0.0
+    assert DeviceMemory("w", "0").fragmentation == 0.0
+
+
+def test_dict_and_json_round_trip():
+    r = ClusterMemoryReport.from_dict(_data())
+    again = ClusterMemoryReport.from_dict(json.loads(r.to_json()))
+    assert again == r
+    d = r.to_dict()
+    assert d["totals"]["current_bytes"] == 4 << 20
+    assert d["workers"][0]["devices"]["0"]["fragmentation"] == pytest.approx(0.2)
+    assert "timeline" not in r.to_dict(timeline=False)["workers"][0]["devices"]["0"]
+
+
+def test_version_mismatch_is_explained():
+    with pytest.raises(ValueError, match="same dask-rmm version"):
+        ClusterMemoryReport.from_dict(_data(version=99))
+
+
+def test_text_table():
+    text = str(ClusterMemoryReport.from_dict(_data()))
+    lines = text.splitlines()
+    assert "tcp://10.0.0.1:8786" in lines[0]
+    assert lines[1].split()[:3] == ["worker", "dev", "status"]
+    assert "10.0.0.2:4000 (w2)" in text and "3.00 MiB" in text and "20%" in text
+    assert "matmul 4.00 MiB" in text
+    assert lines[-3].startswith("total (2 workers)") and "1 gone" in lines[-3]
+    assert lines[-2].startswith("* total peak")
+    assert lines[-1] == "1 worker(s) without dask-rmm metrics"
+    assert "2 workers (1 gone)" in repr(ClusterMemoryReport.from_dict(_data()))
+
+
+def test_html_escapes_and_draws_svg():
+    html = ClusterMemoryReport.from_dict(_data())._repr_html_()
+    assert "&lt;script&gt;" in html and "<script>" not in html
+    assert html.count("<tr") == 5 and '<tr class="gone"' in html
+    assert "<svg" in html and html.count("<polyline") == 3
+    page = ClusterMemoryReport.from_dict(_data()).to_html(full_page=True)
+    assert page.startswith("<!DOCTYPE html>") and "report.json" in page
+
+
+def test_empty_report_renders():
+    r = ClusterMemoryReport.from_dict(_data(workers=[], workers_without_dask_rmm=[]))
+    assert "no dask-rmm workers" in str(r)
+    assert "No dask-rmm workers" in r._repr_html_()
+    assert r.to_frame().empty
+    assert r.totals.current_bytes == 0
+
+
+def test_to_frame():
+    df = ClusterMemoryReport.from_dict(_data()).to_frame()
+    assert list(df["name"]) == ["w2", "w10", "w3"]
+    assert df.loc[df.name == "w10", "current_bytes"].item() == 3 << 20
+    assert df["fragmentation"].iloc[0] == pytest.approx(0.2)
+
+
+def test_to_frame_without_pandas(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError, match="needs pandas: pip install pandas"):
+        ClusterMemoryReport.from_dict(_data()).to_frame()
+
+
+def test_plot_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="needs matplotlib"):
+        ClusterMemoryReport.from_dict(_data()).plot()
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "report.png"
+    fig = ClusterMemoryReport.from_dict(_data()).plot(str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(fig.axes) == 2
+    ClusterMemoryReport.from_dict(_data(workers=[])).plot(str(tmp_path / "empty.png"))
+
+
+def test_svg_downsample_keeps_extremes():
+    pts = [[float(i), 0, (i * 7919) % 1000] for i in range(10000)]
+    pts[5001][2] = 10**6
+    down = _downsample(pts, 0.0, 9999.0, 100)
+    assert len(down) <= 200
+    assert max(v for _, v in down) == 10**6
+    assert min(v for _, v in down) == 0
+
+
+def test_svg_without_samples_and_single_sample():
+    assert "no samples yet" in timeline_svg([])
+    assert "<circle" in timeline_svg([("w/dev0", "running", [[1.0, 5, 5]])])
+
+
+def test_totals_peak_is_the_peak_of_the_sum_not_the_sum_of_peaks():
+    # w2 peaks at 5 MiB at t=100.1; w10 peaks at 5 MiB at t=200.1: never both at once.
+    late = [[t + 100, cur, mx] for t, cur, mx in _data()["workers"][0]["devices"]["0"]["timeline"]]
+    data = _data()
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], timeline=late)
+    t = ClusterMemoryReport.from_dict(data).totals
+    assert t.sum_of_device_peaks == 2 * (5 << 20)
+    # At t=200.1: w10 holds 5 MiB, w2 still 3 MiB (its last sample).
+    assert t.peak_bytes == (5 << 20) + (3 << 20)
+    assert peak_of_sum([]) is None
+    no_timeline = ClusterMemoryReport.from_dict(_data()).to_dict(timeline=False)
+    r = ClusterMemoryReport.from_dict(no_timeline)
+    assert r.totals.peak_bytes is None and "total peak: needs the timelines" in str(r)
+
+
+def test_physical_gpu_and_retired_bytes_are_shown():
+    data = _data()
+    gpu = {"gpu_name": "NVIDIA H200", "gpu_uuid": "GPU-5f3c1a2b-0000", "retired_bytes": 300 << 20}
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], **gpu)
+    r = ClusterMemoryReport.from_dict(data)
+    text = str(r)
+    assert "0 NVIDIA H200 GPU-5f3c1a2b" in text and "+300.00 MiB retired" in text
+    assert r.totals.retired_bytes == 300 << 20
+    row = r.to_frame().set_index("name").loc["w10"]
+    assert (row["gpu_name"], row["retired_bytes"]) == ("NVIDIA H200", 300 << 20)

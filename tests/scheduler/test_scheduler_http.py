@@ -1,0 +1,111 @@
+"""The /dask-rmm page and /dask-rmm/report.json on the scheduler's HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from distributed.utils_test import gen_cluster
+from fake_metrics import FakeRMMMetrics
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+from dask_rmm.report.memory_report import ClusterMemoryReport
+from dask_rmm.scheduler import install_scheduler_plugin
+from dask_rmm.wire import PLUGIN_NAME
+
+
+async def _get(s, path: str, **kwargs):
+    return await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/{path}", **kwargs)
+
+
+@gen_cluster(client=True)
+async def test_page_and_json(c, s, a, b):
+    fake = FakeRMMMetrics()
+    a.metrics["dask-rmm"] = fake
+    await install_scheduler_plugin(c)
+    fake["0"].allocate(3 << 20, "matmul")
+    await a.heartbeat()
+    fake["0"].free(1 << 20, "matmul")
+    await a.heartbeat()
+
+    page = await _get(s, "dask-rmm")
+    assert page.headers["Content-Type"].startswith("text/html")
+    text = page.body.decode()
+    assert "<svg" in text and "<polyline" in text
+    assert "matmul" in text and "127.0.0.1" in text
+    # Self-contained: no scripts and nothing fetched from elsewhere (xmlns is only a name).
+    assert "<script" not in text and "src=" not in text and 'href="http' not in text
+
+    r = await _get(s, "dask-rmm/report.json")
+    assert r.headers["Content-Type"] == "application/json"
+    data = json.loads(r.body)
+    report = ClusterMemoryReport.from_dict(data)
+    d = report.device(a.address)
+    assert (d.current_bytes, d.peak_bytes) == (2 << 20, 3 << 20)
+    assert d.timeline_peak == 3 << 20
+
+    r = await _get(s, "dask-rmm/report.json?timeline=0")
+    assert "timeline" not in json.loads(r.body)["workers"][0]["devices"]["0"]
+    r = await _get(s, "dask-rmm?refresh=5&last=1")
+    assert b'http-equiv="refresh" content="5"' in r.body
+
+
+@gen_cluster(client=True)
+async def test_pages_are_read_only_and_validate_arguments(c, s, a, b):
+    await install_scheduler_plugin(c)
+    with pytest.raises(HTTPClientError) as e:
+        await _get(s, "dask-rmm", method="POST", body="")
+    assert e.value.code == 405
+    with pytest.raises(HTTPClientError) as e:
+        await _get(s, "dask-rmm/report.json?last=x")
+    assert e.value.code == 400
+
+
+@gen_cluster(client=True)
+async def test_pages_404_when_plugin_unregistered(c, s, a, b):
+    await install_scheduler_plugin(c)
+    await c.unregister_scheduler_plugin(PLUGIN_NAME)
+    with pytest.raises(HTTPClientError) as e:
+        await _get(s, "dask-rmm")
+    assert e.value.code == 404
+    await install_scheduler_plugin(c)
+    assert (await _get(s, "dask-rmm")).code == 200
+
+
+@gen_cluster(client=True)
+async def test_routes_added_once(c, s, a, b):
+    await install_scheduler_plugin(c)
+    n = len(s.http_application.default_router.rules)
+    await c.unregister_scheduler_plugin(PLUGIN_NAME)
+    await install_scheduler_plugin(c)
+    assert len(s.http_application.default_router.rules) == n
+    sitemap = json.loads((await _get(s, "sitemap.json")).body)["paths"]
+    assert "/dask-rmm" in sitemap and "/dask-rmm/report.json" in sitemap
+
+
+@gen_cluster(client=True, scheduler_kwargs={"http_prefix": "/prefixed"})
+async def test_dashboard_prefix(c, s, a, b):
+    await install_scheduler_plugin(c)
+    r = await _get(s, "prefixed/dask-rmm")
+    assert r.code == 200
+    await asyncio.sleep(0)
+
+
+@gen_cluster(client=True)
+async def test_report_json_is_the_cli_json_document(c, s, a, b):
+    from dask_rmm.report.fetch import iter_reports
+
+    fake = FakeRMMMetrics()
+    a.metrics["dask-rmm"] = fake
+    fake["0"].allocate(3 << 20, "matmul")
+    fake["0"].free(1 << 20, "matmul")
+    await a.heartbeat()
+    await install_scheduler_plugin(c)
+    http = json.loads((await _get(s, "dask-rmm/report.json")).body)
+    async for report in iter_reports(s.address):  # what `dask rmm report --json` prints
+        cli = json.loads(report.to_json())
+    assert http.pop("time") and cli.pop("time")
+    assert http == cli
+    assert http["totals"]["current_bytes"] == 2 << 20
+    assert http["workers"][0]["devices"]["0"]["fragmentation"] >= 0

@@ -1,0 +1,418 @@
+"""``dask worker --preload dask_rmm.preload --rmm-*``: flags through real ``dask scheduler`` and
+``dask worker`` processes, config from the environment, and usage errors for bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dask
+import pytest
+from click.testing import CliRunner
+from conftest import HAS_GPU, wait_until
+
+from dask_rmm.preload import dask_setup, plugin_from_flags
+from dask_rmm.stack.build import log_file_path
+from dask_rmm.worker.metrics import METRICS_KEY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DASK = [sys.executable, "-m", "dask"]
+BASE = "cuda" if HAS_GPU else "system"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    """A real ``dask scheduler`` process; yields its address."""
+    file = tmp_path / "scheduler.json"
+    proc = subprocess.Popen(
+        [
+            *DASK,
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+            "--scheduler-file",
+            str(file),
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(
+            lambda: file.exists() and file.stat().st_size, 60, "the scheduler file", interval=0.1
+        )
+        yield json.loads(file.read_text())["address"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _start_worker(
+    address: str, *flags: str, name: str, env: dict[str, str] | None = None, nanny: bool = False
+):
+    return subprocess.Popen(
+        [
+            *DASK,
+            "worker",
+            address,
+            "--name",
+            name,
+            "--nthreads",
+            "1",
+            "--no-dashboard",
+            "--nanny" if nanny else "--no-nanny",
+            "--preload",
+            "dask_rmm.preload",
+            *flags,
+        ],
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        proc.kill()
+        return proc.communicate()[0]
+
+
+# A lambda is pickled by value (this test module is not importable in the worker process).
+_plugin_options = lambda dask_worker: dask_worker.plugins["dask-rmm"].options.to_dict()  # noqa: E731
+
+
+@pytest.mark.slow
+def test_flags_reach_a_real_worker(scheduler, tmp_path):
+    from distributed import Client
+
+    logs = tmp_path / "logs"
+    worker = _start_worker(
+        scheduler,
+        "--rmm-pool-size",
+        "24MiB",
+        "--rmm-base-resource",
+        BASE,
+        "--rmm-log-directory",
+        str(logs),
+        "--rmm-track-allocations",
+        name="flags-1",
+    )
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            options = next(iter(client.run(_plugin_options).values()))
+            assert options["pool_size"] == 24 << 20
+            assert options["track_allocations"] is True and options["statistics"] is True
+            assert options["base_resource"] == BASE
+            metrics = wait_until(
+                lambda: client.run_on_scheduler(
+                    lambda dask_scheduler: [
+                        ws.metrics.get(METRICS_KEY) for ws in dask_scheduler.workers.values()
+                    ]
+                )[0],
+                30,
+                "dask-rmm metrics on the scheduler",
+                interval=0.1,
+            )
+            d = metrics["devices"]["0"]
+            assert d["reserved_bytes"] == 24 << 20
+            assert "TrackingResourceAdaptor>PoolMemoryResource" in d["resource"]
+            assert os.path.exists(log_file_path(logs, "flags-1", 0))
+    finally:
+        _stop(worker)
+
+
+@pytest.mark.slow
+def test_environment_configures_a_preloaded_worker(scheduler):
+    from distributed import Client
+
+    env = _env(DASK_DASK_RMM__POOL_SIZE="40MiB", DASK_DASK_RMM__BASE_RESOURCE=BASE)
+    worker = _start_worker(scheduler, name="env-1", env=env)
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            options = next(iter(client.run(_plugin_options).values()))
+            assert (options["pool_size"], options["base_resource"]) == (40 << 20, BASE)
+    finally:
+        _stop(worker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "failure, nanny",
+    [("pool larger than memory", False), ("directory as log file", False), ("pool", True)],
+)
+def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(scheduler, tmp_path, failure, nanny):
+    """A supervisor (systemd, Kubernetes, dask-jobqueue) must see that the worker failed: the
+    ``dask worker`` process exits nonzero, and the log names the reason."""
+    flags = ["--rmm-base-resource", "system", "--rmm-pool-size", "1PiB"]
+    reason = "is larger than"
+    if failure == "directory as log file":
+        logs = tmp_path / "logs"
+        os.makedirs(log_file_path(logs, "bad-1", 0))  # a directory where the log file goes
+        flags = ["--rmm-base-resource", "system", "--rmm-log-directory", str(logs)]
+        reason = "cannot write the allocation log"
+    worker = _start_worker(scheduler, *flags, name="bad-1", nanny=nanny)
+    out = worker.communicate(timeout=90)[0]  # the worker closed itself: it exits
+    assert worker.returncode != 0, out
+    assert "RMMSetupError" in out and reason in out
+    assert "dask-rmm setup failed" in out  # the reason it closed with
+
+
+_allocate = lambda nbytes: __import__("dask_rmm").DeviceBuffer(size=nbytes).size  # noqa: E731
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_path):
+    """The same ``dask worker`` command run again (a supervisor's restart) keeps the rows the
+    first run logged: the log is appended to, never truncated."""
+    from distributed import Client
+
+    logs = tmp_path / "logs"
+    path = log_file_path(logs, "again-1", 0)
+    flags = ("--rmm-base-resource", "system", "--rmm-log-directory", str(logs))
+    for nbytes in (4096, 8192):
+        worker = _start_worker(scheduler, *flags, name="again-1")
+        try:
+            with Client(scheduler, timeout="60s") as client:
+                client.wait_for_workers(1, timeout=60)
+                assert list(client.run(_allocate, nbytes).values()) == [nbytes]
+        finally:
+            _stop(worker)
+        assert worker.returncode is not None
+    with open(path) as f:
+        text = f.read()
+    assert ",allocate,0x" in text and ",4096," in text and ",8192," in text
+    assert text.count("Thread,Time,Action") == 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rmm-pool-size", "4gigs"], "Invalid value for '--rmm-pool-size'"),
+        (["--rmm-release-threshold", "1GiB"], "--rmm-release-threshold requires --rmm-async"),
+        (
+            ["--rmm-async", "--rmm-managed-memory"],
+            "--rmm-managed-memory is incompatible with --rmm-async",
+        ),
+        (["--set-rmm-allocator-for-libs", "tensorflow"], "unknown library 'tensorflow'"),
+        (["--rmm-base-resource", "tpu"], "Invalid value for '--rmm-base-resource'"),
+        (["--rmm-pool-sise", "1GiB"], "No such option"),
+    ],
+)
+def test_bad_flags_are_usage_errors(flags, message):
+    result = CliRunner().invoke(dask_setup, flags)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_help_lists_every_flag():
+    result = CliRunner().invoke(dask_setup, ["--help"])
+    assert result.exit_code == 0
+    for flag in [
+        "--rmm-pool-size",
+        "--rmm-maximum-pool-size",
+        "--rmm-managed-memory / --no-rmm-managed-memory",
+        "--rmm-async / --no-rmm-async",
+        "--rmm-release-threshold",
+        "--rmm-log-directory",
+        "--rmm-track-allocations / --no-rmm-track-allocations",
+        "--set-rmm-allocator-for-libs",
+        "--rmm-base-resource",
+        "--rmm-statistics / --no-rmm-statistics",
+    ]:
+        assert flag in result.output
+
+
+@pytest.mark.slow
+def test_dask_worker_cli_rejects_a_bad_flag_before_starting():
+    out = subprocess.run(
+        [
+            *DASK,
+            "worker",
+            "tcp://127.0.0.1:1",
+            "--preload",
+            "dask_rmm.preload",
+            "--rmm-release-threshold",
+            "1GiB",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--rmm-release-threshold requires --rmm-async" in out.stderr
+    assert "Usage: dask worker SCHEDULER --preload dask_rmm.preload [OPTIONS]" in out.stderr
+
+
+def test_bad_config_is_a_usage_error_naming_the_variable():
+    from dask_rmm.preload import _main
+
+    env = {"DASK_DASK_RMM__METRICS__TOP_TASK_GROUPS": "abc"}
+    with dask.config.set(dask.config.collect_env(env)), pytest.raises(SystemExit) as info:
+        _main(["--rmm-base-resource", "system"])
+    assert info.value.code == 2
+
+
+def test_plugin_from_flags_maps_dask_cuda_names():
+    p = plugin_from_flags(
+        rmm_pool_size="0.5",
+        rmm_maximum_pool_size="0.9",
+        rmm_base_resource="system",
+        rmm_statistics=False,
+        rmm_track_allocations=True,
+    )
+    p = p.options
+    assert (p.pool_size, p.maximum_pool_size, p.statistics, p.track_allocations) == (
+        0.5,
+        0.9,
+        False,
+        True,
+    )
+
+
+# --- The scheduler address: `dask worker` takes the first flag as SCHEDULER when none is given ---
+
+_BASE_CLASS = {"system": "SystemMemoryResource", "cuda": "CudaMemoryResource"}[BASE]
+# The worker's current resource stack, described (pickled by value, like _plugin_options).
+_describe_resource = lambda dask_worker: repr(  # noqa: E731
+    __import__("dask_rmm.mr", fromlist=["mr"]).get_current_device_resource()
+)
+
+_n_workers = lambda dask_scheduler: len(dask_scheduler.workers)  # noqa: E731
+
+
+def _run_worker(argv: list[str], name: str):
+    """``dask worker <argv>`` with the preload; argv says where the scheduler comes from."""
+    return subprocess.Popen(
+        [*DASK, "worker", *argv, "--name", name, "--nthreads", "1", "--no-dashboard"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "address_first, nanny, flags, recovered",
+    [
+        # `--flag value`: dask worker takes --rmm-pool-size, the preload gets "32MiB ...".
+        (
+            False,
+            "--no-nanny",
+            ["--rmm-pool-size", "32MiB", "--rmm-base-resource", BASE],
+            "--rmm-pool-size",
+        ),
+        # `--flag=value`: the whole flag is taken; the worker process is a nanny's child.
+        (
+            False,
+            "--nanny",
+            ["--rmm-pool-size=32MiB", "--rmm-base-resource", BASE],
+            "--rmm-pool-size",
+        ),
+        # Whichever flag comes first is the one taken.
+        (
+            False,
+            "--no-nanny",
+            ["--rmm-base-resource", BASE, "--rmm-pool-size", "32MiB"],
+            "--rmm-base-resource",
+        ),
+        # The address before the flags: nothing is taken, nothing to recover.
+        (True, "--no-nanny", ["--rmm-pool-size", "32MiB", "--rmm-base-resource", BASE], None),
+    ],
+)
+def test_flags_survive_scheduler_file_without_an_address(
+    scheduler, tmp_path, address_first, nanny, flags, recovered
+):
+    from distributed import Client
+
+    where = [scheduler] if address_first else ["--scheduler-file", str(tmp_path / "scheduler.json")]
+    worker = _run_worker([*where, nanny, "--preload", "dask_rmm.preload", *flags], name="sf-1")
+    out = ""
+    try:
+        with Client(scheduler, timeout="30s") as client:
+            wait_until(
+                lambda: worker.poll() is not None or client.run_on_scheduler(_n_workers),
+                20,
+                "the worker to join (or exit)",
+                interval=0.1,
+            )
+            assert worker.poll() is None, "the worker exited"
+            description = next(iter(client.run(_describe_resource).values()))
+            options = next(iter(client.run(_plugin_options).values()))
+    finally:
+        out = _stop(worker)
+    assert f"PoolMemoryResource pool_size=32.00 MiB maximum=unlimited upstream=<{_BASE_CLASS}" in (
+        description
+    ), (description, out)
+    assert (options["pool_size"], options["base_resource"]) == (32 << 20, BASE)
+    if recovered:
+        assert f"recovered {recovered} for dask_rmm.preload" in out, out
+    else:
+        assert "SCHEDULER address" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        # No address anywhere on the command line (the config gives one): the worker would dial
+        # the flag, and the preload would lose it.
+        (
+            ["--rmm-pool-size=32MiB", "--rmm-base-resource", "system"],
+            {"DASK_SCHEDULER_ADDRESS": "tcp://127.0.0.1:1"},
+            "took '--rmm-pool-size=32MiB' as its SCHEDULER address, so the preload lost "
+            "--rmm-pool-size",
+        ),
+        # An address after the flags: SCHEDULER is still the first flag.
+        (
+            ["--scheduler-file", "unused.json", "--rmm-async", "tcp://127.0.0.1:1"],
+            {},
+            "Got unexpected extra argument (tcp://127.0.0.1:1)",
+        ),
+    ],
+)
+def test_a_flag_taken_as_the_address_is_a_usage_error_when_not_recoverable(argv, env, message):
+    out = subprocess.run(
+        [*DASK, "worker", "--no-nanny", "--preload", "dask_rmm.preload", *argv],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert "give the scheduler address before the flags" in out.stderr
+    assert "DASK_DASK_RMM__" in out.stderr
+
+
+def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch):
+    from dask_rmm.preload import _RECOVERED_ENV
+
+    typed = ["--rmm-pool-size=1GiB", "--rmm-base-resource", "system"]
+    monkeypatch.setenv(_RECOVERED_ENV, json.dumps({"received": typed[1:], "argv": typed}))
+    ctx = dask_setup.make_context("dask_setup", typed[1:])
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == ("1GiB", "system")
+    # Another worker's flags (say, a cluster started from a task) are left alone.
+    ctx = dask_setup.make_context("dask_setup", ["--rmm-base-resource", "cuda"])
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
+    monkeypatch.setenv(_RECOVERED_ENV, "not json")
+    assert dask_setup.make_context("dask_setup", typed[1:]).params["rmm_pool_size"] is None
