@@ -107,8 +107,7 @@ def measure_once(make, steps: int, threads: int, r: int) -> float:
         barrier = threading.Barrier(threads + 1)
         ends: list[int] = []
         ts = [
-            threading.Thread(target=_worker, args=(barrier, alloc, free, ld, ends))
-            for ld in loads
+            threading.Thread(target=_worker, args=(barrier, alloc, free, ld, ends)) for ld in loads
         ]
         for t in ts:
             t.start()
@@ -172,7 +171,9 @@ def ours(name):
         elif name == "arena":
             r = mr.ArenaMemoryResource(up, arena_size=POOL_SIZE)
         elif name == "binning":
-            r = mr.BinningMemoryResource(mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE), 18, 22)
+            r = mr.BinningMemoryResource(
+                mr.PoolMemoryResource(up, initial_pool_size=POOL_SIZE), 18, 22
+            )
         elif name == "fixed_size":
             r = mr.FixedSizeMemoryResource(up, block_size=MAX_SIZE, blocks_to_preallocate=W + 64)
         elif name == "async":
@@ -361,8 +362,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100_000, help="steps per run (default 100000)")
     ap.add_argument("--threads", type=int, default=8, help="threads for the threaded column")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--all-threaded", action="store_true",
-                    help="measure every row with threads too (default: the marked rows)")
+    ap.add_argument(
+        "--all-threaded",
+        action="store_true",
+        help="measure every row with threads too (default: the marked rows)",
+    )
     ap.add_argument("--only", default="", help="comma-separated substrings of row names")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     ap.add_argument("--out", default="", help="write the results as JSON to this path")
@@ -370,8 +374,10 @@ def main(argv=None) -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
 
     host = "GPU" if _cuda.is_available() else "no GPU: our rows run on SystemMemoryResource"
-    print(f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
-          f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})")
+    print(
+        f"# bench/alloc.py  W={W}  sizes log-uniform [256 B, 4 MiB]  steps={args.steps}  "
+        f"median of {args.repeats} (repeats interleaved across rows)  python {platform.python_version()}  ({host})"
+    )
     print(f"{'resource':<48} {'ns/pair 1 thread':>17} {f'ns/pair {args.threads} threads':>18}")
     # Repeats are the outer loop and rows the inner one, so that a machine drifting during the
     # run (clock boost, other load) spreads over every row alike instead of favouring the last.
@@ -410,14 +416,26 @@ def main(argv=None) -> int:
                 row[column] = statistics.median(values)
                 row[column + "_runs"] = values
         threads_ns = row.get(f"ns_per_pair_{args.threads}_threads")
-        print(f"{name:<48} {row['ns_per_pair']:>17.0f} "
-              f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}")
+        print(
+            f"{name:<48} {row['ns_per_pair']:>17.0f} "
+            f"{'-' if threads_ns is None else f'{threads_ns:.0f}':>18}"
+        )
         results.append(row)
     sys.stdout.flush()
-    doc = {"benchmark": "alloc", "workload": {"live_blocks": W, "min_size": MIN_SIZE,
-           "max_size": MAX_SIZE, "steps": args.steps, "repeats": args.repeats,
-           "threads": args.threads}, "python": platform.python_version(),
-           "gpu": _cuda.is_available(), "rows": results}
+    doc = {
+        "benchmark": "alloc",
+        "workload": {
+            "live_blocks": W,
+            "min_size": MIN_SIZE,
+            "max_size": MAX_SIZE,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+        },
+        "python": platform.python_version(),
+        "gpu": _cuda.is_available(),
+        "rows": results,
+    }
     if args.json:
         print(json.dumps(doc, indent=1))
     if args.out:

@@ -76,14 +76,26 @@ def main() -> int:
     for _ in range(args.rounds):
         for label, tree in trees.items():
             res = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(tree), str(HERE), args.rows,
-                 str(args.repeats), str(args.steps)],
-                capture_output=True, text=True, check=True,
+                [
+                    sys.executable,
+                    "-c",
+                    _CHILD,
+                    str(tree),
+                    str(HERE),
+                    args.rows,
+                    str(args.repeats),
+                    str(args.steps),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
             )
             for name, values in json.loads(res.stdout).items():
                 runs[label].setdefault(name, []).extend(values)
-    print(f"# ns per pair in process CPU time, min (median) of {args.rounds} x {args.repeats} "
-          "runs; ratio: min / the dict baseline's min of the same tree")
+    print(
+        f"# ns per pair in process CPU time, min (median) of {args.rounds} x {args.repeats} "
+        "runs; ratio: min / the dict baseline's min of the same tree"
+    )
     print(f"{'row':<10} {'before':>16} {'after':>16} {'before/dict':>12} {'after/dict':>11}")
     base = {t: min(runs[t].get("dict", [float("nan")])) for t in trees}
     for name in args.rows.split(","):
@@ -94,8 +106,10 @@ def main() -> int:
         ratios = [min(runs[t][name]) / base[t] for t in trees]
         print(f"{name:<10} {cells[0]:>16} {cells[1]:>16} {ratios[0]:>12.2f} {ratios[1]:>11.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
-                                         "runs": runs}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "runs": runs}, indent=1)
+            + "\n"
+        )
     return 0
 
 

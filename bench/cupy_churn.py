@@ -109,8 +109,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--sizes", default="8,1024,1048576", help="comma-separated bytes")
     parser.add_argument("--json", default="", help="also write the results as JSON here")
-    parser.add_argument("--prototypes", action="store_true",
-                        help="also measure the PythonFunctionAllocator prototype (run 2)")
+    parser.add_argument(
+        "--prototypes",
+        action="store_true",
+        help="also measure the PythonFunctionAllocator prototype (run 2)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -170,10 +173,17 @@ def _report(args, device, sizes, runs, elapsed: float, final: bool) -> None:
         import json
         import platform
 
-        doc = {"benchmark": "cupy_churn", "device": device, "sizes": sizes,
-               "iterations": args.iterations, "repeat": args.repeat, "elapsed_s": elapsed,
-               "python": platform.python_version(), "cupy": cupy.__version__,
-               "rows": [{"allocator": k, "ns": v, "runs": runs[k]} for k, v in results.items()]}
+        doc = {
+            "benchmark": "cupy_churn",
+            "device": device,
+            "sizes": sizes,
+            "iterations": args.iterations,
+            "repeat": args.repeat,
+            "elapsed_s": elapsed,
+            "python": platform.python_version(),
+            "cupy": cupy.__version__,
+            "rows": [{"allocator": k, "ns": v, "runs": runs[k]} for k, v in results.items()],
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
 

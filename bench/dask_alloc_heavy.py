@@ -196,13 +196,23 @@ def main() -> int:
     ap.add_argument("--scatter-chunk", type=int, default=128)
     ap.add_argument("--anchor-n", type=int, default=16000)
     ap.add_argument("--anchor-chunk", type=int, default=500)
-    ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds: start no round that would likely end after this (0: no limit)")
-    ap.add_argument("--configs", default="",
-                    help="comma-separated substrings: run only the configurations named so")
-    ap.add_argument("--labels", default="",
-                    help="semicolon-separated exact configuration labels to run (labels hold "
-                         "commas, e.g. 'no plugin;dask-rmm pool, statistics on')")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds: start no round that would likely end after this (0: no limit)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated substrings: run only the configurations named so",
+    )
+    ap.add_argument(
+        "--labels",
+        default="",
+        help="semicolon-separated exact configuration labels to run (labels hold "
+        "commas, e.g. 'no plugin;dask-rmm pool, statistics on')",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     only = [s.strip() for s in args.configs.split(",") if s.strip()]
@@ -219,8 +229,12 @@ def main() -> int:
     results: dict[str, dict[str, list[float]]] = {}
     allocations: dict[str, int] = {}  # per run of each workload, counted by dask-rmm's statistics
     details: dict[str, str] = {}
-    doc = {"benchmark": "dask_alloc_heavy", "args": {k: str(v) for k, v in vars(args).items()},
-           "python": platform.python_version(), "host": platform.node()}
+    doc = {
+        "benchmark": "dask_alloc_heavy",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
 
     def write():
         if args.json is None:
@@ -242,9 +256,15 @@ def main() -> int:
             if labels_only and label not in labels_only:
                 continue
             try:
-                cluster = stack.enter_context(LocalCluster(
-                    n_workers=1, threads_per_worker=args.threads, processes=True,
-                    dashboard_address=":0", worker_dashboard_address=None))
+                cluster = stack.enter_context(
+                    LocalCluster(
+                        n_workers=1,
+                        threads_per_worker=args.threads,
+                        processes=True,
+                        dashboard_address=":0",
+                        worker_dashboard_address=None,
+                    )
+                )
                 client = stack.enter_context(Client(cluster))
                 details[label] = configure(client)
             except Exception as e:  # a configuration that fails to start is reported, not fatal
@@ -252,8 +272,10 @@ def main() -> int:
                 continue
             clients[label] = client
             results[label] = {w: [] for w in workloads}
-        print(f"# {len(clients)} configurations up after {time.perf_counter() - start:.0f} s",
-              file=sys.stderr)
+        print(
+            f"# {len(clients)} configurations up after {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
         labels = list(clients)
         last: dict[str, float] = {}  # seconds of the latest run of each workload
         # Warm-up: kernels compiled (CuPy's cache is shared), pools grown, imports done.
@@ -267,15 +289,25 @@ def main() -> int:
 
         rounds = max(args.rounds, args.anchor_rounds)
         for r in range(rounds):
-            names = [n for n, k in (("chain", args.rounds), ("scatter", args.rounds),
-                                    ("anchor", args.anchor_rounds)) if r < k]
-            order = labels[r % len(labels):] + labels[: r % len(labels)]
+            names = [
+                n
+                for n, k in (
+                    ("chain", args.rounds),
+                    ("scatter", args.rounds),
+                    ("anchor", args.anchor_rounds),
+                )
+                if r < k
+            ]
+            order = labels[r % len(labels) :] + labels[: r % len(labels)]
             for name in names:
                 for label in order:
                     elapsed = time.perf_counter() - start
                     if args.budget and elapsed + 1.2 * last[name] > args.budget:
-                        print(f"# skipped round {r} {label} {name}: {elapsed:.0f} s + "
-                              f"~{last[name]:.0f} s > budget", file=sys.stderr)
+                        print(
+                            f"# skipped round {r} {label} {name}: {elapsed:.0f} s + "
+                            f"~{last[name]:.0f} s > budget",
+                            file=sys.stderr,
+                        )
                         continue
                     counted = _count_allocations(clients[label]) if label == STATS_ON else -1
                     t = last[name] = _time(clients[label], workloads[name])
@@ -285,12 +317,16 @@ def main() -> int:
                     print(f"round {r} {label:<32} {name:<8} {t:7.3f} s", file=sys.stderr)
                     write()
 
-    print(f"\n# bench/dask_alloc_heavy.py: 1 worker x {args.threads} threads per configuration, "
-          f"configurations interleaved; chain {args.chain_n}^2 f32 in {args.chain_chunk}^2 chunks "
-          f"x {args.chain} steps; scatter {args.scatter_n}^2 in {args.scatter_chunk}^2 chunks; "
-          f"anchor {args.anchor_n}^2 f64 in {args.anchor_chunk}^2 chunks; pool {args.pool}")
-    print(f"{'configuration':<32} {'workload':<8} {'median s':>9} {'min':>7} {'max':>7} "
-          f"{'runs':>4}  {'vs none':>7}  {'vs dask-cuda':>12}")
+    print(
+        f"\n# bench/dask_alloc_heavy.py: 1 worker x {args.threads} threads per configuration, "
+        f"configurations interleaved; chain {args.chain_n}^2 f32 in {args.chain_chunk}^2 chunks "
+        f"x {args.chain} steps; scatter {args.scatter_n}^2 in {args.scatter_chunk}^2 chunks; "
+        f"anchor {args.anchor_n}^2 f64 in {args.anchor_chunk}^2 chunks; pool {args.pool}"
+    )
+    print(
+        f"{'configuration':<32} {'workload':<8} {'median s':>9} {'min':>7} {'max':>7} "
+        f"{'runs':>4}  {'vs none':>7}  {'vs dask-cuda':>12}"
+    )
     for name in workloads:
         base = results.get("no plugin", {}).get(name)
         cuda = results.get("dask-cuda RMM pool", {}).get(name)
@@ -301,13 +337,17 @@ def main() -> int:
             med = statistics.median(t)
             vs_none = f"{med / statistics.median(base):.2f}x" if base else "-"
             vs_cuda = f"{med / statistics.median(cuda):.2f}x" if cuda else "-"
-            print(f"{label:<32} {name:<8} {med:>9.3f} {min(t):>7.3f} {max(t):>7.3f} "
-                  f"{len(t):>4}  {vs_none:>7}  {vs_cuda:>12}")
+            print(
+                f"{label:<32} {name:<8} {med:>9.3f} {min(t):>7.3f} {max(t):>7.3f} "
+                f"{len(t):>4}  {vs_none:>7}  {vs_cuda:>12}"
+            )
     for name, n in allocations.items():
         per = results.get(STATS_ON, {}).get(name)
         if per and n > 0:
-            print(f"{name}: {n} allocations per run ({STATS_ON}), i.e. one per "
-                  f"{statistics.median(per) / n * 1e6:.1f} us of the run's wall time")
+            print(
+                f"{name}: {n} allocations per run ({STATS_ON}), i.e. one per "
+                f"{statistics.median(per) / n * 1e6:.1f} us of the run's wall time"
+            )
     ours = results.get(STATS_ON, {})
     for name, want in (("chain", 0.9), ("scatter", 0.9), ("anchor", 1.0)):
         mine = ours.get(name)
@@ -316,8 +356,9 @@ def main() -> int:
             continue
         worst = max(statistics.median(mine) / statistics.median(ref) for ref in refs)
         verdict = "met" if worst <= want else "missed"
-        print(f"target {name}: {STATS_ON} <= {want:.2f}x of both references: "
-              f"{worst:.2f}x, {verdict}")
+        print(
+            f"target {name}: {STATS_ON} <= {want:.2f}x of both references: {worst:.2f}x, {verdict}"
+        )
     write()
     return 0
 

@@ -259,12 +259,16 @@ def _print_rows(rows: list[dict]) -> None:
     print(f"{'configuration':<32} {'seconds':>8} {'correct':>8}  spilled / OOMs avoided / error")
     for r in rows:
         w = r.get("worker", {}).get(0, {})
-        note = r.get("error") or ("(no dask-rmm metrics)" if not w else None) or (
-            f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled "
-            f"({r['worker'].get('spilled_without_copy_bytes', 0) / GiB:.2f} without a copy), "
-            f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
-            f"{w.get('ooms_avoided', 0)} OOMs avoided, "
-            f"spill {w.get('spill_seconds', 0):.2f}s unspill {w.get('unspill_seconds', 0):.2f}s"
+        note = (
+            r.get("error")
+            or ("(no dask-rmm metrics)" if not w else None)
+            or (
+                f"{w.get('total_spilled_bytes', 0) / GiB:.2f} GiB spilled "
+                f"({r['worker'].get('spilled_without_copy_bytes', 0) / GiB:.2f} without a copy), "
+                f"{w.get('total_unspilled_bytes', 0) / GiB:.2f} GiB back, "
+                f"{w.get('ooms_avoided', 0)} OOMs avoided, "
+                f"spill {w.get('spill_seconds', 0):.2f}s unspill {w.get('unspill_seconds', 0):.2f}s"
+            )
         )
         secs = f"{r['seconds']:.2f}" if "seconds" in r else "-"
         print(f"{r['config']:<32} {secs:>8} {str(r.get('correct', '-')):>8}  {note}")

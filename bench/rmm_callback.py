@@ -168,8 +168,11 @@ def end_to_end(rmm, steps: int, repeat: int) -> dict[str, dict[int, float]]:
     import cupy
     from rmm.allocators.cupy import rmm_cupy_allocator
 
-    chosen = {"rmm PoolMemoryResource (C++)", "interop -> dask-rmm pool",
-              "interop -> dask-rmm worker stack"}
+    chosen = {
+        "rmm PoolMemoryResource (C++)",
+        "interop -> dask-rmm pool",
+        "interop -> dask-rmm worker stack",
+    }
     sizes = [1 << 12, 1 << 24]
     results: dict[str, dict[int, float]] = {}
     previous_allocator = cupy.cuda.get_allocator()
@@ -251,15 +254,22 @@ def main() -> None:
             print(f"{label:<44}{cells}")
 
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "benchmark": "rmm_callback",
-            "device": device,
-            "python": platform.python_version(),
-            "rmm": getattr(rmm, "__version__", ""),
-            "sizes": sizes,
-            "per_allocation_ns": per_alloc,
-            "end_to_end_s_per_step": {k: {str(n): v for n, v in r.items()} for k, r in e2e.items()},
-        }, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "benchmark": "rmm_callback",
+                    "device": device,
+                    "python": platform.python_version(),
+                    "rmm": getattr(rmm, "__version__", ""),
+                    "sizes": sizes,
+                    "per_allocation_ns": per_alloc,
+                    "end_to_end_s_per_step": {
+                        k: {str(n): v for n, v in r.items()} for k, r in e2e.items()
+                    },
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

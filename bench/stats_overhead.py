@@ -114,8 +114,11 @@ def alloc_workload_rows(steps: int = 50_000, repeats: int = 7) -> None:
 
         return make
 
-    rows = [("pool", ()), ("pool+statistics", ("statistics",)),
-            ("pool+statistics+attribution", ("statistics", "attribution"))]
+    rows = [
+        ("pool", ()),
+        ("pool+statistics", ("statistics",)),
+        ("pool+statistics+attribution", ("statistics", "attribution")),
+    ]
     times = {name: [] for name, _ in rows}
     for _ in range(repeats):
         for name, layers in rows:

@@ -95,11 +95,22 @@ def main() -> None:
     results: dict[str, list[float] | str] = {}
     device = "?"
     for label, kind in ROWS.items():
-        cmd = [sys.executable, __file__, "--child", kind, "--sizes", args.sizes,
-               "--iterations", str(args.iterations), "--repeat", str(args.repeat)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            "--sizes",
+            args.sizes,
+            "--iterations",
+            str(args.iterations),
+            "--repeat",
+            str(args.repeat),
+        ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                  env=dict(os.environ))
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ)
+            )
         except subprocess.TimeoutExpired:
             results[label] = "timed out"
             continue
@@ -108,7 +119,7 @@ def main() -> None:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             results[label] = f"failed (rc {proc.returncode}): {last[:150]}"
             continue
-        data = json.loads(lines[-1][len("RESULT"):])
+        data = json.loads(lines[-1][len("RESULT") :])
         results[label] = data["ns"]
         device = data["device"]
 

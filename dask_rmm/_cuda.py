@@ -352,7 +352,7 @@ def _check_device(device: Any) -> int:
 
 def set_device(device: int) -> None:
     """Make ``device`` the calling thread's current device (``cudaSetDevice``)."""
-    err, = _cudaSetDevice(device)
+    (err,) = _cudaSetDevice(device)
     if err:
         _check_device(device)
         _fail(err, f"cudaSetDevice({device})")
@@ -410,7 +410,9 @@ def device_identity(device: int) -> tuple[str, str, str]:
 def _device_attr(name_or_enum: Any):
     rt = _rt()
     if isinstance(name_or_enum, str):
-        name = name_or_enum if name_or_enum.startswith("cudaDevAttr") else "cudaDevAttr" + name_or_enum
+        name = (
+            name_or_enum if name_or_enum.startswith("cudaDevAttr") else "cudaDevAttr" + name_or_enum
+        )
         attr = getattr(rt.cudaDeviceAttr, name, None)
         if attr is None:
             raise ValueError(
@@ -457,7 +459,7 @@ def malloc(nbytes: int) -> int:
 
 def free(ptr: int) -> None:
     """``cudaFree`` (synchronizes the device)."""
-    err, = _cudaFree(ptr)
+    (err,) = _cudaFree(ptr)
     if err:
         _fail(err, "cudaFree")
 
@@ -480,7 +482,7 @@ def malloc_host(nbytes: int, flags: int = 0) -> int:
 
 def free_host(ptr: int) -> None:
     """``cudaFreeHost``."""
-    err, = _cudaFreeHost(ptr)
+    (err,) = _cudaFreeHost(ptr)
     if err:
         _fail(err, "cudaFreeHost")
 
@@ -505,7 +507,7 @@ def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
 
 def free_async(ptr: int, stream_handle: int) -> None:
     """``cudaFreeAsync``: return ``ptr`` to its pool in stream order."""
-    err, = _cudaFreeAsync(ptr, stream_objects[stream_handle])
+    (err,) = _cudaFreeAsync(ptr, stream_objects[stream_handle])
     if err:
         _fail(err, "cudaFreeAsync")
 
@@ -602,8 +604,12 @@ def device_get_default_managed_mem_pool(device: int | None = None) -> int:
     loc = rt.cudaMemLocation()
     loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
     loc.id = device
-    return int(check(fn(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
-                     "cudaMemGetDefaultMemPool(managed)"))
+    return int(
+        check(
+            fn(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
+            "cudaMemGetDefaultMemPool(managed)",
+        )
+    )
 
 
 def device_get_default_mem_pool(device: int | None = None) -> int:
@@ -648,9 +654,7 @@ def mem_pool_export_to_shareable_handle(pool: int, handle_type: int | str = 1) -
     handle_type = _handle_type(handle_type)
     rt = _rt()
     handle = check(
-        rt.cudaMemPoolExportToShareableHandle(
-            pool, rt.cudaMemAllocationHandleType(handle_type), 0
-        ),
+        rt.cudaMemPoolExportToShareableHandle(pool, rt.cudaMemAllocationHandleType(handle_type), 0),
         "cudaMemPoolExportToShareableHandle",
     )
     return int(handle)
@@ -679,7 +683,7 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
-    err, = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
+    (err,) = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
     if err:
         _fail(err, "cudaMemcpyAsync")
 
@@ -770,14 +774,14 @@ def stream_destroy(handle: int) -> None:
 
 def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
-    err, = _cudaStreamSynchronize(stream_objects[handle])
+    (err,) = _cudaStreamSynchronize(stream_objects[handle])
     if err:
         _fail(err, "cudaStreamSynchronize")
 
 
 def stream_query(handle: int) -> bool:
     """True when all work on the stream has completed."""
-    err, = _rt().cudaStreamQuery(handle)
+    (err,) = _rt().cudaStreamQuery(handle)
     if err == _ERROR_NOT_READY:
         return False
     if err:
@@ -787,7 +791,7 @@ def stream_query(handle: int) -> bool:
 
 def stream_wait_event(stream_handle: int, event: int) -> None:
     """Make future work on ``stream_handle`` wait for ``event`` (``cudaStreamWaitEvent``)."""
-    err, = _cudaStreamWaitEvent(stream_handle, event, 0)
+    (err,) = _cudaStreamWaitEvent(stream_handle, event, 0)
     if err:
         _fail(err, "cudaStreamWaitEvent")
 
@@ -800,7 +804,7 @@ def event_create(disable_timing: bool = True) -> int:
 
 def event_record(event: int, stream_handle: int) -> None:
     """``cudaEventRecord`` on ``stream_handle``."""
-    err, = _cudaEventRecord(event, stream_handle)
+    (err,) = _cudaEventRecord(event, stream_handle)
     if err:
         _fail(err, "cudaEventRecord")
 
@@ -812,7 +816,7 @@ def event_synchronize(event: int) -> None:
 
 def event_query(event: int) -> bool:
     """True when the event's recorded work has completed."""
-    err, = _rt().cudaEventQuery(event)
+    (err,) = _rt().cudaEventQuery(event)
     if err == _ERROR_NOT_READY:
         return False
     if err:

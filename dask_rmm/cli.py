@@ -234,7 +234,9 @@ def replay(
         sys.exit(EXIT_NEW_FAILURES)
 
 
-def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+def _finite_seconds(
+    ctx: click.Context, param: click.Parameter, value: float | None
+) -> float | None:
     # click's FloatRange lets nan and inf through; the scheduler rpc then fails on them with a
     # KeyError traceback ("Invalid time unit: nan").
     if value is not None and not math.isfinite(value):

@@ -46,8 +46,9 @@ def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
         raise ValueError(f"{what} is read-only; copying into it needs a writable buffer")
     if view.nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
-                         dtype=np.uint8)
+    return np.frombuffer(
+        view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8
+    )
 
 
 def _stream_arg(stream: Any) -> Stream:
@@ -193,7 +194,9 @@ class DeviceBuffer:
             _copy(self._ptr, src, size, stream, mr.is_host_memory)
 
     @classmethod
-    def _adopt(cls, ptr: int, nbytes: int, stream: Stream, mr: DeviceMemoryResource) -> DeviceBuffer:
+    def _adopt(
+        cls, ptr: int, nbytes: int, stream: Stream, mr: DeviceMemoryResource
+    ) -> DeviceBuffer:
         """A buffer owning ``ptr``, already allocated from ``mr`` with ``nbytes`` on ``stream``.
 
         No checks and no copy: for library hooks (the CuPy allocator) that allocate on their

@@ -57,6 +57,7 @@ def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
 #: How usage errors name this command.
 PROG = "dask worker SCHEDULER --preload dask_rmm.preload"
 
+
 class _PreloadCommand(click.Command):
     """Checks the flags together right after parsing, so that incompatible flags are a usage
     error of ``dask worker`` itself (distributed parses preload flags before starting), and

@@ -47,6 +47,7 @@ def _check_flags(flags: Any) -> CudaStreamFlags:
             f"flags must be CudaStreamFlags.SYNC_DEFAULT (0) or NON_BLOCKING (1), got {flags!r}"
         ) from None
 
+
 # cudaStreamLegacy and cudaStreamPerThread are these fixed handle values in the CUDA runtime.
 _LEGACY_HANDLE = 1
 _PER_THREAD_HANDLE = 2
@@ -55,7 +56,9 @@ _PER_THREAD_HANDLE = 2
 def _handle_of(obj: Any) -> int:
     """The integer stream handle of a foreign stream object."""
     if isinstance(obj, (bool, float)):
-        raise TypeError(f"cannot make a Stream from {obj!r}: expected an int handle or a stream object")
+        raise TypeError(
+            f"cannot make a Stream from {obj!r}: expected an int handle or a stream object"
+        )
     if isinstance(obj, int):
         if obj < 0:
             raise ValueError(f"stream handle must be >= 0, got {obj}")
@@ -238,8 +241,11 @@ class Stream:
         return hash(self.handle)
 
     def __repr__(self) -> str:
-        names = {0: "DEFAULT_STREAM", _LEGACY_HANDLE: "LEGACY_DEFAULT_STREAM",
-                 _PER_THREAD_HANDLE: "PER_THREAD_DEFAULT_STREAM"}
+        names = {
+            0: "DEFAULT_STREAM",
+            _LEGACY_HANDLE: "LEGACY_DEFAULT_STREAM",
+            _PER_THREAD_HANDLE: "PER_THREAD_DEFAULT_STREAM",
+        }
         return f"<Stream {names.get(self.handle, hex(self.handle))}>"
 
     def __del__(self):

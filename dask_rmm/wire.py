@@ -142,7 +142,9 @@ class DeviceSample:
         """Read a wire entry; missing or malformed fields take their default, unknown ones are
         ignored (``extra`` sets the fields of a subclass)."""
         values = {
-            f.name: _READERS[f.type](d[f.name]) for f in _FIELDS if f.name in d and f.type in _READERS
+            f.name: _READERS[f.type](d[f.name])
+            for f in _FIELDS
+            if f.name in d and f.type in _READERS
         }
         groups = []
         for g in d.get("task_groups") or ():

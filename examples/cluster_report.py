@@ -86,11 +86,20 @@ def main() -> None:
         print()
         print(
             report.to_frame()[
-                ["worker", "gpu_name", "current_bytes", "peak_bytes", "reserved_bytes", "fragmentation"]
+                [
+                    "worker",
+                    "gpu_name",
+                    "current_bytes",
+                    "peak_bytes",
+                    "reserved_bytes",
+                    "fragmentation",
+                ]
             ]
         )
         t = report.totals
-        print(f"cluster peak {t.peak_bytes} B (at once) vs {t.sum_of_device_peaks} B (sum of peaks)")
+        print(
+            f"cluster peak {t.peak_bytes} B (at once) vs {t.sum_of_device_peaks} B (sum of peaks)"
+        )
         report.plot(args.plot)
         print(f"\nwrote {args.plot}")
         if args.html:

@@ -127,7 +127,9 @@ def hold(nbytes):
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device; this host has none (cuda-python reports no usable GPU)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device; this host has none (cuda-python reports no usable GPU)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

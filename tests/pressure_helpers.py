@@ -31,9 +31,7 @@ def pressure_stack(
     stats = mr.StatisticsResourceAdaptor(pool)
     owner = task_key or (lambda: None)
     attrib = AttributionResourceAdaptor(stats, owner, owner_name=lambda k: str(k).split("-")[0])
-    wp = WorkerPressure(
-        spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key
-    )
+    wp = WorkerPressure(spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key)
     top = wp.wrap(0, attrib, capacity=pool_bytes, limit=limit)
     mr.set_per_device_resource(0, top)
     return wp, top

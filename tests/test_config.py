@@ -33,7 +33,8 @@ def _check(value, schema, path):
     if types is not None:
         types = [types] if isinstance(types, str) else types
         ok = any(
-            isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+            isinstance(value, _TYPES[t])
+            and not (t in ("integer", "number") and isinstance(value, bool))
             for t in types
         )
         assert ok, f"{path}: default {value!r} is not of type {types}"

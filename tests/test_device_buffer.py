@@ -65,7 +65,7 @@ def test_roundtrip(resource, stream):
     out = bytearray(len(PAYLOAD) + 10)
     assert buf.copy_to_host(out, stream) is out
     stream.synchronize()
-    assert bytes(out[: len(PAYLOAD)]) == PAYLOAD and bytes(out[len(PAYLOAD):]) == b"\0" * 10
+    assert bytes(out[: len(PAYLOAD)]) == PAYLOAD and bytes(out[len(PAYLOAD) :]) == b"\0" * 10
 
 
 def test_copy_from_host_and_device(resource, stream):
@@ -273,7 +273,10 @@ def test_bad_host_buffers():
 class _FakeCAI:
     def __init__(self, shape):
         self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": "|u1", "data": (0, False), "version": 3
+            "shape": shape,
+            "typestr": "|u1",
+            "data": (0, False),
+            "version": 3,
         }
 
 

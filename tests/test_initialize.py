@@ -33,15 +33,23 @@ def base(request):
 def test_plain_base(base):
     dask_rmm.reinitialize(base_resource=base)
     mr = get_current_device_resource()
-    expected = {"system": "SystemMemoryResource", "cuda": "CudaMemoryResource",
-                "managed": "ManagedMemoryResource", "async": "CudaAsyncMemoryResource"}[base]
+    expected = {
+        "system": "SystemMemoryResource",
+        "cuda": "CudaMemoryResource",
+        "managed": "ManagedMemoryResource",
+        "async": "CudaAsyncMemoryResource",
+    }[base]
     assert type(mr).__name__ == expected
     assert dask_rmm.is_initialized()
 
 
 def test_pool_with_sizes(base):
-    dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="16MiB",
-                          maximum_pool_size=64 << 20, base_resource=base)
+    dask_rmm.reinitialize(
+        pool_allocator=True,
+        initial_pool_size="16MiB",
+        maximum_pool_size=64 << 20,
+        base_resource=base,
+    )
     mr = get_current_device_resource()
     if base == "async":  # the sizes are cudaMallocAsync's own pool's, as in dask-cuda
         assert type(mr).__name__ == "LimitingResourceAdaptor"
@@ -55,10 +63,15 @@ def test_initial_above_maximum_is_a_value_and_runtime_error():
     dask_rmm.reinitialize(base_resource="system")
     before = get_current_device_resource()
     with pytest.raises(
-        ValueError, match="Initial pool size exceeds the maximum pool size: `maximum_pool_size` .*smaller than `pool_size`"
+        ValueError,
+        match="Initial pool size exceeds the maximum pool size: `maximum_pool_size` .*smaller than `pool_size`",
     ) as info:
-        dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="64MiB",
-                              maximum_pool_size="16MiB", base_resource="system")
+        dask_rmm.reinitialize(
+            pool_allocator=True,
+            initial_pool_size="64MiB",
+            maximum_pool_size="16MiB",
+            base_resource="system",
+        )
     assert isinstance(info.value, RuntimeError)  # what RMM raises
     assert get_current_device_resource() is before
 
@@ -176,10 +189,16 @@ def test_hook_may_free_old_buffers():
         ({"base_resource": "system", "devices": [0, True]}, TypeError, "devices"),
         ({"base_resource": "system", "devices": 99}, ValueError, "does not exist"),
         ({"base_resource": "system", "devices": []}, ValueError, "at least one"),
-        ({"base_resource": "system", "pool_allocator": True, "initial_pool_size": "lots"},
-         ValueError, "pool_size='lots'"),
-        ({"base_resource": "system", "pool_allocator": True, "initial_pool_size": "GiB"},
-         ValueError, "pool_size='GiB'"),
+        (
+            {"base_resource": "system", "pool_allocator": True, "initial_pool_size": "lots"},
+            ValueError,
+            "pool_size='lots'",
+        ),
+        (
+            {"base_resource": "system", "pool_allocator": True, "initial_pool_size": "GiB"},
+            ValueError,
+            "pool_size='GiB'",
+        ),
     ],
 )
 def test_bad_input(kwargs, exc, match):

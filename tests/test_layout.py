@@ -261,7 +261,9 @@ def test_every_documented_import_path_works():
     assert broken == []
 
 
-@pytest.mark.parametrize("old", ["options", "worker_stack", "worker_metrics", "serialize", "client"])
+@pytest.mark.parametrize(
+    "old", ["options", "worker_stack", "worker_metrics", "serialize", "client"]
+)
 def test_modules_that_moved_import_under_their_old_path(old):
     import dask_rmm
 

@@ -18,7 +18,15 @@ def _restore():
 
 
 def test_levels_round_trip():
-    assert [m.name for m in level_enum] == ["trace", "debug", "info", "warn", "error", "critical", "off"]
+    assert [m.name for m in level_enum] == [
+        "trace",
+        "debug",
+        "info",
+        "warn",
+        "error",
+        "critical",
+        "off",
+    ]
     assert logger.get_logging_level() is level_enum.info
     for level in level_enum:
         logger.set_logging_level(level)

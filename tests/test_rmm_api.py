@@ -85,8 +85,11 @@ def test_profiler_names_follow_rmm(host_mr):
 
 
 def test_allocation_error_is_memory_error_and_cuda_error():
-    e = mr.CUDAAllocationError("cudaErrorInvalidValue", "cudaMallocFromPoolAsync",
-                               "CudaAsyncViewMemoryResource.allocate(256) failed")
+    e = mr.CUDAAllocationError(
+        "cudaErrorInvalidValue",
+        "cudaMallocFromPoolAsync",
+        "CudaAsyncViewMemoryResource.allocate(256) failed",
+    )
     assert isinstance(e, MemoryError) and isinstance(e, _cuda.CUDAError)
     assert e.error_name == "cudaErrorInvalidValue"
     again = pickle.loads(pickle.dumps(e))
@@ -126,8 +129,9 @@ def test_allocating_from_a_destroyed_pool_raises_memory_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make", [mr.CudaMemoryResource, mr.CudaAsyncMemoryResource,
-                                  mr.ManagedMemoryResource])
+@pytest.mark.parametrize(
+    "make", [mr.CudaMemoryResource, mr.CudaAsyncMemoryResource, mr.ManagedMemoryResource]
+)
 def test_out_of_memory_is_out_of_memory_error(make):
     res = make()
     with pytest.raises(mr.OutOfMemoryError):

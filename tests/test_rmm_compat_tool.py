@@ -22,8 +22,14 @@ _spec.loader.exec_module(compat_run)
 def _python(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TOOL), str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 def test_shim_serves_rmm_names_from_dask_rmm():
@@ -82,7 +88,11 @@ def test_counts_one_outcome_per_test(tmp_path):
         '<testcase classname="t" name="err"><error message="setup"/></testcase>',
     )
     assert compat_run.counts_from_junit(path) == {
-        "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 1,
+    }
     problems = compat_run.failures_from_junit(path)
     assert "bad [failure]: assert 1 == 2" in problems
 
@@ -91,13 +101,24 @@ def test_runner_runs_each_file_in_its_own_process(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_pass.py").write_text(
-        "import rmm\n\ndef test_a():\n    assert rmm.mr.CudaMemoryResource\n")
+        "import rmm\n\ndef test_a():\n    assert rmm.mr.CudaMemoryResource\n"
+    )
     (tests / "test_crash.py").write_text("import os\n\ndef test_b():\n    os.abort()\n")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(TOOL / "run.py"), str(tests), str(out), "--jobs", "2",
-         "--timeout", "100"],
-        capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            str(TOOL / "run.py"),
+            str(tests),
+            str(out),
+            "--jobs",
+            "2",
+            "--timeout",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr

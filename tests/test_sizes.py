@@ -34,7 +34,9 @@ def test_errors_name_the_option_and_value(value):
 
 def test_resource_sizes_take_fractions_of_the_resources_memory():
     up = mr.SystemMemoryResource()
-    assert parse_resource_size(0.5, up, "initial_pool_size") == host_total_memory() // 2 // 256 * 256
+    assert (
+        parse_resource_size(0.5, up, "initial_pool_size") == host_total_memory() // 2 // 256 * 256
+    )
     assert parse_resource_size(0, up, "initial_pool_size") == 0
     pool = mr.PoolMemoryResource(up, initial_pool_size=1000, maximum_pool_size="0.001")
     assert pool.pool_size() == 768

@@ -114,7 +114,11 @@ def test_profiler_context_and_nesting(current):
         mr.deallocate(a, 1000)
     r = records.records
     assert (r["inner"].num_calls, r["inner"].memory_peak, r["inner"].memory_total) == (1, 500, 500)
-    assert (r["outer"].num_calls, r["outer"].memory_peak, r["outer"].memory_total) == (1, 1500, 1500)
+    assert (r["outer"].num_calls, r["outer"].memory_peak, r["outer"].memory_total) == (
+        1,
+        1500,
+        1500,
+    )
     assert statistics.current_profiler_names() == ()
 
 
@@ -128,7 +132,7 @@ def test_profiler_decorator_default_name_and_records(current):
         return n
 
     assert work(256) == 256 and work(512) == 512
-    (name, data), = statistics.default_profiler_records.records.items()
+    ((name, data),) = statistics.default_profiler_records.records.items()
     assert name.endswith("(test_profiler_decorator_default_name_and_records.<locals>.work)")
     assert "test_statistics.py:" in name
     assert (data.num_calls, data.memory_peak, data.memory_total) == (2, 512, 768)
@@ -166,7 +170,10 @@ def test_profiler_bad_input(current):
 
 def test_report_layout():
     records = ProfilerRecords()
-    assert records.report() == "Memory Profiling\n================\n\nNo data, maybe profiling wasn't enabled?"
+    assert (
+        records.report()
+        == "Memory Profiling\n================\n\nNo data, maybe profiling wasn't enabled?"
+    )
     records.add("a.py:1(f)", Statistics(0, 0, 1000, 1, 5000, 3))
     records.add("a.py:1(f)", Statistics(0, 0, 2000, 1, 1000, 1))
     records.add("b", Statistics(0, 0, 1_234_567, 1, 10, 1))

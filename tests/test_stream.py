@@ -70,7 +70,9 @@ def test_bad_streams_refused(bad):
 
 def test_default_streams():
     assert DEFAULT_STREAM.is_default() and LEGACY_DEFAULT_STREAM.is_default()
-    assert PER_THREAD_DEFAULT_STREAM.is_default() and PER_THREAD_DEFAULT_STREAM.is_per_thread_default()
+    assert (
+        PER_THREAD_DEFAULT_STREAM.is_default() and PER_THREAD_DEFAULT_STREAM.is_per_thread_default()
+    )
     assert not Stream(0x1000).is_default()
     assert as_stream(None) is DEFAULT_STREAM
     assert as_stream(DEFAULT_STREAM) is DEFAULT_STREAM
@@ -138,8 +140,10 @@ def test_flags_only_for_new_streams():
         Stream(DEFAULT_STREAM, flags=CudaStreamFlags.SYNC_DEFAULT)
 
 
-@pytest.mark.parametrize("bad, exc", [(2, ValueError), (-1, ValueError), ("1", TypeError),
-                                      (True, TypeError), (1.0, TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [(2, ValueError), (-1, ValueError), ("1", TypeError), (True, TypeError), (1.0, TypeError)],
+)
 def test_bad_flags_refused_before_cuda(bad, exc):
     with pytest.raises(exc, match="flags"):
         Stream(flags=bad)

@@ -17,8 +17,12 @@ def docstring_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 lines.update(range(body[0].lineno, body[0].end_lineno + 1))
     return lines
 
@@ -26,8 +30,14 @@ def docstring_lines(tree: ast.AST) -> set[int]:
 def code_lines(source: str) -> int:
     """Lines holding at least one token that is not a comment, a docstring or layout."""
     skip = docstring_lines(ast.parse(source))
-    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-              tokenize.DEDENT, tokenize.ENDMARKER}
+    layout = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
     lines: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type in layout:

@@ -131,9 +131,7 @@ if _cupy is not None:
         cupy_stream = _get_current_stream(device_id)
         handle = cupy_stream.ptr
         stream = _streams.get(handle)
-        if stream is None or (
-            handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
-        ):
+        if stream is None or (handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream):
             stream = _stream_for(handle, cupy_stream)
         mr = _lookup_resource(device_id)
         if mr is None:
@@ -184,9 +182,7 @@ if _cupy is not None:
         cupy_stream = _get_current_stream(device_id)
         handle = cupy_stream.ptr
         stream = _streams.get(handle)
-        if stream is None or (
-            handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream
-        ):
+        if stream is None or (handle > _LAST_DEFAULT_HANDLE and stream._owner is not cupy_stream):
             stream = _stream_for(handle, cupy_stream)
         mr = _lookup_resource(device_id)
         if mr is None:

@@ -144,8 +144,13 @@ class RMMForwarder:
         return ptr
 
     def deallocate(
-        self, ptr: Any, nbytes: Any, stream: Any, alignment: int | None = None,
-        *, _finalizing=sys.is_finalizing,
+        self,
+        ptr: Any,
+        nbytes: Any,
+        stream: Any,
+        alignment: int | None = None,
+        *,
+        _finalizing=sys.is_finalizing,
     ) -> None:
         """RMM's deallocate callback: give ``ptr`` back to the resource that allocated it.
 
@@ -180,7 +185,10 @@ class RMMForwarder:
             self.failed_deallocations += 1
             logger.error(
                 "dask-rmm could not free RMM's allocation %#x (%s bytes) on device %s: %s",
-                ptr, nbytes, self.device, why,
+                ptr,
+                nbytes,
+                self.device,
+                why,
             )
         except BaseException:  # logging itself may be gone at shutdown
             pass

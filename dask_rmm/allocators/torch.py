@@ -189,9 +189,15 @@ def _raise_when_back_in_python(message: str) -> None:
     caller = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
-    _errors.armed = (sys.gettrace(), sys.getprofile(), caller,
-                     getattr(caller, "f_trace", None), getattr(caller, "f_trace_opcodes", False),
-                     global_trace, hook)
+    _errors.armed = (
+        sys.gettrace(),
+        sys.getprofile(),
+        caller,
+        getattr(caller, "f_trace", None),
+        getattr(caller, "f_trace_opcodes", False),
+        global_trace,
+        hook,
+    )
     if caller is not None:
         try:
             caller.f_trace = local
@@ -241,7 +247,10 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
         try:
             logger.warning(
                 "rmm_torch_allocator: freeing %#x (%d bytes) on device %d failed: %r",
-                ptr, size, device, e,
+                ptr,
+                size,
+                device,
+                e,
             )
         except BaseException:
             pass

@@ -142,7 +142,11 @@ class _StreamMap:
         if s is None:
             if not self.gpu and handle == _PTDS:
                 self._fake += 1
-            s = Stream() if self.gpu else Stream._from_handle(self._fake if key != handle else handle)
+            s = (
+                Stream()
+                if self.gpu
+                else Stream._from_handle(self._fake if key != handle else handle)
+            )
             self.streams[key] = s
         return s
 

@@ -293,9 +293,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             stream.synchronize()
         with gc_paused_lock(self._lock):
             if self._live.pop(ptr, None) is None:  # freed concurrently by another thread
-                return deallocate_refused(
-                    self, "ArenaMemoryResource", ptr, nbytes, None, stream
-                )
+                return deallocate_refused(self, "ArenaMemoryResource", ptr, nbytes, None, stream)
             self._give_back(ptr, size)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:

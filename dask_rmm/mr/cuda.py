@@ -348,7 +348,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
                     sizes[ptr] = n  # not a Stream: the general path converts or refuses it
                 else:
                     try:
-                        err, = self._free_call(ptr, self._stream_objects[handle])
+                        (err,) = self._free_call(ptr, self._stream_objects[handle])
                         if err:
                             _cuda.fail(err, "cudaFreeAsync")
                     except BaseException:
@@ -423,9 +423,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
                 "CudaAsyncMemoryResource: enable_ipc and enable_fabric together are not "
                 "supported (cuda-python's cudaMemPoolProps takes one handle type); choose one"
             )
-        handle_type = (
-            _HANDLE_POSIX_FD if enable_ipc else _HANDLE_FABRIC if enable_fabric else 0
-        )
+        handle_type = _HANDLE_POSIX_FD if enable_ipc else _HANDLE_FABRIC if enable_fabric else 0
         _cuda.require_cuda("CudaAsyncMemoryResource")
         device = _cuda.get_device()
         initial = (

@@ -37,7 +37,9 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     def __init__(self, upstream_mr: DeviceMemoryResource, callback: Callable[[int], bool]):
         super().__init__(upstream_mr)
         if not callable(callback):
-            raise TypeError(f"callback must be callable as callback(nbytes) -> bool, got {callback!r}")
+            raise TypeError(
+                f"callback must be callable as callback(nbytes) -> bool, got {callback!r}"
+            )
         self._callback = callback
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate

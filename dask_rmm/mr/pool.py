@@ -167,6 +167,7 @@ _CLASS_INDEXES = range(_N_CLASSES)
 # _ROUNDED[u]: bytes a request of ``u`` units (u below _TABLE_UNITS) is given, its search
 # class's floor (built with _INS and _SRCH above).
 
+
 class _FreeList:
     """The free blocks of one stream: size-class dicts, their non-empty flags, address maps."""
 
@@ -468,7 +469,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         # (and the streams of a host-memory replay or test may be made-up handles).
         self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         if maximum_pool_size is not None:
-            maximum_pool_size = parse_resource_size(maximum_pool_size, upstream_mr, "maximum_pool_size") or None
+            maximum_pool_size = (
+                parse_resource_size(maximum_pool_size, upstream_mr, "maximum_pool_size") or None
+            )
         if initial_pool_size is None:
             if upstream_mr.is_host_memory:
                 initial_pool_size = DEFAULT_HOST_POOL_SIZE
@@ -478,7 +481,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if maximum_pool_size is not None:
                 initial_pool_size = min(initial_pool_size, maximum_pool_size)
         else:
-            initial_pool_size = parse_resource_size(initial_pool_size, upstream_mr, "initial_pool_size")
+            initial_pool_size = parse_resource_size(
+                initial_pool_size, upstream_mr, "initial_pool_size"
+            )
         if maximum_pool_size is not None and initial_pool_size > maximum_pool_size:
             raise ValueError(
                 f"initial_pool_size ({format_bytes(initial_pool_size)}) exceeds "
@@ -607,7 +612,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             except RuntimeError:  # changed during the copy (free-threaded CPython): again
                 continue
             return {ptr: ~tag if tag < 0 else tag for ptr, tag in tags.items()}
-
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         try:
@@ -1321,8 +1325,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 except _cuda.CUDAError:
                     _cuda.device_synchronize()
 
-
-    def memory_layout(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    def memory_layout(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """The pool's address space, read-only: ``(chunks, free blocks, live blocks)``, each a
         list of ``(ptr, size)`` sorted by address.
 

@@ -49,10 +49,16 @@ def _current_device() -> int:
 
 def _check_device(device: Any) -> int:
     if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"device must be an int device id, got {device!r} ({type(device).__name__})")
+        raise TypeError(
+            f"device must be an int device id, got {device!r} ({type(device).__name__})"
+        )
     count = _cuda.get_device_count()
     if device < 0 or device >= max(count, 1):
-        where = f"{count} CUDA device(s)" if count else "no CUDA device (only device 0, for host memory)"
+        where = (
+            f"{count} CUDA device(s)"
+            if count
+            else "no CUDA device (only device 0, for host memory)"
+        )
         raise ValueError(f"device {device} does not exist: this host has {where}")
     return device
 
@@ -61,9 +67,7 @@ def _make_default(device: int) -> DeviceMemoryResource:
     from dask_rmm.mr.cuda import CudaMemoryResource
 
     if not _cuda.is_available():
-        _cuda.require_cuda(
-            f"the default memory resource of device {device} (a CudaMemoryResource)"
-        )
+        _cuda.require_cuda(f"the default memory resource of device {device} (a CudaMemoryResource)")
     current = _cuda.get_device()
     if current == device:
         return CudaMemoryResource()

@@ -139,7 +139,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
         self._base_bytes = 0
         self._counting_pool: PoolMemoryResource | None = None
-        pool = upstream_mr if isinstance(upstream_mr, PoolMemoryResource) else pool_behind(upstream_mr)
+        pool = (
+            upstream_mr if isinstance(upstream_mr, PoolMemoryResource) else pool_behind(upstream_mr)
+        )
         if pool is not None and pool.count_allocations(self._c):
             # The pool counts under its own lock (see the class notes): calls go straight to
             # it, and readers take its lock.

@@ -117,6 +117,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         now = time.monotonic()
         if now < self._quiet_until:
             return
+
         # What is over is measured once this thread may spill: threads that crossed the limit
         # together would otherwise each spill the same excess.
         def over() -> int:

@@ -47,8 +47,9 @@ class PressureCounters:
     """The mutable counters behind :class:`PressureMetrics`, one set per device, thread safe."""
 
     _FIELDS = tuple(
-        f for f in PressureMetrics.__dataclass_fields__ if f not in ("device", "paused",
-                                                                     "device_memory_limit")
+        f
+        for f in PressureMetrics.__dataclass_fields__
+        if f not in ("device", "paused", "device_memory_limit")
     )
 
     def __init__(self):

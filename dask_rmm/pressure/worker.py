@@ -181,7 +181,8 @@ class WorkerPressure:
             logger.warning(
                 "dask-rmm: %d spilled outputs do not fit back on the device at teardown (first: "
                 "%r: %r); they stay in host memory and come back when a task reads them",
-                len(failed), *failed[0],
+                len(failed),
+                *failed[0],
             )
             return
         for key, value in store.take_device_values():
@@ -216,7 +217,8 @@ class WorkerPressure:
             if not self._paused_by_us:
                 logger.warning(
                     "dask-rmm: device memory above %.0f%% of capacity; pausing worker %s",
-                    100 * (self.pause_fraction or 0), worker.address,
+                    100 * (self.pause_fraction or 0),
+                    worker.address,
                 )
                 for dp in self.devices.values():
                     self.counters.set_paused(dp.device, dp.should_pause())
@@ -233,8 +235,9 @@ class WorkerPressure:
         for dp in self.devices.values():
             self.counters.set_paused(dp.device, False)
         if worker.status == Status.paused:
-            logger.warning("dask-rmm: device memory back below the pause fraction; resuming %s",
-                           worker.address)
+            logger.warning(
+                "dask-rmm: device memory back below the pause fraction; resuming %s", worker.address
+            )
             worker.status = Status.running
 
     # -- hooks ----------------------------------------------------------------------------------

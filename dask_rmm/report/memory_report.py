@@ -359,10 +359,14 @@ class ClusterMemoryReport:
 
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
-        lines = [f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error]
+        lines = [
+            f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error
+        ]
         lines += [f"error: {e}" for e in self.errors]
         if self.workers_without_dask_rmm:
-            lines.insert(0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics")
+            lines.insert(
+                0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics"
+            )
         return lines
 
     def pressure_lines(self) -> list[str]:
@@ -463,7 +467,9 @@ class ClusterMemoryReport:
 
     def _peak_note(self) -> str:
         if self.totals.peak_bytes is None:
-            return "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+            return (
+                "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+            )
         return _PEAK_NOTE
 
     def _repr_html_(self) -> str:

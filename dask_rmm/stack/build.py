@@ -112,7 +112,8 @@ class DeviceStack:
         from dask_rmm.mr.base import format_bytes
 
         pool, maximum = (
-            "none" if n is None else format_bytes(n) for n in (self.pool_size, self.maximum_pool_size)
+            "none" if n is None else format_bytes(n)
+            for n in (self.pool_size, self.maximum_pool_size)
         )
         base = self.options.base_resource if self.options is not None else "?"
         return (
@@ -165,7 +166,6 @@ def _upstreams(mr: Any) -> Iterator[Any]:
 def resource_chain(mr: Any) -> str:
     """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
     return ">".join(type(m).__name__ for m in _upstreams(mr))
-
 
 
 def make_base_resource(name: str, device: int, options: RMMOptions | None = None, total: int = 0):

@@ -151,7 +151,9 @@ class RMMOptions:
     #: a ``StatisticsResourceAdaptor`` (and, on a worker, per-task-prefix attribution) feeding
     #: the heartbeat metrics
     statistics: bool = True
-    allocators: tuple[str, ...] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
+    allocators: tuple[
+        str, ...
+    ] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
     devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
     #: above this many bytes in use (measured by the resource), a worker spills its least
     #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
@@ -234,7 +236,9 @@ class RMMOptions:
 
             # A value from the config that the schema lets through (a log directory that is a
             # file, a pause fraction above 1): name its key and environment variable.
-            for name in sorted(set(values) - set(given) - {"maximum_pool_size", "release_threshold"}):
+            for name in sorted(
+                set(values) - set(given) - {"maximum_pool_size", "release_threshold"}
+            ):
                 key = name.replace("_", "-")
                 try:
                     cls(**{name: values[name]})

@@ -121,7 +121,9 @@ class WorkerMetrics:
         # (at an awaitable metric) is iterating the old one, and a dict that changes size under
         # it raises RuntimeError, which closes the worker.
         worker.metrics = {
-            **worker.metrics, METRICS_KEY: self.heartbeat_metrics, "rmm": self.rmm_metrics
+            **worker.metrics,
+            METRICS_KEY: self.heartbeat_metrics,
+            "rmm": self.rmm_metrics,
         }
         if sampling and sample_interval and sample_interval > 0:
             self._sampler = add_periodic(worker, SAMPLER_KEY, self.sample, sample_interval)

@@ -174,7 +174,9 @@ def test_supported_names():
 @pytest.mark.parametrize("names", [["tensorflow"], ["cupy", "torchh"], "cupy,nope"])
 def test_unknown_names_list_supported(names):
     original = cupy.cuda.get_allocator()
-    with pytest.raises(ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'rmm', 'torch'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown allocator.*supported are \['cupy', 'numba', 'rmm', 'torch'\]"
+    ):
         set_allocators(names)
     assert cupy.cuda.get_allocator() is original  # nothing was set
 
@@ -209,6 +211,7 @@ def test_none_and_empty_names():
 
 
 # --- GPU --------------------------------------------------------------------------------------
+
 
 @pytest.fixture(params=["rmm_cupy_allocator", "lean_cupy_allocator"])
 def gpu_cupy_allocator(request):
@@ -292,7 +295,10 @@ def test_allocation_keeps_its_cupy_stream_alive(host_cupy):
     cupy_hook._streams.pop(cs.ptr, None)
 
     holder = [cs]
-    cupy_hook._get_current_stream, saved = (lambda device_id=-1: holder[0]),  cupy_hook._get_current_stream
+    cupy_hook._get_current_stream, saved = (
+        (lambda device_id=-1: holder[0]),
+        cupy_hook._get_current_stream,
+    )
     try:
         mp = cupy_hook.rmm_cupy_allocator(256)
     finally:

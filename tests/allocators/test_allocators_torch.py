@@ -183,11 +183,12 @@ def test_torch_tensors_come_from_the_current_resource():
         pytest.skip("torch with CUDA is not installed")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _SCENARIO], capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCENARIO], capture_output=True, text=True, timeout=240, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    out = json.loads(line[len("RESULT"):])
+    out = json.loads(line[len("RESULT") :])
     assert out["bytes_with_tensor"] >= 4000
     assert out["pointer_in_pool"]
     assert out["sum"] == 1000.0
@@ -281,8 +282,9 @@ class _FlakyResource:
 def profiler(monkeypatch):
     prof = _Profiler()
     monkeypatch.setattr(torch_hook, "sys", prof)
-    monkeypatch.setattr(torch_hook, "_get_per_device_resource",
-                        lambda device: _FlakyResource(refuse=1 << 40))
+    monkeypatch.setattr(
+        torch_hook, "_get_per_device_resource", lambda device: _FlakyResource(refuse=1 << 40)
+    )
     yield prof
     torch_hook._disarm()
 
@@ -326,8 +328,9 @@ def test_hook_waits_until_the_callbacks_returned(profiler, monkeypatch):
             seen.append(nbytes)
             return super().allocate(nbytes, stream)
 
-    monkeypatch.setattr(torch_hook, "_get_per_device_resource",
-                        lambda device: Resource(refuse=1 << 40))
+    monkeypatch.setattr(
+        torch_hook, "_get_per_device_resource", lambda device: Resource(refuse=1 << 40)
+    )
     assert torch_hook.allocate(1 << 50, 0, None) is None
     with pytest.raises(MemoryError):
         profiler.event("c_return")

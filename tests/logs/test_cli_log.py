@@ -166,7 +166,11 @@ def test_merge_failure_leaves_no_partial_output(runner, two_logs, tmp_path, monk
     result = runner.invoke(cli.main, ["log", "merge", str(a), str(b), "-o", str(out)])
     assert result.exit_code == 1 and "disk full" in result.output
     assert out.read_text() == "previous\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.csv", "worker-0.csv", "worker-1.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "merged.csv",
+        "worker-0.csv",
+        "worker-1.csv",
+    ]
 
 
 def test_plot_refuses_to_overwrite_an_input(runner, two_logs):

@@ -28,7 +28,9 @@ def test_calls_with_rmm_signatures(base_resource):
 
 def test_stream_passed_through_as_stream():
     seen = []
-    mr = CallbackMemoryResource(lambda n, s: seen.append(s) or 0x100, lambda p, n, s: seen.append(s))
+    mr = CallbackMemoryResource(
+        lambda n, s: seen.append(s) or 0x100, lambda p, n, s: seen.append(s)
+    )
     mr.allocate(1, None)
     mr.deallocate(0x100, 1, 7)
     assert seen == [DEFAULT_STREAM, Stream(7)]
@@ -54,8 +56,13 @@ def test_needs_callables():
 
 @pytest.mark.parametrize(
     "raised, caught",
-    [(MemoryError, MemoryError), (RuntimeError, RuntimeError), (ValueError, RuntimeError),
-     (Exception, RuntimeError), (BaseException, RuntimeError)],
+    [
+        (MemoryError, MemoryError),
+        (RuntimeError, RuntimeError),
+        (ValueError, RuntimeError),
+        (Exception, RuntimeError),
+        (BaseException, RuntimeError),
+    ],
 )
 def test_allocate_callback_errors_map_as_rmm(raised, caught):
     base = SystemMemoryResource()

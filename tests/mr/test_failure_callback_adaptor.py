@@ -66,7 +66,9 @@ def test_other_errors_and_callback_errors_propagate():
     def bad_callback(n):
         raise KeyError("callback broke")
 
-    mr = FailureCallbackResourceAdaptor(CallbackMemoryResource(oom, lambda p, n, s: None), bad_callback)
+    mr = FailureCallbackResourceAdaptor(
+        CallbackMemoryResource(oom, lambda p, n, s: None), bad_callback
+    )
     with pytest.raises(KeyError, match="callback broke"):
         mr.allocate(1)
 

@@ -92,7 +92,11 @@ def test_pool_counts_through_its_instrumentation_interface(base_resource):
     with pool.instrumentation_lock:
         c.settle()
         assert (c.total_bytes, c.total_count, c.peak_bytes, c.peak_count) == (
-            3000 + 2 * MiB, 2, 3000 + 2 * MiB, 2)
+            3000 + 2 * MiB,
+            2,
+            3000 + 2 * MiB,
+            2,
+        )
     assert c.journal == []
     pool.deallocate(a, 3000)
     pool.deallocate(before, 1000)
@@ -209,7 +213,9 @@ def test_settle_keeps_what_was_journaled_while_it_copied():
 def test_counting_from_eight_threads_loses_nothing_while_a_reader_settles(base_resource):
     """Eight threads allocate and free through the lock-free counting path while another thread
     keeps reading (and so settling) the counters: every operation is counted exactly once."""
-    stats = mr.StatisticsResourceAdaptor(PoolMemoryResource(base_resource, initial_pool_size=64 * MiB))
+    stats = mr.StatisticsResourceAdaptor(
+        PoolMemoryResource(base_resource, initial_pool_size=64 * MiB)
+    )
     pairs, held = 3000, 4
     done = threading.Event()
     seen = []

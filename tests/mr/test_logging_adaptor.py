@@ -125,4 +125,7 @@ def test_size_zero_logged_with_nil_pointer(tmp_path):
         log_file_name=tmp_path / "z.csv",
     )
     mr.deallocate(mr.allocate(0), 0)
-    assert [r[2:5] for r in read_rows(mr)[1:]] == [["allocate", "(nil)", "0"], ["free", "(nil)", "0"]]
+    assert [r[2:5] for r in read_rows(mr)[1:]] == [
+        ["allocate", "(nil)", "0"],
+        ["free", "(nil)", "0"],
+    ]

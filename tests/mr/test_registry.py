@@ -96,8 +96,7 @@ def test_default_is_lazily_made_cuda_resource():
 def test_lazy_default_made_once_under_threads():
     got = []
     threads = [
-        threading.Thread(target=lambda: got.append(mr.get_per_device_resource(0)))
-        for _ in range(8)
+        threading.Thread(target=lambda: got.append(mr.get_per_device_resource(0))) for _ in range(8)
     ]
     for t in threads:
         t.start()

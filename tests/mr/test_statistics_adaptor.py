@@ -30,7 +30,15 @@ def base_resource(request, base_resource_name):
         r = PoolMemoryResource(r, initial_pool_size=32 << 20)
     return r
 
-FIELDS = ("current_bytes", "current_count", "peak_bytes", "peak_count", "total_bytes", "total_count")
+
+FIELDS = (
+    "current_bytes",
+    "current_count",
+    "peak_bytes",
+    "peak_count",
+    "total_bytes",
+    "total_count",
+)
 
 
 class Model:
@@ -98,9 +106,14 @@ def test_zero_byte_allocations_are_not_counted(base_resource):
     assert mr.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from("aaafpo"), st.integers(1, 5000), st.integers(0, 99)),
-                    max_size=80))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from("aaafpo"), st.integers(1, 5000), st.integers(0, 99)), max_size=80
+    )
+)
 def test_random_sequences_match_the_model(base_resource, ops):
     mr = StatisticsResourceAdaptor(base_resource)
     model = Model()
@@ -211,7 +224,9 @@ def test_counts_exact_under_threads(base_resource):
     s = mr.allocation_counts
     assert s.current_bytes == 0 and s.current_count == 0
     assert s.total_count == n_threads * rounds
-    assert s.total_bytes == sum(256 * (1 + (i + r) % 4) for i in range(n_threads) for r in range(rounds))
+    assert s.total_bytes == sum(
+        256 * (1 + (i + r) % 4) for i in range(n_threads) for r in range(rounds)
+    )
     assert 1 <= s.peak_count <= n_threads
 
 

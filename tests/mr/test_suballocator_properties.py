@@ -241,8 +241,10 @@ def test_eight_threads(name, base_resource_name):
         import random
 
         rng = random.Random(t)
-        stream = [Stream._from_handle(0), PER_THREAD_DEFAULT_STREAM][t % 2] if not HAS_GPU else (
-            PER_THREAD_DEFAULT_STREAM
+        stream = (
+            [Stream._from_handle(0), PER_THREAD_DEFAULT_STREAM][t % 2]
+            if not HAS_GPU
+            else (PER_THREAD_DEFAULT_STREAM)
         )
         mine = []
         barrier.wait()

@@ -81,9 +81,11 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_a_li
         assert all(s["metrics"][0]["device_memory_limit"] == 6 * MiB for s in states)
         # Heartbeats arrive per worker: wait until every worker's latest one is of this setup.
         report = wait_until(
-            lambda: (r := cluster_report(client)).totals.total_spilled_bytes > 0
-            and {d.device_memory_limit for d in r.running} == {6 * MiB}
-            and r,
+            lambda: (
+                (r := cluster_report(client)).totals.total_spilled_bytes > 0
+                and {d.device_memory_limit for d in r.running} == {6 * MiB}
+                and r
+            ),
             what="spilled bytes and every worker's limit in the cluster report",
         )
         assert report.to_dict()["totals"]["total_spilled_bytes"] > 0
@@ -93,7 +95,9 @@ def test_outputs_beyond_the_pool_fail_without_the_options_and_complete_with_a_li
         # spilled value that does not fit back on the device keeps the store in front, by design).
         _wait_for_released_outputs(client)
         client.register_plugin(RMMPlugin(**POOL))
-        assert all(s["data"] != "DeviceSpillStore" for s in client.run(worker_pressure_state).values())
+        assert all(
+            s["data"] != "DeviceSpillStore" for s in client.run(worker_pressure_state).values()
+        )
 
 
 def test_outputs_beyond_the_pool_complete_with_spill_on_oom():

@@ -29,7 +29,10 @@ def cupy_on_pool():
 def _same(cupy, a, b) -> None:
     assert type(b) is type(a)
     assert (b.shape, b.strides, b.dtype) == (a.shape, a.strides, a.dtype)
-    assert (b.flags.c_contiguous, b.flags.f_contiguous) == (a.flags.c_contiguous, a.flags.f_contiguous)
+    assert (b.flags.c_contiguous, b.flags.f_contiguous) == (
+        a.flags.c_contiguous,
+        a.flags.f_contiguous,
+    )
     assert cupy.asnumpy(a).tobytes() == cupy.asnumpy(b).tobytes()
 
 
@@ -41,7 +44,7 @@ def _same(cupy, a, b) -> None:
         lambda cp: cp.arange(1000, dtype="float64")[::3],
         lambda cp: cp.arange(1000, dtype="int32")[::-2],
         lambda cp: cp.arange(600, dtype="complex64").reshape(20, 30).T[2:9, ::4],
-        lambda cp: (cp.arange(100) % 3 == 0),
+        lambda cp: cp.arange(100) % 3 == 0,
         lambda cp: cp.empty((0, 5), dtype="float32"),
         lambda cp: cp.asarray(7.5),
     ],
@@ -104,9 +107,12 @@ def test_numba_roundtrip_is_bit_identical():
     from dask_rmm.pressure.device_objects import device_allocations, to_host
 
     host = np.arange(2000, dtype="float32").reshape(40, 50)
-    for d in (numba_cuda.to_device(host), numba_cuda.to_device(host)[::2, 3:30:3],
-              numba_cuda.to_device(np.asfortranarray(host)),
-              numba_cuda.to_device(np.zeros((0, 3), "int8"))):
+    for d in (
+        numba_cuda.to_device(host),
+        numba_cuda.to_device(host)[::2, 3:30:3],
+        numba_cuda.to_device(np.asfortranarray(host)),
+        numba_cuda.to_device(np.zeros((0, 3), "int8")),
+    ):
         assert device_allocations(d) is not None
         back = to_host(d).to_device()
         assert (back.shape, back.strides, back.dtype) == (d.shape, d.strides, d.dtype)

@@ -89,8 +89,12 @@ def test_coalescing_prefers_older_on_ties():
     chunks = [(0, 300)]
     free = [(100, 100)]
     live = [(0, 100), (200, 100)]
-    assert coalescing_victims([("old", 100, [0]), ("new", 100, [200])], 200, chunks, free, live) == ["old"]
-    assert coalescing_victims([("new", 100, [200]), ("old", 100, [0])], 200, chunks, free, live) == ["new"]
+    assert coalescing_victims(
+        [("old", 100, [0]), ("new", 100, [200])], 200, chunks, free, live
+    ) == ["old"]
+    assert coalescing_victims(
+        [("new", 100, [200]), ("old", 100, [0])], 200, chunks, free, live
+    ) == ["new"]
 
 
 def test_lru_victims():

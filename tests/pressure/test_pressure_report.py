@@ -75,7 +75,11 @@ def test_report_document_totals_and_events():
     d = report.to_dict(timeline=False)
     assert d["oom_events"] == [dict(EVENT, worker="tcp://a:1", device="0")]
     t = d["totals"]
-    assert (t["spilled_bytes"], t["total_spilled_bytes"], t["ooms_avoided"]) == (6 * MiB, 10 * MiB, 2)
+    assert (t["spilled_bytes"], t["total_spilled_bytes"], t["ooms_avoided"]) == (
+        6 * MiB,
+        10 * MiB,
+        2,
+    )
     assert (t["oom_count"], t["pauses"], t["paused_devices"]) == (1, 1, 1)
     dev = d["workers"][0]["devices"]["0"]
     assert dev["spilled_bytes"] == 6 * MiB and dev["device_memory_limit"] == 6 * MiB

@@ -28,8 +28,9 @@ async def test_attach_spill_compute_detach(c, s, a: Worker):
         await wait(futures)  # 10 MiB of outputs in a 4 MiB pool: the oldest are on host now
         assert wp.metrics()[0].spilled_count >= 6
         sums = await c.gather(c.map(_sum_bytes, futures))
-        expected = [int(patterned_buffer(MiB, i).copy_to_host().astype("int64").sum())
-                    for i in range(10)]
+        expected = [
+            int(patterned_buffer(MiB, i).copy_to_host().astype("int64").sum()) for i in range(10)
+        ]
         assert sums == expected
         assert wp.metrics()[0].total_spilled_count > 0
         assert wp.metrics()[0].total_unspilled_count > 0

@@ -158,7 +158,9 @@ def test_environment_configures_a_preloaded_worker(scheduler):
     "failure, nanny",
     [("pool larger than memory", False), ("directory as log file", False), ("pool", True)],
 )
-def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(scheduler, tmp_path, failure, nanny):
+def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(
+    scheduler, tmp_path, failure, nanny
+):
     """A supervisor (systemd, Kubernetes, dask-jobqueue) must see that the worker failed: the
     ``dask worker`` process exits nonzero, and the log names the reason."""
     flags = ["--rmm-base-resource", "system", "--rmm-pool-size", "1PiB"]

@@ -16,7 +16,9 @@ def test_cupy_allocator_note_names_the_allocator_cupy_uses():
     set_cupy_allocator()
     try:
         note = cupy_allocator_note()
-        assert note.startswith("CuPy allocates through dask_rmm.allocators.cupy.lean_cupy_allocator")
+        assert note.startswith(
+            "CuPy allocates through dask_rmm.allocators.cupy.lean_cupy_allocator"
+        )
         assert "counted in its metrics" in note
         # a compiled-RMM allocator (dask-cuda's rmm_allocator_external_lib_list) is named so
         fake = lambda nbytes: None  # noqa: E731

@@ -101,7 +101,9 @@ def _registered_token(s):
     from distributed.protocol.pickle import loads
 
     plugin = s.worker_plugins.get("dask-rmm")
-    return None if plugin is None else (loads(plugin) if isinstance(plugin, bytes) else plugin).token
+    return (
+        None if plugin is None else (loads(plugin) if isinstance(plugin, bytes) else plugin).token
+    )
 
 
 @pytest.mark.parametrize("late", [False, True])

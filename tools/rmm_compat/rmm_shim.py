@@ -122,8 +122,7 @@ class RMMShimFinder(importlib.abc.MetaPathFinder):
                 f"{fullname} has no dask-rmm counterpart in tools/rmm_compat/rmm_shim.py",
                 name=fullname,
             )
-        return importlib.machinery.ModuleSpec(fullname, _Loader(MODULES[fullname]),
-                                              is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, _Loader(MODULES[fullname]), is_package=True)
 
 
 def install() -> None:
@@ -137,7 +136,10 @@ def install() -> None:
 install()
 # RMM's packages import these at their own import; tests reach them as attributes
 # (``rmm.pylibrmm.stream.Stream()`` without importing ``rmm.pylibrmm.stream``).
-for _name in ("rmm.mr", "rmm.statistics", "rmm._cuda.gpu", *(
-    n for n in MODULES if n.startswith("rmm.pylibrmm.") and n.count(".") == 2
-)):
+for _name in (
+    "rmm.mr",
+    "rmm.statistics",
+    "rmm._cuda.gpu",
+    *(n for n in MODULES if n.startswith("rmm.pylibrmm.") and n.count(".") == 2),
+):
     importlib.import_module(_name)

@@ -73,13 +73,26 @@ def run_file(test: Path, out_dir: Path, timeout: float, extra: list[str]) -> dic
     env["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), str(REPO), str(test.parent)] + [p for p in [env.get("PYTHONPATH")] if p]
     )
-    cmd = [sys.executable, "-m", "pytest", "-p", "rmm_shim", "-p", "no:cacheprovider",
-           "-q", "-rfE", f"--junitxml={xml}", str(test.name), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "rmm_shim",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfE",
+        f"--junitxml={xml}",
+        str(test.name),
+        *extra,
+    ]
     start = time.monotonic()
     try:
         with open(log, "wb") as f:
-            proc = subprocess.run(cmd, cwd=test.parent, env=env, stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                cmd, cwd=test.parent, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            )
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -92,8 +105,10 @@ def run_file(test: Path, out_dir: Path, timeout: float, extra: list[str]) -> dic
             result["problems"] = ["junit xml unreadable"]
     # pytest's own codes are 0..5; a negative code is a signal (SIGSEGV is -11).
     result["crashed"] = rc == "timeout" or (isinstance(rc, int) and (rc < 0 or rc > 5))
-    if isinstance(rc, int) and rc in (2, 3, 4) and not any(
-        result.get(k) for k in ("passed", "failed", "skipped")
+    if (
+        isinstance(rc, int)
+        and rc in (2, 3, 4)
+        and not any(result.get(k) for k in ("passed", "failed", "skipped"))
     ):
         result["problems"] = result.get("problems", []) + [
             "collection or plugin error: see the .log"
@@ -106,14 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tests", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per file")
-    parser.add_argument("--total-timeout", type=float, default=None,
-                        help="stop starting files after this many seconds")
+    parser.add_argument(
+        "--total-timeout",
+        type=float,
+        default=None,
+        help="stop starting files after this many seconds",
+    )
     parser.add_argument("-k", default=None, help="only files whose name contains this")
     parser.add_argument("--jobs", type=int, default=1, help="files run at the same time")
     args, extra = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    files = sorted(p for p in args.tests.glob("test_*.py")
-                   if p.name != "test_helpers.py" and (not args.k or args.k in p.name))
+    files = sorted(
+        p
+        for p in args.tests.glob("test_*.py")
+        if p.name != "test_helpers.py" and (not args.k or args.k in p.name)
+    )
     start = time.monotonic()
 
     def one(test: Path) -> dict:
@@ -124,28 +146,35 @@ def main(argv: list[str] | None = None) -> int:
                 return {"file": test.name, "rc": "not run (total timeout)", "crashed": False}
         timeout = args.timeout if remaining is None else min(args.timeout, remaining)
         r = run_file(test, args.out, timeout, extra)
-        print(f"{r['file']:<48} passed={r.get('passed', 0):<4} failed={r.get('failed', 0):<3} "
-              f"errors={r.get('errors', 0):<3} skipped={r.get('skipped', 0):<3} rc={r['rc']}"
-              f"{'  CRASH' if r['crashed'] else ''}", flush=True)
+        print(
+            f"{r['file']:<48} passed={r.get('passed', 0):<4} failed={r.get('failed', 0):<3} "
+            f"errors={r.get('errors', 0):<3} skipped={r.get('skipped', 0):<3} rc={r['rc']}"
+            f"{'  CRASH' if r['crashed'] else ''}",
+            flush=True,
+        )
         return r
 
     # Longest files first, so that parallel runs end together.
     files.sort(key=lambda p: -p.stat().st_size)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = sorted(pool.map(one, files), key=lambda r: r["file"])
-    totals = {k: sum(r.get(k, 0) for r in results)
-              for k in ("passed", "failed", "errors", "skipped")}
+    totals = {
+        k: sum(r.get(k, 0) for r in results) for k in ("passed", "failed", "errors", "skipped")
+    }
     ran = totals["passed"] + totals["failed"] + totals["errors"]
     totals["crashed_files"] = [r["file"] for r in results if r["crashed"]]
     totals["pass_rate"] = round(totals["passed"] / ran, 4) if ran else None
-    print(f"TOTAL passed={totals['passed']} failed={totals['failed']} errors={totals['errors']} "
-          f"skipped={totals['skipped']} pass_rate={totals['pass_rate']} "
-          f"crashed={totals['crashed_files']}")
+    print(
+        f"TOTAL passed={totals['passed']} failed={totals['failed']} errors={totals['errors']} "
+        f"skipped={totals['skipped']} pass_rate={totals['pass_rate']} "
+        f"crashed={totals['crashed_files']}"
+    )
     for r in results:
         for problem in r.get("problems", []):
             print(f"  {r['file']}: {problem}")
-    (args.out / "summary.json").write_text(json.dumps({"totals": totals, "files": results},
-                                                      indent=1))
+    (args.out / "summary.json").write_text(
+        json.dumps({"totals": totals, "files": results}, indent=1)
+    )
     return 0
 
 
