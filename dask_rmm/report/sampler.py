@@ -1,0 +1,512 @@
+"""``GPUMemorySampler``: distributed's ``MemorySampler`` for the cluster's RMM memory, read from the
+scheduler's timelines (its report handler) while a block of work runs. Not here: the timelines
+themselves (:mod:`dask_rmm.scheduler`), the report of one moment (:mod:`dask_rmm.report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.mr.base import format_bytes
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["DeviceSeries", "GPUMemorySampler", "GPUSamples", "summed_series", "time_mean"]
+
+#: What ``to_pandas``/``plot`` can show: bytes in use at each sample, the most in use within each
+#: sample interval (short peaks included), or what the pools held from their devices.
+MEASURES = ("used", "used_max", "reserved")
+# Samples asked for per device on each poll at first; doubled while a poll misses some.
+_FIRST_LAST = 64
+
+
+@dataclass
+class DeviceSeries:
+    """What was sampled of one worker device during one block.
+
+    ``used``: ``(time, current_bytes, max_bytes_in_interval)`` timeline samples, oldest first
+    (times are the worker's clock); ``reserved``: ``(time, reserved_bytes)`` at each heartbeat
+    the sampler saw. ``status`` is the worker's last known one ("running" or "gone").
+    """
+
+    worker: str
+    name: str
+    device: str
+    status: str = "running"
+    used: list[tuple[float, int, int]] = field(default_factory=list)
+    reserved: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        short = self.worker.rsplit("//", 1)[-1]
+        name = f" ({self.name})" if self.name and self.name not in (self.worker, short) else ""
+        gone = " (gone)" if self.status != "running" else ""
+        return f"{short}{name}/dev{self.device}{gone}"
+
+    def add_used(
+        self, samples: Iterable[Sequence[float]], start: float, stop: float | None
+    ) -> None:
+        """Keep the samples newer than the newest kept, from ``start`` to ``stop`` and the first
+        one after ``stop`` (its interval maximum covers the block's last moments)."""
+        newest = self.used[-1][0] if self.used else start - 1e-9
+        end = float("inf") if stop is None else stop
+        for s in samples:
+            t = float(s[0])
+            if t <= newest or t < start:
+                continue
+            if newest > end:
+                break
+            self.used.append((t, int(s[1]), int(s[2])))
+            newest = t
+
+    def add_reserved(self, when: float, nbytes: int) -> None:
+        """Keep a heartbeat's reserved bytes (one value per time: a later one replaces)."""
+        if self.reserved and when <= self.reserved[-1][0]:
+            if when == self.reserved[-1][0]:
+                self.reserved[-1] = (when, int(nbytes))
+            return
+        self.reserved.append((when, int(nbytes)))
+
+
+@dataclass
+class GPUSamples:
+    """One labelled block: its start and stop times (the client's clock) and each device's series,
+    keyed by ``(worker address, device id)``; devices of workers that died stay."""
+
+    label: str
+    start: float
+    stop: float | None = None
+    devices: dict[tuple[str, str], DeviceSeries] = field(default_factory=dict)
+
+    def _series(self, measure: str) -> list[tuple[list[tuple[float, int]], bool]]:
+        if measure not in MEASURES:
+            raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+        out = []
+        for d in self.devices.values():
+            if measure == "reserved":
+                points = list(d.reserved)
+            else:
+                column = 1 if measure == "used" else 2
+                points = [(s[0], s[column]) for s in d.used]
+            out.append((points, d.status != "running"))
+        return out
+
+    def summed(self, measure: str = "used") -> list[tuple[float, int]]:
+        """``measure`` summed over the devices at every sample time (see :func:`summed_series`)."""
+        return summed_series(self._series(measure))
+
+    @property
+    def peak_used(self) -> int:
+        """The most the devices held at once: the peak of the summed per-interval maxima."""
+        return max((v for _, v in self.summed("used_max")), default=0)
+
+    @property
+    def mean_used(self) -> float:
+        """Bytes in use, summed over the devices, averaged over the block's time."""
+        return time_mean(self.summed("used"), self.stop)
+
+    @property
+    def peak_reserved(self) -> int:
+        return max((v for _, v in self.summed("reserved")), default=0)
+
+    @property
+    def mean_reserved(self) -> float:
+        return time_mean(self.summed("reserved"), self.stop)
+
+    @property
+    def workers_lost(self) -> list[str]:
+        """Workers that left while (or before the end of) the block."""
+        return sorted({d.worker for d in self.devices.values() if d.status != "running"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "start": self.start,
+            "stop": self.stop,
+            "peak_used_bytes": self.peak_used,
+            "mean_used_bytes": self.mean_used,
+            "peak_reserved_bytes": self.peak_reserved,
+            "mean_reserved_bytes": self.mean_reserved,
+            "workers_lost": self.workers_lost,
+            "devices": [
+                {
+                    "worker": d.worker,
+                    "name": d.name,
+                    "device": d.device,
+                    "status": d.status,
+                    "used": [list(s) for s in d.used],
+                    "reserved": [list(s) for s in d.reserved],
+                }
+                for d in self.devices.values()
+            ],
+        }
+
+
+def summed_series(
+    series: Sequence[tuple[Sequence[tuple[float, int]], bool]],
+) -> list[tuple[float, int]]:
+    """Several devices' ``(time, bytes)`` series summed at every time any of them has a sample.
+
+    A device counts with its latest value from its first sample on; a device whose worker is
+    gone (the ``bool`` of its pair) counts 0 after its last sample, its memory went with it.
+    """
+    events: list[tuple[float, int, int]] = []
+    for i, (points, gone) in enumerate(series):
+        events += [(t, i, v) for t, v in points]
+        if gone and points:
+            # just after its last sample, so that the last value is shown at its time
+            last = points[-1][0]
+            events.append((last + 1e-6, i, 0))
+    events.sort()
+    latest: dict[int, int] = {}
+    total = 0
+    out: list[tuple[float, int]] = []
+    for t, i, v in events:
+        total += v - latest.get(i, 0)
+        latest[i] = v
+        if out and out[-1][0] == t:
+            out[-1] = (t, total)
+        else:
+            out.append((t, total))
+    return out
+
+
+def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) -> float:
+    """The time-weighted mean of a step series (each value holds until the next sample, the
+    last one until ``stop``); the plain mean when it spans no time, 0.0 when empty."""
+    if not points:
+        return 0.0
+    end = max(points[-1][0], stop or points[-1][0])
+    span = end - points[0][0]
+    if span <= 0:
+        return float(sum(v for _, v in points) / len(points))
+    area = 0.0
+    for (t, v), (t_next, _) in zip(points, [*points[1:], (end, 0)], strict=True):
+        area += v * (t_next - t)
+    return area / span
+
+
+class GPUMemorySampler:
+    """Sample the cluster's RMM (GPU) memory while blocks of work run, like distributed's
+    :class:`~distributed.diagnostics.MemorySampler`.
+
+    The workers' dask-rmm metrics already sample every device (every 100 ms,
+    ``dask-rmm.metrics.sample-interval``) into the scheduler's timelines; within
+    ``with ms.sample(label):`` the sampler reads the new part of those timelines from the
+    scheduler every ``interval`` seconds, with each device's reserved bytes, and keeps them on
+    the client. What it read stays when a worker dies or restarts during the block. At the end of
+    the block it asks every worker for one more sample and heartbeat, so that the block's end is in.
+
+    Needs ``RMMPlugin`` (or the preload) on the workers; pandas and matplotlib for
+    :meth:`to_pandas` and :meth:`plot`.
+
+    Examples
+    --------
+    >>> ms = GPUMemorySampler()  # doctest: +SKIP
+    >>> with ms.sample("pool 4 GiB"):  # doctest: +SKIP
+    ...     x.persist().sum().compute()
+    >>> ms.summary()  # doctest: +SKIP
+    >>> ms.plot(align=True)  # doctest: +SKIP
+    """
+
+    samples: dict[str, GPUSamples]
+
+    def __init__(self) -> None:
+        self.samples = {}
+
+    def sample(
+        self, label: str | None = None, *, client: Client | None = None, interval: float = 0.5
+    ) -> Any:
+        """Context manager that samples the cluster's RMM memory into ``self.samples[label]``:
+        synchronous with a synchronous client, ``async with`` with an asynchronous one.
+
+        Parameters
+        ----------
+        label : str, optional
+            Key of the samples (default: a random one). Sampling a label again replaces it.
+        client : distributed.Client, optional
+            Default: the current client.
+        interval : float
+            Seconds between two reads of the scheduler's timelines (the samples themselves are
+            the workers', every ``dask-rmm.metrics.sample-interval``; this only bounds what a
+            worker killed mid-block can lose: its samples not yet read).
+        """
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        if client is None:
+            from distributed import get_client
+
+            client = get_client()
+        label = str(label) if label is not None else uuid.uuid4().hex
+        if client.asynchronous:
+            return self._sample_async(label, client, float(interval))
+        return self._sample_sync(label, client, float(interval))
+
+    @contextlib.contextmanager
+    def _sample_sync(self, label: str, client: Client, interval: float) -> Iterator[None]:
+        rec = _Recorder(label, client)
+        client.sync(rec.poll)
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval):
+                try:
+                    client.sync(rec.poll)
+                except Exception as e:  # a scheduler gone mid-block: keep what was read
+                    rec.error = e
+                    return
+
+        thread = threading.Thread(target=loop, name=f"GPUMemorySampler-{label}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            rec.samples.stop = time.time()
+            with contextlib.suppress(Exception):
+                client.run(_flush, on_error="ignore")
+            with contextlib.suppress(Exception):
+                client.sync(rec.poll)
+            self.samples[label] = rec.samples
+
+    @contextlib.asynccontextmanager
+    async def _sample_async(
+        self, label: str, client: Client, interval: float
+    ) -> AsyncIterator[None]:
+        rec = _Recorder(label, client)
+        await rec.poll()
+        done = asyncio.Event()
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await asyncio.wait_for(done.wait(), interval)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    await rec.poll()
+                except Exception as e:
+                    rec.error = e
+                    return
+
+        task = asyncio.ensure_future(loop())
+        try:
+            yield
+        finally:
+            done.set()
+            await task
+            rec.samples.stop = time.time()
+            with contextlib.suppress(Exception):
+                await client.run(_flush, on_error="ignore")
+            with contextlib.suppress(Exception):
+                await rec.poll()
+            self.samples[label] = rec.samples
+
+    # -- results ----------------------------------------------------------------------------
+
+    def summary(self):
+        """One row per label: start, seconds, devices, workers lost, peak and time-weighted
+        mean of the bytes in use and reserved, summed over the devices (a pandas DataFrame)."""
+        pd = _pandas("GPUMemorySampler.summary")
+        rows = []
+        for label, s in self.samples.items():
+            stop = s.stop if s.stop is not None else time.time()
+            rows.append(
+                {
+                    "label": label,
+                    "start": pd.to_datetime(s.start, unit="s"),
+                    "seconds": stop - s.start,
+                    "devices": len(s.devices),
+                    "workers_lost": len(s.workers_lost),
+                    "peak_used_bytes": s.peak_used,
+                    "mean_used_bytes": s.mean_used,
+                    "peak_reserved_bytes": s.peak_reserved,
+                    "mean_reserved_bytes": s.mean_reserved,
+                }
+            )
+        return pd.DataFrame(rows).set_index("label") if rows else pd.DataFrame()
+
+    def to_pandas(self, *, align: bool = False, measure: str = "used", per_worker: bool = False):
+        """The samples as a pandas DataFrame, one column per label (``per_worker``: one per
+        label and worker device, a two-level column index), bytes summed over the devices.
+
+        Parameters
+        ----------
+        align : bool
+            Index by the time since each label's start (a ``Timedelta``) instead of the time,
+            so that several runs line up.
+        measure : {"used", "used_max", "reserved"}
+            Bytes in use at each sample, the most in use within each sample interval (short
+            peaks included), or what the pools held from their devices.
+        per_worker : bool
+            A column per worker device rather than their sum.
+        """
+        pd = _pandas("GPUMemorySampler.to_pandas")
+        columns: dict[Any, Any] = {}
+        for label, s in self.samples.items():
+            if per_worker:
+                parts = [
+                    ((label, d.label), summed_series([pair]))
+                    for d, pair in zip(s.devices.values(), s._series(measure), strict=True)
+                ]
+            else:
+                parts = [(label, s.summed(measure))]
+            for key, points in parts:
+                if not points:
+                    continue
+                series = pd.Series(
+                    [v for _, v in points],
+                    index=pd.to_datetime([t for t, _ in points], unit="s"),
+                    dtype="int64",
+                )
+                if align:
+                    series.index = series.index - pd.to_datetime(s.start, unit="s")
+                columns[key] = series[~series.index.duplicated(keep="last")]
+        df = pd.DataFrame(columns)
+        if per_worker and columns:
+            df.columns = pd.MultiIndex.from_tuples(list(columns), names=["label", "device"])
+        if len(columns) > 1:
+            # Hold each column's value between its own samples, never past its last one.
+            df = df.ffill().where(~pd.isna(df.bfill()))
+        return df
+
+    def plot(
+        self,
+        *,
+        align: bool = False,
+        measure: str = "used",
+        per_worker: bool = False,
+        path: str | None = None,
+        ax: Any = None,
+        **kwargs: Any,
+    ):
+        """Plot :meth:`to_pandas` (same arguments) as steps, bytes on a binary axis.
+
+        ``path`` writes a PNG; ``ax`` draws into existing matplotlib axes; ``kwargs`` go to
+        :meth:`pandas.DataFrame.plot`. Returns the axes.
+        """
+        from dask_rmm._output import atomic_output
+        from dask_rmm.report.plot import byte_axis, figure
+
+        df = self.to_pandas(align=align, measure=measure, per_worker=per_worker)
+        if ax is None:
+            fig = figure("GPUMemorySampler.plot", figsize=(10, 4.5), layout="constrained")
+            ax = fig.subplots()
+        if align and len(df.index):
+            df.index = df.index.total_seconds()
+        words = {
+            "used": "in use",
+            "used_max": "in use (max per sample interval)",
+            "reserved": "reserved",
+        }
+        if len(df.columns):
+            df.plot(ax=ax, drawstyle="steps-post", **kwargs)
+            byte_axis(ax.yaxis, float(df.max().max()))
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(f"RMM bytes {words[measure]}")
+        ax.set_xlabel("seconds since each label's start" if align else "time")
+        ax.grid(alpha=0.3)
+        if path is not None:
+            with atomic_output(path) as tmp:
+                ax.figure.savefig(tmp, dpi=100)
+        return ax
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{label}: peak {format_bytes(s.peak_used)} used, {format_bytes(s.peak_reserved)} "
+            "reserved"
+            for label, s in self.samples.items()
+        ]
+        return f"<GPUMemorySampler {'; '.join(parts) or 'no samples'}>"
+
+
+class _Recorder:
+    """Polls the scheduler's report handler and appends what is new to one GPUSamples."""
+
+    def __init__(self, label: str, client: Client):
+        self.client = client
+        self.samples = GPUSamples(label, start=time.time())
+        self.last: int | None = _FIRST_LAST
+        self.installed = False
+        self.error: Exception | None = None
+
+    async def poll(self) -> None:
+        from dask_rmm.report.fetch import fetch_report_data
+
+        while True:
+            data = await fetch_report_data(
+                self.client.scheduler, timeline=True, last=self.last, install=not self.installed
+            )
+            self.installed = True
+            if self._add(data) or self.last is None:
+                return
+            self.last = self.last * 2 if self.last < 1 << 16 else None
+
+    def _add(self, data: Mapping[str, Any]) -> bool:
+        """Add the report's new samples; False when some device's returned timeline starts after
+        what was kept (samples were missed: ask again for more)."""
+        complete = True
+        start = self.samples.start
+        for w in data.get("workers") or ():
+            address = str(w.get("address", ""))
+            for dev, d in (w.get("devices") or {}).items():
+                key = (address, str(dev))
+                series = self.samples.devices.get(key)
+                if series is None:
+                    series = self.samples.devices[key] = DeviceSeries(
+                        address, str(w.get("name", "")), str(dev)
+                    )
+                series.status = str(w.get("status", "running"))
+                timeline = d.get("timeline") or []
+                newest = series.used[-1][0] if series.used else start
+                if (
+                    self.last is not None
+                    and len(timeline) >= self.last
+                    and timeline
+                    and float(timeline[0][0]) > newest
+                ):
+                    complete = False
+                stop = self.samples.stop
+                series.add_used(timeline, start, stop)
+                if series.status == "running" and w.get("last_seen"):
+                    # A heartbeat's reserved bytes stand from the block's start to its stop.
+                    when = max(float(w["last_seen"]), start)
+                    when = when if stop is None else min(when, stop)
+                    series.add_reserved(when, int(d.get("reserved_bytes") or 0))
+        # Devices no longer in the report at all (forgotten by the scheduler): their worker left.
+        present = {
+            (str(w.get("address", "")), str(dev))
+            for w in data.get("workers") or ()
+            for dev in (w.get("devices") or {})
+        }
+        for key, series in self.samples.devices.items():
+            if key not in present:
+                series.status = "gone"
+        return complete
+
+
+async def _flush(dask_worker: Any = None) -> None:
+    """On a worker: take a sample now (it holds the most used since the last one) and send a
+    heartbeat, which returns once the scheduler handled it: the block's end is on the scheduler."""
+    metrics = getattr(dask_worker.plugins.get("dask-rmm"), "worker_metrics", None)
+    if metrics is not None:
+        metrics.sample()
+    await dask_worker.heartbeat()
+
+
+def _pandas(what: str) -> Any:
+    try:
+        import pandas as pd
+    except ImportError as e:
+        raise ImportError(f"{what} needs pandas: pip install pandas") from e
+    return pd
