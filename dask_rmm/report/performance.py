@@ -1,0 +1,408 @@
+"""``dask_rmm.performance_report``: distributed's ``performance_report`` with a GPU memory
+section (the cluster's RMM timeline over the block, task-group peaks, OOM events, spills) in the
+Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.report.sampler`), the SVG
+(:mod:`~dask_rmm.report.svg`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import distributed
+
+from dask_rmm.mr.base import format_bytes
+from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
+from dask_rmm.report.sampler import GPUMemorySampler, GPUSamples
+from dask_rmm.report.svg import timeline_svg
+
+__all__ = ["SECTION_ID", "gpu_section_html", "insert_section", "performance_report"]
+
+#: The ``id`` of the GPU memory section's element in the report file.
+SECTION_ID = "dask-rmm-gpu-memory"
+#: Memory-pressure counters that grow: the block's share is the end's minus the start's.
+SPILL_COUNTERS = (
+    "total_spilled_bytes",
+    "total_unspilled_bytes",
+    "ooms_avoided",
+    "oom_count",
+    "pauses",
+)
+
+
+class performance_report(distributed.performance_report):
+    """Distributed's performance report, plus a GPU memory section, in one self-contained file.
+
+    Use it as distributed's (``with`` or ``async with``); the file is what distributed writes
+    (its bokeh plots, needs bokeh), with a section in its Summary tab, drawn as plain HTML and
+    inline SVG: the cluster's RMM memory in use over the block (summed over devices, and per device),
+    the most in use and reserved at once, the task groups' peaks, the out-of-memory errors
+    that reached a task (with their verdict) and the bytes spilled and brought back during the
+    block. ``mode`` defaults to ``"inline"`` (bokeh's JavaScript inside the file: it opens
+    without network, unlike distributed's default, which loads it from a CDN).
+
+    Parameters
+    ----------
+    filename, stacklevel, storage_options
+        As :class:`distributed.performance_report`.
+    mode : str
+        Bokeh's resources mode: ``"inline"`` (default) or ``"cdn"``.
+    interval : float
+        Seconds between two reads of the scheduler's timelines (see
+        :meth:`~dask_rmm.report.sampler.GPUMemorySampler.sample`).
+
+    Attributes
+    ----------
+    sampler : GPUMemorySampler
+        What was sampled (label ``"performance report"``), for a look after the block.
+
+    Examples
+    --------
+    >>> import dask_rmm
+    >>> with dask_rmm.performance_report("report.html"):  # doctest: +SKIP
+    ...     x.sum().compute()
+    """
+
+    LABEL = "performance report"
+
+    def __init__(
+        self,
+        filename: str = "dask-report.html",
+        stacklevel: int = 1,
+        mode: str | None = "inline",
+        storage_options: dict | None = None,
+        *,
+        interval: float = 0.5,
+    ):
+        # One frame more than distributed's: its __exit__/__aexit__ run under ours.
+        super().__init__(filename, max(stacklevel, 1) + 1, mode, storage_options)
+        self.interval = interval
+        self.sampler = GPUMemorySampler()
+        self._sampling: Any = None
+        self._sync = False
+        self._begin: ClusterMemoryReport | None = None
+        self._end: ClusterMemoryReport | None = None
+
+    # -- synchronous client -------------------------------------------------------------------
+
+    def __enter__(self):
+        from distributed import get_client
+
+        client = get_client()
+        self._sync = True
+        self._begin = client.sync(_fetch, client)
+        self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
+        self._sampling.__enter__()
+        try:
+            super().__enter__()  # runs our __aenter__ on the client's loop
+        except BaseException:
+            self._sampling.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        from distributed import get_client
+
+        client = get_client()
+        self._sampling.__exit__(exc_type, exc_value, traceback)
+        self._end = client.sync(_fetch, client)
+        super().__exit__(exc_type, exc_value, traceback)  # runs our __aexit__: writes the file
+
+    # -- asynchronous client ------------------------------------------------------------------
+
+    async def __aenter__(self):
+        if not self._sync:
+            from distributed import get_client
+
+            client = get_client()
+            self._begin = await _fetch(client)
+            self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
+            await self._sampling.__aenter__()
+        await super().__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type, exc_value, traceback, code=None):
+        if not self._sync:
+            from distributed import get_client
+
+            await self._sampling.__aexit__(exc_type, exc_value, traceback)
+            self._end = await _fetch(get_client())
+        await super().__aexit__(exc_type, exc_value, traceback, code=code)
+        self._add_section()
+
+    def _add_section(self) -> None:
+        import fsspec
+
+        samples = self.sampler.samples[self.LABEL]
+        section = gpu_section_html(samples, self._begin, self._end)
+        with fsspec.open(self.filename, "r", compression="infer", **self.storage_options) as f:
+            page = f.read()
+        page = insert_section(page, section)
+        if "://" in str(self.filename):
+            with fsspec.open(self.filename, "w", compression="infer", **self.storage_options) as f:
+                f.write(page)
+        else:  # a local file: complete or the old one, never half written
+            from dask_rmm._output import atomic_output
+
+            with atomic_output(str(self.filename)) as tmp, open(tmp, "w") as f:
+                f.write(page)
+
+
+async def _fetch(client: Any) -> ClusterMemoryReport:
+    from dask_rmm.report.fetch import fetch_report_data
+
+    return ClusterMemoryReport.from_dict(await fetch_report_data(client.scheduler, timeline=False))
+
+
+# -- the section --------------------------------------------------------------------------------
+
+
+def insert_section(page: str, section: str) -> str:
+    """``page`` (distributed's report) with ``section`` in its Summary tab, before "Calling
+    Code"; a page without that tab gets it right after ``<body>``. A section of ours already
+    there is replaced.
+
+    The Summary tab is a bokeh ``Div`` in the document JSON that the page embeds (escaped as
+    bokeh escapes it: ``&``, ``<`` and ``>``); bokeh renders its text as HTML when the page opens.
+    """
+    drop = re.compile(rf'<section id="{SECTION_ID}".*?</section><!-- /{SECTION_ID} -->', re.S)
+    for m in re.finditer(r'(<script type="application/json"[^>]*>)(.*?)(</script>)', page, re.S):
+        try:
+            docs = json.loads(html.unescape(m.group(2)))
+        except ValueError:
+            continue
+        div = _summary_div(docs)
+        if div is None:
+            continue
+        text = drop.sub("", div["attributes"]["text"])
+        at = text.find("<h2> Calling Code")
+        div["attributes"]["text"] = text[:at] + section + text[at:] if at >= 0 else text + section
+        embedded = html.escape(json.dumps(docs), quote=False)
+        return page[: m.start(2)] + embedded + page[m.end(2) :]
+    page = drop.sub("", page)
+    body = re.search(r"<body[^>]*>", page, flags=re.I)
+    if body is None:
+        return section + page
+    return page[: body.end()] + section + page[body.end() :]
+
+
+def _summary_div(node: Any) -> dict | None:
+    """The ``Div`` model of the report's "Summary" tab in bokeh's document JSON, or None."""
+    if isinstance(node, dict):
+        attributes = node.get("attributes")
+        if node.get("name") == "TabPanel" and isinstance(attributes, dict):
+            child = attributes.get("child")
+            if (
+                attributes.get("title") == "Summary"
+                and isinstance(child, dict)
+                and child.get("name") == "Div"
+                and isinstance(child.get("attributes", {}).get("text"), str)
+            ):
+                return child
+        nodes: Any = node.values()
+    elif isinstance(node, list):
+        nodes = node
+    else:
+        return None
+    for value in nodes:
+        found = _summary_div(value)
+        if found is not None:
+            return found
+    return None
+
+
+def gpu_section_html(
+    samples: GPUSamples,
+    begin: ClusterMemoryReport | None = None,
+    end: ClusterMemoryReport | None = None,
+) -> str:
+    """The GPU memory section: plain HTML, inline CSS and SVG (no script, nothing fetched).
+
+    ``samples`` is the block's :class:`GPUSamples`; ``begin`` and ``end`` are the cluster
+    reports at its start and end (task-group peaks, OOM events and spill counters come from
+    them; without them those parts say so).
+    """
+    esc = html.escape
+    stop = samples.stop if samples.stop is not None else time.time()
+    seconds = stop - samples.start
+    lost = samples.workers_lost
+    parts = [
+        f'<section id="{SECTION_ID}" class="dask-rmm-gpu"><style>{_CSS}</style>',
+        "<h2>GPU memory (dask-rmm)</h2>",
+        f"<p>{seconds:.1f} s, {len(samples.devices)} worker device(s): at most "
+        f"<b>{esc(format_bytes(samples.peak_used))}</b> in use at once "
+        f"(time-weighted mean {esc(format_bytes(int(samples.mean_used)))}), at most "
+        f"<b>{esc(format_bytes(samples.peak_reserved))}</b> reserved by the pools "
+        f"(mean {esc(format_bytes(int(samples.mean_reserved)))})."
+        + (f" Workers lost during the block: {esc(', '.join(lost))}." if lost else "")
+        + "</p>",
+        "<h3>Memory in use over the block</h3>",
+        _timeline(samples),
+        '<p class="note">Solid: the most in use within each sample interval (short peaks '
+        "included); the cluster line sums the devices. Dashed: devices of workers that left. "
+        "Times are the workers' clocks.</p>",
+    ]
+    parts += _task_groups(begin, end)
+    parts += _oom_events(samples, end)
+    parts += _spills(begin, end)
+    parts.append(f"</section><!-- /{SECTION_ID} -->")
+    return "".join(parts)
+
+
+def _timeline(samples: GPUSamples) -> str:
+    used, used_max = samples.summed("used"), samples.summed("used_max")
+    reserved = samples.summed("reserved")
+    series: list[tuple[str, str, list]] = []
+    if used:
+        cluster = [(t, u, m) for (t, u), (_, m) in zip(used, used_max, strict=True)]
+        series.append(("cluster in use", "running", cluster))
+    if reserved:
+        series.append(("cluster reserved", "gone", [(t, r, r) for t, r in reserved]))
+    for d in samples.devices.values():
+        if d.used:
+            series.append((d.label, d.status, list(d.used)))
+    return timeline_svg(series)
+
+
+def _task_groups(
+    begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None, top: int = 15
+) -> list[str]:
+    esc = html.escape
+    out = ["<h3>Task groups: peak bytes held</h3>"]
+    if end is None:
+        return out + ["<p>No report at the end of the block.</p>"]
+    before = {
+        (d.worker, d.device, prefix): peak
+        for d in (begin.devices if begin is not None else ())
+        for prefix, _, peak in d.task_groups
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for d in end.devices:
+        for prefix, _current, peak in d.task_groups:
+            row = rows.setdefault(prefix, {"peak": 0, "where": [], "block": False})
+            row["peak"] = max(row["peak"], peak)
+            row["where"].append(f"{d.label} {format_bytes(peak)}")
+            row["block"] |= before.get((d.worker, d.device, prefix)) != peak
+    if not rows:
+        return out + ["<p>No task-group attribution (statistics off, or no tasks ran).</p>"]
+    body = "".join(
+        f"<tr><td>{esc(prefix)}</td><td>{esc(format_bytes(r['peak']))}</td>"
+        f"<td>{'yes' if r['block'] else 'before it'}</td><td>{esc('; '.join(r['where']))}</td></tr>"
+        for prefix, r in sorted(rows.items(), key=lambda kv: -kv[1]["peak"])[:top]
+    )
+    return out + [
+        "<table><thead><tr><th>task group</th><th>largest peak on one device</th>"
+        "<th>peak reached in this block</th><th>per worker device</th></tr></thead>"
+        f"<tbody>{body}</tbody></table>",
+        '<p class="note">Peaks are counted since each worker\'s dask-rmm setup; "before it": '
+        "the peak did not change during this block.</p>",
+    ]
+
+
+def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[str]:
+    esc = html.escape
+    out = ["<h3>Out-of-memory errors that reached a task</h3>"]
+    events = [e for e in (end.oom_events if end is not None else ()) if _in_block(e, samples)]
+    if not events:
+        return out + ["<p>None during the block.</p>"]
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{esc(str(c))}</td>"
+            for c in (
+                time.strftime("%H:%M:%S", time.localtime(float(e.get("time") or 0))),
+                f"{e.get('worker')}/dev{e.get('device')}",
+                e.get("task_key") or "(none)",
+                e.get("verdict"),
+                format_bytes(_int(e.get("requested"))),
+                format_bytes(_int(e.get("free_bytes"))),
+                format_bytes(_int(e.get("largest_free_block"))),
+            )
+        )
+        + "</tr>"
+        for e in events
+    )
+    return out + [
+        "<table><thead><tr><th>time</th><th>worker device</th><th>task</th><th>verdict</th>"
+        "<th>requested</th><th>free in pool</th><th>largest free block</th></tr></thead>"
+        f"<tbody>{body}</tbody></table>",
+        '<p class="note">Verdict "fragmentation": enough memory was free, in pieces too small; '
+        '"demand": not enough was free.</p>',
+    ]
+
+
+def _in_block(event: Mapping[str, Any], samples: GPUSamples) -> bool:
+    try:
+        t = float(event.get("time") or 0)
+    except (TypeError, ValueError):
+        return False
+    stop = samples.stop if samples.stop is not None else time.time()
+    return samples.start <= t <= stop + 1.0
+
+
+def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> list[str]:
+    esc = html.escape
+    out = ["<h3>Spilling during the block</h3>"]
+    if end is None:
+        return out + ["<p>No report at the end of the block.</p>"]
+    start = {(d.worker, d.device): d for d in (begin.devices if begin is not None else ())}
+    rows = []
+    totals = dict.fromkeys(SPILL_COUNTERS, 0)
+    for d in end.devices:
+        delta = _delta(start.get((d.worker, d.device)), d)
+        for k in SPILL_COUNTERS:
+            totals[k] += delta[k]
+        rows.append((d.label, delta, d.spilled_bytes))
+    totals_line = (
+        f"<p>Spilled {esc(format_bytes(totals['total_spilled_bytes']))} to host and brought "
+        f"{esc(format_bytes(totals['total_unspilled_bytes']))} back; "
+        f"{totals['ooms_avoided']} out-of-memory errors avoided by spilling, "
+        f"{totals['oom_count']} not avoided; {totals['pauses']} pauses.</p>"
+    )
+    if not any(totals.values()):
+        return out + [totals_line]
+    body = "".join(
+        f"<tr><td>{esc(label)}</td><td>{esc(format_bytes(delta['total_spilled_bytes']))}</td>"
+        f"<td>{esc(format_bytes(delta['total_unspilled_bytes']))}</td>"
+        f"<td>{esc(format_bytes(now))}</td><td>{delta['ooms_avoided']}</td>"
+        f"<td>{delta['oom_count']}</td><td>{delta['pauses']}</td></tr>"
+        for label, delta, now in rows
+    )
+    return out + [
+        totals_line,
+        "<table><thead><tr><th>worker device</th><th>spilled</th><th>brought back</th>"
+        "<th>on host at the end</th><th>OOMs avoided</th><th>OOMs</th><th>pauses</th></tr>"
+        f"</thead><tbody>{body}</tbody></table>",
+    ]
+
+
+def _delta(before: DeviceMemory | None, after: DeviceMemory) -> dict[str, int]:
+    """The block's share of each spill counter (all of it for a device new since the start,
+    or one whose counters went down: a restarted worker)."""
+    out = {}
+    for k in SPILL_COUNTERS:
+        a = int(getattr(after, k))
+        b = int(getattr(before, k)) if before is not None else 0
+        out[k] = a - b if a >= b else a
+    return out
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+_CSS = (
+    ".dask-rmm-gpu{font-family:system-ui,sans-serif;font-size:13px;margin:12px 16px;"
+    "padding:8px 12px;border:1px solid #ddd;border-radius:4px;background:#fff}"
+    ".dask-rmm-gpu h2{font-size:18px;margin:4px 0}.dask-rmm-gpu h3{font-size:14px;margin:12px 0 4px}"
+    ".dask-rmm-gpu table{border-collapse:collapse}"
+    ".dask-rmm-gpu th,.dask-rmm-gpu td{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}"
+    ".dask-rmm-gpu thead th{background:#f3f3f3}.dask-rmm-gpu .note{color:#666}"
+)
