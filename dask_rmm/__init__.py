@@ -1,7 +1,8 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
 ``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
-distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``) or numpy
+distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``, ``GPUMemorySampler``,
+``performance_report``, ``release_unused``) or numpy
 (``DeviceBuffer`` and the copy functions) are imported on first use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
 after dask_rmm.
 """
@@ -71,6 +72,9 @@ _LAZY = {
     "RMMPlugin": "dask_rmm.plugin",
     "cluster_report": "dask_rmm.report.fetch",
     "ClusterMemoryReport": "dask_rmm.report",
+    "GPUMemorySampler": "dask_rmm.report.sampler",
+    "performance_report": "dask_rmm.report.performance",
+    "release_unused": "dask_rmm.worker.trim",
 }
 
 __all__ = [
@@ -79,6 +83,7 @@ __all__ = [
     "CudaStreamPool",
     "DEFAULT_STREAM",
     "DeviceBuffer",
+    "GPUMemorySampler",
     "LEGACY_DEFAULT_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
     "RMMError",
@@ -100,8 +105,10 @@ __all__ = [
     "level_enum",
     "mr",
     "parse_device_bytes",
+    "performance_report",
     "register_reinitialize_hook",
     "reinitialize",
+    "release_unused",
     "set_flush_level",
     "set_logging_level",
     "should_log",

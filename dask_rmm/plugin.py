@@ -28,6 +28,7 @@ from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
 from dask_rmm.worker.metrics import WorkerMetrics, add_periodic, remove_periodic
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
+from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -235,7 +236,7 @@ class RMMPlugin(WorkerPlugin):
             return ({worker.address: error} if error else {}), True
 
     def _publish(self, worker: Worker, ws: Any) -> None:
-        """Heartbeat metrics and the log flusher for the worker's active stacks."""
+        """Heartbeat metrics, the log flusher and the pool trimmer for the worker's active stacks."""
         if not ws.active:
             return
         try:  # validated at setup; a config changed since a kept setup falls back to defaults
@@ -248,6 +249,11 @@ class RMMPlugin(WorkerPlugin):
         )
         if any(s.logging is not None for s in [*ws.active, *ws.retired]):
             add_periodic(worker, _FLUSHER_KEY, ws.flush_logs, LOG_FLUSH_INTERVAL)
+        trimmer = PoolTrimmer(ws.active)
+        if trimmer:  # release_threshold with a PoolMemoryResource
+            add_periodic(worker, TRIMMER_KEY, trimmer, TRIM_INTERVAL)
+        else:
+            remove_periodic(worker, TRIMMER_KEY)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -257,6 +263,7 @@ class RMMPlugin(WorkerPlugin):
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
         remove_periodic(worker, _FLUSHER_KEY)
+        remove_periodic(worker, TRIMMER_KEY)
         ws = worker_stack(worker)
         if ws.release():
             if worker.status.name in ("closing", "closed", "failed", "init"):

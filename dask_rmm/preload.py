@@ -161,8 +161,9 @@ _FLAGS = [
         dict(help="Allocate CUDA managed (unified) memory.")),
     ("--rmm-async/--no-rmm-async", "async_alloc",
         dict(help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.")),
-    ("--rmm-release-threshold", "release_threshold", dict(callback=_size, help="Bytes the async "
-        "pool keeps when idle (needs --rmm-async).")),
+    ("--rmm-release-threshold", "release_threshold", dict(callback=_size, help="Bytes the pool "
+        "keeps: free memory above it goes back to the device (needs --rmm-pool-size or "
+        "--rmm-async).")),
     ("--rmm-log-directory", "log_directory", dict(type=click.Path(file_okay=False), help="Write "
         "one CSV allocation log per worker and device into this directory.")),
     ("--rmm-track-allocations/--no-rmm-track-allocations", "track_allocations",

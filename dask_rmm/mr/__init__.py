@@ -52,6 +52,9 @@ _EXPORTS = {
     "reset_per_device_resource": "dask_rmm.mr.registry",
     "set_current_device_resource": "dask_rmm.mr.registry",
     "set_per_device_resource": "dask_rmm.mr.registry",
+    # giving pooled memory back to the upstream
+    "TrimResult": "dask_rmm.mr.trim",
+    "trim_pools": "dask_rmm.mr.trim",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -490,6 +490,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 f"maximum_pool_size ({format_bytes(maximum_pool_size)})"
             )
         self._maximum = maximum_pool_size
+        self._initial_pool_size = initial_pool_size
+        self._initial_chunk: int | None = None  # what trim() keeps down to the initial size
         self._lock = TokenLock()
         self._token = self._lock.token  # the hot paths take and return it directly
         self._live: dict[int, int] = {}  # ptr -> nbytes as the caller asked
@@ -511,6 +513,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._instrumented = False
         if initial_pool_size:
             ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
+            self._initial_chunk = ptr
             self._add_chunk(ptr, initial_pool_size)
             self._insert(self._free_list(_FRESH, None), ptr, initial_pool_size)
 
@@ -523,6 +526,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     @property
     def maximum_pool_size(self) -> int | None:
         return self._maximum
+
+    @property
+    def initial_pool_size(self) -> int:
+        """Bytes the pool took from upstream when it was made (what :meth:`trim` keeps)."""
+        return self._initial_pool_size
 
     # -- instrumentation interface ---------------------------------------------------------
 
@@ -912,31 +920,65 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         A chunk counts as free when its free blocks, on whatever streams they were freed,
         cover it; the streams they were freed on are synchronized before it goes back.
         """
+        return self.trim(0)
+
+    def trim(self, size: int | str | float | None = None) -> int:
+        """Give fully free upstream chunks back while the pool holds more than ``size`` bytes;
+        return the bytes released.
+
+        ``size`` defaults to the initial pool size (a pool grown for a peak shrinks back to
+        what it took when it was made); ``0`` releases every free chunk, as :meth:`release`.
+        Memory goes back whole chunks at a time (one upstream allocation each: the initial one,
+        then one per growth), the largest free one first, so the pool can end below ``size`` by
+        less than a chunk; the initial chunk only goes when ``size`` is below the initial pool
+        size. Live blocks are never touched: a chunk holding one stays.
+
+        Examples
+        --------
+        >>> from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+        >>> pool = PoolMemoryResource(SystemMemoryResource(), initial_pool_size="1MiB")
+        >>> ptr = pool.allocate(4 << 20)  # the pool grows by a 4 MiB chunk
+        >>> pool.deallocate(ptr, 4 << 20)
+        >>> pool.trim()  # back to the initial 1 MiB
+        4194304
+        """
+        if size is None:
+            keep = self._initial_pool_size
+        else:
+            keep = parse_resource_size(size, self.upstream_mr, "size") or 0
         with gc_paused_lock(self._lock):
             self._flush_caches()
             chunk_starts = sorted(self._chunks)
             per_chunk: dict[int, list[tuple[_FreeList, int, int]]] = {}
             for fl in self._lists.values():
-                for ptr, size in fl.starts.items():
+                for ptr, bsize in fl.starts.items():
                     chunk = chunk_starts[bisect.bisect_right(chunk_starts, ptr) - 1]
-                    per_chunk.setdefault(chunk, []).append((fl, ptr, size))
+                    per_chunk.setdefault(chunk, []).append((fl, ptr, bsize))
+            free_chunks = [
+                (self._chunks[c], c)
+                for c, blocks in per_chunk.items()
+                if sum(b for _, _, b in blocks) == self._chunks[c]
+            ]
             released = []
             streams = set()
-            for chunk, blocks in per_chunk.items():
-                size = self._chunks[chunk]
-                if sum(s for _, _, s in blocks) != size:
+            for csize, chunk in sorted(free_chunks, reverse=True):
+                if self._pool_size <= keep:
+                    break
+                if chunk == self._initial_chunk and keep >= self._initial_pool_size:
                     continue
-                for fl, ptr, s in blocks:
-                    self._remove(fl, ptr, s)
+                for fl, ptr, bsize in per_chunk[chunk]:
+                    self._remove(fl, ptr, bsize)
                     streams.add(fl)
                 del self._chunks[chunk]
                 self._chunk_starts.discard(chunk)
-                self._pool_size -= size
-                released.append((chunk, size))
+                self._pool_size -= csize
+                released.append((chunk, csize))
+                if chunk == self._initial_chunk:
+                    self._initial_chunk = None
         self._synchronize_all(list(streams))
-        for start, size in released:
-            self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
-        return sum(size for _, size in released)
+        for start, csize in released:
+            self.upstream_mr.deallocate(start, csize, DEFAULT_STREAM)
+        return sum(csize for _, csize in released)
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with gc_paused_lock(self._lock):

@@ -97,6 +97,8 @@ class DeviceStack:
     options: RMMOptions | None = None
     pool_size: int | None = None  # bytes, as resolved on this device
     maximum_pool_size: int | None = None
+    #: with a PoolMemoryResource: bytes it keeps, free chunks above go back upstream
+    release_threshold: int | None = None
     pressure: Any = None  # dask_rmm.pressure.DevicePressure when the options ask for it
 
     @property
@@ -264,4 +266,6 @@ def build_stack(
     stack.top = top
     stack.chain = resource_chain(top)
     stack.pool_size, stack.maximum_pool_size = pool_size, maximum
+    if options.pool_allocator and options.base_resource != "async":
+        stack.release_threshold = options.resolve_size("release_threshold", device, total)
     return stack

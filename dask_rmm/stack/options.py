@@ -142,7 +142,9 @@ class RMMOptions:
     pool_allocator: bool = False  #: suballocate from a pool; true whenever ``pool_size`` is given
     pool_size: int | float | None = None  #: initial pool size (None: the pool's default)
     maximum_pool_size: int | float | None = None  #: the largest pool size (None: no limit)
-    release_threshold: int | float | None = None  #: with ``"async"``: bytes kept when idle
+    #: bytes a pool keeps: with ``"async"`` cudaMallocAsync's release threshold; with a pool,
+    #: free chunks above it go back upstream (on a worker, checked every second)
+    release_threshold: int | float | None = None
     #: one CSV allocation log per worker and device in this directory, appended to
     log_directory: str | None = None
     #: ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory
@@ -187,8 +189,11 @@ class RMMOptions:
             put("log_file_name", os.fspath(self.log_file_name))
         # options that do not go together
         asynchronous = self.base_resource == "async"
-        if self.release_threshold is not None and not asynchronous:
-            raise OptionError("`release_threshold` requires `async_alloc=True`")
+        if self.release_threshold is not None and not (asynchronous or self.pool_allocator):
+            raise OptionError(
+                "`release_threshold` requires a pool: `pool_size` (a PoolMemoryResource) or "
+                "`async_alloc=True`"
+            )
         if self.maximum_pool_size is not None and not (self.pool_allocator or asynchronous):
             raise OptionError(
                 "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"

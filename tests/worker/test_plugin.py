@@ -76,7 +76,7 @@ def _stack_names(dask_worker=None):
             {"async_alloc": True, "managed_memory": True},
             "`managed_memory` is incompatible with `async_alloc`",
         ),
-        ({"release_threshold": "1GiB"}, "`release_threshold` requires `async_alloc=True`"),
+        ({"release_threshold": "1GiB"}, "`release_threshold` requires a pool: `pool_size`"),
         (
             {"pool_size": "4GiB", "maximum_pool_size": "1GiB"},
             "`maximum_pool_size` .* smaller than `pool_size`",

@@ -208,7 +208,7 @@ def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_pat
     "flags, message",
     [
         (["--rmm-pool-size", "4gigs"], "Invalid value for '--rmm-pool-size'"),
-        (["--rmm-release-threshold", "1GiB"], "--rmm-release-threshold requires --rmm-async"),
+        (["--rmm-release-threshold", "1GiB"], "--rmm-release-threshold requires a pool: --rmm-pool-size"),
         (
             ["--rmm-async", "--rmm-managed-memory"],
             "--rmm-managed-memory is incompatible with --rmm-async",
@@ -260,7 +260,7 @@ def test_dask_worker_cli_rejects_a_bad_flag_before_starting():
         timeout=120,
     )
     assert out.returncode == 2
-    assert "--rmm-release-threshold requires --rmm-async" in out.stderr
+    assert "--rmm-release-threshold requires a pool: --rmm-pool-size" in out.stderr
     assert "Usage: dask worker SCHEDULER --preload dask_rmm.preload [OPTIONS]" in out.stderr
 
 

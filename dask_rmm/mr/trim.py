@@ -1,0 +1,127 @@
+"""Giving pooled memory back to the upstream: trim each pool in a resource chain
+(:class:`PoolMemoryResource` down to a size, cudaMallocAsync pools with ``cudaMemPoolTrimTo``),
+and :func:`trim_pools` over this process's current device resources. Not here: the cluster-wide
+call and the worker's automatic trimming (:mod:`dask_rmm.worker.trim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dask_rmm.mr.base import format_bytes
+
+__all__ = ["TrimResult", "pools_in", "trim_pools", "trim_resource"]
+
+
+@dataclass(frozen=True)
+class TrimResult:
+    """What trimming one pool did.
+
+    Attributes
+    ----------
+    device : int
+        The device the pool belongs to.
+    resource : str
+        The pool's class name.
+    released_bytes : int
+        Bytes given back to the upstream.
+    reserved_before, reserved_after : int
+        Bytes the pool held from its upstream before and after.
+    in_use_bytes : int
+        Bytes handed out from the pool (live blocks, never touched), after.
+    """
+
+    device: int
+    resource: str
+    released_bytes: int
+    reserved_before: int
+    reserved_after: int
+    in_use_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"device {self.device} {self.resource}: released {format_bytes(self.released_bytes)}, "
+            f"reserved {format_bytes(self.reserved_before)} -> {format_bytes(self.reserved_after)}"
+            f" ({format_bytes(self.in_use_bytes)} in use)"
+        )
+
+
+def pools_in(resource: Any) -> Iterator[Any]:
+    """The pools in ``resource``'s chain (it and its upstreams, outermost first): every
+    :class:`PoolMemoryResource` and :class:`CudaAsyncMemoryResource`."""
+    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
+    from dask_rmm.mr.pool import PoolMemoryResource
+
+    seen = set()
+    while resource is not None and id(resource) not in seen:
+        seen.add(id(resource))
+        if isinstance(resource, (PoolMemoryResource, CudaAsyncMemoryResource)):
+            yield resource
+        resource = getattr(resource, "upstream_mr", None)
+
+
+def _reserved(pool: Any) -> tuple[int, int]:
+    info = pool.reserved_memory_info()
+    if info is None:
+        return 0, 0
+    return int(info.reserved_bytes), int(info.reserved_bytes - info.free_bytes)
+
+
+def trim_resource(
+    resource: Any, size: int | str | float | None = None, *, device: int = 0
+) -> list[TrimResult]:
+    """Trim every pool in ``resource``'s chain and say what each gave back.
+
+    A :class:`PoolMemoryResource` goes down to ``size`` (default: its initial pool size; see
+    :meth:`PoolMemoryResource.trim`); a :class:`CudaAsyncMemoryResource` to ``size`` (default:
+    its release threshold) with ``cudaMemPoolTrimTo``. Live blocks are never touched.
+    """
+    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
+
+    results = []
+    for pool in pools_in(resource):
+        before, _ = _reserved(pool)
+        if isinstance(pool, CudaAsyncMemoryResource):
+            keep = pool.release_threshold if size is None else _parse(size, pool)
+            pool.trim_to(keep)
+        else:
+            pool.trim(size)
+        after, in_use = _reserved(pool)
+        results.append(
+            TrimResult(device, type(pool).__name__, max(before - after, 0), before, after, in_use)
+        )
+    return results
+
+
+def _parse(size: int | str | float, pool: Any) -> int:
+    from dask_rmm.sizes import parse_resource_size
+
+    return parse_resource_size(size, pool, "size") or 0
+
+
+def trim_pools(
+    size: int | str | float | None = None, devices: Iterable[int] | None = None
+) -> dict[int, list[TrimResult]]:
+    """Give the free memory of this process's pools back to their upstream.
+
+    Trims every pool in the current resource of each device (``devices``: default, every
+    device with a resource set), as :func:`trim_resource`. Returns ``{device: [TrimResult]}``.
+
+    Examples
+    --------
+    >>> import dask_rmm
+    >>> dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="1MiB", base_resource="system")
+    >>> buf = dask_rmm.DeviceBuffer(size=8 << 20)  # the pool grows
+    >>> del buf
+    >>> [r.released_bytes for r in dask_rmm.mr.trim_pools()[0]]
+    [8388608]
+    """
+    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
+
+    wanted = registered_devices() if devices is None else list(devices)
+    return {d: trim_resource(get_per_device_resource(d), size, device=d) for d in wanted}

@@ -1,0 +1,128 @@
+"""Giving the workers' pooled memory back: :func:`release_unused` from a client (every worker's
+pools trimmed now, bytes released reported per worker) and :class:`PoolTrimmer`, a worker's
+automatic trimming above ``release_threshold``. Not here: trimming one pool (:mod:`dask_rmm.mr.trim`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.mr.trim import TrimResult, trim_resource
+
+if TYPE_CHECKING:
+    from distributed import Client, Worker
+
+    from dask_rmm.stack.build import DeviceStack
+
+__all__ = ["TRIM_INTERVAL", "TRIMMER_KEY", "PoolTrimmer", "release_unused", "trim_worker"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two checks of the pools against ``release_threshold``.
+TRIM_INTERVAL = 1.0
+#: Key of the trimmer in ``worker.periodic_callbacks``.
+TRIMMER_KEY = "dask-rmm-trim"
+
+
+def trim_worker(
+    dask_worker: Worker | None = None, size: int | str | float | None = None
+) -> list[dict[str, Any]]:
+    """On a worker (``client.run``): trim the pools of its dask-rmm stacks (see
+    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool."""
+    from dask_rmm.worker.stacks import worker_stack
+
+    if dask_worker is None:
+        from distributed import get_worker
+
+        dask_worker = get_worker()
+    out = []
+    for stack in worker_stack(dask_worker).active:
+        out += [r.to_dict() for r in trim_resource(stack.top, size, device=stack.device)]
+    return out
+
+
+def release_unused(
+    client: Client | None = None,
+    size: int | str | float | None = None,
+    *,
+    workers: list[str] | None = None,
+) -> dict[str, list[TrimResult]]:
+    """Give the free memory of every worker's pools back to the device, now.
+
+    Each :class:`~dask_rmm.mr.PoolMemoryResource` of the workers' dask-rmm stacks releases its
+    fully free chunks down to ``size`` (default: its initial pool size, ``pool_size``), and
+    each cudaMallocAsync pool trims to ``size`` (default: its release threshold). Blocks in
+    use are never touched: a chunk holding one stays.
+
+    Parameters
+    ----------
+    client : distributed.Client, optional
+        Default: the current client.
+    size : int, str or float, optional
+        Bytes each pool keeps at least (``"2GiB"``, a fraction of the device, ``0``: as little
+        as possible).
+    workers : list of str, optional
+        Only these workers (default: all).
+
+    Returns
+    -------
+    dict
+        ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
+        reserved bytes before and after (an awaitable of it with an asynchronous client).
+        Workers without dask-rmm map to ``[]``.
+
+    Examples
+    --------
+    >>> released = dask_rmm.release_unused(client)  # doctest: +SKIP
+    >>> {w: sum(r.released_bytes for r in rs) for w, rs in released.items()}  # doctest: +SKIP
+    """
+    if client is None:
+        from distributed import default_client
+
+        client = default_client()
+
+    def convert(raw: dict[str, list[dict]]) -> dict[str, list[TrimResult]]:
+        return {w: [TrimResult(**r) for r in rs] for w, rs in raw.items()}
+
+    if client.asynchronous:
+
+        async def run() -> dict[str, list[TrimResult]]:
+            return convert(await client.run(trim_worker, size=size, workers=workers))
+
+        return run()
+    return convert(client.run(trim_worker, size=size, workers=workers))
+
+
+class PoolTrimmer:
+    """A worker's automatic trimming: every :data:`TRIM_INTERVAL` seconds, each pool of its
+    stacks that holds more than the stack's ``release_threshold`` gives fully free chunks back
+    down to it (the pool counterpart of cudaMallocAsync's release threshold, which frees at
+    synchronizations). Releasing only free chunks, it never waits for or touches live blocks.
+    """
+
+    def __init__(self, stacks: list[DeviceStack]):
+        self.stacks = [s for s in stacks if s.release_threshold is not None]
+        #: Bytes released so far, per device.
+        self.released: dict[int, int] = {}
+        self._failed: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.stacks)
+
+    def __call__(self) -> None:
+        from dask_rmm.mr.pool import PoolMemoryResource
+        from dask_rmm.mr.trim import pools_in
+
+        for stack in self.stacks:
+            threshold = stack.release_threshold or 0
+            try:
+                for pool in pools_in(stack.top):
+                    if isinstance(pool, PoolMemoryResource) and pool.pool_size() > threshold:
+                        n = pool.trim(threshold)
+                        if n:
+                            self.released[stack.device] = self.released.get(stack.device, 0) + n
+            except Exception:  # a periodic callback must go on; say why once per device
+                if stack.device not in self._failed:
+                    self._failed.add(stack.device)
+                    logger.exception("dask-rmm: trimming device %d's pool failed", stack.device)
