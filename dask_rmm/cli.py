@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -332,6 +334,115 @@ def report(
 
     with _user_errors(), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
+
+
+@main.command()
+@click.argument("targets", nargs=-1)
+@click.option(
+    "--scheduler-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Read the scheduler address from this file (dask scheduler --scheduler-file).",
+)
+@click.option(
+    "--logs",
+    is_flag=True,
+    help="TARGETS are allocation logs (one per worker device), not a scheduler address.",
+)
+@click.option(
+    "--device-memory",
+    callback=_parse_size,
+    default=None,
+    metavar="SIZE",
+    help="With --logs: the workers' device memory (e.g. 80GiB), which bounds maximum_pool_size.",
+)
+@click.option(
+    "--host-memory",
+    is_flag=True,
+    help="With --logs: the logs come from host memory (no cudaMallocAsync to advise).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the advice as JSON.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=_finite_seconds,
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for the scheduler.",
+)
+def advise(
+    targets: tuple[str, ...],
+    scheduler_file: str | None,
+    logs: bool,
+    device_memory: int | None,
+    host_memory: bool,
+    as_json: bool,
+    timeout: float,
+) -> None:
+    """Recommend pool_size, maximum_pool_size and the allocator per worker device.
+
+    From the live cluster at the scheduler address TARGETS (peaks, fragmentation,
+    out-of-memory verdicts, device size), or with --logs from the allocation logs TARGETS
+    (peak, and replays of each log on pools of increasing size: the smallest that serves every
+    allocation is what the workload needs). Each number comes with its reason, then the
+    RMMPlugin(...) arguments and the worker flags to paste, per device and for all of them.
+    """
+    from dask_rmm.report import advice as advice_mod
+
+    if logs:
+        if not targets or scheduler_file:
+            raise click.UsageError("--logs needs log files (and no --scheduler-file)")
+        missing = [t for t in targets if not os.path.isfile(t)]
+        if missing:
+            raise click.BadParameter(f"no such log file: {', '.join(missing)}")
+        with _user_errors():
+            advices = advice_mod.advise_from_logs(
+                list(targets), device_memory=device_memory or 0, on_device=not host_memory
+            )
+    else:
+        if device_memory is not None or host_memory:
+            raise click.UsageError("--device-memory and --host-memory go with --logs")
+        if len(targets) + bool(scheduler_file) != 1:
+            raise click.UsageError(
+                "give one SCHEDULER_ADDRESS, --scheduler-file, or --logs FILE..."
+            )
+        address = targets[0] if targets else None
+        if scheduler_file:
+            try:
+                with open(scheduler_file) as f:
+                    address = json.load(f)["address"]
+            except (OSError, ValueError, KeyError) as e:
+                raise click.ClickException(
+                    f"cannot read a scheduler address from {scheduler_file}: {e!r}"
+                ) from e
+        import asyncio
+
+        from dask_rmm.report.fetch import iter_reports
+
+        async def fetch() -> Any:
+            async for r in iter_reports(address, timeout=timeout, timeline=True):
+                return r
+
+        with _user_errors():
+            report = asyncio.run(fetch())
+        if not report.running:
+            raise click.ClickException(
+                f"no running dask-rmm workers on the scheduler at {address}; "
+                "register dask_rmm.RMMPlugin on the workers"
+            )
+        advices = advice_mod.advise_from_report(report)
+    if as_json:
+        combined = advice_mod.combine(advices)
+        click.echo(
+            json.dumps(
+                {
+                    "devices": [a.to_dict() for a in advices],
+                    "all": combined.to_dict() if combined is not None else None,
+                },
+                indent=2,
+            )
+        )
+    else:
+        click.echo(advice_mod.format_advice(advices))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,415 @@
+"""Sizing advice: ``pool_size``, ``maximum_pool_size`` and allocator per worker device, each with
+its reason, from allocation logs (peak, and replays of the log against candidate pool sizes) or
+from a cluster report (peaks, fragmentation, OOM verdicts), and the device's size.
+``dask rmm advise`` prints it. Not here: reading logs and replaying them (:mod:`dask_rmm.logs`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask_rmm.mr.base import format_bytes
+
+if TYPE_CHECKING:
+    from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
+
+__all__ = [
+    "Advice",
+    "advise_from_logs",
+    "advise_from_report",
+    "combine",
+    "format_advice",
+    "nice_size",
+    "size_text",
+]
+
+#: Pool sizes replayed, as multiples of the log's peak in use; the first that serves every
+#: allocation is the pool the workload needs.
+CANDIDATE_FACTORS = (1.0625, 1.125, 1.25, 1.5, 2.0, 3.0, 4.0)
+#: A workload whose smallest sufficient pool is more than this times its peak in use fragments.
+FRAGMENTING = 1.25
+#: Room kept above what the workload needed, as a fraction of its peak.
+HEADROOM = 0.10
+#: Share of the device a pool may grow to (the rest: CUDA context, libraries outside RMM).
+DEVICE_SHARE = 0.90
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Recommended settings for one worker device (or, :func:`combine`, for all), with reasons.
+
+    ``required_pool_bytes`` is the smallest pool that served every allocation of the replayed
+    log (None: not replayed, or none of the candidates did); ``allocator`` is ``"pool"`` (a
+    ``PoolMemoryResource``) or ``"async"`` (cudaMallocAsync, ``async_alloc=True``).
+    """
+
+    source: str
+    peak_bytes: int
+    allocator: str
+    pool_size: int
+    maximum_pool_size: int | None
+    reasons: dict[str, str]
+    fragmenting: bool = False
+    required_pool_bytes: int | None = None
+    device_total_bytes: int = 0
+    notes: tuple[str, ...] = ()
+    replays: tuple[dict[str, Any], ...] = field(default=())
+
+    def plugin_args(self) -> dict[str, Any]:
+        """The ``RMMPlugin`` keyword arguments (sizes as strings)."""
+        args: dict[str, Any] = {"pool_size": size_text(self.pool_size)}
+        if self.maximum_pool_size is not None:
+            args["maximum_pool_size"] = size_text(self.maximum_pool_size)
+        if self.allocator == "async":
+            args["async_alloc"] = True
+        return args
+
+    def plugin_call(self) -> str:
+        """``RMMPlugin(...)`` to paste."""
+        return "RMMPlugin(" + ", ".join(f"{k}={v!r}" for k, v in self.plugin_args().items()) + ")"
+
+    def worker_flags(self) -> str:
+        """The ``dask worker --preload dask_rmm.preload`` flags to paste (dask-cuda's names)."""
+        flags = [f"--rmm-pool-size {size_text(self.pool_size)}"]
+        if self.maximum_pool_size is not None:
+            flags.append(f"--rmm-maximum-pool-size {size_text(self.maximum_pool_size)}")
+        if self.allocator == "async":
+            flags.append("--rmm-async")
+        return " ".join(flags)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["replays"] = list(self.replays)
+        d["plugin_args"] = self.plugin_args()
+        d["plugin_call"] = self.plugin_call()
+        d["worker_flags"] = self.worker_flags()
+        return d
+
+
+def nice_size(nbytes: float) -> int:
+    """``nbytes`` (at least 1 MiB) rounded up to a size that reads well: a multiple of an eighth
+    of its power of two, at most 12.5 % more."""
+    n = max(int(nbytes), 1 << 20)
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def size_text(nbytes: int) -> str:
+    """``"4GiB"``, ``"1536MiB"``, or bytes: a size the options parse back exactly."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+def _maximum(pool_size: int, device_total: int) -> tuple[int | None, str]:
+    if device_total <= 0:
+        return None, (
+            "not advised: the device's size is unknown (host memory, or logs: give "
+            "--device-memory); the pool may grow as far as its upstream lets it"
+        )
+    cap = int(device_total * DEVICE_SHARE) // (1 << 20) << 20
+    if cap <= pool_size:
+        return pool_size, (
+            f"the pool already takes {pool_size / device_total:.0%} of the device "
+            f"({format_bytes(device_total)}): no room to grow beyond it"
+        )
+    return cap, (
+        f"{DEVICE_SHARE:.0%} of the device ({format_bytes(device_total)}): the pool may grow for "
+        "a larger run, leaving room for the CUDA context and libraries that allocate outside RMM"
+    )
+
+
+def _decide(
+    source: str,
+    peak: int,
+    required: int | None,
+    fragmenting: bool,
+    evidence: str,
+    device_total: int,
+    on_device: bool,
+    notes: list[str],
+    replays: Sequence[dict[str, Any]] = (),
+) -> Advice:
+    """The advice once the peak, the pool the workload needs and the fragmentation are known."""
+    reasons: dict[str, str] = {}
+    if fragmenting and on_device:
+        allocator = "async"
+        reasons["allocator"] = (
+            f"{evidence}; cudaMallocAsync (async_alloc=True) backs its pool with device pages "
+            "mapped on demand, so freed memory in pieces does not force it to grow as a "
+            "pool's address range does"
+        )
+        pool_size = nice_size(peak * (1 + HEADROOM))
+        reasons["pool_size"] = (
+            f"the peak in use ({format_bytes(peak)}) + {HEADROOM:.0%}: cudaMallocAsync's initial "
+            "pool, kept across synchronizations"
+        )
+        if required is not None:
+            notes.append(
+                f"with a PoolMemoryResource instead, pool_size={size_text(nice_size(required))}"
+                " (the smallest replayed pool that served every allocation)"
+            )
+    else:
+        allocator = "pool"
+        needed = peak if required is None else required
+        pool_size = nice_size(needed + peak * HEADROOM)
+        if fragmenting:
+            reasons["allocator"] = (
+                f"{evidence}; on host memory there is no cudaMallocAsync: a pool sized for it"
+            )
+        else:
+            reasons["allocator"] = (
+                f"{evidence}: a PoolMemoryResource (the fastest here) needs no more than that"
+            )
+        if required is not None:
+            reasons["pool_size"] = (
+                f"the smallest replayed pool that served every allocation ({format_bytes(required)}"
+                f", {required / max(peak, 1):.2f}x the peak in use) + {HEADROOM:.0%} of the peak: "
+                "a run like this one never grows the pool"
+            )
+        else:
+            reasons["pool_size"] = (
+                f"the peak in use ({format_bytes(peak)}) + {HEADROOM:.0%}"
+                + (" (at least what the pool held)" if fragmenting else "")
+                + ": a run like this one never grows the pool"
+            )
+    maximum, why = _maximum(pool_size, device_total)
+    if maximum is not None and pool_size > maximum:
+        pool_size = maximum
+        notes.append(
+            "the workload needs about as much as the device holds: consider "
+            "device_memory_limit= and spill_on_oom=True (docs/memory-pressure.md)"
+        )
+    reasons["maximum_pool_size"] = why
+    return Advice(
+        source=source,
+        peak_bytes=peak,
+        allocator=allocator,
+        pool_size=pool_size,
+        maximum_pool_size=maximum,
+        reasons=reasons,
+        fragmenting=fragmenting,
+        required_pool_bytes=required,
+        device_total_bytes=device_total,
+        notes=tuple(notes),
+        replays=tuple(replays),
+    )
+
+
+# -- from allocation logs -----------------------------------------------------------------------
+
+
+def advise_from_logs(
+    paths: Sequence[str | os.PathLike] | str | os.PathLike,
+    *,
+    device_memory: int = 0,
+    on_device: bool = True,
+    gpu: bool | None = None,
+) -> list[Advice]:
+    """Advice for each log (one worker device each), from its peak and replays of it.
+
+    The log is replayed on pools of increasing size (:data:`CANDIDATE_FACTORS` times its peak
+    in use, each its own maximum) until one serves every allocation the original run got: that
+    pool is what the workload needs, and more than :data:`FRAGMENTING` times the peak means it
+    fragments. ``device_memory`` (bytes; 0: unknown) bounds ``maximum_pool_size``;
+    ``on_device`` says the logs come from GPU workers (cudaMallocAsync is an option there).
+    ``gpu`` is :func:`dask_rmm.logs.replay.replay`'s (default: replay on a GPU when there is one).
+    """
+    from dask_rmm.logs.replay import replay
+    from dask_rmm.logs.summary import summarize
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out = []
+    for path, summary in zip(paths, summarize(list(paths)).files, strict=True):
+        peak = summary.peak_bytes
+        notes: list[str] = []
+        replays: list[dict[str, Any]] = []
+        required = None
+        if peak > 0:
+            for factor in CANDIDATE_FACTORS:
+                size = (int(peak * factor) + 255) & -256
+                r = replay(path, "pool", gpu=gpu, initial_pool_size=size, maximum_pool_size=size)
+                replays.append(
+                    {
+                        "resource": "pool",
+                        "pool_size": size,
+                        "new_failures": r.new_failures,
+                        "peak_upstream_bytes": r.peak_upstream_bytes,
+                        "host_memory": r.host_memory,
+                    }
+                )
+                if not r.failed:
+                    required = size
+                    break
+        if summary.failures:
+            notes.append(
+                f"{summary.failures} allocations failed in the original run "
+                "(not counted in the peak)"
+            )
+        if required is None:
+            fragmenting = peak > 0
+            top = CANDIDATE_FACTORS[-1]
+            evidence = (
+                f"no replayed pool up to {top:g}x the peak in use ({format_bytes(peak)}) served "
+                "every allocation: the workload fragments memory"
+            )
+        else:
+            ratio = required / max(peak, 1)
+            fragmenting = ratio > FRAGMENTING
+            evidence = f"the workload needs a pool of {ratio:.2f}x its peak in use" + (
+                " (fragmentation: freed memory comes back in pieces too small to reuse)"
+                if fragmenting
+                else ""
+            )
+        out.append(
+            _decide(
+                summary.name,
+                peak,
+                required,
+                fragmenting,
+                evidence,
+                device_memory,
+                on_device,
+                notes,
+                replays,
+            )
+        )
+    return out
+
+
+# -- from a cluster report ----------------------------------------------------------------------
+
+
+def advise_from_report(report: ClusterMemoryReport) -> list[Advice]:
+    """Advice for each running worker device of a cluster report (no logs: no replay).
+
+    The peak is the larger of the device's peak since setup and its timeline's; fragmentation
+    is seen in out-of-memory errors with the verdict "fragmentation", or in a pool whose free
+    memory is mostly in pieces (fragmentation >= 0.5 with a quarter of the pool free).
+    """
+    out = []
+    for d in report.running:
+        out.append(_advise_device(d))
+    return out
+
+
+def _advise_device(d: DeviceMemory) -> Advice:
+    peak = max(d.peak_bytes, d.timeline_peak)
+    verdicts = [e.get("verdict") for e in d.oom_events]
+    notes: list[str] = []
+    pieces = d.fragmentation >= 0.5 and d.pool_free_bytes * 4 >= max(d.reserved_bytes, 1)
+    if "fragmentation" in verdicts:
+        fragmenting = True
+        evidence = (
+            f"{verdicts.count('fragmentation')} out-of-memory error(s) had enough memory free, "
+            "in pieces too small (verdict 'fragmentation')"
+        )
+    elif pieces:
+        fragmenting = True
+        evidence = (
+            f"the pool's free memory is in pieces (fragmentation {d.fragmentation:.0%}, largest "
+            f"free block {format_bytes(d.largest_free_block)} of {format_bytes(d.pool_free_bytes)}"
+            " free)"
+        )
+    else:
+        fragmenting = False
+        evidence = (
+            f"no sign of fragmentation (fragmentation {d.fragmentation:.0%} now, no OOM with "
+            "verdict 'fragmentation')"
+        )
+    if "demand" in verdicts:
+        notes.append(
+            f"{verdicts.count('demand')} out-of-memory error(s) from demand: the workload "
+            "needed more than the pool could get; consider device_memory_limit= and "
+            "spill_on_oom=True"
+        )
+    required = max(d.reserved_bytes, peak) if fragmenting else None
+    on_device = d.gpu_name != "host" and d.device_total_bytes > 0
+    if d.status != "running":
+        notes.append("this worker has left")
+    return _decide(
+        d.label, peak, required, fragmenting, evidence, d.device_total_bytes, on_device, notes
+    )
+
+
+def combine(advices: Iterable[Advice]) -> Advice | None:
+    """One setting for every worker (``RMMPlugin`` gives all workers the same options): the
+    largest pool, the smallest maximum, cudaMallocAsync when any device needs it."""
+    advices = list(advices)
+    if not advices:
+        return None
+    pool = max(a.pool_size for a in advices)
+    maxima = [a.maximum_pool_size for a in advices if a.maximum_pool_size is not None]
+    maximum = min(maxima) if maxima else None
+    notes: list[str] = []
+    if maximum is not None and maximum < pool:
+        notes.append(
+            f"the largest pool ({format_bytes(pool)}) exceeds the smallest device's maximum: "
+            "set them per worker (dask worker flags) instead"
+        )
+        maximum = pool
+    allocator = "async" if any(a.allocator == "async" for a in advices) else "pool"
+    worst = max(advices, key=lambda a: a.pool_size)
+    return Advice(
+        source=f"all {len(advices)} worker devices",
+        peak_bytes=max(a.peak_bytes for a in advices),
+        allocator=allocator,
+        pool_size=pool,
+        maximum_pool_size=maximum,
+        reasons={
+            "allocator": "cudaMallocAsync on every worker, as one device needs it"
+            if allocator == "async"
+            else "every device is served by a pool",
+            "pool_size": f"the largest device's advice ({worst.source})",
+            "maximum_pool_size": "the smallest device's advice"
+            if maximum is not None
+            else "no device size known",
+        },
+        fragmenting=any(a.fragmenting for a in advices),
+        device_total_bytes=min((a.device_total_bytes for a in advices), default=0),
+        notes=tuple(notes),
+    )
+
+
+def format_advice(advices: Sequence[Advice], *, combined: bool = True) -> str:
+    """The advice as text: per worker device, each number with its reason and the arguments to
+    paste; then one setting for all of them."""
+    blocks = []
+    for a in advices:
+        blocks.append(_format_one(a))
+    if combined and len(advices) > 1:
+        c = combine(advices)
+        if c is not None:
+            blocks.append(_format_one(c))
+    return "\n\n".join(blocks) if blocks else "no worker devices to advise on"
+
+
+def _format_one(a: Advice) -> str:
+    head = f"{a.source}: peak {format_bytes(a.peak_bytes)} in use"
+    if a.device_total_bytes:
+        head += f", device {format_bytes(a.device_total_bytes)}"
+    maximum = "-" if a.maximum_pool_size is None else size_text(a.maximum_pool_size)
+    rows = [
+        ("allocator", a.allocator, a.reasons.get("allocator", "")),
+        ("pool_size", size_text(a.pool_size), a.reasons.get("pool_size", "")),
+        ("maximum_pool_size", maximum, a.reasons.get("maximum_pool_size", "")),
+    ]
+    lines = [head]
+    lines += [f"  {name:<18} {value:<8} {why}" for name, value, why in rows]
+    for r in a.replays:
+        verdict = (
+            "served every allocation"
+            if not r["new_failures"]
+            else (f"{r['new_failures']} allocations failed")
+        )
+        lines.append(f"  replayed on a pool of {format_bytes(r['pool_size'])}: {verdict}")
+    lines += [f"  note: {n}" for n in a.notes]
+    lines.append(f"  paste: {a.plugin_call()}")
+    lines.append(f"         dask worker ... --preload dask_rmm.preload {a.worker_flags()}")
+    return "\n".join(lines)
