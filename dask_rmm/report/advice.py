@@ -134,6 +134,7 @@ def _decide(
     on_device: bool,
     notes: list[str],
     replays: Sequence[dict[str, Any]] = (),
+    required_what: str = "the smallest replayed pool that served every allocation",
 ) -> Advice:
     """The advice once the peak, the pool the workload needs and the fragmentation are known."""
     reasons: dict[str, str] = {}
@@ -152,7 +153,7 @@ def _decide(
         if required is not None:
             notes.append(
                 f"with a PoolMemoryResource instead, pool_size={size_text(nice_size(required))}"
-                " (the smallest replayed pool that served every allocation)"
+                f" ({required_what})"
             )
     else:
         allocator = "pool"
@@ -168,9 +169,9 @@ def _decide(
             )
         if required is not None:
             reasons["pool_size"] = (
-                f"the smallest replayed pool that served every allocation ({format_bytes(required)}"
-                f", {required / max(peak, 1):.2f}x the peak in use) + {HEADROOM:.0%} of the peak: "
-                "a run like this one never grows the pool"
+                f"{required_what} ({format_bytes(required)}, {required / max(peak, 1):.2f}x the "
+                f"peak in use) + {HEADROOM:.0%} of the peak: a run like this one never grows the "
+                "pool"
             )
         else:
             reasons["pool_size"] = (
@@ -334,7 +335,15 @@ def _advise_device(d: DeviceMemory) -> Advice:
     if d.status != "running":
         notes.append("this worker has left")
     return _decide(
-        d.label, peak, required, fragmenting, evidence, d.device_total_bytes, on_device, notes
+        d.label,
+        peak,
+        required,
+        fragmenting,
+        evidence,
+        d.device_total_bytes,
+        on_device,
+        notes,
+        required_what="what the pool grew to for it (its reserved bytes)",
     )
 
 

@@ -243,7 +243,8 @@ def gpu_section_html(
         "<h3>Memory in use over the block</h3>",
         _timeline(samples),
         '<p class="note">Solid: the most in use within each sample interval (short peaks '
-        "included); the cluster line sums the devices. Dashed: devices of workers that left. "
+        "included); the cluster line sums the devices. Dashed: the pools' reserved bytes (cluster), "
+        "and devices of workers that left. "
         "Times are the workers' clocks.</p>",
     ]
     parts += _task_groups(begin, end)
