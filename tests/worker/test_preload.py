@@ -208,7 +208,10 @@ def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_pat
     "flags, message",
     [
         (["--rmm-pool-size", "4gigs"], "Invalid value for '--rmm-pool-size'"),
-        (["--rmm-release-threshold", "1GiB"], "--rmm-release-threshold requires a pool: --rmm-pool-size"),
+        (
+            ["--rmm-release-threshold", "1GiB"],
+            "--rmm-release-threshold requires a pool: --rmm-pool-size",
+        ),
         (
             ["--rmm-async", "--rmm-managed-memory"],
             "--rmm-managed-memory is incompatible with --rmm-async",
