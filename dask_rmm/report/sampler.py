@@ -228,6 +228,8 @@ class GPUMemorySampler:
         """Context manager that samples the cluster's RMM memory into ``self.samples[label]``:
         synchronous with a synchronous client, ``async with`` with an asynchronous one.
 
+        ``self.samples[label]`` fills while the block runs (its ``stop`` is None until the end).
+
         Parameters
         ----------
         label : str, optional
@@ -253,6 +255,7 @@ class GPUMemorySampler:
     @contextlib.contextmanager
     def _sample_sync(self, label: str, client: Client, interval: float) -> Iterator[None]:
         rec = _Recorder(label, client)
+        self.samples[label] = rec.samples
         client.sync(rec.poll)
         stop = threading.Event()
 
@@ -260,9 +263,8 @@ class GPUMemorySampler:
             while not stop.wait(interval):
                 try:
                     client.sync(rec.poll)
-                except Exception as e:  # a scheduler gone mid-block: keep what was read
+                except Exception as e:  # keep what was read, and try again at the next tick
                     rec.error = e
-                    return
 
         thread = threading.Thread(target=loop, name=f"GPUMemorySampler-{label}", daemon=True)
         thread.start()
@@ -283,6 +285,7 @@ class GPUMemorySampler:
         self, label: str, client: Client, interval: float
     ) -> AsyncIterator[None]:
         rec = _Recorder(label, client)
+        self.samples[label] = rec.samples
         await rec.poll()
         done = asyncio.Event()
 
@@ -295,9 +298,8 @@ class GPUMemorySampler:
                     pass
                 try:
                     await rec.poll()
-                except Exception as e:
+                except Exception as e:  # keep what was read, and try again at the next tick
                     rec.error = e
-                    return
 
         task = asyncio.ensure_future(loop())
         try:

@@ -142,9 +142,9 @@ def test_what_was_sampled_of_a_worker_killed_mid_block_stays_after_its_restart(c
         wait_until(
             lambda: any(
                 d.worker == victim and any(s[1] >= 3 * MiB for s in d.used)
-                for d in ms_live(ms, client)
+                for d in list(ms.samples["killed"].devices.values())
             ),
-            what="the victim's held bytes in the sampler",
+            what="the victim's held bytes in the sampler, while the block runs",
         )
         pid = client.run(os.getpid, workers=[victim])[victim]
         os.kill(pid, signal.SIGKILL)
@@ -165,14 +165,3 @@ def test_what_was_sampled_of_a_worker_killed_mid_block_stays_after_its_restart(c
     assert s.peak_used >= 3 * MiB
     # after the kill its bytes are no longer counted in the cluster's sum
     assert s.summed("used")[-1][1] < 3 * MiB
-
-
-def ms_live(ms: GPUMemorySampler, client) -> list[DeviceSeries]:
-    """The devices a running block has sampled so far (its recorder is not public: read the
-    scheduler's timelines the same way, for the wait above)."""
-    from dask_rmm.report.fetch import cluster_report
-
-    report = cluster_report(client)
-    return [
-        DeviceSeries(d.worker, d.name, d.device, d.status, list(d.timeline)) for d in report.devices
-    ]
