@@ -66,6 +66,11 @@ def pools_in(resource: Any) -> Iterator[Any]:
 
 
 def _reserved(pool: Any) -> tuple[int, int]:
+    """``(bytes held from upstream, bytes handed out)`` of a pool."""
+    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
+
+    if isinstance(pool, CudaAsyncMemoryResource):
+        return pool.reserved_bytes(), pool.used_bytes()
     info = pool.reserved_memory_info()
     if info is None:
         return 0, 0
@@ -87,7 +92,11 @@ def trim_resource(
     for pool in pools_in(resource):
         before, _ = _reserved(pool)
         if isinstance(pool, CudaAsyncMemoryResource):
+            from dask_rmm import _cuda
+
             keep = pool.release_threshold if size is None else _parse(size, pool)
+            # Memory freed on a stream is still the pool's until the stream gets there.
+            _cuda.device_synchronize()
             pool.trim_to(keep)
         else:
             pool.trim(size)

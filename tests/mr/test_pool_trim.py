@@ -100,3 +100,19 @@ def test_trim_refuses_a_size_it_cannot_read_and_changes_nothing(base_resource):
         p.trim("a lot")
     assert p.pool_size() == 13 * MiB
     p.deallocate(a, 4 * MiB)
+
+
+@pytest.mark.gpu
+def test_trim_resource_gives_a_cuda_async_pools_free_memory_back_to_the_driver():
+    from dask_rmm.mr import CudaAsyncMemoryResource
+
+    r = CudaAsyncMemoryResource(release_threshold=1 << 40)  # it keeps what it had on its own
+    kept = r.allocate(MiB)
+    ptr = r.allocate(256 * MiB)
+    r.deallocate(ptr, 256 * MiB)
+    [result] = trim_resource(r, 0)
+    assert result.resource == "CudaAsyncMemoryResource"
+    assert result.released_bytes >= 256 * MiB
+    assert result.reserved_after < result.reserved_before
+    assert result.in_use_bytes >= MiB
+    r.deallocate(kept, MiB)

@@ -10,6 +10,7 @@ import signal
 import pytest
 from conftest import HAS_GPU, hold, local_process_cluster, wait_until
 from distributed import wait
+from distributed.utils_test import gen_cluster
 
 from dask_rmm.plugin import RMMPlugin
 from dask_rmm.report.sampler import (
@@ -97,6 +98,18 @@ def burst(nbytes: int) -> int:
     b = DeviceBuffer(size=nbytes)
     del b
     return nbytes
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_async_with_an_asynchronous_client_samples_the_block(c, s, a):
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    ms = GPUMemorySampler()
+    async with ms.sample("async", client=c, interval=0.05):
+        assert await c.submit(burst, 6 * MiB, pure=False) == 6 * MiB
+    samples = ms.samples["async"]
+    assert samples.stop is not None
+    assert samples.peak_used >= 6 * MiB
+    assert samples.peak_reserved >= 8 * MiB
 
 
 @pytest.fixture(scope="module")

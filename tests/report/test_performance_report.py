@@ -13,6 +13,7 @@ import subprocess
 import pytest
 from conftest import HAS_GPU, hold, local_process_cluster
 from distributed import wait
+from distributed.utils_test import gen_cluster
 
 from dask_rmm.plugin import RMMPlugin
 from dask_rmm.report.memory_report import ClusterMemoryReport
@@ -121,6 +122,22 @@ def burst(nbytes: int) -> int:
     b = DeviceBuffer(size=nbytes)
     del b
     return nbytes
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_async_with_writes_the_report_with_the_gpu_section(c, s, a):
+    pytest.importorskip("bokeh", reason="distributed's performance report needs bokeh")
+    import tempfile
+    from pathlib import Path
+
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "async.html"
+        async with performance_report(str(path), interval=0.05) as pr:
+            assert await c.submit(burst, 6 * MiB, pure=False) == 6 * MiB
+        summary = _summary_text(path.read_text())
+    assert "GPU memory (dask-rmm)" in summary
+    assert pr.sampler.samples["performance report"].peak_used >= 6 * MiB
 
 
 @pytest.fixture(scope="module")
