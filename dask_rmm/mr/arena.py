@@ -115,7 +115,7 @@ class _Arena:
 
     __slots__ = ("free", "used", "superblocks", "order")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.free = _Regions()  # its barriers are the superblock starts
         self.used: dict[int, int] = {}  # superblock start -> bytes handed out from it
         self.superblocks: dict[int, int] = {}  # start -> size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import time
+from types import TracebackType
 from typing import Protocol
 
 __all__ = ["ListLock", "Mutex", "acquire_contended", "gc_paused_lock"]
@@ -17,6 +18,15 @@ class Mutex(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
 
     def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
 
 class ListLock:

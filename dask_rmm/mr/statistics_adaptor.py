@@ -127,8 +127,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)
-        self._lock: Mutex
-        self._lock = lock = threading.Lock()
+        lock: Mutex = threading.Lock()
+        self._lock = lock
         # The hot path calls these cached bound methods: a ``with`` block costs a bound
         # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
         self._acquire = lock.acquire
