@@ -2,7 +2,8 @@
 lookup by ``(nbytes + 255) >> 8``, an align-up ``(nbytes + 255) & -256``, a class lookup with
 its fallback) and compare stream handles with the per-thread default stream's. These tests read
 every inlined copy out of the sources, check its constants, evaluate it against the reference
-function, and fail on a copy of a kind they do not know, so that no copy can drift."""
+function, and fail on an inlined copy of the class formula itself, so that no copy can drift.
+Also: mr/ modules share only public names."""
 
 from __future__ import annotations
 
@@ -224,3 +225,17 @@ def test_the_per_thread_handle_is_cudas():
     assert PER_THREAD_DEFAULT_STREAM.handle == PER_THREAD_HANDLE
     runtime = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed")
     assert int(runtime.cudaStreamPerThread) == PER_THREAD_HANDLE
+
+
+@pytest.mark.parametrize("module", _mr_modules())
+def test_no_mr_module_imports_a_private_name_of_another_module(module):
+    """Neighbours share public names (size_classes.SEARCH_CLASS, not pool._SRCH); ``_cuda`` is
+    the package's one binding layer and is imported as a module."""
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(_tree(module))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dask_rmm")
+        for alias in node.names
+        if alias.name.startswith("_") and (node.module, alias.name) != ("dask_rmm", "_cuda")
+    ]
+    assert private == [], f"{module} imports private names: {private}"
