@@ -19,7 +19,7 @@ The fast path: requests below 16 MiB are rounded up to the floor size of their s
 most 1/16 more than asked, 3% on average; below 8 KiB only to 256 bytes), so that a freed block
 can be handed back unchanged to any later request of the same class on the same stream. Freeing
 such a block only appends it to its class's cache list and allocating pops from it: no
-splitting and no merging (bench/alloc.py; figures in bench/README.md). Cached blocks are merged
+splitting and no merging (measured by bench/alloc.py). Cached blocks are merged
 into the coalescing lists when those cannot serve a request (before the pool grows), and by
 ``release()`` and ``reserved_memory_info()``.
 
