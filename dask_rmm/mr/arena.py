@@ -9,9 +9,10 @@ superblock, all empty superblocks of all arenas are returned (after synchronizin
 and the request is retried once, as RMM's defragment step does.
 
 In front of that sits a per-stream cache, the fast path, as in :mod:`dask_rmm.mr.pool` (with
-the same size classes, :mod:`dask_rmm.mr.size_classes`): requests below 16 MiB are rounded up to their size class's floor (at
-most 1/16 more), and a freed block is kept, still counted as used by its superblock, in the
-freeing stream's cache for the next request of its class on that stream. Neither path takes
+the same size classes, :mod:`dask_rmm.mr.size_classes`): requests below 16 MiB are rounded up
+to their size class's floor (at most 1/16 more), and a freed block is kept, still counted as
+used by its superblock, in the freeing stream's cache for the next request of its class on that
+stream. Neither path takes
 the lock: ``list.pop``/``list.append`` and a dict store or pop are atomic, so each block goes
 to exactly one caller. Cached blocks go back to their arenas (after a device synchronization:
 they may move to another stream) when a request cannot be served otherwise, before the

@@ -44,7 +44,8 @@ def _open_account(
     owner_key: Hashable,
 ) -> list[int]:
     """The owner callback a pool calls under its lock (collector paused): the account of an
-    owner key not in ``by_owner_key``. Never raises: an owner that cannot be named is UNATTRIBUTED."""
+    owner key not in ``by_owner_key``. Never raises: an owner that cannot be named is
+    UNATTRIBUTED."""
     try:
         name = UNATTRIBUTED if owner_key is None else str(owner_name(owner_key))
     except Exception:

@@ -19,16 +19,18 @@ __all__ = ["JOURNAL_LIMIT", "AllocationCounters", "OwnerAccounts"]
 class AllocationCounters:
     """Allocation counters a :class:`~dask_rmm.mr.pool.PoolMemoryResource` keeps for an observer.
 
-    Part of the pool's instrumentation interface (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.count_allocations`).
-    Sizes are the sizes callers asked for. Current values are derived: ``current_bytes =
-    total_bytes - freed_bytes``.
+    Part of the pool's instrumentation interface
+    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.count_allocations`). Sizes are the sizes
+    callers asked for. Current values are derived: ``current_bytes = total_bytes -
+    freed_bytes``.
 
     The pool does not update the numbers on every call: it appends each counted allocation's
     size, and each counted free's negated size, to :attr:`journal` (one atomic ``list.append``,
     so the pool's cached fast path stays lock-free while counting), and :meth:`settle` folds the
-    journal into the numbers in order, peaks included (with NumPy for long journals). Readers hold
-    :attr:`~dask_rmm.mr.pool.PoolMemoryResource.instrumentation_lock` and call :meth:`settle` before reading; the
-    pool settles on its own when the journal reaches :data:`JOURNAL_LIMIT` entries.
+    journal into the numbers in order, peaks included (with NumPy for long journals). Readers
+    hold :attr:`~dask_rmm.mr.pool.PoolMemoryResource.instrumentation_lock` and call
+    :meth:`settle` before reading; the pool settles on its own when the journal reaches
+    :data:`JOURNAL_LIMIT` entries.
 
     Attributes
     ----------

@@ -38,13 +38,14 @@ point.
 Instrumentation
 ---------------
 Observers count and attribute allocations through one documented interface, used by
-StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResource.count_allocations`
-(an :class:`AllocationCounters` the pool updates) and :meth:`PoolMemoryResource.charge_owners`
-(an :class:`OwnerAccounts`: an owner getter called before the lock, an owner key -> account dict and
-an owner callback called under the lock for new owner keys). Counting alone keeps the fast path
-lock-free: each counted operation appends its size to the counters' journal, folded in by
-:meth:`AllocationCounters.settle` (under the lock, by readers, and by the pool every
-:data:`~dask_rmm.mr.instrumentation.JOURNAL_LIMIT` entries). While owners are charged, every
+StatisticsResourceAdaptor and AttributionResourceAdaptor:
+:meth:`PoolMemoryResource.count_allocations` (an :class:`AllocationCounters` the pool updates)
+and :meth:`PoolMemoryResource.charge_owners` (an :class:`OwnerAccounts`: an owner getter called
+before the lock, an owner key -> account dict and an owner callback called under the lock for
+new owner keys). Counting alone keeps the fast path lock-free: each counted operation appends
+its size to the counters' journal, folded in by :meth:`AllocationCounters.settle` (under the
+lock, by readers, and by the pool every :data:`~dask_rmm.mr.instrumentation.JOURNAL_LIMIT`
+entries). While owners are charged, every
 allocation and free takes the lock. :attr:`PoolMemoryResource.instrumentation_lock` is the lock
 to read under. :meth:`PoolMemoryResource.live_allocations` (read-only: the table every
 deallocate is checked against) is what TrackingResourceAdaptor lists instead of keeping a table
@@ -385,7 +386,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """
         if not isinstance(counters, AllocationCounters):
             raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
-        import numpy  # noqa: F401  settle() folds long journals with it: imported here, never under the lock
+        # settle() folds long journals with NumPy: imported here, never under the lock.
+        import numpy  # noqa: F401
 
         with gc_paused_lock(self._lock):
             if self._counters is not None:
@@ -447,7 +449,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     # -- test and report helpers -----------------------------------------------------------
 
     def _free_blocks(self) -> list[tuple[int, int, Hashable]]:
-        """Every free block as ``(ptr, size, stream key)``, by address (after merging the caches)."""
+        """Every free block as ``(ptr, size, stream key)``, by address (caches merged first)."""
         with gc_paused_lock(self._lock):
             self._flush_caches()
             return sorted(
