@@ -95,7 +95,7 @@ class GPUSamples:
                 points = list(d.reserved)
             else:
                 column = 1 if measure == "used" else 2
-                points = [(s[0], s[column]) for s in d.used]
+                points = [(s[0], int(s[column])) for s in d.used]
             out.append((points, d.status != "running"))
         return out
 
@@ -356,6 +356,7 @@ class GPUMemorySampler:
         pd = _pandas("GPUMemorySampler.to_pandas")
         columns: dict[Any, Any] = {}
         for label, s in self.samples.items():
+            parts: list[tuple[Any, list[tuple[float, int]]]]
             if per_worker:
                 parts = [
                     ((label, d.label), summed_series([pair]))

@@ -47,7 +47,7 @@ def release_unused(
     size: int | str | float | None = None,
     *,
     workers: list[str] | None = None,
-) -> dict[str, list[TrimResult]]:
+) -> Any:
     """Give the free memory of every worker's pools back to the device, now.
 
     Each :class:`~dask_rmm.mr.PoolMemoryResource` of the workers' dask-rmm stacks releases its
