@@ -1,7 +1,9 @@
 """Cluster memory reports on the client: :class:`ClusterMemoryReport` and its renderings (text,
 HTML, dict, DataFrame; the SVG timeline in :mod:`~dask_rmm.report.svg`, matplotlib figures in
 :mod:`~dask_rmm.report.plot`) and fetching one from the scheduler (:func:`cluster_report`, in
-:mod:`~dask_rmm.report.fetch`). Importing this package imports no Dask; fetching does.
+:mod:`~dask_rmm.report.fetch`); over a block of work, :mod:`~dask_rmm.report.sampler` and
+:mod:`~dask_rmm.report.performance`; sizing advice, :mod:`~dask_rmm.report.advice`.
+Importing this package imports no Dask; fetching does.
 """
 
 from __future__ import annotations
