@@ -10,6 +10,7 @@ out-of-memory errors, device binding) lives in ``dask_rmm.mr``, not here.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -251,7 +252,7 @@ def runtime_function(name: str):
     if name not in _HOT:
         raise ValueError(f"runtime_function({name!r}): not one of the bound hot calls {_HOT}")
     fn = globals()["_" + name]
-    if getattr(fn, "unbound", False):
+    if fn in _unbound_stubs:
         _bind_hot()
         fn = globals()["_" + name]
     return fn
@@ -296,13 +297,18 @@ def _bind_hot() -> None:
         g["_" + name] = getattr(rt, name)
 
 
-def _lazy(name: str):
-    def first_call(*args):
+#: The stand-ins :func:`_lazy` makes, replaced by the real functions at the first call (see
+#: runtime_function).
+_unbound_stubs: set[Callable[..., Any]] = set()
+
+
+def _lazy(name: str) -> Callable[..., Any]:
+    def first_call(*args: Any) -> Any:
         _bind_hot()
         return globals()["_" + name](*args)
 
     first_call.__name__ = name
-    first_call.unbound = True  # see runtime_function
+    _unbound_stubs.add(first_call)
     return first_call
 
 

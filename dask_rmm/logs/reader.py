@@ -274,10 +274,11 @@ class LogReader:
             self.rows += 1
             yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
-            self.truncated = (pending.line, pending.text.rstrip("\r\n"))
+            cut_line = pending.text or ""
+            self.truncated = (pending.line, cut_line.rstrip("\r\n"))
             warnings.warn(
                 f"{path}:{pending.line}: skipped the cut-off last line "
-                f"{pending.text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
+                f"{cut_line.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
                 "mid-line)",
                 TruncatedLogWarning,
                 stacklevel=3,

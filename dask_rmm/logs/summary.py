@@ -217,7 +217,9 @@ class Summarizer:
             rows=self.rows,
             start=self.start,
             end=self.end,
-            duration=(self.end - self.start) if self.start is not None else 0.0,
+            duration=(
+                self.end - self.start if self.start is not None and self.end is not None else 0.0
+            ),
             **asdict(self.total),
             peak_bytes=self.peak,
             peak_count=self.peak_count,
@@ -303,7 +305,7 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
     """A human-readable text block for one :class:`LogSummary`."""
     s = summary
     lines = [f"== {s.name} ({', '.join(s.paths)})"]
-    if s.start is not None:
+    if s.start is not None and s.end is not None:
         lines.append(
             f"  time          {format_time(s.start)} .. {format_time(s.end)}  ({s.duration:.6f} s)"
         )

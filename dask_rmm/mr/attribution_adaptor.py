@@ -134,8 +134,9 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
                 self._lock = pool.instrumentation_lock
                 self._acquire = self._lock.acquire
                 self._release = self._lock.release
-                self.allocate = pool.allocate
-                self.deallocate = pool.deallocate
+                # Calls go to the pool's bound methods: no frame of this adaptor on the hot path.
+                self.allocate = pool.allocate  # type: ignore[method-assign]
+                self.deallocate = pool.deallocate  # type: ignore[method-assign]
 
     def __del__(self):
         try:

@@ -587,7 +587,7 @@ class SamHeadroomMemoryResource(_CudaResource):
         return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
 
 
-def _load_libc():
+def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.aligned_alloc.restype = ctypes.c_void_p
     libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
@@ -596,7 +596,7 @@ def _load_libc():
     return libc
 
 
-_libc = None
+_libc: ctypes.CDLL | None = None
 
 
 class SystemMemoryResource(DeviceMemoryResource):
@@ -611,6 +611,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         global _libc
         if _libc is None:
             _libc = _load_libc()
+        self._libc = _libc
         if device_id is None:
             device_id = _cuda.get_device() if _cuda.is_available() else 0
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
@@ -632,7 +633,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = _libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
+        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "
@@ -647,4 +648,4 @@ class SystemMemoryResource(DeviceMemoryResource):
         if ptr == 0 and nbytes == 0:
             return
         self._owned.remove(self, ptr, nbytes)
-        _libc.free(ptr)
+        self._libc.free(ptr)
