@@ -309,7 +309,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     # Set by an owning subclass once it is finalized: the last free destroys the pool.
     _finalized = False
 
-    # The fast paths (issue 13): one cuda-python call with cached handle objects and one dict
+    # The fast paths: one cuda-python call with cached handle objects and one dict
     # store or pop, no other Python layer; anything unusual (bad arguments, other devices,
     # errors) takes the general path of _CudaResource, with the same errors.
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:

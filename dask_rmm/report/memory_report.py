@@ -492,9 +492,9 @@ _HEADER = (
 )
 
 #: Device fields summed into the cluster totals.
-_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
-_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
-_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
+_SUMMED += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
+_SUMMED += ("total_spilled_bytes", "total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
 _PEAK_NOTE = (
     "* total peak: the most the running devices held at once within their timelines "
