@@ -443,6 +443,8 @@ def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> get_device_attribute("MemoryPoolsSupported")  # doctest: +SKIP
     1
     """

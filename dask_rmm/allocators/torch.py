@@ -14,7 +14,8 @@ a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.
 
 Examples
 --------
-Before the process's first CUDA tensor:
+Before the process's first CUDA tensor (needs a CUDA device and torch; the doctest run skips
+these lines):
 
 >>> import torch  # doctest: +SKIP
 >>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP

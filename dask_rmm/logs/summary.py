@@ -268,8 +268,15 @@ def summarize(
 
     Examples
     --------
-    >>> report = summarize(["worker-0.csv", "worker-1.csv"])   # doctest: +SKIP
-    >>> report.combined.peak_bytes
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> summarize(path).files[0].peak_bytes
+    1000
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]

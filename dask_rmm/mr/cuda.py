@@ -221,6 +221,8 @@ class CudaMemoryResource(_CudaResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaMemoryResource()  # doctest: +SKIP
     >>> ptr = mr.allocate(1024)  # doctest: +SKIP
     >>> mr.deallocate(ptr, 1024)  # doctest: +SKIP
@@ -403,6 +405,8 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="2GiB")  # doctest: +SKIP
     >>> mr.pool_handle()  # doctest: +SKIP
     94310741504

@@ -113,8 +113,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     >>> path = os.path.join(tempfile.mkdtemp(), "rmm.csv")
     >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=path)
     >>> mr.deallocate(mr.allocate(100), 100)
-    >>> mr.flush()
-    >>> open(mr.get_file_name()).readline().strip()
+    >>> mr.close()
+    >>> with open(mr.get_file_name()) as f:
+    ...     f.readline().strip()
     'Thread,Time,Action,Pointer,Size,Stream'
     """
 

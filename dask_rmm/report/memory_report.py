@@ -144,6 +144,8 @@ class ClusterMemoryReport:
 
     Examples
     --------
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
     >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
     >>> print(report)  # doctest: +SKIP
     >>> report.totals.current_bytes  # doctest: +SKIP
