@@ -67,7 +67,7 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         ):
             # The pool's live table is this adaptor's (see the class notes).
             self._tracking_pool = upstream_mr
-            # Calls go to the pool's bound methods: no frame of this adaptor on the hot path.
+            # Instance attributes shadow the methods: calls skip this adaptor's layer.
             self.allocate = upstream_mr.allocate  # type: ignore[method-assign]
             self.deallocate = upstream_mr.deallocate  # type: ignore[method-assign]
 
