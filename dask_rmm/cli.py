@@ -406,7 +406,7 @@ def advise(
             raise click.UsageError(
                 "give one SCHEDULER_ADDRESS, --scheduler-file, or --logs FILE..."
             )
-        address = targets[0] if targets else None
+        address = targets[0] if targets else ""
         if scheduler_file:
             try:
                 with open(scheduler_file) as f:
