@@ -113,6 +113,9 @@ class RMMPlugin(WorkerPlugin):
 
     name = "dask-rmm"
     idempotent = False
+    #: How a user who made this plugin asks for host memory (named when a worker has no GPU);
+    #: the preload names its flag instead.
+    host_memory_form = 'RMMPlugin(base_resource="system")'
 
     def __init__(
         self,
@@ -180,7 +183,7 @@ class RMMPlugin(WorkerPlugin):
 
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {self._hint(e)}"
         current, joining = True, False
         if self.coordinated:
             failures, current, joining = await self._vote(worker, error, ws.token if kept else None)
@@ -222,6 +225,7 @@ class RMMPlugin(WorkerPlugin):
         if note is not None:
             WORKER_LOGGER.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws)
+        await self._warn_if_host_overcommitted(worker, stacks)
         try:  # the cluster report's scheduler plugin, once (idempotent)
             from dask_rmm.scheduler import install_scheduler_plugin
 
@@ -231,6 +235,54 @@ class RMMPlugin(WorkerPlugin):
                 "dask-rmm: could not install the scheduler plugin from worker %s",
                 worker.address,
                 exc_info=True,
+            )
+
+    def _hint(self, e: Exception) -> str:
+        """``e``'s message; a missing GPU names the form the user typed to use host memory."""
+        from dask_rmm._cuda import CUDAUnavailableError
+
+        message = str(e)
+        if isinstance(e, CUDAUnavailableError) and "Use host memory explicitly" in message:
+            message = message.split("Use host memory explicitly")[0].rstrip()
+            message += (
+                f" For host memory instead give {self.host_memory_form} "
+                "(or config dask-rmm.base-resource: system)."
+            )
+        return message
+
+    async def _warn_if_host_overcommitted(self, worker: Worker, stacks: list) -> None:
+        """Warn when a pool that is a fraction of host memory, times the workers on this host,
+        is more than the host has (every worker takes its fraction of the whole host)."""
+        if not stacks or not stacks[0].host_memory or not isinstance(self.options.pool_size, float):
+            return
+        from distributed.comm.addressing import get_address_host
+
+        from dask_rmm.mr.base import format_bytes
+        from dask_rmm.sizes import host_total_memory
+
+        try:
+            host = get_address_host(worker.address)
+            info = await worker.scheduler.identity()
+            others = {a for a, w in info.get("workers", {}).items() if w.get("host") == host} - {
+                worker.address
+            }
+        except Exception:  # only a warning: never fail the setup for it
+            return
+        n = len(others) + 1
+        total = host_total_memory()
+        pools = sum(s.pool_size or 0 for s in stacks) * n
+        if n > 1 and pools > total:
+            WORKER_LOGGER.warning(
+                "dask-rmm: worker %s: pool_size %s is a fraction of host memory, and the %d "
+                "workers on host %s each take it: %s in all, more than the host's %s; give a "
+                "smaller fraction (%.2f or less) or a size in bytes",
+                worker.name,
+                self.options.pool_size,
+                n,
+                host,
+                format_bytes(pools),
+                format_bytes(total),
+                int(100 / n) / 100,
             )
 
     async def _vote(

@@ -41,10 +41,8 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
             _size("size", value)
         return value
     except (TypeError, ValueError) as e:
-        reason = str(e).removeprefix("size=")
-        raise click.BadParameter(
-            f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)"
-        ) from None
+        # the parser's message says which forms a size takes
+        raise click.BadParameter(str(e).removeprefix("size=").removeprefix("size: ")) from None
 
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
@@ -242,6 +240,7 @@ async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags
         await stop_worker(worker, _reason(e))
         raise WorkerSetupFailed(_reason(e)) from e
     plugin.coordinated = False  # this worker alone: no vote with the others
+    plugin.host_memory_form = "--rmm-base-resource system"
     # What distributed's plugin_add does, without its traceback in the log: the reason is
     # logged once, by stop_worker.
     worker.plugins[plugin.name] = plugin

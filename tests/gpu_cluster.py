@@ -84,9 +84,10 @@ def capture_dask_rmm_logs() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             _captured.append(record.getMessage())
 
-    log = logging.getLogger("dask_rmm")
-    log.setLevel(logging.INFO)
-    log.addHandler(_Keep(logging.INFO))
+    for name in ("dask_rmm", "distributed.worker.dask_rmm"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        log.addHandler(_Keep(logging.INFO))
 
 
 def dask_rmm_logs() -> list[str]:

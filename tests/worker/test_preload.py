@@ -137,7 +137,9 @@ def test_flags_reach_a_real_worker(scheduler, tmp_path):
             assert "TrackingResourceAdaptor>PoolMemoryResource" in d["resource"]
             assert os.path.exists(log_file_path(logs, "flags-1", 0))
     finally:
-        _stop(worker)
+        out = _stop(worker)
+    # on the worker's stderr under distributed's default logging configuration
+    assert " - distributed.worker.dask_rmm - INFO - dask-rmm: worker flags-1 installed" in out
 
 
 @pytest.mark.slow
@@ -185,6 +187,16 @@ def test_a_failing_setup_stops_the_worker_with_one_line_and_a_nonzero_status(
     assert len(said) == 1, out
     assert "dask-rmm setup failed" in said[0] and "bad-1" in said[0]
     assert "Traceback" not in out and "Error" not in out.replace(said[0], ""), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU hint; this host has a GPU")
+def test_a_worker_without_a_gpu_names_the_flag_for_host_memory(scheduler):
+    worker = _start_worker(scheduler, "--rmm-pool-size", "64MiB", name="nogpu-1")
+    out = worker.communicate(timeout=90)[0]
+    assert worker.returncode == 1, out
+    (said,) = [line for line in out.splitlines() if "needs a CUDA device" in line]
+    assert "give --rmm-base-resource system" in said and "SystemMemoryResource()" not in said
 
 
 _exit_process = lambda: os._exit(1)  # noqa: E731
@@ -263,6 +275,13 @@ def test_bad_flags_are_usage_errors(flags, message):
     result = CliRunner().invoke(dask_setup, flags)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_a_bad_size_says_the_size_rules_once():
+    result = CliRunner().invoke(dask_setup, ["--rmm-pool-size", "lots"])
+    assert result.exit_code == 2, result.output
+    assert "'lots': not a size" in result.output
+    assert result.output.count("fraction") == 1, result.output
 
 
 def test_help_lists_every_flag():
