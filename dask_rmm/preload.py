@@ -255,6 +255,18 @@ async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags
         raise WorkerSetupFailed(f"dask-rmm setup failed: {reason}") from e
 
 
+def _same(option: str, a: Any, b: Any) -> bool:
+    """Whether two spellings of an option mean the same (``"32MiB"`` and ``33554432``)."""
+    from dask_rmm.stack.options import _size
+
+    if a == b:
+        return True
+    try:
+        return _size(option, a) == _size(option, b)
+    except (TypeError, ValueError):
+        return False
+
+
 def _without_dask_cuda_flag(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k != "dask_cuda_context"}
 
@@ -273,6 +285,7 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
     stack (``allocators=["rmm"]``), so cuDF and cuML allocate through it as they did through
     dask-cuda's pool. A setting given both ways with different values is a usage error.
     """
+    from dask_rmm.config import config_value
     from dask_rmm.worker import dask_cuda
 
     setup = dask_cuda.find_rmm_setup(worker)
@@ -286,14 +299,15 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
         given = flags.get(ours)
         if option == "allocators":
             flags[ours] = [*dict.fromkeys([*(given or ()), *value])]
-        elif given is None or given == value:
+        elif given is None or _same(option, given, value):
             flags[ours] = value
         else:
             raise click.UsageError(
                 f"dask-cuda's {flag} {value} and dask_rmm.preload's "
                 f"--{ours.replace('_', '-')} {given} disagree; give it once"
             )
-    if dask_cuda.compiled_rmm_installed():
+    base = flags.get("rmm_base_resource") or config_value("base-resource")
+    if dask_cuda.compiled_rmm_installed() and base not in ("system", "pinned"):
         libs = flags.get("set_rmm_allocator_for_libs") or []
         flags["set_rmm_allocator_for_libs"] = [*dict.fromkeys([*libs, "rmm"])]
     plugin = plugin_from_flags(**flags)

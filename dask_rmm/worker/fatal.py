@@ -139,4 +139,9 @@ async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) ->
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    if _armed is not None:  # the command itself (--no-nanny): its exit handlers do not run
+        try:
+            os.unlink(_armed)
+        except OSError:
+            pass
     os._exit(1)

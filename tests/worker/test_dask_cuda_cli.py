@@ -15,7 +15,7 @@ import subprocess
 
 import click
 import pytest
-from conftest import HAS_GPU, wait_until
+from conftest import HAS_GPU
 from distributed import Scheduler, Worker
 from distributed.utils_test import captured_logger, gen_test
 from test_preload import DASK, _env, _stop, scheduler  # noqa: F401  (a fixture)
@@ -28,6 +28,7 @@ dask_cuda = pytest.importorskip("dask_cuda", reason="needs dask-cuda (pip instal
 from dask_cuda.plugins import RMMSetup  # noqa: E402
 
 MiB = 1 << 20
+BASE = "cuda" if HAS_GPU else "system"
 
 
 @pytest.fixture
@@ -143,16 +144,17 @@ async def test_a_worker_with_dask_cudas_rmm_setup_runs_dask_rmm_with_those_setti
         track_allocations=True,
     )
     async with Scheduler(dashboard_address=":0") as s:
-        w = await _worker_as_dask_cuda_starts_it(s, setup, ["--rmm-base-resource", "system"])
+        w = await _worker_as_dask_cuda_starts_it(s, setup, ["--rmm-base-resource", BASE])
         with captured_logger("distributed.preloading") as preloading:
             await w
         async with w:
             options = w.plugins["dask-rmm"].options
             assert (options.pool_size, options.maximum_pool_size) == (32 * MiB, 64 * MiB)
             assert options.track_allocations and options.log_directory == str(tmp_path)
-            assert options.base_resource == "system"  # dask-rmm's own flag, beside dask-cuda's
+            assert options.base_resource == BASE  # dask-rmm's own flag, beside dask-cuda's
+            # compiled RMM (cuDF) is served from dask-rmm's pool where it is installed
             served = "rmm" in options.allocators
-            assert served == dask_cuda_setup.compiled_rmm_installed()
+            assert served == (dask_cuda_setup.compiled_rmm_installed() and HAS_GPU)
             (stack,) = worker_stack(w).active
             assert stack.pool_size == 32 * MiB and "TrackingResourceAdaptor" in stack.chain
             # dask-cuda's plugin ran, but made nothing: no compiled RMM pool beside ours
@@ -176,7 +178,15 @@ async def test_a_setting_given_to_dask_cuda_and_to_the_preload_differently_stops
         )
         with pytest.raises(WorkerSetupFailed, match="--rmm-pool-size 32MiB .* disagree"):
             await w
-        wait_until(lambda: w.status.name in ("closed", "failed"), 10, "the worker closed")
+        assert w.status.name in ("closed", "failed")  # closed before its start failed
+        # the same size spelled another way is no conflict
+        w = await _worker_as_dask_cuda_starts_it(
+            s,
+            _rmm_setup(initial_pool_size="32MiB"),
+            ["--rmm-base-resource", "system", "--rmm-pool-size", str(32 * MiB)],
+        )
+        async with w:
+            assert w.plugins["dask-rmm"].options.pool_size == 32 * MiB
 
 
 # -- with a GPU and dask-cuda ----------------------------------------------------------------

@@ -45,7 +45,7 @@ async def test_a_failure_on_one_worker_changes_no_worker(c, s, a, b, w, tmp_path
                 RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=d)
             )
     message = str(info.value)
-    assert f"{b.address}: OSError: `log_directory`" in message and "1 worker(s)" in message
+    assert f"worker {b.address}: OSError: `log_directory`" in message and "on 1 worker," in message
     for x in (a, b, w):  # every worker kept its stacks, installed
         assert worker_stack(x).active == [before[x.address]]
         assert worker_stack(x).options.pool_size == 8 * MiB
@@ -239,3 +239,25 @@ async def test_registering_never_changes_the_metrics_dict_a_heartbeat_is_reading
     reading = a.metrics
     await c.unregister_worker_plugin("dask-rmm")
     assert "dask-rmm" in reading and "dask-rmm" not in a.metrics
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_worker_that_joins_and_cannot_set_the_registered_plugin_up_stops(c, s, a):
+    """A worker added (or restarted by its nanny) after the registration succeeded gets the
+    plugin when it registers; distributed would log its failure and run it without dask-rmm."""
+    with tempfile.TemporaryDirectory() as d:
+        await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
+        os.makedirs(log_file_path(d, "late", 0))  # its log file's name is a directory
+        with captured_logger("distributed.worker") as log:
+            late = Worker(s.address, nthreads=1, name="late")
+            await late
+            deadline = time.monotonic() + 20
+            while late.status.name not in ("closed", "failed"):
+                assert time.monotonic() < deadline, "the worker without its setup runs on"
+                await asyncio.sleep(0.02)
+        (said,) = [line for line in log.getvalue().splitlines() if "stopping worker late" in line]
+        assert "dask-rmm setup failed" in said and "cannot write the allocation log" in said
+        assert worker_stack(a).active  # the others keep theirs
+        while "late" in {w.name for w in s.workers.values()}:
+            assert time.monotonic() < deadline, "the scheduler still lists the stopped worker"
+            await asyncio.sleep(0.02)
