@@ -162,3 +162,19 @@ def gpu_name() -> str:
 
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def gpu_uuid() -> str:
+    """The current device's UUID as dask-rmm reads it (``GPU-...``)."""
+    from dask_rmm import _cuda
+
+    return _cuda.device_identity(_cuda.get_device())[1]
+
+
+def compiled_rmm_resource() -> str:
+    """The type of compiled RMM's current device resource here, or ``"no rmm"``."""
+    try:
+        import rmm
+    except ImportError:
+        return "no rmm"
+    return type(rmm.mr.get_current_device_resource()).__name__

@@ -18,6 +18,7 @@ import pytest
 from conftest import HAS_GPU
 from distributed import Scheduler, Worker
 from distributed.utils_test import captured_logger, gen_test
+from gpu_cluster import beat, compiled_rmm_resource, device_total_memory, gpu_uuid
 from test_preload import DASK, _env, _stop, scheduler  # noqa: F401  (a fixture)
 
 from dask_rmm.preload import WorkerSetupFailed, dask_setup
@@ -27,6 +28,7 @@ from dask_rmm.worker.stacks import worker_stack
 dask_cuda = pytest.importorskip("dask_cuda", reason="needs dask-cuda (pip install dask-cuda)")
 from dask_cuda.plugins import RMMSetup  # noqa: E402
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 BASE = "cuda" if HAS_GPU else "system"
 
@@ -192,18 +194,12 @@ async def test_a_setting_given_to_dask_cuda_and_to_the_preload_differently_stops
 # -- with a GPU and dask-cuda ----------------------------------------------------------------
 
 
-def _gpu_uuid() -> str:
-    from dask_rmm import _cuda
-
-    return _cuda.device_identity(0)[1]
-
-
-def _compiled_rmm_resource() -> str:
-    try:
-        import rmm
-    except ImportError:
-        return "no rmm"
-    return type(rmm.mr.get_current_device_resource()).__name__
+def _worker_env() -> dict[str, str]:
+    """The environment of a ``dask cuda worker`` process: functions of tests/gpu_cluster.py,
+    which ``client.run`` sends by name, import there."""
+    env = _env()
+    env["PYTHONPATH"] = TESTS + os.pathsep + env["PYTHONPATH"]
+    return env
 
 
 def _physical_gpu_uuids() -> list[str]:
@@ -230,6 +226,7 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
 
     from dask_rmm.report.fetch import cluster_report
 
+    pytest.importorskip("rmm", reason="dask-cuda's --rmm-pool-size needs compiled RMM")
     uuids = _physical_gpu_uuids()
     proc = subprocess.Popen(
         [
@@ -246,7 +243,7 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
             "--preload",
             "dask_rmm.preload",
         ],
-        env=_env(),
+        env=_worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -254,12 +251,10 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
     try:
         with Client(scheduler, timeout="60s") as client:
             client.wait_for_workers(len(uuids), timeout=120)
-            from gpu_cluster import beat, device_total_memory
-
             client.run(beat)
             report = cluster_report(client)
             assert not report.workers_without_dask_rmm
-            seen = client.run(_gpu_uuid)
+            seen = client.run(gpu_uuid)
             totals = client.run(device_total_memory)
             for w in report.workers:
                 dev = report.device(w, 0)
@@ -268,7 +263,7 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
                 assert dev.gpu_uuid == seen[w]
             # one worker per physical GPU, each on its own
             assert sorted(seen.values()) == sorted(uuids)
-            compiled = set(client.run(_compiled_rmm_resource).values())
+            compiled = set(client.run(compiled_rmm_resource).values())
             assert compiled <= {"no rmm", "CallbackMemoryResource"}, compiled
     finally:
         out = _stop(proc)
@@ -280,6 +275,7 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 def test_dask_cuda_worker_with_a_failing_dask_rmm_setup_exits_with_one_line(scheduler):  # noqa: F811
+    pytest.importorskip("rmm", reason="dask-cuda's --rmm-pool-size needs compiled RMM")
     proc = subprocess.run(
         [
             *DASK,
@@ -292,7 +288,7 @@ def test_dask_cuda_worker_with_a_failing_dask_rmm_setup_exits_with_one_line(sche
             "--preload",
             "dask_rmm.preload",
         ],
-        env=_env(),
+        env=_worker_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -300,7 +296,9 @@ def test_dask_cuda_worker_with_a_failing_dask_rmm_setup_exits_with_one_line(sche
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     said = [line for line in out.splitlines() if "is larger than" in line]
-    assert len(said) == len(_physical_gpu_uuids()) and "dask-rmm setup failed" in said[0], out
+    # one line per worker that got as far as its setup before the command ended
+    assert 1 <= len(said) <= len(_physical_gpu_uuids()), out
+    assert "dask-rmm setup failed" in said[0], out
     assert "Traceback" not in out, out
 
 
@@ -316,8 +314,8 @@ def test_dask_cuda_worker_with_a_failing_dask_rmm_setup_exits_with_one_line(sche
     ],
 )
 def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base):
+    pytest.importorskip("rmm", reason="dask-cuda's rmm_* keywords need compiled RMM")
     from distributed import Client
-    from gpu_cluster import beat
 
     from dask_rmm.report.fetch import cluster_report
 
@@ -342,7 +340,7 @@ def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base):
         (w,) = report.workers
         if base != "async":
             assert report.device(w, 0).reserved_bytes == 512 * MiB
-        assert set(client.run(_compiled_rmm_resource).values()) <= {
+        assert set(client.run(compiled_rmm_resource).values()) <= {
             "no rmm",
             "CallbackMemoryResource",
         }
@@ -350,9 +348,10 @@ def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base):
 
 def _cudf_workload(client, n: int):
     import cudf
-    import dask_cudf
+    import dask.dataframe as dd
+    import dask_cudf  # noqa: F401  (dask's cuDF backend)
 
-    df = dask_cudf.from_cudf(cudf.DataFrame({"a": range(n)}), npartitions=4)
+    df = dd.from_pandas(cudf.DataFrame({"a": cudf.Series(range(n), dtype="int64")}), npartitions=4)
     return (df.a * 2 + 1).persist()
 
 
@@ -364,7 +363,6 @@ def test_a_dask_cudf_workload_shows_in_the_report_under_its_task_groups():
     pytest.importorskip("dask_cudf", reason="needs dask-cudf")
     pytest.importorskip("rmm", reason="needs compiled RMM (cuDF allocates through it)")
     from distributed import Client, wait
-    from gpu_cluster import beat
 
     from dask_rmm.report.fetch import cluster_report
 
