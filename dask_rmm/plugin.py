@@ -61,7 +61,7 @@ class RMMSetupError(RuntimeError):
     @classmethod
     def from_failures(cls, failures: dict[str, str], kept_previous: bool) -> RMMSetupError:
         """The error for ``failures`` (address -> reason): every failed worker, with its reason."""
-        kept = "every worker keeps its previous setup" if kept_previous else "no worker has it"
+        kept = "every worker keeps its previous setup" if kept_previous else "no worker changed"
         n = len(failures)
         reasons = "; ".join(f"worker {w}: {r}" for w, r in sorted(failures.items()))
         return cls(
