@@ -159,7 +159,7 @@ class WorkerStack:
             allocators.reset_allocators(dropped)
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
-        allocators.set_allocators(list(options.allocators))
+        allocators.set_allocators(list(options.allocators), exact=options.exact_allocators)
 
     def set_pressure(self, worker: Any, pressure: Any) -> None:
         """Detach the memory-pressure layer in place (its spilled outputs come back to the

@@ -21,6 +21,9 @@ from dask_rmm.allocators import (  # noqa: E402
     reset_allocators,
     set_allocators,
 )
+from dask_rmm.allocators.caches import (  # noqa: E402
+    library_caches,
+)
 from dask_rmm.allocators import cupy as cupy_hook  # noqa: E402
 from dask_rmm.mr import (  # noqa: E402
     PoolMemoryResource,
@@ -141,17 +144,31 @@ def test_set_and_reset_cupy_allocator():
     cupy_hook.set_cupy_allocator()
     cupy_hook.set_cupy_allocator()  # idempotent
     try:
-        # the lean one (the faster; the plugin's allocators=["cupy"] installs it this way)
+        # by default CuPy's own MemoryPool over the resource, listed as a library cache
+        cache = cupy_hook.get_cupy_cache()
+        assert cupy.cuda.get_allocator() == cache.pool.malloc
+        assert cache in library_caches()
+        # the exact path on request: the lean allocator, the cache no longer listed
+        cupy_hook.set_cupy_allocator(cache=False)
         assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
+        assert cache not in library_caches()
+        cupy_hook.set_cupy_allocator(cache=True)
+        assert cupy.cuda.get_allocator() == cache.pool.malloc
     finally:
         cupy_hook.reset_cupy_allocator()
     assert cupy.cuda.get_allocator() is original
+    assert cupy_hook.get_cupy_cache() not in library_caches()
     cupy_hook.reset_cupy_allocator()  # nothing to reset: no-op
     assert cupy.cuda.get_allocator() is original
-    # RMM's allocator set by hand counts as ours too: set is then a no-op, reset restores
+    # dask-rmm's exact allocator set by hand counts as ours for the exact path (set is then a
+    # no-op); the default (the cache) replaces it, and reset gives it back
     cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
     try:
+        cupy_hook.set_cupy_allocator(cache=False)
+        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
         cupy_hook.set_cupy_allocator()
+        assert cupy.cuda.get_allocator() == cupy_hook.get_cupy_cache().pool.malloc
+        cupy_hook.reset_cupy_allocator()
         assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
     finally:
         cupy.cuda.set_allocator(original)
@@ -159,7 +176,7 @@ def test_set_and_reset_cupy_allocator():
 
 def test_set_allocators_cupy():
     original = cupy.cuda.get_allocator()
-    assert set_allocators("CuPy") == ["cupy"]
+    assert set_allocators("CuPy", exact=["cupy"]) == ["cupy"]
     try:
         assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
     finally:
