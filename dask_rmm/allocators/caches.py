@@ -129,3 +129,10 @@ def set_oom_handler(device: int, handler: Callable[[int], int] | None) -> None:
 def oom_handler(device: int) -> Callable[[int], int] | None:
     """The handler :func:`set_oom_handler` set for ``device``, or None."""
     return _oom_handlers.get(device)
+
+
+def _reset_for_tests() -> None:
+    """Forget every cache and handler (the test suite's fixture calls it after each test)."""
+    with _lock:
+        _caches.clear()
+        _oom_handlers.clear()

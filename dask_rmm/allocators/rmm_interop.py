@@ -288,8 +288,9 @@ _installed: dict[int, _Installation] = {}
 _retired: list[_Installation] = []
 
 
-#: The compiled pool's first block (it doubles from there as cuDF needs more).
-RMM_CACHE_INITIAL_SIZE = 256 << 20
+#: The compiled pool's first block, when the stack has room for it (else the pool starts
+#: empty); it doubles from there as the library needs more.
+RMM_CACHE_INITIAL_SIZE = 64 << 20
 
 
 class RMMPoolCache:
@@ -312,7 +313,8 @@ class RMMPoolCache:
     forwarder : RMMForwarder
         Its callbacks (which remember the resource of each block).
     initial_pool_size : int
-        The pool's first block, drawn at once.
+        The pool's first block, drawn at once; when the stack cannot give it, the pool starts
+        empty and grows by what is asked.
     """
 
     name = "rmm"
@@ -324,7 +326,12 @@ class RMMPoolCache:
         self.device = device
         self.forwarder = forwarder
         self.upstream = rmm.mr.CallbackMemoryResource(self._draw, forwarder.deallocate)
-        self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=initial_pool_size)
+        try:
+            self.pool = rmm.mr.PoolMemoryResource(
+                self.upstream, initial_pool_size=initial_pool_size
+            )
+        except MemoryError:  # a small stack: start empty
+            self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=0)
         self.failure = rmm.mr.FailureCallbackResourceAdaptor(self.pool, self._out_of_memory)
         self.top = rmm.mr.StatisticsResourceAdaptor(self.failure)
         #: Failed allocations that the callback freed memory for (then retried).
