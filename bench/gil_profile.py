@@ -125,13 +125,15 @@ def switch_intervals(threads: int, rounds: int) -> None:
         print(f"{'configuration':<30} " + " ".join(f"{ms:>8} ms" for ms in (0.5, 5, 50)))
         table = {label: {} for label in clusters}
         for ms in (0.5, 5, 50):
-            for label, (_, client) in clusters.items():
+            for _, client in clusters.values():
                 client.run(_set_interval, ms / 1000)
             for _ in range(rounds):
                 for label, (_, client) in clusters.items():
                     table[label].setdefault(ms, []).append(_chain(client))
         for label, per in table.items():
-            print(f"{label:<30} " + " ".join(f"{statistics.median(t):>11.3f}" for t in per.values()))
+            print(
+                f"{label:<30} " + " ".join(f"{statistics.median(t):>11.3f}" for t in per.values())
+            )
         pyspy(clusters["per-allocation (exact)"][1], "exact")
         pyspy(clusters["CuPy pool in front (default)"][1], "cache")
     finally:

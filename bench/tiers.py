@@ -150,7 +150,10 @@ def configurations(lib: str, pool: str) -> list[tuple[str, object]]:
         configs.append(("dask-cuda RMM pool", peer))
     configs += [
         ("dask-rmm default", _plugin(pool_size=pool, allocators=[lib])),
-        ("dask-rmm default, stats off", _plugin(pool_size=pool, allocators=[lib], statistics=False)),
+        (
+            "dask-rmm default, stats off",
+            _plugin(pool_size=pool, allocators=[lib], statistics=False),
+        ),
         ("dask-rmm exact", _plugin(pool_size=pool, allocators=[lib], exact_allocators=[lib])),
         (
             "dask-rmm exact, stats off",

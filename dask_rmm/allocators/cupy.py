@@ -26,6 +26,7 @@ of the device CuPy is on. Pinned host memory for CuPy is not covered.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Any
@@ -234,9 +235,9 @@ class CupyPoolCache:
     (:func:`lean_cupy_allocator`, on CuPy's current stream), so every block is counted, limited
     and logged by the stack, and goes back to it when CuPy frees it (``free_all_blocks``).
     Arrays are carved out of those blocks by CuPy alone: no Python runs per allocation. When
-    the stack is out of memory, CuPy's pool sees the CUDA out-of-memory error it knows, gives
-    its free blocks back and retries (then raises its ``OutOfMemoryError``); the stack's error
-    is kept in ``last_error``.
+    the stack is out of memory, the pool gives its free blocks back and tries once more; if
+    that fails too, the stack's ``MemoryError`` (dask-rmm's ``OutOfMemoryError``, with the
+    pool's numbers) reaches the caller, as through the per-allocation hook.
 
     Examples
     --------
@@ -250,11 +251,8 @@ class CupyPoolCache:
 
     def __init__(self) -> None:
         cupy = _require_cupy()
-        from cupy_backends.cuda.api.runtime import CUDARuntimeError
-
-        self._oom_error = CUDARuntimeError
         self.pool = cupy.cuda.MemoryPool(allocator=self._draw)
-        #: The stack's last out-of-memory error (CuPy's pool replaces it with its own).
+        #: The stack's last out-of-memory error.
         self.last_error: BaseException | None = None
 
     def _draw(self, nbytes: int) -> Any:
@@ -262,9 +260,17 @@ class CupyPoolCache:
             return lean_cupy_allocator(nbytes)
         except MemoryError as e:
             self.last_error = e
-            # cudaErrorMemoryAllocation: what CuPy's pool answers by freeing its cache and
-            # retrying; any other error would reach the array's caller unchanged.
-            raise self._oom_error(2) from e
+            # As CuPy's pool does on cudaMalloc's out-of-memory: give the cache's free blocks
+            # back (arrays dropped in reference cycles first, if that is all there is) and try
+            # once more. The stack's memory-pressure layer, when there is one, did so already
+            # before failing: then nothing is released and its error, with its numbers, is the
+            # caller's (raised as is: CuPy's pool passes on what is not a CUDA error).
+            device = _get_device_id()
+            if not self.release(device):
+                gc.collect()
+                if not self.release(device):
+                    raise
+        return lean_cupy_allocator(nbytes)
 
     def _on_device(self, device: int) -> Any:
         return _cupy.cuda.Device(device)

@@ -312,17 +312,17 @@ class RMMPoolCache:
         The device whose dask-rmm resource serves the pool's blocks.
     forwarder : RMMForwarder
         Its callbacks (which remember the resource of each block).
-    initial_pool_size : int
-        The pool's first block, drawn at once; when the stack cannot give it, the pool starts
+    initial_pool_size : int, optional
+        The pool's first block, drawn at once (default :data:`RMM_CACHE_INITIAL_SIZE`); when the stack cannot give it, the pool starts
         empty and grows by what is asked.
     """
 
     name = "rmm"
 
-    def __init__(
-        self, device: int, forwarder: RMMForwarder, initial_pool_size: int = RMM_CACHE_INITIAL_SIZE
-    ):
+    def __init__(self, device: int, forwarder: RMMForwarder, initial_pool_size: int | None = None):
         rmm = _require_rmm("RMMPoolCache")
+        if initial_pool_size is None:
+            initial_pool_size = RMM_CACHE_INITIAL_SIZE
         self.device = device
         self.forwarder = forwarder
         self.upstream = rmm.mr.CallbackMemoryResource(self._draw, forwarder.deallocate)
@@ -480,7 +480,11 @@ def set_rmm_callback_resource(
                     and (old.cache is not None) == bool(cache)
                 ):
                     continue
-                previous = old.rmm_previous if old is not None and current is old.callback_resource else current
+                previous = (
+                    old.rmm_previous
+                    if old is not None and current is old.callback_resource
+                    else current
+                )
                 forwarder = RMMForwarder(device)
                 tier = None
                 if cache:

@@ -21,10 +21,10 @@ from dask_rmm.allocators import (  # noqa: E402
     reset_allocators,
     set_allocators,
 )
+from dask_rmm.allocators import cupy as cupy_hook  # noqa: E402
 from dask_rmm.allocators.caches import (  # noqa: E402
     library_caches,
 )
-from dask_rmm.allocators import cupy as cupy_hook  # noqa: E402
 from dask_rmm.mr import (  # noqa: E402
     PoolMemoryResource,
     StatisticsResourceAdaptor,
