@@ -83,6 +83,58 @@ def calls_per_allocation(gpu: bool) -> None:
     mr.set_current_device_resource(previous)
 
 
+def gil_proxy(threads_list=(1, 2, 4, 8), steps: int = 20_000, rounds: int = 3) -> None:
+    """CPU proxy of a launch-bound worker: each step is a GIL-free C call of a few microseconds
+    (a kernel launch's stand-in: hashing 8 KiB) after an allocate+free through the worker's
+    stack, or with none. Wall time per step over all threads: with the GIL, Python per
+    allocation stops overlapping once threads outnumber what the GIL lets run."""
+    import hashlib
+    import threading
+
+    from dask_rmm.stack.build import build_stack
+    from dask_rmm.stack.options import RMMOptions
+
+    stack = build_stack(
+        RMMOptions(base_resource="system", pool_size=64 << 20),
+        0,
+        task_key=lambda: "t-1",
+        owner_name=lambda k: "t",
+    )
+    top = stack.top
+    data = bytes(8192)
+    sha = hashlib.sha256
+
+    def work(n, allocate):
+        if allocate:
+            for _ in range(n):
+                p = top.allocate(4096)
+                sha(data).digest()
+                top.deallocate(p, 4096)
+        else:
+            for _ in range(n):
+                sha(data).digest()
+
+    print(f"\n# GIL proxy on {os.cpu_count()} CPUs: ns per step (all threads' steps / wall)")
+    print(f"{'threads':>7} {'no allocation':>14} {'stack pair':>11} {'added':>7}")
+    for threads in threads_list:
+        per = {}
+        for allocate in (False, True):
+            times = []
+            for _ in range(rounds):
+                ts = [
+                    threading.Thread(target=work, args=(steps // threads, allocate))
+                    for _ in range(threads)
+                ]
+                t0 = time.perf_counter_ns()
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                times.append((time.perf_counter_ns() - t0) / steps)
+            per[allocate] = statistics.median(times)
+        print(f"{threads:>7} {per[False]:>14.0f} {per[True]:>11.0f} {per[True] - per[False]:>7.0f}")
+
+
 def _chain(client, steps=20):
     from tiers import cupy_chain
 
@@ -192,6 +244,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="part 1 only, on host memory")
     args = ap.parse_args()
     calls_per_allocation(gpu=not args.cpu)
+    gil_proxy()
     if not args.cpu:
         switch_intervals(args.threads, args.rounds)
     return 0
