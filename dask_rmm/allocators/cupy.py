@@ -371,15 +371,19 @@ def set_cupy_allocator(cache: bool = True) -> None:
 
 
 def _drop_cache(keep_allocator: bool = False) -> None:
-    """Unlist the cache and give its free blocks back (arrays still holding blocks give them
-    back to the stack when CuPy frees them)."""
+    """Give the cache's free blocks back; unlist it once it holds none. Arrays still holding
+    blocks give them back to the cache when CuPy frees them: until then it stays listed, so
+    its free bytes are still reported and still given back under memory pressure."""
     if _cache is None or (keep_allocator and _cupy.cuda.get_allocator() == _cache.pool.malloc):
         return
-    caches.unregister_cache(_cache)
     try:
         _cache.pool.free_all_blocks()
+        holds = _cache.pool.total_bytes() > 0
     except Exception:  # no device (a pool that never allocated), or a teardown that must go on
         logger.debug("dask-rmm: freeing CuPy's cached blocks failed", exc_info=True)
+        holds = False
+    if not holds:
+        caches.unregister_cache(_cache)
 
 
 def reset_cupy_allocator() -> None:
