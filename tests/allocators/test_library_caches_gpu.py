@@ -133,6 +133,26 @@ def test_gpu_rmm_cache_counts_each_allocation_and_draws_blocks_from_the_stack(rm
     assert cache.cached_bytes(0) == cache.pool_size()  # RMM's pool keeps its blocks
 
 
+def test_gpu_rmm_cache_serves_another_stream_and_draws_on_it(rmm_cache):
+    from rmm.pylibrmm.stream import Stream as RMMStream
+
+    rmm, cache, stack = rmm_cache
+    stream = RMMStream()
+    _KEEP_STREAMS.append(stream)  # RMM's pool may order on it after the test
+    buf = rmm.DeviceBuffer(size=8 * MiB, stream=stream)  # the pool's first block, drawn on it
+    buf.copy_from_host(b"\x05" * (8 * MiB), stream=stream)
+    stream.synchronize()
+    assert bytes(buf.copy_to_host())[-1] == 5
+    assert cache.statistics()["current_bytes"] == 8 * MiB
+    del buf
+    assert cache.statistics()["current_bytes"] == 0
+    assert stack.statistics.current_bytes == cache.pool_size()
+
+
+#: RMM streams a compiled pool may still order on: kept for the whole session.
+_KEEP_STREAMS: list = []
+
+
 def test_gpu_rmm_cache_respects_the_stacks_maximum(rmm_cache):
     rmm, cache, stack = rmm_cache
     with pytest.raises(MemoryError):
