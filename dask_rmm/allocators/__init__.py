@@ -2,8 +2,11 @@
 
 ``set_allocators(["cupy", "numba", "torch"])`` is what the worker plugin's ``allocators=[...]``
 and ``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
-:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba` and
-:mod:`dask_rmm.allocators.torch`. Importing this package imports none of the libraries.
+:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba`,
+:mod:`dask_rmm.allocators.rmm_interop` and :mod:`dask_rmm.allocators.torch`, and the registry of
+library caches (CuPy's and compiled RMM's own pools drawing blocks from the stack, the default
+for those two) in :mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
+libraries.
 """
 
 from __future__ import annotations
