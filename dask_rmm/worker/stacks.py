@@ -168,6 +168,12 @@ class WorkerStack:
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
         allocators.set_allocators(list(options.allocators), exact=options.exact_allocators)
+        from dask_rmm.allocators import caches
+
+        for stack in stacks:
+            # Free blocks a library cache drew from the replaced stacks go back to them, so that
+            # new arrays draw from (and are counted by) the new ones.
+            caches.release_cached(stack.device)
 
     def set_pressure(self, worker: Any, pressure: Any) -> None:
         """Detach the memory-pressure layer in place (its spilled outputs come back to the
