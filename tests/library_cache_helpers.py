@@ -22,6 +22,7 @@ class HostLibraryCache:
         self.free_blocks: dict[int, list[int]] = defaultdict(list)
         self.in_use: dict[int, int] = {}  # ptr -> block size
         self.block_sizes: dict[int, int] = {}  # every block drawn and not given back
+        self.block_resources: dict[int, object] = {}  # ... and the resource it came from
         # independent per-draw counts: what the stack's statistics must equal
         self.draws = 0
         self.drawn_bytes = 0
@@ -43,6 +44,7 @@ class HostLibraryCache:
                 self.release(self.device)
                 ptr = mr.allocate(size)
             self.block_sizes[ptr] = size
+            self.block_resources[ptr] = mr  # a block goes back where it came from, as CuPy's
             self.draws += 1
             self.drawn_bytes += size
             self.peak_drawn_bytes = max(self.peak_drawn_bytes, self.live_drawn_bytes())
@@ -69,12 +71,11 @@ class HostLibraryCache:
     def release(self, device: int) -> int:
         if device != self.device:
             return 0
-        mr = get_per_device_resource(self.device)
         released = 0
         for size, ptrs in self.free_blocks.items():
             while ptrs:
                 ptr = ptrs.pop()
-                mr.deallocate(ptr, size)
+                self.block_resources.pop(ptr).deallocate(ptr, size)
                 del self.block_sizes[ptr]
                 released += size
         self.releases += 1 if released else 0

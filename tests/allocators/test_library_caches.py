@@ -174,3 +174,29 @@ def test_wire_keeps_cache_fields_and_old_heartbeats_read_as_no_cache():
     old = wire.DeviceSample.from_dict({"current_bytes": 5})
     assert (old.library_cached_bytes, old.library_caches, old.in_array_bytes) == (0, "", 5)
     assert ("library_cached_bytes", "dask_rmm_library_cached_bytes") in [g[:2] for g in wire.GAUGES]
+
+
+def test_new_stacks_get_the_arrays_a_cache_makes_after_a_re_registration():
+    """Installing new stacks has the caches give their free blocks back to the replaced ones:
+    arrays made afterwards are drawn from, and counted by, the new stack."""
+    from dask_rmm.worker.stacks import WorkerStack
+
+    opts = RMMOptions(base_resource="system", pool_size=16 * MiB)
+    ws = WorkerStack()
+    old = build_stack(opts, 0)
+    ws.install([old], opts, "first")
+    cache = HostLibraryCache()
+    caches.register_cache(cache)
+    cache.free(cache.malloc(MiB))
+    old_statistics = old.statistics  # retiring makes the stack's references weak
+    assert old_statistics.current_bytes == MiB and cache.cached_bytes(0) == MiB
+    new = build_stack(opts, 0)
+    ws.install([new], opts, "second")
+    try:
+        assert cache.cached_bytes(0) == 0 and old_statistics.current_bytes == 0
+        ptr = cache.malloc(MiB)
+        assert new.statistics.current_bytes == MiB
+        cache.free(ptr)
+    finally:
+        cache.release(0)
+        ws.retire([new])
