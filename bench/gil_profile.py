@@ -219,7 +219,7 @@ def pyspy(client, label: str, seconds: float = 5.0) -> None:
         print("py-spy not installed: no sampling profile", file=sys.stderr)
         return
     (pid,) = client.run(os.getpid).values()
-    out = Path(os.environ.get("OUT", "/tmp"))
+    out = Path(os.environ.get("PYSPY_DIR", "/tmp"))
     for mode, flags in (("gil", ["--gil"]), ("idle", ["--idle"])):
         path = out / f"pyspy_{label}_{mode}.txt"
         cmd = [exe, "record", "--native", "-r", "250", "-d", str(seconds), "-f", "raw"]
