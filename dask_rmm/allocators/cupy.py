@@ -252,14 +252,12 @@ class CupyPoolCache:
     def __init__(self) -> None:
         cupy = _require_cupy()
         self.pool = cupy.cuda.MemoryPool(allocator=self._draw)
-        #: The stack's last out-of-memory error.
-        self.last_error: BaseException | None = None
 
     def _draw(self, nbytes: int) -> Any:
         try:
             return lean_cupy_allocator(nbytes)
-        except MemoryError as e:
-            self.last_error = e
+        except MemoryError:
+            # (The error is not kept: its traceback would keep the caller's arrays alive.)
             # As CuPy's pool does on cudaMalloc's out-of-memory: give the cache's free blocks
             # back (arrays dropped in reference cycles first, if that is all there is) and try
             # once more. The stack's memory-pressure layer, when there is one, did so already
