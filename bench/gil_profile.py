@@ -213,7 +213,7 @@ def _summarize(path: Path, what: str) -> None:
         print(f"{k / max(total, 1):6.1%}  {leaf}")
 
 
-def pyspy(client, label: str, seconds: float = 5.0) -> None:
+def pyspy(client, label: str, seconds: int = 5) -> None:
     exe = shutil.which("py-spy")
     if exe is None:
         print("py-spy not installed: no sampling profile", file=sys.stderr)
@@ -222,7 +222,7 @@ def pyspy(client, label: str, seconds: float = 5.0) -> None:
     out = Path(os.environ.get("PYSPY_DIR", "/tmp"))
     for mode, flags in (("gil", ["--gil"]), ("idle", ["--idle"])):
         path = out / f"pyspy_{label}_{mode}.txt"
-        cmd = [exe, "record", "--native", "-r", "250", "-d", str(seconds), "-f", "raw"]
+        cmd = [exe, "record", "--native", "-r", "250", "-d", str(int(seconds)), "-f", "raw"]
         proc = subprocess.Popen([*cmd, *flags, "-o", str(path), "-p", str(pid)])
         deadline = time.monotonic() + seconds + 1
         while time.monotonic() < deadline:
