@@ -288,6 +288,16 @@ _installed: dict[int, _Installation] = {}
 _retired: list[_Installation] = []
 
 
+#: The counters of RMM's ``Statistics``, in its order.
+_RMM_STATISTICS = (
+    "current_bytes",
+    "current_count",
+    "peak_bytes",
+    "peak_count",
+    "total_bytes",
+    "total_count",
+)
+
 #: The compiled pool's first block, when the stack has room for it (else the pool starts
 #: empty); it doubles from there as the library needs more.
 RMM_CACHE_INITIAL_SIZE = 64 << 20
@@ -358,10 +368,10 @@ class RMMPoolCache:
     def statistics(self) -> dict[str, int]:
         """RMM's exact counts of the allocations the pool served: current, peak and total
         bytes and counts."""
-        counts = self.top.allocation_counts
-        get = counts.get if isinstance(counts, dict) else lambda k: getattr(counts, k)
-        keys = ("current_bytes", "current_count", "peak_bytes", "peak_count")
-        return {k: int(get(k)) for k in (*keys, "total_bytes", "total_count")}
+        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics (or a dict)
+        if isinstance(counts, dict):
+            return {k: int(counts[k]) for k in _RMM_STATISTICS}
+        return {k: int(getattr(counts, k)) for k in _RMM_STATISTICS}
 
     def pool_size(self) -> int:
         """Bytes the pool drew from the stack."""
@@ -455,6 +465,8 @@ def set_rmm_callback_resource(
 
     Examples
     --------
+    Needs a CUDA device and the compiled RMM (the doctest run skips these lines):
+
     >>> from dask_rmm.allocators.rmm_interop import (
     ...     reset_rmm_callback_resource, set_rmm_callback_resource)
     >>> set_rmm_callback_resource()  # doctest: +SKIP
