@@ -107,8 +107,16 @@ class RMMPlugin(WorkerPlugin):
 
     Examples
     --------
+    Options are checked where the plugin is made:
+
     >>> from dask_rmm import RMMPlugin
-    >>> client.register_plugin(RMMPlugin(pool_size="4GiB", allocators=["cupy"]))  # doctest: +SKIP
+    >>> plugin = RMMPlugin(pool_size="4GiB", allocators=["cupy"])
+    >>> plugin.options.pool_size
+    4294967296
+
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
+    >>> client.register_plugin(plugin)  # doctest: +SKIP
     """
 
     name = "dask-rmm"
@@ -127,6 +135,7 @@ class RMMPlugin(WorkerPlugin):
         log_directory: str | os.PathLike | None = _UNSET,
         track_allocations: bool = _UNSET,
         allocators: Iterable[str] | str | None = _UNSET,
+        exact_allocators: Iterable[str] | str | bool | None = _UNSET,
         statistics: bool = _UNSET,
         base_resource: str = _UNSET,
         devices: Iterable[int] | int | str | None = _UNSET,

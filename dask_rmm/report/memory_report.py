@@ -120,8 +120,8 @@ def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
     events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
     if not events:
         return None
-    latest: dict[int, int] = {}
-    total = peak = 0
+    latest: dict[int, float] = {}
+    total = peak = 0.0
     for _t, i, value in events:
         total += value - latest.get(i, 0)
         latest[i] = value
@@ -144,6 +144,8 @@ class ClusterMemoryReport:
 
     Examples
     --------
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
     >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
     >>> print(report)  # doctest: +SKIP
     >>> report.totals.current_bytes  # doctest: +SKIP
@@ -355,7 +357,28 @@ class ClusterMemoryReport:
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines.append(self._peak_note())
-        return "\n".join(lines + self.pressure_lines() + self._notes())
+        return "\n".join(lines + self.cache_lines() + self.pressure_lines() + self._notes())
+
+    def cache_lines(self) -> list[str]:
+        """One line per device whose memory passes through a library cache: how much of what
+        it allocated is in arrays and how much the caches hold free, and what its statistics
+        and task groups count then (none without caches)."""
+        lines = []
+        for d in self.devices:
+            if not d.library_caches:
+                continue
+            lines.append(
+                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.in_array_bytes)} in arrays, "
+                f"{format_bytes(d.library_cached_bytes)} held free in the {d.library_caches} "
+                "cache(s)"
+            )
+        if lines:
+            lines.insert(
+                0,
+                "library caches (allocated = in arrays + held free in the caches; counts and "
+                "task groups are the caches' blocks, charged to the task that drew them):",
+            )
+        return lines
 
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
@@ -495,9 +518,9 @@ _HEADER = (
 )
 
 #: Device fields summed into the cluster totals.
-_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
-_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
-_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
+_SUMMED += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
+_SUMMED += ("total_spilled_bytes", "total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
 _PEAK_NOTE = (
     "* total peak: the most the running devices held at once within their timelines "

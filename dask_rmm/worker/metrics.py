@@ -8,16 +8,18 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm import wire
+from dask_rmm.allocators import caches
 from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
 
 if TYPE_CHECKING:
     from distributed import Worker
+    from tornado.ioloop import PeriodicCallback
 
     from dask_rmm.stack.build import DeviceStack
 
@@ -64,16 +66,18 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
-def add_periodic(worker: Worker, key: str, callback: Callable[[], Any], seconds: float) -> Any:
+def add_periodic(
+    worker: Worker, key: str, callback: Callable[[], Any], seconds: float
+) -> PeriodicCallback:
     """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
     worker closes, even without a teardown, and started by the worker if added before it starts
     (a preload)."""
     from tornado.ioloop import PeriodicCallback
 
-    callback = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
+    periodic = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
     if worker.status.name in ("running", "paused", "closing_gracefully"):
-        callback.start()
-    return callback
+        periodic.start()
+    return periodic
 
 
 def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
@@ -144,7 +148,7 @@ class WorkerMetrics:
             else:
                 metrics["rmm"] = previous
         worker.metrics = metrics
-        self.__init__()  # nothing installed, as before install
+        WorkerMetrics.__init__(self)  # nothing installed, as before install
 
     def sample(self) -> None:
         """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
@@ -178,7 +182,7 @@ class WorkerMetrics:
 
     @staticmethod
     def _device_metrics(
-        device: _DeviceSamples, top_n: int, retired: list[DeviceStack] = ()
+        device: _DeviceSamples, top_n: int, retired: Sequence[DeviceStack] = ()
     ) -> dict[str, Any]:
         stack = device.stack
         d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
@@ -200,6 +204,11 @@ class WorkerMetrics:
                 d["largest_free_block"] = int(info.largest_free_block)
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
             d["retired_bytes"] = retired_bytes(retired, stack.device)
+
+        def library_caches() -> None:
+            cached = caches.cached_bytes(stack.device)
+            d["library_cached_bytes"] = sum(cached.values())
+            d["library_caches"] = ",".join(sorted(cached))
 
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
@@ -227,7 +236,8 @@ class WorkerMetrics:
                 d.update(stack.pressure.heartbeat_fields())
 
         errors = []
-        for part in (statistics, device_memory, current_resource, task_groups, memory_pressure):
+        parts = (statistics, library_caches, device_memory, current_resource, task_groups)
+        for part in (*parts, memory_pressure):
             try:  # one part failing leaves the others, and the heartbeat, intact
                 part()
             except Exception as e:
@@ -251,7 +261,8 @@ class WorkerMetrics:
             try:
                 stats = stack.statistics
                 current = stats.current_bytes if stats is not None else 0
-                used += current
+                # distributed's plot: what arrays use, not what library caches keep free
+                used += max(0, current - sum(caches.cached_bytes(stack.device).values()))
                 # The "dask-rmm" metric of this heartbeat has just walked the pool's free lists:
                 # reuse its reserved bytes rather than walk them again.
                 when, reserved = device.last_reserved

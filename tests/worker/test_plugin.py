@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import time
 
 import dask
@@ -87,6 +88,7 @@ def _stack_names(dask_worker=None):
         ({"pool_size": 1.5}, "pool_size=1.5"),
         ({"base_resource": "gpu"}, "`base_resource` must be one of"),
         ({"allocators": ["cupy", "tensorflow"]}, "unknown library 'tensorflow' in `allocators`"),
+        ({"exact_allocators": ["cupy", "jax"]}, "unknown library 'jax' in `exact_allocators`"),
         (
             {"base_resource": "system", "async_alloc": True},
             "`async_alloc=True` means base_resource='async', which conflicts",
@@ -102,6 +104,14 @@ def _stack_names(dask_worker=None):
 def test_incompatible_options_fail_on_the_client(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         RMMPlugin(**kwargs)
+
+
+def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
+    assert RMMPlugin().options.exact_allocators == ()
+    assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")
+    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm")
+    assert RMMPlugin(exact_allocators=False).options.exact_allocators == ()
+    assert "exact_allocators=['cupy']" in repr(RMMPlugin(exact_allocators=["cupy"]))
 
 
 def test_dask_cuda_names_choose_the_base_resource():
@@ -215,7 +225,7 @@ async def test_one_log_file_per_worker_and_device(c, s, a, b, tmp_path_factory=N
             with open(path) as f:
                 assert f.readline().strip() == "Thread,Time,Action,Pointer,Size,Stream"
         # a and b share this process's registry: the allocations went through the newest stack.
-        rows = "".join(open(p).read() for p in paths.values())
+        rows = "".join(pathlib.Path(p).read_text() for p in paths.values())
         assert ",allocate,0x" in rows and ",1000," in rows and ",2000," in rows
 
 
