@@ -302,18 +302,22 @@ def test_dask_cuda_worker_with_a_failing_dask_rmm_setup_exits_with_one_line(sche
     assert "Traceback" not in out, out
 
 
+_plugin_options = lambda dask_worker: dask_worker.plugins["dask-rmm"].options.to_dict()  # noqa: E731
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "kwargs, base",
+    "kwargs, base, pool",
     [
-        (dict(rmm_pool_size="512MiB", rmm_maximum_pool_size="1GiB"), "cuda"),
-        (dict(rmm_async=True, rmm_pool_size="512MiB", rmm_release_threshold="1GiB"), "async"),
-        (dict(rmm_managed_memory=True, rmm_pool_size="512MiB"), "managed"),
+        (dict(rmm_pool_size="512MiB", rmm_maximum_pool_size="1GiB"), "cuda", 512 * MiB),
+        # dask-cuda warns that a pool size with rmm_async will be an error: none given
+        (dict(rmm_async=True, rmm_release_threshold="1GiB"), "async", None),
+        (dict(rmm_managed_memory=True, rmm_pool_size="512MiB"), "managed", 512 * MiB),
     ],
 )
-def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base):
+def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base, pool):
     pytest.importorskip("rmm", reason="dask-cuda's rmm_* keywords need compiled RMM")
     from distributed import Client
 
@@ -326,20 +330,14 @@ def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base):
         ) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
-        options = next(
-            iter(
-                client.run(
-                    lambda dask_worker: dask_worker.plugins["dask-rmm"].options.to_dict()
-                ).values()
-            )
-        )  # noqa: E501
+        (options,) = client.run(_plugin_options).values()
         assert options["base_resource"] == base
-        assert options["pool_size"] == 512 * MiB
+        assert options["pool_size"] == pool
         client.run(beat)
         report = cluster_report(client)
         (w,) = report.workers
-        if base != "async":
-            assert report.device(w, 0).reserved_bytes == 512 * MiB
+        if pool is not None:
+            assert report.device(w, 0).reserved_bytes == pool
         assert set(client.run(compiled_rmm_resource).values()) <= {
             "no rmm",
             "CallbackMemoryResource",
