@@ -31,6 +31,9 @@ class TrimResult:
         Bytes the pool held from its upstream before and after.
     in_use_bytes : int
         Bytes handed out from the pool (live blocks, never touched), after.
+    library_cache_bytes : int
+        Bytes library caches in front of the stack (CuPy's, compiled RMM's) gave back to it
+        first (:func:`dask_rmm.release_unused`; 0 otherwise).
     """
 
     device: int
@@ -39,6 +42,7 @@ class TrimResult:
     reserved_before: int
     reserved_after: int
     in_use_bytes: int
+    library_cache_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -5,6 +5,7 @@ automatic trimming above ``release_threshold``. Not here: trimming one pool (:mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,14 @@ TRIMMER_KEY = "dask-rmm-trim"
 
 
 def trim_worker(
-    dask_worker: Worker | None = None, size: int | str | float | None = None
+    dask_worker: Worker | None = None,
+    size: int | str | float | None = None,
+    library_caches: bool = True,
 ) -> list[dict[str, Any]]:
-    """On a worker (``client.run``): trim the pools of its dask-rmm stacks (see
+    """On a worker (``client.run``): make the library caches in front of its dask-rmm stacks
+    give their free blocks back (``library_caches``), then trim the stacks' pools (see
     :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool."""
+    from dask_rmm.allocators.caches import release_cached
     from dask_rmm.worker.stacks import worker_stack
 
     if dask_worker is None:
@@ -38,7 +43,11 @@ def trim_worker(
         dask_worker = get_worker()
     out = []
     for stack in worker_stack(dask_worker).active:
-        out += [r.to_dict() for r in trim_resource(stack.top, size, device=stack.device)]
+        from_caches = release_cached(stack.device) if library_caches else 0
+        results = trim_resource(stack.top, size, device=stack.device)
+        if results:  # the caches gave their blocks to the stack's outermost pool
+            results[0] = dataclasses.replace(results[0], library_cache_bytes=from_caches)
+        out += [r.to_dict() for r in results]
     return out
 
 
@@ -47,10 +56,14 @@ def release_unused(
     size: int | str | float | None = None,
     *,
     workers: list[str] | None = None,
+    library_caches: bool = True,
 ) -> Any:
     """Give the free memory of every worker's pools back to the device, now.
 
-    Each :class:`~dask_rmm.mr.PoolMemoryResource` of the workers' dask-rmm stacks releases its
+    First the library caches in front of the stacks (CuPy's ``MemoryPool``, compiled RMM's
+    pool, see :mod:`dask_rmm.allocators.caches`) give their free blocks back to the stack
+    (``library_caches=False``: they keep them). Then each
+    :class:`~dask_rmm.mr.PoolMemoryResource` of the workers' dask-rmm stacks releases its
     fully free chunks down to ``size`` (default: its initial pool size, ``pool_size``), and
     each cudaMallocAsync pool trims to ``size`` (default: its release threshold). Blocks in
     use are never touched: a chunk holding one stays.
@@ -64,6 +77,8 @@ def release_unused(
         as possible).
     workers : list of str, optional
         Only these workers (default: all).
+    library_caches : bool
+        Have the library caches give their free blocks back first.
 
     Returns
     -------
@@ -88,10 +103,16 @@ def release_unused(
     if client.asynchronous:
 
         async def run() -> dict[str, list[TrimResult]]:
-            return convert(await client.run(trim_worker, size=size, workers=workers))
+            return convert(
+                await client.run(
+                    trim_worker, size=size, library_caches=library_caches, workers=workers
+                )
+            )
 
         return run()
-    return convert(client.run(trim_worker, size=size, workers=workers))
+    return convert(
+        client.run(trim_worker, size=size, library_caches=library_caches, workers=workers)
+    )
 
 
 class PoolTrimmer:

@@ -12,8 +12,6 @@ import dask_rmm
 from dask_rmm.plugin import RMMPlugin
 from dask_rmm.report.fetch import cluster_report
 
-pytestmark = pytest.mark.slow
-
 MiB = 1 << 20
 BASE = "cuda" if HAS_GPU else "system"
 
@@ -52,6 +50,7 @@ def cluster():
         yield cluster, client
 
 
+@pytest.mark.slow
 def test_release_unused_gives_each_workers_grown_pool_back_and_keeps_buffers_in_use(cluster):
     _, client = cluster
     client.register_plugin(RMMPlugin(base_resource=BASE, pool_size="8MiB"))
@@ -78,6 +77,7 @@ def test_release_unused_gives_each_workers_grown_pool_back_and_keeps_buffers_in_
     del kept
 
 
+@pytest.mark.slow
 def test_release_threshold_with_a_pool_trims_it_back_on_its_own(cluster):
     _, client = cluster
     client.register_plugin(
