@@ -37,7 +37,7 @@ async def test_page_and_json(c, s, a, b):
     # Self-contained: no scripts and nothing fetched from elsewhere (xmlns is only a name).
     assert "<script" not in text and "src=" not in text and 'href="http' not in text
 
-    r = await _get(s, "dask-rmm/report.json")
+    r = await _get(s, "dask-rmm/report.json?timeline=1")
     assert r.headers["Content-Type"] == "application/json"
     data = json.loads(r.body)
     report = ClusterMemoryReport.from_dict(data)
@@ -45,8 +45,10 @@ async def test_page_and_json(c, s, a, b):
     assert (d.current_bytes, d.peak_bytes) == (2 << 20, 3 << 20)
     assert d.timeline_peak == 3 << 20
 
-    r = await _get(s, "dask-rmm/report.json?timeline=0")
-    assert "timeline" not in json.loads(r.body)["workers"][0]["devices"]["0"]
+    # By default every device without its timeline; the cluster's summed timeline is there.
+    r = json.loads((await _get(s, "dask-rmm/report.json")).body)
+    assert "timeline" not in r["workers"][0]["devices"]["0"]
+    assert r["totals"]["peak_bytes"] == 3 << 20 and r["total_timeline"]
     r = await _get(s, "dask-rmm?refresh=5&last=1")
     assert b'http-equiv="refresh" content="5"' in r.body
 
@@ -103,8 +105,8 @@ async def test_report_json_is_the_cli_json_document(c, s, a, b):
     await a.heartbeat()
     await install_scheduler_plugin(c)
     http = json.loads((await _get(s, "dask-rmm/report.json")).body)
-    async for report in iter_reports(s.address):  # what `dask rmm report --json` prints
-        cli = json.loads(report.to_json())
+    async for report in iter_reports(s.address, timeline=False):  # `dask rmm report --json`
+        cli = json.loads(report.to_json(timeline=False))
     assert http.pop("time") and cli.pop("time")
     assert http == cli
     assert http["totals"]["current_bytes"] == 2 << 20

@@ -1,0 +1,291 @@
+"""Building a report from the plugin's records at any cluster size: a snapshot taken on the event
+loop (references only), then, in any thread, the totals over every device, the devices asked for
+(worker filter, sort, top N) and their timelines at the resolution asked for. Not here: keeping
+the records (``timeline.py``), rendering (``dask_rmm.report``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from time import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dask_rmm.report.memory_report import ClusterMemoryReport, ClusterTotals, DeviceMemory
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
+from dask_rmm.wire import to_int
+
+if TYPE_CHECKING:
+    from dask_rmm.scheduler.cluster_total import TotalSnapshot
+
+__all__ = ["SORT_KEYS", "ReportRequest", "Snapshot"]
+
+#: Orders of a report's devices (``sort=``): "worker" by address (running first), the others
+#: largest first.
+SORT_KEYS = ("worker", "current", "peak", "fragmentation")
+#: Fields summed over the running devices for the totals.
+_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
+_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
+_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+
+
+@dataclass(frozen=True)
+class ReportRequest:
+    """What a report shows.
+
+    Parameters
+    ----------
+    timeline : bool
+        Each shown device's timeline (the points the scheduler keeps, or ``width`` buckets).
+    last : int, optional
+        Only the newest ``last`` points of each timeline.
+    top : int, optional
+        Only the first ``top`` devices in ``sort`` order (the totals still cover all).
+    sort : str, optional
+        One of :data:`SORT_KEYS`; default "worker", or "peak" when ``top`` leaves devices out.
+    worker : str, optional
+        Only devices of workers whose address or name contains this text.
+    width : int, optional
+        Draw each timeline in this many time buckets, the lowest and highest point of each
+        (what a screen of that many pixels can show; peaks survive).
+    refresh : int, optional
+        For the web page: reload every ``refresh`` seconds.
+    """
+
+    timeline: bool = True
+    last: int | None = None
+    top: int | None = None
+    sort: str | None = None
+    worker: str | None = None
+    width: int | None = None
+    refresh: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("last", "top", "width", "refresh"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if self.sort is not None and self.sort not in SORT_KEYS:
+            raise ValueError(f"sort must be one of {', '.join(SORT_KEYS)}, got {self.sort!r}")
+        if self.worker is not None and not isinstance(self.worker, str):
+            raise ValueError(f"worker must be a str, got {self.worker!r}")
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, Any]) -> ReportRequest:
+        """From the ``dask_rmm_report`` handler's keyword arguments (unknown ones raise)."""
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(query) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown dask_rmm_report arguments {unknown}; known: {list(fields)}")
+        return cls(**{k: v for k, v in query.items() if v is not None})
+
+    @property
+    def order(self) -> str:
+        return self.sort or "worker"
+
+
+class _Device:
+    """One device's numbers for sorting and totals (no DeviceMemory made for it)."""
+
+    __slots__ = ("rec", "dev", "d", "levels", "running", "current", "peak", "frag")
+
+    def __init__(self, rec: tuple, dev: str, d: Mapping[str, Any], levels: tuple | None):
+        self.rec, self.dev, self.d, self.levels = rec, dev, d, levels
+        self.running = rec[2] == "running"
+        self.current = to_int(d.get("current_bytes"))
+        free = to_int(d.get("pool_free_bytes"))
+        self.frag = max(0.0, 1.0 - to_int(d.get("largest_free_block")) / free) if free > 0 else 0.0
+        self.peak = -1  # computed on demand: it reads the timeline
+
+    def points(self) -> np.ndarray:
+        if not self.levels:
+            return np.zeros(0, SAMPLE_DTYPE)
+        return np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
+
+    def row_peak(self) -> int:
+        """The most this worker name's device held at once since the scheduler first saw it:
+        its heartbeat's peak, its timeline's, and those of earlier processes of the name."""
+        if self.peak < 0:
+            pts = self.points()
+            timeline_peak = int(pts["m"].max()) if len(pts) else 0
+            earlier = self.rec[7].get(self.dev, 0)
+            self.peak = max(to_int(self.d.get("peak_bytes")), timeline_peak, earlier)
+        return self.peak
+
+
+class Snapshot:
+    """The plugin's records at one moment (made on the event loop by :meth:`take`); :meth:`build`
+    makes the report from it in any thread."""
+
+    def __init__(self, request: ReportRequest, records: list[tuple], total: Any, meta: dict):
+        self.request, self.records, self.total, self.meta = request, records, total, meta
+
+    @classmethod
+    def take(
+        cls,
+        request: ReportRequest,
+        records: list[Any],
+        total: TotalSnapshot | None,
+        scheduler: str,
+        timeline_length: int,
+        without: list[str],
+    ) -> Snapshot:
+        rows = [
+            (
+                r.address,
+                r.name,
+                r.status,
+                r.last_seen,
+                r.error,
+                r.restarts,
+                r.metrics,
+                dict(r.earlier_peaks),
+                {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+            )
+            for r in records
+        ]
+        meta = {
+            "time": time(),
+            "scheduler": scheduler,
+            "timeline_length": timeline_length,
+            "without": without,
+        }
+        return cls(request, rows, total, meta)
+
+    # -- building (any thread) ----------------------------------------------------------------
+
+    def devices(self) -> list[_Device]:
+        """Every device of the snapshot, with its numbers (no DeviceMemory made)."""
+        out = []
+        for rec in self.records:
+            raw = (rec[6] or {}).get("devices")
+            for dev, d in raw.items() if isinstance(raw, dict) else ():
+                if isinstance(d, dict):
+                    out.append(_Device(rec, str(dev), d, rec[8].get(str(dev))))
+        return out
+
+    def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:
+        """Totals over the running ``devices``, with the cluster's ``peak``."""
+        run = [x for x in devices if x.running]
+        sums = {k: sum(to_int(x.d.get(k)) for x in run) for k in _SUMMED}
+        return ClusterTotals(
+            workers=len({x.rec[0] for x in run}),
+            gone_workers=len({x.rec[0] for x in devices if not x.running}),
+            devices=len(run),
+            peak_bytes=peak,
+            sum_of_device_peaks=sum(x.row_peak() for x in run),
+            largest_free_block=max((to_int(x.d.get("largest_free_block")) for x in run), default=0),
+            paused_devices=sum(1 for x in run if to_int(x.d.get("paused"))),
+            **sums,
+        )
+
+    def _select(self, devices: list[_Device]) -> tuple[list[_Device], str]:
+        req = self.request
+        chosen = devices
+        if req.worker:
+            chosen = [x for x in chosen if req.worker in x.rec[0] or req.worker in x.rec[1]]
+        order = req.sort or ("peak" if req.top is not None and len(chosen) > req.top else "worker")
+        if order == "worker":
+            chosen = sorted(chosen, key=lambda x: (not x.running, _address_key(x.rec[0]), x.dev))
+        else:
+            key = {
+                "current": lambda x: x.current,
+                "peak": _Device.row_peak,
+                "fragmentation": lambda x: x.frag,
+            }[order]
+            chosen = sorted(chosen, key=lambda x: (x.running, key(x)), reverse=True)
+        matched = len(chosen)
+        if req.top is not None:
+            chosen = chosen[: req.top]
+        note = ""
+        if len(chosen) < len(devices):
+            what = f" of workers matching {req.worker!r}" if req.worker else ""
+            note = (
+                f"showing {len(chosen)} of {matched} devices{what} "
+                f"({len(devices)} in the cluster), by {order}; totals cover all"
+            )
+        return chosen, note
+
+    def _timeline(self, pts: np.ndarray) -> tuple:
+        req = self.request
+        if req.last is not None:
+            pts = pts[len(pts) - min(req.last, len(pts)) :]
+        if req.width:
+            pts = downsample(pts, req.width)
+        return tuple(map(tuple, pts.tolist()))
+
+    def _total_timeline(self, pts: np.ndarray | None) -> tuple:
+        if pts is None:
+            return ()
+        # The not-yet-final part can hold a point per sample of every device: never more
+        # than a device's timeline holds.
+        width = self.request.width or max(1, self.meta["timeline_length"] // 2)
+        return self._timeline(downsample(pts, width))
+
+    def build(self) -> ClusterMemoryReport:
+        """The report (totals over every device; the devices and timelines asked for)."""
+        devices = self.devices()
+        peak, total_points = (None, None)
+        if self.total is not None:
+            peak, total_points = self.total.points()
+            peak = peak if len(total_points) else None
+        shown, note = self._select(devices)
+        made = []
+        for x in shown:
+            rec = x.rec
+            timeline = self._timeline(x.points()) if self.request.timeline else ()
+            made.append(
+                DeviceMemory.from_dict(
+                    x.d,
+                    worker=str(rec[0]),
+                    device=x.dev,
+                    name=str(rec[1]),
+                    status=str(rec[2]),
+                    timeline=timeline,
+                    last_seen=rec[3],
+                    restarts=rec[5],
+                ).with_peak(x.row_peak())
+            )
+        errors = [f"{rec[0]}: {rec[4]}" for rec in self.records if rec[4]]
+        meta = self.meta
+        return ClusterMemoryReport(
+            devices=tuple(made),
+            time=meta["time"],
+            scheduler=meta["scheduler"],
+            timeline_length=meta["timeline_length"],
+            workers_without_dask_rmm=tuple(meta["without"]),
+            errors=tuple(errors),
+            cluster_totals=self.totals(devices, peak),
+            total_timeline=self._total_timeline(total_points),
+            selection=note,
+        )
+
+    def render(self, form: str) -> Any:
+        """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
+        report = self.build()
+        if form == "report":
+            return report
+        if form == "html":
+            return report.to_html(full_page=True, refresh=self.request.refresh)
+        return dumps_in_pieces(report.to_dict(timeline=self.request.timeline))
+
+
+def dumps_in_pieces(doc: dict[str, Any]) -> str:
+    """``json.dumps(doc)`` one worker at a time: the encoder holds the GIL for a whole call, so
+    one call for 16,000 devices would stall the event loop's thread for as long."""
+    workers = doc.get("workers") or []
+    head = json.dumps({k: v for k, v in doc.items() if k != "workers"})
+    body = ",".join(json.dumps(w) for w in workers)
+    return head[:-1] + (", " if head != "{}" else "") + f'"workers": [{body}]}}'
+
+
+def _address_key(address: str) -> tuple:
+    # "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
+    return tuple(
+        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in address.replace(":", ".").split(".")
+    )
