@@ -202,8 +202,11 @@ def pack_samples(rows: Sequence[Sequence[float]]) -> bytes:
     them to its timelines without making a Python object per sample)."""
     if not rows:
         return b""
-    flat = [v for r in rows for v in (float(r[0]), int(r[1]), int(r[2]))]
-    return struct.pack("<" + "dqq" * len(rows), *flat)
+    flat = [v for r in rows for v in (r[0], r[1], r[2])]
+    try:
+        return struct.pack("<" + "dqq" * len(rows), *flat)
+    except struct.error as e:  # a time that is no number, bytes that are no integer
+        raise TypeError(f"malformed samples (need [time, int, int] rows): {e}") from None
 
 
 def unpack_samples(blob: bytes) -> list[list[float | int]]:

@@ -111,3 +111,28 @@ async def test_report_json_is_the_cli_json_document(c, s, a, b):
     assert http == cli
     assert http["totals"]["current_bytes"] == 2 << 20
     assert http["workers"][0]["devices"]["0"]["fragmentation"] >= 0
+
+
+@pytest.mark.parametrize(
+    "query, says",
+    [
+        ("last=abc", "last must be a number of timeline points, a whole number >= 0; got 'abc'"),
+        ("last=-5", "last must be a number of timeline points, a whole number >= 0; got '-5'"),
+        ("refresh=-1", "refresh must be a number of seconds, a whole number >= 1; got '-1'"),
+        ("refresh=soon", "refresh must be a number of seconds"),
+        ("top=0", "top must be a number of devices, a whole number >= 1; got '0'"),
+        ("sort=size", "sort must be one of worker, current, peak, fragmentation, got 'size'"),
+        ("timeline=maybe", "timeline must be 1 or 0"),
+        ("lats=5", "unknown query argument(s) lats; this page takes"),
+    ],
+)
+@gen_cluster(client=True, nthreads=[])
+async def test_a_wrong_query_argument_is_a_400_that_says_what_was_wrong(c, s, query, says):
+    await install_scheduler_plugin(c)
+    for path in ("dask-rmm", "dask-rmm/report.json"):
+        if path.endswith("json") and query.startswith("refresh"):
+            continue  # the JSON takes no refresh: an unknown argument there
+        with pytest.raises(HTTPClientError) as e:
+            await _get(s, f"{path}?{query}")
+        assert e.value.code == 400
+        assert says in e.value.response.body.decode(), e.value.response.body
