@@ -1,5 +1,5 @@
 """The cluster's memory over time: the sum over devices of each device's latest sample, kept
-as it arrives (vectorized, a batch at a time), so that the cluster's peak is exact, costs no
+as samples arrive (vectorized, a batch at a time), so that the cluster's peak is exact, costs no
 pass over every device's timeline, and survives workers that leave or restart. Not here: the
 devices' own timelines (``resolution.py``), the plugin that feeds it (``timeline.py``).
 """
@@ -9,42 +9,50 @@ from __future__ import annotations
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline
+from dask_rmm.wire import SAMPLE_STRUCT
 
 __all__ = ["ClusterTotal", "TotalSnapshot"]
 
-_EVENT = np.dtype([("t", "<f8"), ("row", "<i8"), ("c", "<i8"), ("m", "<i8")])
+#: A sample as a change of the sum: its time and how much the device's current bytes and
+#: ``max_bytes_in_interval`` moved since its previous sample.
+_CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
 
 
 class ClusterTotal:
     """``S(t) = sum over devices of (current, max_bytes_in_interval) of each device's latest
     sample at or before t``, for every sample time t, and its peak.
 
-    Devices send their samples with heartbeats that arrive up to a heartbeat interval apart, so
-    a time is final only once every running device has sent a sample at or after it (the
-    watermark); samples newer than that wait. A device that sends nothing for ``max_lag``
-    seconds no longer holds the watermark back: its late samples then count from the watermark.
-    A device that stops (its worker left) counts 0 from just after its last sample on.
+    Each device's samples arrive in time order, so each becomes, on arrival, a change of the
+    sum; ``S`` is then the running sum of the changes in time order. Heartbeats of different
+    workers arrive up to a heartbeat interval apart, so a time is final only once every running
+    device has sent a sample at or after it (the watermark); later changes wait. A device more
+    than ``max_lag`` seconds behind no longer holds the watermark back: its late changes count
+    from the watermark on. A device that stops (its worker left) counts 0 from just after its
+    last sample.
 
     Parameters
     ----------
     timeline : Timeline
-        Where the summed points go (``current`` the sum of the devices' current bytes,
-        ``max`` the sum of their ``max_bytes_in_interval``).
+        Where the final summed points go (``current``: the sum of the devices' current bytes;
+        ``max``: the sum of their ``max_bytes_in_interval``).
+    max_lag : float
+        Seconds a device may be behind the others before the sum goes on without it.
     """
 
     def __init__(self, timeline: Timeline, max_lag: float = 30.0):
         self.timeline = timeline
         self.max_lag = max_lag
-        #: The largest sum of the devices' ``max_bytes_in_interval`` at one time (0: none yet).
+        #: The largest final sum of the devices' ``max_bytes_in_interval`` (0: none yet).
         self.peak = 0
-        self._value = np.zeros((0, 2), np.int64)  # per row: latest final (current, max)
-        self._newest = np.zeros(0, np.float64)  # per row: newest sample time received
+        # Per row: the latest (current, max) arrived (lists: read one at a time per chunk).
+        self._latest_c: list[int] = []
+        self._latest_m: list[int] = []
+        self._newest = np.zeros(0, np.float64)  # per row: newest sample time arrived
         self._running = np.zeros(0, bool)
         self._n = 0  # rows ever made (the arrays are longer)
         self._free: list[int] = []
-        self._released: list[int] = []  # free once no waiting sample refers to them
-        self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet final
-        self._waiting: list[np.ndarray] = []  # of _EVENT, each sorted by time
+        self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
+        self._waiting: list[np.ndarray] = []  # of _CHANGE, each in time order
         self._sum = np.zeros(2, np.int64)  # the final sum (current, max)
         self._final_time = float("-inf")
 
@@ -58,7 +66,8 @@ class ClusterTotal:
             row, self._n = self._n, self._n + 1
             if row == len(self._newest):
                 grow = max(16, row)
-                self._value = np.concatenate([self._value, np.zeros((grow, 2), np.int64)])
+                self._latest_c += [0] * grow
+                self._latest_m += [0] * grow
                 self._newest = np.concatenate([self._newest, np.zeros(grow)])
                 self._running = np.concatenate([self._running, np.zeros(grow, bool)])
         self._newest[row] = float("-inf")
@@ -68,86 +77,102 @@ class ClusterTotal:
     @property
     def rows(self) -> int:
         """Rows in use (running or stopped, not yet released)."""
-        return self._n - len(self._free) - len(self._released)
+        return self._n - len(self._free)
 
     def add(self, row: int, blob: bytes, newest: float) -> None:
         """Packed samples of ``row`` (oldest first, all newer than its previous ones), the
-        newest at time ``newest``. O(1): the work is done in :meth:`advance`."""
+        newest at time ``newest``. O(1): the work is done a batch at a time."""
         self._chunks.append((row, blob))
         self._newest[row] = newest
         self._running[row] = True
 
     def stop(self, row: int) -> None:
         """The row's device is gone: it counts 0 from just after its newest sample."""
+        self._take_chunks()
         newest = self._newest[row]
-        if np.isfinite(newest):
-            zero = np.zeros(1, _EVENT)
-            zero["t"], zero["row"] = np.nextafter(newest, np.inf), row
-            self._take_chunks()  # the zero comes after the row's samples
+        c, m = self._latest_c[row], self._latest_m[row]
+        if np.isfinite(newest) and (c or m):
+            zero = np.zeros(1, _CHANGE)
+            zero["t"], zero["c"], zero["m"] = np.nextafter(newest, np.inf), -c, -m
             self._waiting.append(zero)
+        self._latest_c[row] = self._latest_m[row] = 0
         self._running[row] = False
 
     def release(self, row: int) -> None:
-        """Forget a stopped row (its number is reused once nothing refers to it)."""
-        self._running[row] = False
-        self._released.append(row)
+        """Forget a row (stopped first if it was not); its number is reused."""
+        if self._running[row]:
+            self.stop(row)
+        self._newest[row] = float("-inf")
+        self._free.append(row)
 
     # -- summing ------------------------------------------------------------------------------
 
+    def _take_chunks(self) -> None:
+        """The samples added since the last call, as changes (one more waiting array, in time
+        order)."""
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            return
+        blob = b"".join(b for _, b in chunks)
+        raw = np.frombuffer(blob, np.int64).reshape(-1, 3)  # time bits, current, max
+        # Within a chunk, each sample changes the sum by its difference to the one before;
+        # a chunk's first sample by its difference to its row's latest (from the chunk
+        # before, maybe in this same batch: hence one pass over the chunks in order).
+        latest_c, latest_m = self._latest_c, self._latest_m
+        first_c, first_m, starts = [], [], []
+        start = 0
+        unpack = SAMPLE_STRUCT.unpack_from
+        for row, b in chunks:
+            starts.append(start)
+            first_c.append(latest_c[row])
+            first_m.append(latest_m[row])
+            _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
+            start += len(b) // SAMPLE_STRUCT.size
+        values = raw[:, 1:]
+        previous = np.empty_like(values)
+        previous[1:] = values[:-1]
+        previous[starts, 0], previous[starts, 1] = first_c, first_m
+        change = np.empty(len(raw), _CHANGE)
+        change["t"] = raw[:, 0].view(np.float64)
+        change["c"], change["m"] = (values - previous).T
+        self._waiting.append(change[np.argsort(change["t"], kind="stable")])
+
     def advance(self, now: float) -> None:
-        """Sum every sample up to the watermark into :attr:`timeline` and :attr:`peak`."""
+        """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""
         self._take_chunks()
+        if not self._waiting:
+            return
         newest = self._newest[: self._n][self._running[: self._n]]
         newest = newest[np.isfinite(newest)]
         watermark = float(newest.min()) if len(newest) else float("inf")
         watermark = max(watermark, now - self.max_lag)
         final, waiting = [], []
-        for events in self._waiting:  # each sorted by time
-            cut = int(np.searchsorted(events["t"], watermark, side="right"))
-            final.append(events[:cut])
-            if cut < len(events):
-                waiting.append(events[cut:])
+        for changes in self._waiting:  # each in time order
+            cut = int(np.searchsorted(changes["t"], watermark, side="right"))
+            if cut:
+                final.append(changes[:cut])
+            if cut < len(changes):
+                waiting.append(changes[cut:])
         self._waiting = waiting
-        events = _clamp_late(np.concatenate(final), self._final_time) if final else None
-        if events is not None and len(events):
-            points, value, total = _sum_events(events, self._value, self._sum)
-            self._value, self._sum = value, total
-            self._final_time = max(self._final_time, float(points["t"][-1]))
-            self.timeline.append_packed(points.tobytes())
-            self.peak = max(self.peak, int(points["m"].max()))
-        if self._released:
-            busy = {int(r) for events in waiting for r in np.unique(events["row"])}
-            free = [r for r in self._released if r not in busy]
-            if free:
-                self._value = self._value.copy()  # a snapshot may be reading the old one
-                self._value[free] = 0
-                self._free += free
-            self._released = [r for r in self._released if r in busy]
+        if not final:
+            return
+        points = _sum_changes(np.concatenate(final), self._sum, self._final_time)
+        self._sum = np.array([points["c"][-1], points["m"][-1]], np.int64)
+        self._final_time = float(points["t"][-1])
+        self.timeline.append_packed(points.tobytes())
+        self.peak = max(self.peak, int(points["m"].max()))
 
     def snapshot(self) -> TotalSnapshot:
-        """What :meth:`TotalSnapshot.provisional` needs, taken on the event loop (cheap: the
-        arrays are never changed in place) and readable in another thread."""
+        """What :meth:`TotalSnapshot.points` needs, taken on the event loop (cheap: nothing in
+        it is changed in place afterwards) and readable in another thread."""
         self._take_chunks()
         return TotalSnapshot(
             list(self._waiting),
-            self._value,
-            self._sum,
+            self._sum.copy(),
             self._final_time,
             self.peak,
             tuple(self.timeline.levels),
         )
-
-    def _take_chunks(self) -> None:
-        """The samples added since the last call, as one more time-sorted waiting array."""
-        chunks, self._chunks = self._chunks, []
-        if not chunks:
-            return
-        samples = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
-        counts = [len(b) // SAMPLE_DTYPE.itemsize for _, b in chunks]
-        new = np.empty(len(samples), _EVENT)
-        new["t"], new["c"], new["m"] = samples["t"], samples["c"], samples["m"]
-        new["row"] = np.repeat(np.fromiter((r for r, _ in chunks), np.int64), counts)
-        self._waiting.append(new[np.argsort(new["t"], kind="stable")])
 
     @property
     def waiting(self) -> int:
@@ -156,42 +181,24 @@ class ClusterTotal:
         return sum(len(w) for w in self._waiting) + chunks
 
 
-def _clamp_late(events: np.ndarray, final_time: float) -> np.ndarray:
-    # A late sample (its device was more than max_lag behind) counts from the last final time.
-    late = events["t"] <= final_time
+def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> np.ndarray:
+    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes``, starting from the sum
+    ``start`` (current, max); a change at or before ``final_time`` (late) counts just after it."""
+    t = changes["t"]
+    late = t <= final_time
     if late.any():
-        events = events.copy()
-        events["t"][late] = np.nextafter(final_time, np.inf)
-    return events
-
-
-def _sum_events(
-    events: np.ndarray, start_value: np.ndarray, start_sum: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The summed points of ``events`` after the rows' values ``start_value`` (summing to
-    ``start_sum``), the rows' values after them, and the sum after them."""
-    by_row = events[np.lexsort((events["t"], events["row"]))]
-    row = by_row["row"]
-    values = np.stack([by_row["c"], by_row["m"]], axis=1)
-    first = np.ones(len(row), bool)
-    first[1:] = row[1:] != row[:-1]
-    previous = np.empty_like(values)
-    previous[1:] = values[:-1]
-    previous[first] = start_value[row[first]]
-    deltas = values - previous
-    value = start_value.copy()
-    last = np.ones(len(row), bool)
-    last[:-1] = first[1:]
-    value[row[last]] = values[last]
-    order = np.argsort(by_row["t"], kind="stable")
-    times = by_row["t"][order]
-    sums = start_sum + np.cumsum(deltas[order], axis=0)
+        t = t.copy()
+        t[late] = np.nextafter(final_time, np.inf)
+    order = np.argsort(t, kind="stable")
+    times = t[order]
+    c = start[0] + np.cumsum(changes["c"][order])
+    m = start[1] + np.cumsum(changes["m"][order])
     # Samples at the same time count together (the sum after all of them).
     end = np.ones(len(times), bool)
     end[:-1] = times[1:] != times[:-1]
     points = np.empty(int(end.sum()), SAMPLE_DTYPE)
-    points["t"], points["c"], points["m"] = times[end], sums[end, 0], sums[end, 1]
-    return points, value, sums[-1]
+    points["t"], points["c"], points["m"] = times[end], c[end], m[end]
+    return points
 
 
 class TotalSnapshot:
@@ -200,27 +207,20 @@ class TotalSnapshot:
     def __init__(
         self,
         waiting: list[np.ndarray],
-        value: np.ndarray,
         total: np.ndarray,
         final_time: float,
         peak: int,
         levels: tuple[bytes, ...],
     ):
-        self._waiting, self._value, self._sum = waiting, value, total
-        self._final_time, self.peak, self.levels = final_time, peak, levels
-
-    def provisional(self) -> tuple[int, np.ndarray]:
-        """``(peak, points)``: the peak and the summed points (after the final ones) counting
-        the samples not final yet as if every device had caught up."""
-        if not self._waiting:
-            return self.peak, np.zeros(0, SAMPLE_DTYPE)
-        events = _clamp_late(np.concatenate(self._waiting), self._final_time)
-        points, _, _ = _sum_events(events, self._value, self._sum)
-        return max(self.peak, int(points["m"].max())), points
+        self._waiting, self._sum, self._final_time = waiting, total, final_time
+        self.peak, self.levels = peak, levels
 
     def points(self) -> tuple[int, np.ndarray]:
-        """``(peak, points)``: the peak as :meth:`provisional` counts it, and the summed points
-        oldest first, the final ones then the provisional ones."""
+        """``(peak, points)``: the summed points oldest first, the final ones then those not
+        final yet (counted as if every device had caught up), and their peak."""
         final = np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
-        peak, provisional = self.provisional()
-        return peak, np.concatenate([final, provisional]) if len(provisional) else final
+        if not self._waiting:
+            return self.peak, final
+        provisional = _sum_changes(np.concatenate(self._waiting), self._sum, self._final_time)
+        peak = max(self.peak, int(provisional["m"].max()))
+        return peak, np.concatenate([final, provisional])

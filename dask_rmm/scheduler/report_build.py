@@ -211,13 +211,14 @@ class Snapshot:
             )
         return chosen, note
 
-    def _timeline(self, pts: np.ndarray) -> tuple:
+    def _points(self, pts: np.ndarray) -> np.ndarray:
         req = self.request
         if req.last is not None:
             pts = pts[len(pts) - min(req.last, len(pts)) :]
-        if req.width:
-            pts = downsample(pts, req.width)
-        return tuple(map(tuple, pts.tolist()))
+        return downsample(pts, req.width) if req.width else pts
+
+    def _timeline(self, pts: np.ndarray) -> tuple:
+        return tuple(map(tuple, self._points(pts).tolist()))
 
     def _total_timeline(self, pts: np.ndarray | None) -> tuple:
         if pts is None:
@@ -227,8 +228,11 @@ class Snapshot:
         width = self.request.width or max(1, self.meta["timeline_length"] // 2)
         return self._timeline(downsample(pts, width))
 
-    def build(self) -> ClusterMemoryReport:
-        """The report (totals over every device; the devices and timelines asked for)."""
+    def build(self, arrays: dict | None = None) -> ClusterMemoryReport:
+        """The report (totals over every device; the devices and timelines asked for). With
+        ``arrays``, the devices' timelines go there as numpy arrays by ``(worker, device)``
+        instead of into the report (millions of small tuples kept at once make the garbage
+        collector's full passes, which hold the GIL, long)."""
         devices = self.devices()
         peak, total_points = (None, None)
         if self.total is not None:
@@ -238,7 +242,12 @@ class Snapshot:
         made = []
         for x in shown:
             rec = x.rec
-            timeline = self._timeline(x.points()) if self.request.timeline else ()
+            timeline: tuple = ()
+            if self.request.timeline:
+                if arrays is None:
+                    timeline = self._timeline(x.points())
+                else:
+                    arrays[rec[0], x.dev] = self._points(x.points())
             made.append(
                 DeviceMemory.from_dict(
                     x.d,
@@ -267,20 +276,36 @@ class Snapshot:
 
     def render(self, form: str) -> Any:
         """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
+        if form == "json":
+            arrays: dict = {}
+            report = self.build(arrays)
+            return dumps_in_pieces(report.to_dict(timeline=False), arrays)
         report = self.build()
-        if form == "report":
-            return report
         if form == "html":
             return report.to_html(full_page=True, refresh=self.request.refresh)
-        return dumps_in_pieces(report.to_dict(timeline=self.request.timeline))
+        return report
 
 
-def dumps_in_pieces(doc: dict[str, Any]) -> str:
-    """``json.dumps(doc)`` one worker at a time: the encoder holds the GIL for a whole call, so
-    one call for 16,000 devices would stall the event loop's thread for as long."""
-    workers = doc.get("workers") or []
+def dumps_in_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> str:
+    """``json.dumps(doc)`` one worker at a time (the encoder holds the GIL for a whole call:
+    one call for 16,000 devices would stall the event loop's thread for as long), with each
+    device's ``timeline`` from ``timelines[worker address, device]`` (numpy points)."""
+    timelines = timelines or {}
+
+    def worker(w: dict) -> str:
+        found = {}
+        for dev, d in w["devices"].items():
+            pts = timelines.get((w["address"], dev))
+            if pts is not None:
+                d["timeline"] = marker = f"@timeline:{dev}@"
+                found[json.dumps(marker)] = pts
+        text = json.dumps(w)
+        for marker, pts in found.items():
+            text = text.replace(marker, json.dumps(pts.tolist()), 1)
+        return text
+
     head = json.dumps({k: v for k, v in doc.items() if k != "workers"})
-    body = ",".join(json.dumps(w) for w in workers)
+    body = ",".join(worker(w) for w in doc.get("workers") or ())
     return head[:-1] + (", " if head != "{}" else "") + f'"workers": [{body}]}}'
 
 

@@ -147,10 +147,12 @@ class Timeline:
                 level = merge_points(level, pairs, 2) + level[pairs * _RECORD :]
             levels[i] = level
             return
-        batch = self._batches[i]
-        while len(level) >= self._limits[i] * _RECORD:
-            levels[i + 1] += merge_points(level, batch, self.factor)
-            level = level[batch * _RECORD :]
+        batch, limit = self._batches[i], self._limits[i]
+        n = len(level) // _RECORD
+        if n >= limit:  # pass on whole batches until the level is below its limit
+            passed = ((n - limit) // batch + 1) * batch
+            levels[i + 1] += merge_points(level, passed, self.factor)
+            level = level[passed * _RECORD :]
         levels[i] = level
 
     def points(self, last: int | None = None) -> np.ndarray:

@@ -40,8 +40,6 @@ DEFAULT_TIMELINE_LENGTH = 512
 DEFAULT_TIMELINE_LEVELS = 3
 #: How many departed workers stay in reports (marked "gone") before the oldest is forgotten.
 DEFAULT_KEEP_GONE = 32
-#: Seconds between two passes that add what every device has sent to the cluster's total.
-TOTAL_INTERVAL = 1.0
 
 
 @dataclass(eq=False)
@@ -119,7 +117,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
         self._total: ClusterTotal | None = None
-        self._total_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
@@ -232,10 +229,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._stop()
             return False
         self._ingest_all()
-        now = time()
-        if now >= self._total_due:
-            self._total_due = now + TOTAL_INTERVAL
-            self._total.advance(now)
+        self._total.advance(time())  # a poll's worth of samples: no long block
         return True
 
     def _ingest_all(self) -> None:
