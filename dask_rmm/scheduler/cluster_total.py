@@ -47,9 +47,10 @@ class ClusterTotal:
         # Per row: the latest (current, max) arrived (lists: read one at a time per chunk).
         self._latest_c: list[int] = []
         self._latest_m: list[int] = []
-        self._newest = np.zeros(0, np.float64)  # per row: newest sample time arrived
-        self._running = np.zeros(0, bool)
-        self._n = 0  # rows ever made (the arrays are longer)
+        # Per row: newest sample time arrived, and whether it runs (lists: set one at a time).
+        self._newest: list[float] = []
+        self._running: list[bool] = []
+        self._n = 0  # rows ever made
         self._free: list[int] = []
         self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
         self._waiting: list[np.ndarray] = []  # of _CHANGE, each in time order
@@ -64,12 +65,10 @@ class ClusterTotal:
             row = self._free.pop()
         else:
             row, self._n = self._n, self._n + 1
-            if row == len(self._newest):
-                grow = max(16, row)
-                self._latest_c += [0] * grow
-                self._latest_m += [0] * grow
-                self._newest = np.concatenate([self._newest, np.zeros(grow)])
-                self._running = np.concatenate([self._running, np.zeros(grow, bool)])
+            self._latest_c.append(0)
+            self._latest_m.append(0)
+            self._newest.append(float("-inf"))
+            self._running.append(False)
         self._newest[row] = float("-inf")
         self._running[row] = True
         return row
@@ -91,7 +90,7 @@ class ClusterTotal:
         self._take_chunks()
         newest = self._newest[row]
         c, m = self._latest_c[row], self._latest_m[row]
-        if np.isfinite(newest) and (c or m):
+        if newest > float("-inf") and (c or m):
             zero = np.zeros(1, _CHANGE)
             zero["t"], zero["c"], zero["m"] = np.nextafter(newest, np.inf), -c, -m
             self._waiting.append(zero)
@@ -142,7 +141,7 @@ class ClusterTotal:
         self._take_chunks()
         if not self._waiting:
             return
-        newest = self._newest[: self._n][self._running[: self._n]]
+        newest = np.array(self._newest)[np.array(self._running, bool)]
         newest = newest[np.isfinite(newest)]
         watermark = float(newest.min()) if len(newest) else float("inf")
         watermark = max(watermark, now - self.max_lag)

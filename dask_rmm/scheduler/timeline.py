@@ -286,13 +286,14 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         tl = rec.timelines.get(dev)
         if tl is None:
             tl = rec.timelines[dev] = self._new_timeline()
-        blob = samples if type(samples) is bytes else pack_samples(samples)  # lists: version 2
-        first = tl.extend(blob)
-        if first * SAMPLE_STRUCT.size < len(blob):
+        if type(samples) is not bytes or len(samples) % SAMPLE_STRUCT.size:
+            samples = pack_samples(samples)  # a list (version 2), or raises: malformed
+        new = tl.extend_packed(samples)
+        if new:
             row = rec.rows.get(dev)
             if row is None:
                 row = rec.rows[dev] = self._total.add_row()
-            self._total.add(row, blob[first * SAMPLE_STRUCT.size :] if first else blob, tl.newest)
+            self._total.add(row, new, tl.newest)
 
     # -- queries ------------------------------------------------------------------------------
 
