@@ -463,7 +463,12 @@ class ClusterMemoryReport:
         )
 
     def to_html(
-        self, *, timeline: bool = True, full_page: bool = False, refresh: int | None = None
+        self,
+        *,
+        timeline: bool = True,
+        full_page: bool = False,
+        refresh: int | None = None,
+        nav: str = "",
     ) -> str:
         """The report as HTML: the table, then the timeline drawn as inline SVG.
 
@@ -475,6 +480,8 @@ class ClusterMemoryReport:
             A whole standalone document (the dashboard page) rather than a fragment.
         refresh : int, optional
             With ``full_page``, reload the page every ``refresh`` seconds.
+        nav : str
+            With ``full_page``, HTML put above the report (the scheduler page's links).
         """
         esc = html.escape
         rows = self.table_rows()
@@ -524,7 +531,7 @@ class ClusterMemoryReport:
         return (
             '<!DOCTYPE html><html><head><meta charset="utf-8">'
             f"<title>dask-rmm cluster memory</title>{meta}</head>"
-            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
+            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{nav}{fragment}'
             '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
         )
 

@@ -6,11 +6,13 @@ the records (``timeline.py``), rendering (``dask_rmm.report``).
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from time import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 import numpy as np
 
@@ -282,8 +284,23 @@ class Snapshot:
             return dumps_in_pieces(report.to_dict(timeline=False), arrays)
         report = self.build()
         if form == "html":
-            return report.to_html(full_page=True, refresh=self.request.refresh)
+            return report.to_html(full_page=True, refresh=self.request.refresh, nav=self._nav())
         return report
+
+    def _nav(self) -> str:
+        """Links that re-ask the page sorted another way or with more rows (no JavaScript)."""
+        req = self.request
+        keep = {"worker": req.worker, "refresh": req.refresh, "last": req.last}
+        keep["timeline"] = None if req.timeline else 0
+
+        def link(text: str, current: bool, **change: Any) -> str:
+            query = {k: v for k, v in {**keep, "sort": req.sort, "top": req.top, **change}.items()}
+            href = "dask-rmm?" + urlencode({k: v for k, v in query.items() if v is not None})
+            return f"<b>{text}</b>" if current else f'<a href="{html.escape(href)}">{text}</a>'
+
+        sorts = " ".join(link(k, req.sort == k, sort=k) for k in SORT_KEYS)
+        tops = " ".join(link(str(n), req.top == n, top=n) for n in (20, 50, 200, 1000))
+        return f'<p class="nav">sort by: {sorts} &middot; rows: {tops}</p>'
 
 
 def dumps_in_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> str:

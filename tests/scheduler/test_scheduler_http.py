@@ -136,3 +136,24 @@ async def test_a_wrong_query_argument_is_a_400_that_says_what_was_wrong(c, s, qu
             await _get(s, f"{path}?{query}")
         assert e.value.code == 400
         assert says in e.value.response.body.decode(), e.value.response.body
+
+
+@gen_cluster(client=True)
+async def test_page_and_json_select_rows_by_worker_sort_and_top_with_totals_over_all(c, s, a, b):
+    fa, fb = FakeRMMMetrics(), FakeRMMMetrics()
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = fa, fb
+    fa["0"].allocate(5 << 20)
+    fb["0"].allocate(7 << 20)
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+
+    top = json.loads((await _get(s, "dask-rmm/report.json?top=1&sort=current")).body)
+    assert [w["address"] for w in top["workers"]] == [b.address]
+    assert top["totals"]["current_bytes"] == 12 << 20 and top["totals"]["devices"] == 2
+    assert top["selection"].startswith("showing 1 of 2 devices")
+    port = a.address.rsplit(":", 1)[1]
+    only_a = json.loads((await _get(s, f"dask-rmm/report.json?worker={port}")).body)
+    assert [w["address"] for w in only_a["workers"]] == [a.address]
+    page = (await _get(s, f"dask-rmm?worker={port}&top=1")).body.decode()
+    assert "showing 1 of 1 devices of workers matching" in page and b.address not in page
+    assert 'href="dask-rmm?worker=' in page and "sort by:" in page
