@@ -21,6 +21,7 @@ from dask_rmm.mr.base import (
     check_nbytes,
     format_bytes,
 )
+from dask_rmm.sizes import parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -48,7 +49,7 @@ class _OwnedPointers:
 
     __slots__ = ("sizes",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
 
     def add(self, ptr: int, nbytes: int) -> None:
@@ -86,16 +87,10 @@ def _check_size(nbytes: Any, what: str = "nbytes") -> int:
 
 
 def _parse_size(value: Any, what: str, device: int | None) -> int:
-    """An int size as is; a string or fraction through ``dask_rmm.config.parse_device_bytes``.
-
-    The config module (which imports Dask) is loaded only when a string or fraction is given, so
-    that ``dask_rmm.mr`` itself never imports Dask.
-    """
+    """An int size as is; a string or fraction through :func:`dask_rmm.sizes.parse_device_bytes`."""
     if isinstance(value, int) and not isinstance(value, bool):
         return _check_size(value, what)
     if isinstance(value, (str, float)):
-        from dask_rmm.sizes import parse_device_bytes
-
         return parse_device_bytes(value, device=device, option=what) or 0
     raise TypeError(
         f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
@@ -587,7 +582,7 @@ class SamHeadroomMemoryResource(_CudaResource):
         return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
 
 
-def _load_libc():
+def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.aligned_alloc.restype = ctypes.c_void_p
     libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
@@ -596,7 +591,7 @@ def _load_libc():
     return libc
 
 
-_libc = None
+_libc: Any = None  # the C library, loaded by the first SystemMemoryResource
 
 
 class SystemMemoryResource(DeviceMemoryResource):
