@@ -50,6 +50,8 @@ class ClusterTotal:
         # Per row: newest sample time arrived, and whether it runs (lists: set one at a time).
         self._newest: list[float] = []
         self._running: list[bool] = []
+        #: Per row: the largest max_bytes_in_interval arrived (numpy: updated a batch at a time).
+        self._row_peak = np.zeros(16, np.int64)
         self._n = 0  # rows ever made
         self._free: list[int] = []
         self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
@@ -69,6 +71,9 @@ class ClusterTotal:
             self._latest_m.append(0)
             self._newest.append(float("-inf"))
             self._running.append(False)
+            if row == len(self._row_peak):
+                self._row_peak = np.concatenate([self._row_peak, np.zeros(row, np.int64)])
+        self._row_peak[row] = 0
         self._newest[row] = float("-inf")
         self._running[row] = True
         return row
@@ -118,7 +123,7 @@ class ClusterTotal:
         # a chunk's first sample by its difference to its row's latest (from the chunk
         # before, maybe in this same batch: hence one pass over the chunks in order).
         latest_c, latest_m = self._latest_c, self._latest_m
-        first_c, first_m, starts = [], [], []
+        first_c, first_m, starts, starts_n = [], [], [], []
         start = 0
         unpack = SAMPLE_STRUCT.unpack_from
         for row, b in chunks:
@@ -126,7 +131,10 @@ class ClusterTotal:
             first_c.append(latest_c[row])
             first_m.append(latest_m[row])
             _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
-            start += len(b) // SAMPLE_STRUCT.size
+            starts_n.append(len(b) // SAMPLE_STRUCT.size)
+            start += starts_n[-1]
+        rows = np.repeat(np.fromiter((r for r, _ in chunks), np.int64, len(chunks)), starts_n)
+        np.maximum.at(self._row_peak, rows, raw[:, 2])
         values = raw[:, 1:]
         previous = np.empty_like(values)
         previous[1:] = values[:-1]
@@ -171,6 +179,7 @@ class ClusterTotal:
             self._final_time,
             self.peak,
             tuple(self.timeline.levels),
+            self._row_peak.copy(),
         )
 
     @property
@@ -210,9 +219,12 @@ class TotalSnapshot:
         final_time: float,
         peak: int,
         levels: tuple[bytes, ...],
+        row_peaks: np.ndarray,
     ):
         self._waiting, self._sum, self._final_time = waiting, total, final_time
         self.peak, self.levels = peak, levels
+        #: Per row: the largest ``max_bytes_in_interval`` the row's device ever sent.
+        self.row_peaks = row_peaks
 
     def points(self) -> tuple[int, np.ndarray]:
         """``(peak, points)``: the summed points oldest first, the final ones then those not

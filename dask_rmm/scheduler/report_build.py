@@ -6,9 +6,11 @@ the records (``timeline.py``), rendering (``dask_rmm.report``).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from time import time
 from typing import TYPE_CHECKING, Any
@@ -91,18 +93,25 @@ class ReportRequest:
         return self.sort or "worker"
 
 
+def _int(value: Any) -> int:
+    return value if type(value) is int else to_int(value)
+
+
 class _Device:
     """One device's numbers for sorting and totals (no DeviceMemory made for it)."""
 
     __slots__ = ("rec", "dev", "d", "levels", "running", "current", "peak", "frag")
 
-    def __init__(self, rec: tuple, dev: str, d: Mapping[str, Any], levels: tuple | None):
+    def __init__(self, rec: tuple, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int):
         self.rec, self.dev, self.d, self.levels = rec, dev, d, levels
         self.running = rec[2] == "running"
-        self.current = to_int(d.get("current_bytes"))
-        free = to_int(d.get("pool_free_bytes"))
-        self.frag = max(0.0, 1.0 - to_int(d.get("largest_free_block")) / free) if free > 0 else 0.0
-        self.peak = -1  # computed on demand: it reads the timeline
+        self.current = _int(d.get("current_bytes", 0))
+        free = _int(d.get("pool_free_bytes", 0))
+        largest = _int(d.get("largest_free_block", 0))
+        self.frag = max(0.0, 1.0 - largest / free) if free > 0 else 0.0
+        # The most this worker name's device held at once since the scheduler first saw it:
+        # its heartbeat's peak, every sample it sent, and the peaks of earlier processes.
+        self.peak = max(_int(d.get("peak_bytes", 0)), peak, rec[7].get(dev, 0))
 
     def points(self) -> np.ndarray:
         if not self.levels:
@@ -110,13 +119,6 @@ class _Device:
         return np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
 
     def row_peak(self) -> int:
-        """The most this worker name's device held at once since the scheduler first saw it:
-        its heartbeat's peak, its timeline's, and those of earlier processes of the name."""
-        if self.peak < 0:
-            pts = self.points()
-            timeline_peak = int(pts["m"].max()) if len(pts) else 0
-            earlier = self.rec[7].get(self.dev, 0)
-            self.peak = max(to_int(self.d.get("peak_bytes")), timeline_peak, earlier)
         return self.peak
 
 
@@ -148,6 +150,7 @@ class Snapshot:
                 r.metrics,
                 dict(r.earlier_peaks),
                 {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+                dict(r.rows),
             )
             for r in records
         ]
@@ -164,25 +167,38 @@ class Snapshot:
     def devices(self) -> list[_Device]:
         """Every device of the snapshot, with its numbers (no DeviceMemory made)."""
         out = []
+        peaks = self.total.row_peaks if self.total is not None else ()
         for rec in self.records:
             raw = (rec[6] or {}).get("devices")
+            rows = rec[9]
             for dev, d in raw.items() if isinstance(raw, dict) else ():
                 if isinstance(d, dict):
-                    out.append(_Device(rec, str(dev), d, rec[8].get(str(dev))))
+                    dev = str(dev)
+                    row = rows.get(dev)
+                    peak = int(peaks[row]) if row is not None and row < len(peaks) else 0
+                    out.append(_Device(rec, dev, d, rec[8].get(dev), peak))
         return out
 
     def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:
         """Totals over the running ``devices``, with the cluster's ``peak``."""
         run = [x for x in devices if x.running]
-        sums = {k: sum(to_int(x.d.get(k)) for x in run) for k in _SUMMED}
+        sums = dict.fromkeys(_SUMMED, 0)
+        largest = paused = 0
+        for x in run:
+            d = x.d
+            for k in _SUMMED:
+                v = d.get(k, 0)
+                sums[k] += v if type(v) is int else to_int(v)
+            largest = max(largest, _int(d.get("largest_free_block", 0)))
+            paused += bool(_int(d.get("paused", 0)))
         return ClusterTotals(
             workers=len({x.rec[0] for x in run}),
             gone_workers=len({x.rec[0] for x in devices if not x.running}),
             devices=len(run),
             peak_bytes=peak,
-            sum_of_device_peaks=sum(x.row_peak() for x in run),
-            largest_free_block=max((to_int(x.d.get("largest_free_block")) for x in run), default=0),
-            paused_devices=sum(1 for x in run if to_int(x.d.get("paused"))),
+            sum_of_device_peaks=sum(x.peak for x in run),
+            largest_free_block=largest,
+            paused_devices=paused,
             **sums,
         )
 
@@ -278,10 +294,18 @@ class Snapshot:
 
     def render(self, form: str) -> Any:
         """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
-        if form == "json":
+        with _collector_paused():
+            return self._render(form)
+
+    def _render(self, form: str) -> Any:
+        if form in ("json", "json-pieces", "json-bytes"):
             arrays: dict = {}
             report = self.build(arrays)
-            return dumps_in_pieces(report.to_dict(timeline=False), arrays)
+            pieces = json_pieces(report.to_dict(timeline=False), arrays)
+            if form == "json-pieces":
+                return pieces
+            text = "".join(pieces)
+            return text.encode() if form == "json-bytes" else text
         report = self.build()
         if form == "html":
             return report.to_html(full_page=True, refresh=self.request.refresh, nav=self._nav())
@@ -303,10 +327,26 @@ class Snapshot:
         return f'<p class="nav">sort by: {sorts} &middot; rows: {tops}</p>'
 
 
-def dumps_in_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> str:
-    """``json.dumps(doc)`` one worker at a time (the encoder holds the GIL for a whole call:
-    one call for 16,000 devices would stall the event loop's thread for as long), with each
-    device's ``timeline`` from ``timelines[worker address, device]`` (numpy points)."""
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No automatic garbage collection while a report is built: a full pass walks every object
+    of the scheduler (each worker's last heartbeat is hundreds of them) holding the GIL, which
+    at 16,000 devices stalls the event loop's thread for 50-250 ms; building a report makes
+    enough objects to start several. What it makes has no cycles: reference counting frees it.
+    One report is built at a time (one thread), so nothing else turns the collector back on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[str]:
+    """``json.dumps(doc)`` in pieces, one worker a piece (the encoder holds the GIL for a whole
+    call: one call for 16,000 devices would stall the event loop's thread for as long), with
+    each device's ``timeline`` from ``timelines[worker address, device]`` (numpy points)."""
     timelines = timelines or {}
 
     def worker(w: dict) -> str:
@@ -322,8 +362,11 @@ def dumps_in_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> st
         return text
 
     head = json.dumps({k: v for k, v in doc.items() if k != "workers"})
-    body = ",".join(worker(w) for w in doc.get("workers") or ())
-    return head[:-1] + (", " if head != "{}" else "") + f'"workers": [{body}]}}'
+    pieces = [head[:-1] + (", " if head != "{}" else "") + '"workers": [']
+    for i, w in enumerate(doc.get("workers") or ()):
+        pieces.append(("," if i else "") + worker(w))
+    pieces.append("]}")
+    return pieces
 
 
 def _address_key(address: str) -> tuple:

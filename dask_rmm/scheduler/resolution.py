@@ -142,6 +142,8 @@ class Timeline:
         levels = self.levels
         levels[0] += blob
         self.newest = _TIME.unpack_from(blob, len(blob) - _RECORD)[0]
+        if len(levels[0]) < self._limits[0] * _RECORD:
+            return  # the common case: the newest level has room
         for i, limit in enumerate(self._limits):
             if len(levels[i]) < limit * _RECORD:
                 break

@@ -136,14 +136,15 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self._configure()
 
-        async def dask_rmm_report(**query: Any) -> str | None:
-            """The registered plugin's report document as JSON text (built off the event
-            loop), or None when none is registered."""
+        async def dask_rmm_report(**query: Any) -> bytes | None:
+            """The registered plugin's report document as UTF-8 JSON (built and encoded off
+            the event loop: the reply is then one bytes frame), or None when none is
+            registered."""
             plugin = scheduler.plugins.get(PLUGIN_NAME)
             if not isinstance(plugin, SchedulerTimelinePlugin):
                 return None
             request = ReportRequest.from_query(query)
-            return await plugin.report_async(request, "json")
+            return await plugin.report_async(request, "json-bytes")
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
         http.install_routes(scheduler)
@@ -319,7 +320,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     async def report_async(self, request: ReportRequest, form: str = "report") -> Any:
         """The report for ``request``, built in a thread so that the event loop only takes
         the snapshot: ``form`` is "report" (a ClusterMemoryReport), "json" (the document as
-        JSON text) or "html" (the page; ``request.refresh`` sets its reload)."""
+        JSON text; "json-bytes" encoded, "json-pieces" a list of str, one worker a piece) or
+        "html" (the page; ``request.refresh`` sets its reload)."""
         snap = self.snapshot(request)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
