@@ -301,7 +301,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
                 )
             )
 
-        cli = [sys.executable, "-m", "dask_rmm.cli", "report", s.address]
+        cli = [sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300"]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
 
         async def one_shot():
