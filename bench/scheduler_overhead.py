@@ -119,11 +119,15 @@ def prefill(plugin, sim: Simulated, points: int) -> None:
 
 
 def steady(plugin, sim: Simulated, rounds: int) -> tuple[float, float, int]:
-    """Rounds of one heartbeat per worker, the poller's upkeep ten times a round: seconds in
-    ``_ingest``, seconds in the cluster total's upkeep, heartbeats."""
+    """Rounds of one heartbeat per worker (a heartbeat interval), the poller's upkeep as often
+    as it runs in that time (every TOTAL_INTERVAL): seconds in ``_ingest``, seconds in the
+    cluster total's upkeep, heartbeats."""
+    from dask_rmm.scheduler.timeline import TOTAL_INTERVAL
+
     ingest = upkeep = 0.0
     beats = 0
     n = len(sim.ws)
+    every = max(1, int(n / max(1.0, sim.per_beat * SAMPLE_INTERVAL / TOTAL_INTERVAL)))
     for _ in range(rounds):
         now = time.time()
         heartbeats = [sim.heartbeat(i, now) for i in range(n)]
@@ -133,7 +137,7 @@ def steady(plugin, sim: Simulated, rounds: int) -> tuple[float, float, int]:
             plugin._ingest(ws)
             ingest += time.perf_counter() - start
             beats += 1
-            if i % max(1, n // 10) == 0:
+            if i % every == 0:
                 start = time.perf_counter()
                 plugin._total.advance(time.time())
                 upkeep += time.perf_counter() - start

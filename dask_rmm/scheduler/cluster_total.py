@@ -146,9 +146,9 @@ class ClusterTotal:
 
     def advance(self, now: float) -> None:
         """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""
-        self._take_chunks()
-        if not self._waiting:
+        if not self._chunks and not self._waiting:
             return
+        self._take_chunks()
         newest = np.array(self._newest)[np.array(self._running, bool)]
         newest = newest[np.isfinite(newest)]
         watermark = float(newest.min()) if len(newest) else float("inf")

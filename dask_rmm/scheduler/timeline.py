@@ -40,6 +40,8 @@ DEFAULT_TIMELINE_LENGTH = 512
 DEFAULT_TIMELINE_LEVELS = 3
 #: How many departed workers stay in reports (marked "gone") before the oldest is forgotten.
 DEFAULT_KEEP_GONE = 32
+#: Seconds between two passes that add what every device has sent to the cluster's total.
+TOTAL_INTERVAL = 0.5
 
 
 @dataclass(eq=False)
@@ -117,6 +119,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
         self._total: ClusterTotal | None = None
+        self._total_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
@@ -230,7 +233,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._stop()
             return False
         self._ingest_all()
-        self._total.advance(time())  # a poll's worth of samples: no long block
+        now = time()
+        if now >= self._total_due:  # half a second of samples at a time: no long block
+            self._total_due = now + TOTAL_INTERVAL
+            self._total.advance(now)
         return True
 
     def _ingest_all(self) -> None:
