@@ -114,7 +114,10 @@ class SimulatedCluster:
 
     def beat(self, plugin, samples: int) -> None:
         """Every worker sends a heartbeat with ``samples`` new samples a device."""
-        from dask_rmm.wire import heartbeat, pack_samples
+        from dask_rmm.wire import heartbeat
+
+        if self.packed:
+            from dask_rmm.wire import pack_samples
 
         for ws in self.workers:
             devices = {}
