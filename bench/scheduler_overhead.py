@@ -144,9 +144,12 @@ def steady(plugin, sim: Simulated, rounds: int) -> tuple[float, float, int]:
     return ingest, upkeep, beats
 
 
-def memory(workers: int, devices: int, per_beat: int, fill: int) -> tuple[int, int]:
-    """Bytes a plugin (not attached to a scheduler) keeps for full timelines and one round of
-    heartbeats, the heartbeat dicts themselves excluded; and its points."""
+def memory(workers: int, devices: int, per_beat: int, fill: int) -> tuple[int, int, int]:
+    """Bytes a plugin (not attached to a scheduler) keeps for full timelines and two rounds of
+    heartbeats, the heartbeat dicts themselves excluded; its points; and the devices measured
+    (at most 256 workers': what is kept per device does not depend on how many there are, and
+    tracemalloc is slow)."""
+    workers = min(workers, 256)
     from types import SimpleNamespace
 
     from dask_rmm.scheduler import SchedulerTimelinePlugin
@@ -168,7 +171,7 @@ def memory(workers: int, devices: int, per_beat: int, fill: int) -> tuple[int, i
     tracemalloc.stop()
     kept = sum(st.size_diff for st in after.compare_to(before, "filename"))
     points = sum(len(tl) for rec in plugin._records.values() for tl in rec.timelines.values())
-    return kept, points
+    return kept, points, workers * devices
 
 
 class TickProbe:
@@ -223,8 +226,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
 
         prefill(plugin, sim, args.fill)
         ingest, upkeep, beats = steady(plugin, sim, args.rounds)
-        kept, points = memory(workers, devices, per_beat, args.fill)
-        n_dev = workers * devices
+        kept, points, measured = memory(workers, devices, per_beat, args.fill)
         rows += [
             (
                 "heartbeat handling per worker heartbeat",
@@ -237,9 +239,9 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
             ),
             (
                 "timeline memory per device",
-                f"{kept / n_dev / 1024:.1f} KiB kept by the plugin (tracemalloc; the "
-                f"heartbeat dicts excluded); {points / n_dev:.0f} points "
-                f"= {points * 24 / n_dev / 1024:.1f} KiB of samples",
+                f"{kept / measured / 1024:.1f} KiB kept by the plugin (tracemalloc over "
+                f"{measured} devices; the heartbeat dicts excluded); {points / measured:.0f} "
+                f"points = {points * 24 / measured / 1024:.1f} KiB of samples",
             ),
         ]
         d0 = sim.ws[0].metrics[METRICS_KEY]["devices"]["0"]
@@ -280,7 +282,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
                 ReportRequest(timeline=True),
             ),
         ):
-            if "timeline=1" in path and n_dev > args.full_limit:
+            if "timeline=1" in path and workers * devices > args.full_limit:
                 rows.append((label, f"not run (> {args.full_limit} devices)"))
                 continue
             block, _, (size, answer) = await probed(fetch(path), 1 if "timeline=1" in path else 3)
