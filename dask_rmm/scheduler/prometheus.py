@@ -89,7 +89,12 @@ class DaskRMMCollector:
         )
         for x in running:
             d = x.d
-            labels = [x.rec[0], x.rec[1], x.dev, str(d.get("gpu_uuid") or d.get("gpu_name") or "")]
+            labels = [
+                x.rec.address,
+                x.rec.name,
+                x.dev,
+                str(d.get("gpu_uuid") or d.get("gpu_name") or ""),
+            ]
             for field, family in gauges:
                 value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
                 family.add_metric(labels, value)

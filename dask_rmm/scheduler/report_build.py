@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from time import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlencode
 
 import numpy as np
@@ -93,6 +93,21 @@ class ReportRequest:
         return self.sort or "worker"
 
 
+class _Record(NamedTuple):
+    """A worker record as the snapshot took it (references to data replaced, never changed)."""
+
+    address: str
+    name: str
+    status: str
+    last_seen: float | None
+    error: str | None
+    restarts: int
+    metrics: dict | None
+    earlier_peaks: dict[str, int]
+    levels: dict[str, tuple[bytes, ...]]
+    rows: dict[str, int]
+
+
 def _int(value: Any) -> int:
     return value if type(value) is int else to_int(value)
 
@@ -104,14 +119,14 @@ class _Device:
 
     def __init__(self, rec: tuple, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int):
         self.rec, self.dev, self.d, self.levels = rec, dev, d, levels
-        self.running = rec[2] == "running"
+        self.running = rec.status == "running"
         self.current = _int(d.get("current_bytes", 0))
         free = _int(d.get("pool_free_bytes", 0))
         largest = _int(d.get("largest_free_block", 0))
         self.frag = max(0.0, 1.0 - largest / free) if free > 0 else 0.0
         # The most this worker name's device held at once since the scheduler first saw it:
         # its heartbeat's peak, every sample it sent, and the peaks of earlier processes.
-        self.peak = max(_int(d.get("peak_bytes", 0)), peak, rec[7].get(dev, 0))
+        self.peak = max(_int(d.get("peak_bytes", 0)), peak, rec.earlier_peaks.get(dev, 0))
 
     def points(self) -> np.ndarray:
         if not self.levels:
@@ -126,7 +141,7 @@ class Snapshot:
     """The plugin's records at one moment (made on the event loop by :meth:`take`); :meth:`build`
     makes the report from it in any thread."""
 
-    def __init__(self, request: ReportRequest, records: list[tuple], total: Any, meta: dict):
+    def __init__(self, request: ReportRequest, records: list[_Record], total: Any, meta: dict):
         self.request, self.records, self.total, self.meta = request, records, total, meta
 
     @classmethod
@@ -140,7 +155,7 @@ class Snapshot:
         without: list[str],
     ) -> Snapshot:
         rows = [
-            (
+            _Record(
                 r.address,
                 r.name,
                 r.status,
@@ -169,14 +184,14 @@ class Snapshot:
         out = []
         peaks = self.total.row_peaks if self.total is not None else ()
         for rec in self.records:
-            raw = (rec[6] or {}).get("devices")
-            rows = rec[9]
+            raw = (rec.metrics or {}).get("devices")
+            rows = rec.rows
             for dev, d in raw.items() if isinstance(raw, dict) else ():
                 if isinstance(d, dict):
                     dev = str(dev)
                     row = rows.get(dev)
                     peak = int(peaks[row]) if row is not None and row < len(peaks) else 0
-                    out.append(_Device(rec, dev, d, rec[8].get(dev), peak))
+                    out.append(_Device(rec, dev, d, rec.levels.get(dev), peak))
         return out
 
     def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:
@@ -192,8 +207,8 @@ class Snapshot:
             largest = max(largest, _int(d.get("largest_free_block", 0)))
             paused += bool(_int(d.get("paused", 0)))
         return ClusterTotals(
-            workers=len({x.rec[0] for x in run}),
-            gone_workers=len({x.rec[0] for x in devices if not x.running}),
+            workers=len({x.rec.address for x in run}),
+            gone_workers=len({x.rec.address for x in devices if not x.running}),
             devices=len(run),
             peak_bytes=peak,
             sum_of_device_peaks=sum(x.peak for x in run),
@@ -206,10 +221,12 @@ class Snapshot:
         req = self.request
         chosen = devices
         if req.worker:
-            chosen = [x for x in chosen if req.worker in x.rec[0] or req.worker in x.rec[1]]
+            chosen = [x for x in chosen if req.worker in x.rec.address or req.worker in x.rec.name]
         order = req.sort or ("peak" if req.top is not None and len(chosen) > req.top else "worker")
         if order == "worker":
-            chosen = sorted(chosen, key=lambda x: (not x.running, _address_key(x.rec[0]), x.dev))
+            chosen = sorted(
+                chosen, key=lambda x: (not x.running, _address_key(x.rec.address), x.dev)
+            )
         else:
             key = {
                 "current": lambda x: x.current,
@@ -265,20 +282,20 @@ class Snapshot:
                 if arrays is None:
                     timeline = self._timeline(x.points())
                 else:
-                    arrays[rec[0], x.dev] = self._points(x.points())
+                    arrays[rec.address, x.dev] = self._points(x.points())
             made.append(
                 DeviceMemory.from_dict(
                     x.d,
-                    worker=str(rec[0]),
+                    worker=str(rec.address),
                     device=x.dev,
-                    name=str(rec[1]),
-                    status=str(rec[2]),
+                    name=str(rec.name),
+                    status=str(rec.status),
                     timeline=timeline,
-                    last_seen=rec[3],
-                    restarts=rec[5],
+                    last_seen=rec.last_seen,
+                    restarts=rec.restarts,
                 ).with_peak(x.row_peak())
             )
-        errors = [f"{rec[0]}: {rec[4]}" for rec in self.records if rec[4]]
+        errors = [f"{rec.address}: {rec.error}" for rec in self.records if rec.error]
         meta = self.meta
         return ClusterMemoryReport(
             devices=tuple(made),
