@@ -50,7 +50,7 @@ class _ReportHandler(RequestHandler):
                 f"unknown query argument(s) {', '.join(unknown)}; "
                 f"this page takes {', '.join(sorted(known))}",
             )
-        timeline = self._arg("timeline", "1" if page else "0").lower()
+        timeline = (self._arg("timeline") or ("1" if page else "0")).lower()
         if timeline not in _BOOL:
             raise web.HTTPError(
                 400, f"timeline must be 1 or 0 (true/false, yes/no), got {timeline!r}"

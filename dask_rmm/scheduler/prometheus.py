@@ -26,7 +26,7 @@ LABELS = ["worker", "name", "device", "gpu"]
 #: Per-device series up to this many devices when the config does not say.
 DEFAULT_DEVICE_LIMIT = 500
 #: Totals exported as ``dask_rmm_cluster_<field>`` (summed over running devices).
-_CLUSTER = ("current_bytes", "reserved_bytes", "pool_free_bytes", "retired_bytes")
+_CLUSTER: tuple[str, ...] = ("current_bytes", "reserved_bytes", "pool_free_bytes", "retired_bytes")
 _CLUSTER += ("failed_allocations", "spilled_bytes", "oom_count", "ooms_avoided")
 
 

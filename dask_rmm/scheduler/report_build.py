@@ -31,7 +31,13 @@ __all__ = ["SORT_KEYS", "ReportRequest", "Snapshot"]
 #: largest first.
 SORT_KEYS = ("worker", "current", "peak", "fragmentation")
 #: Fields summed over the running devices for the totals.
-_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
+_SUMMED: tuple[str, ...] = (
+    "current_bytes",
+    "total_bytes",
+    "reserved_bytes",
+    "retired_bytes",
+    "pool_free_bytes",
+)
 _SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
 _SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
@@ -116,8 +122,18 @@ class _Device:
     """One device's numbers for sorting and totals (no DeviceMemory made for it)."""
 
     __slots__ = ("rec", "dev", "d", "levels", "running", "current", "peak", "frag")
+    rec: _Record
+    dev: str
+    d: Mapping[str, Any]
+    levels: tuple[bytes, ...] | None
+    running: bool
+    current: int
+    peak: int
+    frag: float
 
-    def __init__(self, rec: tuple, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int):
+    def __init__(
+        self, rec: _Record, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int
+    ):
         self.rec, self.dev, self.d, self.levels = rec, dev, d, levels
         self.running = rec.status == "running"
         self.current = _int(d.get("current_bytes", 0))

@@ -88,9 +88,7 @@ class Timeline:
         than the newest kept (heartbeats overlap). Returns the index of the first sample
         added (``len(samples)`` when none was new). Malformed samples raise (ValueError,
         TypeError, IndexError, struct.error) before anything changes."""
-        if type(samples) is bytes:
-            blob = samples
-        elif isinstance(samples, (bytearray, memoryview)):
+        if isinstance(samples, (bytes, bytearray, memoryview)):
             blob = bytes(samples)
         else:
             blob = pack_samples(samples)

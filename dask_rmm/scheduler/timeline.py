@@ -118,7 +118,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._records: dict[str, _WorkerRecord] = {}
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
-        self._total: ClusterTotal | None = None
+        # Sized from the options in start (the config is the scheduler's).
+        self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
         self._total_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
 
@@ -158,7 +159,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             REGISTRY.register(self._collector)
         except ImportError:
             logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
-        self._poller = PeriodicCallback(self.poll, self.poll_interval * 1000)
+        self._poller = PeriodicCallback(self._tick, self.poll_interval * 1000)
         self._poller.start()
         self._ingest_all()  # not registered yet: register_scheduler_plugin starts, then adds
 
@@ -173,7 +174,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 value = dask.config.get(f"dask-rmm.scheduler.{key}", default=default)
                 _check_int(f"config dask-rmm.scheduler.{key}", value, least)
                 setattr(self, attr, value)
-        if self._total is None:
+        if not self._records:
             self._total = ClusterTotal(self._new_timeline())
 
     def _new_timeline(self) -> Timeline:
@@ -239,9 +240,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._total.advance(now)
         return True
 
+    def _tick(self) -> None:
+        self.poll()
+
     def _ingest_all(self) -> None:
-        for ws in list(self.scheduler.workers.values()):
-            self._ingest(ws)
+        if self.scheduler is not None:
+            for ws in list(self.scheduler.workers.values()):
+                self._ingest(ws)
 
     def _ingest(self, ws: WorkerState) -> None:
         m = ws.metrics.get(METRICS_KEY)
@@ -315,7 +320,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return Snapshot.take(
             request,
             records=list(self._records.values()),
-            total=self._total.snapshot() if self._total is not None else None,
+            total=self._total.snapshot(),
             scheduler=s.address if s is not None else "",
             timeline_length=self.timeline_length or 0,
             without=[
