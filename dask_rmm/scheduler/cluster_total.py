@@ -159,7 +159,9 @@ class ClusterTotal:
             if cut:
                 final.append(changes[:cut])
             if cut < len(changes):
-                waiting.append(changes[cut:])
+                # A view keeps its whole array alive: copy once most of it is summed.
+                rest = changes[cut:]
+                waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
         self._waiting = waiting
         if not final:
             return

@@ -14,7 +14,7 @@ import numpy as np
 
 from dask_rmm.wire import SAMPLE_STRUCT, pack_samples
 
-__all__ = ["SAMPLE_DTYPE", "Timeline", "downsample", "merge_points"]
+__all__ = ["SAMPLE_DTYPE", "Timeline", "compact_all", "downsample", "merge_points"]
 
 #: One point as numpy reads a packed sample (:data:`dask_rmm.wire.SAMPLE_STRUCT`).
 SAMPLE_DTYPE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
@@ -101,13 +101,29 @@ class Timeline:
         return first
 
     def extend_packed(self, blob: bytes) -> bytes:
-        """:meth:`extend` for packed samples known to be well formed (the scheduler's path):
-        returns the samples that were new."""
+        """:meth:`extend` for packed samples known to be well formed (the scheduler's path),
+        without merging: returns the samples that were new. When :attr:`overflowing`, the
+        caller merges with :meth:`compact` or :func:`compact_all` (the timeline then holds up
+        to one heartbeat's samples more than ``capacity`` until it does)."""
         first = self._first_newer(blob, len(blob) // _RECORD)
         new = blob[first * _RECORD :] if first else blob
         if new:
-            self.append_packed(new)
+            self.levels[0] += new
+            self.newest = _TIME.unpack_from(new, len(new) - _RECORD)[0]
         return new
+
+    @property
+    def overflowing(self) -> bool:
+        """The newest level is full: :meth:`compact` has points to merge."""
+        return len(self.levels[0]) >= self._limits[0] * _RECORD
+
+    def compact(self, start: int = 0) -> None:
+        """Merge each full level into the next, from level ``start`` on."""
+        levels = self.levels
+        for i in range(start, len(levels)):
+            if len(levels[i]) < self._limits[i] * _RECORD:
+                break
+            self._pass_on(i)
 
     def _first_newer(self, blob: bytes, n: int) -> int:
         newest = self.newest
@@ -137,15 +153,17 @@ class Timeline:
         """Append packed points (oldest first, none older than :attr:`newest`) as they are."""
         if not blob:
             return
-        levels = self.levels
-        levels[0] += blob
+        self.levels[0] += blob
         self.newest = _TIME.unpack_from(blob, len(blob) - _RECORD)[0]
-        if len(levels[0]) < self._limits[0] * _RECORD:
-            return  # the common case: the newest level has room
-        for i, limit in enumerate(self._limits):
-            if len(levels[i]) < limit * _RECORD:
-                break
-            self._pass_on(i)
+        if self.overflowing:
+            self.compact()
+
+    def _passed(self, i: int) -> int:
+        """How many points level ``i`` (not the last) passes on: whole batches, until it is
+        below its limit."""
+        n = len(self.levels[i]) // _RECORD
+        limit, batch = self._limits[i], self._batches[i]
+        return ((n - limit) // batch + 1) * batch if n >= limit else 0
 
     def _pass_on(self, i: int) -> None:
         levels = self.levels
@@ -156,13 +174,10 @@ class Timeline:
                 level = merge_points(level, pairs, 2) + level[pairs * _RECORD :]
             levels[i] = level
             return
-        batch, limit = self._batches[i], self._limits[i]
-        n = len(level) // _RECORD
-        if n >= limit:  # pass on whole batches until the level is below its limit
-            passed = ((n - limit) // batch + 1) * batch
+        passed = self._passed(i)
+        if passed:
             levels[i + 1] += merge_points(level, passed, self.factor)
-            level = level[passed * _RECORD :]
-        levels[i] = level
+            levels[i] = level[passed * _RECORD :]
 
     def points(self, last: int | None = None) -> np.ndarray:
         """The points oldest first as a numpy array of :data:`SAMPLE_DTYPE` (fields ``t``,
@@ -198,3 +213,34 @@ def downsample(points: np.ndarray, width: int) -> np.ndarray:
     out["m"][0::2] = np.minimum.reduceat(m, starts)
     out["m"][1::2] = np.maximum.reduceat(m, starts)
     return out
+
+
+def compact_all(timelines: list[Timeline]) -> None:
+    """:meth:`Timeline.compact` for many timelines of the same ``factor`` (the scheduler's
+    devices), their newest levels merged in one numpy pass: a few calls for all of them, not
+    a few per device."""
+    full = []
+    for tl in dict.fromkeys(timelines):  # once each, in order
+        if len(tl.levels) == 1:
+            tl.compact()
+        elif tl.overflowing:
+            full.append(tl)
+    if not full:
+        return
+    factor = full[0].factor
+    if any(tl.factor != factor for tl in full):
+        raise ValueError("compact_all needs timelines of one factor")
+    counts = [tl._passed(0) for tl in full]
+    # Each timeline passes a multiple of factor points: no merged point mixes two devices.
+    merged = merge_points(
+        b"".join(tl.levels[0][: n * _RECORD] for tl, n in zip(full, counts, strict=True)),
+        sum(counts),
+        factor,
+    )
+    at = 0
+    for tl, n in zip(full, counts, strict=True):
+        size = n // factor * _RECORD
+        tl.levels[1] += merged[at : at + size]
+        tl.levels[0] = tl.levels[0][n * _RECORD :]
+        at += size
+        tl.compact(1)

@@ -22,7 +22,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
-from dask_rmm.scheduler.resolution import Timeline
+from dask_rmm.scheduler.resolution import Timeline, compact_all
 from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, SAMPLE_STRUCT, pack_samples
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         # Sized from the options in start (the config is the scheduler's).
         self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
         self._total_due = 0.0
+        self._full: list[Timeline] = []  # timelines whose newest level is full
         self._executor: ThreadPoolExecutor | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
@@ -237,8 +238,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         now = time()
         if now >= self._total_due:  # half a second of samples at a time: no long block
             self._total_due = now + TOTAL_INTERVAL
+            self._compact()
             self._total.advance(now)
         return True
+
+    def _compact(self) -> None:
+        full, self._full = self._full, []
+        compact_all(full)
 
     def _tick(self) -> None:
         self.poll()
@@ -301,6 +307,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if type(samples) is not bytes or len(samples) % SAMPLE_STRUCT.size:
             samples = pack_samples(samples)  # a list (version 2), or raises: malformed
         new = tl.extend_packed(samples)
+        if tl.overflowing:
+            self._full.append(tl)  # merged by the poller, a batch of devices at a time
         if new:
             row = rec.rows.get(dev)
             if row is None:
@@ -315,6 +323,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         from it with :meth:`Snapshot.build`, which may run in another thread."""
         if self.scheduler is not None and self.active:
             self.poll()  # heartbeats that arrived since the last tick
+        self._compact()
         s = self.scheduler
         request = request or ReportRequest()
         return Snapshot.take(

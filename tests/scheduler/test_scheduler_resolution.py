@@ -10,7 +10,7 @@ import pytest
 
 from dask_rmm.report.memory_report import peak_of_sum
 from dask_rmm.scheduler.cluster_total import ClusterTotal
-from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline, downsample
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline, compact_all, downsample
 from dask_rmm.wire import pack_samples, unpack_samples
 
 
@@ -72,6 +72,25 @@ def test_timeline_recent_points_are_at_full_resolution():
         tl.extend(beat)
     # Level 0 holds at least a quarter of the capacity unmerged.
     assert tl.to_list(last=128) == raw[-128:]
+
+
+def test_compact_all_merges_many_timelines_as_each_would_alone():
+    rng = random.Random(7)
+    streams = [_heartbeats(rng, 120, 40)[0] for _ in range(6)]
+    alone = [Timeline(96) for _ in streams]
+    batched = [Timeline(96) for _ in streams]
+    for k in range(120):
+        full = []
+        for s, a, b in zip(streams, alone, batched, strict=True):
+            a.extend(s[k])
+            b.extend_packed(s[k])
+            if b.overflowing:
+                full += [b, b]  # a timeline listed twice is merged once
+        if k % 3 == 0:
+            compact_all(full)
+    compact_all(batched)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.points().tolist() == a.points().tolist()
 
 
 @pytest.mark.parametrize(
