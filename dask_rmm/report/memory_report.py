@@ -375,7 +375,8 @@ class ClusterMemoryReport:
 
         rows = [list(_HEADER)]
         for d in self.devices:
-            status = d.status + (f" ({d.restarts} restarts)" if d.restarts else "")
+            restarts = f" ({d.restarts} restart{'s' if d.restarts != 1 else ''})"
+            status = d.status + (restarts if d.restarts else "")
             rows.append(
                 [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
                 + memory(d, format_bytes(d.peak_bytes))
