@@ -262,7 +262,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
         return None
 
     m = await _poll(device_metrics, what="6 MiB current on the scheduler")
-    assert m["version"] == 2 and m["worker"] == a.name and m["time"] > 0
+    assert m["version"] == 3 and m["worker"] == a.name and m["time"] > 0
     d = m["devices"]["0"]
     assert d["current_count"] == 3 and d["peak_bytes"] == 6 * MiB and d["total_count"] == 3
     assert d["reserved_bytes"] == 16 * MiB
