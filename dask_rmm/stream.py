@@ -163,6 +163,8 @@ class Stream:
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> s = Stream(flags=CudaStreamFlags.NON_BLOCKING)  # doctest: +SKIP
     >>> s.synchronize()  # doctest: +SKIP
     """

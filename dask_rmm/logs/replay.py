@@ -238,8 +238,16 @@ def replay(
 
     Examples
     --------
-    >>> r = replay("rmm_log.dev0.csv", "pool", initial_pool_size=1 << 30)   # doctest: +SKIP
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> r = replay(path, "pool", gpu=False, initial_pool_size=1 << 20)  # on host memory
     >>> r.peak_upstream_bytes, r.new_failures
+    (1048576, 0)
     """
     if gpu is None:
         gpu = _has_gpu()

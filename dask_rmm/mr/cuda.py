@@ -216,6 +216,8 @@ class CudaMemoryResource(_CudaResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaMemoryResource()  # doctest: +SKIP
     >>> ptr = mr.allocate(1024)  # doctest: +SKIP
     >>> mr.deallocate(ptr, 1024)  # doctest: +SKIP
@@ -304,7 +306,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     # Set by an owning subclass once it is finalized: the last free destroys the pool.
     _finalized = False
 
-    # The fast paths (issue 13): one cuda-python call with cached handle objects and one dict
+    # The fast paths: one cuda-python call with cached handle objects and one dict
     # store or pop, no other Python layer; anything unusual (bad arguments, other devices,
     # errors) takes the general path of _CudaResource, with the same errors.
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
@@ -398,6 +400,8 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="2GiB")  # doctest: +SKIP
     >>> mr.pool_handle()  # doctest: +SKIP
     94310741504
@@ -591,7 +595,7 @@ def _load_libc() -> ctypes.CDLL:
     return libc
 
 
-_libc: Any = None  # the C library, loaded by the first SystemMemoryResource
+_libc: ctypes.CDLL | None = None
 
 
 class SystemMemoryResource(DeviceMemoryResource):
@@ -606,6 +610,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         global _libc
         if _libc is None:
             _libc = _load_libc()
+        self._libc = _libc
         if device_id is None:
             device_id = _cuda.get_device() if _cuda.is_available() else 0
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
@@ -627,7 +632,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = _libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
+        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "
@@ -642,4 +647,4 @@ class SystemMemoryResource(DeviceMemoryResource):
         if ptr == 0 and nbytes == 0:
             return
         self._owned.remove(self, ptr, nbytes)
-        _libc.free(ptr)
+        self._libc.free(ptr)

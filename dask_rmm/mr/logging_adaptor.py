@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+from typing import TextIO
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -34,7 +35,7 @@ def format_stream(handle: int) -> str:
     return f"{handle:#x}" if handle else "0"
 
 
-def log_file_name_for_device(log_file_name: str, device_id: int) -> str:
+def log_file_name_for_device(log_file_name: str | os.PathLike[str], device_id: int) -> str:
     """``"rmm.log"`` -> absolute ``".../rmm.dev0.log"``: RMM's per-device file name."""
     name, ext = os.path.splitext(os.fspath(log_file_name))
     return os.path.abspath(f"{name}.dev{device_id}{ext}")
@@ -112,8 +113,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     >>> path = os.path.join(tempfile.mkdtemp(), "rmm.csv")
     >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=path)
     >>> mr.deallocate(mr.allocate(100), 100)
-    >>> mr.flush()
-    >>> open(mr.get_file_name()).readline().strip()
+    >>> mr.close()
+    >>> with open(mr.get_file_name()) as f:
+    ...     f.readline().strip()
     'Thread,Time,Action,Pointer,Size,Stream'
     """
 
@@ -148,15 +150,16 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         # (reinitialize(logging=True) run twice with buffers of the first still alive) adds its
         # rows at the end instead of at its old offset, which left a run of NUL bytes and then
         # overwrote the newer adaptor's rows.
-        self._file = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
-        if self._file.tell() == 0:
-            self._file.write(CSV_HEADER + "\n")
-            self._file.flush()  # first in the file, before rows another adaptor appends
+        f = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
+        if f.tell() == 0:
+            f.write(CSV_HEADER + "\n")
+            f.flush()  # first in the file, before rows another adaptor appends
+        self._file: TextIO | None = f
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
     def _write(self, action: str, ptr: int, nbytes: int, stream: Stream) -> None:
-        handle = getattr(stream, "handle", stream)
+        handle = int(stream)  # a Stream's handle (a bare int handle is taken as is)
         row = (
             f"{threading.get_native_id()},{self._clock.now()},{action},"
             f"{format_pointer(ptr)},{nbytes},{format_stream(handle)}\n"

@@ -86,6 +86,8 @@ def cluster_report(
 
     Examples
     --------
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
     >>> client.register_plugin(RMMPlugin(pool_size="4GiB"))  # doctest: +SKIP
     >>> print(cluster_report(client))  # doctest: +SKIP
     """

@@ -131,7 +131,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return {k: getattr(self, k) for k in self._OPTIONS}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        SchedulerTimelinePlugin.__init__(self, **state)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

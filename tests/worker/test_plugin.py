@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import time
 
 import dask
@@ -216,7 +217,7 @@ async def test_one_log_file_per_worker_and_device(c, s, a, b, tmp_path_factory=N
             with open(path) as f:
                 assert f.readline().strip() == "Thread,Time,Action,Pointer,Size,Stream"
         # a and b share this process's registry: the allocations went through the newest stack.
-        rows = "".join(open(p).read() for p in paths.values())
+        rows = "".join(pathlib.Path(p).read_text() for p in paths.values())
         assert ",allocate,0x" in rows and ",1000," in rows and ",2000," in rows
 
 
