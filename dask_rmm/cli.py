@@ -15,6 +15,7 @@ import math
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -341,7 +342,7 @@ def report(
     # timelines only for the plot or when asked.
     timeline = timelines or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
-    request = {"top": top, "sort": sort, "worker": worker_filter}
+    request: dict[str, Any] = {"top": top, "sort": sort, "worker": worker_filter}
 
     async def run() -> None:
         async for r in iter_reports(

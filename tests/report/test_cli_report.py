@@ -180,14 +180,15 @@ def test_watch_shows_the_total_peak_like_the_one_shot_report(rmm_cluster):
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
     )  # fmt: skip
-    totals = []
-    while len(totals) < 2:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        if line.startswith("total ("):
-            totals.append(line)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=20) == 0
+    with proc:  # closes the pipes
+        totals = []
+        while len(totals) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("total ("):
+                totals.append(line)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
     one_shot = [r for r in _cli(address).stdout.splitlines() if r.startswith("total (")]
     # "total (1 worker)  1  3.00 MiB  3.00 MiB *": the peak is a size, as in the one-shot table.
     peak = re.compile(r"(\d+\.\d\d \w+) \*")
