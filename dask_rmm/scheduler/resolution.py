@@ -40,9 +40,9 @@ class Timeline:
     device, in ``levels`` levels: half of them for the newest samples as they came (level 0),
     the rest shared by the coarser levels.
 
-     A full level passes its oldest points to the
-    next, ``factor`` merged into one; the last level, when full, merges its points pairwise, so
-    it always starts at the first sample ever added. Points are packed bytes (24 a point,
+    A full level passes its oldest points to the next, ``factor`` merged into one; the last
+    level, when full, merges its points pairwise, so it always starts at the first sample ever
+    added. Points are packed bytes (24 a point,
     :data:`dask_rmm.wire.SAMPLE_STRUCT`), replaced rather than changed in place, so a copy of
     :attr:`levels` taken on the event loop can be read in another thread.
 
