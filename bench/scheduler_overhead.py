@@ -139,6 +139,7 @@ def steady(plugin, sim: Simulated, rounds: int) -> tuple[float, float, int]:
             beats += 1
             if i % every == 0:
                 start = time.perf_counter()
+                plugin._compact()
                 plugin._total.advance(time.time())
                 upkeep += time.perf_counter() - start
     return ingest, upkeep, beats
