@@ -110,6 +110,7 @@ class RMMPlugin(WorkerPlugin):
         log_directory: str | os.PathLike | None = _UNSET,
         track_allocations: bool = _UNSET,
         allocators: Iterable[str] | str | None = _UNSET,
+        exact_allocators: Iterable[str] | str | bool | None = _UNSET,
         statistics: bool = _UNSET,
         base_resource: str = _UNSET,
         devices: Iterable[int] | int | str | None = _UNSET,

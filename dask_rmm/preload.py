@@ -172,6 +172,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--set-rmm-allocator-for-libs", "allocators", dict(callback=_libraries, metavar="LIBS",
         help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or "
         "several ('cupy,torch').")),
+    ("--rmm-exact-allocators", "exact_allocators", dict(callback=_libraries, metavar="LIBS",
+        help="Send every allocation of these libraries ('cupy', 'rmm') through the worker's "
+        "resource (exact per-allocation statistics) instead of their own cache over it.")),
     ("--rmm-base-resource", "base_resource", dict(type=click.Choice(
         BASE_RESOURCES, case_sensitive=False),
         help="Where memory comes from; 'system' (host memory) for hosts without a GPU.")),

@@ -97,7 +97,12 @@ def cupy_allocator_name() -> str:
     """``module.name`` of the allocator CuPy uses in this process."""
     import cupy
 
+    from dask_rmm.allocators.cupy import get_cupy_cache
+
     fn = cupy.cuda.get_allocator()
+    cache = get_cupy_cache()
+    if cache is not None and fn == cache.pool.malloc:
+        return "dask_rmm.allocators.cupy.CupyPoolCache"  # CuPy's own pool over dask-rmm
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
 
 

@@ -272,7 +272,7 @@ class ClusterMemoryReport:
             sum_of_device_peaks=sum(d.peak_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
             paused_devices=sum(1 for d in run if d.paused),
-            **{k: sum(getattr(d, k) for d in run) for k in _SUMMED},
+            **{k: sum(getattr(d, k) for d in run) for k in SUMMED_FIELDS},
         )
 
     @property
@@ -415,7 +415,28 @@ class ClusterMemoryReport:
                 lines.append(self.selection)
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines += self._peak_notes()
-        return "\n".join(lines + self.pressure_lines() + self._notes())
+        return "\n".join(lines + self.cache_lines() + self.pressure_lines() + self._notes())
+
+    def cache_lines(self) -> list[str]:
+        """One line per device whose memory passes through a library cache: how much of what
+        it allocated is in arrays and how much the caches hold free, and what its statistics
+        and task groups count then (none without caches)."""
+        lines = []
+        for d in self.devices:
+            if not d.library_caches:
+                continue
+            lines.append(
+                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.in_array_bytes)} in arrays, "
+                f"{format_bytes(d.library_cached_bytes)} held free in the {d.library_caches} "
+                "cache(s)"
+            )
+        if lines:
+            lines.insert(
+                0,
+                "library caches (allocated = in arrays + held free in the caches; counts and "
+                "task groups are the caches' blocks, charged to the task that drew them):",
+            )
+        return lines
 
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
@@ -571,10 +592,16 @@ _HEADER = (
     "top task groups (peak)",
 )
 
-#: Device fields summed into the cluster totals.
-_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
-_SUMMED += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
-_SUMMED += ("total_spilled_bytes", "total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+#: Device fields summed into the cluster totals (also by the scheduler's report builder).
+SUMMED_FIELDS: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
+SUMMED_FIELDS += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
+SUMMED_FIELDS += (
+    "total_spilled_bytes",
+    "total_unspilled_bytes",
+    "ooms_avoided",
+    "oom_count",
+    "pauses",
+)
 
 _ROW_PEAK_NOTE = (
     "peak: the most each device held at once since the scheduler first saw its worker "

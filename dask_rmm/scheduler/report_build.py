@@ -18,7 +18,12 @@ from urllib.parse import urlencode
 
 import numpy as np
 
-from dask_rmm.report.memory_report import ClusterMemoryReport, ClusterTotals, DeviceMemory
+from dask_rmm.report.memory_report import (
+    SUMMED_FIELDS,
+    ClusterMemoryReport,
+    ClusterTotals,
+    DeviceMemory,
+)
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
 from dask_rmm.wire import to_int
 
@@ -30,16 +35,6 @@ __all__ = ["SORT_KEYS", "ReportRequest", "Snapshot"]
 #: Orders of a report's devices (``sort=``): "worker" by address (running first), the others
 #: largest first.
 SORT_KEYS = ("worker", "current", "peak", "fragmentation")
-#: Fields summed over the running devices for the totals.
-_SUMMED: tuple[str, ...] = (
-    "current_bytes",
-    "total_bytes",
-    "reserved_bytes",
-    "retired_bytes",
-    "pool_free_bytes",
-)
-_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
-_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
 
 @dataclass(frozen=True)
@@ -213,11 +208,11 @@ class Snapshot:
     def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:
         """Totals over the running ``devices``, with the cluster's ``peak``."""
         run = [x for x in devices if x.running]
-        sums = dict.fromkeys(_SUMMED, 0)
+        sums = dict.fromkeys(SUMMED_FIELDS, 0)
         largest = paused = 0
         for x in run:
             d = x.d
-            for k in _SUMMED:
+            for k in SUMMED_FIELDS:
                 v = d.get(k, 0)
                 sums[k] += v if type(v) is int else to_int(v)
             largest = max(largest, _int(d.get("largest_free_block", 0)))

@@ -203,3 +203,24 @@ def test_physical_gpu_and_retired_bytes_are_shown():
     assert r.totals.retired_bytes == 300 << 20
     row = r.to_frame().set_index("name").loc["w10"]
     assert (row["gpu_name"], row["retired_bytes"]) == ("NVIDIA H200", 300 << 20)
+
+
+def test_bytes_held_free_in_library_caches_are_told_apart_from_bytes_in_arrays():
+    data = _data()
+    cache = {"library_cached_bytes": 2 << 20, "library_caches": "cupy,rmm"}
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], **cache)
+    r = ClusterMemoryReport.from_dict(data)
+    d = r.device("tcp://10.0.0.10:4000", 0)
+    assert (d.current_bytes, d.library_cached_bytes, d.in_array_bytes) == (
+        3 << 20,
+        2 << 20,
+        1 << 20,
+    )
+    text = str(r)
+    assert "library caches (allocated = in arrays + held free in the caches" in text
+    assert "w10)/dev0: 1.00 MiB in arrays, 2.00 MiB held free in the cupy,rmm cache(s)" in text
+    assert text.count("MiB held free in the") == 1  # devices without a cache get no line
+    row = r.to_frame().set_index("name").loc["w10"]
+    assert row["library_cached_bytes"] == 2 << 20
+    again = ClusterMemoryReport.from_dict(json.loads(r.to_json()))
+    assert again.device("tcp://10.0.0.10:4000", 0).library_caches == "cupy,rmm"

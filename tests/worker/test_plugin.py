@@ -89,6 +89,7 @@ def _stack_names(dask_worker=None):
         ({"pool_size": 1.5}, "pool_size=1.5"),
         ({"base_resource": "gpu"}, "`base_resource` must be one of"),
         ({"allocators": ["cupy", "tensorflow"]}, "unknown library 'tensorflow' in `allocators`"),
+        ({"exact_allocators": ["cupy", "jax"]}, "unknown library 'jax' in `exact_allocators`"),
         (
             {"base_resource": "system", "async_alloc": True},
             "`async_alloc=True` means base_resource='async', which conflicts",
@@ -104,6 +105,14 @@ def _stack_names(dask_worker=None):
 def test_incompatible_options_fail_on_the_client(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         RMMPlugin(**kwargs)
+
+
+def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
+    assert RMMPlugin().options.exact_allocators == ()
+    assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")
+    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm")
+    assert RMMPlugin(exact_allocators=False).options.exact_allocators == ()
+    assert "exact_allocators=['cupy']" in repr(RMMPlugin(exact_allocators=["cupy"]))
 
 
 def test_dask_cuda_names_choose_the_base_resource():

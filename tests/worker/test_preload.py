@@ -214,6 +214,7 @@ def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_pat
             "--rmm-managed-memory is incompatible with --rmm-async",
         ),
         (["--set-rmm-allocator-for-libs", "tensorflow"], "unknown library 'tensorflow'"),
+        (["--rmm-exact-allocators", "jax"], "unknown library 'jax'"),
         (["--rmm-base-resource", "tpu"], "Invalid value for '--rmm-base-resource'"),
         (["--rmm-pool-sise", "1GiB"], "No such option"),
     ],
@@ -236,6 +237,7 @@ def test_help_lists_every_flag():
         "--rmm-log-directory",
         "--rmm-track-allocations / --no-rmm-track-allocations",
         "--set-rmm-allocator-for-libs",
+        "--rmm-exact-allocators",
         "--rmm-base-resource",
         "--rmm-statistics / --no-rmm-statistics",
     ]:
