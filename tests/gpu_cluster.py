@@ -84,9 +84,10 @@ def capture_dask_rmm_logs() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             _captured.append(record.getMessage())
 
-    log = logging.getLogger("dask_rmm")
-    log.setLevel(logging.INFO)
-    log.addHandler(_Keep(logging.INFO))
+    for name in ("dask_rmm", "distributed.worker.dask_rmm"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        log.addHandler(_Keep(logging.INFO))
 
 
 def dask_rmm_logs() -> list[str]:
@@ -166,3 +167,19 @@ def gpu_name() -> str:
 
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def gpu_uuid() -> str:
+    """The current device's UUID as dask-rmm reads it (``GPU-...``)."""
+    from dask_rmm import _cuda
+
+    return _cuda.device_identity(_cuda.get_device())[1]
+
+
+def compiled_rmm_resource() -> str:
+    """The type of compiled RMM's current device resource here, or ``"no rmm"``."""
+    try:
+        import rmm
+    except ImportError:
+        return "no rmm"
+    return type(rmm.mr.get_current_device_resource()).__name__

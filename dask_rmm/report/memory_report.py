@@ -445,8 +445,11 @@ class ClusterMemoryReport:
         ]
         lines += [f"error: {e}" for e in self.errors]
         if self.workers_without_dask_rmm:
+            missing = self.workers_without_dask_rmm
             lines.insert(
-                0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics"
+                0,
+                f"{len(missing)} worker(s) without dask-rmm (no dask-rmm metrics): "
+                + ", ".join(sorted(missing)),
             )
         return lines
 

@@ -115,7 +115,8 @@ def test_text_table():
     assert lines[-4].startswith("total (2 workers)") and "1 gone" in lines[-4]
     assert lines[-3].startswith("peak: the most each device held at once since the scheduler")
     assert lines[-2].startswith("* total peak")
-    assert lines[-1] == "1 worker(s) without dask-rmm metrics"
+    # the report names the workers that run without dask-rmm, not only how many
+    assert lines[-1] == "1 worker(s) without dask-rmm (no dask-rmm metrics): tcp://10.0.0.9:4000"
     assert "2 workers (1 gone)" in repr(ClusterMemoryReport.from_dict(_data()))
 
 

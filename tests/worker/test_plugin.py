@@ -432,8 +432,11 @@ def test_a_file_as_log_directory_is_refused_on_the_client(tmp_path):
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error; this host has a GPU")
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
-    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*base_resource='system'"):
-        await c.register_plugin(RMMPlugin(base_resource="cuda"))
+    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*needs a CUDA device") as info:
+        await c.register_plugin(RMMPlugin(pool_size="64MiB"))
+    # the hint names what the user typed, not another API
+    assert 'give RMMPlugin(base_resource="system")' in str(info.value)
+    assert "SystemMemoryResource()" not in str(info.value)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
