@@ -255,6 +255,31 @@ def _finite_seconds(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Only the first N devices in --sort order (default order then: peak); totals cover all.",
+)
+@click.option(
+    "--sort",
+    type=click.Choice(["worker", "current", "peak", "fragmentation"]),
+    default=None,
+    help="Order of the devices: by worker address (default) or largest first.",
+)
+@click.option(
+    "--worker",
+    "worker_filter",
+    metavar="TEXT",
+    default=None,
+    help="Only the devices of workers whose address or name contains TEXT.",
+)
+@click.option(
+    "--timelines",
+    is_flag=True,
+    help="With --json: each device's timeline too (every point the scheduler keeps).",
+)
+@click.option(
     "--watch",
     type=click.FloatRange(min=0.1),
     callback=_finite_seconds,
@@ -280,6 +305,10 @@ def report(
     scheduler_address: str | None,
     scheduler_file: str | None,
     as_json: bool,
+    top: int | None,
+    sort: str | None,
+    worker_filter: str | None,
+    timelines: bool,
     watch: float | None,
     plot_path: str | None,
     timeout: float,
@@ -310,15 +339,17 @@ def report(
                 f"cannot read a scheduler address from {scheduler_file}: {e!r}"
             ) from e
     assert scheduler_address  # given, or read from the file (checked above)
-    # Timelines give the cluster's peak (peak of the sum); --watch keeps only the newest.
-    timeline = watch is None or plot_path is not None
+    # The scheduler sends the totals (the cluster's peak included); the devices' own
+    # timelines only for the plot or when asked.
+    timeline = timelines or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
+    request: dict[str, Any] = {"top": top, "sort": sort, "worker": worker_filter}
 
     async def run() -> None:
         async for r in iter_reports(
-            scheduler_address, interval=watch, timeout=timeout, timeline=timeline
+            scheduler_address, interval=watch, timeout=timeout, timeline=timeline, **request
         ):
-            if not r.devices and watch is None:
+            if not r.devices and not r.totals.devices and watch is None:
                 raise click.ClickException(
                     f"no dask-rmm workers on the scheduler at {scheduler_address} "
                     f"({len(r.workers_without_dask_rmm)} workers without dask-rmm metrics); "

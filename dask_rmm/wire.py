@@ -10,7 +10,8 @@ per-device field, add it to :class:`DeviceSample` (a default keeps old producers
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,16 +22,20 @@ __all__ = [
     "REPORT_HANDLER",
     "REPORT_VERSION",
     "SAMPLE_FIELDS",
+    "SAMPLE_STRUCT",
     "DeviceSample",
     "TaskGroup",
     "heartbeat",
+    "pack_samples",
     "to_int",
+    "unpack_samples",
 ]
 
 #: Key of the heartbeat metrics in ``worker.metrics`` (and so in ``WorkerState.metrics``).
 METRICS_KEY = "dask-rmm"
-#: Version of the heartbeat dict; readers ignore the fields they do not know.
-METRICS_VERSION = 2
+#: Version of the heartbeat dict; readers ignore the fields they do not know. Version 3 sends
+#: ``samples`` packed (:func:`pack_samples`); readers still take version 2's list of lists.
+METRICS_VERSION = 3
 #: Version of the report document (``ClusterMemoryReport.to_dict``, report.json, ``--json``).
 REPORT_VERSION = 2
 #: Name of the scheduler plugin that keeps the timelines (its key in ``Scheduler.plugins``).
@@ -39,6 +44,8 @@ PLUGIN_NAME = "dask-rmm-timeline"
 REPORT_HANDLER = "dask_rmm_report"
 #: One timeline sample: ``[time, current_bytes, max_bytes_in_interval]``.
 SAMPLE_FIELDS = ("time", "current_bytes", "max_bytes_in_interval")
+#: One packed sample: little-endian float64 time, int64 current bytes, int64 max bytes.
+SAMPLE_STRUCT = struct.Struct("<dqq")
 
 
 class TaskGroup(NamedTuple):
@@ -68,7 +75,8 @@ class DeviceSample:
     current_bytes: int = _exported("dask_rmm_used_bytes", "Bytes allocated through RMM now")
     current_count: int = 0
     peak_bytes: int = _exported(
-        "dask_rmm_peak_bytes", "Most bytes allocated at once since the resource was made"
+        "dask_rmm_peak_bytes",
+        "Most bytes allocated at once (on the scheduler: since it first saw the worker's name)",
     )
     peak_count: int = 0
     total_bytes: int = 0
@@ -198,8 +206,31 @@ def heartbeat(
     worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
-    ``samples`` (a list of ``SAMPLE_FIELDS`` rows taken since the previous heartbeat)."""
+    ``samples`` (the ``SAMPLE_FIELDS`` rows of the previous and this heartbeat, packed by
+    :func:`pack_samples`)."""
     return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
+
+
+def pack_samples(rows: Sequence[Sequence[float]]) -> bytes:
+    """``[time, current_bytes, max_bytes_in_interval]`` rows, oldest first, as the heartbeat's
+    packed ``samples``: one :data:`SAMPLE_STRUCT` record a row (24 bytes; the scheduler appends
+    them to its timelines without making a Python object per sample)."""
+    if not rows:
+        return b""
+    flat = [v for r in rows for v in (r[0], r[1], r[2])]
+    try:
+        return struct.pack("<" + "dqq" * len(rows), *flat)
+    except struct.error as e:  # a time that is no number, bytes that are no integer
+        raise TypeError(f"malformed samples (need [time, int, int] rows): {e}") from None
+
+
+def unpack_samples(blob: bytes) -> list[list[float | int]]:
+    """The rows :func:`pack_samples` packed (a trailing partial record raises ValueError)."""
+    if len(blob) % SAMPLE_STRUCT.size:
+        raise ValueError(
+            f"packed samples are {len(blob)} bytes, not a multiple of {SAMPLE_STRUCT.size}"
+        )
+    return [list(r) for r in SAMPLE_STRUCT.iter_unpack(blob)]
 
 
 def to_int(value: Any, kind: type = int) -> Any:

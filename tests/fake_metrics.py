@@ -86,3 +86,60 @@ class FakeRMMMetrics:
             "worker": str(worker.name),
             "devices": {d: dev.snapshot() for d, dev in self.devices.items()},
         }
+
+
+class SimulatedCluster:
+    """Heartbeat metrics of ``workers`` x ``devices`` simulated devices, fed straight to a
+    SchedulerTimelinePlugin (no Worker objects), and every sample they sent: the full
+    resolution the report is checked against."""
+
+    def __init__(self, workers: int, devices: int, seed: int = 0, packed: bool = True):
+        import random
+
+        self.rng = random.Random(seed)
+        self.packed = packed
+        self.workers = [
+            type("SimulatedWorker", (), {})() for _ in range(workers)
+        ]  # what _ingest reads of a WorkerState: address, name, metrics
+        for i, ws in enumerate(self.workers):
+            ws.address, ws.name, ws.metrics = (
+                f"tcp://10.{i // 250}.{i % 250}.1:4000",
+                f"sim-{i}",
+                {},
+            )
+        self.devices = [str(d) for d in range(devices)]
+        self.raw = {(w.address, d): [] for w in self.workers for d in self.devices}
+        self._previous = {k: [] for k in self.raw}
+        self._clock = {k: 1e9 + self.rng.random() for k in self.raw}
+
+    def beat(self, plugin, samples: int) -> None:
+        """Every worker sends a heartbeat with ``samples`` new samples a device."""
+        from dask_rmm.wire import heartbeat
+
+        if self.packed:
+            from dask_rmm.wire import pack_samples
+
+        for ws in self.workers:
+            devices = {}
+            for d in self.devices:
+                key = (ws.address, d)
+                batch = []
+                for _ in range(samples):
+                    self._clock[key] += 0.1
+                    current = self.rng.randrange(1 << 30)
+                    batch.append([self._clock[key], current, current + self.rng.randrange(1 << 28)])
+                self.raw[key] += batch
+                rows = self._previous[key] + batch
+                self._previous[key] = batch
+                last = batch[-1] if batch else [0, 0, 0]
+                devices[d] = {
+                    "current_bytes": last[1],
+                    "peak_bytes": max(s[2] for s in self.raw[key]) if self.raw[key] else 0,
+                    "reserved_bytes": 2 << 30,
+                    "pool_free_bytes": (2 << 30) - last[1],
+                    "largest_free_block": (1 << 30) - last[1] // 2,
+                    "gpu_name": "Simulated GPU",
+                    "samples": pack_samples(rows) if self.packed else rows,
+                }
+            ws.metrics = {"dask-rmm": heartbeat(ws.name, self._clock[key], devices)}
+            plugin._ingest(ws)

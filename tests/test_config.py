@@ -85,7 +85,7 @@ def test_registered_with_dask():
     assert dask.config.get("dask-rmm.pool-size") is None
     assert dask.config.get("dask-rmm.metrics.sample-interval") == "100ms"
     assert dask.config.get("dask-rmm.metrics.top-task-groups") == 10
-    assert dask.config.get("dask-rmm.scheduler.timeline-length") == 3600
+    assert dask.config.get("dask-rmm.scheduler.timeline-length") == 512
     with dask.config.set({"dask-rmm.pool-size": "4GiB"}):
         assert parse_device_bytes(dask.config.get("dask-rmm.pool-size")) == 4 << 30
 

@@ -6,6 +6,7 @@ Rendering is ``dask_rmm.report``'s; the scheduler side is ``dask_rmm.scheduler``
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm.report.memory_report import ClusterMemoryReport
@@ -18,11 +19,18 @@ __all__ = ["cluster_report", "fetch_report_data", "iter_reports"]
 
 
 async def fetch_report_data(
-    scheduler_rpc: Any, *, timeline: bool = True, last: int | None = None, install: bool = True
+    scheduler_rpc: Any,
+    *,
+    timeline: bool = True,
+    last: int | None = None,
+    install: bool = True,
+    **request: Any,
 ) -> dict:
     """The report document from ``scheduler_rpc`` (``client.scheduler`` or a ``rpc``); the
     scheduler plugin is installed first (a no-op when it is there), so that the scheduler never
-    sees a request for a handler it lacks."""
+    sees a request for a handler it lacks. ``request`` takes the other fields of
+    :class:`dask_rmm.scheduler.report_build.ReportRequest` (``top``, ``sort``, ``worker``,
+    ``width``); None ones are not sent."""
     if install:
         try:
             await install_scheduler_plugin(scheduler_rpc)
@@ -31,13 +39,27 @@ async def fetch_report_data(
                 f"could not install dask-rmm's scheduler plugin ({type(e).__name__}: {e}); "
                 "is dask-rmm installed on the scheduler?"
             ) from e
-    data = await scheduler_rpc.dask_rmm_report(timeline=timeline, last=last)
+    query = {k: v for k, v in request.items() if v is not None}
+    data = await scheduler_rpc.dask_rmm_report(timeline=timeline, last=last, **query)
+    if isinstance(data, (str, bytes)):  # built off the scheduler's event loop as JSON text
+        try:
+            data = json.loads(data)
+        except ValueError:
+            pass
     if not isinstance(data, dict) or "workers" not in data:
         raise RuntimeError(f"the scheduler answered the dask-rmm report request with {data!r}")
     return data
 
 
-def cluster_report(client: Client | None = None, *, timeline: bool = True, last: int | None = None):
+def cluster_report(
+    client: Client | None = None,
+    *,
+    timeline: bool = True,
+    last: int | None = None,
+    top: int | None = None,
+    sort: str | None = None,
+    worker: str | None = None,
+):
     """The cluster's RMM memory now, per worker and device, with the recent timeline.
 
     Parameters
@@ -47,7 +69,14 @@ def cluster_report(client: Client | None = None, *, timeline: bool = True, last:
     timeline : bool
         Fetch the per-device sample timelines (needed for plots and the cluster's peak).
     last : int, optional
-        Only the newest ``last`` samples of each timeline.
+        Only the newest ``last`` points of each timeline.
+    top : int, optional
+        Only the first ``top`` devices in ``sort`` order (the totals still cover all devices).
+    sort : {"worker", "current", "peak", "fragmentation"}, optional
+        Order of the devices: by worker address (the default), or largest first; "peak" when
+        ``top`` leaves devices out and no order is given.
+    worker : str, optional
+        Only the devices of workers whose address or name contains this text.
 
     Returns
     -------
@@ -73,9 +102,14 @@ def cluster_report(client: Client | None = None, *, timeline: bool = True, last:
         )
     if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
         raise ValueError(f"last must be a number of samples (an int >= 0) or None, got {last!r}")
+    from dask_rmm.scheduler.report_build import ReportRequest
+
+    ReportRequest(timeline=timeline, last=last, top=top, sort=sort, worker=worker)  # checks
 
     async def _report() -> ClusterMemoryReport:
-        data = await fetch_report_data(client.scheduler, timeline=timeline, last=last)
+        data = await fetch_report_data(
+            client.scheduler, timeline=timeline, last=last, top=top, sort=sort, worker=worker
+        )
         return ClusterMemoryReport.from_dict(data)
 
     return client.sync(_report)
@@ -89,9 +123,11 @@ async def iter_reports(
     timeline: bool = True,
     last: int | None = None,
     security: Any = None,
+    **request: Any,
 ):
     """Reports from the scheduler at ``address`` without a Client (the CLI's path): once, or
-    every ``interval`` seconds until the caller stops. Each answer gets ``timeout`` seconds; an
+    every ``interval`` seconds until the caller stops (``request``: as for
+    :func:`fetch_report_data`). Each answer gets ``timeout`` seconds; an
     ``OSError`` names the address and the reason (a hint when the address answers HTTP).
     ``security`` (a ``distributed.Security``) defaults to the dask config's."""
     from distributed import Security
@@ -105,7 +141,9 @@ async def iter_reports(
     try:
         while True:
             fetch = asyncio.ensure_future(
-                fetch_report_data(scheduler, timeline=timeline, last=last, install=install)
+                fetch_report_data(
+                    scheduler, timeline=timeline, last=last, install=install, **request
+                )
             )
             probe = asyncio.ensure_future(_http_hint(address, delay=min(0.5, timeout / 2)))
             try:

@@ -7,6 +7,7 @@ data) and imports neither distributed nor CUDA; pandas and matplotlib load on fi
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import time as _time
@@ -25,7 +26,13 @@ __all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"
 class DeviceMemory(DeviceSample):
     """One worker device's memory, as its last heartbeat reported it (the :class:`DeviceSample`
     fields), with the worker and ``timeline``: ``(time, current_bytes, max_bytes_in_interval)``
-    samples, oldest first."""
+    points, oldest first.
+
+    In a report from the scheduler, ``peak_bytes`` is the most the device held at once since
+    the scheduler first saw the worker's name: across re-registrations (each makes a new
+    resource, whose own peak starts at 0) and restarts (``restarts`` counts the processes
+    before this one).
+    """
 
     worker: str = ""
     device: str = "0"
@@ -33,6 +40,11 @@ class DeviceMemory(DeviceSample):
     status: str = "running"
     timeline: tuple[tuple[float, int, int], ...] = ()
     last_seen: float | None = None
+    restarts: int = 0
+
+    def with_peak(self, peak_bytes: int) -> DeviceMemory:
+        """This entry with ``peak_bytes`` replaced."""
+        return dataclasses.replace(self, peak_bytes=peak_bytes)
 
     @property
     def timeline_peak(self) -> int:
@@ -76,6 +88,7 @@ class DeviceMemory(DeviceSample):
             status=str(worker.get("status", "running")),
             timeline=tuple(samples),
             last_seen=worker.get("last_seen"),
+            restarts=to_int(worker.get("restarts")),
         )
 
 
@@ -83,9 +96,10 @@ class DeviceMemory(DeviceSample):
 class ClusterTotals:
     """Sums over the running workers' devices; ``largest_free_block`` is the largest anywhere.
 
-    ``peak_bytes`` is the peak of the summed timelines (the most the cluster held at once
-    within the timeline; None without timelines); ``sum_of_device_peaks`` adds peaks that need
-    not have happened at the same time (an upper bound, not the cluster's peak).
+    ``peak_bytes`` is the peak of the summed timelines: the most the cluster's devices held at
+    once (departed workers' history included, when the scheduler computed it; None without
+    timelines); ``sum_of_device_peaks`` adds peaks that need not have happened at the same time
+    (an upper bound, not the cluster's peak).
     """
 
     workers: int
@@ -113,19 +127,33 @@ class ClusterTotals:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterTotals | None:
+        """Read the ``totals`` of a report document (None when missing or malformed)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        try:
+            values = {k: d[k] for k in names if k in d}
+            values = {
+                k: None if v is None and k == "peak_bytes" else to_int(v) for k, v in values.items()
+            }
+            return cls(**values)
+        except (TypeError, AttributeError):
+            return None
+
 
 def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
     """The largest sum over devices of each device's latest ``max_bytes_in_interval`` sample,
-    taken at every sample time (None when there are no samples)."""
+    taken at every sample time after every sample of that time (None when there are none)."""
     events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
     if not events:
         return None
     latest: dict[int, float] = {}
     total = peak = 0.0
-    for _t, i, value in events:
+    for k, (t, i, value) in enumerate(events):
         total += value - latest.get(i, 0)
         latest[i] = value
-        peak = max(peak, total)
+        if k + 1 == len(events) or events[k + 1][0] != t:
+            peak = max(peak, total)
     return int(peak)
 
 
@@ -158,6 +186,13 @@ class ClusterMemoryReport:
     timeline_length: int = 0
     workers_without_dask_rmm: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    #: Totals over every device of the cluster (the scheduler's, when ``devices`` is a
+    #: selection); None: computed from ``devices``.
+    cluster_totals: ClusterTotals | None = None
+    #: The cluster's summed timeline ``(time, current_bytes, max_bytes_in_interval)``.
+    total_timeline: tuple[tuple[float, int, int], ...] = ()
+    #: Which devices the report shows when not all ("" when all).
+    selection: str = ""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -178,8 +213,20 @@ class ClusterMemoryReport:
                 errors.append(f"{worker.get('address')}: {worker['error']}")
             for dev, d in sorted((worker.get("devices") or {}).items()):
                 devices.append(DeviceMemory.from_worker(worker, dev, d))
-        devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
+        if not data.get("selection"):
+            devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
+        total_timeline = []
+        for p in data.get("total_timeline") or ():
+            try:
+                total_timeline.append((float(p[0]), to_int(p[1]), to_int(p[2])))
+            except (IndexError, TypeError, ValueError):
+                continue
+        # The scheduler's totals cover every device, also those a selection leaves out.
+        totals = data.get("totals") if data.get("totals_cover") == "cluster" else None
         return cls(
+            cluster_totals=ClusterTotals.from_dict(totals) if isinstance(totals, dict) else None,
+            total_timeline=tuple(total_timeline),
+            selection=str(data.get("selection") or ""),
             devices=tuple(devices),
             time=float(data.get("time") or _time.time()),
             scheduler=str(data.get("scheduler", "")),
@@ -212,7 +259,10 @@ class ClusterMemoryReport:
 
     @property
     def totals(self) -> ClusterTotals:
-        """Cluster totals over running workers."""
+        """Cluster totals over running workers (over the whole cluster, when the report shows
+        a selection of its devices)."""
+        if self.cluster_totals is not None:
+            return self.cluster_totals
         run = self.running
         return ClusterTotals(
             workers=len({d.worker for d in run}),
@@ -222,7 +272,7 @@ class ClusterMemoryReport:
             sum_of_device_peaks=sum(d.peak_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
             paused_devices=sum(1 for d in run if d.paused),
-            **{k: sum(getattr(d, k) for d in run) for k in _SUMMED},
+            **{k: sum(getattr(d, k) for d in run) for k in SUMMED_FIELDS},
         )
 
     @property
@@ -256,6 +306,7 @@ class ClusterMemoryReport:
                     "name": d.name,
                     "status": d.status,
                     "last_seen": d.last_seen,
+                    "restarts": d.restarts,
                     "devices": {},
                 },
             )
@@ -269,6 +320,9 @@ class ClusterMemoryReport:
             "workers_without_dask_rmm": list(self.workers_without_dask_rmm),
             "errors": list(self.errors),
             "totals": self.totals.to_dict(),
+            "totals_cover": "devices" if self.cluster_totals is None else "cluster",
+            "total_timeline": [list(p) for p in self.total_timeline],
+            "selection": self.selection,
             "oom_events": self.oom_events,
         }
 
@@ -323,8 +377,10 @@ class ClusterMemoryReport:
 
         rows = [list(_HEADER)]
         for d in self.devices:
+            restarts = f" ({d.restarts} restart{'s' if d.restarts != 1 else ''})"
+            status = d.status + (restarts if d.restarts else "")
             rows.append(
-                [_worker_label(d), f"{d.device} {d.gpu}".strip(), d.status]
+                [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
                 + memory(d, format_bytes(d.peak_bytes))
                 + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
             )
@@ -352,11 +408,13 @@ class ClusterMemoryReport:
         rule = "  ".join("-" * w for w in widths)
         when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
         lines = [f"dask-rmm cluster memory report: {self.scheduler or 'scheduler'} at {when}"]
-        if not self.devices:
+        if not self.devices and not self.totals.devices:
             lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
         else:
+            if self.selection:
+                lines.append(self.selection)
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
-            lines.append(self._peak_note())
+            lines += self._peak_notes()
         return "\n".join(lines + self.cache_lines() + self.pressure_lines() + self._notes())
 
     def cache_lines(self) -> list[str]:
@@ -432,7 +490,12 @@ class ClusterMemoryReport:
         )
 
     def to_html(
-        self, *, timeline: bool = True, full_page: bool = False, refresh: int | None = None
+        self,
+        *,
+        timeline: bool = True,
+        full_page: bool = False,
+        refresh: int | None = None,
+        nav: str = "",
     ) -> str:
         """The report as HTML: the table, then the timeline drawn as inline SVG.
 
@@ -444,6 +507,8 @@ class ClusterMemoryReport:
             A whole standalone document (the dashboard page) rather than a fragment.
         refresh : int, optional
             With ``full_page``, reload the page every ``refresh`` seconds.
+        nav : str
+            With ``full_page``, HTML put above the report (the scheduler page's links).
         """
         esc = html.escape
         rows = self.table_rows()
@@ -461,22 +526,28 @@ class ClusterMemoryReport:
             f'<div class="dask-rmm-report"><style>{_CSS}</style>',
             f"<h3>dask-rmm cluster memory &middot; {esc(self.scheduler)} &middot; {esc(when)}</h3>",
         ]
-        if not self.devices:
+        if not self.devices and not self.totals.devices:
             parts.append(
                 "<p>No dask-rmm workers (register <code>dask_rmm.RMMPlugin</code> on the workers).</p>"
             )
         else:
+            if self.selection:
+                parts.append(f'<p class="selection">{esc(self.selection)}</p>')
+            notes = "<br>".join(esc(n) for n in self._peak_notes())
             parts.append(
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{esc(self._peak_note())}</p>"
+                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{notes}</p>"
             )
         pressure = self.pressure_lines()
         if pressure:
             items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
             parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
         parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
-        if timeline and any(d.timeline for d in self.devices):
+        if timeline and (self.total_timeline or any(d.timeline for d in self.devices)):
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
+            series = series[:_SVG_SERIES]
+            if self.total_timeline:
+                series.insert(0, (self.totals_devices_label(), "total", self.total_timeline))
             parts.append("<h4>Memory over time (max per sample interval)</h4>")
             parts.append(timeline_svg(series))
         parts.append("</div>")
@@ -487,16 +558,23 @@ class ClusterMemoryReport:
         return (
             '<!DOCTYPE html><html><head><meta charset="utf-8">'
             f"<title>dask-rmm cluster memory</title>{meta}</head>"
-            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{fragment}'
+            f'<body style="font-family:system-ui,sans-serif;font-size:13px">{nav}{fragment}'
             '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
         )
 
-    def _peak_note(self) -> str:
+    def totals_devices_label(self) -> str:
+        """The legend of the summed timeline."""
+        t = self.totals
+        return f"total ({t.devices} device{'s' if t.devices != 1 else ''})"
+
+    def _peak_notes(self) -> list[str]:
         if self.totals.peak_bytes is None:
-            return (
+            total = (
                 "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
             )
-        return _PEAK_NOTE
+        else:
+            total = _PEAK_NOTE
+        return [_ROW_PEAK_NOTE, total]
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -517,15 +595,27 @@ _HEADER = (
     "top task groups (peak)",
 )
 
-#: Device fields summed into the cluster totals.
-_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
-_SUMMED += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
-_SUMMED += ("total_spilled_bytes", "total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
-
-_PEAK_NOTE = (
-    "* total peak: the most the running devices held at once within their timelines "
-    "(not the sum of their peaks)"
+#: Device fields summed into the cluster totals (also by the scheduler's report builder).
+SUMMED_FIELDS: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
+SUMMED_FIELDS += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
+SUMMED_FIELDS += (
+    "total_spilled_bytes",
+    "total_unspilled_bytes",
+    "ooms_avoided",
+    "oom_count",
+    "pauses",
 )
+
+_ROW_PEAK_NOTE = (
+    "peak: the most each device held at once since the scheduler first saw its worker "
+    "(re-registrations and restarts under the same name included)"
+)
+_PEAK_NOTE = (
+    "* total peak: the most all devices held at once over the same time (the peak of the "
+    "summed timelines, not the sum of the peaks)"
+)
+#: Device lines the HTML timeline draws at most (beside the total).
+_SVG_SERIES = 10
 _FRAME_COLUMNS = ("worker", "name", "device", "status", *COUNTERS, "fragmentation", "resource")
 _FRAME_COLUMNS += ("gpu_name", "gpu_uuid", "pci_bus_id", "error")
 

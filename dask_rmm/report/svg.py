@@ -68,7 +68,8 @@ def _downsample(
 def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 280) -> str:
     """An ``<svg>`` element of ``width`` x ``height`` pixels: memory over time, one line per
     ``(label, status, samples)`` series following the samples' ``max_bytes_in_interval``
-    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"."""
+    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"
+    or "total" (drawn dark)."""
     left, right, top, bottom = 78, 190, 12, 34
     pw, ph = width - left - right, height - top - bottom
     pts = [p for _, _, s in series for p in s]
@@ -115,8 +116,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         "seconds since the oldest sample</text>"
     )
     for i, (label, status, samples) in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
-        dash = ' stroke-dasharray="5,3"' if status != "running" else ""
+        color = "#222" if status == "total" else PALETTE[i % len(PALETTE)]
+        dash = ' stroke-dasharray="5,3"' if status not in ("running", "total") else ""
         line = " ".join(f"{x(t):.1f},{y(m):.1f}" for t, m in _downsample(samples, t0, t1, pw))
         if len(samples) == 1:
             t, _, m = samples[0]

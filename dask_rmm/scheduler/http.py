@@ -1,20 +1,21 @@
 """The read-only /dask-rmm pages on the scheduler's HTTP server: the report as HTML (timeline as
 inline SVG, no JavaScript) and /dask-rmm/report.json (the report document, as ``dask rmm report
---json`` prints it). Added at runtime by SchedulerTimelinePlugin.start, or at scheduler start by
-listing this module in ``distributed.scheduler.http.routes``.
+--json`` prints it), both built off the event loop. Added at runtime by
+SchedulerTimelinePlugin.start, or at scheduler start by listing this module in
+``distributed.scheduler.http.routes``.
 """
 
 from __future__ import annotations
 
-import json
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 import tornado.routing
 from distributed.http.utils import RequestHandler, get_handlers
 from tornado import web
 
-from dask_rmm.report.memory_report import ClusterMemoryReport
+from dask_rmm.scheduler.report_build import SORT_KEYS, ReportRequest
 from dask_rmm.wire import PLUGIN_NAME
 
 if TYPE_CHECKING:
@@ -24,42 +25,108 @@ if TYPE_CHECKING:
 
 __all__ = ["ReportJSON", "ReportPage", "install_routes", "routes"]
 
+#: Rows of the page when neither ``?top=`` nor the config says.
+DEFAULT_PAGE_ROWS = 50
+#: Time buckets of the page's timeline (about its width in pixels).
+PAGE_WIDTH = 640
+_WRITE_CHUNK = 1 << 20
+_BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
 
 class _ReportHandler(RequestHandler):
-    def _report(self) -> tuple[ClusterMemoryReport, bool]:
-        """The plugin's report, and whether it was asked with timelines."""
-        plugin: SchedulerTimelinePlugin | None = self.server.plugins.get(PLUGIN_NAME)
-        if plugin is None or not hasattr(plugin, "memory_report"):
+    def _plugin(self) -> SchedulerTimelinePlugin:
+        plugin = self.server.plugins.get(PLUGIN_NAME)
+        if not hasattr(plugin, "report_async"):
             raise web.HTTPError(404, "the dask-rmm scheduler plugin is not installed")
-        timeline = self.get_query_argument("timeline", "1").lower() not in ("0", "false", "no", "")
-        return plugin.memory_report(timeline=timeline, last=self._int("last")), timeline
+        return plugin
 
-    def _int(self, name: str) -> int | None:
-        value = self.get_query_argument(name, None)
-        try:
-            return None if value is None else max(0, int(value))
-        except ValueError:
+    def _request(self, page: bool) -> ReportRequest:
+        """The query arguments, each checked: a wrong one is a 400 that says what was wrong."""
+        known = {"timeline", "last", "top", "sort", "worker"} | ({"refresh"} if page else set())
+        unknown = sorted(set(self.request.query_arguments) - known)
+        if unknown:
             raise web.HTTPError(
-                400, f"query argument {name} must be an integer, got {value!r}"
-            ) from None
+                400,
+                f"unknown query argument(s) {', '.join(unknown)}; "
+                f"this page takes {', '.join(sorted(known))}",
+            )
+        timeline = (self._arg("timeline") or ("1" if page else "0")).lower()
+        if timeline not in _BOOL:
+            raise web.HTTPError(
+                400, f"timeline must be 1 or 0 (true/false, yes/no), got {timeline!r}"
+            )
+        sort = self._arg("sort")
+        if sort is not None and sort not in SORT_KEYS:
+            raise web.HTTPError(400, f"sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}")
+        top = self._int("top", 1, "a number of devices")
+        if page and top is None:
+            top = dask.config.get("dask-rmm.scheduler.page-rows", default=DEFAULT_PAGE_ROWS)
+        return ReportRequest(
+            timeline=_BOOL[timeline],
+            last=self._int("last", 0, "a number of timeline points"),
+            top=top,
+            sort=sort,
+            worker=self._arg("worker") or None,
+            width=PAGE_WIDTH if page else None,
+            refresh=self._int("refresh", 1, "a number of seconds") if page else None,
+        )
+
+    def _arg(self, name: str, default: str | None = None) -> str | None:
+        return self.get_query_argument(name, default)
+
+    def _int(self, name: str, least: int, what: str) -> int | None:
+        value = self._arg(name)
+        if value is None:
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < least:
+            raise web.HTTPError(
+                400, f"{name} must be {what}, a whole number >= {least}; got {value!r}"
+            )
+        return number
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        # tornado's default page says only "400: Bad Request"; say what was wrong.
+        error = kwargs.get("exc_info", (None, None, None))[1]
+        detail = getattr(error, "log_message", None) or ""
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.finish(f"{status_code} {self._reason}: {detail}\n" if detail else f"{status_code}\n")
 
 
 class ReportPage(_ReportHandler):
-    """``GET /dask-rmm[?timeline=0][&last=N][&refresh=SECONDS]``: the report as a web page."""
+    """``GET /dask-rmm[?top=N][&sort=current|peak|fragmentation|worker][&worker=TEXT]
+    [&timeline=0][&last=N][&refresh=SECONDS]``: the report as a web page."""
 
-    def get(self) -> None:
-        report, _ = self._report()
+    async def get(self) -> None:
+        plugin = self._plugin()
+        page = await plugin.report_async(self._request(page=True), "html")
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.write(report.to_html(full_page=True, refresh=self._int("refresh")))
+        self.write(page)
 
 
 class ReportJSON(_ReportHandler):
-    """``GET /dask-rmm/report.json[?timeline=0][&last=N]``: the report document."""
+    """``GET /dask-rmm/report.json[?timeline=1][&last=N][&top=N][&sort=...][&worker=TEXT]``:
+    the report document (every device, no per-device timelines unless ``timeline=1``)."""
 
-    def get(self) -> None:
-        report, timeline = self._report()
+    async def get(self) -> None:
+        plugin = self._plugin()
+        pieces = await plugin.report_async(self._request(page=False), "json-pieces")
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps(report.to_dict(timeline=timeline)))
+        # Written a megabyte at a time, the event loop free in between: with every timeline
+        # of 16,000 devices the document is hundreds of megabytes.
+        batch: list[str] = []
+        size = 0
+        for piece in pieces:
+            batch.append(piece)
+            size += len(piece)
+            if size >= _WRITE_CHUNK:
+                self.write("".join(batch))
+                await self.flush()
+                batch, size = [], 0
+        self.write("".join(batch))
 
 
 #: distributed's route list format: ``(path, handler, kwargs)``.

@@ -1,6 +1,8 @@
-"""Prometheus metrics for dask-rmm on the scheduler's /metrics: one series per running worker
-device for each :data:`dask_rmm.wire.GAUGES` field, plus fragmentation and worker counts.
-Needs prometheus_client (an optional dependency).
+"""Prometheus metrics for dask-rmm on the scheduler's /metrics: cluster totals
+(``dask_rmm_cluster_*``, worker and device counts) always, and one series per running worker
+device for each :data:`dask_rmm.wire.GAUGES` field plus fragmentation while the cluster has at
+most ``dask-rmm.scheduler.prometheus-device-limit`` devices (a scrape formats every series on the
+event loop: about 10 us a series). Needs prometheus_client (an optional dependency).
 """
 
 from __future__ import annotations
@@ -8,17 +10,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import dask.config
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dask_rmm.wire import GAUGES
+from dask_rmm.scheduler.report_build import ReportRequest
+from dask_rmm.wire import GAUGES, to_int
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
-__all__ = ["REGISTRY", "DaskRMMCollector"]
+__all__ = ["DEFAULT_DEVICE_LIMIT", "REGISTRY", "DaskRMMCollector"]
 
 LABELS = ["worker", "name", "device", "gpu"]
+#: Per-device series up to this many devices when the config does not say.
+DEFAULT_DEVICE_LIMIT = 500
+#: Totals exported as ``dask_rmm_cluster_<field>`` (summed over running devices).
+_CLUSTER: tuple[str, ...] = ("current_bytes", "reserved_bytes", "pool_free_bytes", "retired_bytes")
+_CLUSTER += ("failed_allocations", "spilled_bytes", "oom_count", "ooms_avoided")
 
 
 class DaskRMMCollector:
@@ -37,6 +46,40 @@ class DaskRMMCollector:
         plugin = self.plugin
         if not plugin.poll():  # stops a plugin that was unregistered
             return
+        snap = plugin.snapshot(ReportRequest(timeline=False))
+        devices = snap.devices()
+        # The final peak: the not-yet-final samples would take a sort of every waiting
+        # sample on the event loop; the next scrape has them.
+        totals = snap.totals(devices, snap.total.peak if snap.total is not None else None)
+        workers = GaugeMetricFamily(
+            "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
+        )
+        workers.add_metric(["running"], totals.workers)
+        workers.add_metric(["gone"], totals.gone_workers)
+        yield workers
+        count = GaugeMetricFamily("dask_rmm_devices", "Devices of running dask-rmm workers")
+        count.add_metric([], totals.devices)
+        yield count
+        for field in _CLUSTER:
+            family = GaugeMetricFamily(
+                f"dask_rmm_cluster_{field}", f"Sum of {field} over the running devices"
+            )
+            family.add_metric([], getattr(totals, field))
+            yield family
+        if totals.peak_bytes is not None:
+            peak = GaugeMetricFamily(
+                "dask_rmm_cluster_peak_bytes",
+                "Most bytes all devices held at once (peak of the summed timelines)",
+            )
+            peak.add_metric([], totals.peak_bytes)
+            yield peak
+
+        limit = dask.config.get(
+            "dask-rmm.scheduler.prometheus-device-limit", default=DEFAULT_DEVICE_LIMIT
+        )
+        running = [x for x in devices if x.running]
+        if len(running) > limit:
+            return
         kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
         gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
         frag = GaugeMetricFamily(
@@ -44,19 +87,18 @@ class DaskRMMCollector:
             "1 - largest free block / free bytes in the pool",
             labels=LABELS,
         )
-        workers = GaugeMetricFamily(
-            "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
-        )
-        report = plugin.memory_report(timeline=False)
-        for d in report.running:
-            labels = [d.worker, d.name, d.device, d.gpu_uuid or d.gpu_name]
+        for x in running:
+            d = x.d
+            labels = [
+                x.rec.address,
+                x.rec.name,
+                x.dev,
+                str(d.get("gpu_uuid") or d.get("gpu_name") or ""),
+            ]
             for field, family in gauges:
-                family.add_metric(labels, getattr(d, field))
-            frag.add_metric(labels, d.fragmentation)
-        totals = report.totals
-        workers.add_metric(["running"], totals.workers)
-        workers.add_metric(["gone"], totals.gone_workers)
-        yield workers
+                value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
+                family.add_metric(labels, value)
+            frag.add_metric(labels, x.frag)
         for _, family in gauges:
             yield family
         yield frag

@@ -1,14 +1,16 @@
-"""The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps a bounded
-timeline per worker device from the ``WorkerState.metrics[wire.METRICS_KEY]`` each heartbeat
-brings, and serves the report document. Not here: HTTP pages (``http.py``), Prometheus
-(``prometheus.py``), rendering (``dask_rmm.report``), fetching from a client (``dask_rmm.report.fetch``).
+"""The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps, from the
+``WorkerState.metrics[wire.METRICS_KEY]`` each heartbeat brings, a timeline of a fixed number of
+points per worker device and the cluster's summed timeline, and serves the report built off
+the event loop. Not here: HTTP pages (``http.py``), Prometheus (``prometheus.py``), the
+timeline's resolutions (``resolution.py``), the summed timeline (``cluster_total.py``), building
+the report (``report_build.py``), rendering (``dask_rmm.report``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from array import array
-from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import time
 from typing import TYPE_CHECKING, Any
@@ -18,7 +20,10 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_rmm.report.memory_report import ClusterMemoryReport
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER
+from dask_rmm.scheduler.cluster_total import ClusterTotal
+from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
+from dask_rmm.scheduler.resolution import Timeline, compact_all
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, SAMPLE_STRUCT, pack_samples
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -28,70 +33,35 @@ __all__ = ["PLUGIN_NAME", "REPORT_HANDLER", "SchedulerTimelinePlugin", "Timeline
 
 logger = logging.getLogger(__name__)
 
-#: Timeline length when neither the argument nor the config sets one.
-DEFAULT_TIMELINE_LENGTH = 3600
+#: Points kept per worker device when neither the argument nor the config sets one (24 bytes a
+#: point: 12 KiB a device).
+DEFAULT_TIMELINE_LENGTH = 512
+#: Resolutions a timeline keeps when neither the argument nor the config sets them.
+DEFAULT_TIMELINE_LEVELS = 3
 #: How many departed workers stay in reports (marked "gone") before the oldest is forgotten.
 DEFAULT_KEEP_GONE = 32
-
-
-class Timeline:
-    """The newest ``capacity`` samples ``(time, current_bytes, max_bytes_in_interval)``.
-
-    Stored in three ``array`` columns (24 bytes a sample, no Python object per sample), so
-    64 workers x 3600 samples cost about 5.5 MB on the scheduler.
-    """
-
-    __slots__ = ("capacity", "_columns")
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"Timeline capacity must be at least 1, got {capacity}")
-        self.capacity = capacity
-        # time (float), current_bytes, max_bytes_in_interval (ints): a sample's three values
-        # come in as one sequence of numbers, and array() checks each column's type.
-        self._columns: tuple[array[Any], array[Any], array[Any]] = (
-            array("d"),
-            array("q"),
-            array("q"),
-        )
-
-    def __len__(self) -> int:
-        return len(self._columns[0])
-
-    def extend(self, samples: Sequence[Sequence[float]]) -> None:
-        """Append samples (oldest first) newer than the newest kept one (heartbeats overlap),
-        dropping the oldest beyond ``capacity``. A malformed sample raises (IndexError,
-        TypeError, OverflowError) before anything changes."""
-        times = self._columns[0]
-        if times:
-            samples = [s for s in samples if s[0] > times[-1]]
-        new = [array(col.typecode, [s[i] for s in samples]) for i, col in enumerate(self._columns)]
-        for col, values in zip(self._columns, new, strict=True):
-            col.extend(values)
-            del col[: max(0, len(col) - self.capacity)]
-
-    def to_list(self, last: int | None = None) -> list[list[float | int]]:
-        """The samples oldest first as ``[time, current_bytes, max_bytes_in_interval]`` lists
-        (only the newest ``last`` ones if given)."""
-        start = 0 if last is None else max(len(self) - max(last, 0), 0)
-        return [list(s) for s in zip(*(c[start:].tolist() for c in self._columns), strict=True)]
-
-    def peak(self) -> int:
-        """The largest ``max_bytes_in_interval`` kept (0 when empty)."""
-        return int(max(self._columns[2], default=0))
+#: Seconds between two passes that add what every device has sent to the cluster's total.
+TOTAL_INTERVAL = 0.5
 
 
 @dataclass(eq=False)
 class _WorkerRecord:
-    """What the plugin keeps per worker: its last dask-rmm metrics and one timeline per device."""
+    """What the plugin keeps per worker: its last dask-rmm metrics, one timeline and one
+    cluster-total row per device. A worker back under the same name (a nanny restart,
+    ``client.restart()``) continues the record of the one that left."""
 
     address: str
     name: str
     status: str = "running"
     metrics: dict | None = None
     timelines: dict[str, Timeline] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
     last_seen: float | None = None
     error: str | None = None
+    #: Processes before this one under the same name.
+    restarts: int = 0
+    #: Per device: the largest ``peak_bytes`` the processes before this one reported.
+    earlier_peaks: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -104,16 +74,22 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     the ``dask_rmm_report`` handler, the ``/dask-rmm`` pages and a Prometheus collector; all of
     them answer "not installed" once the plugin is unregistered.
 
+    Memory is bounded: ``timeline_length`` points per worker device (the newest at full
+    resolution, older ones merged, the peak always kept), ``keep_gone`` departed workers.
+
     Parameters
     ----------
     timeline_length : int, optional
-        Samples kept per worker and device; default config ``dask-rmm.scheduler.timeline-length``
-        (3600), read on the scheduler.
-    keep_gone : int
-        Departed workers kept in reports (marked "gone"); older ones are forgotten.
+        Points kept per worker and device; default config
+        ``dask-rmm.scheduler.timeline-length`` (512), read on the scheduler.
+    keep_gone : int, optional
+        Departed workers kept in reports (marked "gone"); older ones are forgotten. Default
+        config ``dask-rmm.scheduler.keep-gone`` (32).
     poll_interval : float
         Seconds between two reads of the workers' metrics (a worker heartbeats every 0.5 s at
         the most often, so 0.1 s misses none).
+    timeline_levels : int, optional
+        Resolutions of each timeline; default config ``dask-rmm.scheduler.timeline-levels``.
     """
 
     name = PLUGIN_NAME
@@ -122,25 +98,37 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     def __init__(
         self,
         timeline_length: int | None = None,
-        keep_gone: int = DEFAULT_KEEP_GONE,
+        keep_gone: int | None = None,
         poll_interval: float = 0.1,
+        timeline_levels: int | None = None,
     ):
         if timeline_length is not None:
-            _check_int("timeline_length", timeline_length, 1)
-        _check_int("keep_gone", keep_gone, 0)
+            _check_int("timeline_length", timeline_length, 2)
+        if timeline_levels is not None:
+            _check_int("timeline_levels", timeline_levels, 1)
+        if keep_gone is not None:
+            _check_int("keep_gone", keep_gone, 0)
         if not isinstance(poll_interval, (int, float)) or not poll_interval > 0:
             raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
         self.timeline_length = timeline_length
+        self.timeline_levels = timeline_levels
         self.keep_gone = keep_gone
         self.poll_interval = poll_interval
         self.scheduler: Scheduler | None = None
         self._records: dict[str, _WorkerRecord] = {}
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
+        # Sized from the options in start (the config is the scheduler's).
+        self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
+        self._total_due = 0.0
+        self._full: list[Timeline] = []  # timelines whose newest level is full
+        self._executor: ThreadPoolExecutor | None = None
+
+    _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
 
     def __getstate__(self) -> dict:
         # Only the options travel (client/worker -> scheduler); state is built in start.
-        return {k: getattr(self, k) for k in ("timeline_length", "keep_gone", "poll_interval")}
+        return {k: getattr(self, k) for k in self._OPTIONS}
 
     def __setstate__(self, state: dict) -> None:
         SchedulerTimelinePlugin.__init__(self, **state)
@@ -151,18 +139,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         from dask_rmm.scheduler import http
 
         self.scheduler = scheduler
-        if self.timeline_length is None:
-            key = "dask-rmm.scheduler.timeline-length"
-            value = dask.config.get(key, default=DEFAULT_TIMELINE_LENGTH)
-            _check_int(f"config {key}", value, 1)
-            self.timeline_length = value
+        self._configure()
 
-        def dask_rmm_report(timeline: bool = True, last: int | None = None) -> dict | None:
-            """The registered plugin's report document, or None when none is registered."""
+        async def dask_rmm_report(**query: Any) -> bytes | None:
+            """The registered plugin's report document as UTF-8 JSON (built and encoded off
+            the event loop: the reply is then one bytes frame), or None when none is
+            registered."""
             plugin = scheduler.plugins.get(PLUGIN_NAME)
             if not isinstance(plugin, SchedulerTimelinePlugin):
                 return None
-            return plugin.report_data(timeline=timeline, last=last)
+            request = ReportRequest.from_query(query)
+            return await plugin.report_async(request, "json-bytes")
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
         http.install_routes(scheduler)
@@ -173,9 +160,26 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             REGISTRY.register(self._collector)
         except ImportError:
             logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
-        self._poller = PeriodicCallback(self._poll_tick, self.poll_interval * 1000)
+        self._poller = PeriodicCallback(self._tick, self.poll_interval * 1000)
         self._poller.start()
         self._ingest_all()  # not registered yet: register_scheduler_plugin starts, then adds
+
+    def _configure(self) -> None:
+        """Options not given take the scheduler's config (checked: a bad value raises here)."""
+        for attr, key, default, least in (
+            ("timeline_length", "timeline-length", DEFAULT_TIMELINE_LENGTH, 2),
+            ("timeline_levels", "timeline-levels", DEFAULT_TIMELINE_LEVELS, 1),
+            ("keep_gone", "keep-gone", DEFAULT_KEEP_GONE, 0),
+        ):
+            if getattr(self, attr) is None:
+                value = dask.config.get(f"dask-rmm.scheduler.{key}", default=default)
+                _check_int(f"config dask-rmm.scheduler.{key}", value, least)
+                setattr(self, attr, value)
+        if not self._records:
+            self._total = ClusterTotal(self._new_timeline())
+
+    def _new_timeline(self) -> Timeline:
+        return Timeline(self.timeline_length or 2, levels=self.timeline_levels or 1)
 
     async def close(self) -> None:
         self._stop()
@@ -189,6 +193,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             from dask_rmm.scheduler.prometheus import REGISTRY
 
             REGISTRY.unregister(collector)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)
 
     @property
     def active(self) -> bool:
@@ -207,10 +214,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
+        for row in rec.rows.values():
+            self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
         gone = [a for a, r in self._records.items() if r.status == "gone"]
-        for address in gone[: max(0, len(gone) - self.keep_gone)]:
-            del self._records[address]
+        for address in gone[: max(0, len(gone) - (self.keep_gone or 0))]:
+            self._forget(self._records.pop(address))
+
+    def _forget(self, rec: _WorkerRecord) -> None:
+        for row in rec.rows.values():
+            self._total.release(row)
+        rec.rows.clear()
 
     # -- ingest -------------------------------------------------------------------------------
 
@@ -221,15 +235,24 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._stop()
             return False
         self._ingest_all()
+        now = time()
+        if now >= self._total_due:  # half a second of samples at a time: no long block
+            self._total_due = now + TOTAL_INTERVAL
+            self._compact()
+            self._total.advance(now)
         return True
 
-    def _poll_tick(self) -> None:
+    def _compact(self) -> None:
+        full, self._full = self._full, []
+        compact_all(full)
+
+    def _tick(self) -> None:
         self.poll()
 
     def _ingest_all(self) -> None:
-        assert self.scheduler is not None  # set in start, before the first poll
-        for ws in list(self.scheduler.workers.values()):
-            self._ingest(ws)
+        if self.scheduler is not None:
+            for ws in list(self.scheduler.workers.values()):
+                self._ingest(ws)
 
     def _ingest(self, ws: WorkerState) -> None:
         m = ws.metrics.get(METRICS_KEY)
@@ -237,16 +260,12 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if m is None:
             # No dask-rmm on this worker (any more): its old numbers must not look current.
             if rec is not None and rec.status == "running":
-                del self._records[ws.address]
+                for row in rec.rows.values():
+                    self._total.stop(row)
+                self._forget(self._records.pop(ws.address))
             return
         if rec is None or rec.status == "gone":
-            # A worker back under its name (a nanny restart, ``client.restart()``) continues
-            # the departed one: the report keeps one row per name.
-            name = str(ws.name)
-            for address, old in list(self._records.items()):
-                if old.status == "gone" and (old.name == name or address == ws.address):
-                    del self._records[address]
-            rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
+            rec = self._running_record(ws)
         elif m is rec.metrics:
             return  # this heartbeat was read already
         rec.metrics = m
@@ -256,49 +275,106 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             for dev, d in m["devices"].items():
                 samples = d.get("samples")
                 if samples:
-                    tl = rec.timelines.get(dev)
-                    if tl is None:
-                        tl = rec.timelines[dev] = Timeline(self.timeline_length or 1)
-                    tl.extend(samples)
+                    self._add_samples(rec, dev, samples)
         except Exception as e:
             # A malformed metrics dict must never break the scheduler.
             if rec.error is None:
                 logger.warning("dask-rmm: malformed metrics from %s: %r", ws.address, e)
             rec.error = f"malformed dask-rmm metrics: {e!r}"
 
+    def _running_record(self, ws: WorkerState) -> _WorkerRecord:
+        """The record of a worker seen for the first time: a new one, or, for a name that
+        left before (a nanny restart, ``client.restart()``), the departed one continued, so
+        its history and peak stay in the report."""
+        name = str(ws.name)
+        for address, old in list(self._records.items()):
+            if old.status == "gone" and (old.name == name or address == ws.address):
+                del self._records[address]
+                for dev, peak in _device_peaks(old.metrics).items():
+                    old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
+                old.address, old.name, old.status = ws.address, name, "running"
+                old.restarts += 1
+                old.metrics = None
+                self._records[ws.address] = old
+                return old
+        rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
+        return rec
+
+    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: Any) -> None:
+        tl = rec.timelines.get(dev)
+        if tl is None:
+            tl = rec.timelines[dev] = self._new_timeline()
+        if type(samples) is not bytes or len(samples) % SAMPLE_STRUCT.size:
+            samples = pack_samples(samples)  # a list (version 2), or raises: malformed
+        new = tl.extend_packed(samples)
+        if tl.overflowing:
+            self._full.append(tl)  # merged by the poller, a batch of devices at a time
+        if new:
+            row = rec.rows.get(dev)
+            if row is None:
+                row = rec.rows[dev] = self._total.add_row()
+            self._total.add(row, new, tl.newest)
+
     # -- queries ------------------------------------------------------------------------------
+
+    def snapshot(self, request: ReportRequest | None = None) -> Snapshot:
+        """What a report needs, taken on the event loop in one pass over the workers (cheap:
+        references to data that is replaced, never changed in place); the report is built
+        from it with :meth:`Snapshot.build`, which may run in another thread."""
+        if self.scheduler is not None and self.active:
+            self.poll()  # heartbeats that arrived since the last tick
+        self._compact()
+        s = self.scheduler
+        request = request or ReportRequest()
+        return Snapshot.take(
+            request,
+            records=list(self._records.values()),
+            total=self._total.snapshot(),
+            scheduler=s.address if s is not None else "",
+            timeline_length=self.timeline_length or 0,
+            without=[
+                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
+            ],
+        )
+
+    async def report_async(self, request: ReportRequest, form: str = "report") -> Any:
+        """The report for ``request``, built in a thread so that the event loop only takes
+        the snapshot: ``form`` is "report" (a ClusterMemoryReport), "json" (the document as
+        JSON text; "json-bytes" encoded, "json-pieces" a list of str, one worker a piece) or
+        "html" (the page; ``request.refresh`` sets its reload)."""
+        snap = self.snapshot(request)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, snap.render, form)
 
     def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
         """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
-        each device's timeline (its newest ``last`` samples) if ``timeline``."""
+        each device's timeline (its newest ``last`` points) if ``timeline``. Built here, on the
+        calling thread; the scheduler's handlers use :meth:`report_async`."""
         return self.memory_report(timeline, last).to_dict(timeline=timeline)
 
-    def memory_report(self, timeline: bool = True, last: int | None = None) -> ClusterMemoryReport:
+    def memory_report(
+        self, timeline: bool = True, last: int | None = None, **request: Any
+    ) -> ClusterMemoryReport:
         """The cluster's memory report as a :class:`~dask_rmm.report.ClusterMemoryReport` (what
-        :meth:`report_data` serializes; the web page and the Prometheus collector read it as is),
-        with each device's timeline (its newest ``last`` samples) if ``timeline``."""
-        self.poll()  # heartbeats that arrived since the last tick
-        workers = []
-        for rec in list(self._records.values()):
-            raw = (rec.metrics or {}).get("devices")
-            devices = {}
-            for dev, d in raw.items() if isinstance(raw, dict) else ():
-                tl = rec.timelines.get(dev) if timeline else None
-                if isinstance(d, dict):
-                    devices[str(dev)] = dict(d, timeline=tl.to_list(last) if tl else [])
-            fields = ("address", "name", "status", "last_seen", "error")
-            workers.append({**{k: getattr(rec, k) for k in fields}, "devices": devices})
-        s = self.scheduler
-        data = {
-            "time": time(),
-            "scheduler": s.address if s is not None else "",
-            "timeline_length": self.timeline_length,
-            "workers": workers,
-            "workers_without_dask_rmm": [
-                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
-            ],
-        }
-        return ClusterMemoryReport.from_dict(data)
+        :meth:`report_data` serializes), with each device's timeline (its newest ``last``
+        points) if ``timeline``; ``request`` takes the other :class:`ReportRequest` fields
+        (``top``, ``sort``, ``worker``, ``width``)."""
+        req = ReportRequest(timeline=timeline, last=last, **request)
+        return self.snapshot(req).build()
+
+
+def _device_peaks(metrics: dict | None) -> dict[str, int]:
+    """``peak_bytes`` per device of one heartbeat's metrics (0 where malformed)."""
+    from dask_rmm.wire import to_int
+
+    devices = (metrics or {}).get("devices")
+    if not isinstance(devices, dict):
+        return {}
+    return {
+        str(dev): to_int(d.get("peak_bytes")) for dev, d in devices.items() if isinstance(d, dict)
+    }
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

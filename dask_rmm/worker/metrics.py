@@ -249,7 +249,7 @@ class WorkerMetrics:
         # it did not see loses nothing.
         samples = device.samples
         batch = [samples.popleft() for _ in range(len(samples))]
-        d["samples"] = device.previous_batch + batch
+        d["samples"] = wire.pack_samples(device.previous_batch + batch)
         device.previous_batch = batch
         return d
 

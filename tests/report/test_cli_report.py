@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -118,13 +119,17 @@ def test_table(rmm_cluster):
 @pytest.mark.slow
 def test_json_and_scheduler_file(rmm_cluster):
     _, sched_file, _ = rmm_cluster
-    out = _cli("--scheduler-file", str(sched_file), "--json")
+    out = _cli("--scheduler-file", str(sched_file), "--json", "--timelines")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     (worker,) = data["workers"]
     dev = worker["devices"]["0"]
     assert dev["current_bytes"] == 3 * MiB and dev["reserved_bytes"] == 32 * MiB
     assert dev["timeline"]
+    # Without --timelines: no per-device timeline, the cluster's peak all the same.
+    bare = json.loads(_cli("--scheduler-file", str(sched_file), "--json").stdout)
+    assert "timeline" not in bare["workers"][0]["devices"]["0"]
+    assert bare["totals"]["peak_bytes"] >= 3 * MiB
     assert data["totals"]["workers"] == 1
 
 
@@ -166,6 +171,40 @@ def test_watch_refreshes_until_interrupted(rmm_cluster):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     assert lines[-1]["time"] > lines[0]["time"]
+
+
+@pytest.mark.slow
+def test_watch_shows_the_total_peak_like_the_one_shot_report(rmm_cluster):
+    address, _, _ = rmm_cluster
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    with proc:  # closes the pipes
+        totals = []
+        while len(totals) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("total ("):
+                totals.append(line)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    one_shot = [r for r in _cli(address).stdout.splitlines() if r.startswith("total (")]
+    # "total (1 worker)  1  3.00 MiB  3.00 MiB *": the peak is a size, as in the one-shot table.
+    peak = re.compile(r"(\d+\.\d\d \w+) \*")
+    assert peak.search(totals[-1]).group(1) == peak.search(one_shot[0]).group(1)
+
+
+@pytest.mark.slow
+def test_top_and_worker_filter_limit_the_rows_not_the_totals(rmm_cluster):
+    address, _, _ = rmm_cluster
+    none = json.loads(_cli(address, "--json", "--worker", "no-such-worker").stdout)
+    assert none["workers"] == [] and none["totals"]["current_bytes"] == 3 * MiB
+    assert "showing 0 of 0 devices" in none["selection"]
+    top = _cli(address, "--top", "1", "--sort", "current")
+    assert top.returncode == 0, top.stderr
+    assert "3.00 MiB" in top.stdout
+    assert _cli(address, "--top", "0").returncode == 2
 
 
 @pytest.mark.slow

@@ -112,7 +112,8 @@ def test_text_table():
     assert lines[1].split()[:3] == ["worker", "dev", "status"]
     assert "10.0.0.2:4000 (w2)" in text and "3.00 MiB" in text and "20%" in text
     assert "matmul 4.00 MiB" in text
-    assert lines[-3].startswith("total (2 workers)") and "1 gone" in lines[-3]
+    assert lines[-4].startswith("total (2 workers)") and "1 gone" in lines[-4]
+    assert lines[-3].startswith("peak: the most each device held at once since the scheduler")
     assert lines[-2].startswith("* total peak")
     # the report names the workers that run without dask-rmm, not only how many
     assert lines[-1] == "1 worker(s) without dask-rmm (no dask-rmm metrics): tcp://10.0.0.9:4000"

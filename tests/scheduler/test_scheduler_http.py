@@ -37,7 +37,7 @@ async def test_page_and_json(c, s, a, b):
     # Self-contained: no scripts and nothing fetched from elsewhere (xmlns is only a name).
     assert "<script" not in text and "src=" not in text and 'href="http' not in text
 
-    r = await _get(s, "dask-rmm/report.json")
+    r = await _get(s, "dask-rmm/report.json?timeline=1")
     assert r.headers["Content-Type"] == "application/json"
     data = json.loads(r.body)
     report = ClusterMemoryReport.from_dict(data)
@@ -45,8 +45,10 @@ async def test_page_and_json(c, s, a, b):
     assert (d.current_bytes, d.peak_bytes) == (2 << 20, 3 << 20)
     assert d.timeline_peak == 3 << 20
 
-    r = await _get(s, "dask-rmm/report.json?timeline=0")
-    assert "timeline" not in json.loads(r.body)["workers"][0]["devices"]["0"]
+    # By default every device without its timeline; the cluster's summed timeline is there.
+    r = json.loads((await _get(s, "dask-rmm/report.json")).body)
+    assert "timeline" not in r["workers"][0]["devices"]["0"]
+    assert r["totals"]["peak_bytes"] == 3 << 20 and r["total_timeline"]
     r = await _get(s, "dask-rmm?refresh=5&last=1")
     assert b'http-equiv="refresh" content="5"' in r.body
 
@@ -103,9 +105,55 @@ async def test_report_json_is_the_cli_json_document(c, s, a, b):
     await a.heartbeat()
     await install_scheduler_plugin(c)
     http = json.loads((await _get(s, "dask-rmm/report.json")).body)
-    async for report in iter_reports(s.address):  # what `dask rmm report --json` prints
-        cli = json.loads(report.to_json())
+    async for report in iter_reports(s.address, timeline=False):  # `dask rmm report --json`
+        cli = json.loads(report.to_json(timeline=False))
     assert http.pop("time") and cli.pop("time")
     assert http == cli
     assert http["totals"]["current_bytes"] == 2 << 20
     assert http["workers"][0]["devices"]["0"]["fragmentation"] >= 0
+
+
+@pytest.mark.parametrize(
+    "query, says",
+    [
+        ("last=abc", "last must be a number of timeline points, a whole number >= 0; got 'abc'"),
+        ("last=-5", "last must be a number of timeline points, a whole number >= 0; got '-5'"),
+        ("refresh=-1", "refresh must be a number of seconds, a whole number >= 1; got '-1'"),
+        ("refresh=soon", "refresh must be a number of seconds"),
+        ("top=0", "top must be a number of devices, a whole number >= 1; got '0'"),
+        ("sort=size", "sort must be one of worker, current, peak, fragmentation, got 'size'"),
+        ("timeline=maybe", "timeline must be 1 or 0"),
+        ("lats=5", "unknown query argument(s) lats; this page takes"),
+    ],
+)
+@gen_cluster(client=True, nthreads=[])
+async def test_a_wrong_query_argument_is_a_400_that_says_what_was_wrong(c, s, query, says):
+    await install_scheduler_plugin(c)
+    for path in ("dask-rmm", "dask-rmm/report.json"):
+        if path.endswith("json") and query.startswith("refresh"):
+            continue  # the JSON takes no refresh: an unknown argument there
+        with pytest.raises(HTTPClientError) as e:
+            await _get(s, f"{path}?{query}")
+        assert e.value.code == 400
+        assert says in e.value.response.body.decode(), e.value.response.body
+
+
+@gen_cluster(client=True)
+async def test_page_and_json_select_rows_by_worker_sort_and_top_with_totals_over_all(c, s, a, b):
+    fa, fb = FakeRMMMetrics(), FakeRMMMetrics()
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = fa, fb
+    fa["0"].allocate(5 << 20)
+    fb["0"].allocate(7 << 20)
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+
+    top = json.loads((await _get(s, "dask-rmm/report.json?top=1&sort=current")).body)
+    assert [w["address"] for w in top["workers"]] == [b.address]
+    assert top["totals"]["current_bytes"] == 12 << 20 and top["totals"]["devices"] == 2
+    assert top["selection"].startswith("showing 1 of 2 devices")
+    port = a.address.rsplit(":", 1)[1]
+    only_a = json.loads((await _get(s, f"dask-rmm/report.json?worker={port}")).body)
+    assert [w["address"] for w in only_a["workers"]] == [a.address]
+    page = (await _get(s, f"dask-rmm?worker={port}&top=1")).body.decode()
+    assert "showing 1 of 1 devices of workers matching" in page and b.address not in page
+    assert 'href="dask-rmm?worker=' in page and "sort by:" in page

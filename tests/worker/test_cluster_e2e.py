@@ -105,11 +105,10 @@ def test_timeline_has_samples_and_its_peak_matches_the_workers_peaks(cluster):
     def matched():
         client.run(_beat)
         r = cluster_report(client)
-        # Two samples at least: the first poll may see one heartbeat only.
         ok = all(len(d.timeline) >= 2 and d.timeline_peak == d.peak_bytes for d in r.devices)
         return r if ok else None
 
-    report = wait_until(matched, what="timeline peaks equal to the workers' peaks")
+    report = wait_until(matched, what="two samples a device, peaks equal to the workers' peaks")
     peaks = {d.peak_bytes for d in report.devices}
     assert max(peaks) >= 8 * MiB
     for d in report.devices:
@@ -129,7 +128,7 @@ def test_page_json_and_prometheus_over_http(cluster):
     assert r.headers["Content-Type"].startswith("text/html")
     assert "<svg" in page and "hold" in page and "<script" not in page
 
-    with urllib.request.urlopen(_url(cluster, "dask-rmm/report.json"), timeout=10) as r:
+    with urllib.request.urlopen(_url(cluster, "dask-rmm/report.json?timeline=1"), timeout=10) as r:
         data = json.load(r)
     for w in data["workers"]:
         assert w["devices"]["0"]["current_bytes"] == report.device(w["address"]).current_bytes
@@ -145,7 +144,7 @@ def test_page_json_and_prometheus_over_http(cluster):
     assert "dask_scheduler_workers" in fams  # distributed's own collectors are still there
 
 
-def test_worker_killed_mid_run_is_marked_gone_and_report_renders(cluster, tmp_path):
+def test_worker_killed_mid_run_is_gone_until_its_nanny_restarts_it(cluster, tmp_path):
     cluster, client, _ = cluster
     client.run(_beat)
     before = cluster_report(client)
@@ -172,6 +171,17 @@ def test_worker_killed_mid_run_is_marked_gone_and_report_renders(cluster, tmp_pa
     report.to_frame()
     report.plot(str(tmp_path / "after-kill.png"))
     assert (tmp_path / "after-kill.png").stat().st_size > 0
+    # The nanny starts a new process under the same name: the row goes on from the dead one.
+    name = before.device(victim).name
+    back = wait_until(
+        lambda: (lambda r: r if any(d.name == name and d.restarts for d in r.running) else None)(
+            cluster_report(client)
+        ),
+        what="the restarted worker's row",
+    )
+    (row,) = [d for d in back.devices if d.name == name]
+    assert row.status == "running" and row.restarts == 1 and back.totals.gone_workers == 0
+    assert row.peak_bytes >= before.device(victim).peak_bytes
     with urllib.request.urlopen(_url(cluster, "dask-rmm"), timeout=10) as r:
-        assert "gone" in r.read().decode()
+        assert "(1 restart)" in r.read().decode()
     running.cancel()

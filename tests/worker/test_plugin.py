@@ -18,6 +18,7 @@ from dask_rmm import mr
 from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
 from dask_rmm.stack.build import log_file_path
+from dask_rmm.wire import unpack_samples
 from dask_rmm.worker.metrics import METRICS_KEY
 from dask_rmm.worker.stacks import worker_stack
 
@@ -204,7 +205,7 @@ async def test_statistics_off_leaves_only_the_memory_layers(c, s, a):
     await c.register_plugin(RMMPlugin(base_resource="system", statistics=False))
     assert await c.run(_stack_names) == {a.address: ["SystemMemoryResource"]}
     m = a.metrics[METRICS_KEY](a)["devices"]["0"]
-    assert m["current_bytes"] == 0 and m["task_groups"] == [] and m["samples"] == []
+    assert m["current_bytes"] == 0 and m["task_groups"] == [] and m["samples"] == b""
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
@@ -271,7 +272,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
         return None
 
     m = await _poll(device_metrics, what="6 MiB current on the scheduler")
-    assert m["version"] == 2 and m["worker"] == a.name and m["time"] > 0
+    assert m["version"] == 3 and m["worker"] == a.name and m["time"] > 0
     d = m["devices"]["0"]
     assert d["current_count"] == 3 and d["peak_bytes"] == 6 * MiB and d["total_count"] == 3
     assert d["reserved_bytes"] == 16 * MiB
@@ -296,7 +297,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
     while len(seen) < 3:
         m = await _poll(new_heartbeat, what="a new heartbeat")
         seen.add(m["time"])
-        samples += list(m["devices"]["0"]["samples"])
+        samples += unpack_samples(m["devices"]["0"]["samples"])
     times = [t for t, _, _ in dict.fromkeys(map(tuple, samples))]
     assert samples and times == sorted(times) and len(set(times)) == len(times)
     assert all(cur <= mx for _, cur, mx in samples)

@@ -1,0 +1,239 @@
+"""The cluster's memory over time: the sum over devices of each device's latest sample, kept
+as samples arrive (vectorized, a batch at a time), so that the cluster's peak is exact, costs no
+pass over every device's timeline, and survives workers that leave or restart. Not here: the
+devices' own timelines (``resolution.py``), the plugin that feeds it (``timeline.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline
+from dask_rmm.wire import SAMPLE_STRUCT
+
+__all__ = ["ClusterTotal", "TotalSnapshot"]
+
+#: A sample as a change of the sum: its time and how much the device's current bytes and
+#: ``max_bytes_in_interval`` moved since its previous sample.
+_CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
+
+
+class ClusterTotal:
+    """``S(t) = sum over devices of (current, max_bytes_in_interval) of each device's latest
+    sample at or before t``, for every sample time t, and its peak.
+
+    Each device's samples arrive in time order, so each becomes, on arrival, a change of the
+    sum; ``S`` is then the running sum of the changes in time order. Heartbeats of different
+    workers arrive up to a heartbeat interval apart, so a time is final only once every running
+    device has sent a sample at or after it (the watermark); later changes wait. A device more
+    than ``max_lag`` seconds behind no longer holds the watermark back: its late changes count
+    from the watermark on. A device that stops (its worker left) counts 0 from just after its
+    last sample.
+
+    Parameters
+    ----------
+    timeline : Timeline
+        Where the final summed points go (``current``: the sum of the devices' current bytes;
+        ``max``: the sum of their ``max_bytes_in_interval``).
+    max_lag : float
+        Seconds a device may be behind the others before the sum goes on without it.
+    """
+
+    def __init__(self, timeline: Timeline, max_lag: float = 30.0):
+        self.timeline = timeline
+        self.max_lag = max_lag
+        #: The largest final sum of the devices' ``max_bytes_in_interval`` (0: none yet).
+        self.peak = 0
+        # Per row: the latest (current, max) arrived (lists: read one at a time per chunk).
+        self._latest_c: list[int] = []
+        self._latest_m: list[int] = []
+        # Per row: newest sample time arrived, and whether it runs (lists: set one at a time).
+        self._newest: list[float] = []
+        self._running: list[bool] = []
+        #: Per row: the largest max_bytes_in_interval arrived (numpy: updated a batch at a time).
+        self._row_peak = np.zeros(16, np.int64)
+        self._n = 0  # rows ever made
+        self._free: list[int] = []
+        self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
+        self._waiting: list[np.ndarray] = []  # of _CHANGE, each in time order
+        self._sum = np.zeros(2, np.int64)  # the final sum (current, max)
+        self._final_time = float("-inf")
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def add_row(self) -> int:
+        """A new device row (running), reusing a released one."""
+        if self._free:
+            row = self._free.pop()
+        else:
+            row, self._n = self._n, self._n + 1
+            self._latest_c.append(0)
+            self._latest_m.append(0)
+            self._newest.append(float("-inf"))
+            self._running.append(False)
+            if row == len(self._row_peak):
+                self._row_peak = np.concatenate([self._row_peak, np.zeros(row, np.int64)])
+        self._row_peak[row] = 0
+        self._newest[row] = float("-inf")
+        self._running[row] = True
+        return row
+
+    @property
+    def rows(self) -> int:
+        """Rows in use (running or stopped, not yet released)."""
+        return self._n - len(self._free)
+
+    def add(self, row: int, blob: bytes, newest: float) -> None:
+        """Packed samples of ``row`` (oldest first, all newer than its previous ones), the
+        newest at time ``newest``. O(1): the work is done a batch at a time."""
+        self._chunks.append((row, blob))
+        self._newest[row] = newest
+        self._running[row] = True
+
+    def stop(self, row: int) -> None:
+        """The row's device is gone: it counts 0 from just after its newest sample."""
+        self._take_chunks()
+        newest = self._newest[row]
+        c, m = self._latest_c[row], self._latest_m[row]
+        if newest > float("-inf") and (c or m):
+            zero = np.zeros(1, _CHANGE)
+            zero["t"], zero["c"], zero["m"] = np.nextafter(newest, np.inf), -c, -m
+            self._waiting.append(zero)
+        self._latest_c[row] = self._latest_m[row] = 0
+        self._running[row] = False
+
+    def release(self, row: int) -> None:
+        """Forget a row (stopped first if it was not); its number is reused."""
+        if self._running[row]:
+            self.stop(row)
+        self._newest[row] = float("-inf")
+        self._free.append(row)
+
+    # -- summing ------------------------------------------------------------------------------
+
+    def _take_chunks(self) -> None:
+        """The samples added since the last call, as changes (one more waiting array, in time
+        order)."""
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            return
+        blob = b"".join(b for _, b in chunks)
+        raw = np.frombuffer(blob, np.int64).reshape(-1, 3)  # time bits, current, max
+        # Within a chunk, each sample changes the sum by its difference to the one before;
+        # a chunk's first sample by its difference to its row's latest (from the chunk
+        # before, maybe in this same batch: hence one pass over the chunks in order).
+        latest_c, latest_m = self._latest_c, self._latest_m
+        first_c, first_m, starts, starts_n = [], [], [], []
+        start = 0
+        unpack = SAMPLE_STRUCT.unpack_from
+        for row, b in chunks:
+            starts.append(start)
+            first_c.append(latest_c[row])
+            first_m.append(latest_m[row])
+            _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
+            starts_n.append(len(b) // SAMPLE_STRUCT.size)
+            start += starts_n[-1]
+        rows = np.repeat(np.fromiter((r for r, _ in chunks), np.int64, len(chunks)), starts_n)
+        np.maximum.at(self._row_peak, rows, raw[:, 2])
+        values = raw[:, 1:]
+        previous = np.empty_like(values)
+        previous[1:] = values[:-1]
+        previous[starts, 0], previous[starts, 1] = first_c, first_m
+        change = np.empty(len(raw), _CHANGE)
+        change["t"] = raw[:, 0].view(np.float64)
+        change["c"], change["m"] = (values - previous).T
+        self._waiting.append(change[np.argsort(change["t"], kind="stable")])
+
+    def advance(self, now: float) -> None:
+        """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""
+        if not self._chunks and not self._waiting:
+            return
+        self._take_chunks()
+        newest = np.array(self._newest)[np.array(self._running, bool)]
+        newest = newest[np.isfinite(newest)]
+        watermark = float(newest.min()) if len(newest) else float("inf")
+        watermark = max(watermark, now - self.max_lag)
+        final, waiting = [], []
+        for changes in self._waiting:  # each in time order
+            cut = int(np.searchsorted(changes["t"], watermark, side="right"))
+            if cut:
+                final.append(changes[:cut])
+            if cut < len(changes):
+                # A view keeps its whole array alive: copy once most of it is summed.
+                rest = changes[cut:]
+                waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
+        self._waiting = waiting
+        if not final:
+            return
+        points = _sum_changes(np.concatenate(final), self._sum, self._final_time)
+        self._sum = np.array([points["c"][-1], points["m"][-1]], np.int64)
+        self._final_time = float(points["t"][-1])
+        self.timeline.append_packed(points.tobytes())
+        self.peak = max(self.peak, int(points["m"].max()))
+
+    def snapshot(self) -> TotalSnapshot:
+        """What :meth:`TotalSnapshot.points` needs, taken on the event loop (cheap: nothing in
+        it is changed in place afterwards) and readable in another thread."""
+        self._take_chunks()
+        return TotalSnapshot(
+            list(self._waiting),
+            self._sum.copy(),
+            self._final_time,
+            self.peak,
+            tuple(self.timeline.levels),
+            self._row_peak.copy(),
+        )
+
+    @property
+    def waiting(self) -> int:
+        """Samples held back until every running device has caught up."""
+        chunks = sum(len(b) for _, b in self._chunks) // SAMPLE_DTYPE.itemsize
+        return sum(len(w) for w in self._waiting) + chunks
+
+
+def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> np.ndarray:
+    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes``, starting from the sum
+    ``start`` (current, max); a change at or before ``final_time`` (late) counts just after it."""
+    t = changes["t"]
+    late = t <= final_time
+    if late.any():
+        t = t.copy()
+        t[late] = np.nextafter(final_time, np.inf)
+    order = np.argsort(t, kind="stable")
+    times = t[order]
+    c = start[0] + np.cumsum(changes["c"][order])
+    m = start[1] + np.cumsum(changes["m"][order])
+    # Samples at the same time count together (the sum after all of them).
+    end = np.ones(len(times), bool)
+    end[:-1] = times[1:] != times[:-1]
+    points = np.empty(int(end.sum()), SAMPLE_DTYPE)
+    points["t"], points["c"], points["m"] = times[end], c[end], m[end]
+    return points
+
+
+class TotalSnapshot:
+    """A :class:`ClusterTotal`'s state at one moment (see :meth:`ClusterTotal.snapshot`)."""
+
+    def __init__(
+        self,
+        waiting: list[np.ndarray],
+        total: np.ndarray,
+        final_time: float,
+        peak: int,
+        levels: tuple[bytes, ...],
+        row_peaks: np.ndarray,
+    ):
+        self._waiting, self._sum, self._final_time = waiting, total, final_time
+        self.peak, self.levels = peak, levels
+        #: Per row: the largest ``max_bytes_in_interval`` the row's device ever sent.
+        self.row_peaks = row_peaks
+
+    def points(self) -> tuple[int, np.ndarray]:
+        """``(peak, points)``: the summed points oldest first, the final ones then those not
+        final yet (counted as if every device had caught up), and their peak."""
+        final = np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
+        if not self._waiting:
+            return self.peak, final
+        provisional = _sum_changes(np.concatenate(self._waiting), self._sum, self._final_time)
+        peak = max(self.peak, int(provisional["m"].max()))
+        return peak, np.concatenate([final, provisional])

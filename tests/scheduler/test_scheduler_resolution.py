@@ -1,0 +1,189 @@
+"""Timeline (fixed points, several resolutions), downsample and ClusterTotal against the full
+resolution: peaks and sums are never lost."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dask_rmm.report.memory_report import peak_of_sum
+from dask_rmm.scheduler.cluster_total import ClusterTotal
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline, compact_all, downsample
+from dask_rmm.wire import pack_samples, unpack_samples
+
+
+def _heartbeats(rng: random.Random, n: int, per_beat: int, t0: float = 0.0):
+    """``n`` heartbeats of one device as WorkerMetrics sends them (each repeats the previous
+    one's samples), and the raw samples in order."""
+    raw, previous, t, beats = [], [], t0, []
+    for _ in range(n):
+        batch = []
+        for _ in range(rng.randint(0, per_beat)):
+            t += rng.choice([0.1, 0.1, 0.2, 1.0])
+            current = rng.randrange(1 << 30)
+            batch.append([t, current, current + rng.randrange(1 << 20)])
+        beats.append(pack_samples(previous + batch))
+        raw += batch
+        previous = batch
+    return beats, raw
+
+
+def test_packed_samples_round_trip_and_reject_a_partial_record():
+    rows = [[1.5, 10, 20], [2.5, 30, 40]]
+    assert unpack_samples(pack_samples(rows)) == rows
+    with pytest.raises(ValueError, match="multiple of 24"):
+        unpack_samples(pack_samples(rows)[:-1])
+
+
+def test_timeline_is_exact_until_its_first_level_fills():
+    tl = Timeline(64)
+    rows = [[float(i), i, 10 * i] for i in range(20)]
+    tl.extend(rows[:12])
+    tl.extend(rows[5:])  # overlapping heartbeats add only the new samples
+    assert tl.to_list() == rows and len(tl) == 20 and tl.peak() == 190
+    assert tl.to_list(last=2) == rows[-2:] and tl.to_list(last=0) == []
+
+
+@pytest.mark.parametrize("capacity,levels", [(2, 1), (5, 3), (64, 3), (512, 3), (300, 5)])
+def test_timeline_keeps_every_peak_the_first_and_newest_sample_in_bounded_points(capacity, levels):
+    rng = random.Random(capacity * levels)
+    tl = Timeline(capacity, levels=levels)
+    beats, raw = _heartbeats(rng, 400, 30)
+    seen: list[list] = []
+    for beat in beats:
+        tl.extend(beat)
+        assert len(tl) <= capacity
+        seen += unpack_samples(beat)
+        if seen:
+            pts = tl.points()
+            assert int(pts["m"].max()) == tl.peak() == max(r[2] for r in seen)
+            assert pts["t"][0] == raw[0][0] and pts["c"][-1] == seen[-1][1]
+            if len(tl.levels) > 1:  # the newest level holds samples as they came
+                assert list(pts[-1]) == seen[-1]
+            assert np.all(np.diff(pts["t"]) > 0)
+
+
+def test_timeline_recent_points_are_at_full_resolution():
+    tl = Timeline(512)
+    beats, raw = _heartbeats(random.Random(1), 300, 20)
+    for beat in beats:
+        tl.extend(beat)
+    # Level 0 holds at least a quarter of the capacity unmerged.
+    assert tl.to_list(last=128) == raw[-128:]
+
+
+def test_compact_all_merges_many_timelines_as_each_would_alone():
+    rng = random.Random(7)
+    streams = [_heartbeats(rng, 120, 40)[0] for _ in range(6)]
+    alone = [Timeline(96) for _ in streams]
+    batched = [Timeline(96) for _ in streams]
+    for k in range(120):
+        full = []
+        for s, a, b in zip(streams, alone, batched, strict=True):
+            a.extend(s[k])
+            b.extend_packed(s[k])
+            if b.overflowing:
+                full += [b, b]  # a timeline listed twice is merged once
+        if k % 3 == 0:
+            compact_all(full)
+    compact_all(batched)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.points().tolist() == a.points().tolist()
+
+
+@pytest.mark.parametrize(
+    "bad", [[[4.0, 2]], [[4.0, "x", 3]], [None], [[4.0, 2.5, 3]], b"\x00" * 23]
+)
+def test_timeline_malformed_samples_change_nothing(bad):
+    tl = Timeline(8)
+    tl.extend([[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]])
+    with pytest.raises((IndexError, TypeError, ValueError)):
+        tl.extend(bad if isinstance(bad, bytes) else [[3.0, 4, 4], *bad])
+    assert tl.to_list() == [[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]]
+
+
+@pytest.mark.parametrize("bad", [0, 1, -1, 2.5, True, "10"])
+def test_timeline_rejects_a_capacity_below_two(bad):
+    with pytest.raises(ValueError, match="capacity must be an int >= 2"):
+        Timeline(bad)
+
+
+@pytest.mark.parametrize("width", [1, 3, 50, 640])
+def test_downsample_keeps_the_peak_the_ends_and_fits_the_width(width):
+    rng = np.random.default_rng(width)
+    pts = np.zeros(5000, SAMPLE_DTYPE)
+    pts["t"] = np.cumsum(rng.uniform(0.01, 1.0, 5000))
+    pts["m"] = rng.integers(0, 1 << 30, 5000)
+    pts["m"][rng.integers(0, 5000)] = 1 << 40  # one narrow spike
+    out = downsample(pts, width)
+    assert len(out) <= 2 * width
+    assert out["m"].max() == 1 << 40 and out["m"].min() == pts["m"].min()
+    assert out["t"][0] == pts["t"][0] and out["t"][-1] == pts["t"][-1]
+    assert np.all(np.diff(out["t"]) >= 0)
+    small = pts[:10]
+    assert downsample(small, width if width >= 5 else 5).tolist() == small.tolist()
+
+
+def _reference_peak(raw: list[list[list]]) -> int | None:
+    return peak_of_sum(raw)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cluster_total_equals_the_peak_of_the_summed_full_resolution_timelines(seed):
+    rng = random.Random(seed)
+    total = ClusterTotal(Timeline(64), max_lag=1e9)
+    devices = rng.randint(1, 30)
+    rows = [total.add_row() for _ in range(devices)]
+    streams = [_heartbeats(rng, 40, 12, t0=rng.random()) for _ in range(devices)]
+    timelines = [Timeline(16) for _ in range(devices)]
+    # Heartbeats of different devices arrive interleaved, some devices far behind others.
+    order = [d for d in range(devices) for _ in range(40)]
+    rng.shuffle(order)
+    sent = [0] * devices
+    for step, d in enumerate(order):
+        beat = streams[d][0][sent[d]]
+        sent[d] += 1
+        first = timelines[d].extend(beat)
+        if first * 24 < len(beat):
+            total.add(rows[d], beat[first * 24 :], timelines[d].newest)
+        if step % 7 == 0:
+            total.advance(now=0.0)
+    raw = [s[1] for s in streams]
+    peak, points = total.snapshot().points()
+    assert peak == _reference_peak(raw)
+    assert int(points["m"].max()) == peak
+    # What is final never exceeds it; once no device can send older samples, all is final.
+    assert total.peak <= peak
+    total.max_lag = 0.0
+    total.advance(now=1e9)
+    assert total.waiting == 0 and total.peak == peak
+    assert total.snapshot().points()[1]["c"][-1] == sum(r[-1][1] for r in raw if r)
+
+
+def test_cluster_total_counts_a_stopped_device_as_zero_after_its_last_sample():
+    total = ClusterTotal(Timeline(64), max_lag=1e9)
+    a, b = total.add_row(), total.add_row()
+    total.add(a, pack_samples([[1.0, 100, 100]]), 1.0)
+    total.add(b, pack_samples([[0.5, 50, 50]]), 0.5)
+    total.stop(a)
+    total.add(b, pack_samples([[3.0, 70, 70]]), 3.0)
+    total.advance(now=0.0)
+    pts = total.snapshot().points()[1]
+    assert pts["m"].tolist() == [50, 150, 50, 70] and total.peak == 150
+
+
+def test_cluster_total_rows_are_reused_so_memory_stays_bounded_as_workers_come_and_go():
+    total = ClusterTotal(Timeline(64), max_lag=1e9)
+    t = 0.0
+    for _ in range(500):  # 500 workers come, send, leave and are forgotten, 4 at a time
+        rows = [total.add_row() for _ in range(4)]
+        for r in rows:
+            t += 1.0
+            total.add(r, pack_samples([[t, 10, 10]]), t)
+        for r in rows:
+            total.stop(r)
+            total.release(r)
+        total.advance(now=0.0)
+    assert total.rows == 0 and len(total._newest) <= 16 and total.waiting == 0
