@@ -177,9 +177,14 @@ def gpu_uuid() -> str:
 
 
 def compiled_rmm_resource() -> str:
-    """The type of compiled RMM's current device resource here, or ``"no rmm"``."""
+    """The type of the resource at the bottom of compiled RMM's current device resource chain
+    here (what its memory finally comes from: ``"CallbackMemoryResource"`` when dask-rmm serves
+    it, whatever native cache sits above), or ``"no rmm"``."""
     try:
         import rmm
     except ImportError:
         return "no rmm"
-    return type(rmm.mr.get_current_device_resource()).__name__
+    mr = rmm.mr.get_current_device_resource()
+    while getattr(mr, "upstream_mr", None) is not None:
+        mr = mr.upstream_mr
+    return type(mr).__name__

@@ -264,7 +264,7 @@ def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, e
             # one worker per physical GPU, each on its own
             assert sorted(seen.values()) == sorted(uuids)
             compiled = set(client.run(compiled_rmm_resource).values())
-            assert compiled <= {"no rmm", "CallbackMemoryResource"}, compiled
+            assert compiled <= {"no rmm", "CallbackMemoryResource"}, compiled  # no compiled pool
     finally:
         out = _stop(proc)
     assert "Failed to start preload" not in out, out
@@ -338,6 +338,7 @@ def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base, pool):
         (w,) = report.workers
         if pool is not None:
             assert report.device(w, 0).reserved_bytes == pool
+        # compiled RMM draws from dask-rmm (a callback at the bottom), never its own cudaMalloc pool
         assert set(client.run(compiled_rmm_resource).values()) <= {
             "no rmm",
             "CallbackMemoryResource",
@@ -349,7 +350,11 @@ def _cudf_workload(client, n: int):
     import dask.dataframe as dd
     import dask_cudf  # noqa: F401  (dask's cuDF backend)
 
-    df = dd.from_pandas(cudf.DataFrame({"a": cudf.Series(range(n), dtype="int64")}), npartitions=4)
+    def part(i: int):  # made on the worker: no data in the graph
+        start = i * (n // 4)
+        return cudf.DataFrame({"a": cudf.Series(range(start, start + n // 4), dtype="int64")})
+
+    df = dd.from_map(part, range(4))
     return (df.a * 2 + 1).persist()
 
 
