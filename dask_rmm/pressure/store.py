@@ -361,6 +361,7 @@ class DeviceSpillStore(MutableMapping):
         seen = None
         unchanged = 0
         while True:
+            tried = False
             with self._spill_lock:
                 self._local.active = True
                 try:
@@ -379,6 +380,7 @@ class DeviceSpillStore(MutableMapping):
                         victims, growing = self._choose(request, device, layout, release)
                         if not victims:
                             break
+                        tried = True
                         freed = self._spill_keys(victims)
                         if freed:
                             spilled += freed
@@ -403,7 +405,10 @@ class DeviceSpillStore(MutableMapping):
             )
             if started is None:
                 started = now
-            if state != seen:
+            # A round that found victims saw memory change too (a referenced value let go)
+            # even when they were referenced again by the time they were copied, so that the
+            # state polled now equals the last one: that is no reason to give up.
+            if state != seen or tried:
                 seen = state
                 unchanged = 0
             else:
