@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from conftest import HAS_GPU
 from distributed import Client, wait
+from distributed.utils_test import gen_cluster
 
 from dask_rmm.cli import main
 
@@ -227,3 +231,67 @@ def test_an_http_port_gets_a_hint():
             asyncio.run(first())
     finally:
         server.shutdown()
+
+
+def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:
+    """A TCP server on localhost that writes ``payload`` to every connection and closes it."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1], sock.close
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"HTTP/1.1 404 Not Found\r\n\r\n",
+        b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        b"",
+        b"\x05\x00",
+        random.Random(1).randbytes(64),
+        random.Random(2).randbytes(4096),
+        (40).to_bytes(8, "little") + random.Random(3).randbytes(40),  # framed garbage
+        (1 << 62).to_bytes(8, "little"),  # a length of exabytes, then nothing
+    ],
+    ids=[
+        "http-404",
+        "proxy-502",
+        "empty-close",
+        "short",
+        "random-64",
+        "random-4k",
+        "framed",
+        "huge",
+    ],
+)
+def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
+    port, close = _one_shot_server(payload)
+    try:
+        r = CliRunner().invoke(main, ["report", f"tcp://127.0.0.1:{port}", "--timeout", "5"])
+    finally:
+        close()
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "does not speak Dask's protocol" in lines[0], r.output
+    assert f"tcp://127.0.0.1:{port}" in lines[0]
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_a_scheduler_greeting_is_recognised_as_dask(c, s):
+    from dask_rmm.report.fetch import _non_dask_greeting
+
+    assert await _non_dask_greeting(s.address, 5.0) is None
