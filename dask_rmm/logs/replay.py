@@ -203,6 +203,9 @@ class ReplayResult:
     call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
     notes: tuple[str, ...] = field(default=())
+    #: rows that failed here, new failures and re-issued original failures (``failures``
+    #: holds the first 50 of them)
+    failed_rows: int = 0
 
     @property
     def failed(self) -> bool:
@@ -336,9 +339,7 @@ def replay(
             bar.update(reader.bytes_read - bar.pos)
             bar.render_finish()
     seconds = clock() - start
-    notes = []
-    if n_failed > len(failures):
-        notes.append(f"{n_failed - len(failures)} more failed rows not listed")
+    notes: list[str] = []
     return ReplayResult(
         resource=resource,
         description=description,
@@ -362,6 +363,7 @@ def replay(
         call_seconds=call_seconds,
         truncated=f"{reader.path}:{reader.truncated[0]}" if reader.truncated else None,
         notes=tuple(notes),
+        failed_rows=n_failed,
     )
 
 
@@ -399,6 +401,9 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
             f"    line {f.line}: {format_size(f.size)} at {format_time(f.time)} thread "
             f"{f.thread} stream {f.stream:#x}: {f.error}"
         )
+    if r.new_failures > len(listed):
+        # Counted against what this text lists, not the 50 rows the result keeps.
+        lines.append(f"    ... {r.new_failures - len(listed):,} more new failures not listed")
     if r.truncated:
         lines.append(f"  note             cut-off last line skipped: {r.truncated}")
     for n in r.notes:
