@@ -98,6 +98,8 @@ class LogSummary:
     threads: dict[int, Totals]  #: totals per thread id ...
     streams: dict[int, Totals]  #: ... and per stream handle
     truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
+    #: what the reader of the numbers should know (how the peak compares with the report's)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
@@ -114,6 +116,7 @@ class LogSummary:
             for o in self.largest_outstanding
         ]
         d["truncated"] = list(self.truncated)
+        d["notes"] = list(self.notes)
         return d
 
 
@@ -237,6 +240,20 @@ class Summarizer:
             threads=dict(sorted(self.threads.items())),
             streams=dict(sorted(self.streams.items())),
             truncated=tuple(self.truncated),
+            notes=self._notes(),
+        )
+
+    def _notes(self) -> tuple[str, ...]:
+        allocating = sorted(t for t, tot in self.threads.items() if tot.allocations)
+        if len(allocating) < 2:
+            return ()
+        # Each thread writes its row after its call, under the adaptor's lock; the statistics
+        # adaptor counts after the same call under its own lock. Two threads' calls can be
+        # ordered one way in the file and the other way by the counter.
+        return (
+            f"peak in the order the {len(allocating)} allocating threads wrote their rows; the "
+            "report's peak (a counter in the worker) orders the same concurrent calls its own "
+            "way and can differ by the blocks in flight at the peak",
         )
 
 
@@ -338,6 +355,7 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
     ]  # fmt: skip
     lines += [f"  note          {n:,} {what}" for n, what in notes if n]
     lines += [f"  note          cut-off last line skipped: {t}" for t in s.truncated]
+    lines += [f"  note          {n}" for n in s.notes]
     if s.histogram:
         lines.append("  sizes         bucket (<=)        allocations")
         width = max(s.histogram.values())

@@ -323,3 +323,30 @@ def test_replay_counts_the_failures_it_does_not_list(runner, tmp_path):
         runner.invoke(cli.main, ["log", "replay", str(path), "-r", "fixed_size", "--json"]).stdout
     )
     assert data["failed_rows"] == 120 and len(data["failures"]) == 50
+
+
+def test_summary_says_why_its_peak_may_differ_from_the_reports(runner, tmp_path):
+    from logdata import logging_adaptor, run_workload
+
+    from dask_rmm import mr
+    from dask_rmm.logs.summary import summarize
+
+    peaks = {}
+    for threads in (1, 3):
+        stats = mr.StatisticsResourceAdaptor(
+            logging_adaptor(mr.SystemMemoryResource(), tmp_path / f"t{threads}.csv")
+        )
+        for blk in run_workload(stats, 400, seed=threads, threads=threads):
+            stats.deallocate(*blk)
+        log = stats.upstream_mr
+        log.close()
+        summary = summarize([log.get_file_name()]).files[0]
+        peaks[threads] = (summary.peak_bytes, stats.allocation_counts.peak_bytes)
+        text = runner.invoke(cli.main, ["log", "summary", log.get_file_name()]).stdout
+        data = json.loads(
+            runner.invoke(cli.main, ["log", "summary", "--json", log.get_file_name()]).stdout
+        )["files"][0]
+        said = "the report's peak (a counter in the worker) orders" in text
+        assert said == (threads > 1) and bool(data["notes"]) == (threads > 1), text
+    # One thread: one order, the same peak as the statistics adaptor's.
+    assert peaks[1][0] == peaks[1][1]
