@@ -499,3 +499,28 @@ def test_comparison_table(tmp_path):
     results = [replay.replay(p, name, gpu=False) for name in ("pool", "cuda")]
     text = replay.format_comparison(results)
     assert "pool" in text and "cuda" in text and "smallest footprint" in text
+
+
+def test_log_plot_legend_sits_outside_the_data_and_the_peak_labels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Annotation
+
+    paths = []
+    for i in range(3):  # peaks early, in the upper left where a legend used to go
+        p = tmp_path / f"worker-{i}.csv"
+        write_synthetic(p, 3000, seed=i + 1, start=12 * 3600.0 + 0.01 * i)
+        paths.append(p)
+    fig = log_timeline.timelines_figure(log_timeline.in_use_timeline(paths))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    data_area = ax.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(data_area)
+    assert fig.bbox.contains(legend.x1 - 1, legend.y0 + 1)  # not cut off by the figure
+    labels = [a for a in ax.texts if isinstance(a, Annotation)]
+    assert len(labels) == 3
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert not box.overlaps(legend), label.get_text()
+        assert data_area.x0 <= box.x0 and box.x1 <= data_area.x1, label.get_text()

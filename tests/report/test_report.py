@@ -202,3 +202,16 @@ def test_physical_gpu_and_retired_bytes_are_shown():
     assert r.totals.retired_bytes == 300 << 20
     row = r.to_frame().set_index("name").loc["w10"]
     assert (row["gpu_name"], row["retired_bytes"]) == ("NVIDIA H200", 300 << 20)
+
+
+def test_plot_legends_sit_outside_the_data():
+    pytest.importorskip("matplotlib")
+    fig = ClusterMemoryReport.from_dict(_data()).plot()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        box = legend.get_window_extent(renderer)
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert fig.bbox.contains(box.x1 - 1, box.y0 + 1), ax.get_title()
