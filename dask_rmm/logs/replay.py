@@ -274,7 +274,7 @@ def replay(
     n_failed = 0
     call_seconds = 0.0
     clock = time.perf_counter
-    ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
+    ALLOCATE, FREE, RESTART = Action.ALLOCATE, Action.FREE, Action.RESTART
     start = clock()
     try:
         for e in reader:
@@ -294,6 +294,11 @@ def replay(
                 call_seconds += clock() - t0
                 frees += 1
                 current -= size
+                continue
+            if action is RESTART:  # the writer's process ended: so did its allocations
+                for ptr, size, stream in table.end_source(e.source):
+                    deallocate(ptr, size, stream)
+                    current -= size
                 continue
             original_ok = action is ALLOCATE
             if not original_ok and not retry_failures:

@@ -167,7 +167,7 @@ def test_last_line_without_newline_kept_when_whole(tmp_path):
     assert e.size == 256
 
 
-def test_blank_lines_and_repeated_header_skipped(tmp_path):
+def test_blank_lines_skipped_and_a_repeated_header_read_as_a_restart(tmp_path):
     p = _write(
         tmp_path,
         "\n"
@@ -176,7 +176,9 @@ def test_blank_lines_and_repeated_header_skipped(tmp_path):
         + HEADER_LINE
         + "1,00:00:01.000002,free,0x100,256,0\r\n",
     )
-    assert [e.line for e in logs.read_log(p)] == [3, 6]
+    events = [(e.line, e.action, e.time) for e in logs.read_log(p)]
+    restart = (5, logs.Action.RESTART, 1.000002)  # at the time of the new writer's first row
+    assert events == [(3, logs.Action.ALLOCATE, 1.0), restart, (6, logs.Action.FREE, 1.000002)]
 
 
 def test_midnight_keeps_time_increasing(tmp_path):

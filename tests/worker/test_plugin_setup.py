@@ -147,7 +147,12 @@ def test_a_killed_worker_keeps_its_rows_and_its_restart_appends(tmp_path):
         wait_until(lambda: any(",8192," in r for r in _rows(path)), 10, "the restart's rows")
         assert len(_rows(path)) >= 6
         with open(path) as f:
-            assert f.read().count("Thread,Time,Action") == 1
+            assert f.read().count("Thread,Time,Action") == 2  # the header, the restart marker
+        from dask_rmm.logs.summary import summarize
+
+        summary = summarize([path]).files[0]
+        # the five buffers the killed process held ended with it, they did not leak
+        assert summary.restarts == 1 and summary.ended_with_process_bytes >= 5 * 4096
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
