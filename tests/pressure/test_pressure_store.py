@@ -495,3 +495,33 @@ def test_threads_crossing_the_limit_together_spill_the_excess_once():
     assert result["buf"].size == MiB
     assert store.spilled_keys() == []  # nothing more spilled: the excess was gone
     assert sorted(store._device) == ["x-1", "x-2", "x-3"]
+
+
+def test_a_wait_for_memory_does_not_rescan_every_stored_value_at_each_poll():
+    """Each 2 ms poll of a failed allocation's wait rebuilt the list of spillable values (and
+    each retry chose victims from a fresh one): with 10,000 stored values, milliseconds per
+    poll. Now a poll that finds nothing changed rechecks only the values that were referenced."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries = 30
+    store.wait_limit = 120.0
+    refs = []
+    for i in range(4):
+        store[f"x-{i}"] = patterned_buffer(MiB, i)
+        refs.append(store[f"x-{i}"])  # a running task holds every one: nothing to spill
+    scans = 0
+    candidates = store.candidates
+
+    def counted(device=None):
+        nonlocal scans
+        scans += 1
+        return candidates(device)
+
+    store.candidates = counted
+    pool = top.handler.pool
+    ptr, error, spilled = store.spill_until(
+        lambda: pool.allocate(2 * MiB), 2 * MiB, device=0, layout=pool.memory_layout
+    )
+    assert ptr is None and isinstance(error, MemoryError) and spilled == 0
+    assert scans <= 2, scans  # not one per poll (31 polls)
+    del refs

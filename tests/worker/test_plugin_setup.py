@@ -198,3 +198,23 @@ async def test_registering_never_changes_the_metrics_dict_a_heartbeat_is_reading
     reading = a.metrics
     await c.unregister_worker_plugin("dask-rmm")
     assert "dask-rmm" in reading and "dask-rmm" not in a.metrics
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_superseded_registration_arriving_late_leaves_the_current_plugin_in_place(c, s, a):
+    """Two registrations at once: the later one (the scheduler's) reached this worker first.
+    The earlier one, arriving after it, changed nothing but left ``worker.plugins["dask-rmm"]``
+    describing its own options while the later one's stacks stayed installed."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm.worker.stacks import worker_stack
+
+    earlier = RMMPlugin(base_resource="system", pool_size="8MiB")
+    later = RMMPlugin(base_resource="system", pool_size="16MiB")
+    await c.register_plugin(later)
+    await a.plugin_add(plugin=dumps(earlier), name="dask-rmm")  # as distributed delivers it
+    plugin = a.plugins["dask-rmm"]
+    assert plugin.token == later.token and plugin.options.pool_size == 16 << 20
+    ws = worker_stack(a)
+    assert ws.token == later.token and ws.active[0].pool_size == 16 << 20
+    assert "dask-rmm" in a.metrics  # the restored plugin publishes its metrics again
