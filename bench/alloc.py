@@ -1,10 +1,10 @@
 """Allocator micro-benchmark: ns per allocate+deallocate pair from Python, single and 8 threads.
 
-Every row of issue 13's table (pool, statistics, tracking, binning, arena, async, DeviceBuffer,
-8 threads) is measured in one run with its peers beside it: RMM's compiled resources, CuPy's
+Every row of the speed table in bench/README.md (pool, statistics, tracking, binning, arena,
+async, DeviceBuffer, 8 threads) is measured in one run with its peers beside it: RMM's compiled resources, CuPy's
 MemoryPool, a bare cuMemAllocAsync/cuMemFreeAsync pair and a plain dict+lock resource.
 
-Workload (the issue's): W=1000 live blocks; each step frees a random live block and allocates
+Workload: W=1000 live blocks; each step frees a random live block and allocates
 a log-uniform size in [256 B, 4 MiB]; sizes and victims are drawn before timing; the figure is
 the median over 5 runs of (wall time / steps). With T threads, each thread runs the same loop
 on its own W/T live blocks against one shared resource and the figure is the wall time of the
@@ -332,7 +332,7 @@ def dict_row():
     return r.allocate, r.deallocate, r
 
 
-#: (row name, factory, measured with threads too). Each issue-table row sits with its peers.
+#: (row name, factory, measured with threads too). Each row of the table sits with its peers.
 ROWS = [
     ("dict+lock baseline", dict_row, True),
     ("dask-rmm pool", ours("pool"), True),

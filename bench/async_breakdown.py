@@ -1,6 +1,6 @@
 """Where CudaAsyncMemoryResource's nanoseconds go, above the binding call itself.
 
-Rows, each the issue 13 workload of bench/alloc.py (W=1000 live blocks, log-uniform sizes,
+Rows, each the workload of bench/alloc.py (W=1000 live blocks, log-uniform sizes,
 ns per allocate+deallocate pair), interleaved over 7 rounds:
 
 - the bare cudaMallocFromPoolAsync/cudaFreeAsync pair with cached handle objects, on the

@@ -4,7 +4,7 @@ Rows: CuPy's own pool, RMM's ``rmm_cupy_allocator`` over RMM's pool (when ``impo
 dask-rmm's ``rmm_cupy_allocator`` and ``lean_cupy_allocator`` (what ``set_cupy_allocator`` and
 the Dask plugin install) over ``PoolMemoryResource`` and over
 ``StatisticsResourceAdaptor(PoolMemoryResource)``. Prints a table of median ns per
-allocate+free for each size (issue 13's target: ours <= CuPy's own pool).
+allocate+free for each size (the target: ours <= CuPy's own pool).
 
     python bench/cupy_churn.py [--iterations 100000] [--repeat 7] [--sizes 8,1024,1048576]
 """

@@ -3,8 +3,8 @@
 Each configuration gets its own single-worker LocalCluster (one process, ``--threads`` threads),
 all started up front; then the workloads run round by round, every configuration once per round
 in a rotating order, so that drift of the machine (clocks, other load) hits them all alike.
-Reported: median, min and max seconds per workload and configuration, and the ratios that
-issue 13's target is about (dask-rmm with statistics on against no plugin and dask-cuda).
+Reported: median, min and max seconds per workload and configuration, and the ratios the
+speed target is about (dask-rmm with statistics on against no plugin and dask-cuda).
 
 Workloads (CuPy arrays through dask.array):
 

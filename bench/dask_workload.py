@@ -6,7 +6,7 @@ warm-up. Configurations: no plugin; RMMPlugin (pool + statistics + attribution, 
 the pool); dask-cuda's ``rmm_pool_size`` (its RMMSetup plugin with real RMM) when importable.
 Prints a table and, with ``--json PATH``, writes the results.
 
-    python bench/dask_workload.py [--n 16000] [--chunk 500] [--pool 0.5] [--json bench/results/x.json]
+    python bench/dask_workload.py [--n 16000] [--chunk 500] [--pool 0.5] [--json out.json]
 """
 
 from __future__ import annotations

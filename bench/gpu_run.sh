@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One batch on the lent H200: the whole test suite, the quickstart, then the benchmarks; logs
-# under $OUT (at most 8 files come back). Usage (repo root, GPU machine, after the prelude in
-# ../shared/gpu/README.md):   bash bench/gpu_run.sh [tests|bench|all]
+# One batch on a GPU host: the whole test suite, the quickstart, then the benchmarks. Logs go to
+# $OUT when set (the device tool's folder), else to bench/out/ (ignored by git: run logs stay out
+# of the repository; the current figures are in bench/README.md).
+# Usage, from the repository root:   bash bench/gpu_run.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
-out=${OUT:-/tmp/out}
+out=${OUT:-bench/out}
 mkdir -p "$out"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

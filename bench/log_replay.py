@@ -6,7 +6,7 @@ log-uniform in [256 B, 4 MiB], 4 threads, 3 streams, frees on other threads) and
 also writes it as a dated markdown file. Target: a 1-million-row replay within a minute on
 CI-class hardware.
 
-    python bench/log_replay.py --resources pool,cuda --results bench/results
+    python bench/log_replay.py --resources pool,cuda --results bench/out
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ needed): blocks persisted, then every pair (i, j) + (j, i) summed through a temp
 
     python bench/memory_pressure.py [--n 20000] [--chunk 2500] [--pool-max 1.25GiB]
         [--anchor-n 16000] [--repeats 10] [--anchor-seconds S] [--skip-anchor]
-        [--skip-pressure] [--json bench/results/x.json]
+        [--skip-pressure] [--json out.json]
     python bench/memory_pressure.py --host [--host-blocks 8] [--host-block 16777216]
         [--pool-max 400MiB] [--host-repeats 2]
 """

@@ -157,7 +157,8 @@ class _OnDistributedProtocol(importlib.abc.MetaPathFinder):
             exec_module(module)
             _register_dask_serializers()
 
-        spec.loader.exec_module = exec_then_register
+        # Wraps this one module's loading (an import hook), not the loader class.
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
 
 

@@ -10,6 +10,7 @@ out-of-memory errors, device binding) lives in ``dask_rmm.mr``, not here.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -251,7 +252,7 @@ def runtime_function(name: str):
     if name not in _HOT:
         raise ValueError(f"runtime_function({name!r}): not one of the bound hot calls {_HOT}")
     fn = globals()["_" + name]
-    if getattr(fn, "unbound", False):
+    if fn in _unbound_stubs:
         _bind_hot()
         fn = globals()["_" + name]
     return fn
@@ -262,7 +263,7 @@ class HandleObjects(dict):
     made on first lookup: ``objects[handle]``.
 
     cuda-python turns an int handle argument into a new handle object on every call (about as
-    costly as the call itself on a fast path: ~0.8 us per argument on the CPU host, issue 13);
+    costly as the call itself on a fast path: ~0.8 us per argument on the CPU host);
     a cached object is passed as is. Handles are plain values, so an entry never goes stale; the
     table is cleared when it reaches 4096 entries. A value that is not an int is converted
     every time, as cuda-python would.
@@ -296,13 +297,18 @@ def _bind_hot() -> None:
         g["_" + name] = getattr(rt, name)
 
 
-def _lazy(name: str):
-    def first_call(*args):
+#: The stand-ins :func:`_lazy` makes, replaced by the real functions at the first call (see
+#: runtime_function).
+_unbound_stubs: set[Callable[..., Any]] = set()
+
+
+def _lazy(name: str) -> Callable[..., Any]:
+    def first_call(*args: Any) -> Any:
         _bind_hot()
         return globals()["_" + name](*args)
 
     first_call.__name__ = name
-    first_call.unbound = True  # see runtime_function
+    _unbound_stubs.add(first_call)
     return first_call
 
 
@@ -437,6 +443,8 @@ def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> get_device_attribute("MemoryPoolsSupported")  # doctest: +SKIP
     1
     """

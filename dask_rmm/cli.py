@@ -206,7 +206,6 @@ def replay(
             click.echo(
                 f"{reason}: replaying on host memory (SystemMemoryResource upstream)", err=True
             )
-        sizes = dict(initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
         results = [
             rp.replay(
                 file,
@@ -215,7 +214,8 @@ def replay(
                 block_size=block_size,
                 retry_failures=retry_failures,
                 progress=sys.stderr.isatty() if progress is None else progress,
-                **sizes,
+                initial_pool_size=initial_pool_size,
+                maximum_pool_size=maximum_pool_size,
             )
             for name in names
         ]
@@ -308,6 +308,7 @@ def report(
             raise click.ClickException(
                 f"cannot read a scheduler address from {scheduler_file}: {e!r}"
             ) from e
+    assert scheduler_address  # given, or read from the file (checked above)
     # Timelines give the cluster's peak (peak of the sum); --watch keeps only the newest.
     timeline = watch is None or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()

@@ -39,7 +39,7 @@ dask.config.update_defaults(defaults)
 with open(SCHEMA_PATH) as f:
     _SCHEMA: dict = yaml.safe_load(f)["properties"]["dask-rmm"]
 
-_JSON_TYPES = {
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str,
     "integer": int,
     "number": (int, float),

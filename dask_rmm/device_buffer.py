@@ -175,7 +175,8 @@ class DeviceBuffer:
         stream: Stream = DEFAULT_STREAM,
         mr: DeviceMemoryResource | None = None,
     ):
-        # The common call, DeviceBuffer(size=n), runs only the cheap checks (issue 13).
+        # The common call, DeviceBuffer(size=n), runs only the cheap checks: it is on every
+        # allocation's path (bench/README.md, DeviceBuffer row).
         self._ptr = 0  # what __del__ reads if the allocation below fails
         if type(size) is not int or size < 0:
             size = check_nbytes(size, "size")

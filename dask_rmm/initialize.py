@@ -78,7 +78,7 @@ def _log_file_name(log_file_name: Any) -> str:
         )
     if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
         raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
-    return log_file_name
+    return os.fspath(log_file_name)
 
 
 def _registered_devices() -> list[int]:
@@ -151,15 +151,16 @@ def reinitialize(
             "pass one of them (managed_memory=True is base_resource='managed')"
         )
     pool = bool(pool_allocator)
+    pool_size = maximum = None
     if pool:
-        # Checked under the names the caller used (the options call them pool_size, ...).
-        _size("initial_pool_size", initial_pool_size)
-        _size("maximum_pool_size", maximum_pool_size)
+        # Parsed under the names the caller used (the options call them pool_size, ...).
+        pool_size = _size("initial_pool_size", initial_pool_size)
+        maximum = _size("maximum_pool_size", maximum_pool_size)
     options = RMMOptions(
         base_resource=base_resource,
         pool_allocator=pool,
-        pool_size=initial_pool_size if pool else None,
-        maximum_pool_size=maximum_pool_size if pool else None,
+        pool_size=pool_size,
+        maximum_pool_size=maximum,
         log_file_name=_log_file_name(log_file_name) if logging else None,
         statistics=False,
     )

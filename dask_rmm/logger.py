@@ -97,12 +97,12 @@ class _FlushLevelHandler(logging.StreamHandler):
     """Writes every record, flushes only those at or above the flush level (as spdlog)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        # Handler.handle holds self.lock around emit.
         try:
             msg = self.format(record)
-            with self.lock:
-                self.stream.write(msg + self.terminator)
-                if record.levelno >= _TO_PY[_flush_level]:
-                    self.stream.flush()
+            self.stream.write(msg + self.terminator)
+            if record.levelno >= _TO_PY[_flush_level]:
+                self.stream.flush()
         except Exception:  # pragma: no cover - logging must not raise
             self.handleError(record)
 

@@ -85,8 +85,16 @@ class RMMPlugin(WorkerPlugin):
 
     Examples
     --------
+    Options are checked where the plugin is made:
+
     >>> from dask_rmm import RMMPlugin
-    >>> client.register_plugin(RMMPlugin(pool_size="4GiB", allocators=["cupy"]))  # doctest: +SKIP
+    >>> plugin = RMMPlugin(pool_size="4GiB", allocators=["cupy"])
+    >>> plugin.options.pool_size
+    4294967296
+
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
+    >>> client.register_plugin(plugin)  # doctest: +SKIP
     """
 
     name = "dask-rmm"

@@ -69,8 +69,8 @@ class _PreloadCommand(click.Command):
         # distributed checks --preload flags in a callback of its own `worker` command, with a
         # fresh context for the preload; at worker start the preload's context is the current one
         outer = click.get_current_context(silent=True)
-        worker_params = {p.name for p in outer.command.params} if outer not in (None, ctx) else ()
-        if {"scheduler", "scheduler_file", "preload_argv"} <= set(worker_params):
+        worker_params = {p.name for p in outer.command.params} if outer is not None else set()
+        if outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params:
             args = _check_scheduler_argument(self, outer, list(args))
         else:
             args = _recovered_argv(list(args))
@@ -117,8 +117,7 @@ def _check_scheduler_argument(
     try:
         click.Command.parse_args(command, click.Context(command), list(typed))
     except click.UsageError as e:
-        e.message = f"{e.message}\n({took}: {fix}.)"
-        raise
+        raise click.UsageError(f"{e.message}\n({took}: {fix}.)", e.ctx) from e
     _log_recovered(typed)
     os.environ[_RECOVERED_ENV] = json.dumps({"received": args, "argv": typed})
     return typed
@@ -152,7 +151,10 @@ def _log_recovered(typed: list[str]) -> None:
 
 
 #: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
-_FLAGS = [
+#: Parameters of distributed's `dask worker` command: the context the preload runs in.
+_WORKER_PARAMS = {"scheduler", "scheduler_file", "preload_argv"}
+
+_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--rmm-pool-size", "pool_size", dict(callback=_size, help="Initial pool size: bytes, '4GiB' "
         "or a fraction of device memory ('0.8'). No pool when not given.")),
     ("--rmm-maximum-pool-size", "maximum_pool_size", dict(callback=_size, help="The pool never "

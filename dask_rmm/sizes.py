@@ -1,8 +1,12 @@
 """The one parser of memory sizes: bytes, ``"4GiB"`` strings and fractions of device memory.
 
-dask-cuda's ``parse_device_bytes`` semantics; used by ``mr`` (pool sizes), ``reinitialize``, the
-options of the Dask layer, the preload flags and the CLI. Imports neither Dask nor CUDA (a
-fraction asks ``dask_rmm._cuda`` for the device's memory when it is parsed).
+The forms of dask-cuda's ``parse_device_bytes`` (bytes, strings with a unit, fractions in (0, 1]
+of the device's memory; ``0`` and ``None`` mean none), with two differences: the result is
+rounded down to 256 bytes by default (the CUDA allocation alignment; dask-cuda's
+``alignment_size`` defaults to 1, and its RMM setup passes 256), and a non-zero size below the
+alignment is an error where dask-cuda rounds it down to 0. Used by ``mr`` (pool sizes),
+``reinitialize``, the options of the Dask layer, the preload flags and the CLI. Imports neither
+Dask nor CUDA (a fraction asks ``dask_rmm._cuda`` for the device's memory when it is parsed).
 """
 
 from __future__ import annotations

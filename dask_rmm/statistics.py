@@ -127,11 +127,13 @@ def statistics() -> Iterator[None]:
     True
     """
     previous = registry.get_current_device_resource()
-    pushed = isinstance(previous, StatisticsResourceAdaptor)
-    if pushed:
+    inside: StatisticsResourceAdaptor
+    if isinstance(previous, StatisticsResourceAdaptor):
+        pushed = True
         previous.push_counters()
         inside = previous
     else:
+        pushed = False
         inside = StatisticsResourceAdaptor(previous)
         registry.set_current_device_resource(inside)
     try:

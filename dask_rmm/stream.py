@@ -50,7 +50,10 @@ def _check_flags(flags: Any) -> CudaStreamFlags:
 
 # cudaStreamLegacy and cudaStreamPerThread are these fixed handle values in the CUDA runtime.
 _LEGACY_HANDLE = 1
-_PER_THREAD_HANDLE = 2
+#: The handle of the per-thread default stream (``cudaStreamPerThread``). Stream-ordered
+#: resources compare a stream's handle with it before calling :meth:`Stream.order_key`, the
+#: only handle whose key differs per thread.
+PER_THREAD_HANDLE = 2
 
 
 def _handle_of(obj: Any) -> int:
@@ -116,7 +119,7 @@ class _DrainAtThreadExit:
             pass
 
 
-def _own_per_thread_key() -> tuple[str, int] | None:
+def own_per_thread_key() -> tuple[str, int] | None:
     """This thread's per-thread stream key if it has one yet, else None; makes none."""
     return getattr(_this_thread, "ptds_key", None)
 
@@ -160,6 +163,8 @@ class Stream:
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> s = Stream(flags=CudaStreamFlags.NON_BLOCKING)  # doctest: +SKIP
     >>> s.synchronize()  # doctest: +SKIP
     """
@@ -199,16 +204,16 @@ class Stream:
 
     def is_default(self) -> bool:
         """True for the legacy and per-thread default streams (handles 0, 1 and 2)."""
-        return self.handle <= _PER_THREAD_HANDLE
+        return self.handle <= PER_THREAD_HANDLE
 
     def is_per_thread_default(self) -> bool:
-        return self.handle == _PER_THREAD_HANDLE
+        return self.handle == PER_THREAD_HANDLE
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, except that the
         per-thread default stream is a different stream in each thread: ``("ptds", n)`` with a
         number ``n`` of the thread's own, never reused (see ``_per_thread_key``)."""
-        if self.handle == _PER_THREAD_HANDLE:
+        if self.handle == PER_THREAD_HANDLE:
             return _per_thread_key()
         return self.handle
 
@@ -220,7 +225,7 @@ class Stream:
         """
         from dask_rmm import _cuda
 
-        if self.handle <= _PER_THREAD_HANDLE and not _cuda.is_available():
+        if self.handle <= PER_THREAD_HANDLE and not _cuda.is_available():
             return
         _cuda.stream_synchronize(self.handle)
 
@@ -244,7 +249,7 @@ class Stream:
         names = {
             0: "DEFAULT_STREAM",
             _LEGACY_HANDLE: "LEGACY_DEFAULT_STREAM",
-            _PER_THREAD_HANDLE: "PER_THREAD_DEFAULT_STREAM",
+            PER_THREAD_HANDLE: "PER_THREAD_DEFAULT_STREAM",
         }
         return f"<Stream {names.get(self.handle, hex(self.handle))}>"
 
@@ -260,7 +265,7 @@ class Stream:
 
 DEFAULT_STREAM = Stream._from_handle(0)
 LEGACY_DEFAULT_STREAM = Stream._from_handle(_LEGACY_HANDLE)
-PER_THREAD_DEFAULT_STREAM = Stream._from_handle(_PER_THREAD_HANDLE)
+PER_THREAD_DEFAULT_STREAM = Stream._from_handle(PER_THREAD_HANDLE)
 
 
 def as_stream(obj: Any) -> Stream:

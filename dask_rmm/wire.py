@@ -152,7 +152,7 @@ class DeviceSample:
                 groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
             except (IndexError, TypeError, KeyError):
                 continue
-        events = tuple(e for e in d.get("oom_events") or () if isinstance(e, Mapping))
+        events = tuple(dict(e) for e in d.get("oom_events") or () if isinstance(e, Mapping))
         return cls(
             **values,
             task_groups=tuple(groups),

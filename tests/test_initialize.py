@@ -8,6 +8,7 @@ import pytest
 
 import dask_rmm
 from dask_rmm import _cuda, initialize
+from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.mr import (
     LoggingResourceAdaptor,
     PoolMemoryResource,
@@ -88,11 +89,17 @@ def test_live_buffers_survive_reinitialize(base):
 
 
 def test_live_device_buffer_survives_reinitialize():
-    device_buffer = pytest.importorskip("dask_rmm.device_buffer")
     dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="8MiB", base_resource="system")
-    buf = device_buffer.DeviceBuffer(size=1000)
+    old = get_current_device_resource()
+    assert isinstance(old, PoolMemoryResource)
+    buf = DeviceBuffer.to_device(b"\x07" * 1000)
     dask_rmm.reinitialize(base_resource="system")
-    del buf  # frees through the old pool without error
+    assert get_current_device_resource() is not old
+    assert buf.mr is old  # the buffer keeps the resource it came from
+    assert buf.tobytes() == b"\x07" * 1000
+    assert len(old.live_allocations()) == 1
+    del buf  # a failing free would be an unraisable exception: an error under the warning filter
+    assert old.live_allocations() == {}  # freed through the old pool
 
 
 def test_logging_one_file_per_device(tmp_path, base):

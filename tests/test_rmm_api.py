@@ -1,4 +1,4 @@
-"""Names and behaviours RMM's Python API has that code written for RMM may rely on (issue 11):
+"""Names and behaviours RMM's Python API has that code written for RMM may rely on:
 version constants, pickle protocol 5, experimental resources, profiler names, error types."""
 
 from __future__ import annotations

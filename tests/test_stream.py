@@ -171,7 +171,7 @@ def _stream_flags(handle: int) -> int:
 @pytest.mark.gpu
 def test_new_stream_synchronizes_with_default_stream_as_rmm():
     # RMM's Stream() is made with cudaStreamDefault: a copy on the legacy default stream then
-    # waits for work queued on it (the cause of issue 11's zeros from copy_to_host).
+    # waits for work queued on it (a non-blocking Stream() once let copy_to_host read zeros).
     assert _stream_flags(Stream().handle) == 0
     assert _stream_flags(Stream(flags=CudaStreamFlags.SYNC_DEFAULT).handle) == 0
     assert _stream_flags(Stream(flags=CudaStreamFlags.NON_BLOCKING).handle) == 1

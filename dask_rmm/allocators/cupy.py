@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.stream import Stream
+
+if TYPE_CHECKING:
+    from dask_rmm.mr.base import DeviceMemoryResource
 
 __all__ = [
     "ResourceMemory",
@@ -67,7 +71,7 @@ def _stream_for(handle: int, cupy_stream: Any = None) -> Stream:
 _LAST_DEFAULT_HANDLE = 2
 
 
-def _per_device_resource(device_id: int):
+def _per_device_resource(device_id: int) -> DeviceMemoryResource:
     # Imported on first use: the registry may import CUDA-touching modules. Afterwards the
     # hot path reads the registry with one C call (its dict's get) and calls the registry's
     # function only for a device with nothing set yet.
@@ -79,11 +83,12 @@ def _per_device_resource(device_id: int):
     return get_per_device_resource(device_id)
 
 
-_get_per_device_resource = _per_device_resource
-
-
-def _lookup_resource(device_id: int):
+def _unbound_lookup(device_id: int) -> DeviceMemoryResource | None:
     return None  # until the registry is bound: the caller then calls _get_per_device_resource
+
+
+_get_per_device_resource: Callable[[int], DeviceMemoryResource] = _per_device_resource
+_lookup_resource: Callable[[int], DeviceMemoryResource | None] = _unbound_lookup
 
 
 def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
@@ -141,7 +146,7 @@ if _cupy is not None:
             _UnownedMemory(ptr, nbytes, _adopt(ptr, nbytes, stream, mr), device_id), 0
         )
 
-    class ResourceMemory(_UnownedMemory):
+    class ResourceMemory(_cupy.cuda.memory.UnownedMemory):
         """CuPy memory from a dask-rmm memory resource that frees itself.
 
         What :func:`lean_cupy_allocator` hands CuPy: an ``UnownedMemory`` (``ptr``, ``size``,
@@ -211,7 +216,8 @@ else:
             f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
         ) from _library_import_error
 
-    ResourceMemory = None  # needs CuPy
+    # Needs CuPy; the name stays importable. mypy sees the class of the branch above.
+    ResourceMemory = None  # type: ignore[assignment,misc]
 
 
 _previous_allocators: list[Any] = []

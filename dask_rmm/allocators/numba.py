@@ -69,10 +69,12 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> from numba import cuda
     >>> from dask_rmm.allocators.numba import RMMNumbaManager
-    >>> cuda.set_memory_manager(RMMNumbaManager)
-    >>> d = cuda.to_device(range(10))
+    >>> cuda.set_memory_manager(RMMNumbaManager)  # doctest: +SKIP
+    >>> d = cuda.to_device(range(10))  # doctest: +SKIP
 
     or, before the process starts::
 

@@ -329,6 +329,8 @@ def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]
 
     Examples
     --------
+    Needs a CUDA device and the compiled RMM (the doctest run skips these lines):
+
     >>> from dask_rmm.allocators.rmm_interop import (
     ...     reset_rmm_callback_resource, set_rmm_callback_resource)
     >>> set_rmm_callback_resource()  # doctest: +SKIP

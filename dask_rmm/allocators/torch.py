@@ -14,7 +14,8 @@ a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.
 
 Examples
 --------
-Before the process's first CUDA tensor:
+Before the process's first CUDA tensor (needs a CUDA device and torch; the doctest run skips
+these lines):
 
 >>> import torch  # doctest: +SKIP
 >>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP
@@ -31,6 +32,7 @@ import gc
 import logging
 import sys
 import threading
+from types import FrameType
 from typing import Any
 
 from dask_rmm.stream import Stream
@@ -129,7 +131,8 @@ def _allocation_error_type() -> type[BaseException]:
         except ImportError:
             bases = (MemoryError,)
 
-        class TorchAllocationError(*bases):
+        # The bases are known only at run time (torch's class when torch is importable).
+        class TorchAllocationError(*bases):  # type: ignore[misc]
             """PyTorch asked dask-rmm's resource for memory and did not get it; the message
             is the resource's (``last_allocation_error()`` is the original exception)."""
 
@@ -186,7 +189,7 @@ def _raise_when_back_in_python(message: str) -> None:
         if event in ("c_return", "c_exception", "return"):
             fire(frame, event, arg)
 
-    caller = sys._getframe(1)
+    caller: FrameType | None = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
     _errors.armed = (
@@ -272,10 +275,10 @@ _free_callback = FREE_FN_TYPE(deallocate)
 
 def callback_addresses() -> tuple[int, int]:
     """``(alloc_fn, free_fn)`` addresses, as ``torch._C._cuda_customAllocator`` takes them."""
-    return (
-        ctypes.cast(_alloc_callback, ctypes.c_void_p).value,
-        ctypes.cast(_free_callback, ctypes.c_void_p).value,
-    )
+    alloc_fn = ctypes.cast(_alloc_callback, ctypes.c_void_p).value
+    free_fn = ctypes.cast(_free_callback, ctypes.c_void_p).value
+    assert alloc_fn and free_fn  # ctypes callbacks are live C functions: never NULL
+    return alloc_fn, free_fn
 
 
 def _make_allocator():

@@ -181,9 +181,17 @@ class LogReader:
 
     Examples
     --------
-    >>> for event in LogReader("rmm_log.dev0.csv"):           # doctest: +SKIP
-    ...     if event.action is Action.ALLOCATE_FAILURE:
-    ...         print(event.line, event.size)
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> for event in LogReader(path):
+    ...     print(event.line, event.action, event.size)
+    2 allocate 1000
+    3 free 1000
     """
 
     def __init__(self, path: str | os.PathLike, source: str | None = None):
@@ -286,10 +294,11 @@ class LogReader:
             self.rows += 1
             yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
-            self.truncated = (pending.line, pending.text.rstrip("\r\n"))
+            cut_line = pending.text or ""
+            self.truncated = (pending.line, cut_line.rstrip("\r\n"))
             warnings.warn(
                 f"{path}:{pending.line}: skipped the cut-off last line "
-                f"{pending.text.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
+                f"{cut_line.rstrip(chr(10))[:80]!r} (the process writing the log stopped "
                 "mid-line)",
                 TruncatedLogWarning,
                 stacklevel=3,
@@ -310,9 +319,15 @@ def read_log(path: str | os.PathLike, source: str | None = None) -> Iterator[Log
 
     Examples
     --------
-    >>> peak = current = 0                                     # doctest: +SKIP
-    >>> for e in read_log("rmm_log.dev0.csv"):
-    ...     current += e.size if e.action is Action.ALLOCATE else 0
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> [(e.action.name, e.size) for e in read_log(path)]
+    [('ALLOCATE', 1000), ('FREE', 1000)]
     """
     return iter(LogReader(path, source))
 
@@ -434,7 +449,20 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
 
     Examples
     --------
-    >>> merge_logs(["w0/rmm_log.dev0.csv", "w1/rmm_log.dev0.csv"], "merged.csv")  # doctest: +SKIP
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> folder = tempfile.mkdtemp()
+    >>> paths = []
+    >>> for worker in ("w0", "w1"):
+    ...     log = os.path.join(folder, f"{worker}.csv")
+    ...     mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    ...     mr.deallocate(mr.allocate(1000), 1000)
+    ...     mr.close()
+    ...     paths.append(mr.get_file_name())
+    >>> merge_logs(paths, os.path.join(folder, "merged.csv"))  # rows written
+    4
+    >>> sorted({e.source for e in read_log(os.path.join(folder, "merged.csv"))})
+    ['w0.dev0', 'w1.dev0']
     """
     n = 0
     with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:

@@ -23,7 +23,7 @@ from typing import Any
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
 from dask_rmm.logs.summary import format_size
 from dask_rmm.mr.base import UpstreamResourceAdaptor, format_bytes
-from dask_rmm.stream import DEFAULT_STREAM, Stream
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
 
 __all__ = [
     "RESOURCES",
@@ -41,7 +41,6 @@ RESOURCES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
 
 # Binning's default bins, as RMM's own examples use them: 256 KiB .. 4 MiB fixed-size bins.
 _BINNING_EXPONENTS = (18, 22)
-_PTDS = 2
 _MAX_LISTED_FAILURES = 50
 
 
@@ -137,10 +136,10 @@ class _StreamMap:
         self._fake = 1 << 64  # host handles for per-thread streams, beyond any real handle
 
     def get(self, handle: int, thread: int):
-        key = ("ptds", thread) if handle == _PTDS else handle
+        key = ("ptds", thread) if handle == PER_THREAD_HANDLE else handle
         s = self.streams.get(key)
         if s is None:
-            if not self.gpu and handle == _PTDS:
+            if not self.gpu and handle == PER_THREAD_HANDLE:
                 self._fake += 1
             s = (
                 Stream()
@@ -242,8 +241,16 @@ def replay(
 
     Examples
     --------
-    >>> r = replay("rmm_log.dev0.csv", "pool", initial_pool_size=1 << 30)   # doctest: +SKIP
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> r = replay(path, "pool", gpu=False, initial_pool_size=1 << 20)  # on host memory
     >>> r.peak_upstream_bytes, r.new_failures
+    (1048576, 0)
     """
     if gpu is None:
         gpu = _has_gpu()

@@ -237,7 +237,9 @@ class Summarizer:
             rows=self.rows,
             start=self.start,
             end=self.end,
-            duration=(self.end - self.start) if self.start is not None else 0.0,
+            duration=(
+                self.end - self.start if self.start is not None and self.end is not None else 0.0
+            ),
             **asdict(self.total),
             peak_bytes=self.peak,
             peak_count=self.peak_count,
@@ -303,8 +305,15 @@ def summarize(
 
     Examples
     --------
-    >>> report = summarize(["worker-0.csv", "worker-1.csv"])   # doctest: +SKIP
-    >>> report.combined.peak_bytes
+    >>> import os, tempfile
+    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
+    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
+    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> mr.deallocate(mr.allocate(1000), 1000)
+    >>> mr.close()
+    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
+    >>> summarize(path).files[0].peak_bytes
+    1000
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -340,7 +349,7 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
     """A human-readable text block for one :class:`LogSummary`."""
     s = summary
     lines = [f"== {s.name} ({', '.join(s.paths)})"]
-    if s.start is not None:
+    if s.start is not None and s.end is not None:
         lines.append(
             f"  time          {format_time(s.start)} .. {format_time(s.end)}  ({s.duration:.6f} s)"
         )

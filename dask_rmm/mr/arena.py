@@ -8,10 +8,11 @@ a superblock that becomes empty goes back to the global arena. When an arena can
 superblock, all empty superblocks of all arenas are returned (after synchronizing the device)
 and the request is retried once, as RMM's defragment step does.
 
-In front of that sits a per-stream cache, the fast path, as in :mod:`dask_rmm.mr.pool` (whose
-size classes it shares): requests below 16 MiB are rounded up to their size class's floor (at
-most 1/16 more), and a freed block is kept, still counted as used by its superblock, in the
-freeing stream's cache for the next request of its class on that stream. Neither path takes
+In front of that sits a per-stream cache, the fast path, as in :mod:`dask_rmm.mr.pool` (with
+the same size classes, :mod:`dask_rmm.mr.size_classes`): requests below 16 MiB are rounded up
+to their size class's floor (at most 1/16 more), and a freed block is kept, still counted as
+used by its superblock, in the freeing stream's cache for the next request of its class on that
+stream. Neither path takes
 the lock: ``list.pop``/``list.append`` and a dict store or pop are atomic, so each block goes
 to exactly one caller. Cached blocks go back to their arenas (after a device synchronization:
 they may move to another stream) when a request cannot be served otherwise, before the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from collections.abc import Hashable
 from itertools import compress
 from typing import Any
 
@@ -35,19 +37,20 @@ from dask_rmm.mr.base import (
     check_nbytes,
     deallocate_refused,
     format_bytes,
-    gc_paused_lock,
 )
-from dask_rmm.mr.pool import (
-    _CACHED_LIMIT,
-    _CLASS_INDEXES,
-    _N_CLASSES,
-    _ROUNDED,
-    _SRCH,
-    DEFAULT_HOST_POOL_SIZE,
-    _class_floor,
+from dask_rmm.mr.locks import gc_paused_lock
+from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE
+from dask_rmm.mr.size_classes import (
+    CACHED_LIMIT,
+    CLASS_INDEXES,
+    N_CLASSES,
+    ROUNDED_BYTES,
+    SEARCH_CLASS,
+    UNIT_SHIFT,
+    class_floor,
 )
 from dask_rmm.sizes import parse_resource_size
-from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]
 
@@ -113,7 +116,7 @@ class _Arena:
 
     __slots__ = ("free", "used", "superblocks", "order")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.free = _Regions()  # its barriers are the superblock starts
         self.used: dict[int, int] = {}  # superblock start -> bytes handed out from it
         self.superblocks: dict[int, int] = {}  # start -> size
@@ -186,16 +189,16 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         try:
-            key = stream.handle
+            key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == 2:
+        if key == PER_THREAD_HANDLE:
             key = stream.order_key()
-        if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
+        if type(nbytes) is int and 0 < nbytes <= CACHED_LIMIT:
             caches = self._caches.get(key)
             if caches is not None:
-                cached = caches[_SRCH[(nbytes + 255) >> 8]]
+                cached = caches[SEARCH_CLASS[(nbytes + 255) >> 8]]
                 if cached:
                     try:
                         ptr = cached.pop()
@@ -211,13 +214,13 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             nbytes = check_nbytes(nbytes)
             if nbytes == 0:
                 return 0
-        if nbytes <= _CACHED_LIMIT:
-            size, tag = _ROUNDED[(nbytes + 255) >> 8], nbytes
+        if nbytes <= CACHED_LIMIT:
+            size, tag = ROUNDED_BYTES[(nbytes + 255) >> 8], nbytes
         else:
             size, tag = (nbytes + 255) & -256, ~nbytes
         with gc_paused_lock(self._lock):
             if key not in self._caches:
-                self._caches[key] = [[] for _ in range(_N_CLASSES)]
+                self._caches[key] = [[] for _ in range(N_CLASSES)]
             ptr = self._try_allocate(size, key, tag)
         if ptr:
             return ptr
@@ -257,11 +260,11 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         try:
-            key = stream.handle
+            key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == 2:
+        if key == PER_THREAD_HANDLE:
             key = stream.order_key()
         live = self._live
         n = live.pop(ptr, None)
@@ -270,7 +273,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
                 caches = self._caches.get(key)
                 if caches is not None:
                     # Stream order: the block is handed out again only on this stream.
-                    caches[_SRCH[(n + 255) >> 8]].append(ptr)
+                    caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
                     return
             live[ptr] = n  # the slow path takes it again under the lock
         self._deallocate_slow(ptr, nbytes, stream, key)
@@ -358,9 +361,9 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         One pop at a time: lock-free callers may pop or append meanwhile."""
         stolen = []
         for caches in self._caches.values():
-            for c in compress(_CLASS_INDEXES, caches):
+            for c in compress(CLASS_INDEXES, caches):
                 cached = caches[c]
-                size = _class_floor(c) << 8
+                size = class_floor(c) << UNIT_SHIFT
                 while cached:
                     try:
                         stolen.append((cached.pop(), size))
@@ -372,8 +375,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         """Bytes in the caches and the largest cached block (lock held)."""
         total = largest = 0
         for caches in self._caches.values():
-            for c in compress(_CLASS_INDEXES, caches):
-                size = _class_floor(c) << 8
+            for c in compress(CLASS_INDEXES, caches):
+                size = class_floor(c) << UNIT_SHIFT
                 total += size * len(caches[c])
                 largest = max(largest, size)
         return total, largest

@@ -11,15 +11,17 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
-from dask_rmm.mr.pool import OwnerAccounts, pool_behind
+from dask_rmm.mr.instrumentation import OwnerAccounts
+from dask_rmm.mr.locks import Mutex
+from dask_rmm.mr.pool import PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["UNATTRIBUTED", "AttributionResourceAdaptor", "OwnerMemory"]
 
 #: The owner charged when the getter returns None (an allocation made outside any task).
 UNATTRIBUTED = "(no task)"
-# Tokens remembered per adaptor (unique task keys would otherwise grow it without bound).
-_TOKEN_CACHE_SIZE = 4096
+# Owners remembered per adaptor (unique task keys would otherwise grow it without bound).
+_OWNER_CACHE_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -35,19 +37,25 @@ class OwnerMemory:
         return [self.owner, self.current_bytes, self.peak_bytes]
 
 
-def _open_account(owner_name, by_name: dict, by_token: dict, token) -> list[int]:
-    """The owner callback a pool calls under its lock (collector paused): the account of a
-    token not in ``by_token``. Never raises: an owner that cannot be named is UNATTRIBUTED."""
+def _open_account(
+    owner_name: Callable[[Hashable], str],
+    by_name: dict[str, list[int]],
+    by_owner_key: dict[Hashable, list[int]],
+    owner_key: Hashable,
+) -> list[int]:
+    """The owner callback a pool calls under its lock (collector paused): the account of an
+    owner key not in ``by_owner_key``. Never raises: an owner that cannot be named is
+    UNATTRIBUTED."""
     try:
-        name = UNATTRIBUTED if token is None else str(owner_name(token))
+        name = UNATTRIBUTED if owner_key is None else str(owner_name(owner_key))
     except Exception:
         name = UNATTRIBUTED
     account = by_name.setdefault(name, [0, 0])
-    if len(by_token) >= _TOKEN_CACHE_SIZE:
-        by_token.clear()
+    if len(by_owner_key) >= _OWNER_CACHE_SIZE:
+        by_owner_key.clear()
     try:
-        by_token[token] = account
-    except TypeError:  # an unhashable token is named every time
+        by_owner_key[owner_key] = account
+    except TypeError:  # an unhashable owner key is named every time
         pass
     return account
 
@@ -71,13 +79,13 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
     upstream_mr : DeviceMemoryResource
         The resource that allocates.
     get_owner : callable
-        Called with no arguments on the allocating thread; returns a hashable token of the
+        Called with no arguments on the allocating thread; returns a hashable key of the
         current owner (say a Dask task key) or None, which charges :data:`UNATTRIBUTED`. It runs
         on every allocation, so make it a C-level call where possible
         (``functools.partial(getattr, some_thread_local, "key", None)``).
     owner_name : callable, optional
-        Turns a token into the name bytes are charged to (say ``dask.utils.key_split``: every
-        task of a prefix shares one count). Called once per token seen (results are cached);
+        Turns an owner key into the name bytes are charged to (say ``dask.utils.key_split``: every
+        task of a prefix shares one count). Called once per owner key seen (results are cached);
         default ``str``.
 
     Examples
@@ -108,24 +116,24 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
             raise TypeError(f"owner_name must be callable, got {type(owner_name).__name__}")
         self._get_owner = get_owner
         self._owner_name = owner_name
-        self._lock = threading.Lock()
+        self._lock: Mutex = threading.Lock()
         # Bound acquire/release are cheaper on the hot path than a ``with`` block.
         self._acquire = self._lock.acquire
         self._release = self._lock.release
-        # name -> [current_bytes, peak_bytes]; token -> the same list (a bounded cache, so the
+        # name -> [current_bytes, peak_bytes]; owner key -> the same list (a bounded cache, so the
         # hot path is one dict lookup); ptr -> (that list, nbytes), so a free is one dict pop.
         self._by_name: dict[str, list[int]] = {}
-        self._by_token: dict[Hashable, list[int]] = {}
+        self._by_owner_key: dict[Hashable, list[int]] = {}
         self._live: dict[int, tuple[list[int], int]] = {}
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
-        self._charging_pool = None
+        self._charging_pool: PoolMemoryResource | None = None
         # The pool calls would reach with no other layer in between (see pool_behind).
         pool = pool_behind(upstream_mr)
         if pool is not None:
             # The callback holds the tables, not the adaptor: pool and adaptor form no cycle.
-            opener = functools.partial(_open_account, owner_name, self._by_name, self._by_token)
-            owners = OwnerAccounts(get_owner, self._by_token, opener)
+            opener = functools.partial(_open_account, owner_name, self._by_name, self._by_owner_key)
+            owners = OwnerAccounts(get_owner, self._by_owner_key, opener)
             if pool.charge_owners(owners):
                 # The pool charges owners under its own lock, and calls go straight to it (see
                 # the class notes); readers take the pool's lock.
@@ -134,8 +142,9 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
                 self._lock = pool.instrumentation_lock
                 self._acquire = self._lock.acquire
                 self._release = self._lock.release
-                self.allocate = pool.allocate
-                self.deallocate = pool.deallocate
+                # Instance attributes shadow the methods: calls skip this adaptor's layer.
+                self.allocate = pool.allocate  # type: ignore[method-assign]
+                self.deallocate = pool.deallocate  # type: ignore[method-assign]
 
     def __del__(self):
         try:
@@ -146,7 +155,7 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
             pass
 
     @property
-    def charging_pool(self):
+    def charging_pool(self) -> PoolMemoryResource | None:
         """The PoolMemoryResource that charges owners for this adaptor (its
         ``allocate``/``deallocate`` are then the pool's), or None."""
         return self._charging_pool
@@ -160,19 +169,19 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         through this adaptor on this thread, which would then wait on the lock forever.
         """
         try:
-            token = self._get_owner()
-            name = UNATTRIBUTED if token is None else str(self._owner_name(token))
+            owner_key = self._get_owner()
+            name = UNATTRIBUTED if owner_key is None else str(self._owner_name(owner_key))
         except Exception:
-            token, name = None, UNATTRIBUTED
+            owner_key, name = None, UNATTRIBUTED
         fresh = [0, 0]
         self._acquire()
         try:
             counts = self._by_name.setdefault(name, fresh)
-            if len(self._by_token) >= _TOKEN_CACHE_SIZE:
-                self._by_token.clear()
+            if len(self._by_owner_key) >= _OWNER_CACHE_SIZE:
+                self._by_owner_key.clear()
             try:
-                self._by_token[token] = counts
-            except TypeError:  # an unhashable token is named every time
+                self._by_owner_key[owner_key] = counts
+            except TypeError:  # an unhashable owner key is named every time
                 pass
         finally:
             self._release()
@@ -182,7 +191,7 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         ptr = self._upstream_allocate(nbytes, stream)
         if ptr:
             try:
-                counts = self._by_token[self._get_owner()]
+                counts = self._by_owner_key[self._get_owner()]
             except Exception:
                 counts = self._counts_for_current_owner()
             self._live[ptr] = (counts, nbytes)

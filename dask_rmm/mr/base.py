@@ -1,24 +1,22 @@
 """The memory-resource interface, the upstream-adaptor base, alignment helpers and the
-out-of-memory error. Nothing here touches CUDA; concrete resources live beside it."""
+out-of-memory error. Nothing here touches CUDA. Not here: the locks (locks.py), concrete
+resources (beside it)."""
 
 from __future__ import annotations
 
-import gc
-import threading
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask_rmm._cuda import CUDAError
-from dask_rmm.stream import DEFAULT_STREAM, Stream
 
-if TYPE_CHECKING:
-    pass
+# Re-exported for code that imported the lock helpers from here before locks.py held them.
+from dask_rmm.mr.locks import acquire_contended as acquire_contended
+from dask_rmm.mr.locks import gc_paused_lock as gc_paused_lock
+from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = [
     "ALIGNMENT",
     "CUDAAllocationError",
-    "gc_paused_lock",
     "DeviceMemoryResource",
     "OutOfMemoryError",
     "ReservedMemoryInfo",
@@ -30,7 +28,6 @@ __all__ = [
 #: Every allocation is aligned to (and every size rounded up to) this many bytes,
 #: the alignment cudaMalloc guarantees.
 ALIGNMENT = 256
-_ALIGN_MASK = ALIGNMENT - 1
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -48,52 +45,6 @@ def format_bytes(n: int | float | None) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
-
-
-def acquire_contended(lock: threading.Lock) -> None:
-    """Take a lock that another thread holds, without sleeping on it.
-
-    Hot paths call ``if not lock.acquire(False): acquire_contended(lock)``. A blocking
-    ``acquire`` parks the thread on a futex; with the GIL in play the holder then often waits
-    for the GIL behind other parked threads (a lock convoy: 8 threads on one pool ran 3-5x
-    slower than one). Yielding the GIL with ``sleep(0)`` and retrying lets the holder finish
-    its few hundred nanoseconds of bookkeeping first.
-    """
-    while not lock.acquire(False):
-        time.sleep(0)
-
-
-class gc_paused_lock:
-    """``with gc_paused_lock(lock):`` holds ``lock`` with the garbage collector paused.
-
-    For the slow paths that make objects while holding a resource's lock: making an object
-    may run the collector, whose finalizers (a DeviceBuffer's, a CuPy array's) may free into
-    the same resource on the same thread and then wait forever on the lock it holds.
-    """
-
-    __slots__ = ("lock", "paused")
-
-    def __init__(self, lock: threading.Lock):
-        self.lock = lock
-
-    def __enter__(self):
-        self.paused = gc.isenabled()
-        if self.paused:
-            gc.disable()
-        try:
-            if not self.lock.acquire(False):
-                acquire_contended(self.lock)
-        except BaseException:
-            if self.paused:
-                gc.enable()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.lock.release()
-        if self.paused:
-            gc.enable()
-        return False
 
 
 def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:

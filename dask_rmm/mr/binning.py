@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import threading
 from bisect import bisect_left
+from collections.abc import Callable
 
 from dask_rmm.mr.base import (
     DeviceMemoryResource,
@@ -60,7 +61,11 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
         self._table: tuple[tuple[int, ...], tuple[DeviceMemoryResource, ...]] = ((), ())
         # The hot path's copy: (sizes, bound allocate methods, bound deallocate methods), each
         # ending with the upstream's (sizes above every bin), also swapped as one tuple.
-        self._routes = ((), (upstream_mr.allocate,), (upstream_mr.deallocate,))
+        self._routes: tuple[
+            tuple[int, ...],
+            tuple[Callable[[int, Stream], int], ...],
+            tuple[Callable[[int, int, Stream], None], ...],
+        ] = ((), (upstream_mr.allocate,), (upstream_mr.deallocate,))
         if min_size_exponent >= 0 and max_size_exponent >= 0:
             if min_size_exponent > max_size_exponent:
                 raise ValueError(
@@ -134,8 +139,7 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
 
     def reserved_memory_info(self) -> ReservedMemoryInfo | None:
         """The bins' reservations added up (requests served upstream are not reserved)."""
-        infos = [m.reserved_memory_info() for m in self._table[1]]
-        infos = [i for i in infos if i is not None]
+        infos = [i for i in (m.reserved_memory_info() for m in self._table[1]) if i is not None]
         if not infos:
             return None
         return ReservedMemoryInfo(

@@ -21,6 +21,7 @@ from dask_rmm.mr.base import (
     check_nbytes,
     format_bytes,
 )
+from dask_rmm.sizes import parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -48,7 +49,7 @@ class _OwnedPointers:
 
     __slots__ = ("sizes",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
 
     def add(self, ptr: int, nbytes: int) -> None:
@@ -86,16 +87,10 @@ def _check_size(nbytes: Any, what: str = "nbytes") -> int:
 
 
 def _parse_size(value: Any, what: str, device: int | None) -> int:
-    """An int size as is; a string or fraction through ``dask_rmm.config.parse_device_bytes``.
-
-    The config module (which imports Dask) is loaded only when a string or fraction is given, so
-    that ``dask_rmm.mr`` itself never imports Dask.
-    """
+    """An int size as is; a string or fraction through :func:`dask_rmm.sizes.parse_device_bytes`."""
     if isinstance(value, int) and not isinstance(value, bool):
         return _check_size(value, what)
     if isinstance(value, (str, float)):
-        from dask_rmm.sizes import parse_device_bytes
-
         return parse_device_bytes(value, device=device, option=what) or 0
     raise TypeError(
         f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
@@ -221,6 +216,8 @@ class CudaMemoryResource(_CudaResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaMemoryResource()  # doctest: +SKIP
     >>> ptr = mr.allocate(1024)  # doctest: +SKIP
     >>> mr.deallocate(ptr, 1024)  # doctest: +SKIP
@@ -309,7 +306,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     # Set by an owning subclass once it is finalized: the last free destroys the pool.
     _finalized = False
 
-    # The fast paths (issue 13): one cuda-python call with cached handle objects and one dict
+    # The fast paths: one cuda-python call with cached handle objects and one dict
     # store or pop, no other Python layer; anything unusual (bad arguments, other devices,
     # errors) takes the general path of _CudaResource, with the same errors.
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
@@ -403,6 +400,8 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> mr = CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="2GiB")  # doctest: +SKIP
     >>> mr.pool_handle()  # doctest: +SKIP
     94310741504
@@ -587,7 +586,7 @@ class SamHeadroomMemoryResource(_CudaResource):
         return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
 
 
-def _load_libc():
+def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.aligned_alloc.restype = ctypes.c_void_p
     libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
@@ -596,7 +595,7 @@ def _load_libc():
     return libc
 
 
-_libc = None
+_libc: ctypes.CDLL | None = None
 
 
 class SystemMemoryResource(DeviceMemoryResource):
@@ -611,6 +610,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         global _libc
         if _libc is None:
             _libc = _load_libc()
+        self._libc = _libc
         if device_id is None:
             device_id = _cuda.get_device() if _cuda.is_available() else 0
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
@@ -632,7 +632,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = _libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
+        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "
@@ -647,4 +647,4 @@ class SystemMemoryResource(DeviceMemoryResource):
         if ptr == 0 and nbytes == 0:
             return
         self._owned.remove(self, ptr, nbytes)
-        _libc.free(ptr)
+        self._libc.free(ptr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 from dask_rmm.mr.base import (
@@ -20,14 +21,12 @@ from dask_rmm.mr.base import (
     check_nbytes,
     deallocate_refused,
     format_bytes,
-    gc_paused_lock,
 )
-from dask_rmm.mr.pool import order_after
-from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.mr.locks import gc_paused_lock
+from dask_rmm.mr.stream_order import order_after
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["FixedSizeMemoryResource"]
-
-_PTDS_HANDLE = 2
 
 
 class FixedSizeMemoryResource(UpstreamResourceAdaptor):
@@ -96,11 +95,11 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
                 f"{self._block_size}"
             )
         try:
-            key = stream.handle
+            key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == _PTDS_HANDLE:
+        if key == PER_THREAD_HANDLE:
             key = stream.order_key()
         # Lock-free: list.pop and the dict store are atomic, so each block goes to one caller.
         blocks = self._free.get(key)
@@ -116,11 +115,11 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         try:
-            key = stream.handle
+            key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == _PTDS_HANDLE:
+        if key == PER_THREAD_HANDLE:
             key = stream.order_key()
         # Lock-free: of two threads freeing one pointer only one pops it from the live table.
         live = self._live
@@ -226,7 +225,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         return blocks
 
     def _allocate_slow(self, nbytes: int, key: Any, stream: Stream) -> int:
-        victim = None
+        victim: tuple[Hashable, Stream | None] | None = None
         with self._lock:
             ptr = 0
             for k, blocks in self._free.items():
@@ -239,7 +238,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
                     self._live[ptr] = nbytes
                     break
         if ptr:
-            if self._ordered:
+            if self._ordered and victim is not None:
                 order_after([victim], stream)
             return ptr
         self._add_chunk(stream)

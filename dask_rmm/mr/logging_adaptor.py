@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TextIO
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -36,7 +36,7 @@ def format_stream(handle: int) -> str:
     return f"{handle:#x}" if handle else "0"
 
 
-def log_file_name_for_device(log_file_name: str, device_id: int) -> str:
+def log_file_name_for_device(log_file_name: str | os.PathLike[str], device_id: int) -> str:
     """``"rmm.log"`` -> absolute ``".../rmm.dev0.log"``: RMM's per-device file name."""
     name, ext = os.path.splitext(os.fspath(log_file_name))
     return os.path.abspath(f"{name}.dev{device_id}{ext}")
@@ -123,8 +123,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     >>> path = os.path.join(tempfile.mkdtemp(), "rmm.csv")
     >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=path)
     >>> mr.deallocate(mr.allocate(100), 100)
-    >>> mr.flush()
-    >>> open(mr.get_file_name()).readline().strip()
+    >>> mr.close()
+    >>> with open(mr.get_file_name()) as f:
+    ...     f.readline().strip()
     'Thread,Time,Action,Pointer,Size,Stream'
     """
 
@@ -157,14 +158,14 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self._append = bool(append)
         self._claim = claim
         self._lock_fd: int | None = None
-        self._file: Any = None
+        self._file: TextIO | None = None
         self._closed = False
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
         if not open_on_first_row:
             self._open()
 
-    def _open(self) -> None:
+    def _open(self) -> TextIO:
         """Claim, create or truncate (or append to) the file and write its header."""
         if self._claim is not None:
             self._file_name, self._lock_fd = self._claim(self._file_name)
@@ -186,6 +187,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         f.write(CSV_HEADER + "\n")
         f.flush()
         self._file = f
+        return f
 
     def _release_claim(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
@@ -193,7 +195,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             os.close(fd)
 
     def _write(self, action: str, ptr: int, nbytes: int, stream: Stream) -> None:
-        handle = getattr(stream, "handle", stream)
+        handle = int(stream)  # a Stream's handle (a bare int handle is taken as is)
         row = (
             f"{threading.get_native_id()},{self._clock.now()},{action},"
             f"{format_pointer(ptr)},{nbytes},{format_stream(handle)}\n"
@@ -204,12 +206,11 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                 if self._closed:
                     return
                 try:
-                    self._open()
+                    f = self._open()
                 except (OSError, RuntimeError) as e:  # no file: this row and the later ones lost
                     self._closed = True
                     self._write_failed(e)
                     return
-                f = self._file
             try:
                 f.write(row)
                 if self.auto_flush:

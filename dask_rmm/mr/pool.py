@@ -1,30 +1,27 @@
-"""PoolMemoryResource: a stream-ordered, coalescing suballocator over one upstream resource.
+"""PoolMemoryResource: a stream-ordered, coalescing suballocator over one upstream resource,
+growing as RMM's pool does. Not here: the size classes (size_classes.py), one stream's free
+blocks (free_list.py), events between streams (stream_order.py), the lock (locks.py), the
+counters and owner accounts it updates (instrumentation.py).
 
 Pure bookkeeping on integer addresses; CUDA is only touched for cross-stream ordering (events)
 and through the upstream resource. Other suballocators (arena, binning, fixed size) live beside it.
 
-Data structure (chosen for speed in CPython, see bench/alloc.py)
------------------------------------------------------------------
-Free blocks are kept per stream (:meth:`Stream.order_key`). Each stream's free memory is a
-TLSF-style segregated fit: sizes (in 256-byte units) map to size classes, 32 exact classes
-below 8 KiB and then 16 classes per power of two, so every block in a class at or above a
-request's "search class" fits it. Each class is a dict ``ptr -> size`` (``popitem`` is O(1)
-and LIFO, deleting an arbitrary block is O(1)), and a ``bytearray`` flags the non-empty classes
-so the first candidate class is one C-level ``find`` (an int bitmap was tried: its big-int
-shifts and masks cost ~40 ns each). Two more dicts per stream, ``start -> size`` and
-``end -> start``, let a freed block merge with both neighbours in O(1). Live blocks are one dict
-``ptr -> nbytes`` that also validates every deallocate. Class lookups for sizes below 16 MiB
-come from precomputed tables.
-
-In front of that sits a per-stream cache, the fast path: requests below 16 MiB are rounded up
-to the floor size of their search class (at most 1/16 more than asked, 3% on average; below
-8 KiB only to 256 bytes), so a freed block can be handed back unchanged to any later request
-of the same class on the same stream. Freeing such a block only appends it to its class's list
-and allocating pops from it: no splitting and no merging, which cut a pair from ~2.0 us to
-~0.8 us (bench/alloc.py). Cached blocks are merged into the coalescing lists when the coalescing
-path cannot serve a request (before the pool grows), and by ``release()`` and
-``reserved_memory_info()``. When the pool is too full for the rounded size, the exact
+Allocation
+----------
+As RMM's ``get_block``, a request is served by the first of: the stream's own cache (the fast
+path, :meth:`PoolMemoryResource.allocate`); the stream's own coalescing lists
+(``_allocate_locked``); the same after merging every stream's cache; a block of another
+stream's lists; all other streams' lists merged into the own one; growth from upstream
+(``_allocate_slow``). When the pool is too full for a request's rounded size, the exact
 256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
+
+The fast path: requests below 16 MiB are rounded up to the floor size of their search class (at
+most 1/16 more than asked, 3% on average; below 8 KiB only to 256 bytes), so that a freed block
+can be handed back unchanged to any later request of the same class on the same stream. Freeing
+such a block only appends it to its class's cache list and allocating pops from it: no
+splitting and no merging (measured by bench/alloc.py). Cached blocks are merged
+into the coalescing lists when those cannot serve a request (before the pool grows), and by
+``release()`` and ``reserved_memory_info()``.
 
 Threads
 -------
@@ -36,25 +33,24 @@ Everything else (the coalescing lists, growth, merging the caches) happens under
 one lock; code there empties a cache list one ``pop`` at a time, so blocks appended or taken
 meanwhile by lock-free callers are never lost or handed out twice. A lock-free path makes no
 container objects, so a finalizer run by the garbage collector can free into the pool at any
-point. (Against the locked fast path it replaced: 1.8x -> 0.95x the cost of a plain dict+lock
-resource per pair on a CPU host, bench/results/2026-11-30-cpu-alloc.md; 1.07x on the H200,
-bench/results/2026-11-30-h200/.)
+point.
 
 Instrumentation
 ---------------
 Observers count and attribute allocations through one documented interface, used by
-StatisticsResourceAdaptor and AttributionResourceAdaptor: :meth:`PoolMemoryResource.count_allocations`
-(an :class:`AllocationCounters` the pool updates) and :meth:`PoolMemoryResource.charge_owners`
-(an :class:`OwnerAccounts`: an owner getter called before the lock, a token -> account dict and
-an owner callback called under the lock for new tokens). Counting alone keeps the fast path
-lock-free: each counted operation appends its size to the counters' journal, folded in by
-:meth:`AllocationCounters.settle` (under the lock, by readers, and by the pool every
-:data:`JOURNAL_LIMIT` entries). Charging owners takes the lock on the fast path and updates the
-accounts inline. :attr:`PoolMemoryResource.instrumentation_lock` is the lock to read under.
-:meth:`PoolMemoryResource.live_allocations` (read-only: the table every deallocate is checked
-against) is what TrackingResourceAdaptor lists instead of keeping a table of its own, and
-:func:`pool_behind` finds the pool behind an adaptor that made the pool's methods its own.
-Nothing else reads or writes another object's private state.
+StatisticsResourceAdaptor and AttributionResourceAdaptor:
+:meth:`PoolMemoryResource.count_allocations` (an :class:`AllocationCounters` the pool updates)
+and :meth:`PoolMemoryResource.charge_owners` (an :class:`OwnerAccounts`: an owner getter called
+before the lock, an owner key -> account dict and an owner callback called under the lock for
+new owner keys). Counting alone keeps the fast path lock-free: each counted operation appends
+its size to the counters' journal, folded in by :meth:`AllocationCounters.settle` (under the
+lock, by readers, and by the pool every :data:`~dask_rmm.mr.instrumentation.JOURNAL_LIMIT`
+entries). While owners are charged, every
+allocation and free takes the lock. :attr:`PoolMemoryResource.instrumentation_lock` is the lock
+to read under. :meth:`PoolMemoryResource.live_allocations` (read-only: the table every
+deallocate is checked against) is what TrackingResourceAdaptor lists instead of keeping a table
+of its own, and :func:`pool_behind` finds the pool behind an adaptor that made the pool's
+methods its own. Nothing else reads or writes another object's private state.
 
 Stream order
 ------------
@@ -75,8 +71,7 @@ from __future__ import annotations
 
 import bisect
 import gc
-import time
-from itertools import compress
+from collections.abc import Hashable
 from typing import Any
 
 from dask_rmm.mr.base import (
@@ -84,110 +79,29 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    acquire_contended,
     align_up,
     check_nbytes,
     format_bytes,
-    gc_paused_lock,
 )
+from dask_rmm.mr.free_list import FreeList
+from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts
+from dask_rmm.mr.locks import ListLock, acquire_contended, gc_paused_lock
+from dask_rmm.mr.size_classes import (
+    CACHED_LIMIT,
+    ROUNDED_BYTES,
+    SEARCH_CLASS,
+    UNIT_SHIFT,
+    search_class,
+)
+from dask_rmm.mr.stream_order import FRESH_KEY, order_after, synchronize_streams
 from dask_rmm.sizes import parse_resource_size
-from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_behind"]
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
 DEFAULT_HOST_POOL_SIZE = 256 << 20
-
-_PTDS_HANDLE = 2  # cudaStreamPerThread; its order key differs per thread
-
-# ---------------------------------------------------------------------------------------------
-# size classes (sizes in 256-byte units)
-
-_SL_BITS = 4  # 16 classes per power of two
-_EXACT = 1 << (_SL_BITS + 1)  # units below this have a class each
-_N_CLASSES = 64 << _SL_BITS
-_TABLE_UNITS = 1 << 16  # class tables cover sizes below 16 MiB
-
-
-def _insert_class(u: int) -> int:
-    """The class a free block of ``u`` units is filed under (its size's floor class)."""
-    if u < _EXACT:
-        return u
-    shift = u.bit_length() - (_SL_BITS + 1)
-    return (shift << _SL_BITS) + (u >> shift)
-
-
-def _search_class(u: int) -> int:
-    """The first class all of whose blocks are at least ``u`` units."""
-    if u < _EXACT:
-        return u
-    shift = u.bit_length() - (_SL_BITS + 1)
-    c = (shift << _SL_BITS) + (u >> shift)
-    return c + 1 if u & ((1 << shift) - 1) else c
-
-
-def _class_floor(c: int) -> int:
-    """The smallest size (in units) filed under class ``c``."""
-    if c < _EXACT:
-        return c
-    return ((c & ((1 << _SL_BITS) - 1)) + (1 << _SL_BITS)) << ((c >> _SL_BITS) - 1)
-
-
-def _class_tables() -> tuple[list[int], list[int], list[int]]:
-    """``(_INS, _SRCH, _ROUNDED)`` for every size below _TABLE_UNITS units, built one size class
-    at a time (a class is a run of equal entries; ~200 runs instead of 3 x 65536 calls, which
-    took ~0.15 s of ``import dask_rmm``). tests/mr/test_pool.py checks them against
-    :func:`_insert_class` and :func:`_search_class`."""
-    ins: list[int] = []
-    srch: list[int] = []
-    rounded: list[int] = []
-    c = 0
-    while (lo := _class_floor(c)) < _TABLE_UNITS:
-        nxt = _class_floor(c + 1)
-        rest = min(nxt, _TABLE_UNITS) - lo - 1
-        ins += [c] * (rest + 1)
-        # A size of exactly the floor searches its own class; any larger one the next class.
-        srch.append(c)
-        srch += [c + 1] * rest
-        rounded.append(lo << 8)
-        rounded += [nxt << 8] * rest
-        c += 1
-    return ins, srch, rounded
-
-
-_INS, _SRCH, _ROUNDED = _class_tables()
-
-
-#: Requests below this many bytes are rounded up to their search class's floor size (at most
-#: 1/16 more, see the module docstring) so that a freed block serves any later request of the
-#: same class from the per-stream cache.
-_CACHED_LIMIT = (_TABLE_UNITS - 1) << 8
-_CLASS_INDEXES = range(_N_CLASSES)
-# _ROUNDED[u]: bytes a request of ``u`` units (u below _TABLE_UNITS) is given, its search
-# class's floor (built with _INS and _SRCH above).
-
-
-class _FreeList:
-    """The free blocks of one stream: size-class dicts, their non-empty flags, address maps."""
-
-    __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key", "cache")
-
-    def __init__(self, key: Any, stream: Stream | None):
-        # cache[c]: blocks of exactly class c's floor size, freed on this stream and not yet
-        # merged with their neighbours (a LIFO list: pop/append are the cheapest operations).
-        self.cache: list[list[int]] = [[] for _ in range(_N_CLASSES)]
-        # Every class dict exists from the start: creating a dict under the pool's lock could
-        # run the garbage collector, whose finalizers may free into this pool on this thread.
-        self.bins: list[dict[int, int]] = [{} for _ in range(_N_CLASSES)]
-        self.nonempty = bytearray(_N_CLASSES)  # 1 where bins[c] has blocks
-        self.starts: dict[int, int] = {}  # start -> size
-        self.ends: dict[int, int] = {}  # end -> start
-        self.stream = stream  # kept alive so an event can be recorded on it later
-        self.key = key
-
-
-_FRESH = "fresh"  # order key of memory no stream has used yet
 
 
 def pool_behind(resource: Any) -> PoolMemoryResource | None:
@@ -202,224 +116,6 @@ def pool_behind(resource: Any) -> PoolMemoryResource | None:
         if type(pool) is PoolMemoryResource:
             return pool
     return None
-
-
-def order_after(victims: list[tuple[Any, Stream | None]], stream: Stream) -> None:
-    """Make ``stream`` wait for the work queued so far on each victim stream.
-
-    ``victims`` are ``(order key, Stream)`` pairs of the streams whose freed blocks ``stream``
-    takes over. An event is recorded on the victim now and ``stream`` waits on it; a victim that
-    is another thread's per-thread default stream (not addressable from here), or whose handle
-    is no longer valid, is covered by a device synchronization instead. Call only when CUDA is
-    available, and outside any resource lock.
-    """
-    from dask_rmm import _cuda
-    from dask_rmm.stream import _own_per_thread_key
-
-    mine = _own_per_thread_key()  # None: every per-thread key is another thread's
-    for key, victim in victims:
-        if key == _FRESH or victim is None or key == stream.order_key():
-            continue
-        if isinstance(key, tuple) and key != mine:
-            _cuda.device_synchronize()
-            continue
-        try:
-            ev = _cuda.event_create(disable_timing=True)
-            try:
-                _cuda.event_record(ev, victim.handle)
-                _cuda.stream_wait_event(stream.handle, ev)
-            finally:
-                _cuda.event_destroy(ev)
-        except _cuda.CUDAError:
-            _cuda.device_synchronize()
-
-
-class TokenLock:
-    """A mutex made of one atomic list operation: ``pop`` takes the token, ``append`` returns it.
-
-    The pool's lock. It behaves as ``threading.Lock`` (``acquire(blocking)``, ``release``,
-    ``with``), but its hot-path use costs two argument-free list calls, about a third of
-    ``Lock.acquire(False)`` + ``release`` in CPython, whose argument parsing dominates. A waiter
-    yields the GIL (``time.sleep(0)``) and retries: the pool holds it for bookkeeping only, so a
-    waiter never waits long, and no lock convoy forms (see ``acquire_contended``).
-    """
-
-    __slots__ = ("token",)
-
-    def __init__(self):
-        self.token = [True]  # empty while held
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        token = self.token
-        try:
-            token.pop()
-            return True
-        except IndexError:
-            if not blocking:
-                return False
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        while True:
-            time.sleep(0)
-            try:
-                token.pop()
-                return True
-            except IndexError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-
-    def release(self) -> None:
-        if self.token:
-            raise RuntimeError("release unlocked lock")
-        self.token.append(True)
-
-    def locked(self) -> bool:
-        return not self.token
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class AllocationCounters:
-    """Allocation counters a :class:`PoolMemoryResource` keeps for an observer.
-
-    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.count_allocations`).
-    Sizes are the sizes callers asked for. Current values are derived: ``current_bytes =
-    total_bytes - freed_bytes``.
-
-    The pool does not update the numbers on every call: it appends each counted allocation's
-    size, and each counted free's negated size, to :attr:`journal` (one atomic ``list.append``,
-    so the pool's cached fast path stays lock-free while counting), and :meth:`settle` folds the
-    journal into the numbers in order, peaks included (with NumPy for long journals). Readers hold
-    :attr:`PoolMemoryResource.instrumentation_lock` and call :meth:`settle` before reading; the
-    pool settles on its own when the journal reaches :data:`JOURNAL_LIMIT` entries.
-
-    Attributes
-    ----------
-    total_bytes, total_count : int
-        Allocations counted, in bytes and in number.
-    freed_bytes, freed_count : int
-        Frees of counted allocations.
-    peak_bytes, peak_count : int
-        Largest current value seen; the pool raises them, an observer may lower them.
-    interval_peak : int
-        Like ``peak_bytes``; an observer resets it to sample short spikes.
-    failed : int
-        Allocations that raised ``MemoryError``.
-    journal : list[int]
-        Counted operations not yet folded in: ``+nbytes`` per allocation, ``-nbytes`` per free.
-    """
-
-    __slots__ = (
-        "total_bytes", "total_count", "freed_bytes", "freed_count", "peak_bytes", "peak_count",
-        "interval_peak", "failed", "journal",
-    )  # fmt: skip
-
-    def __init__(self):
-        self.total_bytes = self.total_count = self.freed_bytes = self.freed_count = 0
-        self.peak_bytes = self.peak_count = self.interval_peak = self.failed = 0
-        self.journal: list[int] = []
-
-    def settle(self) -> None:
-        """Fold :attr:`journal` into the numbers (hold the instrumentation lock).
-
-        Entries appended meanwhile by lock-free callers stay for the next call. The peaks are
-        those of the journal's order: each entry is appended while its block is the caller's
-        (after an allocation took it, before a free hands it back), so a block is never
-        counted twice at once.
-        """
-        journal = self.journal
-        n = len(journal)
-        if not n:
-            return
-        # Making the lists below may run the garbage collector, whose finalizers may free into
-        # the pool on this thread, which holds the pool's lock: keep the collector out.
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            entries = journal[:n]
-            del journal[:n]  # appends made since the copy are past n: they stay
-            current = self.total_bytes - self.freed_bytes
-            count = self.total_count - self.freed_count
-            if n < _SETTLE_IN_NUMPY:
-                peak_bytes, peak_count = current, count
-                allocated_bytes = allocated = 0
-                for e in entries:
-                    current += e
-                    if e > 0:
-                        allocated_bytes += e
-                        allocated += 1
-                        count += 1
-                        if current > peak_bytes:
-                            peak_bytes = current
-                        if count > peak_count:
-                            peak_count = count
-                    else:
-                        count -= 1
-                net = current - (self.total_bytes - self.freed_bytes)  # the loop's running sum
-            else:
-                import numpy as np
-
-                sizes = np.array(entries, dtype=np.int64)
-                running = np.cumsum(sizes)
-                peak_bytes = current + max(int(running.max()), 0)
-                taken = sizes > 0
-                allocated_bytes = int(sizes[taken].sum())
-                allocated = int(np.count_nonzero(taken))
-                peak_count = count + max(int(np.cumsum(np.where(taken, 1, -1)).max()), 0)
-                net = int(running[-1])
-            if peak_bytes > self.peak_bytes:
-                self.peak_bytes = peak_bytes
-            if peak_bytes > self.interval_peak:
-                self.interval_peak = peak_bytes
-            if peak_count > self.peak_count:
-                self.peak_count = peak_count
-            self.total_bytes += allocated_bytes
-            self.freed_bytes += allocated_bytes - net
-            self.total_count += allocated
-            self.freed_count += n - allocated
-        finally:
-            if paused:
-                gc.enable()
-
-
-#: Journal entries at which an allocation settles the counters itself (bounds the journal's
-#: memory and each settle's pause: 4096 entries take ~0.5 ms on the 2-vCPU development host).
-JOURNAL_LIMIT = 4096
-_SETTLE_IN_NUMPY = 64  # journals at least this long are folded with NumPy (~10x faster)
-
-
-class OwnerAccounts:
-    """How a :class:`PoolMemoryResource` charges each allocation to an owner.
-
-    Part of the pool's instrumentation interface (:meth:`PoolMemoryResource.charge_owners`).
-    An *account* is a list ``[current_bytes, peak_bytes]`` that the pool updates under its
-    lock: an allocation adds its size to the account of the owner current on the allocating
-    thread, its free (on any thread) subtracts it from that same account.
-
-    Parameters
-    ----------
-    get_owner : callable
-        ``get_owner() -> token``, called on the allocating thread *before* the pool's lock is
-        taken (it may run any Python). ``None`` is a token like any other.
-    accounts : dict
-        ``token -> account``, looked up under the pool's lock on every allocation.
-    open_account : callable
-        ``open_account(token) -> account``, the owner callback: called under the pool's lock
-        (with the garbage collector paused) for a token missing from ``accounts`` or one that
-        cannot be hashed. It returns the account to charge and may add it to ``accounts``; it
-        must not call into the pool.
-    """
-
-    __slots__ = ("get_owner", "accounts", "open_account")
-
-    def __init__(self, get_owner, accounts: dict, open_account):
-        self.get_owner = get_owner
-        self.accounts = accounts
-        self.open_account = open_account
 
 
 class PoolMemoryResource(UpstreamResourceAdaptor):
@@ -461,47 +157,47 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         upstream_mr: DeviceMemoryResource,
         initial_pool_size: int | str | float | None = None,
         maximum_pool_size: int | str | float | None = None,
-    ):
+    ) -> None:
         super().__init__(upstream_mr)
         from dask_rmm import _cuda
 
         # Stream order only matters for device memory: host memory has no queued stream work
         # (and the streams of a host-memory replay or test may be made-up handles).
         self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
+        maximum: int | None = None
         if maximum_pool_size is not None:
-            maximum_pool_size = (
+            maximum = (
                 parse_resource_size(maximum_pool_size, upstream_mr, "maximum_pool_size") or None
             )
+        initial: int
         if initial_pool_size is None:
             if upstream_mr.is_host_memory:
-                initial_pool_size = DEFAULT_HOST_POOL_SIZE
+                initial = DEFAULT_HOST_POOL_SIZE
             else:
                 free, _total = _cuda.mem_get_info()
-                initial_pool_size = align_up(free // 2)
-            if maximum_pool_size is not None:
-                initial_pool_size = min(initial_pool_size, maximum_pool_size)
+                initial = align_up(free // 2)
+            if maximum is not None:
+                initial = min(initial, maximum)
         else:
-            initial_pool_size = parse_resource_size(
-                initial_pool_size, upstream_mr, "initial_pool_size"
-            )
-        if maximum_pool_size is not None and initial_pool_size > maximum_pool_size:
+            initial = parse_resource_size(initial_pool_size, upstream_mr, "initial_pool_size")
+        if maximum is not None and initial > maximum:
             raise ValueError(
-                f"initial_pool_size ({format_bytes(initial_pool_size)}) exceeds "
-                f"maximum_pool_size ({format_bytes(maximum_pool_size)})"
+                f"initial_pool_size ({format_bytes(initial)}) exceeds "
+                f"maximum_pool_size ({format_bytes(maximum)})"
             )
-        self._maximum = maximum_pool_size
-        self._lock = TokenLock()
-        self._token = self._lock.token  # the hot paths take and return it directly
-        self._live: dict[int, int] = {}  # ptr -> nbytes as the caller asked
-        self._lists: dict[Any, _FreeList] = {}
+        self._maximum = maximum
+        self._lock = ListLock()
+        self._unlocked = self._lock.unlocked  # the hot paths take and give back the lock directly
+        self._live: dict[int, int] = {}  # ptr -> tag: nbytes as asked, ~nbytes for an exact block
+        self._lists: dict[Hashable, FreeList] = {}
         self._chunks: dict[int, int] = {}  # upstream chunk start -> size
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
-        # stream key -> that stream's _FreeList.cache, read by the lock-free fast paths
-        self._caches: dict[Any, list[list[int]]] = {}
+        # stream key -> that stream's FreeList.cache, read by the lock-free fast paths
+        self._caches: dict[Hashable, list[list[int]]] = {}
         # Instrumentation (see count_allocations / charge_owners). The fast paths test _owners
-        # (charging takes the lock) and _journal (counting appends to it); the slow paths test
+        # (charging takes the lock) and _journal (counting appends to it); the locked paths test
         # _instrumented, True when either is attached.
         self._counters: AllocationCounters | None = None
         self._journal: list[int] | None = None  # self._counters.journal, for the fast paths
@@ -509,10 +205,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
         self._instrumented = False
-        if initial_pool_size:
-            ptr, _ = self._upstream_allocate(initial_pool_size, initial_pool_size, DEFAULT_STREAM)
-            self._add_chunk(ptr, initial_pool_size)
-            self._insert(self._free_list(_FRESH, None), ptr, initial_pool_size)
+        if initial:
+            ptr, _ = self._upstream_allocate(initial, initial, DEFAULT_STREAM)
+            self._add_chunk(ptr, initial)
+            self._free_list(FRESH_KEY, None).insert(ptr, initial)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -524,10 +220,229 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def maximum_pool_size(self) -> int | None:
         return self._maximum
 
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        try:
+            key: Hashable = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == PER_THREAD_HANDLE:
+            key = stream.order_key()
+        # The fast path: a block of the request's class cached on this stream. Everything else
+        # goes to _allocate_locked.
+        caches = self._caches.get(key)
+        if caches is None or type(nbytes) is not int or not 0 < nbytes <= CACHED_LIMIT:
+            return self._allocate_locked(nbytes, stream, key)
+        cached = caches[SEARCH_CLASS[(nbytes + 255) >> 8]]
+        if not cached:
+            return self._allocate_locked(nbytes, stream, key)
+        owners = self._owners
+        if owners is None:
+            # Lock-free (see Threads in the module docstring). Counting (the statistics
+            # adaptor) adds one journal append, folded in by AllocationCounters.settle.
+            try:
+                ptr = cached.pop()
+            except IndexError:  # another thread took the last one
+                return self._allocate_locked(nbytes, stream, key)
+            self._live[ptr] = nbytes
+            journal = self._journal
+            if journal is not None:
+                journal.append(nbytes)
+                if self._uncounted or len(journal) >= JOURNAL_LIMIT:
+                    self._after_journaled_allocation(ptr)
+            return ptr
+        # Charging owners (the attribution adaptor): the same under the lock, the owner's
+        # account updated inline (as _charge_owner does; a call costs ~8% of a charged pair).
+        try:  # outside the lock: a first read of a thread-local may allocate and so run the GC
+            owner_key = owners.get_owner()
+        except Exception:
+            owner_key = None
+        unlocked = self._unlocked
+        try:
+            unlocked.pop()
+        except IndexError:
+            acquire_contended(self._lock)
+        try:
+            try:
+                ptr = cached.pop()
+            except IndexError:  # taken by a lock-free caller that started before
+                ptr = 0
+            if ptr:
+                self._live[ptr] = nbytes
+                if self._counters is not None:
+                    self._count_allocation(ptr, nbytes)
+                if self._owners is owners:
+                    try:
+                        account = owners.accounts[owner_key]
+                    except (KeyError, TypeError):
+                        account = self._open_account(owners, owner_key)
+                    t = account[0] + nbytes
+                    account[0] = t
+                    if t > account[1]:
+                        account[1] = t
+                    self._owner_of[ptr] = account
+        finally:
+            unlocked.append(True)
+        return ptr if ptr else self._allocate_locked(nbytes, stream, key)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        try:
+            key: Hashable = stream.handle
+        except AttributeError:
+            stream = as_stream(stream)
+            key = stream.handle
+        if key == PER_THREAD_HANDLE:
+            key = stream.order_key()
+        # The fast path: a block freed with its size goes back to this stream's cache. Anything
+        # else (a first free on this stream, a block of 16 MiB or more, an error) goes to
+        # _deallocate_locked.
+        live = self._live
+        if self._owners is not None:
+            # Charging owners (the attribution adaptor): as below, under the lock, the owner's
+            # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
+            unlocked = self._unlocked
+            try:
+                unlocked.pop()
+            except IndexError:
+                acquire_contended(self._lock)
+            try:
+                n = live.pop(ptr, None)
+                caches = self._caches.get(key)
+                if (
+                    n is not None
+                    and n == nbytes
+                    and n <= CACHED_LIMIT
+                    and type(ptr) is int
+                    and caches is not None
+                ):
+                    counters = self._counters
+                    if counters is not None:
+                        if self._uncounted and ptr in self._uncounted:
+                            self._uncounted.discard(ptr)
+                        else:
+                            counters.journal.append(-n)
+                    account = self._owner_of.pop(ptr, None)
+                    if account is not None:
+                        account[0] -= n
+                    caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+                    return
+                if n is not None:
+                    live[ptr] = n
+            finally:
+                unlocked.append(True)
+            self._deallocate_locked(ptr, nbytes, stream, key)
+            return
+        # Lock-free: the pop from the live table is atomic, so of two threads freeing one
+        # pointer only one gets it. Counting journals the free before the block is handed
+        # back, so that its next allocation is journaled after it.
+        n = live.pop(ptr, None)
+        if n is None:  # not live: the locked path says what is wrong
+            self._deallocate_locked(ptr, nbytes, stream, key)
+            return
+        caches = self._caches.get(key)
+        if caches is None or n != nbytes or n > CACHED_LIMIT or type(ptr) is not int:
+            live[ptr] = n  # the locked path takes it again under the lock
+            self._deallocate_locked(ptr, nbytes, stream, key)
+            return
+        journal = self._journal
+        if journal is not None:
+            if self._uncounted and ptr in self._uncounted:
+                self._uncounted.discard(ptr)
+            else:
+                journal.append(-n)
+        caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+
+    def release(self) -> int:
+        """Give every fully free upstream chunk back to upstream; return the bytes released.
+
+        A chunk counts as free when its free blocks, on whatever streams they were freed,
+        cover it; the streams they were freed on are synchronized before it goes back.
+        """
+        with gc_paused_lock(self._lock):
+            self._flush_caches()
+            chunk_starts = sorted(self._chunks)
+            per_chunk: dict[int, list[tuple[FreeList, int, int]]] = {}
+            for fl in self._lists.values():
+                for ptr, size in fl.starts.items():
+                    chunk = chunk_starts[bisect.bisect_right(chunk_starts, ptr) - 1]
+                    per_chunk.setdefault(chunk, []).append((fl, ptr, size))
+            released = []
+            freed_on: set[FreeList] = set()
+            for chunk, blocks in per_chunk.items():
+                size = self._chunks[chunk]
+                if sum(s for _, _, s in blocks) != size:
+                    continue
+                for fl, ptr, s in blocks:
+                    fl.remove(ptr, s)
+                    freed_on.add(fl)
+                del self._chunks[chunk]
+                self._chunk_starts.discard(chunk)
+                self._pool_size -= size
+                released.append((chunk, size))
+        if self._ordered:
+            synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
+        for start, size in released:
+            self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
+        return sum(size for _, size in released)
+
+    def reserved_memory_info(self) -> ReservedMemoryInfo:
+        with gc_paused_lock(self._lock):
+            free, largest = self._free_and_largest()
+            return ReservedMemoryInfo(self._pool_size, free, largest)
+
+    def memory_layout(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The pool's address space, read-only: ``(chunks, free blocks, live blocks)``, each a
+        list of ``(ptr, size)`` sorted by address.
+
+        Live sizes are what a block occupies (its rounded size), so that within a chunk the
+        free and live blocks tile it. Blocks never coalesce across a chunk boundary. For callers
+        that decide which live blocks, once freed, would merge into a large enough free block
+        (``dask_rmm.pressure``); cached blocks are merged first, as ``reserved_memory_info`` does.
+        """
+        with gc_paused_lock(self._lock):
+            self._flush_caches()
+            free: list[tuple[int, int]] = []
+            for fl in list(self._lists.values()):
+                free.extend(fl.starts.items())  # copied in one C call (the GIL is held)
+            live_tags = list(self._live.items())  # likewise, lock-free paths may change it
+            chunks = list(self._chunks.items())
+        live = []
+        for ptr, tag in live_tags:
+            n = ~tag if tag < 0 else tag
+            if tag >= 0 and n <= CACHED_LIMIT:
+                live.append((ptr, ROUNDED_BYTES[(n + 255) >> 8]))
+            else:
+                live.append((ptr, (n + 255) & -256))
+        return sorted(chunks), sorted(free), sorted(live)
+
+    def __repr__(self) -> str:
+        return (
+            f"<PoolMemoryResource pool_size={format_bytes(self._pool_size)} "
+            f"maximum={format_bytes(self._maximum)} upstream={self.upstream_mr!r}>"
+        )
+
+    def __del__(self) -> None:
+        # Like RMM's destructor: everything goes back to upstream. Live DeviceBuffers keep the
+        # pool alive, so only raw pointers a caller forgot can be outstanding here.
+        try:
+            if self._ordered:
+                # Blocks freed on other streams may still be in use by queued work.
+                from dask_rmm import _cuda
+
+                _cuda.device_synchronize()
+            chunks = list(self._chunks.items())
+            self._chunks.clear()
+            for start, size in chunks:
+                self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
+        except Exception:
+            pass
+
     # -- instrumentation interface ---------------------------------------------------------
 
     @property
-    def instrumentation_lock(self) -> TokenLock:
+    def instrumentation_lock(self) -> ListLock:
         """The lock under which the pool updates attached counters and accounts: hold it to
         read them consistently (briefly, and never while calling into the pool)."""
         return self._lock
@@ -542,7 +457,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         """
         if not isinstance(counters, AllocationCounters):
             raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
-        import numpy  # noqa: F401  settle() folds long journals with it: imported here, never under the lock
+        # settle() folds long journals with NumPy: imported here, never under the lock.
+        import numpy  # noqa: F401
 
         with gc_paused_lock(self._lock):
             if self._counters is not None:
@@ -563,18 +479,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._counters = self._journal = None
                     self._uncounted.clear()
                     self._instrumented = self._owners is not None
-
-    def _after_journaled_allocation(self, ptr: int) -> None:
-        """After the fast path journaled an allocation: a block live when counting began is
-        counted from now on, and a journal of JOURNAL_LIMIT entries is folded in."""
-        if self._uncounted:
-            self._uncounted.discard(ptr)
-        journal = self._journal
-        if journal is not None and len(journal) >= JOURNAL_LIMIT:
-            with self._lock:  # settle() keeps the garbage collector out
-                st = self._counters
-                if st is not None:
-                    st.settle()
 
     def charge_owners(self, owners: OwnerAccounts) -> bool:
         """Charge every allocation made on this pool to an owner (see :class:`OwnerAccounts`).
@@ -613,368 +517,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 continue
             return {ptr: ~tag if tag < 0 else tag for ptr, tag in tags.items()}
 
-    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        try:
-            key = stream.handle
-        except AttributeError:
-            stream = as_stream(stream)
-            key = stream.handle
-        if key == _PTDS_HANDLE:
-            key = stream.order_key()
-        # The fast path: a block of the request's class cached on this stream. Without
-        # instrumentation it takes no lock: list.pop and a dict store are atomic, so each
-        # cached block goes to exactly one caller (see Threads in the module notes).
-        if type(nbytes) is int and 0 < nbytes <= _CACHED_LIMIT:
-            caches = self._caches.get(key)
-            if caches is not None:
-                cached = caches[_SRCH[(nbytes + 255) >> 8]]
-                if cached:
-                    if self._owners is None:
-                        # Lock-free: list.pop and a dict store are atomic, so each cached block
-                        # goes to exactly one caller. Counting (the statistics adaptor) adds one
-                        # journal append (AllocationCounters.settle folds it in).
-                        try:
-                            ptr = cached.pop()
-                        except IndexError:  # another thread took the last one
-                            pass
-                        else:
-                            self._live[ptr] = nbytes
-                            journal = self._journal
-                            if journal is not None:
-                                journal.append(nbytes)
-                                if self._uncounted or len(journal) >= JOURNAL_LIMIT:
-                                    self._after_journaled_allocation(ptr)
-                            return ptr
-                    else:
-                        # Charging owners (the attribution adaptor): the same under the lock,
-                        # the owner's account updated inline.
-                        owners = self._owners
-                        # Outside the lock: a first read of a thread-local may allocate and
-                        # so run the GC.
-                        try:
-                            token = owners.get_owner()
-                        except Exception:
-                            token = None
-                        mutex = self._token
-                        try:
-                            mutex.pop()
-                        except IndexError:
-                            acquire_contended(self._lock)
-                        try:
-                            try:
-                                ptr = cached.pop()
-                            except IndexError:  # a lock-free caller that started before
-                                ptr = 0
-                            if ptr:
-                                self._live[ptr] = nbytes
-                                if self._counters is not None:
-                                    self._count_allocation(ptr, nbytes)
-                                if self._owners is owners:
-                                    try:
-                                        account = owners.accounts[token]
-                                    except (KeyError, TypeError):
-                                        account = self._open_account(owners, token)
-                                    t = account[0] + nbytes
-                                    account[0] = t
-                                    if t > account[1]:
-                                        account[1] = t
-                                    self._owner_of[ptr] = account
-                                return ptr
-                        finally:
-                            mutex.append(True)
-        return self._allocate_locked(nbytes, stream, key)
+    # -- test and report helpers -----------------------------------------------------------
 
-    def _allocate_locked(self, nbytes: Any, stream: Stream, key: Any) -> int:
-        """Everything but the lock-free fast path: validation, the coalescing lists under the
-        lock, instrumentation, and (through _allocate_slow) growth."""
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
-            if nbytes == 0:
-                return 0
-        if nbytes <= _CACHED_LIMIT:
-            u = (nbytes + 255) >> 8
-            sc = _SRCH[u]
-            size = _ROUNDED[u]
-        else:
-            size = (nbytes + 255) & -256
-            sc = _search_class(size >> 8)
-        owners = self._owners
-        if owners is not None:
-            # Outside the lock: a first read of a thread-local may allocate and so run the GC.
-            try:
-                token = owners.get_owner()
-            except Exception:
-                token = None
-        mutex = self._token
-        try:
-            mutex.pop()
-        except IndexError:
-            acquire_contended(self._lock)
-        try:
-            fl = self._lists.get(key)
-            if fl is not None:
-                cached = fl.cache[sc]
-                ptr = 0
-                if cached:
-                    try:
-                        ptr = cached.pop()
-                    except IndexError:  # taken by a lock-free caller meanwhile
-                        pass
-                if not ptr:
-                    nonempty = fl.nonempty
-                    c = nonempty.find(1, sc)
-                    if c >= 0:
-                        bins = fl.bins
-                        b = bins[c]
-                        ptr, bsize = b.popitem()
-                        starts = fl.starts
-                        del starts[ptr]
-                        rem = bsize - size
-                        if rem:
-                            r = ptr + size
-                            starts[r] = rem
-                            fl.ends[r + rem] = r
-                            u = rem >> 8
-                            if u < _TABLE_UNITS:
-                                rc = _INS[u]
-                            else:
-                                sh = u.bit_length() - 5
-                                rc = (sh << 4) + (u >> sh)
-                            if rc == c:
-                                b[r] = rem
-                            else:
-                                if not b:
-                                    nonempty[c] = 0
-                                b = bins[rc]
-                                b[r] = rem
-                                nonempty[rc] = 1
-                        else:
-                            del fl.ends[ptr + bsize]
-                            if not b:
-                                nonempty[c] = 0
-                if ptr:
-                    self._live[ptr] = nbytes
-                    if self._counters is not None:
-                        self._count_allocation(ptr, nbytes)
-                    if owners is not None and self._owners is owners:
-                        self._charge_owner(owners, token, ptr, nbytes)
-                    return ptr
-        finally:
-            mutex.append(True)
-        try:
-            ptr = self._allocate_slow(nbytes, size, key, stream)
-        except MemoryError:
-            if self._counters is not None:
-                with gc_paused_lock(self._lock):
-                    if self._counters is not None:
-                        self._counters.failed += 1
-            raise
-        if self._instrumented:
-            with gc_paused_lock(self._lock):
-                if self._counters is not None:
-                    self._count_allocation(ptr, nbytes)
-                if owners is not None and self._owners is owners:
-                    self._charge_owner(owners, token, ptr, nbytes)
-        return ptr
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        try:
-            key = stream.handle
-        except AttributeError:
-            stream = as_stream(stream)
-            key = stream.handle
-        if key == _PTDS_HANDLE:
-            key = stream.order_key()
-        if self._owners is None:
-            # Lock-free fast path: the pop from the live table is atomic, so of two threads
-            # freeing one pointer only one gets it. Counting journals the free before the block
-            # is handed back, so that its next allocation is journaled after it.
-            live = self._live
-            n = live.pop(ptr, None)
-            if n is not None:
-                if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
-                    caches = self._caches.get(key)
-                    if caches is not None:
-                        journal = self._journal
-                        if journal is not None:
-                            if self._uncounted and ptr in self._uncounted:
-                                self._uncounted.discard(ptr)
-                            else:
-                                journal.append(-n)
-                        caches[_SRCH[(n + 255) >> 8]].append(ptr)
-                        return
-                live[ptr] = n  # the general path below takes it again under the lock
-        else:
-            # Charging owners: the same under the lock, the owner's account updated inline.
-            mutex = self._token
-            try:
-                mutex.pop()
-            except IndexError:
-                acquire_contended(self._lock)
-            try:
-                live = self._live
-                n = live.pop(ptr, None)
-                if n is not None:
-                    if n == nbytes and n <= _CACHED_LIMIT and type(ptr) is int:
-                        caches = self._caches.get(key)
-                        if caches is not None:
-                            st = self._counters
-                            if st is not None:
-                                if self._uncounted and ptr in self._uncounted:
-                                    self._uncounted.discard(ptr)
-                                else:
-                                    st.journal.append(-n)
-                            account = self._owner_of.pop(ptr, None)
-                            if account is not None:
-                                account[0] -= n
-                            caches[_SRCH[(n + 255) >> 8]].append(ptr)
-                            return
-                    live[ptr] = n
-            finally:
-                mutex.append(True)
-        self._deallocate_locked(ptr, nbytes, stream, key)
-
-    def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Any) -> None:
-        mutex = self._token
-        try:
-            mutex.pop()
-        except IndexError:
-            acquire_contended(self._lock)
-        try:
-            live = self._live
-            n = live.pop(ptr, None)
-            if n == nbytes and type(ptr) is int:
-                fl = self._lists.get(key)
-                if fl is None:
-                    fl = self._free_list(key, stream)
-                if self._instrumented:
-                    self._uncount(ptr, n)
-                if n <= _CACHED_LIMIT:
-                    fl.cache[_SRCH[(n + 255) >> 8]].append(ptr)
-                    return
-                size = (n + 255) & -256
-                starts = fl.starts
-                ends = fl.ends
-                bins = fl.bins
-                nonempty = fl.nonempty
-                nxt = ptr + size
-                ns = starts.get(nxt)
-                if ns is not None and nxt not in self._chunk_starts:
-                    del starts[nxt]
-                    u = ns >> 8
-                    if u < _TABLE_UNITS:
-                        c = _INS[u]
-                    else:
-                        sh = u.bit_length() - 5
-                        c = (sh << 4) + (u >> sh)
-                    b = bins[c]
-                    del b[nxt]
-                    if not b:
-                        nonempty[c] = 0
-                    size += ns
-                prev = ends.get(ptr)
-                if prev is not None and ptr not in self._chunk_starts:
-                    del ends[ptr]
-                    ps = starts[prev]
-                    u = ps >> 8
-                    if u < _TABLE_UNITS:
-                        c = _INS[u]
-                    else:
-                        sh = u.bit_length() - 5
-                        c = (sh << 4) + (u >> sh)
-                    b = bins[c]
-                    del b[prev]
-                    if not b:
-                        nonempty[c] = 0
-                    ptr = prev
-                    size += ps
-                starts[ptr] = size
-                ends[ptr + size] = ptr
-                u = size >> 8
-                if u < _TABLE_UNITS:
-                    c = _INS[u]
-                else:
-                    sh = u.bit_length() - 5
-                    c = (sh << 4) + (u >> sh)
-                b = bins[c]
-                b[ptr] = size
-                nonempty[c] = 1
-                return
-            if n is not None:
-                live[ptr] = n
-        finally:
-            mutex.append(True)
-        self._deallocate_slow(ptr, nbytes, n, stream)
-
-    def release(self) -> int:
-        """Give every fully free upstream chunk back to upstream; return the bytes released.
-
-        A chunk counts as free when its free blocks, on whatever streams they were freed,
-        cover it; the streams they were freed on are synchronized before it goes back.
-        """
-        with gc_paused_lock(self._lock):
-            self._flush_caches()
-            chunk_starts = sorted(self._chunks)
-            per_chunk: dict[int, list[tuple[_FreeList, int, int]]] = {}
-            for fl in self._lists.values():
-                for ptr, size in fl.starts.items():
-                    chunk = chunk_starts[bisect.bisect_right(chunk_starts, ptr) - 1]
-                    per_chunk.setdefault(chunk, []).append((fl, ptr, size))
-            released = []
-            streams = set()
-            for chunk, blocks in per_chunk.items():
-                size = self._chunks[chunk]
-                if sum(s for _, _, s in blocks) != size:
-                    continue
-                for fl, ptr, s in blocks:
-                    self._remove(fl, ptr, s)
-                    streams.add(fl)
-                del self._chunks[chunk]
-                self._chunk_starts.discard(chunk)
-                self._pool_size -= size
-                released.append((chunk, size))
-        self._synchronize_all(list(streams))
-        for start, size in released:
-            self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
-        return sum(size for _, size in released)
-
-    def reserved_memory_info(self) -> ReservedMemoryInfo:
-        with gc_paused_lock(self._lock):
-            self._flush_caches()
-            free = 0
-            largest = 0
-            for fl in self._lists.values():
-                if fl.starts:
-                    free += sum(fl.starts.values())
-                    largest = max(largest, max(fl.starts.values()))
-            return ReservedMemoryInfo(self._pool_size, free, largest)
-
-    def __repr__(self) -> str:
-        return (
-            f"<PoolMemoryResource pool_size={format_bytes(self._pool_size)} "
-            f"maximum={format_bytes(self._maximum)} upstream={self.upstream_mr!r}>"
-        )
-
-    def __del__(self):
-        # Like RMM's destructor: everything goes back to upstream. Live DeviceBuffers keep the
-        # pool alive, so only raw pointers a caller forgot can be outstanding here.
-        try:
-            if self._ordered:
-                # Blocks freed on other streams may still be in use by queued work.
-                from dask_rmm import _cuda
-
-                _cuda.device_synchronize()
-            chunks = list(self._chunks.items())
-            self._chunks.clear()
-            for start, size in chunks:
-                self.upstream_mr.deallocate(start, size, DEFAULT_STREAM)
-        except Exception:
-            pass
-
-    # -- test and report helpers -------------------------------------------------------------
-
-    def _free_blocks(self) -> list[tuple[int, int, Any]]:
-        """Every free block as ``(ptr, size, stream key)``, by address (after merging the caches)."""
+    def _free_blocks(self) -> list[tuple[int, int, Hashable]]:
+        """Every free block as ``(ptr, size, stream key)``, by address (caches merged first)."""
         with gc_paused_lock(self._lock):
             self._flush_caches()
             return sorted(
@@ -989,200 +535,87 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def _live_count(self) -> int:
         return len(self._live)
 
-    # -- internals -------------------------------------------------------------------------
+    # -- allocation behind the fast path ---------------------------------------------------
 
-    def _free_list(self, key: Any, stream: Stream | None) -> _FreeList:
-        fl = self._lists.get(key)
-        if fl is None:
-            # Made with the lock held (first use of a stream): keep the collector out, see
-            # gc_paused_lock.
-            paused = gc.isenabled()
-            if paused:
-                gc.disable()
-            try:
-                fl = self._lists[key] = _FreeList(key, stream)
-                self._caches[key] = fl.cache
-            finally:
-                if paused:
-                    gc.enable()
-        return fl
+    def _allocate_locked(self, nbytes: Any, stream: Stream, key: Hashable) -> int:
+        """Every allocation the lock-free fast path does not serve: validation, then (under the
+        lock) the stream's own cache and coalescing lists, then :meth:`_allocate_slow`.
 
-    def _count_allocation(self, ptr: int, nbytes: int) -> None:
-        """Count one allocation into the attached counters (lock held)."""
-        journal = self._counters.journal
-        journal.append(nbytes)
-        if len(journal) >= JOURNAL_LIMIT:
-            self._counters.settle()
-        if self._uncounted:
-            # Allocated lock-free while counting began: its free is counted after all.
-            self._uncounted.discard(ptr)
-
-    def _charge_owner(self, owners: OwnerAccounts, token: Any, ptr: int, nbytes: int) -> None:
-        """Charge one allocation to its owner's account (lock held)."""
-        try:
-            account = owners.accounts[token]
-        except (KeyError, TypeError):
-            account = self._open_account(owners, token)
-        t = account[0] + nbytes
-        account[0] = t
-        if t > account[1]:
-            account[1] = t
-        self._owner_of[ptr] = account
-
-    @staticmethod
-    def _open_account(owners: OwnerAccounts, token: Any) -> list[int]:
-        """The owner callback, for a token not in ``owners.accounts`` (lock held)."""
-        # The callback makes objects: keep the collector out while the lock is held.
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            return owners.open_account(token)
-        finally:
-            if paused:
-                gc.enable()
-
-    def _uncount(self, ptr: int, nbytes: int) -> None:
-        """Take a freed block out of the counters and its owner's account (lock held)."""
-        st = self._counters
-        if st is not None:
-            if self._uncounted and ptr in self._uncounted:
-                self._uncounted.discard(ptr)
-            else:
-                st.journal.append(-nbytes)
-        if self._owners is not None:
-            account = self._owner_of.pop(ptr, None)
-            if account is not None:
-                account[0] -= nbytes
-
-    def _flush_caches(self) -> bool:
-        """Merge every cached block into its stream's coalescing free list (lock held).
-
-        Returns True when anything was cached.
+        Instrumented: counted and charged to the owner key read before the lock is taken.
         """
-        flushed = False
-        insert = self._insert
-        for fl in self._lists.values():
-            cache = fl.cache
-            for c in compress(_CLASS_INDEXES, cache):  # the non-empty classes, found in C
-                size = _class_floor(c) << 8
-                cached = cache[c]
-                # One pop at a time: lock-free callers may pop or append meanwhile, and each
-                # block must end up in exactly one place.
-                while cached:
-                    try:
-                        ptr = cached.pop()
-                    except IndexError:
-                        break
-                    insert(fl, ptr, size)
-                    flushed = True
-        return flushed
-
-    def _add_chunk(self, ptr: int, size: int) -> None:
-        self._chunks[ptr] = size
-        self._chunk_starts.add(ptr)
-        self._pool_size += size
-
-    def _insert(self, fl: _FreeList, ptr: int, size: int) -> None:
-        """File a free block, merging with free neighbours of the same list and chunk."""
-        starts = fl.starts
-        nxt = ptr + size
-        ns = starts.get(nxt)
-        if ns is not None and nxt not in self._chunk_starts:
-            self._remove(fl, nxt, ns)
-            size += ns
-        prev = fl.ends.get(ptr)
-        if prev is not None and ptr not in self._chunk_starts:
-            ps = starts[prev]
-            self._remove(fl, prev, ps)
-            ptr = prev
-            size += ps
-        starts[ptr] = size
-        fl.ends[ptr + size] = ptr
-        c = _insert_class(size >> 8)
-        b = fl.bins[c]
-        b[ptr] = size
-        fl.nonempty[c] = 1
-
-    def _remove(self, fl: _FreeList, ptr: int, size: int) -> None:
-        del fl.starts[ptr]
-        del fl.ends[ptr + size]
-        c = _insert_class(size >> 8)
-        b = fl.bins[c]
-        del b[ptr]
-        if not b:
-            fl.nonempty[c] = 0
-
-    def _move_all(self, src: _FreeList, dst: _FreeList) -> None:
-        for ptr, size in list(src.starts.items()):
-            self._remove(src, ptr, size)
-            self._insert(dst, ptr, size)
-
-    def _find(self, fl: _FreeList, size: int) -> tuple[int, int] | None:
-        """A free block of ``fl`` that fits ``size`` (good fit, then the request's own class)."""
-        u = size >> 8
-        sc = _search_class(u)
-        c = fl.nonempty.find(1, sc)
-        if c >= 0:
-            return next(iter(fl.bins[c].items()))
-        ic = _insert_class(u)
-        if ic != sc and fl.nonempty[ic]:
-            for ptr, bsize in fl.bins[ic].items():
-                if bsize >= size:
-                    return ptr, bsize
-        return None
-
-    def _carve(self, fl: _FreeList, ptr: int, bsize: int, size: int, tag: int, dst=None) -> int:
-        """Hand out ``size`` bytes at the start of free block ``ptr``; the rest goes to ``dst``.
-        ``tag`` is recorded in the live table (see :meth:`_allocate_slow`)."""
-        self._remove(fl, ptr, bsize)
-        if bsize > size:
-            self._insert(dst if dst is not None else fl, ptr + size, bsize - size)
-        self._live[ptr] = tag
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        if nbytes <= CACHED_LIMIT:
+            u = (nbytes + 255) >> 8
+            search, size = SEARCH_CLASS[u], ROUNDED_BYTES[u]
+        else:
+            size = (nbytes + 255) & -256
+            search = search_class(size >> UNIT_SHIFT)
+        owners = self._owners
+        owner_key = None
+        if owners is not None:
+            # Outside the lock: a first read of a thread-local may allocate and so run the GC.
+            try:
+                owner_key = owners.get_owner()
+            except Exception:
+                owner_key = None
+        unlocked = self._unlocked
+        try:
+            unlocked.pop()
+        except IndexError:
+            acquire_contended(self._lock)
+        try:
+            own = self._lists.get(key)
+            ptr = own.take(search, size) if own is not None else 0
+            if ptr:
+                self._live[ptr] = nbytes
+                if self._counters is not None:
+                    self._count_allocation(ptr, nbytes)
+                if owners is not None and self._owners is owners:
+                    self._charge_owner(owners, owner_key, ptr, nbytes)
+                return ptr
+        finally:
+            unlocked.append(True)
+        try:
+            ptr = self._allocate_slow(nbytes, size, key, stream)
+        except MemoryError:
+            self._count_failure()
+            raise
+        if self._instrumented:
+            with gc_paused_lock(self._lock):
+                if self._counters is not None:
+                    self._count_allocation(ptr, nbytes)
+                if owners is not None and self._owners is owners:
+                    self._charge_owner(owners, owner_key, ptr, nbytes)
         return ptr
 
     def _allocate_slow(
-        self, nbytes: int, size: int, key: Any, stream: Stream, tag: int | None = None
+        self, nbytes: int, size: int, key: Hashable, stream: Stream, tag: int | None = None
     ) -> int:
-        """Serve a request the fast path could not: own coalesced list, then (after merging
-        the caches) other streams' lists, then growth; as a last resort a rounded-up request
-        is retried at its exact 256-byte size.
+        """Serve a request the stream's own lists could not, as RMM's ``get_block`` goes on:
+        the own lists again after merging every stream's cache, a block of another stream,
+        all other streams' blocks merged into the own lists, growth; as a last resort a
+        rounded-up request is retried at its exact 256-byte size.
 
         ``tag`` is what the live table records: ``nbytes`` for a rounded block, ``~nbytes``
         for one of exact size (deallocate's fast path then falls through to the slow one).
         """
         if tag is None:
             tag = nbytes
-        waits: list[_FreeList] = []
         with gc_paused_lock(self._lock):
             own = self._free_list(key, stream)
-            found = self._find(own, size)
+            found = own.find(size)
             if found is None and self._flush_caches():
-                found = self._find(own, size)
+                found = own.find(size)
             if found is not None:
                 return self._carve(own, *found, size, tag)
-            # A fitting block on another stream: take it, the remainder comes along.
-            for fl in list(self._lists.values()):
-                if fl is own or not fl.starts:
-                    continue
-                found = self._find(fl, size)
-                if found is not None:
-                    ptr = self._carve(fl, *found, size, tag, dst=own)
-                    waits.append(fl)
-                    break
-            else:
-                # Merge every other stream's free blocks into ours, then try again.
-                others = [fl for fl in self._lists.values() if fl is not own and fl.starts]
-                ptr = 0
-                if others:
-                    for fl in others:
-                        self._move_all(fl, own)
-                    waits.extend(others)
-                    found = self._find(own, size)
-                    if found is not None:
-                        ptr = self._carve(own, *found, size, tag)
-        if waits:
-            self._wait_for(waits, stream)
+            ptr, victims = self._take_from_another_stream(own, size, tag)
+            if not ptr:
+                ptr, victims = self._take_after_merging(own, size, tag)
+        if victims and self._ordered:
+            order_after([(fl.key, fl.stream) for fl in victims], stream)
         if ptr:
             return ptr
         try:
@@ -1193,6 +626,46 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 raise
             return self._allocate_slow(nbytes, exact, key, stream, ~nbytes)
 
+    def _take_from_another_stream(
+        self, own: FreeList, size: int, tag: int
+    ) -> tuple[int, list[FreeList]]:
+        """A fitting block of another stream's lists, the rest of it moving to ``own``:
+        ``(ptr, [that list])``, or ``(0, [])`` (lock held)."""
+        for fl in list(self._lists.values()):
+            if fl is not own and fl.starts:
+                found = fl.find(size)
+                if found is not None:
+                    return self._carve(fl, *found, size, tag, rest_to=own), [fl]
+        return 0, []
+
+    def _take_after_merging(self, own: FreeList, size: int, tag: int) -> tuple[int, list[FreeList]]:
+        """Merge every other stream's blocks into ``own`` and take a fitting block: ``(ptr or
+        0, the lists merged)`` (lock held)."""
+        others = [fl for fl in self._lists.values() if fl is not own and fl.starts]
+        for fl in others:
+            fl.move_all_to(own)
+        found = own.find(size) if others else None
+        return (self._carve(own, *found, size, tag) if found is not None else 0), others
+
+    def _carve(
+        self,
+        fl: FreeList,
+        ptr: int,
+        bsize: int,
+        size: int,
+        tag: int,
+        rest_to: FreeList | None = None,
+    ) -> int:
+        """Hand out ``size`` bytes at the start of free block ``ptr``; the rest goes back to
+        ``rest_to`` (default ``fl``). ``tag`` is recorded in the live table (lock held)."""
+        fl.remove(ptr, bsize)
+        if bsize > size:
+            (rest_to if rest_to is not None else fl).insert(ptr + size, bsize - size)
+        self._live[ptr] = tag
+        return ptr
+
+    # -- growth ----------------------------------------------------------------------------
+
     def _size_to_grow(self, size: int) -> int:
         held = self._pool_size + self._growing
         if self._maximum is not None:
@@ -1200,7 +673,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return max(size, align_up(remaining // 2)) if size <= remaining else 0
         return max(size, held)
 
-    def _grow(self, nbytes: int, size: int, key: Any, stream: Stream, tag: int) -> int:
+    def _grow(self, nbytes: int, size: int, key: Hashable, stream: Stream, tag: int) -> int:
         with gc_paused_lock(self._lock):
             try_size = self._size_to_grow(size)
             if not try_size:
@@ -1220,7 +693,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             self._growing -= try_size
             self._add_chunk(ptr, got)
             if got > size:
-                self._insert(self._free_list(key, stream), ptr + size, got - size)
+                self._free_list(key, stream).insert(ptr + size, got - size)
             self._live[ptr] = tag
         return ptr
 
@@ -1235,14 +708,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     raise
                 try_size = max(min_size, align_up(try_size // 2))
 
+    def _add_chunk(self, ptr: int, size: int) -> None:
+        self._chunks[ptr] = size
+        self._chunk_starts.add(ptr)
+        self._pool_size += size
+
     def _oom(self, nbytes: int, stream: Stream, reason: str) -> OutOfMemoryError:
-        self._flush_caches()  # called with the lock held
-        free = 0
-        largest = 0
-        for fl in self._lists.values():
-            if fl.starts:
-                free += sum(fl.starts.values())
-                largest = max(largest, max(fl.starts.values()))
+        free, largest = self._free_and_largest()  # called with the lock held
         handle = stream.handle
         return OutOfMemoryError(
             f"PoolMemoryResource out of memory: requested {format_bytes(nbytes)} ({nbytes} bytes) "
@@ -1258,8 +730,38 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             largest_free_block=largest,
         )
 
-    def _deallocate_slow(self, ptr: Any, nbytes: Any, allocated: int | None, stream) -> None:
-        """Zero-size frees, pointers of other int types, and the errors."""
+    # -- deallocation behind the fast path -------------------------------------------------
+
+    def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Hashable) -> None:
+        """Every free the lock-free fast path does not take: under the lock, a block freed with
+        its size goes to this stream's cache (below 16 MiB) or coalescing lists; anything else
+        to :meth:`_deallocate_slow`."""
+        unlocked = self._unlocked
+        try:
+            unlocked.pop()
+        except IndexError:
+            acquire_contended(self._lock)
+        try:
+            n = self._live.pop(ptr, None)
+            if n is not None and n == nbytes and type(ptr) is int:
+                fl = self._free_list(key, stream)
+                if self._instrumented:
+                    self._uncount(ptr, n)
+                if n <= CACHED_LIMIT:
+                    fl.cache[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+                else:
+                    fl.insert(ptr, (n + 255) & -256)
+                return
+            if n is not None:
+                self._live[ptr] = n
+        finally:
+            unlocked.append(True)
+        self._deallocate_slow(ptr, nbytes, n, stream)
+
+    def _deallocate_slow(
+        self, ptr: Any, nbytes: Any, allocated: int | None, stream: Stream
+    ) -> None:
+        """Zero-size frees, pointers of other int types, blocks of exact size, and the errors."""
         if ptr == 0 and nbytes == 0:
             return
         if type(ptr) is not int:
@@ -1280,10 +782,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 "deallocate takes the size passed to allocate"
             )
         with gc_paused_lock(self._lock):
-            freed = any(
-                ptr in fl.starts or any(ptr in cached for cached in fl.cache if cached)
-                for fl in self._lists.values()
-            )
+            freed = any(fl.holds(ptr) for fl in self._lists.values())
         where = (
             "a free block of this pool (double free)"
             if freed
@@ -1303,51 +802,112 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             del self._live[ptr]
             if self._instrumented:
                 self._uncount(ptr, nbytes)
-            self._insert(self._free_list(key, stream), ptr, (nbytes + 255) & -256)
+            self._free_list(key, stream).insert(ptr, (nbytes + 255) & -256)
 
-    def _wait_for(self, victims: list[_FreeList], stream: Stream) -> None:
-        if self._ordered:
-            order_after([(fl.key, fl.stream) for fl in victims], stream)
+    # -- free lists (lock held) ------------------------------------------------------------
 
-    def _synchronize_all(self, victims: list[_FreeList]) -> None:
-        """Wait for every stream blocks were freed on (before memory goes back upstream)."""
-        if not self._ordered or not victims:
+    def _free_list(self, key: Hashable, stream: Stream | None) -> FreeList:
+        """The free list of the stream ``key``, made on its first use."""
+        fl = self._lists.get(key)
+        if fl is None:
+            # Made with the lock held: keep the collector out, see gc_paused_lock.
+            paused = gc.isenabled()
+            if paused:
+                gc.disable()
+            try:
+                fl = self._lists[key] = FreeList(key, stream, self._chunk_starts)
+                self._caches[key] = fl.cache
+            finally:
+                if paused:
+                    gc.enable()
+        return fl
+
+    def _flush_caches(self) -> bool:
+        """Merge every cached block into its stream's coalescing lists; True when any was cached."""
+        flushed = False
+        for fl in self._lists.values():
+            if fl.flush_cache():
+                flushed = True
+        return flushed
+
+    def _free_and_largest(self) -> tuple[int, int]:
+        """Free bytes and the largest free block over every stream, caches merged first."""
+        self._flush_caches()
+        free = largest = 0
+        for fl in self._lists.values():
+            fl_free, fl_largest = fl.free_bytes()
+            free += fl_free
+            largest = max(largest, fl_largest)
+        return free, largest
+
+    # -- instrumentation (lock held) -------------------------------------------------------
+
+    def _after_journaled_allocation(self, ptr: int) -> None:
+        """After the fast path journaled an allocation: a block live when counting began is
+        counted from now on, and a journal of JOURNAL_LIMIT entries is folded in."""
+        if self._uncounted:
+            self._uncounted.discard(ptr)
+        journal = self._journal
+        if journal is not None and len(journal) >= JOURNAL_LIMIT:
+            with self._lock:  # settle() keeps the garbage collector out
+                counters = self._counters
+                if counters is not None:
+                    counters.settle()
+
+    def _count_allocation(self, ptr: int, nbytes: int) -> None:
+        """Count one allocation into the attached counters (lock held)."""
+        counters = self._counters
+        if counters is None:
             return
-        from dask_rmm import _cuda
+        journal = counters.journal
+        journal.append(nbytes)
+        if len(journal) >= JOURNAL_LIMIT:
+            counters.settle()
+        if self._uncounted:
+            # Allocated lock-free while counting began: its free is counted after all.
+            self._uncounted.discard(ptr)
 
-        if any(isinstance(fl.key, tuple) for fl in victims):
-            _cuda.device_synchronize()
-            return
-        for fl in victims:
-            if fl.stream is not None:
-                try:
-                    _cuda.stream_synchronize(fl.stream.handle)
-                except _cuda.CUDAError:
-                    _cuda.device_synchronize()
+    def _charge_owner(self, owners: OwnerAccounts, owner_key: Any, ptr: int, nbytes: int) -> None:
+        """Charge one allocation to the account of ``owner_key`` (lock held)."""
+        try:
+            account = owners.accounts[owner_key]
+        except (KeyError, TypeError):
+            account = self._open_account(owners, owner_key)
+        t = account[0] + nbytes
+        account[0] = t
+        if t > account[1]:
+            account[1] = t
+        self._owner_of[ptr] = account
 
-    def memory_layout(
-        self,
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
-        """The pool's address space, read-only: ``(chunks, free blocks, live blocks)``, each a
-        list of ``(ptr, size)`` sorted by address.
+    @staticmethod
+    def _open_account(owners: OwnerAccounts, owner_key: Any) -> list[int]:
+        """The owner callback, for an owner key not in ``owners.accounts``."""
+        # The callback makes objects: keep the collector out while the lock is held.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return owners.open_account(owner_key)
+        finally:
+            if paused:
+                gc.enable()
 
-        Live sizes are what a block occupies (its rounded size), so that within a chunk the
-        free and live blocks tile it. Blocks never coalesce across a chunk boundary. For callers
-        that decide which live blocks, once freed, would merge into a large enough free block
-        (``dask_rmm.pressure``); cached blocks are merged first, as ``reserved_memory_info`` does.
-        """
-        with gc_paused_lock(self._lock):
-            self._flush_caches()
-            free: list[tuple[int, int]] = []
-            for fl in list(self._lists.values()):
-                free.extend(fl.starts.items())  # copied in one C call (the GIL is held)
-            live_tags = list(self._live.items())  # likewise, lock-free paths may change it
-            chunks = list(self._chunks.items())
-        live = []
-        for ptr, tag in live_tags:
-            n = ~tag if tag < 0 else tag
-            if tag >= 0 and n <= _CACHED_LIMIT:
-                live.append((ptr, _ROUNDED[(n + 255) >> 8]))
+    def _uncount(self, ptr: int, nbytes: int) -> None:
+        """Take a freed block out of the counters and its owner's account."""
+        counters = self._counters
+        if counters is not None:
+            if self._uncounted and ptr in self._uncounted:
+                self._uncounted.discard(ptr)
             else:
-                live.append((ptr, (n + 255) & -256))
-        return sorted(chunks), sorted(free), sorted(live)
+                counters.journal.append(-nbytes)
+        if self._owners is not None:
+            account = self._owner_of.pop(ptr, None)
+            if account is not None:
+                account[0] -= nbytes
+
+    def _count_failure(self) -> None:
+        """Count an allocation that raised MemoryError (takes the lock)."""
+        if self._counters is not None:
+            with gc_paused_lock(self._lock):
+                if self._counters is not None:
+                    self._counters.failed += 1

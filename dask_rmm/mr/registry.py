@@ -192,7 +192,8 @@ def _flush_logs() -> None:
 
     with _lock:
         resources = list(_resources.values())
-    for mr in resources:
+    for top in resources:
+        mr: DeviceMemoryResource | None = top
         while mr is not None:
             if isinstance(mr, LoggingResourceAdaptor):
                 mr.flush()

@@ -10,8 +10,10 @@ import threading
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, acquire_contended
-from dask_rmm.mr.pool import AllocationCounters, PoolMemoryResource, pool_behind
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.instrumentation import AllocationCounters
+from dask_rmm.mr.locks import Mutex, acquire_contended
+from dask_rmm.mr.pool import PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["Statistics", "StatisticsResourceAdaptor"]
@@ -97,7 +99,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     Over a :class:`PoolMemoryResource` (or an adaptor whose calls are the pool's own, such as
     a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its
     instrumentation interface (:meth:`PoolMemoryResource.count_allocations`): it journals every
-    operation in this adaptor's :class:`~dask_rmm.mr.pool.AllocationCounters`, folded in when
+    operation in this adaptor's :class:`~dask_rmm.mr.instrumentation.AllocationCounters`, folded in when
     they are read, and the adaptor, having nothing left to do per call, makes the pool's
     ``allocate``/``deallocate`` its own. Counting then costs one list append per operation on the
     pool's lock-free fast path instead of a second lock and call layer
@@ -125,7 +127,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)
-        self._lock = lock = threading.Lock()
+        lock: Mutex = threading.Lock()
+        self._lock = lock
         # The hot path calls these cached bound methods: a ``with`` block costs a bound
         # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
         self._acquire = lock.acquire
@@ -149,8 +152,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self._lock = lock = pool.instrumentation_lock
             self._acquire = lock.acquire
             self._release = lock.release
-            self.allocate = pool.allocate
-            self.deallocate = pool.deallocate
+            # Instance attributes shadow the methods: calls skip this adaptor's layer.
+            self.allocate = pool.allocate  # type: ignore[method-assign]
+            self.deallocate = pool.deallocate  # type: ignore[method-assign]
 
     def __del__(self):
         try:

@@ -67,8 +67,9 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         ):
             # The pool's live table is this adaptor's (see the class notes).
             self._tracking_pool = upstream_mr
-            self.allocate = upstream_mr.allocate
-            self.deallocate = upstream_mr.deallocate
+            # Instance attributes shadow the methods: calls skip this adaptor's layer.
+            self.allocate = upstream_mr.allocate  # type: ignore[method-assign]
+            self.deallocate = upstream_mr.deallocate  # type: ignore[method-assign]
 
     @property
     def capture_stacks(self) -> bool:

@@ -36,7 +36,9 @@ class PressureHandler(Protocol):
         self, attempt: Callable[[], int], request: int
     ) -> tuple[int | None, MemoryError | None, int]: ...
     def avoided_oom(self) -> None: ...
-    def record_oom(self, error: MemoryError, nbytes: int, spilled: int, events: list) -> None: ...
+    def record_oom(
+        self, error: MemoryError, nbytes: int, spilled: int, events: list
+    ) -> object: ...  # the result is not used
 
 
 class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
@@ -136,6 +138,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             upstream_allocate = self._upstream_allocate
             ptr, last, spilled = h.spill_until(lambda: upstream_allocate(nbytes, stream), nbytes)
             if last is None:
+                # spill_until returns a pointer exactly when it returns no error
+                assert ptr is not None
                 h.avoided_oom()
                 return ptr
             error = last

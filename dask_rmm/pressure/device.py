@@ -1,6 +1,6 @@
 """``DevicePressure``: memory pressure on one device of one worker. It measures the bytes in use
 from the worker's resource, decides when to spill (over the limit, on OOM, while paused), and
-takes the OOM snapshots. Dask-free: the worker side wires it up (``install.py``)."""
+takes the OOM snapshots. Dask-free: the worker side wires it up (``pressure/worker.py``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from dask_rmm.mr.base import align_up
@@ -293,7 +293,7 @@ class DeviceSpillStore(MutableMapping):
 
     def candidates(self, device: int | None = None) -> list[Candidate]:
         """Spillable values, least recently used first: ``(key, device bytes, block ptrs)``."""
-        out = []
+        out: list[tuple[Hashable, int, Sequence[int]]] = []
         with self._lock:
             for key, e in self._lru.items():
                 if e.nbytes == 0 or (device is not None and e.device != device):
@@ -390,7 +390,7 @@ class DeviceSpillStore(MutableMapping):
                         if freed:
                             spilled += freed
                             fruitless = 0
-                            if growing:
+                            if growing and release is not None:
                                 release()
                             continue
                         # Every victim was referenced by the time it was copied: a reader, or
@@ -481,7 +481,7 @@ class DeviceSpillStore(MutableMapping):
                 value = self._device.get(key)
                 entry = self._lru.get(key)
                 # References: the dict, ``value`` here and getrefcount's argument.
-                if value is None or _getrefcount(value) > _DICT_ONLY_REFS + 1:
+                if value is None or entry is None or _getrefcount(value) > _DICT_ONLY_REFS + 1:
                     continue
                 copy = self._clean.get(key)
             t0 = time.perf_counter()

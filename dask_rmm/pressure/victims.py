@@ -44,9 +44,9 @@ def coalescing_victims(
     such window exists (other live blocks are in the way everywhere).
     """
     owner: dict[int, int] = {}
-    for rank, (_key, _nbytes, ptrs) in enumerate(candidates):
+    for candidate_rank, (_key, _nbytes, ptrs) in enumerate(candidates):
         for p in ptrs:
-            owner.setdefault(p, rank)
+            owner.setdefault(p, candidate_rank)
     # Segments in address order: (ptr, size, owner rank or -1 for free, or None for a barrier).
     segments: list[tuple[int, int, int | None]] = [(p, s, -1) for p, s in free]
     segments += [(p, s, owner.get(p)) for p, s in live]

@@ -52,9 +52,11 @@ class WorkerPressure:
 
     Examples
     --------
-    >>> wp = WorkerPressure(spill_on_oom=True)  # doctest: +SKIP
-    >>> stack.top = wp.wrap(0, stack.top, capacity=pool_max, limit=limit)  # doctest: +SKIP
-    >>> wp.attach(worker)  # doctest: +SKIP
+    How a worker's setup wires it (inside the worker process, with its device stacks)::
+
+        wp = WorkerPressure(spill_on_oom=True)
+        stack.top = wp.wrap(0, stack.top, capacity=pool_max, limit=limit)
+        wp.attach(worker)
     """
 
     def __init__(

@@ -62,6 +62,8 @@ def cluster_report(client: Client | None = None, *, timeline: bool = True, last:
 
     Examples
     --------
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
     >>> client.register_plugin(RMMPlugin(pool_size="4GiB"))  # doctest: +SKIP
     >>> print(cluster_report(client))  # doctest: +SKIP
     """
@@ -234,9 +236,9 @@ async def _non_dask_greeting(address: str, timeout: float) -> str | None:
     finally:
         if writer is not None:
             writer.close()
-    more = "..." if len(data) > 48 else ""
+    cut = "..." if len(data) > 48 else ""
     what = " (an HTTP server: a dashboard or a proxy?)" if data.startswith(b"HTTP/") else ""
-    return f"answered {data[:48]!r}{more}{what}"
+    return f"answered {data[:48]!r}{cut}{what}"
 
 
 def _is_handshake(body: bytes, loads: Any) -> bool:

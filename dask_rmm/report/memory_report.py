@@ -120,8 +120,8 @@ def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
     events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
     if not events:
         return None
-    latest: dict[int, int] = {}
-    total = peak = 0
+    latest: dict[int, float] = {}
+    total = peak = 0.0
     for _t, i, value in events:
         total += value - latest.get(i, 0)
         latest[i] = value
@@ -144,6 +144,8 @@ class ClusterMemoryReport:
 
     Examples
     --------
+    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+
     >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
     >>> print(report)  # doctest: +SKIP
     >>> report.totals.current_bytes  # doctest: +SKIP
@@ -492,9 +494,9 @@ _HEADER = (
 )
 
 #: Device fields summed into the cluster totals.
-_SUMMED = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes", "pool_free_bytes")
-_SUMMED += ("failed_allocations", "spilled_bytes", "spilled_count", "total_spilled_bytes")
-_SUMMED += ("total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
+_SUMMED: tuple[str, ...] = ("current_bytes", "total_bytes", "reserved_bytes", "retired_bytes")
+_SUMMED += ("pool_free_bytes", "failed_allocations", "spilled_bytes", "spilled_count")
+_SUMMED += ("total_spilled_bytes", "total_unspilled_bytes", "ooms_avoided", "oom_count", "pauses")
 
 _PEAK_NOTE = (
     "* total peak: the most the running devices held at once within their timelines "

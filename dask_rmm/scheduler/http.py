@@ -29,7 +29,7 @@ class _ReportHandler(RequestHandler):
     def _report(self) -> tuple[ClusterMemoryReport, bool]:
         """The plugin's report, and whether it was asked with timelines."""
         plugin: SchedulerTimelinePlugin | None = self.server.plugins.get(PLUGIN_NAME)
-        if not hasattr(plugin, "memory_report"):
+        if plugin is None or not hasattr(plugin, "memory_report"):
             raise web.HTTPError(404, "the dask-rmm scheduler plugin is not installed")
         timeline = self.get_query_argument("timeline", "1").lower() not in ("0", "false", "no", "")
         return plugin.memory_report(timeline=timeline, last=self._int("last")), timeline

@@ -53,7 +53,7 @@ class SetupCoordinator(SchedulerPlugin):
         self.committed: dict[str, Any] = {}
         self.scheduler: Scheduler | None = None
 
-    def start(self, scheduler: Scheduler) -> None:
+    async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers["dask_rmm_setup_vote"] = self.vote
 
@@ -123,7 +123,9 @@ class SetupCoordinator(SchedulerPlugin):
         except asyncio.TimeoutError:
             missing = r.expected - set(r.votes)
             self._decide(r, {w: f"no answer within {VOTE_TIMEOUT:g} s" for w in missing})
-        return r.failures
+        failures = r.failures
+        assert failures is not None  # _decide sets it before it sets r.done
+        return failures
 
     def _decide_if_complete(self, r: _Round) -> None:
         if r.failures is None and r.votes and r.expected <= set(r.votes):

@@ -47,7 +47,13 @@ class Timeline:
         if capacity < 1:
             raise ValueError(f"Timeline capacity must be at least 1, got {capacity}")
         self.capacity = capacity
-        self._columns = (array("d"), array("q"), array("q"))
+        # time (float), current_bytes, max_bytes_in_interval (ints): a sample's three values
+        # come in as one sequence of numbers, and array() checks each column's type.
+        self._columns: tuple[array[Any], array[Any], array[Any]] = (
+            array("d"),
+            array("q"),
+            array("q"),
+        )
 
     def __len__(self) -> int:
         return len(self._columns[0])
@@ -137,7 +143,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return {k: getattr(self, k) for k in ("timeline_length", "keep_gone", "poll_interval")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        SchedulerTimelinePlugin.__init__(self, **state)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -167,7 +173,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             REGISTRY.register(self._collector)
         except ImportError:
             logger.debug("prometheus_client is not installed; no dask_rmm_ metrics")
-        self._poller = PeriodicCallback(self.poll, self.poll_interval * 1000)
+        self._poller = PeriodicCallback(self._poll_tick, self.poll_interval * 1000)
         self._poller.start()
         self._ingest_all()  # not registered yet: register_scheduler_plugin starts, then adds
 
@@ -217,7 +223,11 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._ingest_all()
         return True
 
+    def _poll_tick(self) -> None:
+        self.poll()
+
     def _ingest_all(self) -> None:
+        assert self.scheduler is not None  # set in start, before the first poll
         for ws in list(self.scheduler.workers.values()):
             self._ingest(ws)
 

@@ -274,7 +274,7 @@ def build_stack(
                 from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
 
                 top = stack.attribution = AttributionResourceAdaptor(
-                    top, task_key, owner_name=owner_name
+                    top, task_key, owner_name=str if owner_name is None else owner_name
                 )
     except BaseException:
         stack.close_log()

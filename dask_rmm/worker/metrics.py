@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
 
 if TYPE_CHECKING:
     from distributed import Worker
+    from tornado.ioloop import PeriodicCallback
 
     from dask_rmm.stack.build import DeviceStack
 
@@ -64,16 +65,18 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
-def add_periodic(worker: Worker, key: str, callback: Callable[[], Any], seconds: float) -> Any:
+def add_periodic(
+    worker: Worker, key: str, callback: Callable[[], Any], seconds: float
+) -> PeriodicCallback:
     """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
     worker closes, even without a teardown, and started by the worker if added before it starts
     (a preload)."""
     from tornado.ioloop import PeriodicCallback
 
-    callback = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
+    periodic = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
     if worker.status.name in ("running", "paused", "closing_gracefully"):
-        callback.start()
-    return callback
+        periodic.start()
+    return periodic
 
 
 def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
@@ -144,7 +147,7 @@ class WorkerMetrics:
             else:
                 metrics["rmm"] = previous
         worker.metrics = metrics
-        self.__init__()  # nothing installed, as before install
+        WorkerMetrics.__init__(self)  # nothing installed, as before install
 
     def sample(self) -> None:
         """Record ``(time, current_bytes, max_bytes_in_interval)`` per device (sampler tick)."""
@@ -178,7 +181,7 @@ class WorkerMetrics:
 
     @staticmethod
     def _device_metrics(
-        device: _DeviceSamples, top_n: int, retired: list[DeviceStack] = ()
+        device: _DeviceSamples, top_n: int, retired: Sequence[DeviceStack] = ()
     ) -> dict[str, Any]:
         stack = device.stack
         d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)

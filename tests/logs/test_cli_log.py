@@ -3,6 +3,7 @@ real process (``python -m dask_rmm.cli`` and the ``dask rmm`` entry point)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -257,12 +258,30 @@ def _env():
     return env
 
 
+#: What ``import dask_rmm.cli`` must not load (each command imports what it needs).
+_HEAVY = (
+    "dask_rmm.logs",
+    "dask_rmm.logs.reader",
+    "dask_rmm.logs.summary",
+    "dask_rmm.logs.timeline",
+    "dask_rmm.logs.replay",
+    "dask_rmm.report",
+    "matplotlib",
+    "distributed",
+    "cuda",
+)
+
+
+def test_every_module_the_light_import_check_names_exists():
+    # A renamed module would make the check below pass whatever the CLI imports.
+    for name in _HEAVY:
+        assert importlib.util.find_spec(name) is not None, name
+
+
 def test_importing_the_cli_is_light():
     code = (
         "import sys, dask_rmm.cli; "
-        "heavy = [m for m in ('dask_rmm.logs', 'dask_rmm.log_summary', 'dask_rmm.log_timeline',"
-        " 'dask_rmm.replay', 'matplotlib', 'distributed', 'cuda')"
-        " if m in sys.modules]; print(heavy)"
+        f"heavy = [m for m in {_HEAVY!r} if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True

@@ -1,4 +1,4 @@
-"""Tests of dask_rmm.logs, dask_rmm.log_summary, dask_rmm.log_timeline and dask_rmm.replay."""
+"""Tests of dask_rmm.logs: the reader, summary, timeline and replay modules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The async resources' fast paths (issue 13) on any host: cuda-python's calls are replaced by
+"""The async resources' fast paths on any host: cuda-python's calls are replaced by
 a fake memory pool, so the bookkeeping and error handling around them are checked without a GPU
 (the GPU suite runs the same resources on real memory)."""
 

@@ -120,9 +120,9 @@ def test_owner_name_errors_never_fail_an_allocation(base_resource, owner):
     assert mr.get_owner_memory(UNATTRIBUTED).current_bytes == 0
 
 
-def test_unhashable_tokens_are_named_each_time(base_resource):
-    token = ["list", "token"]
-    mr = AttributionResourceAdaptor(base_resource, lambda: token, owner_name=lambda t: t[0])
+def test_unhashable_owner_keys_are_named_each_time(base_resource):
+    owner_key = ["list", "key"]
+    mr = AttributionResourceAdaptor(base_resource, lambda: owner_key, owner_name=lambda t: t[0])
     ptr = mr.allocate(256)
     assert mr.get_owner_memory("list").current_bytes == 256
     mr.deallocate(ptr, 256)

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from dask_rmm import mr
-from dask_rmm.mr.pool import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts, PoolMemoryResource
+from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts
+from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.mr.statistics_adaptor import Statistics
 
 MiB = 1 << 20
@@ -254,9 +255,9 @@ def test_pool_charges_owner_accounts(base_resource):
     opened = []
     accounts: dict = {}
 
-    def open_account(token):
-        opened.append(token)
-        return accounts.setdefault(token, [0, 0])
+    def open_account(owner_key):
+        opened.append(owner_key)
+        return accounts.setdefault(owner_key, [0, 0])
 
     owners = OwnerAccounts(lambda: getattr(local, "owner", None), accounts, open_account)
     assert pool.charge_owners(owners)
@@ -271,7 +272,7 @@ def test_pool_charges_owner_accounts(base_resource):
     t.start()
     t.join()
     assert accounts == {"x": [0, 1500], "y": [20 * MiB, 20 * MiB]}
-    assert opened == ["x", "y"]  # once per token
+    assert opened == ["x", "y"]  # once per owner key
     pool.stop_charging(owners)
     pool.deallocate(r, 20 * MiB)
     assert accounts["y"] == [20 * MiB, 20 * MiB]  # detached: nothing charged back
@@ -295,10 +296,10 @@ def test_arena_reuses_a_freed_block_on_its_stream_only(base_resource):
     assert info.free_bytes == info.reserved_bytes
 
 
-def test_token_lock_behaves_as_a_lock():
-    from dask_rmm.mr.pool import TokenLock
+def test_list_lock_behaves_as_a_lock():
+    from dask_rmm.mr.locks import ListLock
 
-    lock = TokenLock()
+    lock = ListLock()
     assert lock.acquire(False) and lock.locked()
     assert not lock.acquire(False)
     assert not lock.acquire(timeout=0.01)
@@ -316,10 +317,10 @@ def test_token_lock_behaves_as_a_lock():
     assert not lock.locked()
 
 
-def test_token_lock_excludes_threads():
-    from dask_rmm.mr.pool import TokenLock
+def test_list_lock_excludes_threads():
+    from dask_rmm.mr.locks import ListLock
 
-    lock = TokenLock()
+    lock = ListLock()
     inside = []
     counter = [0]
 

@@ -9,6 +9,7 @@ from conftest import make_base_resource, make_test_streams
 
 from dask_rmm import mr
 from dask_rmm.mr import pool as pool_module
+from dask_rmm.mr import stream_order
 from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM
 
@@ -294,17 +295,6 @@ def test_cached_blocks_are_reused_on_their_stream_and_merged_before_growing():
     assert pool.pool_size() == 1 << 20
 
 
-def test_size_class_tables_agree_with_the_class_functions():
-    # The tables are built one class (a run of equal entries) at a time, for import speed.
-    for u in range(pool_module._TABLE_UNITS):
-        sc = pool_module._search_class(u)
-        assert pool_module._INS[u] == pool_module._insert_class(u)
-        assert pool_module._SRCH[u] == sc
-        assert pool_module._ROUNDED[u] == pool_module._class_floor(sc) << 8
-    assert len(pool_module._INS) == len(pool_module._SRCH) == pool_module._TABLE_UNITS
-    assert len(pool_module._ROUNDED) == pool_module._TABLE_UNITS
-
-
 def test_ordering_after_another_threads_per_thread_stream_gives_this_thread_no_key(monkeypatch):
     """A thread that never used its per-thread stream, taking a block another thread freed on
     its own: the device is synchronized, and this thread gets no per-thread key (so no drain
@@ -319,8 +309,8 @@ def test_ordering_after_another_threads_per_thread_stream_gives_this_thread_no_k
 
     def taker():
         other = ("ptds", -1)  # a key no thread has
-        pool_module.order_after([(other, PER_THREAD_DEFAULT_STREAM)], Stream._from_handle(0x1234))
-        seen.append(stream_module._own_per_thread_key())
+        stream_order.order_after([(other, PER_THREAD_DEFAULT_STREAM)], Stream._from_handle(0x1234))
+        seen.append(stream_module.own_per_thread_key())
 
     t = threading.Thread(target=taker)
     t.start()

@@ -1,4 +1,4 @@
-"""Stream ordering of DeviceBuffer copies on every CUDA base resource (issue 11).
+"""Stream ordering of DeviceBuffer copies on every CUDA base resource.
 
 The defect: with ``CudaAsyncMemoryResource`` current and ``s = Stream()``,
 ``DeviceBuffer.to_device(h, stream=s).copy_to_host()`` returned zeros for most sizes, because
@@ -127,8 +127,8 @@ def test_reused_memory_is_ordered_after_the_previous_owner(resource):
         assert (np.asarray(second.copy_to_host()) == 100 + round_).all()
 
 
-def test_the_issue_11_reproducer_async():
-    # Exactly the report: the async resource current, s = Stream(), to_device on s, read back.
+def test_a_buffer_copied_to_a_new_stream_reads_back_its_bytes_on_the_async_resource():
+    # The reported defect, as reported: the async resource current, s = Stream(), to_device on s, read back.
     previous = mr.get_current_device_resource()
     mr.set_current_device_resource(mr.CudaAsyncMemoryResource())
     try:

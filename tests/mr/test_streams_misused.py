@@ -57,7 +57,7 @@ def spin_fill(ptr: int, n: int, value: int, stream: Stream) -> None:
     """On ``stream``: spin ~0.1 s, then write ``value`` to ``n`` bytes at ``ptr``."""
     cupy = _cupy()
     kernel = cupy.RawKernel(_SPIN_FILL, "spin_fill")
-    with cupy.cuda.ExternalStream(stream.handle):
+    with cupy.cuda.Stream.from_external(stream):  # through Stream.__cuda_stream__
         kernel((264,), (256,), (_view(ptr, n), np.uint64(n), np.uint8(value), np.uint64(SPIN_NS)))
 
 

@@ -91,7 +91,7 @@ def test_bad_capture_stacks(base_resource):
         TrackingResourceAdaptor(base_resource, capture_stacks="yes")
 
 
-# --- over a pool: the pool's live table is the adaptor's (issue 13) -----------------------------
+# --- over a pool: the pool's live table is the adaptor's ------------------------------------------
 
 
 def _pool(base_resource):

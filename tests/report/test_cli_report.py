@@ -161,13 +161,14 @@ def test_watch_refreshes_until_interrupted(rmm_cluster):
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
     )  # fmt: skip
-    lines = []
-    while len(lines) < 3:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        lines.append(json.loads(line))
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=20) == 0
+    with proc:  # closes the pipes
+        lines = []
+        while len(lines) < 3:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            lines.append(json.loads(line))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
     assert lines[-1]["time"] > lines[0]["time"]
 
 
@@ -231,6 +232,7 @@ def test_an_http_port_gets_a_hint():
             asyncio.run(first())
     finally:
         server.shutdown()
+        server.server_close()
 
 
 def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:

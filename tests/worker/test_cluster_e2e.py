@@ -105,7 +105,9 @@ def test_timeline_has_samples_and_its_peak_matches_the_workers_peaks(cluster):
     def matched():
         client.run(_beat)
         r = cluster_report(client)
-        return r if all(d.timeline and d.timeline_peak == d.peak_bytes for d in r.devices) else None
+        # Two samples at least: the first poll may see one heartbeat only.
+        ok = all(len(d.timeline) >= 2 and d.timeline_peak == d.peak_bytes for d in r.devices)
+        return r if ok else None
 
     report = wait_until(matched, what="timeline peaks equal to the workers' peaks")
     peaks = {d.peak_bytes for d in report.devices}

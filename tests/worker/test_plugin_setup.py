@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import pathlib
 import signal
 import tempfile
 import time
@@ -108,7 +109,7 @@ async def test_logs_reach_the_file_while_the_worker_runs(c, s, a):
         await wait(held)
         path = log_file_path(d, a.name, 0)
         deadline = time.monotonic() + 10
-        while ",allocate,0x" not in open(path).read():
+        while ",allocate,0x" not in pathlib.Path(path).read_text():
             assert time.monotonic() < deadline, "no row reached the file"
             await asyncio.sleep(0.05)
 

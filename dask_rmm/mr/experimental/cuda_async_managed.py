@@ -37,6 +37,8 @@ class CudaAsyncManagedMemoryResource(CudaAsyncViewMemoryResource):
 
     Examples
     --------
+    Needs a CUDA device (the doctest run skips these lines):
+
     >>> from dask_rmm.mr import set_current_device_resource
     >>> mr = CudaAsyncManagedMemoryResource()  # doctest: +SKIP
     >>> set_current_device_resource(mr)  # doctest: +SKIP

@@ -1,0 +1,109 @@
+"""The size classes of the pool and the arena: sizes in 256-byte units, their class formulas and
+the lookup tables the fast paths index. Not here: the free lists that use them (free_list.py).
+
+Sizes map to TLSF-style segregated-fit classes: 32 exact classes below 8 KiB (one per unit),
+then 16 classes per power of two. A free block is filed under its size's floor class
+(:func:`insert_class`); a request searches from the first class all of whose blocks fit it
+(:func:`search_class`). Sizes below 16 MiB are looked up in precomputed tables instead:
+:data:`INSERT_CLASS`, :data:`SEARCH_CLASS` and :data:`ROUNDED_BYTES`. Fast paths index those
+tables inline as ``SEARCH_CLASS[(nbytes + 255) >> 8]``; tests/mr/test_inlined_formulas.py pins
+every such copy to the functions here.
+"""
+
+from __future__ import annotations
+
+from dask_rmm.mr.base import ALIGNMENT
+
+__all__ = [
+    "CACHED_LIMIT",
+    "CLASS_INDEXES",
+    "EXACT_BITS",
+    "INSERT_CLASS",
+    "N_CLASSES",
+    "ROUNDED_BYTES",
+    "SEARCH_CLASS",
+    "SUBCLASS_BITS",
+    "TABLE_UNITS",
+    "UNIT_SHIFT",
+    "class_floor",
+    "insert_class",
+    "search_class",
+    "units",
+]
+
+#: Sizes are counted in units of :data:`~dask_rmm.mr.base.ALIGNMENT` bytes: ``u = nbytes >> 8``.
+UNIT_SHIFT = ALIGNMENT.bit_length() - 1
+#: Classes per power of two: ``1 << SUBCLASS_BITS`` (TLSF's second-level index bits).
+SUBCLASS_BITS = 4
+#: Sizes below ``1 << EXACT_BITS`` units have a class each; above, a class covers 1/16 of an
+#: octave, found from the size's top ``EXACT_BITS`` bits.
+EXACT_BITS = SUBCLASS_BITS + 1
+_EXACT = 1 << EXACT_BITS
+#: Number of classes (covers every size below 2**64 units).
+N_CLASSES = 64 << SUBCLASS_BITS
+#: The class tables cover sizes below this many units (16 MiB).
+TABLE_UNITS = 1 << 16
+#: Requests of at most this many bytes are rounded up to their search class's floor size (at most
+#: 1/16 more) and cached per stream when freed; larger ones are placed at their aligned size.
+CACHED_LIMIT = (TABLE_UNITS - 1) << UNIT_SHIFT
+#: Every class index, for ``itertools.compress`` over a per-class list.
+CLASS_INDEXES = range(N_CLASSES)
+
+
+def units(nbytes: int) -> int:
+    """``nbytes`` in units, rounded up (the reference for the inlined ``(nbytes + 255) >> 8``)."""
+    return (nbytes + ALIGNMENT - 1) >> UNIT_SHIFT
+
+
+def insert_class(u: int) -> int:
+    """The class a free block of ``u`` units is filed under (its size's floor class)."""
+    if u < _EXACT:
+        return u
+    shift = u.bit_length() - EXACT_BITS
+    return (shift << SUBCLASS_BITS) + (u >> shift)
+
+
+def search_class(u: int) -> int:
+    """The first class all of whose blocks are at least ``u`` units."""
+    if u < _EXACT:
+        return u
+    shift = u.bit_length() - EXACT_BITS
+    c = (shift << SUBCLASS_BITS) + (u >> shift)
+    return c + 1 if u & ((1 << shift) - 1) else c
+
+
+def class_floor(c: int) -> int:
+    """The smallest size (in units) filed under class ``c``."""
+    if c < _EXACT:
+        return c
+    return ((c & ((1 << SUBCLASS_BITS) - 1)) + (1 << SUBCLASS_BITS)) << ((c >> SUBCLASS_BITS) - 1)
+
+
+def _class_tables() -> tuple[list[int], list[int], list[int]]:
+    """``(INSERT_CLASS, SEARCH_CLASS, ROUNDED_BYTES)`` for every size below TABLE_UNITS units,
+    built one class at a time (a class is a run of equal entries: ~200 runs instead of
+    3 x 65536 calls, which took ~0.15 s of ``import dask_rmm``)."""
+    ins: list[int] = []
+    srch: list[int] = []
+    rounded: list[int] = []
+    c = 0
+    while (lo := class_floor(c)) < TABLE_UNITS:
+        nxt = class_floor(c + 1)
+        rest = min(nxt, TABLE_UNITS) - lo - 1
+        ins += [c] * (rest + 1)
+        # A size of exactly the floor searches its own class; any larger one the next class.
+        srch.append(c)
+        srch += [c + 1] * rest
+        rounded.append(lo << UNIT_SHIFT)
+        rounded += [nxt << UNIT_SHIFT] * rest
+        c += 1
+    return ins, srch, rounded
+
+
+#: ``INSERT_CLASS[u] == insert_class(u)`` for ``u < TABLE_UNITS``.
+INSERT_CLASS: list[int]
+#: ``SEARCH_CLASS[u] == search_class(u)`` for ``u < TABLE_UNITS``.
+SEARCH_CLASS: list[int]
+#: ``ROUNDED_BYTES[u]``: the bytes a request of ``u`` units is given, its search class's floor.
+ROUNDED_BYTES: list[int]
+INSERT_CLASS, SEARCH_CLASS, ROUNDED_BYTES = _class_tables()

@@ -1,0 +1,70 @@
+"""Stream order between stream-ordered suballocators' free lists: a stream that takes blocks
+freed on other streams waits for them (events), and memory going back upstream waits for every
+stream it was freed on. Not here: the free lists themselves (free_list.py), CUDA calls
+(``dask_rmm._cuda``).
+
+Call these only when CUDA is available (a resource over device memory), and outside any
+resource lock: they may synchronize the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Final
+
+from dask_rmm.stream import Stream, own_per_thread_key
+
+__all__ = ["FRESH_KEY", "order_after", "synchronize_streams"]
+
+#: The order key of memory no stream has used yet (fresh from upstream): taken without a wait.
+FRESH_KEY: Final = "fresh"
+
+
+def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Stream) -> None:
+    """Make ``stream`` wait for the work queued so far on each victim stream.
+
+    ``victims`` are ``(order key, Stream)`` pairs of the streams whose freed blocks ``stream``
+    takes over. An event is recorded on the victim now and ``stream`` waits on it; a victim that
+    is another thread's per-thread default stream (not addressable from here), or whose handle
+    is no longer valid, is covered by a device synchronization instead.
+    """
+    from dask_rmm import _cuda
+
+    mine = own_per_thread_key()  # None: every per-thread key is another thread's
+    for key, victim in victims:
+        if key == FRESH_KEY or victim is None or key == stream.order_key():
+            continue
+        if isinstance(key, tuple) and key != mine:
+            _cuda.device_synchronize()
+            continue
+        try:
+            ev = _cuda.event_create(disable_timing=True)
+            try:
+                _cuda.event_record(ev, victim.handle)
+                _cuda.stream_wait_event(stream.handle, ev)
+            finally:
+                _cuda.event_destroy(ev)
+        except _cuda.CUDAError:
+            _cuda.device_synchronize()
+
+
+def synchronize_streams(victims: list[tuple[Hashable, Stream | None]]) -> None:
+    """Wait for all work on every victim stream (before their freed memory goes upstream).
+
+    ``victims`` are ``(order key, Stream)`` pairs as for :func:`order_after`. A per-thread
+    default stream (a tuple key, maybe another thread's) or an invalid handle is covered by a
+    device synchronization.
+    """
+    if not victims:
+        return
+    from dask_rmm import _cuda
+
+    if any(isinstance(key, tuple) for key, _ in victims):
+        _cuda.device_synchronize()
+        return
+    for _key, victim in victims:
+        if victim is not None:
+            try:
+                _cuda.stream_synchronize(victim.handle)
+            except _cuda.CUDAError:
+                _cuda.device_synchronize()
