@@ -18,7 +18,6 @@ import pytest
 from click.testing import CliRunner
 from conftest import HAS_GPU
 from distributed import Client, wait
-from distributed.utils_test import gen_cluster
 
 from dask_rmm.cli import main
 
@@ -292,8 +291,17 @@ def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
     assert f"tcp://127.0.0.1:{port}" in lines[0]
 
 
-@gen_cluster(client=True, nthreads=[])
-async def test_a_scheduler_greeting_is_recognised_as_dask(c, s):
+def test_a_scheduler_greeting_is_recognised_as_dask():
+    import asyncio
+
+    from distributed import Scheduler
+
     from dask_rmm.report.fetch import _non_dask_greeting
 
-    assert await _non_dask_greeting(s.address, 5.0) is None
+    async def greeting() -> str | None:
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            return await _non_dask_greeting(s.address, 5.0)
+
+    # its own event loop, as the command's: after the CLI tests' asyncio.run loops, a
+    # gen_cluster test here got a future of another loop from distributed's shared state
+    assert asyncio.run(greeting()) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import time
 
 import dask
@@ -237,7 +238,7 @@ async def test_a_log_file_held_by_another_worker_is_not_shared(c, s, a):
             held = c.submit(hold, 1000, workers=[a.address])
             await wait(held)
             worker_stack(a).flush_logs()
-            assert ",1000," in open(path).read() and os.path.getsize(taken) == 0
+            assert ",1000," in pathlib.Path(path).read_text() and os.path.getsize(taken) == 0
             del held
         finally:
             os.close(fd)
