@@ -2,7 +2,7 @@
 # One batch on a GPU host: the whole test suite, the quickstart, then the benchmarks. Logs go to
 # $OUT when set (the device tool's folder), else to bench/out/ (ignored by git: run logs stay out
 # of the repository; the current figures are in bench/README.md).
-# Usage, from the repository root:   bash bench/gpu_run.sh [tests|bench|all]
+# Usage, from the repository root:   bash bench/gpu_run.sh [tests|bench|tiers|all]
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-bench/out}
@@ -19,6 +19,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -30
   echo "== quickstart" | tee -a "$out/env.txt"
   timeout 60 python3 examples/quickstart.py 2>&1 | tee -a "$out/env.txt" | tail -25
+fi
+if [ "$what" = tiers ]; then
+  # Library caches against the per-allocation path and the peers (cuDF: add "cudf" to the
+  # workloads once its wheels are installed, see ../shared/gpu/README.md).
+  timeout 200 python3 bench/gil_profile.py --threads 4 2>&1 | tee "$out/gil_profile.txt"
+  timeout 520 python3 bench/tiers.py --workloads "${TIERS_WORKLOADS:-cupy,torch}" \
+    --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 110 python3 bench/alloc.py --out "$out/alloc.json" 2>&1 | tee "$out/alloc.txt"

@@ -26,6 +26,7 @@ from dask_rmm.config import config_value, validate_config
 from dask_rmm.scheduler.setup_vote import SetupCoordinator
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
+from dask_rmm.worker.fatal import WORKER_LOGGER, stop_worker
 from dask_rmm.worker.metrics import WorkerMetrics, add_periodic, remove_periodic
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 
@@ -45,7 +46,28 @@ _FLUSHER_KEY = "dask-rmm-log-flush"
 
 
 class RMMSetupError(RuntimeError):
-    """RMMPlugin could not set the cluster up; the message names each failed worker and why."""
+    """RMMPlugin could not set the cluster up; the message names each failed worker and why.
+
+    ``failures`` maps each failed worker's address to its reason.
+    """
+
+    def __init__(self, message: str, failures: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.failures))
+
+    @classmethod
+    def from_failures(cls, failures: dict[str, str], kept_previous: bool) -> RMMSetupError:
+        """The error for ``failures`` (address -> reason): every failed worker, with its reason."""
+        kept = "every worker keeps its previous setup" if kept_previous else "no worker changed"
+        n = len(failures)
+        reasons = "; ".join(f"worker {w}: {r}" for w, r in sorted(failures.items()))
+        return cls(
+            f"dask-rmm setup failed on {n} worker{'s' if n != 1 else ''}, so {kept}: {reasons}",
+            failures,
+        )
 
 
 class _Unset:
@@ -99,6 +121,9 @@ class RMMPlugin(WorkerPlugin):
 
     name = "dask-rmm"
     idempotent = False
+    #: How a user who made this plugin asks for host memory (named when a worker has no GPU);
+    #: the preload names its flag instead.
+    host_memory_form = 'RMMPlugin(base_resource="system")'
 
     def __init__(
         self,
@@ -110,6 +135,7 @@ class RMMPlugin(WorkerPlugin):
         log_directory: str | os.PathLike | None = _UNSET,
         track_allocations: bool = _UNSET,
         allocators: Iterable[str] | str | None = _UNSET,
+        exact_allocators: Iterable[str] | str | bool | None = _UNSET,
         statistics: bool = _UNSET,
         base_resource: str = _UNSET,
         devices: Iterable[int] | int | str | None = _UNSET,
@@ -166,10 +192,10 @@ class RMMPlugin(WorkerPlugin):
 
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        current = True
+            error = f"{type(e).__name__}: {self._hint(e)}"
+        current, joining = True, False
         if self.coordinated:
-            failures, current = await self._vote(worker, error, ws.token if kept else None)
+            failures, current, joining = await self._vote(worker, error, ws.token if kept else None)
         else:
             failures = {worker.address: error} if error else {}
         if failures or not current:
@@ -195,16 +221,19 @@ class RMMPlugin(WorkerPlugin):
             elif failures or worker.plugins.get(self.name) is self:
                 self._publish(worker, ws)
         if failures:
-            reasons = "; ".join(f"{w}: {r}" for w, r in sorted(failures.items()))
-            kept_what = "keeps its previous setup" if ws.active else "has no dask-rmm setup"
-            raise RMMSetupError(
-                f"dask-rmm setup failed on {len(failures)} worker(s), so no worker changed "
-                f"(worker {worker.address} {kept_what}): {reasons}"
-            )
+            setup_error = RMMSetupError.from_failures(failures, kept_previous=bool(ws.active))
+            if joining and worker.address in failures:
+                # A worker (re)started into a cluster whose workers all run this setup: it must
+                # not run on without it (distributed would log the error and go on).
+                reason = f"dask-rmm setup failed: {failures[worker.address]}"
+                await stop_worker(worker, reason, close_later=True)
+            raise setup_error
         if not current:
             # A registration that reached the scheduler after this one (two clients at once)
             # is the one every worker installs; this one changes nothing.
-            logger.info("dask-rmm: worker %s: a later registration replaced this one", worker.name)
+            WORKER_LOGGER.info(
+                "dask-rmm: worker %s: a later registration replaced this one", worker.name
+            )
             return
         if worker.plugins.get(self.name) is not self:
             # That later registration reached this worker first, and this one, arriving after
@@ -215,11 +244,12 @@ class RMMPlugin(WorkerPlugin):
         ws.plugin = self
         ws.set_pressure(worker, pressure)
         for stack in stacks:
-            logger.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
+            WORKER_LOGGER.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
         note = cupy_allocator_note()
         if note is not None:
-            logger.info("dask-rmm: worker %s: %s", worker.name, note)
+            WORKER_LOGGER.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws)
+        await self._warn_if_host_overcommitted(worker, stacks)
         try:  # the cluster report's scheduler plugin, once (idempotent)
             from dask_rmm.scheduler import install_scheduler_plugin
 
@@ -231,11 +261,60 @@ class RMMPlugin(WorkerPlugin):
                 exc_info=True,
             )
 
+    def _hint(self, e: Exception) -> str:
+        """``e``'s message; a missing GPU names the form the user typed to use host memory."""
+        from dask_rmm._cuda import CUDAUnavailableError
+
+        message = str(e)
+        if isinstance(e, CUDAUnavailableError) and "Use host memory explicitly" in message:
+            message = message.split("Use host memory explicitly")[0].rstrip()
+            message += (
+                f" For host memory instead give {self.host_memory_form} "
+                "(or config dask-rmm.base-resource: system)."
+            )
+        return message
+
+    async def _warn_if_host_overcommitted(self, worker: Worker, stacks: list) -> None:
+        """Warn when a pool that is a fraction of host memory, times the workers on this host,
+        is more than the host has (every worker takes its fraction of the whole host)."""
+        if not stacks or not stacks[0].host_memory or not isinstance(self.options.pool_size, float):
+            return
+        from distributed.comm.addressing import get_address_host
+
+        from dask_rmm.mr.base import format_bytes
+        from dask_rmm.sizes import host_total_memory
+
+        try:
+            host = get_address_host(worker.address)
+            info = await worker.scheduler.identity()
+            others = {a for a, w in info.get("workers", {}).items() if w.get("host") == host} - {
+                worker.address
+            }
+        except Exception:  # only a warning: never fail the setup for it
+            return
+        n = len(others) + 1
+        total = host_total_memory()
+        pools = sum(s.pool_size or 0 for s in stacks) * n
+        if n > 1 and pools > total:
+            WORKER_LOGGER.warning(
+                "dask-rmm: worker %s: pool_size %s is a fraction of host memory, and the %d "
+                "workers on host %s each take it: %s in all, more than the host's %s; give a "
+                "smaller fraction (%.2f or less) or a size in bytes",
+                worker.name,
+                self.options.pool_size,
+                n,
+                host,
+                format_bytes(pools),
+                format_bytes(total),
+                int(100 / n) / 100,
+            )
+
     async def _vote(
         self, worker: Worker, error: str | None, previous: str | None
-    ) -> tuple[dict, bool]:
-        """The failures of this registration on every worker (``{}``: all succeeded), and
-        whether it is still the scheduler's registration of the plugin."""
+    ) -> tuple[dict, bool, bool]:
+        """The failures of this registration on every worker (``{}``: all succeeded), whether
+        it is still the scheduler's registration of the plugin, and whether this worker joined
+        after the registration succeeded on the others."""
         from distributed.protocol.pickle import dumps
 
         try:
@@ -246,7 +325,7 @@ class RMMPlugin(WorkerPlugin):
                 token=self.token, name=self.name, worker=worker.address, error=error,
                 previous=previous,
             )  # fmt: skip
-            return answer["failures"], answer["current"]
+            return answer["failures"], answer["current"], bool(answer.get("joined"))
         except Exception as e:
             logger.warning(
                 "dask-rmm: cannot agree the setup with the other workers (%s: %s); worker %s "
@@ -255,7 +334,7 @@ class RMMPlugin(WorkerPlugin):
                 e,
                 worker.address,
             )
-            return ({worker.address: error} if error else {}), True
+            return ({worker.address: error} if error else {}), True, False
 
     def _publish(self, worker: Worker, ws: Any) -> None:
         """Heartbeat metrics and the log flusher for the worker's active stacks."""

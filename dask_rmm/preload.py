@@ -1,10 +1,13 @@
 """Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``.
 
 The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
-the worker starts (a failing setup closes the worker with the reason, and ``dask worker`` exits
-with status 1). Flags not given fall back to the worker's ``dask-rmm.*`` config, validated with
-them. A flag ``dask worker`` took as its SCHEDULER address is recovered when it can be (see
-:func:`_check_scheduler_argument`). Run ``python -m dask_rmm.preload --help`` for the flags.
+the worker starts (a failing setup stops the worker with the reason on one line, and ``dask
+worker`` exits with status 1: :mod:`dask_rmm.worker.fatal`). Flags not given fall back to the
+worker's ``dask-rmm.*`` config, validated with them. Under ``dask cuda worker`` and
+``LocalCUDACluster`` dask-cuda's own ``--rmm-*`` settings configure dask-rmm instead of compiled
+RMM (:mod:`dask_rmm.worker.dask_cuda`). A flag ``dask worker`` took as its SCHEDULER address is
+recovered when it can be (see :func:`_check_scheduler_argument`). Run ``python -m
+dask_rmm.preload --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
             _size("size", value)
         return value
     except (TypeError, ValueError) as e:
-        reason = str(e).removeprefix("size=")
-        raise click.BadParameter(
-            f"{reason} (give bytes, a size such as 4GiB or a fraction such as 0.8)"
-        ) from None
+        # the parser's message says which forms a size takes
+        raise click.BadParameter(str(e).removeprefix("size=").removeprefix("size: ")) from None
 
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
@@ -64,19 +65,35 @@ class _PreloadCommand(click.Command):
     recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # distributed parses the flags again when the worker starts, with this name; an error
+        # there it would log and then start the worker without dask-rmm
+        at_worker_start = ctx.info_name == "dask_setup"
         # distributed checks the flags with a context that has no name ("Usage:  [OPTIONS]")
         ctx.info_name = ctx.info_name or PROG
+        try:
+            return self._parse(ctx, args)
+        except click.UsageError as e:
+            if not at_worker_start:
+                raise
+            # dask_setup stops the worker with this reason
+            ctx.params = {"flags_error": f"dask-rmm's flags: {e.format_message()}"}
+            return []
+
+    def _parse(self, ctx: click.Context, args: list[str]) -> list[str]:
         # distributed checks --preload flags in a callback of its own `worker` command, with a
         # fresh context for the preload; at worker start the preload's context is the current one
         outer = click.get_current_context(silent=True)
         worker_params = {p.name for p in outer.command.params} if outer is not None else set()
         if outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params:
             args = _check_scheduler_argument(self, outer, list(args))
+            from dask_rmm.worker.fatal import arm_worker_command
+
+            arm_worker_command()
         else:
             args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
         try:
-            plugin_from_flags(**ctx.params)
+            plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
         except click.UsageError as e:
             e.ctx = ctx  # the usage shown is this command's
             raise
@@ -172,6 +189,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--set-rmm-allocator-for-libs", "allocators", dict(callback=_libraries, metavar="LIBS",
         help="Point these libraries at the worker's resource: 'cupy', 'numba', 'torch' or "
         "several ('cupy,torch').")),
+    ("--rmm-exact-allocators", "exact_allocators", dict(callback=_libraries, metavar="LIBS",
+        help="Send every allocation of these libraries ('cupy', 'rmm') through the worker's "
+        "resource (exact per-allocation statistics) instead of their own cache over it.")),
     ("--rmm-base-resource", "base_resource", dict(type=click.Choice(
         BASE_RESOURCES, case_sensitive=False),
         help="Where memory comes from; 'system' (host memory) for hosts without a GPU.")),
@@ -186,41 +206,159 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
 _FLAG_TO_OPTION = {f.split("/")[0][2:].replace("-", "_"): o for f, o, _ in _FLAGS}
 
 
+#: dask-cuda's own preload flag: ``dask cuda worker`` and ``LocalCUDACluster`` give it to every
+#: preload (they add ``dask_cuda.initialize``, and distributed passes one argv to all preloads).
+_DASK_CUDA_FLAG = "--create-cuda-context/--no-create-cuda-context"
+
+
 def _with_flags(command: Any) -> Any:
     for flag, _, settings in reversed(_FLAGS):
         settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
         command = click.option(flag, default=None, **settings)(command)
+    command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", default=None, hidden=True)(command)
     return click.command(name="dask_rmm.preload", cls=_PreloadCommand)(command)
 
 
 @_with_flags
-async def dask_setup(worker: Any, **flags: Any) -> None:
+async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags.
 
     distributed calls this with the worker when it starts (``--preload dask_rmm.preload``).
     Give the scheduler address before these flags (``dask worker tcp://HOST:8786 --preload
     dask_rmm.preload --rmm-...``): dask worker takes the first flag as its address otherwise.
     With --scheduler-file that flag is recovered (and logged); without any address it is a
-    usage error.
+    usage error. Under dask-cuda, its ``--rmm-*`` settings configure dask-rmm (see
+    :func:`plugin_for_worker`). A setup that fails stops the worker
+    (:func:`dask_rmm.worker.fatal.stop_worker`).
     """
-    plugin = plugin_from_flags(**flags)
-    plugin.coordinated = False  # this worker alone: no vote with the others
+    from dask_rmm.plugin import RMMSetupError
+    from dask_rmm.worker.fatal import stop_worker
+
+    _hide_own_flags_from_other_preloads(worker)
+    flags_error = flags.pop("flags_error", None)
+    if flags_error is not None:
+        await stop_worker(worker, flags_error)
+        raise WorkerSetupFailed(flags_error)
     try:
-        await worker.plugin_add(plugin, catch_errors=False)
+        plugin = plugin_for_worker(worker, flags)
     except Exception as e:
-        reason = f"dask-rmm setup failed: {type(e).__name__}: {e}"
-        logger.error("dask-rmm: closing worker %s: %s", worker.name, reason)
-        await worker.close(reason=reason)
-        raise WorkerSetupFailed(reason) from e
+        await stop_worker(worker, _reason(e))
+        raise WorkerSetupFailed(_reason(e)) from e
+    plugin.coordinated = False  # this worker alone: no vote with the others
+    plugin.host_memory_form = "--rmm-base-resource system"
+    # What distributed's plugin_add does, without its traceback in the log: the reason is
+    # logged once, by stop_worker.
+    worker.plugins[plugin.name] = plugin
+    try:
+        await plugin.setup(worker)
+    except Exception as e:
+        worker.plugins.pop(plugin.name, None)
+        reason = _reason(e)
+        if isinstance(e, RMMSetupError) and e.failures:
+            reason = "; ".join(e.failures.values())
+        await stop_worker(worker, f"dask-rmm setup failed: {reason}")
+        raise WorkerSetupFailed(f"dask-rmm setup failed: {reason}") from e
+
+
+def _same(option: str, a: Any, b: Any) -> bool:
+    """Whether two spellings of an option mean the same (``"32MiB"`` and ``33554432``)."""
+    from dask_rmm.stack.options import _size
+
+    if a == b:
+        return True
+    try:
+        return _size(option, a) == _size(option, b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _without_dask_cuda_flag(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "dask_cuda_context"}
+
+
+def _reason(e: BaseException) -> str:
+    message = e.format_message() if isinstance(e, click.ClickException) else str(e)
+    return f"{type(e).__name__}: {message}"
+
+
+def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
+    """The RMMPlugin for ``worker``: from the preload's ``flags`` and, on a dask-cuda worker,
+    from dask-cuda's ``rmm_*`` settings, which are then switched off (no compiled RMM pool).
+
+    dask-cuda's values keep dask-cuda's meaning (sizes in bytes, ``"4GiB"`` or fractions of
+    the worker's GPU); the compiled ``rmm`` package, when installed, is served from dask-rmm's
+    stack (``allocators=["rmm"]``), so cuDF and cuML allocate through it as they did through
+    dask-cuda's pool. A setting given both ways with different values is a usage error.
+    """
+    from dask_rmm.config import config_value
+    from dask_rmm.worker import dask_cuda
+
+    setup = dask_cuda.find_rmm_setup(worker)
+    if setup is None:
+        return plugin_from_flags(**flags)
+    typed = dask_cuda.options_from_rmm_setup(setup)
+    flags = dict(flags)
+    by_option = {o: f for f, o in _FLAG_TO_OPTION.items()}
+    for option, (value, flag) in typed.items():
+        ours = by_option[option]
+        given = flags.get(ours)
+        if option == "allocators":
+            flags[ours] = [*dict.fromkeys([*(given or ()), *value])]
+        elif given is None or _same(option, given, value):
+            flags[ours] = value
+        else:
+            raise click.UsageError(
+                f"dask-cuda's {flag} {value} and dask_rmm.preload's "
+                f"--{ours.replace('_', '-')} {given} disagree; give it once"
+            )
+    base = flags.get("rmm_base_resource") or config_value("base-resource")
+    if dask_cuda.compiled_rmm_installed() and base not in ("system", "pinned"):
+        libs = flags.get("set_rmm_allocator_for_libs") or []
+        flags["set_rmm_allocator_for_libs"] = [*dict.fromkeys([*libs, "rmm"])]
+    plugin = plugin_from_flags(**flags)
+    dask_cuda.switch_off(setup)
+    from dask_rmm.worker.fatal import WORKER_LOGGER
+
+    WORKER_LOGGER.info(
+        "dask-rmm: worker %s: dask-cuda's RMM settings (%s) configure dask-rmm; compiled "
+        "RMM's own pool is not made",
+        worker.name,
+        " ".join(f"{flag} {v}" for v, flag in typed.values()) or "none",
+    )
+    return plugin
+
+
+def _hide_own_flags_from_other_preloads(worker: Any) -> None:
+    """distributed hands every preload the same argv: take dask-rmm's flags out of the other
+    click preloads' argv (``dask_cuda.initialize``, which dask-cuda adds after ours, would reject
+    ``--rmm-base-resource``), so that they start as they would without dask-rmm."""
+    ours: dict[str, bool] = {}  # option string -> takes a value
+    for param in dask_setup.params:
+        if isinstance(param, click.Option) and param.name != "dask_cuda_context":
+            for opt in [*param.opts, *param.secondary_opts]:
+                ours[opt] = not param.is_flag
+    for preload in getattr(worker, "preloads", ()):
+        command = getattr(getattr(preload, "module", None), "dask_setup", None)
+        if command is dask_setup or not isinstance(command, click.Command):
+            continue
+        argv, kept = list(getattr(preload, "argv", ())), []
+        i = 0
+        while i < len(argv):
+            name = argv[i].split("=", 1)[0]
+            if name in ours:
+                i += 2 if ours[name] and "=" not in argv[i] else 1
+                continue
+            kept.append(argv[i])
+            i += 1
+        preload.argv = kept
 
 
 class WorkerSetupFailed(BaseException):
-    """The preload closed its worker because the dask-rmm setup failed; fails the worker's start.
+    """The preload's worker could not be set up (in a process of its own, that process exits
+    first: :func:`dask_rmm.worker.fatal.stop_worker`); fails the worker's start.
 
     A BaseException on purpose: distributed logs and ignores an ``Exception`` from a preload,
-    after which the closed worker would end with exit status 0 and a supervisor (systemd,
-    Kubernetes, dask-jobqueue) would take the failure for a clean stop. This one ends the
-    worker's start, so ``dask worker`` exits with status 1 (with or without a nanny).
+    after which the closed worker would run on, or end with exit status 0.
     """
 
 
@@ -257,7 +395,7 @@ def _main(argv: list[str] | None = None) -> None:
     print the RMMPlugin they make (without starting anything)."""
     try:
         with dask_setup.make_context(PROG, list(sys.argv[1:] if argv is None else argv)) as ctx:
-            click.echo(repr(plugin_from_flags(**ctx.params)))
+            click.echo(repr(plugin_from_flags(**_without_dask_cuda_flag(ctx.params))))
     except click.exceptions.Exit as e:
         raise SystemExit(e.exit_code) from None
     except click.ClickException as e:

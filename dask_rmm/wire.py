@@ -59,7 +59,8 @@ class DeviceSample:
     """One worker device's memory at one heartbeat (the ``devices[id]`` entry of the heartbeat).
 
     ``retired_bytes`` counts buffers still alive in stacks that a re-registration replaced
-    (they are not in ``current_bytes`` any more). ``gpu_*`` name the physical device (under
+    (they are not in ``current_bytes`` any more). ``library_cached_bytes`` is the part of
+    ``current_bytes`` that library caches hold free (``in_array_bytes`` is the rest). ``gpu_*`` name the physical device (under
     dask-cuda every worker's device id is 0); on host memory ``gpu_name`` is ``"host"``.
     """
 
@@ -85,6 +86,15 @@ class DeviceSample:
     retired_bytes: int = _exported(
         "dask_rmm_retired_bytes", "Bytes still held in stacks replaced by a re-registration"
     )
+    #: Of ``current_bytes``: free bytes that library caches in front of the stack (CuPy's
+    #: MemoryPool, compiled RMM's pool) hold, in no array. In arrays: the difference.
+    library_cached_bytes: int = _exported(
+        "dask_rmm_library_cached_bytes",
+        "Of dask_rmm_used_bytes, bytes held free in library caches (CuPy's, compiled RMM's pool)",
+    )
+    #: The libraries whose caches draw from this stack, comma-separated ("cupy,rmm"); with
+    #: one, statistics and task groups count the caches' blocks, not each array.
+    library_caches: str = ""
     device_used_bytes: int = 0
     device_total_bytes: int = _exported(
         "dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"
@@ -119,6 +129,11 @@ class DeviceSample:
     #: The last OOM snapshots (``dask_rmm.pressure.OOMEvent.to_dict()``), oldest first.
     oom_events: tuple[dict, ...] = ()
     error: str | None = None
+
+    @property
+    def in_array_bytes(self) -> int:
+        """``current_bytes`` less what library caches hold free: bytes in arrays."""
+        return max(0, self.current_bytes - self.library_cached_bytes)
 
     @property
     def fragmentation(self) -> float:

@@ -77,7 +77,13 @@ def main() -> None:
                     ws.name: ws.metrics.get("dask-rmm") for ws in dask_scheduler.workers.values()
                 }
             )
-            total = sum(m["devices"]["0"]["current_bytes"] for m in metrics.values() if m)
+            # In arrays: what was allocated less what a library cache (CuPy's pool) keeps free.
+            total = sum(
+                m["devices"]["0"]["current_bytes"]
+                - m["devices"]["0"].get("library_cached_bytes", 0)
+                for m in metrics.values()
+                if m
+            )
             if total == 80 * MiB or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -85,9 +91,17 @@ def main() -> None:
         for name, m in sorted(metrics.items(), key=lambda kv: str(kv[0])):
             d = m["devices"]["0"]
             print(f"\nworker {name}: {d['resource']}")
+            cached, names = d.get("library_cached_bytes", 0), d.get("library_caches")
+            in_arrays = (
+                f" ({format_bytes(d['current_bytes'] - cached)} in arrays, "
+                f"{format_bytes(cached)} held free by the {names} cache)"
+                if names
+                else ""
+            )
             print(
-                f"  in use {format_bytes(d['current_bytes'])} in {d['current_count']} blocks, "
-                f"peak {format_bytes(d['peak_bytes'])}, pool {format_bytes(d['reserved_bytes'])} "
+                f"  allocated {format_bytes(d['current_bytes'])} in {d['current_count']} blocks"
+                f"{in_arrays}, peak {format_bytes(d['peak_bytes'])}, "
+                f"pool {format_bytes(d['reserved_bytes'])} "
                 f"({format_bytes(d['pool_free_bytes'])} free)"
             )
             for prefix, current, peak in d["task_groups"]:

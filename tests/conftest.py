@@ -171,3 +171,6 @@ def _reset_global_state():
     reset = getattr(registry, "_reset_for_tests", None)
     if reset is not None:
         reset()
+    from dask_rmm.allocators import caches
+
+    caches._reset_for_tests()

@@ -84,9 +84,10 @@ def capture_dask_rmm_logs() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             _captured.append(record.getMessage())
 
-    log = logging.getLogger("dask_rmm")
-    log.setLevel(logging.INFO)
-    log.addHandler(_Keep(logging.INFO))
+    for name in ("dask_rmm", "distributed.worker.dask_rmm"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        log.addHandler(_Keep(logging.INFO))
 
 
 def dask_rmm_logs() -> list[str]:
@@ -97,7 +98,12 @@ def cupy_allocator_name() -> str:
     """``module.name`` of the allocator CuPy uses in this process."""
     import cupy
 
+    from dask_rmm.allocators.cupy import get_cupy_cache
+
     fn = cupy.cuda.get_allocator()
+    cache = get_cupy_cache()
+    if cache is not None and fn == cache.pool.malloc:
+        return "dask_rmm.allocators.cupy.CupyPoolCache"  # CuPy's own pool over dask-rmm
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
 
 
@@ -161,3 +167,19 @@ def gpu_name() -> str:
 
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def gpu_uuid() -> str:
+    """The current device's UUID as dask-rmm reads it (``GPU-...``)."""
+    from dask_rmm import _cuda
+
+    return _cuda.device_identity(_cuda.get_device())[1]
+
+
+def compiled_rmm_resource() -> str:
+    """The type of compiled RMM's current device resource here, or ``"no rmm"``."""
+    try:
+        import rmm
+    except ImportError:
+        return "no rmm"
+    return type(rmm.mr.get_current_device_resource()).__name__

@@ -2,8 +2,11 @@
 
 ``set_allocators(["cupy", "numba", "torch"])`` is what the worker plugin's ``allocators=[...]``
 and ``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
-:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba` and
-:mod:`dask_rmm.allocators.torch`. Importing this package imports none of the libraries.
+:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba`,
+:mod:`dask_rmm.allocators.rmm_interop` and :mod:`dask_rmm.allocators.torch`, and the registry of
+library caches (CuPy's and compiled RMM's own pools drawing blocks from the stack, the default
+for those two) in :mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
+libraries.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-__all__ = ["SUPPORTED_ALLOCATORS", "check_allocators", "reset_allocators", "set_allocators"]
+__all__ = [
+    "CACHED_ALLOCATORS",
+    "SUPPORTED_ALLOCATORS",
+    "check_allocators",
+    "reset_allocators",
+    "set_allocators",
+]
 
 #: Library name -> (module holding its hook, setter, resetter, pip requirement).
 _HOOKS = {
@@ -44,6 +53,10 @@ _HOOKS = {
 
 #: Names accepted by :func:`set_allocators`.
 SUPPORTED_ALLOCATORS: tuple[str, ...] = tuple(sorted(_HOOKS))
+#: Libraries whose own compiled cache serves their allocations by default, drawing its blocks
+#: from dask-rmm's stack (CuPy's ``MemoryPool``, compiled RMM's pool); the others (Numba,
+#: PyTorch) allocate every array through the stack.
+CACHED_ALLOCATORS: tuple[str, ...] = ("cupy", "rmm")
 
 
 def _normalize(names: str | Iterable[str] | None) -> list[str]:
@@ -105,15 +118,22 @@ def check_allocators(names: str | Iterable[str] | None) -> list[str]:
     return selected
 
 
-def set_allocators(names: str | Iterable[str] | None) -> list[str]:
+def set_allocators(
+    names: str | Iterable[str] | None, exact: str | Iterable[str] | bool | None = None
+) -> list[str]:
     """Point each named library's device allocations at the current device resource.
 
     Parameters
     ----------
     names : str or iterable of str
-        Library names from :data:`SUPPORTED_ALLOCATORS` (``"cupy"``, ``"numba"``,
-        ``"torch"``), case
-        insensitive; a string may hold several separated by commas (``"cupy,numba"``).
+        Library names from :data:`SUPPORTED_ALLOCATORS` (``"cupy"``, ``"numba"``, ``"rmm"``,
+        ``"torch"``), case insensitive; a string may hold several separated by commas
+        (``"cupy,numba"``).
+    exact : str, iterable of str or bool, optional
+        Libraries of :data:`CACHED_ALLOCATORS` whose every allocation should go through the
+        resource (exact per-allocation statistics, attribution and logs; slower with several
+        threads) instead of through their own compiled cache drawing blocks from it (the
+        default). True: all of them.
 
     Returns
     -------
@@ -144,9 +164,13 @@ def set_allocators(names: str | Iterable[str] | None) -> list[str]:
     >>> reset_allocators(libs)
     """
     selected = _normalize(names)
+    exact_names = set(CACHED_ALLOCATORS) if exact is True else set(_normalize(exact or None))
     setters = [_hook(name, 0) for name in selected]  # import all before changing any
-    for setter in setters:
-        setter()
+    for name, setter in zip(selected, setters, strict=True):
+        if name in CACHED_ALLOCATORS:
+            setter(cache=name not in exact_names)
+        else:
+            setter()
     return selected
 
 

@@ -1,6 +1,16 @@
 """CuPy allocators: hand CuPy memory from the current device resource.
 
-Two allocators, the same memory, stream order and statistics:
+Three ways, the same memory, stream order and limits:
+
+- :class:`CupyPoolCache` (what :func:`set_cupy_allocator` installs by default, and so the Dask
+  plugin's ``allocators=["cupy"]``): CuPy's own ``MemoryPool``, whose blocks come from the
+  current device resource through :func:`lean_cupy_allocator`. Each allocation and free is
+  CuPy's compiled code; dask-rmm sees, counts and limits the blocks CuPy's pool draws and gives
+  back, and reports the free bytes the pool keeps (``cached_bytes``). Fast with several threads
+  (no Python per allocation); statistics count the pool's blocks, not each array.
+
+And the exact, per-allocation paths (``set_cupy_allocator(cache=False)``, the plugin's
+``exact_allocators=["cupy"]``):
 
 - ``rmm_cupy_allocator``, RMM's: the memory object CuPy holds is an ``UnownedMemory`` whose
   ``_owner`` is a :class:`~dask_rmm.DeviceBuffer` (RMM's tests and some user code look there).
@@ -16,11 +26,13 @@ of the device CuPy is on. Pinned host memory for CuPy is not covered.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm.allocators import caches
 from dask_rmm.device_buffer import DeviceBuffer
 from dask_rmm.stream import Stream
 
@@ -28,7 +40,9 @@ if TYPE_CHECKING:
     from dask_rmm.mr.base import DeviceMemoryResource
 
 __all__ = [
+    "CupyPoolCache",
     "ResourceMemory",
+    "get_cupy_cache",
     "lean_cupy_allocator",
     "reset_cupy_allocator",
     "rmm_cupy_allocator",
@@ -220,7 +234,76 @@ else:
     ResourceMemory = None  # type: ignore[assignment,misc]
 
 
+class CupyPoolCache:
+    """CuPy's own ``MemoryPool`` over dask-rmm: CuPy's compiled cache in front of the stack.
+
+    ``pool`` is a ``cupy.cuda.MemoryPool`` whose blocks come from the current device resource
+    (:func:`lean_cupy_allocator`, on CuPy's current stream), so every block is counted, limited
+    and logged by the stack, and goes back to it when CuPy frees it (``free_all_blocks``).
+    Arrays are carved out of those blocks by CuPy alone: no Python runs per allocation. When
+    the stack is out of memory, the pool gives its free blocks back and tries once more; if
+    that fails too, the stack's ``MemoryError`` (dask-rmm's ``OutOfMemoryError``, with the
+    pool's numbers) reaches the caller, as through the per-allocation hook.
+
+    Examples
+    --------
+    >>> import cupy
+    >>> from dask_rmm.allocators.cupy import CupyPoolCache
+    >>> cache = CupyPoolCache()
+    >>> cupy.cuda.set_allocator(cache.pool.malloc)  # doctest: +SKIP
+    """
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        cupy = _require_cupy()
+        self.pool = cupy.cuda.MemoryPool(allocator=self._draw)
+
+    def _draw(self, nbytes: int) -> Any:
+        try:
+            return lean_cupy_allocator(nbytes)
+        except MemoryError:
+            # (The error is not kept: its traceback would keep the caller's arrays alive.)
+            # As CuPy's pool does on cudaMalloc's out-of-memory: give the cache's free blocks
+            # back (arrays dropped in reference cycles first, if that is all there is) and try
+            # once more. The stack's memory-pressure layer, when there is one, did so already
+            # before failing: then nothing is released and its error, with its numbers, is the
+            # caller's (raised as is: CuPy's pool passes on what is not a CUDA error).
+            device = _get_device_id()
+            if not self.release(device):
+                gc.collect()
+                if not self.release(device):
+                    raise
+        return lean_cupy_allocator(nbytes)
+
+    def _on_device(self, device: int) -> Any:
+        return _cupy.cuda.Device(device)
+
+    def cached_bytes(self, device: int) -> int:
+        """Bytes CuPy's pool holds free on ``device`` (drawn from the stack, in no array)."""
+        with self._on_device(device):
+            return int(self.pool.free_bytes())
+
+    def in_use_bytes(self, device: int) -> int:
+        """Bytes of CuPy's pool on ``device`` that arrays hold."""
+        with self._on_device(device):
+            return int(self.pool.used_bytes())
+
+    def release(self, device: int) -> int:
+        """Give CuPy's free blocks on ``device`` back to the stack (blocks partly in use stay);
+        the bytes given back."""
+        with self._on_device(device):
+            before = int(self.pool.total_bytes())
+            self.pool.free_all_blocks()
+            return before - int(self.pool.total_bytes())
+
+    def __repr__(self) -> str:
+        return f"<CupyPoolCache {self.pool!r}>"
+
+
 _previous_allocators: list[Any] = []
+#: The process's CuPy cache, made by the first :func:`set_cupy_allocator` that asks for one.
+_cache: CupyPoolCache | None = None
 
 
 def _require_cupy():
@@ -232,18 +315,32 @@ def _require_cupy():
     return _cupy
 
 
-#: What :func:`set_cupy_allocator` installs and :func:`reset_cupy_allocator` recognizes as its own.
-_OURS = (lean_cupy_allocator, rmm_cupy_allocator)
+def _ours(allocator: Any) -> bool:
+    if allocator is lean_cupy_allocator or allocator is rmm_cupy_allocator:
+        return True
+    return _cache is not None and allocator == _cache.pool.malloc
 
 
-def set_cupy_allocator() -> None:
+def get_cupy_cache() -> CupyPoolCache | None:
+    """The CuPy cache :func:`set_cupy_allocator` installed, or None."""
+    return _cache
+
+
+def set_cupy_allocator(cache: bool = True) -> None:
     """Point CuPy's allocations at the current device resource.
 
-    Calls ``cupy.cuda.set_allocator(lean_cupy_allocator)`` (the faster of this module's two
-    allocators; its memory objects are :class:`ResourceMemory`, not UnownedMemory owning a
-    DeviceBuffer, see the module notes) and remembers CuPy's previous allocator for
-    :func:`reset_cupy_allocator`. Calling it again while one of this module's allocators is
-    set does nothing (idempotent).
+    Parameters
+    ----------
+    cache : bool
+        True (default): CuPy's own ``MemoryPool`` draws its blocks from the resource
+        (:class:`CupyPoolCache`): native speed, the stack counts the pool's blocks and the
+        metrics report the pool's free bytes. False: every allocation and free goes through the
+        resource (``lean_cupy_allocator``): exact per-allocation statistics and task
+        attribution, a few microseconds of Python per allocation.
+
+    Remembers CuPy's previous allocator for :func:`reset_cupy_allocator`. Calling it again
+    with the same choice does nothing; with the other choice it switches (the cache's free
+    blocks go back to the stack).
 
     Raises
     ------
@@ -256,12 +353,41 @@ def set_cupy_allocator() -> None:
     >>> set_cupy_allocator()
     >>> reset_cupy_allocator()
     """
+    global _cache
     cupy = _require_cupy()
     current = cupy.cuda.get_allocator()
-    if current in _OURS:
+    if cache:
+        if _cache is None:
+            _cache = CupyPoolCache()
+        wanted = _cache.pool.malloc
+        if current == wanted:
+            return
+        cupy.cuda.set_allocator(wanted)
+        caches.register_cache(_cache)
+    else:
+        if current is lean_cupy_allocator or current is rmm_cupy_allocator:
+            return
+        cupy.cuda.set_allocator(lean_cupy_allocator)
+    if _ours(current) and _previous_allocators:  # switched between our two ways
+        _drop_cache(keep_allocator=True)
         return
-    cupy.cuda.set_allocator(lean_cupy_allocator)
     _previous_allocators.append(current)
+
+
+def _drop_cache(keep_allocator: bool = False) -> None:
+    """Give the cache's free blocks back; unlist it once it holds none. Arrays still holding
+    blocks give them back to the cache when CuPy frees them: until then it stays listed, so
+    its free bytes are still reported and still given back under memory pressure."""
+    if _cache is None or (keep_allocator and _cupy.cuda.get_allocator() == _cache.pool.malloc):
+        return
+    try:
+        _cache.pool.free_all_blocks()
+        holds = _cache.pool.total_bytes() > 0
+    except Exception:  # no device (a pool that never allocated), or a teardown that must go on
+        logger.debug("dask-rmm: freeing CuPy's cached blocks failed", exc_info=True)
+        holds = False
+    if not holds:
+        caches.unregister_cache(_cache)
 
 
 def reset_cupy_allocator() -> None:
@@ -272,7 +398,8 @@ def reset_cupy_allocator() -> None:
     """
     if _cupy is None or not _previous_allocators:
         return
-    if _cupy.cuda.get_allocator() not in _OURS:
+    if not _ours(_cupy.cuda.get_allocator()):
         _previous_allocators.clear()
         return
     _cupy.cuda.set_allocator(_previous_allocators.pop())
+    _drop_cache()

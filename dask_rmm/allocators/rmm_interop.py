@@ -3,8 +3,21 @@
 :func:`set_rmm_callback_resource` makes each device's current resource in the compiled ``rmm``
 package an ``rmm.mr.CallbackMemoryResource`` whose callbacks allocate from, and free to, that
 device's dask-rmm resource; :func:`reset_rmm_callback_resource` gives RMM its previous resources
-back. It is the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`. Not here: anything
-about RMM's own C++ resources (dask-rmm never builds those) or libraries that bypass RMM.
+back. It is the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`. Not here: libraries
+that bypass RMM.
+
+Two ways (``cache=``):
+
+- the cache (default, :class:`RMMPoolCache`): RMM's compiled ``StatisticsResourceAdaptor`` over
+  ``FailureCallbackResourceAdaptor`` over ``PoolMemoryResource`` over the callback resource.
+  cuDF's allocations are served by RMM's C++ pool, counted exactly by RMM's C++ statistics, and
+  only the pool's growth runs Python, drawing blocks from dask-rmm's stack (which counts, limits
+  and logs them). RMM's pool cannot shrink: its free blocks stay drawn (``cached_bytes``).
+  Running out of memory calls the failure callback, which has the other library caches give
+  their free blocks back and spills task outputs (with ``spill_on_oom``), then retries.
+- exact (``cache=False``, the plugin's ``exact_allocators=["rmm"]``): the callback resource
+  alone, two Python calls per allocation and free, every allocation counted, attributed to its
+  task and logged by dask-rmm.
 
 How the callbacks behave (RMM calls them with the GIL taken, from any thread):
 
@@ -33,11 +46,14 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from dask_rmm.allocators import caches
 from dask_rmm.mr.base import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream
 
 __all__ = [
     "RMMForwarder",
+    "RMMPoolCache",
+    "get_rmm_cache",
     "get_rmm_forwarder",
     "reset_rmm_callback_resource",
     "set_rmm_callback_resource",
@@ -245,12 +261,20 @@ def _require_device_memory(mr: Any, device: int) -> None:
 class _Installation:
     """What :func:`set_rmm_callback_resource` changed on one device."""
 
-    __slots__ = ("forwarder", "callback_resource", "rmm_previous")
+    __slots__ = ("forwarder", "callback_resource", "rmm_previous", "cache")
 
-    def __init__(self, forwarder: RMMForwarder, callback_resource: Any, rmm_previous: Any):
+    def __init__(
+        self,
+        forwarder: RMMForwarder,
+        callback_resource: Any,
+        rmm_previous: Any,
+        cache: RMMPoolCache | None = None,
+    ):
         self.forwarder = forwarder
+        #: What RMM's per-device resource is set to (the cache's top, or the callback resource).
         self.callback_resource = callback_resource
         self.rmm_previous = rmm_previous
+        self.cache = cache
 
 
 _lock = threading.Lock()
@@ -262,6 +286,113 @@ _installed: dict[int, _Installation] = {}
 #: (a few hundred bytes each; the dask-rmm resources they served are referenced only while
 #: pointers from them are live).
 _retired: list[_Installation] = []
+
+
+#: The counters of RMM's ``Statistics``, in its order.
+_RMM_STATISTICS = (
+    "current_bytes",
+    "current_count",
+    "peak_bytes",
+    "peak_count",
+    "total_bytes",
+    "total_count",
+)
+
+#: The compiled pool's first block, when the stack has room for it (else the pool starts
+#: empty); it doubles from there as the library needs more.
+RMM_CACHE_INITIAL_SIZE = 64 << 20
+
+
+class RMMPoolCache:
+    """Compiled RMM's pool in front of dask-rmm's stack, for one device.
+
+    ``top`` (what RMM's per-device resource is set to) is RMM's C++
+    ``StatisticsResourceAdaptor`` over a ``FailureCallbackResourceAdaptor`` over a
+    ``PoolMemoryResource`` whose upstream is a ``CallbackMemoryResource`` drawing blocks from the
+    device's dask-rmm resource. Per allocation only compiled code runs; ``statistics()`` are RMM's
+    exact per-allocation counts. The pool's growth is marked as drawing for a cache
+    (:func:`~dask_rmm.allocators.caches.drawing_for_cache`): it may ask for twice what it needs
+    and back off, so the stack fails it without spilling; when the pool is really out of memory
+    the failure callback has the library caches give back their free blocks and, with
+    ``spill_on_oom``, spills task outputs, then RMM retries.
+
+    Parameters
+    ----------
+    device : int
+        The device whose dask-rmm resource serves the pool's blocks.
+    forwarder : RMMForwarder
+        Its callbacks (which remember the resource of each block).
+    initial_pool_size : int, optional
+        The pool's first block, drawn at once (default :data:`RMM_CACHE_INITIAL_SIZE`); when the stack cannot give it, the pool starts
+        empty and grows by what is asked.
+    """
+
+    name = "rmm"
+
+    def __init__(self, device: int, forwarder: RMMForwarder, initial_pool_size: int | None = None):
+        rmm = _require_rmm("RMMPoolCache")
+        if initial_pool_size is None:
+            initial_pool_size = RMM_CACHE_INITIAL_SIZE
+        self.device = device
+        self.forwarder = forwarder
+        self.upstream = rmm.mr.CallbackMemoryResource(self._draw, forwarder.deallocate)
+        try:
+            self.pool = rmm.mr.PoolMemoryResource(
+                self.upstream, initial_pool_size=initial_pool_size
+            )
+        except MemoryError:  # a small stack: start empty
+            self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=0)
+        self.failure = rmm.mr.FailureCallbackResourceAdaptor(self.pool, self._out_of_memory)
+        self.top = rmm.mr.StatisticsResourceAdaptor(self.failure)
+        #: Failed allocations that the callback freed memory for (then retried).
+        self.retries = 0
+
+    def _draw(self, *args: Any) -> int:
+        with caches.drawing_for_cache():
+            return self.forwarder.allocate(*args)
+
+    def _out_of_memory(self, nbytes: int) -> bool:
+        """RMM's failure callback: free what can be freed; True to retry. Never raises."""
+        try:
+            freed = caches.release_cached(self.device)
+            handler = caches.oom_handler(self.device)
+            if handler is not None:
+                freed += int(handler(nbytes) or 0)
+        except BaseException:  # nothing may propagate into C++
+            logger.warning("dask-rmm: freeing memory for RMM's pool failed", exc_info=True)
+            return False
+        if freed > 0:
+            self.retries += 1
+        return freed > 0
+
+    def statistics(self) -> dict[str, int]:
+        """RMM's exact counts of the allocations the pool served: current, peak and total
+        bytes and counts."""
+        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics (or a dict)
+        if isinstance(counts, dict):
+            return {k: int(counts[k]) for k in _RMM_STATISTICS}
+        return {k: int(getattr(counts, k)) for k in _RMM_STATISTICS}
+
+    def pool_size(self) -> int:
+        """Bytes the pool drew from the stack."""
+        return int(self.pool.pool_size())
+
+    def cached_bytes(self, device: int) -> int:
+        """Bytes the pool holds from ``device``'s stack without an allocation in them."""
+        if device != self.device:
+            return 0
+        return max(0, self.pool_size() - self.statistics()["current_bytes"])
+
+    def in_use_bytes(self, device: int) -> int:
+        """Bytes the pool has handed out on ``device`` (RMM's statistics)."""
+        return self.statistics()["current_bytes"] if device == self.device else 0
+
+    def release(self, device: int) -> int:
+        """RMM's compiled pool cannot shrink: nothing is given back (0)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"<RMMPoolCache device={self.device} pool_size={self.pool_size()}>"
 
 
 def _require_rmm(what: str):
@@ -291,7 +422,9 @@ def _target_devices(devices: Iterable[int] | None) -> list[int]:
     return targets
 
 
-def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]:
+def set_rmm_callback_resource(
+    devices: Iterable[int] | None = None, cache: bool = True
+) -> list[int]:
     """Serve the compiled RMM library's allocations from dask-rmm's per-device resources.
 
     Sets RMM's per-device resource of each device to an ``rmm.mr.CallbackMemoryResource`` that
@@ -306,6 +439,9 @@ def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]
     devices : iterable of int, optional
         Default: every device that has a dask-rmm resource now (the worker's configured devices),
         or the current device when none has.
+    cache : bool
+        True (default): RMM's compiled pool serves the allocations and draws its blocks from
+        dask-rmm (:class:`RMMPoolCache`). False: every allocation goes through dask-rmm.
 
     Returns
     -------
@@ -350,25 +486,57 @@ def set_rmm_callback_resource(devices: Iterable[int] | None = None) -> list[int]
             for device in targets:
                 current = rmm.mr.get_per_device_resource(device)
                 old = _installed.get(device)
-                if old is not None and current is old.callback_resource:
+                if (
+                    old is not None
+                    and current is old.callback_resource
+                    and (old.cache is not None) == bool(cache)
+                ):
                     continue
+                previous = (
+                    old.rmm_previous
+                    if old is not None and current is old.callback_resource
+                    else current
+                )
                 forwarder = RMMForwarder(device)
-                callback = rmm.mr.CallbackMemoryResource(forwarder.allocate, forwarder.deallocate)
+                tier = None
+                if cache:
+                    tier = RMMPoolCache(device, forwarder)
+                    callback = tier.top
+                else:
+                    callback = rmm.mr.CallbackMemoryResource(
+                        forwarder.allocate, forwarder.deallocate
+                    )
                 rmm.mr.set_per_device_resource(device, callback)
                 changed.append((device, old))
-                _installed[device] = _Installation(forwarder, callback, current)
+                _installed[device] = _Installation(forwarder, callback, previous, tier)
+                if tier is not None:
+                    caches.register_cache(tier)
         except BaseException:
             for device, old in reversed(changed):
                 new = _installed.pop(device)
-                rmm.mr.set_per_device_resource(device, new.rmm_previous)
-                _retired.append(new)
+                rmm.mr.set_per_device_resource(
+                    device, old.callback_resource if old is not None else new.rmm_previous
+                )
+                _retire(new)
                 if old is not None:
                     _installed[device] = old
             raise
         for _device, old in changed:
             if old is not None:
-                _retired.append(old)
+                _retire(old)
     return targets
+
+
+def _retire(installation: _Installation) -> None:
+    if installation.cache is not None:
+        caches.unregister_cache(installation.cache)
+    _retired.append(installation)
+
+
+def get_rmm_cache(device: int) -> RMMPoolCache | None:
+    """The compiled RMM cache serving ``device``'s RMM allocations, or None."""
+    installation = _installed.get(device)
+    return None if installation is None else installation.cache
 
 
 def reset_rmm_callback_resource(devices: Iterable[int] | None = None) -> None:
@@ -392,7 +560,7 @@ def reset_rmm_callback_resource(devices: Iterable[int] | None = None) -> None:
                 continue
             if _rmm.mr.get_per_device_resource(device) is installation.callback_resource:
                 _rmm.mr.set_per_device_resource(device, installation.rmm_previous)
-            _retired.append(installation)
+            _retire(installation)
 
 
 def get_rmm_forwarder(device: int) -> RMMForwarder | None:

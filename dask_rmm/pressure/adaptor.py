@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from dask_rmm.allocators.caches import is_drawing_for_cache
 from dask_rmm.mr.base import CUDAAllocationError, DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
@@ -39,6 +40,7 @@ class PressureHandler(Protocol):
     def record_oom(
         self, error: MemoryError, nbytes: int, spilled: int, events: list
     ) -> object: ...  # the result is not used
+    def release_cached(self) -> int: ...
 
 
 class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
@@ -100,12 +102,17 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         h = self.handler
         limit = h.limit
         if limit is not None and self._estimate + nbytes > limit and nbytes:
-            self._check_limit(nbytes, limit)
+            if not is_drawing_for_cache():
+                self._check_limit(nbytes, limit)
         try:
             ptr = self._upstream_allocate(nbytes, stream)
         except CUDAAllocationError:
             raise  # not out of memory (a broken pool or device): spilling cannot help
         except MemoryError as e:
+            if is_drawing_for_cache():
+                # A library cache growing: it may have asked for more than it needs and backs
+                # off; once really out of memory it asks to spill through its own callback.
+                raise
             ptr = self._allocate_after_oom(nbytes, stream, e)
         self._estimate += nbytes
         self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
@@ -133,6 +140,15 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         h = self.handler
         if h.busy():
             raise error
+        release = getattr(h, "release_cached", None)
+        if release is not None and release() > 0:
+            # Free blocks of library caches went back to the stack: no spilling needed yet.
+            try:
+                return self._upstream_allocate(nbytes, stream)
+            except CUDAAllocationError:
+                raise
+            except MemoryError as e:
+                error = e
         spilled = 0
         if h.spill_on_oom:
             upstream_allocate = self._upstream_allocate

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from dask_rmm.allocators import caches
 from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError, align_up
 from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
 from dask_rmm.pressure.metrics import PressureCounters
@@ -102,13 +103,33 @@ class DevicePressure:
         return self.store.spilling_on_this_thread()
 
     def current_bytes(self) -> int:
-        """Bytes allocated on this device through the worker's resource."""
+        """Bytes in use on this device: allocated through the worker's resource, less the free
+        bytes that library caches in front of it hold (those are given back, not spilled)."""
         if self.statistics is not None:
-            return self.statistics.current_bytes
-        if self.pool is not None:
+            allocated = self.statistics.current_bytes
+        elif self.pool is not None:
             info = self.pool.reserved_memory_info()
-            return info.reserved_bytes - info.free_bytes
-        return self.store.device_bytes(self.device)
+            allocated = info.reserved_bytes - info.free_bytes
+        else:
+            return self.store.device_bytes(self.device)
+        return max(0, allocated - self.cached_bytes())
+
+    def cached_bytes(self) -> int:
+        """Free bytes library caches (CuPy's pool, compiled RMM's pool) hold from this device's
+        stack."""
+        return sum(caches.cached_bytes(self.device).values())
+
+    def release_cached(self) -> int:
+        """Have the library caches give their free blocks on this device back to the stack;
+        the bytes given back. Cheaper than spilling, so done first."""
+        return caches.release_cached(self.device)
+
+    def spill_for_cache(self, nbytes: int) -> int:
+        """A library cache of this device is out of memory (its own failure callback asks):
+        spill ``nbytes`` with ``spill_on_oom``, else nothing; the bytes spilled."""
+        if not self.spill_on_oom or self.busy():
+            return 0
+        return self.spill(nbytes)
 
     def spill(self, need: int | Callable[[], int]) -> int:
         """Spill least recently used values of this device adding up to ``need`` bytes (or
@@ -137,8 +158,14 @@ class DevicePressure:
                 # spilling go back to the device.
                 release = pool.release
         adaptor = self.adaptor
+
+        def attempt_after_release() -> int:
+            # Spilled arrays of a library cache free into that cache, not into the stack.
+            self.release_cached()
+            return attempt()
+
         return self.store.spill_until(
-            attempt,
+            attempt_after_release,
             request,
             device=self.device,
             layout=layout,

@@ -134,6 +134,11 @@ class WorkerPressure:
         worker.memory_manager.data = self.store
         worker.state.data = self.store
         self._worker = worker
+        if self.spill_on_oom:
+            from dask_rmm.allocators import caches
+
+            for device, dp in self.devices.items():  # library caches out of memory spill too
+                caches.set_oom_handler(device, dp.spill_for_cache)
         if self.monitor_interval and (
             self.pause_fraction is not None
             or any(dp.limit is not None for dp in self.devices.values())
@@ -157,6 +162,11 @@ class WorkerPressure:
                 del worker.periodic_callbacks[MONITOR_KEY]
         self._resume(worker)
         self._worker = None
+        from dask_rmm.allocators import caches
+
+        for device, dp in self.devices.items():
+            if caches.oom_handler(device) == dp.spill_for_cache:
+                caches.set_oom_handler(device, None)
         store = self.store
         store.on_store = None
         for dp in self.devices.values():  # bringing values back must not spill others

@@ -357,7 +357,28 @@ class ClusterMemoryReport:
         else:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines.append(self._peak_note())
-        return "\n".join(lines + self.pressure_lines() + self._notes())
+        return "\n".join(lines + self.cache_lines() + self.pressure_lines() + self._notes())
+
+    def cache_lines(self) -> list[str]:
+        """One line per device whose memory passes through a library cache: how much of what
+        it allocated is in arrays and how much the caches hold free, and what its statistics
+        and task groups count then (none without caches)."""
+        lines = []
+        for d in self.devices:
+            if not d.library_caches:
+                continue
+            lines.append(
+                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.in_array_bytes)} in arrays, "
+                f"{format_bytes(d.library_cached_bytes)} held free in the {d.library_caches} "
+                "cache(s)"
+            )
+        if lines:
+            lines.insert(
+                0,
+                "library caches (allocated = in arrays + held free in the caches; counts and "
+                "task groups are the caches' blocks, charged to the task that drew them):",
+            )
+        return lines
 
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
@@ -366,8 +387,11 @@ class ClusterMemoryReport:
         ]
         lines += [f"error: {e}" for e in self.errors]
         if self.workers_without_dask_rmm:
+            missing = self.workers_without_dask_rmm
             lines.insert(
-                0, f"{len(self.workers_without_dask_rmm)} worker(s) without dask-rmm metrics"
+                0,
+                f"{len(missing)} worker(s) without dask-rmm (no dask-rmm metrics): "
+                + ", ".join(sorted(missing)),
             )
         return lines
 

@@ -70,12 +70,19 @@ class SetupCoordinator(SchedulerPlugin):
         error: str | None = None,
         previous: str | None = None,
     ) -> dict[str, Any]:
-        """``{"failures": {worker: reason}, "current": bool}``: ``current`` is False when the
-        scheduler holds a later registration of the plugin (two registered at once: the later
-        one is installed everywhere, whatever order the workers received them in)."""
+        """``{"failures": {worker: reason}, "current": bool, "joined": bool}``: ``current`` is
+        False when the scheduler holds a later registration of the plugin (two registered at
+        once: the later one is installed everywhere, whatever order the workers received them
+        in); ``joined`` is True for a worker added after the registration succeeded on the
+        others (it gets the plugin when it registers, and fails alone)."""
+        joined = token in self.committed
         failures = await self._failures(token, name, worker, error, previous)
         stored = self._stored_token(name)
-        return {"failures": failures, "current": stored == token or stored is _UNREADABLE}
+        return {
+            "failures": failures,
+            "current": stored == token or stored is _UNREADABLE,
+            "joined": joined,
+        }
 
     def _stored_token(self, name: str) -> Any:
         """The token of the registration the scheduler holds: None when it holds none (the

@@ -77,7 +77,13 @@ def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
         except FileNotFoundError:
             if create:
                 raise
-            return candidate, None  # no file yet: free
+            # No file yet: free. Made at the first row, so a directory it cannot be made in
+            # fails now, at setup, not later with the rows lost.
+            if not os.access(os.path.dirname(candidate) or ".", os.W_OK | os.X_OK):
+                raise PermissionError(
+                    f"cannot create {candidate}: the directory is not writable"
+                ) from None
+            return candidate, None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

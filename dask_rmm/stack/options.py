@@ -53,14 +53,14 @@ def _bool(option: str, value: Any) -> bool:
     raise TypeError(f"`{option}` must be True or False, got {value!r}")
 
 
-def _allocators(value: Any) -> tuple[str, ...]:
+def _allocators(value: Any, option: str = "allocators") -> tuple[str, ...]:
     from dask_rmm.allocators import SUPPORTED_ALLOCATORS
 
     try:
         names = value.split(",") if isinstance(value, str) else list(value or ())
     except TypeError:
         raise TypeError(
-            f"`allocators` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
+            f"`{option}` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
             f"got {value!r}"
         ) from None
     out: list[str] = []
@@ -68,7 +68,7 @@ def _allocators(value: Any) -> tuple[str, ...]:
         name = str(name).strip().lower()
         if name and name not in SUPPORTED_ALLOCATORS:
             raise ValueError(
-                f"unknown library {name!r} in `allocators`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
+                f"unknown library {name!r} in `{option}`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
             )
         if name and name not in out:
             out.append(name)
@@ -154,6 +154,10 @@ class RMMOptions:
     allocators: tuple[
         str, ...
     ] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
+    #: libraries of ``allocators`` whose every allocation goes through the stack (exact
+    #: per-allocation statistics and attribution) rather than through their own compiled cache
+    #: drawing blocks from it (the default for "cupy" and "rmm"); True: all of them
+    exact_allocators: tuple[str, ...] = ()
     devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
     #: above this many bytes in use (measured by the resource), a worker spills its least
     #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
@@ -180,6 +184,14 @@ class RMMOptions:
             put(name, _bool(name, getattr(self, name)))
         put("pool_allocator", self.pool_allocator or self.pool_size is not None)
         put("allocators", _allocators(self.allocators))
+        exact = self.exact_allocators
+        if exact is True or (isinstance(exact, str) and exact.strip().lower() in ("true", "all")):
+            from dask_rmm.allocators import CACHED_ALLOCATORS
+
+            exact = CACHED_ALLOCATORS
+        elif exact is False or exact is None:
+            exact = ()
+        put("exact_allocators", _allocators(exact, "exact_allocators"))
         put("devices", _devices(self.devices))
         put("log_directory", _log_directory(self.log_directory))
         put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm import wire
+from dask_rmm.allocators import caches
 from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
 
@@ -204,6 +205,11 @@ class WorkerMetrics:
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
             d["retired_bytes"] = retired_bytes(retired, stack.device)
 
+        def library_caches() -> None:
+            cached = caches.cached_bytes(stack.device)
+            d["library_cached_bytes"] = sum(cached.values())
+            d["library_caches"] = ",".join(sorted(cached))
+
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
             if not stack.host_memory:  # cudaMemGetInfo; 0 and 0 on host memory
@@ -230,7 +236,8 @@ class WorkerMetrics:
                 d.update(stack.pressure.heartbeat_fields())
 
         errors = []
-        for part in (statistics, device_memory, current_resource, task_groups, memory_pressure):
+        parts = (statistics, library_caches, device_memory, current_resource, task_groups)
+        for part in (*parts, memory_pressure):
             try:  # one part failing leaves the others, and the heartbeat, intact
                 part()
             except Exception as e:
@@ -254,7 +261,8 @@ class WorkerMetrics:
             try:
                 stats = stack.statistics
                 current = stats.current_bytes if stats is not None else 0
-                used += current
+                # distributed's plot: what arrays use, not what library caches keep free
+                used += max(0, current - sum(caches.cached_bytes(stack.device).values()))
                 # The "dask-rmm" metric of this heartbeat has just walked the pool's free lists:
                 # reuse its reserved bytes rather than walk them again.
                 when, reserved = device.last_reserved

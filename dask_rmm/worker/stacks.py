@@ -99,6 +99,14 @@ def cupy_allocator_note() -> str | None:
         allocator = sys.modules["cupy"].cuda.get_allocator()
     except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
         return None
+    ours = sys.modules.get("dask_rmm.allocators.cupy")
+    cache = ours.get_cupy_cache() if ours is not None else None
+    if cache is not None and allocator == cache.pool.malloc:
+        return (
+            "CuPy allocates through its own MemoryPool over dask-rmm's resources "
+            "(dask_rmm.allocators.cupy.CupyPoolCache; the pool's blocks are counted in "
+            "dask-rmm's metrics, its free bytes reported as library_cached_bytes)"
+        )
     owner_object = getattr(allocator, "__self__", None)  # a bound method: MemoryPool.malloc
     module = getattr(allocator, "__module__", None) or type(owner_object or allocator).__module__
     name = getattr(allocator, "__qualname__", None) or type(allocator).__qualname__
@@ -162,7 +170,13 @@ class WorkerStack:
             allocators.reset_allocators(dropped)
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
-        allocators.set_allocators(list(options.allocators))
+        allocators.set_allocators(list(options.allocators), exact=options.exact_allocators)
+        from dask_rmm.allocators import caches
+
+        for stack in stacks:
+            # Free blocks a library cache drew from the replaced stacks go back to them, so that
+            # new arrays draw from (and are counted by) the new ones.
+            caches.release_cached(stack.device)
 
     def set_pressure(self, worker: Any, pressure: Any) -> None:
         """Detach the memory-pressure layer in place (its spilled outputs come back to the

@@ -22,6 +22,9 @@ from dask_rmm.allocators import (  # noqa: E402
     set_allocators,
 )
 from dask_rmm.allocators import cupy as cupy_hook  # noqa: E402
+from dask_rmm.allocators.caches import (  # noqa: E402
+    library_caches,
+)
 from dask_rmm.mr import (  # noqa: E402
     PoolMemoryResource,
     StatisticsResourceAdaptor,
@@ -136,22 +139,45 @@ def test_allocator_follows_resource_changes(host_cupy):
     assert second.allocation_counts.current_bytes == 0
 
 
+def _holds_blocks(cache) -> bool:
+    try:
+        return cache.pool.total_bytes() > 0
+    except Exception:  # no device here: the pool never held anything
+        return False
+
+
 def test_set_and_reset_cupy_allocator():
     original = cupy.cuda.get_allocator()
     cupy_hook.set_cupy_allocator()
     cupy_hook.set_cupy_allocator()  # idempotent
     try:
-        # the lean one (the faster; the plugin's allocators=["cupy"] installs it this way)
+        # by default CuPy's own MemoryPool over the resource, listed as a library cache
+        cache = cupy_hook.get_cupy_cache()
+        assert cupy.cuda.get_allocator() == cache.pool.malloc
+        assert cache in library_caches()
+        # the exact path on request: the lean allocator; the cache stays listed only while
+        # arrays still hold its blocks
+        cupy_hook.set_cupy_allocator(cache=False)
         assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
+        assert (cache in library_caches()) == _holds_blocks(cache)
+        cupy_hook.set_cupy_allocator(cache=True)
+        assert cupy.cuda.get_allocator() == cache.pool.malloc
     finally:
         cupy_hook.reset_cupy_allocator()
     assert cupy.cuda.get_allocator() is original
+    cache = cupy_hook.get_cupy_cache()
+    assert (cache in library_caches()) == _holds_blocks(cache)
     cupy_hook.reset_cupy_allocator()  # nothing to reset: no-op
     assert cupy.cuda.get_allocator() is original
-    # RMM's allocator set by hand counts as ours too: set is then a no-op, reset restores
+    # dask-rmm's exact allocator set by hand counts as ours for the exact path (set is then a
+    # no-op); the default (the cache) replaces it, and reset gives it back
     cupy.cuda.set_allocator(cupy_hook.rmm_cupy_allocator)
     try:
+        cupy_hook.set_cupy_allocator(cache=False)
+        assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
         cupy_hook.set_cupy_allocator()
+        assert cupy.cuda.get_allocator() == cupy_hook.get_cupy_cache().pool.malloc
+        cupy_hook.reset_cupy_allocator()
         assert cupy.cuda.get_allocator() is cupy_hook.rmm_cupy_allocator
     finally:
         cupy.cuda.set_allocator(original)
@@ -159,7 +185,7 @@ def test_set_and_reset_cupy_allocator():
 
 def test_set_allocators_cupy():
     original = cupy.cuda.get_allocator()
-    assert set_allocators("CuPy") == ["cupy"]
+    assert set_allocators("CuPy", exact=["cupy"]) == ["cupy"]
     try:
         assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
     finally:

@@ -83,7 +83,7 @@ def test_check_allocators_refuses_a_missing_library_and_sets_nothing():
 @needs_no_rmm
 def test_missing_rmm_direct_call_is_a_clear_error():
     with pytest.raises(ImportError, match=r"set_rmm_callback_resource\(\).*rmm-cu13"):
-        rmm_interop.set_rmm_callback_resource()
+        rmm_interop.set_rmm_callback_resource(cache=False)
     rmm_interop.reset_rmm_callback_resource()
     assert rmm_interop.get_rmm_forwarder(0) is None
     assert rmm_interop._installed == {}
@@ -221,7 +221,7 @@ def test_allocations_land_in_the_dask_rmm_resource_and_come_back(fake_rmm, make_
     (stream,) = make_streams(1)
     top, stats = _stack()
     previous = _current(fake_rmm)
-    assert set_allocators(["rmm"]) == ["rmm"]
+    assert set_allocators(["rmm"], exact=True) == ["rmm"]
     cb = _current(fake_rmm)
     assert isinstance(cb, _StandInCallbackMemoryResource) and cb is not previous
     forwarder = rmm_interop.get_rmm_forwarder(0)
@@ -251,7 +251,7 @@ def test_streams_are_wrapped_by_handle_without_owning_them(fake_rmm, make_stream
     (stream,) = make_streams(1)
     handles = (0, 2, stream.handle)
     top, _ = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     ptrs = [cb.allocate(256, handle) for handle in handles]
     for ptr, handle in zip(ptrs, handles, strict=True):
@@ -268,7 +268,7 @@ def test_streams_are_wrapped_by_handle_without_owning_them(fake_rmm, make_stream
 
 def test_each_free_goes_to_the_resource_that_allocated(fake_rmm):
     first, first_stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     a = cb.allocate(MiB, 0)
     second, second_stats = _stack()  # the registry changes (e.g. a re-registered plugin)
@@ -285,9 +285,9 @@ def test_each_free_goes_to_the_resource_that_allocated(fake_rmm):
 def test_setting_again_is_idempotent_and_reset_restores_the_original(fake_rmm):
     _stack()
     original = _current(fake_rmm)
-    assert rmm_interop.set_rmm_callback_resource() == [0]
+    assert rmm_interop.set_rmm_callback_resource(cache=False) == [0]
     cb = _current(fake_rmm)
-    assert rmm_interop.set_rmm_callback_resource() == [0]
+    assert rmm_interop.set_rmm_callback_resource(cache=False) == [0]
     assert _current(fake_rmm) is cb  # no second callback resource
     rmm_interop.reset_rmm_callback_resource()
     assert _current(fake_rmm) is original
@@ -297,13 +297,13 @@ def test_setting_again_is_idempotent_and_reset_restores_the_original(fake_rmm):
 
 def test_a_resource_someone_else_set_is_respected(fake_rmm):
     _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     theirs = _StandInCudaMemoryResource()
     fake_rmm.mr.set_per_device_resource(0, theirs)  # e.g. rmm.reinitialize() after ours
     rmm_interop.reset_rmm_callback_resource()
     assert _current(fake_rmm) is theirs  # not clobbered with the resource from before ours
 
-    rmm_interop.set_rmm_callback_resource()  # ours again, on top of theirs
+    rmm_interop.set_rmm_callback_resource(cache=False)  # ours again, on top of theirs
     assert isinstance(_current(fake_rmm), _StandInCallbackMemoryResource)
     rmm_interop.reset_rmm_callback_resource()
     assert _current(fake_rmm) is theirs
@@ -311,7 +311,7 @@ def test_a_resource_someone_else_set_is_respected(fake_rmm):
 
 def test_buffers_outlive_reset_and_free_to_their_resource(fake_rmm):
     _, stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     ptr = cb.allocate(3000, 0)
     rmm_interop.reset_rmm_callback_resource()
@@ -326,7 +326,7 @@ def test_a_retired_forwarder_does_not_keep_a_stack_alive(fake_rmm):
     import weakref
 
     top, _ = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     cb.deallocate(cb.allocate(4096, 0), 4096, 0)
     rmm_interop.reset_rmm_callback_resource()
@@ -341,13 +341,13 @@ def test_host_memory_is_refused_and_nothing_changes(fake_rmm):
     set_per_device_resource(0, PoolMemoryResource(SystemMemoryResource(), initial_pool_size=MiB))
     before = _current(fake_rmm)
     with pytest.raises(ValueError, match=r"device 0 .*host memory"):
-        rmm_interop.set_rmm_callback_resource()
+        rmm_interop.set_rmm_callback_resource(cache=False)
     assert _current(fake_rmm) is before and rmm_interop._installed == {}
 
 
 def test_a_registry_swapped_to_host_memory_fails_the_allocation_not_the_process(fake_rmm):
     _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     set_per_device_resource(0, SystemMemoryResource())
     with pytest.raises(RuntimeError, match="host memory"):  # std::runtime_error in C++
@@ -359,7 +359,7 @@ def test_a_failing_install_changes_nothing(fake_rmm):
     before = _current(fake_rmm)
     fake_rmm.mr.fail_set = True
     with pytest.raises(RuntimeError, match="stand-in"):
-        rmm_interop.set_rmm_callback_resource()
+        rmm_interop.set_rmm_callback_resource(cache=False)
     fake_rmm.mr.fail_set = False
     assert _current(fake_rmm) is before and rmm_interop._installed == {}
 
@@ -368,7 +368,7 @@ def test_an_unknown_device_fails_before_anything_changes(fake_rmm):
     _stack()
     before = _current(fake_rmm)
     with pytest.raises(ValueError, match="device 7 does not exist"):
-        rmm_interop.set_rmm_callback_resource([0, 7])
+        rmm_interop.set_rmm_callback_resource([0, 7], cache=False)
     assert _current(fake_rmm) is before and rmm_interop._installed == {}
 
 
@@ -377,7 +377,7 @@ def test_an_unknown_device_fails_before_anything_changes(fake_rmm):
 
 def test_pool_out_of_memory_is_a_memory_error_with_the_pools_numbers(fake_rmm):
     _, stats = _stack(pool_size=MiB, maximum=MiB)
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     forwarder = rmm_interop.get_rmm_forwarder(0)
     with pytest.raises(OutOfMemoryError, match="requested"):  # a MemoryError: rmm::out_of_memory
         forwarder.allocate(2 * MiB, _StandInStream(0))
@@ -392,7 +392,7 @@ def test_other_allocation_errors_name_the_resource_and_the_cause(fake_rmm):
             raise ValueError("broken on purpose")
 
     set_per_device_resource(0, Broken(SystemMemoryResource()))
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     with pytest.raises(RuntimeError) as info:  # std::runtime_error in C++: only the message
         _current(fake_rmm).allocate(512, 0)
     assert str(info.value) == (
@@ -405,7 +405,7 @@ def test_other_allocation_errors_name_the_resource_and_the_cause(fake_rmm):
 def test_alignments_above_256_bytes_are_refused(fake_rmm, monkeypatch):
     monkeypatch.setattr(_StandInCallbackMemoryResource, "with_alignment", True)
     _, stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     for alignment in (1, 64, 256):
         ptr = cb.allocate(1000, 0, alignment)
@@ -420,7 +420,7 @@ def test_alignments_above_256_bytes_are_refused(fake_rmm, monkeypatch):
 
 def test_deallocate_never_raises(fake_rmm, caplog):
     _, stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     forwarder = rmm_interop.get_rmm_forwarder(0)
     cb = _current(fake_rmm)
     ptr = cb.allocate(1024, 0)
@@ -434,7 +434,7 @@ def test_deallocate_never_raises(fake_rmm, caplog):
 
 def test_deallocate_at_interpreter_shutdown_is_a_no_op(fake_rmm):
     _, stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     forwarder = rmm_interop.get_rmm_forwarder(0)
     ptr = forwarder.allocate(1024, _StandInStream(0))
     forwarder.deallocate(ptr, 1024, _StandInStream(0), _finalizing=lambda: True)
@@ -445,7 +445,7 @@ def test_deallocate_at_interpreter_shutdown_is_a_no_op(fake_rmm):
 def test_many_threads_allocate_and_free_through_the_callbacks(fake_rmm, make_streams):
     handles = [s.handle for s in make_streams(8)]
     _, stats = _stack(pool_size=16 * MiB)
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     errors: list[BaseException] = []
 
@@ -522,7 +522,7 @@ def test_buffers_freed_by_the_garbage_collector_do_not_deadlock(fake_rmm):
     from dask_rmm.stream import DEFAULT_STREAM
 
     top, stats = _stack(pool_size=16 * MiB)
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
 
     def allocate_and_free():
@@ -539,7 +539,7 @@ def test_buffers_freed_by_the_garbage_collector_do_not_deadlock(fake_rmm):
 
 def test_frees_during_a_collection_are_deferred_to_another_thread(fake_rmm):
     _, stats = _stack()
-    rmm_interop.set_rmm_callback_resource()
+    rmm_interop.set_rmm_callback_resource(cache=False)
     cb = _current(fake_rmm)
     ptr = cb.allocate(4096, 0)
     freed_by: list[str] = []
@@ -599,7 +599,7 @@ def gpu_stack(real_rmm):
     stats = StatisticsResourceAdaptor(pool)
     top = _Recording(stats)
     set_per_device_resource(0, top)
-    assert set_allocators("rmm") == ["rmm"]
+    assert set_allocators("rmm", exact=True) == ["rmm"]
     return top, stats, pool
 
 
@@ -655,7 +655,7 @@ def test_gpu_cupy_and_rmm_together_then_reset(real_rmm):
 
     before_cupy = cupy.cuda.get_allocator()
     before_rmm = real_rmm.mr.get_per_device_resource(0)
-    assert set_allocators("cupy,rmm") == ["cupy", "rmm"]
+    assert set_allocators("cupy,rmm", exact=True) == ["cupy", "rmm"]
     try:
         assert cupy.cuda.get_allocator() is our_cupy_allocator
         assert isinstance(
@@ -692,7 +692,7 @@ def test_gpu_reset_restores_rmms_resource_and_keeps_live_buffers(real_rmm, gpu_s
     rmm_interop.reset_rmm_callback_resource()
     original = real_rmm.mr.get_per_device_resource(0)
     assert not isinstance(original, real_rmm.mr.CallbackMemoryResource)
-    set_allocators(["rmm"])
+    set_allocators(["rmm"], exact=True)
     buf = real_rmm.DeviceBuffer(size=MiB)
     reset_allocators(["rmm"])
     assert real_rmm.mr.get_per_device_resource(0) is original
@@ -848,7 +848,7 @@ from dask_rmm.mr import set_per_device_resource
 set_per_device_resource(
     0, StatisticsResourceAdaptor(PoolMemoryResource(CudaMemoryResource(), initial_pool_size=1 << 24))
 )
-set_allocators(["rmm"])
+set_allocators(["rmm"], exact=True)
 cupy.cuda.set_allocator(rmm_cupy_allocator)
 KEEP = [rmm.DeviceBuffer(size=1 << 20) for _ in range(4)]
 class Cycle:
@@ -901,13 +901,15 @@ def _plugin_with_rmm(allocators=("rmm",), **options):
     from dask_rmm.plugin import RMMPlugin
 
     # A refusal of allocators=["rmm"] is a failure: the option is documented (docs/rapids.md).
-    return RMMPlugin(allocators=list(allocators), **options)
+    # These tests check the per-allocation path (every RMM allocation through dask-rmm).
+    return RMMPlugin(allocators=list(allocators), exact_allocators=True, **options)
 
 
 def test_the_plugin_takes_allocators_rmm_on_any_host():
     # What the GPU workload tests below build their plugin with, checked where they skip.
     plugin = _plugin_with_rmm(allocators=["cupy", "rmm"], pool_size="64MiB")
     assert plugin.options.allocators == ("cupy", "rmm")
+    assert plugin.options.exact_allocators == ("cupy", "rmm")
 
 
 def _check_dask_workload(client, log_directory=None) -> None:
@@ -978,7 +980,7 @@ def test_gpu_dask_workload_with_set_allocators_on_the_worker(real_rmm):
 
     with _one_worker_cluster() as client:
         client.register_plugin(RMMPlugin(pool_size="64MiB"))
-        client.run(set_allocators, ["rmm"])
+        client.run(set_allocators, ["rmm"], exact=True)
         _check_dask_workload(client)
 
 

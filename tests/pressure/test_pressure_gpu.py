@@ -10,16 +10,16 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
-@pytest.fixture
-def cupy_on_pool():
-    """CuPy allocating through a 64 MiB device pool with spill-on-OOM on top; yields
-    ``(cupy, WorkerPressure)``."""
+@pytest.fixture(params=["cache", "exact"])
+def cupy_on_pool(request):
+    """CuPy allocating through a 64 MiB device pool with spill-on-OOM on top, through CuPy's
+    pool in front of it (the default) and per allocation; yields ``(cupy, WorkerPressure)``."""
     cupy = pytest.importorskip("cupy")
     from dask_rmm.allocators.cupy import reset_cupy_allocator, set_cupy_allocator
     from tests.pressure_helpers import pressure_stack
 
     wp, top = pressure_stack(64 * MiB, base="cuda", spill_on_oom=True)
-    set_cupy_allocator()
+    set_cupy_allocator(cache=request.param == "cache")
     try:
         yield cupy, wp
     finally:
@@ -127,6 +127,7 @@ def _cupy_chunks(n: int, chunk: int):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("exact", [[], ["cupy"]], ids=["cache", "exact"])
 @pytest.mark.parametrize(
     "options",
     [
@@ -136,7 +137,7 @@ def _cupy_chunks(n: int, chunk: int):
     ],
     ids=["no-options", "device_memory_limit", "spill_on_oom"],
 )
-def test_cupy_workload_four_times_the_pool(options):
+def test_cupy_workload_four_times_the_pool(options, exact):
     """256 MiB of persisted CuPy chunks per 64 MiB device pool: out of memory without the
     options, exact results with either of them."""
     pytest.importorskip("cupy")
@@ -154,7 +155,13 @@ def test_cupy_workload_four_times_the_pool(options):
         Client(cluster) as client,
     ):  # fmt: skip
         client.register_plugin(
-            RMMPlugin(pool_size="64MiB", maximum_pool_size="64MiB", allocators=["cupy"], **options)
+            RMMPlugin(
+                pool_size="64MiB",
+                maximum_pool_size="64MiB",
+                allocators=["cupy"],
+                exact_allocators=exact,
+                **options,
+            )
         )
         x = _cupy_chunks(n, chunk).persist()
         if not options:

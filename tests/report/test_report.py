@@ -114,7 +114,8 @@ def test_text_table():
     assert "matmul 4.00 MiB" in text
     assert lines[-3].startswith("total (2 workers)") and "1 gone" in lines[-3]
     assert lines[-2].startswith("* total peak")
-    assert lines[-1] == "1 worker(s) without dask-rmm metrics"
+    # the report names the workers that run without dask-rmm, not only how many
+    assert lines[-1] == "1 worker(s) without dask-rmm (no dask-rmm metrics): tcp://10.0.0.9:4000"
     assert "2 workers (1 gone)" in repr(ClusterMemoryReport.from_dict(_data()))
 
 
@@ -215,3 +216,24 @@ def test_plot_legends_sit_outside_the_data():
         box = legend.get_window_extent(renderer)
         assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
         assert fig.bbox.contains(box.x1 - 1, box.y0 + 1), ax.get_title()
+
+
+def test_bytes_held_free_in_library_caches_are_told_apart_from_bytes_in_arrays():
+    data = _data()
+    cache = {"library_cached_bytes": 2 << 20, "library_caches": "cupy,rmm"}
+    data["workers"][0]["devices"]["0"] = dict(data["workers"][0]["devices"]["0"], **cache)
+    r = ClusterMemoryReport.from_dict(data)
+    d = r.device("tcp://10.0.0.10:4000", 0)
+    assert (d.current_bytes, d.library_cached_bytes, d.in_array_bytes) == (
+        3 << 20,
+        2 << 20,
+        1 << 20,
+    )
+    text = str(r)
+    assert "library caches (allocated = in arrays + held free in the caches" in text
+    assert "w10)/dev0: 1.00 MiB in arrays, 2.00 MiB held free in the cupy,rmm cache(s)" in text
+    assert text.count("MiB held free in the") == 1  # devices without a cache get no line
+    row = r.to_frame().set_index("name").loc["w10"]
+    assert row["library_cached_bytes"] == 2 << 20
+    again = ClusterMemoryReport.from_dict(json.loads(r.to_json()))
+    assert again.device("tcp://10.0.0.10:4000", 0).library_caches == "cupy,rmm"

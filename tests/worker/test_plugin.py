@@ -88,6 +88,7 @@ def _stack_names(dask_worker=None):
         ({"pool_size": 1.5}, "pool_size=1.5"),
         ({"base_resource": "gpu"}, "`base_resource` must be one of"),
         ({"allocators": ["cupy", "tensorflow"]}, "unknown library 'tensorflow' in `allocators`"),
+        ({"exact_allocators": ["cupy", "jax"]}, "unknown library 'jax' in `exact_allocators`"),
         (
             {"base_resource": "system", "async_alloc": True},
             "`async_alloc=True` means base_resource='async', which conflicts",
@@ -103,6 +104,14 @@ def _stack_names(dask_worker=None):
 def test_incompatible_options_fail_on_the_client(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         RMMPlugin(**kwargs)
+
+
+def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
+    assert RMMPlugin().options.exact_allocators == ()
+    assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")
+    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm")
+    assert RMMPlugin(exact_allocators=False).options.exact_allocators == ()
+    assert "exact_allocators=['cupy']" in repr(RMMPlugin(exact_allocators=["cupy"]))
 
 
 def test_dask_cuda_names_choose_the_base_resource():
@@ -428,8 +437,11 @@ def test_a_file_as_log_directory_is_refused_on_the_client(tmp_path):
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error; this host has a GPU")
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
-    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*base_resource='system'"):
-        await c.register_plugin(RMMPlugin(base_resource="cuda"))
+    with pytest.raises(RMMSetupError, match=rf"{a.address}: .*needs a CUDA device") as info:
+        await c.register_plugin(RMMPlugin(pool_size="64MiB"))
+    # the hint names what the user typed, not another API
+    assert 'give RMMPlugin(base_resource="system")' in str(info.value)
+    assert "SystemMemoryResource()" not in str(info.value)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -46,7 +46,7 @@ async def test_a_failure_on_one_worker_changes_no_worker(c, s, a, b, w, tmp_path
                 RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=d)
             )
     message = str(info.value)
-    assert f"{b.address}: OSError: `log_directory`" in message and "1 worker(s)" in message
+    assert f"worker {b.address}: OSError: `log_directory`" in message and "on 1 worker," in message
     for x in (a, b, w):  # every worker kept its stacks, installed
         assert worker_stack(x).active == [before[x.address]]
         assert worker_stack(x).options.pool_size == 8 * MiB
@@ -93,11 +93,57 @@ async def test_memory_held_from_a_replaced_stack_stays_counted(c, s, a):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_each_worker_logs_the_stack_it_installed(c, s, a):
-    with captured_logger("dask_rmm.plugin") as log:
+    with captured_logger("distributed.worker") as log:
         await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
     lines = [line for line in log.getvalue().splitlines() if "installed" in line]
     assert len(lines) == 1
     assert "pool 8.00 MiB, maximum none, base resource system, log none" in lines[0]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_stack_line_is_in_the_worker_logs_the_client_reads(c, s, a):
+    """``Client.get_worker_logs()`` holds what distributed's worker logger took at INFO: the
+    line must be there without any logging configuration of the user's."""
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    logs = await c.get_worker_logs()
+    lines = [(level, m) for level, m in logs[a.address] if "dask-rmm: worker" in m]
+    assert [level for level, m in lines if "installed" in m] == ["INFO"], logs[a.address]
+    assert any("pool 8.00 MiB" in m for _, m in lines)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_failure_on_several_workers_names_each_worker_and_its_reason(c, s, a, b, w):
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    with tempfile.TemporaryDirectory() as d:
+        for x in (a, b):  # a and b cannot open their logs: directories have the files' names
+            os.makedirs(log_file_path(d, x.name, 0))
+        with pytest.raises(RMMSetupError) as info:
+            await c.register_plugin(
+                RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=d)
+            )
+    message = str(info.value)
+    assert "failed on 2 workers, so every worker keeps its previous setup" in message
+    for x in (a, b):
+        assert f"worker {x.address}: OSError: `log_directory`" in message
+        assert log_file_path(d, x.name, 0) in message
+    assert w.address not in message  # only the workers that failed are named
+    assert set(info.value.failures) == {a.address, b.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_host_memory_fraction_that_the_workers_on_a_host_overcommit_is_warned(
+    c, s, a, b, w
+):
+    """Each worker takes its fraction of the whole host: three workers at 0.4 ask for 120 %."""
+    with captured_logger("distributed.worker") as log:
+        await c.register_plugin(RMMPlugin(base_resource="system", pool_size=0.4))
+    warned = [line for line in log.getvalue().splitlines() if "more than the host's" in line]
+    assert len(warned) == 3, log.getvalue()
+    assert "the 3 workers on host 127.0.0.1" in warned[0] and "0.33 or less" in warned[0]
+    await c.unregister_worker_plugin("dask-rmm")
+    with captured_logger("distributed.worker") as log:  # 3 x 0.3 fits
+        await c.register_plugin(RMMPlugin(base_resource="system", pool_size=0.3))
+    assert "more than the host's" not in log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -219,3 +265,25 @@ async def test_a_superseded_registration_arriving_late_leaves_the_current_plugin
     ws = worker_stack(a)
     assert ws.token == later.token and ws.active[0].pool_size == 16 << 20
     assert "dask-rmm" in a.metrics  # the restored plugin publishes its metrics again
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_worker_that_joins_and_cannot_set_the_registered_plugin_up_stops(c, s, a):
+    """A worker added (or restarted by its nanny) after the registration succeeded gets the
+    plugin when it registers; distributed would log its failure and run it without dask-rmm."""
+    with tempfile.TemporaryDirectory() as d:
+        await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
+        os.makedirs(log_file_path(d, "late", 0))  # its log file's name is a directory
+        with captured_logger("distributed.worker") as log:
+            late = Worker(s.address, nthreads=1, name="late")
+            await late
+            deadline = time.monotonic() + 20
+            while late.status.name not in ("closed", "failed"):
+                assert time.monotonic() < deadline, "the worker without its setup runs on"
+                await asyncio.sleep(0.02)
+        (said,) = [line for line in log.getvalue().splitlines() if "stopping worker late" in line]
+        assert "dask-rmm setup failed" in said and "cannot write the allocation log" in said
+        assert worker_stack(a).active  # the others keep theirs
+        while "late" in {w.name for w in s.workers.values()}:
+            assert time.monotonic() < deadline, "the scheduler still lists the stopped worker"
+            await asyncio.sleep(0.02)

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -137,7 +139,9 @@ def test_flags_reach_a_real_worker(scheduler, tmp_path):
             client.run(_allocate, 4096)
             assert os.path.exists(log_file_path(logs, "flags-1", 0))
     finally:
-        _stop(worker)
+        out = _stop(worker)
+    # on the worker's stderr under distributed's default logging configuration
+    assert " - distributed.worker.dask_rmm - INFO - dask-rmm: worker flags-1 installed" in out
 
 
 @pytest.mark.slow
@@ -158,13 +162,19 @@ def test_environment_configures_a_preloaded_worker(scheduler):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "failure, nanny",
-    [("pool larger than memory", False), ("directory as log file", False), ("pool", True)],
+    [
+        ("pool larger than memory", False),
+        ("directory as log file", False),
+        ("pool larger than memory", True),
+        ("directory as log file", True),
+    ],
 )
-def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(
+def test_a_failing_setup_stops_the_worker_with_one_line_and_a_nonzero_status(
     scheduler, tmp_path, failure, nanny
 ):
     """A supervisor (systemd, Kubernetes, dask-jobqueue) must see that the worker failed: the
-    ``dask worker`` process exits nonzero, and the log names the reason."""
+    ``dask worker`` process exits with status 1, and its output gives the reason on one line,
+    with no traceback (distributed, the nanny and the command would each add theirs)."""
     flags = ["--rmm-base-resource", "system", "--rmm-pool-size", "1PiB"]
     reason = "is larger than"
     if failure == "directory as log file":
@@ -174,9 +184,52 @@ def test_a_failing_setup_stops_the_worker_with_a_nonzero_status(
         reason = "cannot write the allocation log"
     worker = _start_worker(scheduler, *flags, name="bad-1", nanny=nanny)
     out = worker.communicate(timeout=90)[0]  # the worker closed itself: it exits
-    assert worker.returncode != 0, out
-    assert "RMMSetupError" in out and reason in out
-    assert "dask-rmm setup failed" in out  # the reason it closed with
+    assert worker.returncode == 1, out
+    said = [line for line in out.splitlines() if reason in line]
+    assert len(said) == 1, out
+    assert "dask-rmm setup failed" in said[0] and "bad-1" in said[0]
+    assert "Traceback" not in out and "Error" not in out.replace(said[0], ""), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU hint; this host has a GPU")
+def test_a_worker_without_a_gpu_names_the_flag_for_host_memory(scheduler):
+    worker = _start_worker(scheduler, "--rmm-pool-size", "64MiB", name="nogpu-1")
+    out = worker.communicate(timeout=90)[0]
+    assert worker.returncode == 1, out
+    (said,) = [line for line in out.splitlines() if "needs a CUDA device" in line]
+    assert "give --rmm-base-resource system" in said and "SystemMemoryResource()" not in said
+
+
+_exit_process = lambda: os._exit(1)  # noqa: E731
+
+
+@pytest.mark.slow
+def test_a_worker_whose_setup_fails_when_its_nanny_restarts_it_stops_for_good(scheduler, tmp_path):
+    """The nanny restarts a worker that died; if dask-rmm's setup then fails, the worker must
+    not run without it (nor be restarted again and again): ``dask worker`` exits with status 1
+    and says why on one line."""
+    from distributed import Client
+
+    logs = tmp_path / "logs"
+    flags = ("--rmm-base-resource", "system", "--rmm-log-directory", str(logs))
+    worker = _start_worker(scheduler, *flags, name="again-2", nanny=True)
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            # the next start cannot log: the log directory became a file
+            shutil.rmtree(logs)
+            logs.write_text("")
+            with contextlib.suppress(Exception):
+                client.run(_exit_process, nanny=False)
+        out = worker.communicate(timeout=90)[0]
+    finally:
+        if worker.poll() is None:  # pragma: no cover - the assertion below says why
+            _stop(worker)
+    assert worker.returncode == 1, out
+    said = [line for line in out.splitlines() if "is a file" in line]
+    assert len(said) == 1 and "dask-rmm" in said[0], out
+    assert "Traceback" not in out, out
 
 
 _allocate = lambda nbytes: __import__("dask_rmm").DeviceBuffer(size=nbytes).size  # noqa: E731
@@ -216,6 +269,7 @@ def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_pat
             "--rmm-managed-memory is incompatible with --rmm-async",
         ),
         (["--set-rmm-allocator-for-libs", "tensorflow"], "unknown library 'tensorflow'"),
+        (["--rmm-exact-allocators", "jax"], "unknown library 'jax'"),
         (["--rmm-base-resource", "tpu"], "Invalid value for '--rmm-base-resource'"),
         (["--rmm-pool-sise", "1GiB"], "No such option"),
     ],
@@ -224,6 +278,13 @@ def test_bad_flags_are_usage_errors(flags, message):
     result = CliRunner().invoke(dask_setup, flags)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_a_bad_size_says_the_size_rules_once():
+    result = CliRunner().invoke(dask_setup, ["--rmm-pool-size", "lots"])
+    assert result.exit_code == 2, result.output
+    assert "'lots': not a size" in result.output
+    assert result.output.count("fraction") == 1, result.output
 
 
 def test_help_lists_every_flag():
@@ -238,6 +299,7 @@ def test_help_lists_every_flag():
         "--rmm-log-directory",
         "--rmm-track-allocations / --no-rmm-track-allocations",
         "--set-rmm-allocator-for-libs",
+        "--rmm-exact-allocators",
         "--rmm-base-resource",
         "--rmm-statistics / --no-rmm-statistics",
     ]:

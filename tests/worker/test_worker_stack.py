@@ -16,6 +16,10 @@ def test_cupy_allocator_note_names_the_allocator_cupy_uses():
     set_cupy_allocator()
     try:
         note = cupy_allocator_note()
+        assert note.startswith("CuPy allocates through its own MemoryPool over dask-rmm's")
+        assert "library_cached_bytes" in note
+        set_cupy_allocator(cache=False)
+        note = cupy_allocator_note()
         assert note.startswith(
             "CuPy allocates through dask_rmm.allocators.cupy.lean_cupy_allocator"
         )

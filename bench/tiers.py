@@ -1,0 +1,386 @@
+"""Native caches in front of dask-rmm's stack against the per-allocation path and the native
+peers, at 1/4/8 threads per worker, every configuration interleaved (GPU).
+
+Workloads:
+
+- ``cupy``: a CuPy dask.array elementwise chain (``--chain`` steps of three temporaries on each
+  256^2 float32 chunk of a 4096^2 array), one worker with ``--threads`` threads.
+- ``cudf``: dask-cudf groupby-aggregate and merge-groupby over ``--cudf-parts`` partitions of
+  ``--cudf-rows`` rows (needs cudf and dask_cudf on the worker).
+- ``torch``: a PyTorch MLP training step (1024-4096-1024, batch 256, AdamW), one process per
+  configuration and round (PyTorch takes an allocator once per process).
+
+Configurations per workload: no plugin (the library's own allocator), dask-cuda's ``RMMSetup``
+pool (compiled RMM), dask-rmm's default ``RMMPlugin`` (native cache over the stack), the same
+with ``statistics=False``, and the per-allocation path (``exact_allocators=[...]``). Every
+configuration is its own LocalCluster (one worker process), all up at once per thread count;
+rounds rotate the order. Medians of ``--rounds``; results to stdout and ``--json``.
+
+    python bench/tiers.py [--workloads cupy,cudf,torch] [--threads 1,4,8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+POOL = "4GiB"
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+def _chain_block(block, steps):
+    import cupy
+
+    y = block
+    for _ in range(steps):
+        y = cupy.abs(y * 0.999 + 0.001) - 0.0005
+    return y
+
+
+def _fill(dtype, block_info=None):
+    import cupy
+
+    return cupy.full(block_info[None]["chunk-shape"], 1.0, dtype=dtype)
+
+
+def cupy_chain(n: int = 4096, chunk: int = 256, steps: int = 20):
+    import cupy
+    import dask.array as da
+
+    blocks = ((chunk,) * (n // chunk),) * 2
+    x = da.map_blocks(
+        _fill, "float32", chunks=blocks, dtype="float32", meta=cupy.empty((0, 0), "float32")
+    )
+    return x.map_blocks(_chain_block, steps, dtype="float32").sum()
+
+
+def _cudf_part(i: int, rows: int):
+    import cudf
+    import cupy
+
+    rs = cupy.random.RandomState(i)
+    return cudf.DataFrame(
+        {
+            "key": rs.randint(0, 10_000, rows).astype("int64"),
+            "k2": rs.randint(0, 100, rows).astype("int32"),
+            "x": rs.random_sample(rows),
+            "y": rs.random_sample(rows).astype("float32"),
+        }
+    )
+
+
+def _cudf_frames(parts: int, rows: int):
+    import dask.dataframe as dd
+
+    return dd.from_map(_cudf_part, range(parts), rows=rows)
+
+
+def cudf_groupby(parts: int, rows: int):
+    df = _cudf_frames(parts, rows)
+    return df.groupby("key").agg({"x": "sum", "y": "mean"})
+
+
+def cudf_merge(parts: int, rows: int):
+    df = _cudf_frames(parts, rows)
+    small = df.groupby("key").agg({"y": "max"}).reset_index()
+    return df.merge(small, on="key", how="inner").groupby("k2").x.sum()
+
+
+# -- configurations ----------------------------------------------------------------------------
+
+
+def _plugin(**kwargs):
+    def configure(client):
+        from dask_rmm import RMMPlugin
+
+        client.register_plugin(RMMPlugin(**kwargs))
+        return f"RMMPlugin({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+
+    return configure
+
+
+def _dask_cuda(pool, libs):
+    try:
+        import rmm  # noqa: F401
+        from dask_cuda.plugins import RMMSetup
+    except ImportError as e:
+        print(f"dask-cuda/rmm not importable, its row skipped: {e}", file=sys.stderr)
+        return None
+    import inspect
+
+    def configure(client):
+        kwargs = dict(
+            initial_pool_size=pool,
+            maximum_pool_size=None,
+            managed_memory=False,
+            async_alloc=False,
+            release_threshold=None,
+            log_directory=None,
+            track_allocations=False,
+            external_lib_list=libs,
+        )
+        params = inspect.signature(RMMSetup).parameters
+        client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
+        return f"dask_cuda RMMSetup(initial_pool_size={pool!r}, external_lib_list={libs})"
+
+    return configure
+
+
+def _none(client):
+    return "the library's own allocator"
+
+
+def configurations(lib: str, pool: str) -> list[tuple[str, object]]:
+    configs: list[tuple[str, object]] = [("no plugin", _none)]
+    peer = _dask_cuda(pool, ["cupy"] if lib == "cupy" else [])
+    if peer is not None:
+        configs.append(("dask-cuda RMM pool", peer))
+    configs += [
+        ("dask-rmm default", _plugin(pool_size=pool, allocators=[lib])),
+        (
+            "dask-rmm default, stats off",
+            _plugin(pool_size=pool, allocators=[lib], statistics=False),
+        ),
+        ("dask-rmm exact", _plugin(pool_size=pool, allocators=[lib], exact_allocators=[lib])),
+        (
+            "dask-rmm exact, stats off",
+            _plugin(pool_size=pool, allocators=[lib], exact_allocators=[lib], statistics=False),
+        ),
+    ]
+    return configs
+
+
+# -- running Dask workloads -----------------------------------------------------------------------
+
+
+def _time(client, make) -> float:
+    t0 = time.perf_counter()
+    client.compute(make()).result()
+    return time.perf_counter() - t0
+
+
+def _worker_numbers(dask_worker=None) -> dict:
+    """The heartbeat's numbers of device 0 (empty without dask-rmm)."""
+    metric = dask_worker.metrics.get("dask-rmm")
+    if metric is None:
+        return {}
+    d = metric(dask_worker)["devices"].get("0", {})
+    keep = ("current_bytes", "peak_bytes", "total_count", "library_cached_bytes", "resource")
+    return {k: d.get(k) for k in keep}
+
+
+def run_dask(lib, workloads, threads_list, rounds, pool, results, details, write):
+    from distributed import Client, LocalCluster
+
+    for threads in threads_list:
+        with ExitStack() as stack:
+            clients = {}
+            for label, configure in configurations(lib, pool):
+                try:
+                    cluster = stack.enter_context(
+                        LocalCluster(
+                            n_workers=1,
+                            threads_per_worker=threads,
+                            processes=True,
+                            dashboard_address=":0",
+                            worker_dashboard_address=None,
+                        )
+                    )
+                    client = stack.enter_context(Client(cluster))
+                    details[label] = configure(client)
+                except Exception as e:
+                    print(f"{lib} {label}: not set up: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                clients[label] = client
+            labels = list(clients)
+            for label in labels:  # warm-up: kernels, pools, imports
+                for name, make in workloads.items():
+                    t = _time(clients[label], make)
+                    print(f"warm-up {threads}t {label:<30} {name:<8} {t:7.3f}", file=sys.stderr)
+            for r in range(rounds):
+                order = labels[r % len(labels) :] + labels[: r % len(labels)]
+                for name, make in workloads.items():
+                    for label in order:
+                        t = _time(clients[label], make)
+                        key = f"{name} {threads}t"
+                        results.setdefault(key, {}).setdefault(label, []).append(t)
+                        print(f"round {r} {key:<14} {label:<30} {t:7.3f}", file=sys.stderr)
+                write()
+            for label in labels:
+                try:
+                    numbers = clients[label].run(_worker_numbers)
+                    details[f"{label} {threads}t numbers"] = next(iter(numbers.values()))
+                except Exception as e:
+                    details[f"{label} {threads}t numbers"] = repr(e)
+
+
+# -- torch: one process per configuration and round ------------------------------------------------
+
+
+TORCH_CONFIGS = ("torch caching allocator", "dask-rmm rmm_torch_allocator", "dask-rmm MemPool tier")
+
+
+def _torch_child(kind: str, steps: int) -> None:
+    import torch
+
+    if kind != "torch caching allocator":
+        from dask_rmm import mr
+        from dask_rmm.allocators.torch import rmm_torch_allocator, set_torch_allocator
+
+        stats = mr.StatisticsResourceAdaptor(
+            mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 30)
+        )
+        mr.set_current_device_resource(stats)
+        if kind == "dask-rmm rmm_torch_allocator":
+            set_torch_allocator()
+            pool = None
+        else:
+            pool = torch.cuda.MemPool(rmm_torch_allocator.allocator())
+    else:
+        pool = stats = None
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 1024, device="cuda")
+    y = torch.randn(256, 1024, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    def run(n):
+        if pool is not None:
+            with torch.cuda.use_mem_pool(pool):
+                for _ in range(n):
+                    step()
+        else:
+            for _ in range(n):
+                step()
+        torch.cuda.synchronize()
+
+    run(20)
+    before = stats.allocation_counts.total_count if stats is not None else 0
+    t0 = time.perf_counter()
+    run(steps)
+    elapsed = time.perf_counter() - t0
+    counted = (stats.allocation_counts.total_count - before) if stats is not None else -1
+    print(
+        "RESULT"
+        + json.dumps({"s": elapsed, "stack_allocations": counted, "torch": torch.__version__})
+    )
+
+
+def run_torch(rounds, steps, results, details, write):
+    for r in range(rounds):
+        order = TORCH_CONFIGS[r % 3 :] + TORCH_CONFIGS[: r % 3]
+        for kind in order:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--torch-child", kind, "--torch-steps", str(steps)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT")]
+            if not lines:
+                print(f"torch {kind}: failed: {proc.stderr[-2000:]}", file=sys.stderr)
+                continue
+            out = json.loads(lines[-1][6:])
+            results.setdefault("torch MLP step 1t", {}).setdefault(kind, []).append(out["s"])
+            details[f"torch {kind}"] = out
+            print(f"round {r} torch {kind:<32} {out['s']:.3f} s {out}", file=sys.stderr)
+            write()
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="cupy,cudf,torch")
+    ap.add_argument("--threads", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pool", default=POOL)
+    ap.add_argument("--chain", type=int, default=20)
+    ap.add_argument("--cudf-parts", type=int, default=64)
+    ap.add_argument("--cudf-rows", type=int, default=2_000_000)
+    ap.add_argument("--torch-steps", type=int, default=200)
+    ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.torch_child:
+        _torch_child(args.torch_child, args.torch_steps)
+        return 0
+    start = time.perf_counter()
+    threads = [int(t) for t in args.threads.split(",") if t]
+    wanted = [w for w in args.workloads.split(",") if w]
+    results: dict[str, dict[str, list[float]]] = {}
+    details: dict[str, object] = {}
+    doc = {
+        "benchmark": "tiers",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "python": platform.python_version(),
+        "commit": os.environ.get("BENCH_COMMIT", ""),
+    }
+
+    def write():
+        if args.json is not None:
+            doc["results"] = results
+            doc["details"] = details
+            doc["elapsed_s"] = time.perf_counter() - start
+            args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    if "cupy" in wanted:
+        run_dask(
+            "cupy",
+            {"chain": lambda: cupy_chain(steps=args.chain)},
+            threads,
+            args.rounds,
+            args.pool,
+            results,
+            details,
+            write,
+        )
+    if "torch" in wanted:
+        run_torch(args.rounds, args.torch_steps, results, details, write)
+    if "cudf" in wanted:
+        p, n = args.cudf_parts, args.cudf_rows
+        run_dask(
+            "rmm",
+            {"groupby": lambda: cudf_groupby(p, n), "merge": lambda: cudf_merge(p, n)},
+            threads,
+            args.rounds,
+            "20GiB",
+            results,
+            details,
+            write,
+        )
+    write()
+    refs = ("no plugin", "dask-cuda RMM pool", "torch caching allocator")
+    print(f"\n# bench/tiers.py, medians of {args.rounds} interleaved rounds")
+    print(f"{'workload':<18} {'configuration':<32} {'median s':>9} {'runs':>4}  vs references")
+    for key, per in results.items():
+        meds = {label: statistics.median(t) for label, t in per.items() if t}
+        for label, med in meds.items():
+            vs = "  ".join(f"{med / meds[r]:.3f}x {r}" for r in refs if r in meds)
+            print(f"{key:<18} {label:<32} {med:>9.3f} {len(per[label]):>4}  {vs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Library caches in front of dask-rmm's stack: the registry of native caches (CuPy's
+``MemoryPool``, compiled RMM's pool) that draw blocks from a device's dask-rmm resource and hand
+them to arrays themselves, what they hold, and how to make them give free blocks back.
+
+The stack counts every block a cache draws (statistics, limits, logs); the cache's own free
+bytes are reported beside it (``library_cached_bytes``), so that bytes in arrays are the stack's
+``current_bytes`` minus those. Not here: the caches themselves (:mod:`.cupy`,
+:mod:`.rmm_interop`) and spilling (:mod:`dask_rmm.pressure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+__all__ = [
+    "LibraryCache",
+    "cached_bytes",
+    "drawing_for_cache",
+    "library_caches",
+    "register_cache",
+    "release_cached",
+    "set_oom_handler",
+    "unregister_cache",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class LibraryCache(Protocol):
+    """A library's own allocator cache drawing its blocks from dask-rmm's stack."""
+
+    #: The library: ``"cupy"`` or ``"rmm"``.
+    name: str
+
+    def cached_bytes(self, device: int) -> int:
+        """Bytes the cache holds from ``device``'s stack without handing them to arrays."""
+        ...
+
+    def release(self, device: int) -> int:
+        """Give the cache's free blocks on ``device`` back to the stack; the bytes given back."""
+        ...
+
+
+_lock = threading.Lock()
+_caches: list[LibraryCache] = []
+_oom_handlers: dict[int, Callable[[int], int]] = {}
+_drawing = threading.local()
+
+
+def register_cache(cache: LibraryCache) -> None:
+    """List ``cache`` (idempotent)."""
+    with _lock:
+        if not any(c is cache for c in _caches):
+            _caches.append(cache)
+
+
+def unregister_cache(cache: LibraryCache) -> None:
+    """Take ``cache`` off the list (nothing if it is not listed)."""
+    with _lock:
+        _caches[:] = [c for c in _caches if c is not cache]
+
+
+def library_caches() -> list[LibraryCache]:
+    """The registered caches, oldest first."""
+    with _lock:
+        return list(_caches)
+
+
+def cached_bytes(device: int) -> dict[str, int]:
+    """Free bytes each library's cache holds from ``device``'s stack, by library name.
+
+    Never raises: a cache that cannot tell counts 0 (logged at debug level).
+    """
+    out: dict[str, int] = {}
+    for cache in library_caches():
+        try:
+            n = int(cache.cached_bytes(device))
+        except Exception:
+            logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
+            n = 0
+        out[cache.name] = out.get(cache.name, 0) + n
+    return out
+
+
+def release_cached(device: int) -> int:
+    """Make every library cache give its free blocks on ``device`` back to the stack; the bytes
+    given back. What spill-on-OOM and the limit check do before spilling anything."""
+    released = 0
+    for cache in library_caches():
+        try:
+            released += int(cache.release(device))
+        except Exception:
+            logger.warning("dask-rmm: releasing the %s cache failed", cache.name, exc_info=True)
+    return released
+
+
+@contextlib.contextmanager
+def drawing_for_cache() -> Iterator[None]:
+    """Mark this thread as drawing a block for a library cache: a failure then reaches the cache
+    at once, without spilling (a cache may ask for more than it needs and back off; it calls
+    :func:`oom_handler` itself once it is really out of memory)."""
+    depth = getattr(_drawing, "depth", 0)
+    _drawing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _drawing.depth = depth
+
+
+def is_drawing_for_cache() -> bool:
+    """Whether this thread is inside :func:`drawing_for_cache`."""
+    return getattr(_drawing, "depth", 0) > 0
+
+
+def set_oom_handler(device: int, handler: Callable[[int], int] | None) -> None:
+    """``handler(nbytes) -> bytes freed`` (spilling) for caches of ``device`` that ran out of
+    memory; None removes it. The memory-pressure layer sets it with ``spill_on_oom``."""
+    with _lock:
+        if handler is None:
+            _oom_handlers.pop(device, None)
+        else:
+            _oom_handlers[device] = handler
+
+
+def oom_handler(device: int) -> Callable[[int], int] | None:
+    """The handler :func:`set_oom_handler` set for ``device``, or None."""
+    return _oom_handlers.get(device)
+
+
+def _reset_for_tests() -> None:
+    """Forget every cache and handler (the test suite's fixture calls it after each test)."""
+    with _lock:
+        _caches.clear()
+        _oom_handlers.clear()

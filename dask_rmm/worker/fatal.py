@@ -1,0 +1,147 @@
+"""Stopping a worker whose dask-rmm setup failed: the reason on one line, a non-zero exit, and no
+restart by its nanny. Not here: the setup itself (:mod:`dask_rmm.plugin`, :mod:`dask_rmm.preload`).
+
+A worker must never run on without the memory setup it was started with. distributed would log
+a failed preload and go on; failing the worker's start instead makes distributed, its nanny and
+the ``dask worker`` command each log the exception again (about 150 lines). So a worker process
+whose setup failed logs one line and exits with status 1, after telling its nanny not to start
+it again; the ``dask worker`` (or ``dask cuda worker``) command that checked the preload's flags
+then exits with status 1 without a traceback of its own (nor of its nannies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import sys
+import tempfile
+from typing import Any
+
+__all__ = ["WORKER_LOGGER", "arm_worker_command", "stop_worker"]
+
+#: The logger of what dask-rmm did on a worker (its stack, a failed setup). A child of
+#: ``distributed.worker``, so that distributed's default logging configuration shows it on the
+#: worker's stderr at INFO and ``Client.get_worker_logs()`` returns it.
+WORKER_LOGGER = logging.getLogger("distributed.worker.dask_rmm")
+
+#: Set by the ``dask worker`` command (inherited by its worker processes): a file where a worker
+#: process writes why it stopped, so that the command exits with status 1.
+FAILURE_FILE_ENV = "_DASK_RMM_FAILURE_FILE"
+
+_armed: str | None = None  # the failure file, in the process that made it
+
+
+def _reasons(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def arm_worker_command() -> None:
+    """In a ``dask worker`` or ``dask cuda worker`` process (the preload's flags are checked
+    there before any worker starts): exit with status 1 and no traceback once one of its
+    workers stopped because its dask-rmm setup failed. Idempotent."""
+    global _armed
+    if _armed is not None:
+        return
+    fd, path = tempfile.mkstemp(prefix="dask-rmm-failures-", suffix=".txt")
+    os.close(fd)
+    os.environ[FAILURE_FILE_ENV] = path
+    _armed = path
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        # "Nanny failed to start" and its chain say nothing the worker's line did not
+        if not _reasons(path):
+            previous_hook(kind, value, tb)
+
+    def exit_status() -> None:
+        failed = _reasons(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if failed:
+            # A nanny closed after its worker failed ends the command with status 0; only an
+            # immediate exit can change that, once the other exit handlers (multiprocessing's
+            # clean-up, logging's) have run.
+            atexit.unregister(exit_status)
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    class Quiet(logging.Filter):
+        # Once a worker stopped for dask-rmm, the nanny's own shutdown (a restart it was in
+        # the middle of, cancelled) adds tracebacks that say nothing more.
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.exc_info and _reasons(path))
+
+    for handler in logging.getLogger("distributed").handlers:
+        handler.addFilter(Quiet())
+    sys.excepthook = excepthook
+    atexit.register(exit_status)
+
+
+def _record(reason: str) -> None:
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(reason + "\n")
+        except OSError:  # the exit status still says it
+            pass
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (an exception's message may span several)."""
+    return " ".join(text.split())
+
+
+async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) -> None:
+    """Log ``reason`` on one line and stop ``worker``.
+
+    In a process of its own (started by a nanny or by ``dask worker --no-nanny``) the process
+    exits with status 1 and this never returns; the nanny is told first not to restart it.
+    Otherwise (a worker inside a test or ``LocalCluster(processes=False)``) the worker is closed
+    (``close_later``: on the next loop iteration, for a caller inside the worker's own
+    registration) and this returns.
+    """
+    reason = one_line(reason)
+    WORKER_LOGGER.error("dask-rmm: stopping worker %s: %s", worker.name, reason)
+    own_process = bool(getattr(worker, "nanny", None)) or _armed is not None
+    if not own_process:
+        closing = worker.close(reason=f"dask-rmm setup failed: {reason}", nanny=False)
+        if close_later:
+            asyncio.get_running_loop().create_task(closing)
+        else:
+            await closing
+        return
+    _record(f"{worker.name}: {reason}")
+    if worker.nanny:
+        # A nanny still starting answers only once started, which this worker's exit ends: the
+        # short wait is lost then; a nanny restarting its worker answers at once.
+        try:
+            async with worker.rpc(worker.nanny) as nanny:
+                await asyncio.wait_for(
+                    nanny.close_gracefully(reason="dask-rmm setup failed"), timeout=2
+                )
+        except Exception:  # the exit below still stops the worker; a restart fails the same way
+            pass
+    for handler in logging.getLogger().handlers + logging.getLogger("distributed").handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _armed is not None:  # the command itself (--no-nanny): its exit handlers do not run
+        try:
+            os.unlink(_armed)
+        except OSError:
+            pass
+    os._exit(1)

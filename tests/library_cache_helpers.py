@@ -1,0 +1,82 @@
+"""A library cache that runs without CUDA, for tests of the accounting around caches: it behaves
+like CuPy's MemoryPool in front of the stack (exact-size blocks drawn from the device's current
+resource, freed blocks kept per size, given back on ``release`` and when the stack is out of
+memory) and keeps its own counts of what it drew, to compare with the stack's statistics."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dask_rmm.mr.base import align_up
+from dask_rmm.mr.registry import get_per_device_resource
+
+
+class HostLibraryCache:
+    """``malloc``/``free`` of arrays served from cached blocks drawn from device ``device``'s
+    resource (host memory on CI)."""
+
+    name = "fakelib"
+
+    def __init__(self, device: int = 0):
+        self.device = device
+        self.free_blocks: dict[int, list[int]] = defaultdict(list)
+        self.in_use: dict[int, int] = {}  # ptr -> block size
+        self.block_sizes: dict[int, int] = {}  # every block drawn and not given back
+        self.block_resources: dict[int, object] = {}  # ... and the resource it came from
+        # independent per-draw counts: what the stack's statistics must equal
+        self.draws = 0
+        self.drawn_bytes = 0
+        self.peak_drawn_bytes = 0
+        self.releases = 0
+
+    # -- the library's side ---------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        size = align_up(max(nbytes, 1))
+        blocks = self.free_blocks.get(size)
+        if blocks:
+            ptr = blocks.pop()
+        else:
+            mr = get_per_device_resource(self.device)
+            try:
+                ptr = mr.allocate(size)
+            except MemoryError:  # as CuPy's pool: give the cache back and retry once
+                self.release(self.device)
+                ptr = mr.allocate(size)
+            self.block_sizes[ptr] = size
+            self.block_resources[ptr] = mr  # a block goes back where it came from, as CuPy's
+            self.draws += 1
+            self.drawn_bytes += size
+            self.peak_drawn_bytes = max(self.peak_drawn_bytes, self.live_drawn_bytes())
+        self.in_use[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        size = self.in_use.pop(ptr)
+        self.free_blocks[size].append(ptr)
+
+    def live_drawn_bytes(self) -> int:
+        return sum(self.block_sizes.values())
+
+    def array_bytes(self) -> int:
+        return sum(self.in_use.values())
+
+    # -- the LibraryCache protocol -------------------------------------------------------------
+
+    def cached_bytes(self, device: int) -> int:
+        if device != self.device:
+            return 0
+        return sum(size * len(ptrs) for size, ptrs in self.free_blocks.items())
+
+    def release(self, device: int) -> int:
+        if device != self.device:
+            return 0
+        released = 0
+        for size, ptrs in self.free_blocks.items():
+            while ptrs:
+                ptr = ptrs.pop()
+                self.block_resources.pop(ptr).deallocate(ptr, size)
+                del self.block_sizes[ptr]
+                released += size
+        self.releases += 1 if released else 0
+        return released

@@ -1,0 +1,118 @@
+"""Memory pressure with a library cache in front of the stack (no CUDA): cached free blocks are
+given back before anything is spilled, the limit counts bytes in arrays (not cached ones), a
+cache growing speculatively is refused without spilling, and a cache's own out-of-memory
+callback spills with ``spill_on_oom``."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Worker
+from distributed.utils_test import gen_cluster
+from library_cache_helpers import HostLibraryCache
+
+from dask_rmm.allocators import caches
+from tests.pressure_helpers import MiB, check_buffer, patterned_buffer, pressure_stack
+
+
+@pytest.fixture
+def cache():
+    c = HostLibraryCache()
+    caches.register_cache(c)
+    yield c
+    c.release(0)
+
+
+def _cached_free(cache: HostLibraryCache, sizes: list[int]) -> None:
+    """Leave one free block of each size in the cache, one array at a time."""
+    for nbytes in sizes:
+        cache.free(cache.malloc(nbytes))
+
+
+def test_out_of_memory_takes_cached_blocks_back_before_spilling(cache):
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store["a"] = patterned_buffer(MiB, 1)
+    store["b"] = patterned_buffer(MiB, 2)
+    _cached_free(cache, [MiB, MiB - 256])  # the pool is full: 2 MiB stored, 2 MiB cached
+    big = patterned_buffer(2 * MiB, 3)  # fits once the cache gives its blocks back
+    check_buffer(big, 3)
+    assert cache.cached_bytes(0) == 0 and cache.releases == 1
+    m = wp.metrics()[0]
+    assert m.total_spilled_count == 0 and m.oom_count == 0  # nothing spilled, no OOM
+    check_buffer(store["a"], 1)
+    check_buffer(store["b"], 2)
+
+
+def test_spilled_arrays_of_a_cache_reach_the_stack_through_the_cache(cache):
+    """The values spilled are the cache's arrays: their blocks go back to the cache, which is
+    asked to give them back before each retry."""
+    from dask_rmm.pressure import device_objects
+
+    class CachedArray:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            self.ptr = cache.malloc(nbytes)
+
+        def __del__(self):
+            cache.free(self.ptr)
+
+    device_objects.register_device_type(
+        CachedArray,
+        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
+        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
+        "CachedArray",
+        lambda copy: CachedArray(copy.nbytes),
+    )
+    try:
+        wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+        for i in range(4):
+            wp.store[f"x-{i}"] = CachedArray(MiB)  # the whole pool, in the cache's arrays
+        big = patterned_buffer(2 * MiB, 5)  # two arrays spilled, their blocks given back
+        check_buffer(big, 5)
+        assert 1 <= wp.metrics()[0].total_spilled_count <= 2
+        assert cache.releases >= 1
+    finally:
+        device_objects._TYPES.pop(CachedArray, None)
+        device_objects._REBUILD.pop("CachedArray", None)
+
+
+def test_the_limit_counts_bytes_in_arrays_not_cached_ones(cache):
+    wp, top = pressure_stack(8 * MiB, limit=3 * MiB, spill_on_oom=True)
+    dp = wp.devices[0]
+    wp.store["a"] = patterned_buffer(MiB, 1)
+    _cached_free(cache, [MiB, MiB + 256, MiB + 512])  # ~4 MiB allocated, 1 MiB in arrays
+    assert dp.cached_bytes() == 3 * MiB + 768
+    assert dp.current_bytes() == MiB
+    extra = patterned_buffer(MiB, 2)  # 2 MiB in arrays: under the limit, nothing spilled
+    assert wp.metrics()[0].total_spilled_count == 0
+    del extra
+
+
+def test_a_cache_growing_speculatively_is_refused_without_spilling(cache):
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    wp.store["a"] = patterned_buffer(2 * MiB, 1)
+    with caches.drawing_for_cache(), pytest.raises(MemoryError):
+        top.allocate(4 * MiB)
+    assert wp.metrics()[0].total_spilled_count == 0
+    assert wp.oom_events() == []
+    check_buffer(wp.store["a"], 1)
+
+
+def test_a_caches_out_of_memory_callback_spills_only_with_spill_on_oom(cache):
+    for spill_on_oom in (False, True):
+        wp, top = pressure_stack(4 * MiB, spill_on_oom=spill_on_oom)
+        wp.store["a"] = patterned_buffer(2 * MiB, 1)
+        freed = wp.devices[0].spill_for_cache(MiB)
+        assert freed == (2 * MiB if spill_on_oom else 0)
+        check_buffer(wp.store["a"], 1)  # spilled or not, the value reads back
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_attach_sets_the_caches_oom_handler_and_detach_removes_it(c, s, a: Worker):
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    wp.attach(a)
+    try:
+        assert caches.oom_handler(0) == wp.devices[0].spill_for_cache
+    finally:
+        wp.detach(a)
+    assert caches.oom_handler(0) is None
