@@ -317,12 +317,13 @@ def report(
 
     Per worker and device: used, peak, reserved, free in the pool, largest free block,
     fragmentation, failed allocations and the task groups holding the most. Exits with
-    status 1 when the scheduler cannot be reached or no worker reports dask-rmm metrics.
+    status 1 when the scheduler cannot be reached or no worker reports dask-rmm metrics, 2
+    when the address answers but not as a Dask scheduler (a dashboard, a proxy).
     """
     import asyncio
 
     from dask_rmm._output import refuse_input
-    from dask_rmm.report.fetch import iter_reports
+    from dask_rmm.report.fetch import NotDaskAddressError, iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
@@ -365,7 +366,16 @@ def report(
                     click.echo(f"wrote {plot_path}")
 
     with _user_errors(), contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+        try:
+            asyncio.run(run())
+        except NotDaskAddressError as e:
+            raise _WrongAddress(str(e)) from e
+
+
+class _WrongAddress(click.ClickException):
+    """An address that answers, but not as a Dask scheduler: a usage error (exit 2)."""
+
+    exit_code = 2
 
 
 @main.command()

@@ -205,7 +205,21 @@ class RMMPlugin(WorkerPlugin):
             while stacks:
                 stacks.pop().close_log()
             pressure = None
-            if failures or worker.plugins.get(self.name) is self:
+            owner = ws.plugin
+            if (
+                not failures
+                and owner is not None
+                and owner is not self
+                and owner.token == ws.token
+                and worker.plugins.get(self.name) is self
+            ):
+                # Superseded, and the later registration reached this worker first: arriving
+                # after it, this one replaced it in worker.plugins and tore it down, while its
+                # stacks stay installed. Put it back, so the plugin and the stacks agree.
+                worker.plugins[self.name] = owner
+                owner._worker = worker
+                owner._publish(worker, ws)
+            elif failures or worker.plugins.get(self.name) is self:
                 self._publish(worker, ws)
         if failures:
             setup_error = RMMSetupError.from_failures(failures, kept_previous=bool(ws.active))
@@ -228,6 +242,7 @@ class RMMPlugin(WorkerPlugin):
             worker.plugins[self.name] = self
             self._worker = worker
         ws.install(stacks, self.options, self.token)
+        ws.plugin = self
         ws.set_pressure(worker, pressure)
         for stack in stacks:
             WORKER_LOGGER.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())

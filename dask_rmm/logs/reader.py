@@ -66,6 +66,10 @@ class Action(enum.Enum):
     ALLOCATE = "allocate"
     FREE = "free"
     ALLOCATE_FAILURE = "allocate failure"
+    #: Not one of RMM's actions: where a new writer appended to the file (the header line
+    #: repeated, or a ``restart`` row in a merged log). The previous writer's process ended
+    #: there, and the allocations of this source it still held ended with it.
+    RESTART = "restart"
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +77,7 @@ class Action(enum.Enum):
 
 _ACTIONS = {a.value: a for a in Action}
 _FAILURE = Action.ALLOCATE_FAILURE
+_RESTART = Action.RESTART
 
 
 class LogEvent(NamedTuple):
@@ -237,6 +242,7 @@ class LogReader:
         day_offset = 0.0
         last_time = None
         pending: LogFormatError | None = None
+        restart_line = 0  # the line of a repeated header not yet followed by a row
         for line in f:
             lineno += 1
             self.bytes_read += len(line)
@@ -270,7 +276,10 @@ class LogReader:
                 pointer = _parse_pointer(fields[i_pointer])
             except (ValueError, IndexError) as e:
                 if line.startswith(header_start):
-                    continue  # a repeated header: the log was re-opened
+                    # A repeated header: a new writer appended here (the restart marker). Its
+                    # event gets the time of the next row, the first the new writer wrote.
+                    restart_line = lineno
+                    continue
                 pending = LogFormatError(path, lineno, f"malformed row ({e})", line)
                 continue
             # Times are time of day: a backward jump of more than 12 h is a midnight.
@@ -279,6 +288,9 @@ class LogReader:
                 day_offset += _DAY
                 t += _DAY
             last_time = t
+            if restart_line:
+                yield LogEvent(0, t, _RESTART, 0, 0, 0, restart_line, event_source, path)
+                restart_line = 0
             self.rows += 1
             yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
@@ -388,6 +400,14 @@ class LiveAllocations:
         live[key] = value
         return old
 
+    def end_source(self, source: str) -> list[Any]:
+        """Forget every allocation of ``source`` (its process ended: a restart); return their
+        values."""
+        ended = [k for k in self.live if k[0] == source]
+        for k in [k for k in self.late if k[0] == source]:
+            del self.late[k]
+        return [self.live.pop(k) for k in ended]
+
     def free(self, key: tuple[str, int]) -> Any:
         """Forget ``key``: its value, :data:`LATE_FREE` for an absorbed late row, or None when
         the log never showed it allocated."""
@@ -411,7 +431,8 @@ class LiveAllocations:
 
 def format_event(event: LogEvent) -> str:
     """One RMM-format CSV row (no newline) for ``event``: ``thread,time,action,ptr,size,stream``."""
-    ptr = "(nil)" if event.pointer == 0 and event.action is _FAILURE else f"{event.pointer:#x}"
+    nil = event.pointer == 0 and event.action in (_FAILURE, _RESTART)
+    ptr = "(nil)" if nil else f"{event.pointer:#x}"
     return (
         f"{event.thread},{format_time(event.time)},{event.action.value},{ptr},"
         f"{event.size},{event.stream:x}"

@@ -202,6 +202,9 @@ class ReplayResult:
     call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
     notes: tuple[str, ...] = field(default=())
+    #: rows that failed here, new failures and re-issued original failures (``failures``
+    #: holds the first 50 of them)
+    failed_rows: int = 0
 
     @property
     def failed(self) -> bool:
@@ -278,7 +281,7 @@ def replay(
     n_failed = 0
     call_seconds = 0.0
     clock = time.perf_counter
-    ALLOCATE, FREE = Action.ALLOCATE, Action.FREE
+    ALLOCATE, FREE, RESTART = Action.ALLOCATE, Action.FREE, Action.RESTART
     start = clock()
     try:
         for e in reader:
@@ -298,6 +301,11 @@ def replay(
                 call_seconds += clock() - t0
                 frees += 1
                 current -= size
+                continue
+            if action is RESTART:  # the writer's process ended: so did its allocations
+                for ptr, size, stream in table.end_source(e.source):
+                    deallocate(ptr, size, stream)
+                    current -= size
                 continue
             original_ok = action is ALLOCATE
             if not original_ok and not retry_failures:
@@ -343,9 +351,7 @@ def replay(
             bar.update(reader.bytes_read - bar.pos)
             bar.render_finish()
     seconds = clock() - start
-    notes = []
-    if n_failed > len(failures):
-        notes.append(f"{n_failed - len(failures)} more failed rows not listed")
+    notes: list[str] = []
     return ReplayResult(
         resource=resource,
         description=description,
@@ -369,6 +375,7 @@ def replay(
         call_seconds=call_seconds,
         truncated=f"{reader.path}:{reader.truncated[0]}" if reader.truncated else None,
         notes=tuple(notes),
+        failed_rows=n_failed,
     )
 
 
@@ -406,6 +413,9 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
             f"    line {f.line}: {format_size(f.size)} at {format_time(f.time)} thread "
             f"{f.thread} stream {f.stream:#x}: {f.error}"
         )
+    if r.new_failures > len(listed):
+        # Counted against what this text lists, not the 50 rows the result keeps.
+        lines.append(f"    ... {r.new_failures - len(listed):,} more new failures not listed")
     if r.truncated:
         lines.append(f"  note             cut-off last line skipped: {r.truncated}")
     for n in r.notes:

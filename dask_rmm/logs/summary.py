@@ -33,6 +33,7 @@ __all__ = [
 
 _ALLOCATE = Action.ALLOCATE
 _FREE = Action.FREE
+_RESTART = Action.RESTART
 _LATE = LiveAllocations.LATE_FREE
 
 
@@ -98,6 +99,14 @@ class LogSummary:
     threads: dict[int, Totals]  #: totals per thread id ...
     streams: dict[int, Totals]  #: ... and per stream handle
     truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
+    #: what the reader of the numbers should know (how the peak compares with the report's)
+    notes: tuple[str, ...] = ()
+    #: restart markers: a new process appended to the log ...
+    restarts: int = 0
+    #: ... and the allocations the previous one still held then, which ended with it (not
+    #: counted as outstanding: its memory went back to the device when it died)
+    ended_with_process_count: int = 0
+    ended_with_process_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
@@ -114,6 +123,7 @@ class LogSummary:
             for o in self.largest_outstanding
         ]
         d["truncated"] = list(self.truncated)
+        d["notes"] = list(self.notes)
         return d
 
 
@@ -147,9 +157,19 @@ class Summarizer:
         self.threads: dict[int, Totals] = {}
         self.streams: dict[int, Totals] = {}
         self.truncated: list[str] = []
+        self.restarts = 0
+        self.ended_count = 0
+        self.ended_bytes = 0
 
     def add(self, e: LogEvent) -> None:
         """Account for one event."""
+        if e.action is _RESTART:
+            self.restarts += 1
+            for old in self.table.end_source(e.source):
+                self.current -= old.size
+                self.ended_count += 1
+                self.ended_bytes += old.size
+            return
         self.rows += 1
         if e.path not in self.paths:
             self.paths[e.path] = None
@@ -239,6 +259,23 @@ class Summarizer:
             threads=dict(sorted(self.threads.items())),
             streams=dict(sorted(self.streams.items())),
             truncated=tuple(self.truncated),
+            notes=self._notes(),
+            restarts=self.restarts,
+            ended_with_process_count=self.ended_count,
+            ended_with_process_bytes=self.ended_bytes,
+        )
+
+    def _notes(self) -> tuple[str, ...]:
+        allocating = sorted(t for t, tot in self.threads.items() if tot.allocations)
+        if len(allocating) < 2:
+            return ()
+        # Each thread writes its row after its call, under the adaptor's lock; the statistics
+        # adaptor counts after the same call under its own lock. Two threads' calls can be
+        # ordered one way in the file and the other way by the counter.
+        return (
+            f"peak in the order the {len(allocating)} allocating threads wrote their rows; the "
+            "report's peak (a counter in the worker) orders the same concurrent calls its own "
+            "way and can differ by the blocks in flight at the peak",
         )
 
 
@@ -344,9 +381,13 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         (s.reallocated_live_pointers, "allocations of an address whose free row came later "
             "(threads' rows out of order)"),
         (s.size_mismatched_frees, "frees with a size other than allocated"),
+        (s.restarts, "restarts (a new process appended to the log)"),
+        (s.ended_with_process_count, f"allocations ({format_size(s.ended_with_process_bytes)}) "
+            "still live when their process ended at a restart: freed by its end, not leaked"),
     ]  # fmt: skip
     lines += [f"  note          {n:,} {what}" for n, what in notes if n]
     lines += [f"  note          cut-off last line skipped: {t}" for t in s.truncated]
+    lines += [f"  note          {n}" for n in s.notes]
     if s.histogram:
         lines.append("  sizes         bucket (<=)        allocations")
         width = max(s.histogram.values())

@@ -8,12 +8,13 @@ import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dask_rmm._output import atomic_output, refuse_input
 from dask_rmm.logs.reader import Action, format_time, read_logs
 from dask_rmm.logs.summary import Summarizer
 
-__all__ = ["Timeline", "in_use_timeline", "plot_logs"]
+__all__ = ["Timeline", "in_use_timeline", "plot_logs", "timelines_figure"]
 
 
 class _Envelope:
@@ -102,16 +103,26 @@ def plot_logs(
     list of Timeline
         What was plotted.
     """
-    from dask_rmm.mr.base import format_bytes
-    from dask_rmm.report.plot import byte_axis, figure
-
     refuse_input(output, paths)
-    fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110)
     timelines = in_use_timeline(paths, max_points=max_points)
     if not timelines:
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
+    fig = timelines_figure(timelines, title=title)
+    with atomic_output(output) as tmp:
+        fig.savefig(tmp)
+    return timelines
+
+
+def timelines_figure(timelines: Sequence[Timeline], *, title: str | None = None) -> Any:
+    """The matplotlib Figure :func:`plot_logs` saves: bytes in use over time per worker, each
+    peak marked and labelled, the legend outside the data area."""
+    from dask_rmm.mr.base import format_bytes
+    from dask_rmm.report.plot import byte_axis, figure, legend_outside
+
+    fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110, layout="constrained")
     t0 = min(tl.times[0] for tl in timelines if tl.times)
     top = max(tl.peak_bytes for tl in timelines)
+    span = max((tl.times[-1] - t0 for tl in timelines if tl.times), default=0.0)
     ax = fig.subplots()
     for tl in timelines:
         xs = [t - t0 for t in tl.times]
@@ -119,13 +130,18 @@ def plot_logs(
         if tl.peak_time is not None:
             peak, color = (tl.peak_time - t0, tl.peak_bytes), line.get_color()
             ax.plot(*peak, marker="v", color=color, markersize=8)
+            # A label right of a peak in the right half would run past the axes.
+            right_half = peak[0] > 0.5 * span
             ax.annotate(
                 f"peak {format_bytes(tl.peak_bytes)}",
                 peak,
                 textcoords="offset points",
-                xytext=(4, 6),
+                xytext=(-4 if right_half else 4, 6),
+                ha="right" if right_half else "left",
                 fontsize=8,
                 color=color,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.8, "lw": 0},
+                zorder=4,  # over the other workers' lines
             )
     fails = [(t - t0, b) for tl in timelines for t, b in tl.failures]
     if fails:
@@ -143,8 +159,5 @@ def plot_logs(
     ax.set_ylim(bottom=0, top=top * 1.12 if top else 1)
     ax.grid(True, alpha=0.3)
     if len(timelines) > 1 or timelines[0].source:
-        ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    with atomic_output(output) as tmp:
-        fig.savefig(tmp)
-    return timelines
+        legend_outside(ax, fontsize=8)
+    return fig

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import TextIO
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
@@ -99,7 +100,16 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         Add to an existing file (the header only if it is empty) instead of truncating it as
         RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows. A
         last row cut off without its newline (the previous writer was killed mid-row) is
-        removed first, so that the rows added after it stay readable.
+        removed first, so that the rows added after it stay readable. Rows appended to a file
+        that has rows start with the header line again: the restart marker, after which the
+        log tools count the previous writer's still-live allocations as ended with it.
+    open_on_first_row : bool, default False
+        Create (or truncate, or append to) the file when the first row is written, not
+        here: a resource that never allocates leaves no file.
+    claim : callable, optional
+        ``claim(file_name) -> (file_name, fd or None)``, called just before the file is
+        opened: reserves a name (it may return another) and returns a descriptor whose lock
+        is held until :meth:`close` (dask-rmm's workers use an exclusive ``flock``).
 
     Raises
     ------
@@ -125,6 +135,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         log_file_name: str | os.PathLike | None = None,
         auto_flush: bool = False,
         append: bool = False,
+        *,
+        open_on_first_row: bool = False,
+        claim: Callable[[str], tuple[str, int | None]] | None = None,
     ):
         super().__init__(upstream_mr)
         if log_file_name is None:
@@ -142,21 +155,44 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self._clock = _Clock()
         #: Writes to the file that failed (a full disk): their rows are lost.
         self.write_errors = 0
-        if append:
-            _drop_cut_off_line(self._file_name)
-        else:
-            open(self._file_name, "w").close()  # RMM truncates; the rows are appended below
-        # Always O_APPEND: an adaptor still logging into a file that another one truncated since
-        # (reinitialize(logging=True) run twice with buffers of the first still alive) adds its
-        # rows at the end instead of at its old offset, which left a run of NUL bytes and then
-        # overwrote the newer adaptor's rows.
-        f = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
-        if f.tell() == 0:
-            f.write(CSV_HEADER + "\n")
-            f.flush()  # first in the file, before rows another adaptor appends
-        self._file: TextIO | None = f
+        self._append = bool(append)
+        self._claim = claim
+        self._lock_fd: int | None = None
+        self._file: TextIO | None = None
+        self._closed = False
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
+        if not open_on_first_row:
+            self._open()
+
+    def _open(self) -> TextIO:
+        """Claim, create or truncate (or append to) the file and write its header."""
+        if self._claim is not None:
+            self._file_name, self._lock_fd = self._claim(self._file_name)
+        try:
+            if self._append:
+                _drop_cut_off_line(self._file_name)
+            else:
+                open(self._file_name, "w").close()  # RMM truncates; rows are appended below
+            # Always O_APPEND: an adaptor still logging into a file that another one truncated
+            # since (reinitialize(logging=True) run twice with buffers of the first alive) adds
+            # its rows at the end instead of at its old offset, which left a run of NUL bytes
+            # and then overwrote the newer adaptor's rows.
+            f = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
+        except BaseException:
+            self._release_claim()
+            raise
+        # The header first in the file, before rows another adaptor appends; again (the restart
+        # marker) where an earlier writer's rows end.
+        f.write(CSV_HEADER + "\n")
+        f.flush()
+        self._file = f
+        return f
+
+    def _release_claim(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _write(self, action: str, ptr: int, nbytes: int, stream: Stream) -> None:
         handle = int(stream)  # a Stream's handle (a bare int handle is taken as is)
@@ -167,7 +203,14 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         with self._lock:
             f = self._file
             if f is None:
-                return
+                if self._closed:
+                    return
+                try:
+                    f = self._open()
+                except (OSError, RuntimeError) as e:  # no file: this row and the later ones lost
+                    self._closed = True
+                    self._write_failed(e)
+                    return
             try:
                 f.write(row)
                 if self.auto_flush:
@@ -175,7 +218,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             except OSError as e:
                 self._write_failed(e)
 
-    def _write_failed(self, error: OSError) -> None:
+    def _write_failed(self, error: Exception) -> None:
         # A full disk must never fail (and leak) the allocation being logged: the row is lost,
         # as RMM's logger loses it, and the first loss is reported.
         self.write_errors += 1
@@ -210,18 +253,21 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                     self._write_failed(e)
 
     def get_file_name(self) -> str:
-        """The absolute path of the log file (with the ``.dev{id}`` suffix)."""
+        """The absolute path of the log file (with the ``.dev{id}`` suffix); with
+        ``open_on_first_row``, where it will be (no file before the first row)."""
         return self._file_name
 
     def close(self) -> None:
         """Flush and close the file; later rows are dropped. Allocation keeps working."""
         with self._lock:
             f, self._file = self._file, None
+            self._closed = True
         if f is not None:
             try:
                 f.close()
             except OSError as e:  # the last rows could not be written; the file is closed
                 self._write_failed(e)
+        self._release_claim()
 
     def __del__(self):
         try:

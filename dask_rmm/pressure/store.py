@@ -360,7 +360,11 @@ class DeviceSpillStore(MutableMapping):
         started = None
         seen = None
         unchanged = 0
+        held: tuple[Hashable, ...] | None = None  # referenced values at the last full scan
+        held_at = -1
+        quiet = False  # nothing changed at the last poll: no victims to look for either
         while True:
+            tried = False
             with self._spill_lock:
                 self._local.active = True
                 try:
@@ -376,9 +380,12 @@ class DeviceSpillStore(MutableMapping):
                             # it referenced, and so unspillable, until a garbage collection.
                             error = None
                             return result, None, spilled
+                        if quiet:
+                            break
                         victims, growing = self._choose(request, device, layout, release)
                         if not victims:
                             break
+                        tried = True
                         freed = self._spill_keys(victims)
                         if freed:
                             spilled += freed
@@ -396,21 +403,48 @@ class DeviceSpillStore(MutableMapping):
                     self._local.active = False
             # Nothing could be spilled: wait for the memory to change, then try again.
             now = time.monotonic()
-            state = (
-                activity() if activity is not None else None,
-                self._mutations,
-                tuple(k for k, _n, _p in self.candidates(device)),
-            )
+            mutations = self._mutations
+            # The change to watch for besides frees and mutations is a referenced value let go:
+            # scan every stored value once per round (or after a mutation), then at each poll
+            # only those that were referenced (a few inputs of running tasks), not all of them.
+            if held is None or tried or mutations != held_at:
+                held, held_at = self._referenced_keys(device), mutations
+            else:
+                held = self._still_referenced(held)
+            state = (activity() if activity is not None else None, mutations, held)
             if started is None:
                 started = now
-            if state != seen:
+            # A round that found victims saw memory change too (a referenced value let go)
+            # even when they were referenced again by the time they were copied, so that the
+            # state polled now equals the last one: that is no reason to give up.
+            quiet = state == seen and not tried
+            if quiet:
+                unchanged += 1
+            else:
                 seen = state
                 unchanged = 0
-            else:
-                unchanged += 1
             if unchanged >= self.wait_retries or now - started >= self.wait_limit:
                 return None, error, spilled
             time.sleep(_WAIT_POLL)
+
+    def _referenced_keys(self, device: int | None) -> tuple[Hashable, ...]:
+        """Keys of stored device values (of ``device``) that something else references."""
+        with self._lock:
+            return tuple(
+                key
+                for key, e in self._lru.items()
+                if e.nbytes
+                and (device is None or e.device == device)
+                and _getrefcount(self._device[key]) > _DICT_ONLY_REFS
+            )
+
+    def _still_referenced(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        """Those of ``keys`` still stored and still referenced."""
+        with self._lock:
+            stored = self._device
+            return tuple(
+                key for key in keys if key in stored and _getrefcount(stored[key]) > _DICT_ONLY_REFS
+            )
 
     def _choose(
         self,

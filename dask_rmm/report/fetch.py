@@ -15,7 +15,12 @@ from dask_rmm.scheduler import install_scheduler_plugin
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["cluster_report", "fetch_report_data", "iter_reports"]
+__all__ = ["NotDaskAddressError", "cluster_report", "fetch_report_data", "iter_reports"]
+
+
+class NotDaskAddressError(OSError):
+    """The address answers, but not with Dask's protocol (an HTTP server, a proxy, another
+    service): a wrong address rather than a scheduler that is down."""
 
 
 async def fetch_report_data(
@@ -152,16 +157,33 @@ async def iter_reports(
                     {fetch, probe}, timeout=timeout, return_when="FIRST_COMPLETED"
                 )
                 if probe in done and probe.result():
-                    raise OSError(probe.result())
+                    raise NotDaskAddressError(probe.result())
                 if fetch not in done:  # not HTTP: wait out the timeout
                     left = deadline - asyncio.get_running_loop().time()
                     await asyncio.wait({fetch}, timeout=max(0.0, left))
                 if not fetch.done():
                     raise asyncio.TimeoutError(f"no answer within {timeout:g} s")
                 data = fetch.result()
-            except (OSError, asyncio.TimeoutError) as e:
+            except NotDaskAddressError:
+                raise
+            except asyncio.TimeoutError as e:
                 reason = str(e) or type(e).__name__
                 raise OSError(f"could not reach the Dask scheduler at {address}: {reason}") from e
+            except Exception as e:
+                # Bytes that are not Dask's framing fail anywhere in distributed's reader (a
+                # length of exabytes, a short buffer, a closed stream): look at them ourselves.
+                answer = await _non_dask_greeting(address, min(timeout, 2.0))
+                if answer is not None:
+                    raise NotDaskAddressError(
+                        f"{address} does not speak Dask's protocol: it {answer}; give the "
+                        "scheduler's address (`dask scheduler` prints it, usually port 8786)"
+                    ) from e
+                if isinstance(e, OSError):
+                    reason = str(e) or type(e).__name__
+                    raise OSError(
+                        f"could not reach the Dask scheduler at {address}: {reason}"
+                    ) from e
+                raise  # the scheduler's own answer, an error it raised
             finally:
                 fetch.cancel()
                 probe.cancel()
@@ -200,3 +222,78 @@ async def _http_hint(address: str, delay: float) -> str | None:
         if writer is not None:
             writer.close()
     return None
+
+
+#: A Dask server's greeting (its handshake, a few hundred bytes) is far below this.
+_GREETING_MAX = 1 << 16
+
+
+async def _non_dask_greeting(address: str, timeout: float) -> str | None:
+    """What the server at a ``tcp://`` ``address`` said on connecting, in words, if that is not
+    a Dask greeting (a handshake message in Dask's framing); None if it is one, if nothing
+    could be connected to or read, or for other protocols (TLS, UCX: not looked into)."""
+    from distributed.protocol.core import loads
+
+    scheme, sep, rest = address.rpartition("://")
+    if sep and scheme != "tcp":
+        return None
+    host, _, port = rest.rpartition(":")
+    writer = None
+    data = b""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]") or "127.0.0.1", int(port)), timeout
+        )
+        data = await asyncio.wait_for(reader.read(8), timeout)
+        while 0 < len(data) < 8:
+            more = await asyncio.wait_for(reader.read(8 - len(data)), timeout)
+            if not more:
+                break
+            data += more
+        if not data:
+            return "closed the connection without sending anything"
+        if len(data) < 8:
+            return f"sent {data!r} and closed the connection"
+        total = int.from_bytes(data, "little")
+        if 16 <= total <= _GREETING_MAX:
+            body = await asyncio.wait_for(reader.readexactly(total), timeout)
+            data += body
+            if _is_handshake(body, loads):
+                return None
+        else:  # show what it sent
+            try:
+                data += await asyncio.wait_for(reader.read(64), min(timeout, 0.3))
+            except asyncio.TimeoutError:
+                pass
+    except asyncio.IncompleteReadError as e:
+        data += e.partial
+        return f"sent {data[:48]!r}{'...' if len(data) > 48 else ''} and closed the connection"
+    except (OSError, ValueError, asyncio.TimeoutError):
+        if not data:
+            return None
+    finally:
+        if writer is not None:
+            writer.close()
+    cut = "..." if len(data) > 48 else ""
+    what = " (an HTTP server: a dashboard or a proxy?)" if data.startswith(b"HTTP/") else ""
+    return f"answered {data[:48]!r}{cut}{what}"
+
+
+def _is_handshake(body: bytes, loads: Any) -> bool:
+    """Whether ``body`` (a message after its length) unpacks as Dask frames to a handshake."""
+    try:
+        n = int.from_bytes(body[:8], "little")
+        if not 1 <= n <= 64 or 8 * (n + 1) > len(body):
+            return False
+        lengths = [int.from_bytes(body[8 * (i + 1) : 8 * (i + 2)], "little") for i in range(n)]
+        start = 8 * (n + 1)
+        if start + sum(lengths) != len(body):
+            return False
+        frames = []
+        for length in lengths:
+            frames.append(body[start : start + length])
+            start += length
+        msg = loads(frames, deserialize=False)
+    except Exception:  # any garbage: not a greeting
+        return False
+    return isinstance(msg, dict) and "compression" in msg

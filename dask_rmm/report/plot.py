@@ -12,7 +12,7 @@ from dask_rmm.report.svg import PALETTE, _byte_step
 if TYPE_CHECKING:
     from dask_rmm.report.memory_report import ClusterMemoryReport
 
-__all__ = ["byte_axis", "figure", "plot_report"]
+__all__ = ["byte_axis", "figure", "legend_outside", "plot_report"]
 
 
 def figure(what: str, **kwargs: Any):
@@ -40,6 +40,12 @@ def byte_axis(axis: Any, top: float) -> None:
         axis.set_major_locator(MultipleLocator(_byte_step(top)))
 
 
+def legend_outside(ax: Any, **kwargs: Any) -> Any:
+    """``ax``'s legend to the right of its data area, never over a line, a bar or a label in
+    it; the figure's layout (constrained or tight) makes room for it."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+
+
 def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_task_groups: int = 10):
     """Draw ``report`` (see :meth:`ClusterMemoryReport.plot`); write a PNG to ``path`` if given."""
     fig = figure("ClusterMemoryReport.plot", figsize=(11, 7.5), layout="constrained")
@@ -62,7 +68,7 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     ax_t.set_ylim(bottom=0)
     ax_t.grid(alpha=0.3)
     if with_samples:
-        ax_t.legend(loc="upper left", fontsize=8, ncols=1 + len(with_samples) // 8)
+        legend_outside(ax_t, fontsize=8, ncols=1 + len(with_samples) // 16)
     else:
         ax_t.text(0.5, 0.5, "no samples yet", ha="center", transform=ax_t.transAxes)
 
@@ -79,7 +85,7 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
     byte_axis(ax_g.xaxis, max(left, default=0))
     ax_g.grid(axis="x", alpha=0.3)
     if groups:
-        ax_g.legend(loc="lower right", fontsize=8)
+        legend_outside(ax_g, fontsize=8)
     else:
         ax_g.text(0.5, 0.5, "no task-group attribution", ha="center", transform=ax_g.transAxes)
 

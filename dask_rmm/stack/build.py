@@ -54,11 +54,15 @@ def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: in
     )
 
 
-def claim_log_file(path: str) -> tuple[str, int | None]:
-    """Reserve ``path`` for this worker with an exclusive ``flock`` held until teardown.
+def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
+    """Reserve ``path`` for this worker with an exclusive ``flock`` held until the returned
+    descriptor is closed (the log adaptor closes it at teardown).
 
-    A file another live worker holds (two clusters sharing a directory, or two names that
-    sanitise alike) gets this process's id, then a counter, added to its name instead.
+    A file another live worker holds (two clusters sharing a directory, a second worker given
+    a name already taken, or two names that sanitise alike) gets this process's id, then a
+    counter, added to its name instead. With ``create=False`` nothing is created or held:
+    the name a claim would take now, and None (a worker's log file is created at its first
+    row, claimed then).
     """
     try:
         import fcntl
@@ -68,12 +72,26 @@ def claim_log_file(path: str) -> tuple[str, int | None]:
     candidates = [path, f"{stem}-{os.getpid()}.dev{ext}"]
     candidates += [f"{stem}-{os.getpid()}-{i}.dev{ext}" for i in range(1, 64)]
     for candidate in candidates:
-        fd = os.open(candidate, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(candidate, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            if create:
+                raise
+            # No file yet: free. Made at the first row, so a directory it cannot be made in
+            # fails now, at setup, not later with the rows lost.
+            if not os.access(os.path.dirname(candidate) or ".", os.W_OK | os.X_OK):
+                raise PermissionError(
+                    f"cannot create {candidate}: the directory is not writable"
+                ) from None
+            return candidate, None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             continue
+        if not create:
+            os.close(fd)  # closing releases the lock: this was a look
+            return candidate, None
         return candidate, fd
     raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
 
@@ -91,7 +109,6 @@ class DeviceStack:
     attribution: Any = None  # AttributionResourceAdaptor or None
     logging: Any = None  # LoggingResourceAdaptor or None
     log_path: str | None = None
-    log_fd: int | None = None
     chain: str = ""
     host_memory: bool = False
     options: RMMOptions | None = None
@@ -131,13 +148,13 @@ class DeviceStack:
             for method in ("flush", "close") if close else ("flush",):
                 try:
                     getattr(self.logging, method)()
+                    # The name is claimed at the first row: another process may have taken
+                    # the one chosen at build time meanwhile.
+                    self.log_path = self.logging.get_file_name()
                 except ReferenceError:  # a retired stack's adaptor, collected: closed already
                     break
                 except Exception:  # pragma: no cover - a timer or a teardown must go on
                     logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
-        if close and self.log_fd is not None:
-            fd, self.log_fd = self.log_fd, None
-            os.close(fd)
 
     def close_log(self) -> None:
         self.flush_log(close=True)
@@ -236,12 +253,19 @@ def build_stack(
             try:
                 os.makedirs(options.log_directory, exist_ok=True)
                 path = log_file_path(options.log_directory, worker_name, device)
-                stack.log_path, stack.log_fd = claim_log_file(path)
-                # The adaptor adds RMM's ".dev<id>" to the name it is given; a worker's log is
-                # appended to, so a worker restarted under the same name keeps what was there.
+                stack.log_path, _ = claim_log_file(path, create=False)
+                # The adaptor adds RMM's ".dev<id>" to the name it is given. A worker's log is
+                # appended to, so a worker restarted under the same name keeps what was there,
+                # and made at the first row, so a worker that never allocates (one the
+                # scheduler refuses, a stack replaced before use) leaves no file; the name is
+                # claimed then, when an earlier process under it has surely ended.
                 log_file_name = stack.log_path[: -len(f".dev{device}.csv")] + ".csv"
                 top = stack.logging = mr.LoggingResourceAdaptor(
-                    top, log_file_name=log_file_name, append=True
+                    top,
+                    log_file_name=log_file_name,
+                    append=True,
+                    open_on_first_row=True,
+                    claim=lambda _name, path=path: claim_log_file(path),
                 )
             except OSError as e:
                 raise OSError(

@@ -137,6 +137,9 @@ class WorkerStack:
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
     token: str | None = None
+    #: The plugin object that installed ``active`` (an ``RMMPlugin``): what ``worker.plugins``
+    #: must hold while they are installed.
+    plugin: Any = None
     #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
     pressure: Any = None
     _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
@@ -222,6 +225,7 @@ class WorkerStack:
 
         stacks, options = self.active, self.options
         self.active, self.options, self.token, self._released = [], None, None, False
+        self.plugin = None
         self.set_pressure(None, None)  # while its stacks are installed: outputs come back there
         if options is not None:
             allocators.reset_allocators(list(options.allocators))

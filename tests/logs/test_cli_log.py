@@ -316,3 +316,56 @@ def test_dask_rmm_entry_point(two_logs):
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["peak_bytes"] == ea.peak_bytes
+
+
+def test_replay_counts_the_failures_it_does_not_list(runner, tmp_path):
+    from logdata import write_log
+
+    from dask_rmm.logs import Action, LogEvent
+
+    path = tmp_path / "big.csv"
+    events = []
+    for i in range(120):  # 2 MiB each: fixed_size (1 MiB blocks) fails every one
+        ptr = 0x7F0000000000 + (i << 22)
+        t = 100.0 + i
+        events.append(LogEvent(1, t, Action.ALLOCATE, ptr, 2 << 20, 0, 2 * i + 2, "big", ""))
+        events.append(LogEvent(1, t + 0.5, Action.FREE, ptr, 2 << 20, 0, 2 * i + 3, "big", ""))
+    write_log(path, events)
+    result = runner.invoke(cli.main, ["log", "replay", str(path), "-r", "fixed_size"])
+    assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
+    assert "NEW FAILURES     120 allocations" in result.stdout
+    listed = [ln for ln in result.stdout.splitlines() if ln.strip().startswith("line ")]
+    assert len(listed) == 10
+    assert "110 more new failures not listed" in result.stdout, result.stdout
+    assert "more failed rows not listed" not in result.stdout
+    data = json.loads(
+        runner.invoke(cli.main, ["log", "replay", str(path), "-r", "fixed_size", "--json"]).stdout
+    )
+    assert data["failed_rows"] == 120 and len(data["failures"]) == 50
+
+
+def test_summary_says_why_its_peak_may_differ_from_the_reports(runner, tmp_path):
+    from logdata import logging_adaptor, run_workload
+
+    from dask_rmm import mr
+    from dask_rmm.logs.summary import summarize
+
+    peaks = {}
+    for threads in (1, 3):
+        stats = mr.StatisticsResourceAdaptor(
+            logging_adaptor(mr.SystemMemoryResource(), tmp_path / f"t{threads}.csv")
+        )
+        for blk in run_workload(stats, 400, seed=threads, threads=threads):
+            stats.deallocate(*blk)
+        log = stats.upstream_mr
+        log.close()
+        summary = summarize([log.get_file_name()]).files[0]
+        peaks[threads] = (summary.peak_bytes, stats.allocation_counts.peak_bytes)
+        text = runner.invoke(cli.main, ["log", "summary", log.get_file_name()]).stdout
+        data = json.loads(
+            runner.invoke(cli.main, ["log", "summary", "--json", log.get_file_name()]).stdout
+        )["files"][0]
+        said = "the report's peak (a counter in the worker) orders" in text
+        assert said == (threads > 1) and bool(data["notes"]) == (threads > 1), text
+    # One thread: one order, the same peak as the statistics adaptor's.
+    assert peaks[1][0] == peaks[1][1]

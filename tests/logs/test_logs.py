@@ -167,7 +167,7 @@ def test_last_line_without_newline_kept_when_whole(tmp_path):
     assert e.size == 256
 
 
-def test_blank_lines_and_repeated_header_skipped(tmp_path):
+def test_blank_lines_skipped_and_a_repeated_header_read_as_a_restart(tmp_path):
     p = _write(
         tmp_path,
         "\n"
@@ -176,7 +176,9 @@ def test_blank_lines_and_repeated_header_skipped(tmp_path):
         + HEADER_LINE
         + "1,00:00:01.000002,free,0x100,256,0\r\n",
     )
-    assert [e.line for e in logs.read_log(p)] == [3, 6]
+    events = [(e.line, e.action, e.time) for e in logs.read_log(p)]
+    restart = (5, logs.Action.RESTART, 1.000002)  # at the time of the new writer's first row
+    assert events == [(3, logs.Action.ALLOCATE, 1.0), restart, (6, logs.Action.FREE, 1.000002)]
 
 
 def test_midnight_keeps_time_increasing(tmp_path):
@@ -499,3 +501,28 @@ def test_comparison_table(tmp_path):
     results = [replay.replay(p, name, gpu=False) for name in ("pool", "cuda")]
     text = replay.format_comparison(results)
     assert "pool" in text and "cuda" in text and "smallest footprint" in text
+
+
+def test_log_plot_legend_sits_outside_the_data_and_the_peak_labels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Annotation
+
+    paths = []
+    for i in range(3):  # peaks early, in the upper left where a legend used to go
+        p = tmp_path / f"worker-{i}.csv"
+        write_synthetic(p, 3000, seed=i + 1, start=12 * 3600.0 + 0.01 * i)
+        paths.append(p)
+    fig = log_timeline.timelines_figure(log_timeline.in_use_timeline(paths))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    data_area = ax.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(data_area)
+    assert fig.bbox.contains(legend.x1 - 1, legend.y0 + 1)  # not cut off by the figure
+    labels = [a for a in ax.texts if isinstance(a, Annotation)]
+    assert len(labels) == 3
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert not box.overlaps(legend), label.get_text()
+        assert data_area.x0 <= box.x0 and box.x1 <= data_area.x1, label.get_text()

@@ -203,25 +203,29 @@ def test_a_value_referenced_while_being_copied_does_not_end_spill_on_oom():
     frame object outlives its call and keeps its locals, the value being spilled among them,
     so the value looks referenced right after its copy and is kept on the device. That spill
     freed nothing; spill-on-OOM used to give up there (an OutOfMemoryError with nothing
-    referenced by any task). Here the first copies of all four values are "sampled" and the
-    samples dropped a moment later: the allocation must still succeed."""
+    referenced by any task). Here the first copies of all four values are "sampled" and
+    another thread drops the samples whenever it gets to run: the allocation must succeed."""
     import sys
 
     from dask_rmm.pressure import device_objects
 
     wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
     store = wp.store
+    store.wait_retries = 10_000  # when the other thread runs is up to the OS, not this test
+    store.wait_limit = 120.0
     for i in range(4):
         store[f"x-{i}"] = patterned_buffer(MiB, i)
     samples = []
     allocations, spill = device_objects._handlers(DeviceBuffer)
 
     def sampled_spill(buf):
-        if len(samples) < 4:  # a profiler tick during each of the first four copies
+        if dropper.ident is None:  # a profiler tick during each of the first four copies
             samples.append(sys._getframe())
-            threading.Timer(0.05, samples.clear).start()
+            if len(samples) == 4:
+                dropper.start()
         return spill(buf)
 
+    dropper = threading.Thread(target=samples.clear)
     rebuild = device_objects._REBUILD["DeviceBuffer"]
     device_objects.register_device_type(
         DeviceBuffer, allocations, sampled_spill, "DeviceBuffer", rebuild
@@ -232,9 +236,63 @@ def test_a_value_referenced_while_being_copied_does_not_end_spill_on_oom():
         device_objects.register_device_type(
             DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild
         )
+        dropper.join(30)
     check_buffer(big, 9)
     assert wp.oom_events() == [] and wp.metrics()[0].ooms_avoided == 1
     del big
+    for i in range(4):
+        check_buffer(store[f"x-{i}"], i)
+
+
+def test_spill_on_oom_keeps_waiting_while_its_victims_are_let_go_and_taken_again():
+    """A value let go and referenced again by the time it is copied (a profiler that samples
+    every copy and drops its samples while the allocation waits) is memory that changes:
+    each wait finds the same state as the last, yet spill-on-OOM must not count that as
+    nothing happening and give up after ``wait_retries`` polls."""
+    import sys
+
+    from dask_rmm.pressure import device_objects
+
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries = 3
+    store.wait_limit = 120.0
+    for i in range(4):
+        store[f"x-{i}"] = patterned_buffer(MiB, i)
+    samples = []
+    copies = 0
+    allocations, spill = device_objects._handlers(DeviceBuffer)
+
+    def sampled_spill(buf):
+        nonlocal copies
+        copies += 1
+        if copies <= 24:  # six rounds of four copies, then the profiler stops
+            samples.append(sys._getframe())
+        return spill(buf)
+
+    def activity() -> int:  # called once per poll of the wait: the samples are dropped there
+        samples.clear()
+        return 0
+
+    pool = top.handler.pool
+    rebuild = device_objects._REBUILD["DeviceBuffer"]
+    device_objects.register_device_type(
+        DeviceBuffer, allocations, sampled_spill, "DeviceBuffer", rebuild
+    )
+    try:
+        ptr, error, spilled = store.spill_until(
+            lambda: pool.allocate(2 * MiB),
+            2 * MiB,
+            device=0,
+            layout=pool.memory_layout,
+            activity=activity,
+        )
+    finally:
+        device_objects.register_device_type(
+            DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild
+        )
+    assert error is None and spilled == 2 * MiB and copies > 24
+    pool.deallocate(ptr, 2 * MiB)
     for i in range(4):
         check_buffer(store[f"x-{i}"], i)
 
@@ -437,3 +495,33 @@ def test_threads_crossing_the_limit_together_spill_the_excess_once():
     assert result["buf"].size == MiB
     assert store.spilled_keys() == []  # nothing more spilled: the excess was gone
     assert sorted(store._device) == ["x-1", "x-2", "x-3"]
+
+
+def test_a_wait_for_memory_does_not_rescan_every_stored_value_at_each_poll():
+    """Each 2 ms poll of a failed allocation's wait rebuilt the list of spillable values (and
+    each retry chose victims from a fresh one): with 10,000 stored values, milliseconds per
+    poll. Now a poll that finds nothing changed rechecks only the values that were referenced."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries = 30
+    store.wait_limit = 120.0
+    refs = []
+    for i in range(4):
+        store[f"x-{i}"] = patterned_buffer(MiB, i)
+        refs.append(store[f"x-{i}"])  # a running task holds every one: nothing to spill
+    scans = 0
+    candidates = store.candidates
+
+    def counted(device=None):
+        nonlocal scans
+        scans += 1
+        return candidates(device)
+
+    store.candidates = counted
+    pool = top.handler.pool
+    ptr, error, spilled = store.spill_until(
+        lambda: pool.allocate(2 * MiB), 2 * MiB, device=0, layout=pool.memory_layout
+    )
+    assert ptr is None and isinstance(error, MemoryError) and spilled == 0
+    assert scans <= 2, scans  # not one per poll (31 polls)
+    del refs

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -268,3 +271,76 @@ def test_an_http_port_gets_a_hint():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:
+    """A TCP server on localhost that writes ``payload`` to every connection and closes it."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1], sock.close
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"HTTP/1.1 404 Not Found\r\n\r\n",
+        b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        b"",
+        b"\x05\x00",
+        random.Random(1).randbytes(64),
+        random.Random(2).randbytes(4096),
+        (40).to_bytes(8, "little") + random.Random(3).randbytes(40),  # framed garbage
+        (1 << 62).to_bytes(8, "little"),  # a length of exabytes, then nothing
+    ],
+    ids=[
+        "http-404",
+        "proxy-502",
+        "empty-close",
+        "short",
+        "random-64",
+        "random-4k",
+        "framed",
+        "huge",
+    ],
+)
+def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
+    port, close = _one_shot_server(payload)
+    try:
+        r = CliRunner().invoke(main, ["report", f"tcp://127.0.0.1:{port}", "--timeout", "5"])
+    finally:
+        close()
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "does not speak Dask's protocol" in lines[0], r.output
+    assert f"tcp://127.0.0.1:{port}" in lines[0]
+
+
+def test_a_scheduler_greeting_is_recognised_as_dask():
+    import asyncio
+
+    from distributed import Scheduler
+
+    from dask_rmm.report.fetch import _non_dask_greeting
+
+    async def greeting() -> str | None:
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            return await _non_dask_greeting(s.address, 5.0)
+
+    # its own event loop, as the command's: after the CLI tests' asyncio.run loops, a
+    # gen_cluster test here got a future of another loop from distributed's shared state
+    assert asyncio.run(greeting()) is None

@@ -206,6 +206,19 @@ def test_physical_gpu_and_retired_bytes_are_shown():
     assert (row["gpu_name"], row["retired_bytes"]) == ("NVIDIA H200", 300 << 20)
 
 
+def test_plot_legends_sit_outside_the_data():
+    pytest.importorskip("matplotlib")
+    fig = ClusterMemoryReport.from_dict(_data()).plot()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        box = legend.get_window_extent(renderer)
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert fig.bbox.contains(box.x1 - 1, box.y0 + 1), ax.get_title()
+
+
 def test_bytes_held_free_in_library_caches_are_told_apart_from_bytes_in_arrays():
     data = _data()
     cache = {"library_cached_bytes": 2 << 20, "library_caches": "cupy,rmm"}

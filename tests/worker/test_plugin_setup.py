@@ -194,7 +194,12 @@ def test_a_killed_worker_keeps_its_rows_and_its_restart_appends(tmp_path):
         wait_until(lambda: any(",8192," in r for r in _rows(path)), 10, "the restart's rows")
         assert len(_rows(path)) >= 6
         with open(path) as f:
-            assert f.read().count("Thread,Time,Action") == 1
+            assert f.read().count("Thread,Time,Action") == 2  # the header, the restart marker
+        from dask_rmm.logs.summary import summarize
+
+        summary = summarize([path]).files[0]
+        # the five buffers the killed process held ended with it, they did not leak
+        assert summary.restarts == 1 and summary.ended_with_process_bytes >= 5 * 4096
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -240,6 +245,26 @@ async def test_registering_never_changes_the_metrics_dict_a_heartbeat_is_reading
     reading = a.metrics
     await c.unregister_worker_plugin("dask-rmm")
     assert "dask-rmm" in reading and "dask-rmm" not in a.metrics
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_superseded_registration_arriving_late_leaves_the_current_plugin_in_place(c, s, a):
+    """Two registrations at once: the later one (the scheduler's) reached this worker first.
+    The earlier one, arriving after it, changed nothing but left ``worker.plugins["dask-rmm"]``
+    describing its own options while the later one's stacks stayed installed."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm.worker.stacks import worker_stack
+
+    earlier = RMMPlugin(base_resource="system", pool_size="8MiB")
+    later = RMMPlugin(base_resource="system", pool_size="16MiB")
+    await c.register_plugin(later)
+    await a.plugin_add(plugin=dumps(earlier), name="dask-rmm")  # as distributed delivers it
+    plugin = a.plugins["dask-rmm"]
+    assert plugin.token == later.token and plugin.options.pool_size == 16 << 20
+    ws = worker_stack(a)
+    assert ws.token == later.token and ws.active[0].pool_size == 16 << 20
+    assert "dask-rmm" in a.metrics  # the restored plugin publishes its metrics again
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
