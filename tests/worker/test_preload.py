@@ -202,6 +202,7 @@ def test_a_worker_without_a_gpu_names_the_flag_for_host_memory(scheduler):
 
 
 _exit_process = lambda: os._exit(1)  # noqa: E731
+_status = lambda dask_worker: dask_worker.status.name  # noqa: E731
 
 
 @pytest.mark.slow
@@ -217,6 +218,14 @@ def test_a_worker_whose_setup_fails_when_its_nanny_restarts_it_stops_for_good(sc
     try:
         with Client(scheduler, timeout="60s") as client:
             client.wait_for_workers(1, timeout=60)
+            # The worker registers with the scheduler before its nanny hears it started; a
+            # worker that dies in between fails the nanny's own start (no restart to test).
+            wait_until(
+                lambda: set(client.run(_status, nanny=True).values()) == {"running"},
+                60,
+                "the nanny to finish starting",
+                interval=0.1,
+            )
             # the next start cannot log: the log directory became a file
             shutil.rmtree(logs)
             logs.write_text("")
