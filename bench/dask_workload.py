@@ -58,9 +58,10 @@ def _configurations(pool):
     return configs
 
 
-def dask_cuda_rmm_pool(pool):
+def dask_cuda_rmm_pool(pool, libs=("cupy",)):
     """``configure(client)`` registering dask-cuda's RMMSetup with an RMM pool of ``pool`` and
-    CuPy on RMM (as ``LocalCUDACluster(rmm_pool_size=pool)``), or None without dask-cuda/rmm."""
+    the libraries ``libs`` on RMM (as ``LocalCUDACluster(rmm_pool_size=pool)``, CuPy by
+    default), or None without dask-cuda/rmm."""
     try:
         import rmm  # noqa: F401
         from dask_cuda.plugins import RMMSetup
@@ -78,13 +79,17 @@ def dask_cuda_rmm_pool(pool):
             release_threshold=None,
             log_directory=None,
             track_allocations=False,
-            external_lib_list=["cupy"],
+            external_lib_list=list(libs),
         )
         params = inspect.signature(RMMSetup).parameters
         client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
-        if "external_lib_list" not in params:
+        described = (
+            f"dask_cuda RMMSetup(initial_pool_size={pool!r}, external_lib_list={list(libs)})"
+        )
+        if "external_lib_list" not in params and "cupy" in libs:  # an older dask-cuda
             client.run(_cupy_to_rmm)
-        return f"dask_cuda RMMSetup(initial_pool_size={pool!r}) + rmm_cupy_allocator"
+            described += " + rmm_cupy_allocator"
+        return described
 
     return dask_cuda
 

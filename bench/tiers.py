@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dask_workload import dask_cuda_rmm_pool  # noqa: E402
+
 POOL = "4GiB"
 
 
@@ -112,40 +114,13 @@ def _plugin(**kwargs):
     return configure
 
 
-def _dask_cuda(pool, libs):
-    try:
-        import rmm  # noqa: F401
-        from dask_cuda.plugins import RMMSetup
-    except ImportError as e:
-        print(f"dask-cuda/rmm not importable, its row skipped: {e}", file=sys.stderr)
-        return None
-    import inspect
-
-    def configure(client):
-        kwargs = dict(
-            initial_pool_size=pool,
-            maximum_pool_size=None,
-            managed_memory=False,
-            async_alloc=False,
-            release_threshold=None,
-            log_directory=None,
-            track_allocations=False,
-            external_lib_list=libs,
-        )
-        params = inspect.signature(RMMSetup).parameters
-        client.register_plugin(RMMSetup(**{k: v for k, v in kwargs.items() if k in params}))
-        return f"dask_cuda RMMSetup(initial_pool_size={pool!r}, external_lib_list={libs})"
-
-    return configure
-
-
 def _none(client):
     return "the library's own allocator"
 
 
 def configurations(lib: str, pool: str) -> list[tuple[str, object]]:
     configs: list[tuple[str, object]] = [("no plugin", _none)]
-    peer = _dask_cuda(pool, ["cupy"] if lib == "cupy" else [])
+    peer = dask_cuda_rmm_pool(pool, ["cupy"] if lib == "cupy" else [])
     if peer is not None:
         configs.append(("dask-cuda RMM pool", peer))
     configs += [
