@@ -15,13 +15,14 @@ stream's lists; all other streams' lists merged into the own one; growth from up
 (``_allocate_slow``). When the pool is too full for a request's rounded size, the exact
 256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
 
-The fast path: requests below 16 MiB are rounded up to the floor size of their search class (at
-most 1/16 more than asked, 3% on average; below 8 KiB only to 256 bytes), so that a freed block
-can be handed back unchanged to any later request of the same class on the same stream. Freeing
-such a block only appends it to its class's cache list and allocating pops from it: no
-splitting and no merging (measured by bench/alloc.py). Cached blocks are merged
-into the coalescing lists when those cannot serve a request (before the pool grows), and by
-``release()`` and ``reserved_memory_info()``.
+The fast path finds a stream's caches by its order key; the default stream's (handle 0, what
+``DEFAULT_STREAM`` and CuPy's null stream are) are kept at hand, without a dict lookup. Requests
+below 16 MiB are rounded up to the floor size of their search class (at most 1/16 more than asked,
+3% on average; below 8 KiB only to 256 bytes), so that a freed block can be handed back unchanged
+to any later request of the same class on the same stream. Freeing such a block only appends it to
+its class's cache list and allocating pops from it: no splitting and no merging (measured by
+bench/alloc.py). Cached blocks are merged into the coalescing lists when those cannot serve a
+request (before the pool grows), and by ``release()`` and ``reserved_memory_info()``.
 
 Threads
 -------
@@ -72,7 +73,7 @@ from __future__ import annotations
 import bisect
 import gc
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Final
 
 from dask_rmm.mr.base import (
     DeviceMemoryResource,
@@ -98,6 +99,9 @@ from dask_rmm.sizes import parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_behind"]
+
+#: The default stream's order key (``DEFAULT_STREAM.order_key()``), used by the fast paths.
+DEFAULT_KEY: Final = 0
 
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
@@ -204,9 +208,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._counters: AllocationCounters | None = None
         self._journal: list[int] | None = None  # self._counters.journal, for the fast paths
         self._uncounted: set[int] = set()  # live when counting began: their frees not counted
+        # The journal length at which the fast path calls _after_journaled_allocation:
+        # JOURNAL_LIMIT, or 0 while _uncounted may be non-empty (one test covers both).
+        self._settle_at = JOURNAL_LIMIT
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
         self._instrumented = False
+        # The default stream's free list exists from the start, so that the fast paths reach its
+        # caches without a dict lookup when called with DEFAULT_STREAM itself.
+        self._default_caches = self._free_list(DEFAULT_KEY, DEFAULT_STREAM).cache
         if initial:
             ptr, _ = self._upstream_allocate(initial, initial, DEFAULT_STREAM)
             self._initial_chunk = ptr
@@ -229,17 +239,23 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._initial_pool_size
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        # The fast path: a block of the request's class cached on this stream. Everything else
+        # goes to _allocate_locked.
         try:
             key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == PER_THREAD_HANDLE:
-            key = stream.order_key()
-        # The fast path: a block of the request's class cached on this stream. Everything else
-        # goes to _allocate_locked.
-        caches = self._caches.get(key)
-        if caches is None or type(nbytes) is not int or not 0 < nbytes <= CACHED_LIMIT:
+        if key == 0:  # the default stream (DEFAULT_KEY): its caches are at hand
+            caches = self._default_caches
+        else:
+            if key == PER_THREAD_HANDLE:
+                key = stream.order_key()
+            found = self._caches.get(key)
+            if found is None:
+                return self._allocate_locked(nbytes, stream, key)
+            caches = found
+        if type(nbytes) is not int or nbytes <= 0 or nbytes > CACHED_LIMIT:
             return self._allocate_locked(nbytes, stream, key)
         cached = caches[SEARCH_CLASS[(nbytes + 255) >> 8]]
         if not cached:
@@ -253,10 +269,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             except IndexError:  # another thread took the last one
                 return self._allocate_locked(nbytes, stream, key)
             self._live[ptr] = nbytes
-            journal = self._journal
+            journal = self._journal  # read after the block is live: see count_allocations
             if journal is not None:
                 journal.append(nbytes)
-                if self._uncounted or len(journal) >= JOURNAL_LIMIT:
+                if len(journal) >= self._settle_at:
                     self._after_journaled_allocation(ptr)
             return ptr
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
@@ -294,71 +310,71 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return ptr if ptr else self._allocate_locked(nbytes, stream, key)
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        # The fast path: a block freed with its size goes back to this stream's cache. Anything
+        # else (a first free on this stream, a block of 16 MiB or more, an error) goes to
+        # _deallocate_locked.
         try:
             key: Hashable = stream.handle
         except AttributeError:
             stream = as_stream(stream)
             key = stream.handle
-        if key == PER_THREAD_HANDLE:
-            key = stream.order_key()
-        # The fast path: a block freed with its size goes back to this stream's cache. Anything
-        # else (a first free on this stream, a block of 16 MiB or more, an error) goes to
-        # _deallocate_locked.
+        if key == 0:  # the default stream (DEFAULT_KEY)
+            caches = self._default_caches
+        else:
+            if key == PER_THREAD_HANDLE:
+                key = stream.order_key()
+            found = self._caches.get(key)
+            if found is None:  # a first free on this stream
+                self._deallocate_locked(ptr, nbytes, stream, key)
+                return
+            caches = found
+        if self._owners is None:
+            # Lock-free: the pop from the live table is atomic, so of two threads freeing one
+            # pointer only one gets it. Counting journals the free before the block is handed
+            # back, so that its next allocation is journaled after it.
+            n = self._live.pop(ptr, None)
+            if n is None:  # not live: the locked path says what is wrong
+                self._deallocate_locked(ptr, nbytes, stream, key)
+                return
+            if n != nbytes or n > CACHED_LIMIT or type(ptr) is not int:
+                self._live[ptr] = n  # the locked path takes it again under the lock
+                self._deallocate_locked(ptr, nbytes, stream, key)
+                return
+            journal = self._journal
+            if journal is not None:
+                if self._uncounted and ptr in self._uncounted:
+                    self._uncounted.discard(ptr)
+                else:
+                    journal.append(-n)
+            caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+            return
+        # Charging owners (the attribution adaptor): the same under the lock, the owner's
+        # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
         live = self._live
-        if self._owners is not None:
-            # Charging owners (the attribution adaptor): as below, under the lock, the owner's
-            # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
-            unlocked = self._unlocked
-            try:
-                unlocked.pop()
-            except IndexError:
-                acquire_contended(self._lock)
-            try:
-                n = live.pop(ptr, None)
-                caches = self._caches.get(key)
-                if (
-                    n is not None
-                    and n == nbytes
-                    and n <= CACHED_LIMIT
-                    and type(ptr) is int
-                    and caches is not None
-                ):
-                    counters = self._counters
-                    if counters is not None:
-                        if self._uncounted and ptr in self._uncounted:
-                            self._uncounted.discard(ptr)
-                        else:
-                            counters.journal.append(-n)
-                    account = self._owner_of.pop(ptr, None)
-                    if account is not None:
-                        account[0] -= n
-                    caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
-                    return
-                if n is not None:
-                    live[ptr] = n
-            finally:
-                unlocked.append(True)
-            self._deallocate_locked(ptr, nbytes, stream, key)
-            return
-        # Lock-free: the pop from the live table is atomic, so of two threads freeing one
-        # pointer only one gets it. Counting journals the free before the block is handed
-        # back, so that its next allocation is journaled after it.
-        n = live.pop(ptr, None)
-        if n is None:  # not live: the locked path says what is wrong
-            self._deallocate_locked(ptr, nbytes, stream, key)
-            return
-        caches = self._caches.get(key)
-        if caches is None or n != nbytes or n > CACHED_LIMIT or type(ptr) is not int:
-            live[ptr] = n  # the locked path takes it again under the lock
-            self._deallocate_locked(ptr, nbytes, stream, key)
-            return
-        journal = self._journal
-        if journal is not None:
-            if self._uncounted and ptr in self._uncounted:
-                self._uncounted.discard(ptr)
-            else:
-                journal.append(-n)
-        caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+        unlocked = self._unlocked
+        try:
+            unlocked.pop()
+        except IndexError:
+            acquire_contended(self._lock)
+        try:
+            n = live.pop(ptr, None)
+            if n is not None and n == nbytes and n <= CACHED_LIMIT and type(ptr) is int:
+                counters = self._counters
+                if counters is not None:
+                    if self._uncounted and ptr in self._uncounted:
+                        self._uncounted.discard(ptr)
+                    else:
+                        counters.journal.append(-n)
+                account = self._owner_of.pop(ptr, None)
+                if account is not None:
+                    account[0] -= n
+                caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
+                return
+            if n is not None:
+                live[ptr] = n
+        finally:
+            unlocked.append(True)
+        self._deallocate_locked(ptr, nbytes, stream, key)
 
     def release(self) -> int:
         """Give every fully free upstream chunk back to upstream; return the bytes released.
@@ -506,6 +522,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if self._counters is not None:
                 return False
             self._uncounted = set(self._live)
+            # Before the journal is attached: a fast path that sees the journal also sees this
+            # (and so takes its block out of _uncounted if it was live here).
+            self._settle_at = 0 if self._uncounted else JOURNAL_LIMIT
             self._counters = counters
             self._journal = counters.journal
             self._instrumented = True
@@ -520,6 +539,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 finally:  # detached even if folding failed (at shutdown NumPy may be gone)
                     self._counters = self._journal = None
                     self._uncounted.clear()
+                    self._settle_at = JOURNAL_LIMIT
                     self._instrumented = self._owners is not None
 
     def charge_owners(self, owners: OwnerAccounts) -> bool:
@@ -887,8 +907,12 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def _after_journaled_allocation(self, ptr: int) -> None:
         """After the fast path journaled an allocation: a block live when counting began is
         counted from now on, and a journal of JOURNAL_LIMIT entries is folded in."""
-        if self._uncounted:
+        if self._settle_at < JOURNAL_LIMIT:
             self._uncounted.discard(ptr)
+            if not self._uncounted:  # every block live when counting began was freed
+                with self._lock:
+                    if not self._uncounted:
+                        self._settle_at = JOURNAL_LIMIT
         journal = self._journal
         if journal is not None and len(journal) >= JOURNAL_LIMIT:
             with self._lock:  # settle() keeps the garbage collector out

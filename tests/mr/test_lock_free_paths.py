@@ -115,15 +115,17 @@ def test_pool_counts_through_its_instrumentation_interface(base_resource):
         pool.count_allocations(object())
 
 
-@pytest.mark.parametrize("ops", [10, 300, 3 * JOURNAL_LIMIT])
-def test_counting_journal_folds_to_a_step_by_step_count(ops, base_resource):
+@pytest.mark.parametrize(
+    ("ops", "read_every"), [(10, 97), (300, 97), (3 * JOURNAL_LIMIT, 97), (3 * JOURNAL_LIMIT, 5003)]
+)
+def test_counting_journal_folds_to_a_step_by_step_count(ops, read_every, base_resource):
     """The journal, folded by ``settle`` (in Python for short journals, with NumPy for long
     ones, and by the pool itself at JOURNAL_LIMIT entries), gives the numbers of counting every
     operation as it happens, peaks included; reading in between (which settles) changes none."""
     pool = PoolMemoryResource(base_resource, initial_pool_size=64 * MiB)
     stats = mr.StatisticsResourceAdaptor(pool)
     assert stats.counting_pool is pool
-    rng = random.Random(ops)
+    rng = random.Random(ops + read_every)
     live: list[tuple[int, int]] = []
     cur_b = cur_c = peak_b = peak_c = total_b = total_c = 0
     interval_peak = 0
@@ -143,7 +145,7 @@ def test_counting_journal_folds_to_a_step_by_step_count(ops, base_resource):
             total_c += 1
             peak_b, peak_c = max(peak_b, cur_b), max(peak_c, cur_c)
             interval_peak = max(interval_peak, cur_b)
-        if i % 97 == 96:
+        if i % read_every == read_every - 1:
             assert stats.take_interval_peak() == interval_peak
             interval_peak = cur_b
         if i % 1000 == 999:
@@ -153,6 +155,83 @@ def test_counting_journal_folds_to_a_step_by_step_count(ops, base_resource):
     for ptr, n in live:
         stats.deallocate(ptr, n)
     assert stats.allocation_counts == Statistics(0, 0, peak_b, peak_c, total_b, total_c)
+
+
+def _step_by_step(entries, start):
+    """The counters' numbers after ``entries`` (``+n`` an allocation, ``-n`` a free), counted
+    one operation at a time from ``start`` = (total/freed bytes, total/freed count, peaks)."""
+    total_b, freed_b, total_c, freed_c, peak_b, peak_c = start
+    for e in entries:
+        if e > 0:
+            total_b += e
+            total_c += 1
+            peak_b = max(peak_b, total_b - freed_b)
+            peak_c = max(peak_c, total_c - freed_c)
+        else:
+            freed_b -= e
+            freed_c += 1
+    return total_b, freed_b, total_c, freed_c, peak_b, peak_c
+
+
+def _numbers(c):
+    return c.total_bytes, c.freed_bytes, c.total_count, c.freed_count, c.peak_bytes, c.peak_count
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 159, 160, 161, 1000, JOURNAL_LIMIT, 3 * JOURNAL_LIMIT])
+def test_settle_folds_a_journal_of_any_length_as_a_step_by_step_count(n):
+    """Short journals are folded in Python, long ones with NumPy: both give the numbers of
+    counting each operation in order, peaks included, from counters that already hold some."""
+    rng = random.Random(n)
+    live: list[int] = []
+    journals = []
+    for length in (rng.randrange(1, 300), n):
+        entries = []
+        for _ in range(length):
+            if live and rng.random() < 0.5:
+                entries.append(-live.pop(rng.randrange(len(live))))
+            else:
+                size = int(2 ** rng.uniform(0, 33))  # 1 B .. 8 GiB: beyond 32-bit sums
+                live.append(size)
+                entries.append(size)
+        journals.append(entries)
+    c = AllocationCounters()
+    want = (0, 0, 0, 0, 0, 0)
+    for entries in journals:
+        c.journal.extend(entries)
+        c.settle()
+        want = _step_by_step(entries, want)
+        assert _numbers(c) == want
+        assert c.interval_peak == want[4]
+        assert c.journal == []
+
+
+def test_a_block_allocated_while_counting_attaches_has_its_free_counted(base_resource):
+    """An allocation on the lock-free path that makes its block live just before counting
+    attaches (so the block is in the set of blocks live at attach time) and then sees the
+    journal is counted, and so is its free; blocks live before are not, and once they are
+    all freed the fast path stops checking for them."""
+    pool = PoolMemoryResource(base_resource, initial_pool_size=4 * MiB)
+    old = pool.allocate(1000)  # live before counting: its free is not counted
+    pool.deallocate(pool.allocate(2000), 2000)  # a cached block for the fast path
+    counters = AllocationCounters()
+    live = pool._live
+
+    class AttachesOnStore(dict):
+        def __setitem__(self, ptr, nbytes):
+            live[ptr] = nbytes
+            pool._live = live  # once
+            assert pool.count_allocations(counters)  # between the store and the journal read
+
+    pool._live = AttachesOnStore(live)
+    p = pool.allocate(2000)
+    assert pool._live is live and p in live
+    pool.deallocate(p, 2000)
+    pool.deallocate(old, 1000)
+    pool.deallocate(pool.allocate(2000), 2000)
+    with pool.instrumentation_lock:
+        counters.settle()
+    assert _numbers(counters) == (4000, 4000, 2, 2, 2000, 1)
+    assert pool._settle_at == JOURNAL_LIMIT  # nothing uncounted is left to look for
 
 
 def test_counting_imports_numpy_when_attached_not_under_the_pools_lock():

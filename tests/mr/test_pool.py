@@ -11,7 +11,7 @@ from dask_rmm import mr
 from dask_rmm.mr import pool as pool_module
 from dask_rmm.mr import stream_order
 from dask_rmm.mr.pool import PoolMemoryResource
-from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM
+from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
 
 MiB = 1 << 20
 
@@ -214,6 +214,20 @@ def test_per_thread_default_stream_is_one_stream_per_thread(pool):
     # the other thread's per-thread stream is another stream: it took the block over
     assert other_key[0] in {k for _, _, k in pool._free_blocks()}
     assert other_key[0] != PER_THREAD_DEFAULT_STREAM.order_key()
+
+
+def test_every_handle_0_stream_shares_the_default_streams_caches(pool):
+    """The fast paths find the default stream's caches by its handle, 0 (pool.DEFAULT_KEY):
+    DEFAULT_STREAM, another Stream of handle 0 (as the CuPy allocator makes) and the int 0 are
+    one stream, and a block freed on one is reused on the others at once."""
+    assert DEFAULT_STREAM.handle == DEFAULT_STREAM.order_key() == pool_module.DEFAULT_KEY == 0
+    a = pool.allocate(1000)
+    pool.deallocate(a, 1000, Stream(0))
+    assert pool.allocate(1000, 0) == a
+    pool.deallocate(a, 1000, 0)
+    assert pool.allocate(1000, Stream(0)) == a
+    pool.deallocate(a, 1000)
+    assert {k for _, _, k in pool._free_blocks()} == {0}
 
 
 def test_release_keeps_chunks_in_use(base_resource):
