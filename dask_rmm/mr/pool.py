@@ -103,6 +103,11 @@ __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_be
 #: The default stream's order key (``DEFAULT_STREAM.order_key()``), used by the fast paths.
 DEFAULT_KEY: Final = 0
 
+#: Added to the size of a block allocated at its exact size (the pool was too full to round it
+#: up) in the live table: above every cached size, so the fast paths leave such a free to the
+#: slow one, and above every size that can be allocated, so no caller's size equals it.
+EXACT_TAG: Final = 1 << 64
+
 #: Initial pool size when the upstream is host memory and none is given (no device to take
 #: half of): 256 MiB.
 DEFAULT_HOST_POOL_SIZE = 256 << 20
@@ -194,7 +199,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._initial_chunk: int | None = None  # what trim() keeps down to the initial size
         self._lock = ListLock()
         self._unlocked = self._lock.unlocked  # the hot paths take and give back the lock directly
-        self._live: dict[int, int] = {}  # ptr -> tag: nbytes as asked, ~nbytes for an exact block
+        self._live: dict[int, int] = {}  # ptr -> nbytes as asked (+ EXACT_TAG: an exact block)
         self._lists: dict[Hashable, FreeList] = {}
         self._chunks: dict[int, int] = {}  # upstream chunk start -> size
         self._chunk_starts: set[int] = set()  # blocks never merge across these
@@ -468,8 +473,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             chunks = list(self._chunks.items())
         live = []
         for ptr, tag in live_tags:
-            n = ~tag if tag < 0 else tag
-            if tag >= 0 and n <= CACHED_LIMIT:
+            n = tag - EXACT_TAG if tag >= EXACT_TAG else tag
+            if tag <= CACHED_LIMIT:
                 live.append((ptr, ROUNDED_BYTES[(n + 255) >> 8]))
             else:
                 live.append((ptr, (n + 255) & -256))
@@ -577,7 +582,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 tags = dict(self._live)  # one C-level copy; lock-free callers may change it
             except RuntimeError:  # changed during the copy (free-threaded CPython): again
                 continue
-            return {ptr: ~tag if tag < 0 else tag for ptr, tag in tags.items()}
+            return {ptr: tag - EXACT_TAG if tag >= EXACT_TAG else tag for ptr, tag in tags.items()}
 
     # -- test and report helpers -----------------------------------------------------------
 
@@ -661,8 +666,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         all other streams' blocks merged into the own lists, growth; as a last resort a
         rounded-up request is retried at its exact 256-byte size.
 
-        ``tag`` is what the live table records: ``nbytes`` for a rounded block, ``~nbytes``
-        for one of exact size (deallocate's fast path then falls through to the slow one).
+        ``tag`` is what the live table records: ``nbytes`` for a rounded block, ``nbytes +
+        EXACT_TAG`` for one of exact size (deallocate's fast path then falls through to the slow
+        one).
         """
         if tag is None:
             tag = nbytes
@@ -686,7 +692,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             exact = (nbytes + 255) & -256
             if exact == size:
                 raise
-            return self._allocate_slow(nbytes, exact, key, stream, ~nbytes)
+            return self._allocate_slow(nbytes, exact, key, stream, nbytes + EXACT_TAG)
 
     def _take_from_another_stream(
         self, own: FreeList, size: int, tag: int
@@ -805,7 +811,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             acquire_contended(self._lock)
         try:
             n = self._live.pop(ptr, None)
-            if n is not None and n == nbytes and type(ptr) is int:
+            if n is not None and n == nbytes and n < EXACT_TAG and type(ptr) is int:
                 fl = self._free_list(key, stream)
                 if self._instrumented:
                     self._uncount(ptr, n)
@@ -833,11 +839,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 )
             return self.deallocate(ptr.__index__(), nbytes, stream)
         call = f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes!r})"
-        if allocated is not None and allocated < 0:
-            if ~allocated == nbytes:
+        if allocated is not None and allocated >= EXACT_TAG:
+            allocated -= EXACT_TAG
+            if allocated == nbytes:
                 self._deallocate_exact(ptr, nbytes, stream)
                 return
-            allocated = ~allocated
         if allocated is not None:
             raise ValueError(
                 f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
@@ -857,7 +863,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         stream = as_stream(stream)
         key = stream.order_key()
         with gc_paused_lock(self._lock):
-            if self._live.get(ptr) != ~nbytes:
+            if self._live.get(ptr) != nbytes + EXACT_TAG:
                 raise ValueError(
                     f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes}): freed concurrently twice"
                 )

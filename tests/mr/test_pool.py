@@ -290,6 +290,30 @@ def test_rounded_request_falls_back_to_exact_size_when_full():
     assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
 
 
+@pytest.mark.parametrize("stream", [None, "other"])
+def test_an_exact_size_block_freed_with_a_made_up_size_is_refused(stream):
+    """A block the full pool gave at its exact size is recorded apart from rounded ones; no
+    size but the one asked frees it, negative and huge ones included, on the fast path (default
+    stream) and the other streams' path alike, and the pool is left unchanged."""
+    from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+
+    s = Stream(7) if stream else DEFAULT_STREAM
+    pool = PoolMemoryResource(SystemMemoryResource(), 1 << 20, 1 << 20)
+    pool.deallocate(pool.allocate(256, s), 256, s)  # this stream's caches exist
+    small = pool.allocate(256, s)
+    n = (1 << 20) - 512  # rounds to 1 MiB, which no longer fits: given at its exact size
+    big = pool.allocate(n, s)
+    before = (pool._free_blocks(), pool.memory_layout(), pool.live_allocations())
+    for wrong in (~n, -n, n + pool_module.EXACT_TAG, 1 << 70, 0, n + 1):
+        with pytest.raises(ValueError, match=f"allocated with {n} bytes"):
+            pool.deallocate(big, wrong, s)
+        assert (pool._free_blocks(), pool.memory_layout(), pool.live_allocations()) == before
+    assert pool.live_allocations() == {small: 256, big: n}
+    pool.deallocate(big, n, s)
+    pool.deallocate(small, 256, s)
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+
+
 def test_cached_blocks_are_reused_on_their_stream_and_merged_before_growing():
     from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
 
