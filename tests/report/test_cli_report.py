@@ -158,6 +158,13 @@ def test_plot_refuses_to_overwrite_the_scheduler_file(tmp_path):
     assert sched_file.read_bytes() == before
 
 
+def _default_sigint() -> None:
+    """In the watcher's process before exec: Ctrl-C's default action. A test run started in the
+    background by a shell (``pytest ... &``, nohup, CI wrappers) inherits SIGINT ignored, and an
+    ignored signal stays ignored across exec: the watcher would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
     """Ctrl-C a ``--watch`` process and check it ends cleanly, reading its output meanwhile (a
     watcher blocked on a full pipe could not act on the signal). If it does not end, its
@@ -177,7 +184,7 @@ def test_watch_refreshes_until_interrupted(rmm_cluster):
     address, _, _ = rmm_cluster
     proc = subprocess.Popen(
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT, preexec_fn=_default_sigint,
     )  # fmt: skip
     with proc:  # closes the pipes
         lines = []
@@ -194,7 +201,7 @@ def test_watch_shows_the_total_peak_like_the_one_shot_report(rmm_cluster):
     address, _, _ = rmm_cluster
     proc = subprocess.Popen(
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT, preexec_fn=_default_sigint,
     )  # fmt: skip
     with proc:  # closes the pipes
         totals = []
