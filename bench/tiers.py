@@ -7,14 +7,18 @@ Workloads:
   256^2 float32 chunk of a 4096^2 array), one worker with ``--threads`` threads.
 - ``cudf``: dask-cudf groupby-aggregate and merge-groupby over ``--cudf-parts`` partitions of
   ``--cudf-rows`` rows (needs cudf and dask_cudf on the worker).
-- ``torch``: a PyTorch MLP training step (1024-4096-1024, batch 256, AdamW), one process per
-  configuration and round (PyTorch takes an allocator once per process).
+- ``torch``: a PyTorch MLP training step (1024-4096-1024, batch 256, AdamW), ``--threads``
+  threads each training their own model at once, one process per configuration and round
+  (PyTorch takes an allocator once per process): PyTorch's caching allocator against
+  ``rmm_torch_allocator`` over statistics(pool).
 
 Configurations per workload: no plugin (the library's own allocator), dask-cuda's ``RMMSetup``
 pool (compiled RMM), dask-rmm's default ``RMMPlugin`` (native cache over the stack), the same
 with ``statistics=False``, and the per-allocation path (``exact_allocators=[...]``). Every
 configuration is its own LocalCluster (one worker process), all up at once per thread count;
 rounds rotate the order. Medians of ``--rounds``; results to stdout and ``--json``.
+``--configs`` keeps only the named configurations (comma-separated labels as printed, e.g.
+``"no plugin,dask-cuda RMM pool,dask-rmm default"``) to fit a time budget.
 
     python bench/tiers.py [--workloads cupy,cudf,torch] [--threads 1,4,8] [--rounds 3]
 """
@@ -118,6 +122,10 @@ def _none(client):
     return "the library's own allocator"
 
 
+#: Labels kept by --configs (None: all).
+KEEP: set[str] | None = None
+
+
 def configurations(lib: str, pool: str) -> list[tuple[str, object]]:
     configs: list[tuple[str, object]] = [("no plugin", _none)]
     peer = dask_cuda_rmm_pool(pool, ["cupy"] if lib == "cupy" else [])
@@ -135,6 +143,11 @@ def configurations(lib: str, pool: str) -> list[tuple[str, object]]:
             _plugin(pool_size=pool, allocators=[lib], exact_allocators=[lib], statistics=False),
         ),
     ]
+    if KEEP is not None:
+        unknown = KEEP - {label for label, _ in configs} - {"dask-cuda RMM pool"}
+        if unknown:
+            raise SystemExit(f"--configs: no configuration named {sorted(unknown)}")
+        configs = [(label, make) for label, make in configs if label in KEEP]
     return configs
 
 
@@ -205,55 +218,62 @@ def run_dask(lib, workloads, threads_list, rounds, pool, results, details, write
 # -- torch: one process per configuration and round ------------------------------------------------
 
 
-TORCH_CONFIGS = ("torch caching allocator", "dask-rmm rmm_torch_allocator", "dask-rmm MemPool tier")
+TORCH_CONFIGS = ("torch caching allocator", "dask-rmm rmm_torch_allocator")
 
 
-def _torch_child(kind: str, steps: int) -> None:
+def _torch_child(kind: str, steps: int, threads: int) -> None:
+    """``threads`` threads each train their own MLP for ``steps`` steps at once (what a worker
+    with that many task threads does); the time is from all starting to all finishing."""
+    import threading
+
     import torch
 
+    stats = None
     if kind != "torch caching allocator":
         from dask_rmm import mr
-        from dask_rmm.allocators.torch import rmm_torch_allocator, set_torch_allocator
+        from dask_rmm.allocators.torch import set_torch_allocator
 
         stats = mr.StatisticsResourceAdaptor(
             mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 30)
         )
         mr.set_current_device_resource(stats)
-        if kind == "dask-rmm rmm_torch_allocator":
-            set_torch_allocator()
-            pool = None
-        else:
-            pool = torch.cuda.MemPool(rmm_torch_allocator.allocator())
-    else:
-        pool = stats = None
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
-    ).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(256, 1024, device="cuda")
-    y = torch.randn(256, 1024, device="cuda")
+        set_torch_allocator()
+    barrier = threading.Barrier(threads + 1)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
+    def train(seed: int) -> None:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+        ).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(256, 1024, device="cuda")
+        y = torch.randn(256, 1024, device="cuda")
 
-    def run(n):
-        if pool is not None:
-            with torch.cuda.use_mem_pool(pool):
-                for _ in range(n):
-                    step()
-        else:
-            for _ in range(n):
-                step()
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+
+        for _ in range(20):
+            step()
         torch.cuda.synchronize()
+        barrier.wait()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        barrier.wait()
 
-    run(20)
+    workers = [threading.Thread(target=train, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    barrier.wait()
     before = stats.allocation_counts.total_count if stats is not None else 0
     t0 = time.perf_counter()
-    run(steps)
+    barrier.wait()
     elapsed = time.perf_counter() - t0
+    for w in workers:
+        w.join()
     counted = (stats.allocation_counts.total_count - before) if stats is not None else -1
     print(
         "RESULT"
@@ -261,25 +281,24 @@ def _torch_child(kind: str, steps: int) -> None:
     )
 
 
-def run_torch(rounds, steps, results, details, write):
-    for r in range(rounds):
-        order = TORCH_CONFIGS[r % 3 :] + TORCH_CONFIGS[: r % 3]
-        for kind in order:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--torch-child", kind, "--torch-steps", str(steps)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT")]
-            if not lines:
-                print(f"torch {kind}: failed: {proc.stderr[-2000:]}", file=sys.stderr)
-                continue
-            out = json.loads(lines[-1][6:])
-            results.setdefault("torch MLP step 1t", {}).setdefault(kind, []).append(out["s"])
-            details[f"torch {kind}"] = out
-            print(f"round {r} torch {kind:<32} {out['s']:.3f} s {out}", file=sys.stderr)
-            write()
+def run_torch(rounds, steps, threads_list, results, details, write):
+    for threads in threads_list:
+        for r in range(rounds):
+            order = TORCH_CONFIGS[r % 2 :] + TORCH_CONFIGS[: r % 2]
+            for kind in order:
+                cmd = [sys.executable, __file__, "--torch-child", kind]
+                cmd += ["--torch-steps", str(steps), "--threads", str(threads)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT")]
+                if not lines:
+                    print(f"torch {kind}: failed: {proc.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                out = json.loads(lines[-1][6:])
+                key = f"torch MLP step {threads}t"
+                results.setdefault(key, {}).setdefault(kind, []).append(out["s"])
+                details[f"torch {kind} {threads}t"] = out
+                print(f"round {r} {key} {kind:<32} {out['s']:.3f} s {out}", file=sys.stderr)
+                write()
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -297,9 +316,13 @@ def main() -> int:
     ap.add_argument("--torch-steps", type=int, default=200)
     ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--configs", default=None, help="comma-separated labels to keep")
     args = ap.parse_args()
+    global KEEP
+    if args.configs:
+        KEEP = {c.strip() for c in args.configs.split(",") if c.strip()}
     if args.torch_child:
-        _torch_child(args.torch_child, args.torch_steps)
+        _torch_child(args.torch_child, args.torch_steps, int(args.threads))
         return 0
     start = time.perf_counter()
     threads = [int(t) for t in args.threads.split(",") if t]
@@ -332,7 +355,7 @@ def main() -> int:
             write,
         )
     if "torch" in wanted:
-        run_torch(args.rounds, args.torch_steps, results, details, write)
+        run_torch(args.rounds, args.torch_steps, threads, results, details, write)
     if "cudf" in wanted:
         p, n = args.cudf_parts, args.cudf_rows
         run_dask(

@@ -59,6 +59,9 @@ _live: dict[int, Any] = {}
 _streams: dict[int, Stream] = {}
 _MAX_CACHED_STREAMS = 1024
 _errors = threading.local()
+# Idents of the threads with a failure pending (armed); empty on every normal allocation, so the
+# callbacks' fast path reads one module global instead of thread-local state.
+_armed_threads: set[int] = set()
 
 
 def _per_device_resource(device: int):
@@ -82,41 +85,55 @@ def _stream_for(handle: int) -> Stream:
 
 def allocate(size: int, device: int, stream: int | None) -> int | None:
     """The allocation callback (also callable from Python): a pointer, or None (NULL) on failure."""
-    # A hook armed by an earlier failure that has not fired yet is stale now: PyTorch is
-    # asking again (a retry, or a later call), so it must neither fire inside the resource's
-    # code below nor make this allocation raise.
-    _disarm()
-    _errors.depth = getattr(_errors, "depth", 0) + 1
+    # The path every tensor takes: no thread-local state is read or written unless some thread
+    # has a failure pending (see _raise_when_back_in_python).
+    if _armed_threads:
+        # A hook armed by an earlier failure that has not fired yet is stale now: PyTorch is
+        # asking again (a retry, or a later call), so it must neither fire inside the
+        # resource's code below nor make this allocation raise.
+        _disarm()
+    s = None
     try:
         handle = stream or 0
         s = _streams.get(handle)
         if s is None:
             s = _stream_for(handle)
         mr = _get_per_device_resource(device)
-        try:
-            ptr = mr.allocate(size, s)
-        except MemoryError:
-            # Tensors that are garbage but not yet collected may hold the memory asked for:
-            # collect once and retry before PyTorch sees NULL.
-            gc.collect()
-            ptr = mr.allocate(size, s)
+        ptr = mr.allocate(size, s)
         if ptr:
             _live[ptr] = mr
         return ptr or None
     except BaseException as e:  # never into C: PyTorch sees NULL
-        try:
-            _errors.last = e
-            _errors.message = (
-                f"rmm_torch_allocator: allocating {size} bytes on device {device}, stream "
-                f"{stream or 0:#x} failed: {e}"
-            )
-            logger.warning("%s", _errors.message)
-            _raise_when_back_in_python(_errors.message)
-        except BaseException:
-            pass
-        return None
-    finally:
-        _errors.depth -= 1
+        return _allocation_failed(e, size, device, stream, s)
+
+
+def _allocation_failed(
+    error: BaseException, size: int, device: int, stream: int | None, s: Stream | None
+) -> int | None:
+    """After a failed first attempt: collect garbage and retry once (tensors that are garbage
+    but not yet collected may hold the memory asked for); on a second failure keep the error,
+    log it, arm this thread to raise in the allocating Python call, and return None."""
+    try:
+        if isinstance(error, MemoryError) and s is not None:
+            try:
+                gc.collect()
+                mr = _get_per_device_resource(device)
+                ptr = mr.allocate(size, s)
+                if ptr:
+                    _live[ptr] = mr
+                return ptr or None
+            except BaseException as again:
+                error = again
+        _errors.last = error
+        _errors.message = (
+            f"rmm_torch_allocator: allocating {size} bytes on device {device}, stream "
+            f"{stream or 0:#x} failed: {error}"
+        )
+        logger.warning("%s", _errors.message)
+        _raise_when_back_in_python(_errors.message)
+    except BaseException:
+        pass
+    return None
 
 
 def _allocation_error_type() -> type[BaseException]:
@@ -171,7 +188,7 @@ def _raise_when_back_in_python(message: str) -> None:
     _errors.pending = message
 
     def fire(frame, event, arg):
-        if getattr(_errors, "depth", 0) or frame.f_code.co_filename == __file__:
+        if frame.f_code.co_filename == __file__ or _inside_callback(frame):
             return local
         pending = getattr(_errors, "pending", None)
         _disarm()
@@ -192,6 +209,7 @@ def _raise_when_back_in_python(message: str) -> None:
     caller: FrameType | None = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
+    _armed_threads.add(threading.get_ident())
     _errors.armed = (
         sys.gettrace(),
         sys.getprofile(),
@@ -219,6 +237,7 @@ def _disarm() -> None:
     if armed is None:
         return
     _errors.armed = None
+    _armed_threads.discard(threading.get_ident())
     trace, profile, caller, f_trace, f_trace_opcodes, global_trace, hook = armed
     if sys.getprofile() is hook:
         sys.setprofile(profile)
@@ -236,7 +255,6 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
     """The free callback (also callable from Python); logs, never raises."""
     if not ptr:
         return
-    _errors.depth = getattr(_errors, "depth", 0) + 1
     try:
         handle = stream or 0
         s = _streams.get(handle)
@@ -257,8 +275,19 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
             )
         except BaseException:
             pass
-    finally:
-        _errors.depth -= 1
+
+
+#: The callbacks' code: an event whose frame has one of these below it on the stack happened
+#: inside a callback (the resource's own code), where an armed hook must not fire.
+_CALLBACK_CODES = frozenset({allocate.__code__, deallocate.__code__})
+
+
+def _inside_callback(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code in _CALLBACK_CODES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def last_allocation_error() -> BaseException | None:

@@ -228,11 +228,6 @@ def test_out_of_memory_collects_garbage_and_retries(host_mr):
 # --- the one-shot "raise in the allocating Python call" hook, driven without torch ------------
 
 
-class _Frame:
-    class f_code:  # noqa: N801 - mimics a frame's f_code
-        co_filename = __file__
-
-
 class _Profiler(threading.local):
     """Stands in for ``sys``'s per-thread profiler inside the allocator module; ``event`` plays
     what the interpreter would report in the calling Python code (as CPython 3.12+ does, the
@@ -257,8 +252,10 @@ class _Profiler(threading.local):
         self.func = func
 
     def event(self, name="c_return"):
+        # The frame is the caller's, a real one: whether the event happened inside a callback
+        # (the resource's own code, which must not fire the hook) is read from its stack.
         if self.func is not None:
-            self.func(_Frame(), name, None)
+            self.func(self._getframe(1), name, None)
 
 
 class _FlakyResource:
@@ -337,6 +334,28 @@ def test_hook_waits_until_the_callbacks_returned(profiler, monkeypatch):
     assert torch_hook.allocate(40, 0, None)
     profiler.event("c_return")
     assert seen == [1 << 50, 1 << 50, 40]
+
+
+def test_free_while_a_failure_is_pending_does_not_fire_inside_the_resource(profiler, monkeypatch):
+    # PyTorch may free a block between the failed allocation and its return to Python: the
+    # armed hook must not raise inside the resource's deallocate (the free would be lost).
+    freed = []
+
+    class Resource(_FlakyResource):
+        def deallocate(self, ptr, nbytes, stream=None):
+            profiler.event("return")  # the resource's code, inside the free callback
+            freed.append(ptr)
+
+    resource = Resource(refuse=1 << 40)
+    monkeypatch.setattr(torch_hook, "_get_per_device_resource", lambda device: resource)
+    ptr = torch_hook.allocate(64, 0, None)
+    assert torch_hook.allocate(1 << 50, 0, None) is None
+    torch_hook.deallocate(ptr, 64, 0, None)
+    assert freed == [ptr]
+    with pytest.raises(MemoryError):
+        profiler.event("c_return")  # back in the caller: raised there, once
+    profiler.event("c_return")
+    assert profiler.getprofile() is None
 
 
 def test_pending_error_is_per_thread(profiler):

@@ -158,12 +158,33 @@ def test_plot_refuses_to_overwrite_the_scheduler_file(tmp_path):
     assert sched_file.read_bytes() == before
 
 
+def _default_sigint() -> None:
+    """In the watcher's process before exec: Ctrl-C's default action. A test run started in the
+    background by a shell (``pytest ... &``, nohup, CI wrappers) inherits SIGINT ignored, and an
+    ignored signal stays ignored across exec: the watcher would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Ctrl-C a ``--watch`` process and check it ends cleanly, reading its output meanwhile (a
+    watcher blocked on a full pipe could not act on the signal). If it does not end, its
+    threads' stacks (faulthandler, on SIGABRT) go into the failure."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"still running {timeout:g} s after SIGINT; its stacks:\n{err[-8000:]}")
+    assert proc.returncode == 0, err
+
+
 @pytest.mark.slow
 def test_watch_refreshes_until_interrupted(rmm_cluster):
     address, _, _ = rmm_cluster
     proc = subprocess.Popen(
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT, preexec_fn=_default_sigint,
     )  # fmt: skip
     with proc:  # closes the pipes
         lines = []
@@ -171,8 +192,7 @@ def test_watch_refreshes_until_interrupted(rmm_cluster):
             line = proc.stdout.readline()
             assert line, proc.stderr.read()
             lines.append(json.loads(line))
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
+        _interrupt(proc)
     assert lines[-1]["time"] > lines[0]["time"]
 
 
@@ -181,7 +201,7 @@ def test_watch_shows_the_total_peak_like_the_one_shot_report(rmm_cluster):
     address, _, _ = rmm_cluster
     proc = subprocess.Popen(
         [sys.executable, "-m", "dask_rmm.cli", "report", address, "--watch", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=ROOT, preexec_fn=_default_sigint,
     )  # fmt: skip
     with proc:  # closes the pipes
         totals = []
@@ -190,8 +210,7 @@ def test_watch_shows_the_total_peak_like_the_one_shot_report(rmm_cluster):
             assert line, proc.stderr.read()
             if line.startswith("total ("):
                 totals.append(line)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
+        _interrupt(proc)
     one_shot = [r for r in _cli(address).stdout.splitlines() if r.startswith("total (")]
     # "total (1 worker)  1  3.00 MiB  3.00 MiB *": the peak is a size, as in the one-shot table.
     peak = re.compile(r"(\d+\.\d\d \w+) \*")
