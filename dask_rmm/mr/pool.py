@@ -336,7 +336,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if self._owners is None:
             # Lock-free: the pop from the live table is atomic, so of two threads freeing one
             # pointer only one gets it. Counting journals the free before the block is handed
-            # back, so that its next allocation is journaled after it.
+            # back, so that its next allocation is journaled after it. The journal is read
+            # before the pop: counting that attaches after the read finds the block still live
+            # (so it does not count its free), see count_allocations.
+            journal = self._journal
             n = self._live.pop(ptr, None)
             if n is None:  # not live: the locked path says what is wrong
                 self._deallocate_locked(ptr, nbytes, stream, key)
@@ -345,7 +348,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 self._live[ptr] = n  # the locked path takes it again under the lock
                 self._deallocate_locked(ptr, nbytes, stream, key)
                 return
-            journal = self._journal
             if journal is not None:
                 if self._uncounted and ptr in self._uncounted:
                     self._uncounted.discard(ptr)
@@ -526,6 +528,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         with gc_paused_lock(self._lock):
             if self._counters is not None:
                 return False
+            # The lock-free paths read the journal after an allocation made its block live and
+            # before a free takes its block out of the live table. So a block live here either
+            # has its allocation journaled (and is then taken out of _uncounted) or neither its
+            # allocation nor its free; one freed unjournaled is dropped when next allocated.
             self._uncounted = set(self._live)
             # Before the journal is attached: a fast path that sees the journal also sees this
             # (and so takes its block out of _uncounted if it was live here).

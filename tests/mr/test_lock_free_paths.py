@@ -234,6 +234,33 @@ def test_a_block_allocated_while_counting_attaches_has_its_free_counted(base_res
     assert pool._settle_at == JOURNAL_LIMIT  # nothing uncounted is left to look for
 
 
+def test_a_block_freed_while_counting_attaches_is_not_counted(base_resource):
+    """A free on the lock-free path whose block leaves the live table just before counting
+    attaches (so the block is not among those live at attach time) does not count the free of
+    an allocation that was never counted."""
+    pool = PoolMemoryResource(base_resource, initial_pool_size=4 * MiB)
+    pool.deallocate(pool.allocate(1000), 1000)  # this stream's caches exist
+    p = pool.allocate(1000)  # allocated before counting
+    counters = AllocationCounters()
+    live = pool._live
+
+    class AttachesOnPop(dict):
+        def pop(self, ptr, default=None):
+            n = live.pop(ptr, default)
+            pool._live = live  # once
+            assert pool.count_allocations(counters)  # between the pop and anything after
+            return n
+
+    pool._live = AttachesOnPop(live)
+    pool.deallocate(p, 1000)
+    assert pool._live is live and p not in live
+    q = pool.allocate(1000)  # counted from here on
+    pool.deallocate(q, 1000)
+    with pool.instrumentation_lock:
+        counters.settle()
+    assert _numbers(counters) == (1000, 1000, 1, 1, 1000, 1)
+
+
 def test_counting_imports_numpy_when_attached_not_under_the_pools_lock():
     """settle() folds long journals with NumPy while holding the pool's lock: the import (which
     takes Python's import locks) must have happened before, when the counters were attached."""
