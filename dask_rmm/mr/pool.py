@@ -214,13 +214,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._journal: list[int] | None = None  # self._counters.journal, for the fast paths
         self._uncounted: set[int] = set()  # live when counting began: their frees not counted
         # The journal length at which the fast path calls _after_journaled_allocation:
-        # JOURNAL_LIMIT, or 0 while _uncounted may be non-empty (one test covers both).
+        # JOURNAL_LIMIT, or 0 while _uncounted may be non-empty.
         self._settle_at = JOURNAL_LIMIT
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
         self._instrumented = False
         # The default stream's free list exists from the start, so that the fast paths reach its
-        # caches without a dict lookup when called with DEFAULT_STREAM itself.
+        # caches (for any stream of handle 0) without a dict lookup.
         self._default_caches = self._free_list(DEFAULT_KEY, DEFAULT_STREAM).cache
         if initial:
             ptr, _ = self._upstream_allocate(initial, initial, DEFAULT_STREAM)
@@ -847,8 +847,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         call = f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes!r})"
         if allocated is not None and allocated >= EXACT_TAG:
             allocated -= EXACT_TAG
-            if allocated == nbytes:
-                self._deallocate_exact(ptr, nbytes, stream)
+            if allocated == nbytes:  # (nbytes may be another int type: pass the int on)
+                self._deallocate_exact(ptr, allocated, stream)
                 return
         if allocated is not None:
             raise ValueError(

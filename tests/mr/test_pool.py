@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy
 import pytest
 from conftest import make_base_resource, make_test_streams
 
@@ -309,7 +310,7 @@ def test_an_exact_size_block_freed_with_a_made_up_size_is_refused(stream):
             pool.deallocate(big, wrong, s)
         assert (pool._free_blocks(), pool.memory_layout(), pool.live_allocations()) == before
     assert pool.live_allocations() == {small: 256, big: n}
-    pool.deallocate(big, n, s)
+    pool.deallocate(big, numpy.int64(n), s)  # the right size as another int type frees it
     pool.deallocate(small, 256, s)
     assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
 
