@@ -17,8 +17,8 @@ pool (compiled RMM), dask-rmm's default ``RMMPlugin`` (native cache over the sta
 with ``statistics=False``, and the per-allocation path (``exact_allocators=[...]``). Every
 configuration is its own LocalCluster (one worker process), all up at once per thread count;
 rounds rotate the order. Medians of ``--rounds``; results to stdout and ``--json``.
-``--configs`` keeps only the named configurations (comma-separated labels as printed, e.g.
-``"no plugin,dask-cuda RMM pool,dask-rmm default"``) to fit a time budget.
+``--configs`` keeps only the named configurations (labels as printed, separated by ";", e.g.
+``"no plugin;dask-cuda RMM pool;dask-rmm default"``) to fit a time budget.
 
     python bench/tiers.py [--workloads cupy,cudf,torch] [--threads 1,4,8] [--rounds 3]
 """
@@ -316,11 +316,11 @@ def main() -> int:
     ap.add_argument("--torch-steps", type=int, default=200)
     ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--configs", default=None, help="comma-separated labels to keep")
+    ap.add_argument("--configs", default=None, help="labels to keep, separated by \";\"")
     args = ap.parse_args()
     global KEEP
     if args.configs:
-        KEEP = {c.strip() for c in args.configs.split(",") if c.strip()}
+        KEEP = {c.strip() for c in args.configs.split(";") if c.strip()}
     if args.torch_child:
         _torch_child(args.torch_child, args.torch_steps, int(args.threads))
         return 0
