@@ -316,7 +316,7 @@ def main() -> int:
     ap.add_argument("--torch-steps", type=int, default=200)
     ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--configs", default=None, help="labels to keep, separated by \";\"")
+    ap.add_argument("--configs", default=None, help='labels to keep, separated by ";"')
     args = ap.parse_args()
     global KEEP
     if args.configs:
