@@ -306,6 +306,7 @@ def test_failed_allocation_raises_once_and_later_allocations_do_not(profiler):
     profiler.event("return")
     torch_hook.deallocate(ptr, 40, 0, None)
     assert profiler.getprofile() is None
+    assert not torch_hook._armed_threads  # later callbacks take the fast path again
 
 
 def test_failure_then_success_in_one_call_does_not_raise(profiler):
