@@ -94,6 +94,20 @@ def dask_cuda_rmm_pool(pool, libs=("cupy",)):
     return dask_cuda
 
 
+def one_worker_cluster(threads: int):
+    """A LocalCluster of one worker process with ``threads`` threads and no dashboards: a fresh
+    process per configuration, so no allocator or pool state carries over between them."""
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=1,
+        threads_per_worker=threads,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=None,
+    )
+
+
 def _cupy_to_rmm():
     import cupy
     from rmm.allocators.cupy import rmm_cupy_allocator
@@ -116,21 +130,12 @@ def main() -> None:
         else args.pool
     )
 
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     rows = []
     for label, configure in _configurations(pool):
         # A fresh worker process each: no allocator or pool state carries over.
-        with (
-            LocalCluster(
-                n_workers=1,
-                threads_per_worker=args.threads,
-                processes=True,
-                dashboard_address=":0",
-                worker_dashboard_address=None,
-            ) as cluster,
-            Client(cluster) as client,
-        ):
+        with one_worker_cluster(args.threads) as cluster, Client(cluster) as client:
             detail = configure(client)
             times = _run(client, args.n, args.chunk, args.repeats)
             extra = ""

@@ -149,7 +149,8 @@ def _set_interval(seconds, dask_worker=None):
 
 
 def switch_intervals(threads: int, rounds: int) -> None:
-    from distributed import Client, LocalCluster
+    from dask_workload import one_worker_cluster
+    from distributed import Client
 
     from dask_rmm import RMMPlugin
 
@@ -161,13 +162,7 @@ def switch_intervals(threads: int, rounds: int) -> None:
     clusters = {}
     try:
         for label, extra in configs.items():
-            cluster = LocalCluster(
-                n_workers=1,
-                threads_per_worker=threads,
-                processes=True,
-                dashboard_address=":0",
-                worker_dashboard_address=None,
-            )
+            cluster = one_worker_cluster(threads)
             client = Client(cluster)
             if extra is not None:
                 client.register_plugin(RMMPlugin(pool_size="2GiB", allocators=["cupy"], **extra))

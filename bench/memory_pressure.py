@@ -78,15 +78,10 @@ def _keep_no_host_copies(dask_worker) -> None:
 
 
 def _dask_rmm_cluster(threads: int):
-    from distributed import Client, LocalCluster
+    from dask_workload import one_worker_cluster
+    from distributed import Client
 
-    cluster = LocalCluster(
-        n_workers=1,
-        threads_per_worker=threads,
-        processes=True,
-        dashboard_address=":0",
-        worker_dashboard_address=None,
-    )
+    cluster = one_worker_cluster(threads)
     return cluster, Client(cluster)
 
 

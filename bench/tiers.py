@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dask_workload import dask_cuda_rmm_pool  # noqa: E402
+from dask_workload import dask_cuda_rmm_pool, one_worker_cluster  # noqa: E402
 
 POOL = "4GiB"
 
@@ -171,22 +171,14 @@ def _worker_numbers(dask_worker=None) -> dict:
 
 
 def run_dask(lib, workloads, threads_list, rounds, pool, results, details, write):
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     for threads in threads_list:
         with ExitStack() as stack:
             clients = {}
             for label, configure in configurations(lib, pool):
                 try:
-                    cluster = stack.enter_context(
-                        LocalCluster(
-                            n_workers=1,
-                            threads_per_worker=threads,
-                            processes=True,
-                            dashboard_address=":0",
-                            worker_dashboard_address=None,
-                        )
-                    )
+                    cluster = stack.enter_context(one_worker_cluster(threads))
                     client = stack.enter_context(Client(cluster))
                     details[label] = configure(client)
                 except Exception as e:
