@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -246,13 +246,28 @@ def _finite_seconds(
     return value
 
 
-@main.command()
-@click.argument("scheduler_address", required=False)
-@click.option(
+_SCHEDULER_FILE = click.option(
     "--scheduler-file",
     type=click.Path(exists=True, dir_okay=False),
     help="Read the scheduler address from this file (dask scheduler --scheduler-file).",
 )
+
+
+def _timeout_option(help: str) -> Callable[[Any], Any]:
+    """``--timeout``: finite seconds above 0, 5 by default."""
+    return click.option(
+        "--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        callback=_finite_seconds,
+        default=5.0,
+        show_default=True,
+        help=help,
+    )
+
+
+@main.command()
+@click.argument("scheduler_address", required=False)
+@_SCHEDULER_FILE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
     "--top",
@@ -293,14 +308,7 @@ def _finite_seconds(
     type=click.Path(dir_okay=False),
     help="Also write a PNG: memory over time and task-group peaks (needs matplotlib).",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=_finite_seconds,
-    default=5.0,
-    show_default=True,
-    help="Seconds to wait for each answer from the scheduler.",
-)
+@_timeout_option("Seconds to wait for each answer from the scheduler.")
 def report(
     scheduler_address: str | None,
     scheduler_file: str | None,
@@ -380,11 +388,7 @@ class _WrongAddress(click.ClickException):
 
 @main.command()
 @click.argument("targets", nargs=-1)
-@click.option(
-    "--scheduler-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Read the scheduler address from this file (dask scheduler --scheduler-file).",
-)
+@_SCHEDULER_FILE
 @click.option(
     "--logs",
     is_flag=True,
@@ -403,14 +407,7 @@ class _WrongAddress(click.ClickException):
     help="With --logs: the logs come from host memory (no cudaMallocAsync to advise).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the advice as JSON.")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=_finite_seconds,
-    default=5.0,
-    show_default=True,
-    help="Seconds to wait for the scheduler.",
-)
+@_timeout_option("Seconds to wait for the scheduler.")
 def advise(
     targets: tuple[str, ...],
     scheduler_file: str | None,
