@@ -22,7 +22,7 @@ import time
 
 from dask_rmm import logs
 from dask_rmm.logs import Action, LogEvent, format_event, replay, summary
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.sizes import format_bytes
 
 
 def write_log(path: str, rows: int, seed: int = 0) -> None:

@@ -70,10 +70,10 @@ _LAZY = {
     "copy_ptr_to_host": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
     "RMMPlugin": "dask_rmm.plugin",
-    "cluster_report": "dask_rmm.report.fetch",
-    "ClusterMemoryReport": "dask_rmm.report",
-    "GPUMemorySampler": "dask_rmm.report.sampler",
-    "performance_report": "dask_rmm.report.performance",
+    "cluster_report": "dask_rmm.client.fetch",
+    "ClusterMemoryReport": "dask_rmm.report.memory_report",
+    "GPUMemorySampler": "dask_rmm.client.sampler",
+    "performance_report": "dask_rmm.client.performance",
     "release_unused": "dask_rmm.worker.trim",
 }
 
@@ -168,36 +168,6 @@ class _OnDistributedProtocol(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
 
-
-#: Modules that moved when the package was laid out by role (old name -> new), so that code
-#: importing the old path keeps working; importing an old name imports the new module.
-MOVED_MODULES = {
-    "dask_rmm.options": "dask_rmm.stack.options",
-    "dask_rmm.worker_stack": "dask_rmm.worker.stacks",
-    "dask_rmm.worker_metrics": "dask_rmm.worker.metrics",
-    "dask_rmm.serialize": "dask_rmm.worker.serialize",
-    "dask_rmm.client": "dask_rmm.report.fetch",
-}
-
-
-class _MovedModuleLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        return importlib.import_module(MOVED_MODULES[spec.name])
-
-    def exec_module(self, module):
-        pass
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Answers an old module path of :data:`MOVED_MODULES` with the module now holding it."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(name, _MovedModuleLoader())
-
-
-sys.meta_path.append(_MovedModuleFinder())
 
 if "distributed.protocol" in sys.modules:
     _register_dask_serializers()

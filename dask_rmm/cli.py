@@ -331,7 +331,7 @@ def report(
     import asyncio
 
     from dask_rmm._output import refuse_input
-    from dask_rmm.report.fetch import NotDaskAddressError, iter_reports
+    from dask_rmm.client.fetch import NotDaskAddressError, iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
@@ -425,7 +425,7 @@ def advise(
     allocation is what the workload needs). Each number comes with its reason, then the
     RMMPlugin(...) arguments and the worker flags to paste, per device and for all of them.
     """
-    from dask_rmm.report import advice as advice_mod
+    from dask_rmm.client import advice as advice_mod
 
     if logs:
         if not targets or scheduler_file:
@@ -455,7 +455,7 @@ def advise(
                 ) from e
         import asyncio
 
-        from dask_rmm.report.fetch import iter_reports
+        from dask_rmm.client.fetch import iter_reports
 
         async def fetch() -> Any:
             async for r in iter_reports(address, timeout=timeout, timeline=True):

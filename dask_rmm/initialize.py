@@ -16,7 +16,6 @@ from dask_rmm import _cuda
 from dask_rmm.mr import registry
 from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
 from dask_rmm.stack.build import build_stack
-from dask_rmm.stack.build import make_base_resource as _make_base  # noqa: F401 (tests make bases)
 from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions, _size
 
 __all__ = [

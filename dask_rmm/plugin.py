@@ -282,8 +282,7 @@ class RMMPlugin(WorkerPlugin):
             return
         from distributed.comm.addressing import get_address_host
 
-        from dask_rmm.mr.base import format_bytes
-        from dask_rmm.sizes import host_total_memory
+        from dask_rmm.sizes import format_bytes, host_total_memory
 
         try:
             host = get_address_host(worker.address)

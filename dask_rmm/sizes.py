@@ -1,4 +1,5 @@
-"""The one parser of memory sizes: bytes, ``"4GiB"`` strings and fractions of device memory.
+"""Memory sizes in one place: the parser (bytes, ``"4GiB"`` strings, fractions of device memory),
+the formatter (``format_bytes``) and the 256-byte CUDA alignment (``ALIGNMENT``, ``align_up``).
 
 The forms of dask-cuda's ``parse_device_bytes`` (bytes, strings with a unit, fractions in (0, 1]
 of the device's memory; ``0`` and ``None`` mean none), with two differences: the result is
@@ -17,10 +18,36 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CUDA_ALIGNMENT", "host_total_memory", "parse_device_bytes", "parse_resource_size"]
+__all__ = [
+    "ALIGNMENT",
+    "align_up",
+    "format_bytes",
+    "host_total_memory",
+    "parse_device_bytes",
+    "parse_resource_size",
+]
 
-#: Pool sizes are multiples of this (the CUDA allocation alignment RMM requires).
-CUDA_ALIGNMENT = 256
+#: Every allocation is aligned to (and every size rounded up to) this many bytes,
+#: the alignment cudaMalloc guarantees.
+ALIGNMENT = 256
+
+
+def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """Round ``nbytes`` up to a multiple of ``alignment`` (a power of two)."""
+    return (nbytes + alignment - 1) & ~(alignment - 1)
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable binary size: ``format_bytes(3 << 30) == '3.00 GiB'``."""
+    if n is None:
+        return "unlimited"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} EiB"
+
 
 _UNITS = {
     "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
@@ -63,7 +90,7 @@ def _fraction(value: Any, fraction: float, total: Any, device: int | None, what:
 def parse_device_bytes(
     value: int | str | float | None,
     device: int | None = None,
-    alignment: int = CUDA_ALIGNMENT,
+    alignment: int = ALIGNMENT,
     *,
     total_memory: int | Callable[[], int] | None = None,
     option: str | None = None,

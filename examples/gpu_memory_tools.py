@@ -15,7 +15,7 @@ import time
 from distributed import Client, LocalCluster, wait
 
 import dask_rmm
-from dask_rmm.report.advice import advise_from_report, format_advice
+from dask_rmm.client.advice import advise_from_report, format_advice
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distributed import Client, LocalCluster, wait  # noqa: E402
 
 from dask_rmm import RMMPlugin, _cuda  # noqa: E402
-from dask_rmm.mr.base import format_bytes  # noqa: E402
+from dask_rmm.sizes import format_bytes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -110,7 +110,7 @@ def main() -> None:
                 )
 
         try:
-            from dask_rmm.report.fetch import cluster_report
+            from dask_rmm.client.fetch import cluster_report
         except ImportError:
             return
         print()

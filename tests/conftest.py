@@ -25,11 +25,11 @@ BASE_RESOURCES = ["system"] + (["cuda", "managed", "async"] if HAS_GPU else [])
 def make_base_resource(name: str):
     """A fresh base resource by short name ("system", "cuda", "managed", "async", "pinned"),
     made as reinitialize(base_resource=name) makes it."""
-    from dask_rmm.initialize import _make_base
+    from dask_rmm.stack.build import make_base_resource as make
 
     if name not in ("system", "cuda", "managed", "async", "pinned"):
         raise ValueError(name)
-    return _make_base(name, 0)
+    return make(name, 0)
 
 
 #: The resources the cupy and numba allocator GPU tests run over (``make_gpu_resource`` names).

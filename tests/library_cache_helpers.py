@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dask_rmm.mr.base import align_up
 from dask_rmm.mr.registry import get_per_device_resource
+from dask_rmm.sizes import align_up
 
 
 class HostLibraryCache:

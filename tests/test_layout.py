@@ -93,11 +93,51 @@ def test_no_import_cycles():
     assert find_cycle(import_graph()) is None
 
 
+def folder_of(module: str) -> str:
+    """The package folder a module lives in (``dask_rmm.report.plot`` -> ``dask_rmm.report``);
+    a top-level module (``dask_rmm.wire``) is its own node."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between folders: ``a -> b`` when any module of folder ``a`` imports one
+    of folder ``b``."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        node = folder_of(module)
+        out.setdefault(node, set())
+        for target in targets:
+            if folder_of(target) != node:
+                out[node].add(folder_of(target))
+                out.setdefault(folder_of(target), set())
+    return out
+
+
+def test_folder_graph_finds_a_cycle_between_folders():
+    # modules without a cycle, folders with one: report.model <- scheduler.x <- report.fetch
+    graph = {
+        "dask_rmm.report.model": set(),
+        "dask_rmm.scheduler.x": {"dask_rmm.report.model"},
+        "dask_rmm.report.fetch": {"dask_rmm.scheduler.x"},
+    }
+    assert find_cycle(graph) is None
+    assert find_cycle(folder_graph(graph)) in (
+        ["dask_rmm.report", "dask_rmm.scheduler", "dask_rmm.report"],
+        ["dask_rmm.scheduler", "dask_rmm.report", "dask_rmm.scheduler"],
+    )
+
+
+def test_no_import_cycles_between_folders():
+    assert find_cycle(folder_graph(import_graph())) is None
+
+
 DASK_FREE = [
     "dask_rmm",
     "dask_rmm.wire",
     "dask_rmm.stack",
     "dask_rmm.report",
+    "dask_rmm.plotting",
     "dask_rmm.logs",
     "dask_rmm.cli",
 ]
@@ -106,9 +146,9 @@ SCHEDULER_AND_CLIENT = [
     "dask_rmm.scheduler.timeline",
     "dask_rmm.scheduler.http",
     "dask_rmm.scheduler.prometheus",
-    "dask_rmm.report.fetch",
-    "dask_rmm.report.sampler",
-    "dask_rmm.report.performance",
+    "dask_rmm.client.fetch",
+    "dask_rmm.client.sampler",
+    "dask_rmm.client.performance",
     "dask_rmm.worker.metrics",
     "dask_rmm.worker.trim",
     "dask_rmm.logs.replay",
@@ -168,6 +208,7 @@ UPPER_LAYERS = (
     "dask_rmm.pressure",
     "dask_rmm.scheduler",
     "dask_rmm.report",
+    "dask_rmm.client",
     "dask_rmm.cli",
 )
 
@@ -200,7 +241,7 @@ def test_every_module_belongs_to_a_layer():
     # a new top-level module must be placed on purpose: in the RMM API, or in a layer's folder
     top_level = {m for m in _modules() if m.count(".") == 1}
     known = set(RMM_API) | {"dask_rmm._output"} | set(UPPER_LAYERS) | set(LOWER_LAYERS)
-    known |= {"dask_rmm.logs"}
+    known |= {"dask_rmm.logs", "dask_rmm.plotting"}
     assert top_level - known == set()
 
 
@@ -208,7 +249,8 @@ def test_import_dask_rmm_loads_no_dask_and_no_worker_module():
     loaded = _run(
         "import sys, dask_rmm; print(' '.join(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('dask', 'distributed') or m.startswith(('dask_rmm.worker', "
-        "'dask_rmm.plugin', 'dask_rmm.scheduler', 'dask_rmm.report', 'dask_rmm.pressure')))))"
+        "'dask_rmm.plugin', 'dask_rmm.scheduler', 'dask_rmm.report', 'dask_rmm.client', "
+        "'dask_rmm.pressure')))))"
     )
     assert loaded == ""
 
@@ -262,13 +304,3 @@ def test_documented_paths_are_found():
 def test_every_documented_import_path_works():
     broken = sorted(p for p in documented_paths() if not _resolves(p))
     assert broken == []
-
-
-@pytest.mark.parametrize(
-    "old", ["options", "worker_stack", "worker_metrics", "serialize", "client"]
-)
-def test_modules_that_moved_import_under_their_old_path(old):
-    import dask_rmm
-
-    new = dask_rmm.MOVED_MODULES[f"dask_rmm.{old}"]
-    assert importlib.import_module(f"dask_rmm.{old}") is importlib.import_module(new)

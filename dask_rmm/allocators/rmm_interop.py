@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dask_rmm.allocators import caches
-from dask_rmm.mr.base import ALIGNMENT
+from dask_rmm.sizes import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream
 
 __all__ = [

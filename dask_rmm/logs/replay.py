@@ -22,7 +22,8 @@ from typing import Any
 
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
 from dask_rmm.logs.summary import format_size
-from dask_rmm.mr.base import UpstreamResourceAdaptor, format_bytes
+from dask_rmm.mr.base import UpstreamResourceAdaptor
+from dask_rmm.sizes import format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
 
 __all__ = [

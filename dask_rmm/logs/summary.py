@@ -340,7 +340,7 @@ def summarize(
 
 def format_size(n: int) -> str:
     """``format_bytes(n)``, with the exact count from 1 KiB up: ``"1.50 MiB (1,572,864 B)"``."""
-    from dask_rmm.mr.base import format_bytes
+    from dask_rmm.sizes import format_bytes
 
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
 
@@ -416,7 +416,7 @@ def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) 
     out = [
         f"  per {what:<8}  {what:>18} {'allocs':>10} {'allocated':>12} {'frees':>10} {'failures':>9}"
     ]
-    from dask_rmm.mr.base import format_bytes
+    from dask_rmm.sizes import format_bytes
 
     for k, t in rows[:top_rows]:
         out.append(

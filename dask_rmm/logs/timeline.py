@@ -116,8 +116,8 @@ def plot_logs(
 def timelines_figure(timelines: Sequence[Timeline], *, title: str | None = None) -> Any:
     """The matplotlib Figure :func:`plot_logs` saves: bytes in use over time per worker, each
     peak marked and labelled, the legend outside the data area."""
-    from dask_rmm.mr.base import format_bytes
-    from dask_rmm.report.plot import byte_axis, figure, legend_outside
+    from dask_rmm.plotting.figures import byte_axis, figure, legend_outside
+    from dask_rmm.sizes import format_bytes
 
     fig = figure("plotting allocation logs", figsize=(10, 5), dpi=110, layout="constrained")
     t0 = min(tl.times[0] for tl in timelines if tl.times)

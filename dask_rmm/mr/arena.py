@@ -33,10 +33,8 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    align_up,
     check_nbytes,
     deallocate_refused,
-    format_bytes,
 )
 from dask_rmm.mr.locks import gc_paused_lock
 from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE
@@ -49,7 +47,7 @@ from dask_rmm.mr.size_classes import (
     UNIT_SHIFT,
     class_floor,
 )
-from dask_rmm.sizes import parse_resource_size
+from dask_rmm.sizes import align_up, format_bytes, parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]

@@ -1,4 +1,4 @@
-"""The memory-resource interface, the upstream-adaptor base, alignment helpers and the
+"""The memory-resource interface, the upstream-adaptor base, size check and the
 out-of-memory error. Nothing here touches CUDA. Not here: the locks (locks.py), concrete
 resources (beside it)."""
 
@@ -8,43 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_rmm._cuda import CUDAError
-
-# Re-exported for code that imported the lock helpers from here before locks.py held them.
-from dask_rmm.mr.locks import acquire_contended as acquire_contended
-from dask_rmm.mr.locks import gc_paused_lock as gc_paused_lock
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = [
-    "ALIGNMENT",
     "CUDAAllocationError",
     "DeviceMemoryResource",
     "OutOfMemoryError",
     "ReservedMemoryInfo",
     "UpstreamResourceAdaptor",
-    "align_up",
-    "format_bytes",
 ]
-
-#: Every allocation is aligned to (and every size rounded up to) this many bytes,
-#: the alignment cudaMalloc guarantees.
-ALIGNMENT = 256
-
-
-def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    """Round ``nbytes`` up to a multiple of ``alignment`` (a power of two)."""
-    return (nbytes + alignment - 1) & ~(alignment - 1)
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Human-readable binary size: ``format_bytes(3 << 30) == '3.00 GiB'``."""
-    if n is None:
-        return "unlimited"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
 
 
 def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:

@@ -14,10 +14,10 @@ from dask_rmm.mr.base import (
     DeviceMemoryResource,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    align_up,
     check_nbytes,
 )
 from dask_rmm.mr.fixed_size import FixedSizeMemoryResource
+from dask_rmm.sizes import align_up
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["BinningMemoryResource"]

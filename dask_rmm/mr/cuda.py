@@ -13,15 +13,12 @@ from typing import Any
 
 from dask_rmm import _cuda
 from dask_rmm.mr.base import (
-    ALIGNMENT,
     CUDAAllocationError,
     DeviceMemoryResource,
     OutOfMemoryError,
-    align_up,
     check_nbytes,
-    format_bytes,
 )
-from dask_rmm.sizes import parse_device_bytes
+from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [

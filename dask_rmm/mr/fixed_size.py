@@ -17,13 +17,12 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    align_up,
     check_nbytes,
     deallocate_refused,
-    format_bytes,
 )
 from dask_rmm.mr.locks import gc_paused_lock
 from dask_rmm.mr.stream_order import order_after
+from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["FixedSizeMemoryResource"]

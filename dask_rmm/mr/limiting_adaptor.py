@@ -9,10 +9,9 @@ from dask_rmm.mr.base import (
     DeviceMemoryResource,
     OutOfMemoryError,
     UpstreamResourceAdaptor,
-    align_up,
     check_nbytes,
-    format_bytes,
 )
+from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["LimitingResourceAdaptor"]

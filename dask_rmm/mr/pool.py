@@ -80,9 +80,7 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    align_up,
     check_nbytes,
-    format_bytes,
 )
 from dask_rmm.mr.free_list import FreeList
 from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts
@@ -95,7 +93,7 @@ from dask_rmm.mr.size_classes import (
     search_class,
 )
 from dask_rmm.mr.stream_order import FRESH_KEY, order_after, synchronize_streams
-from dask_rmm.sizes import parse_resource_size
+from dask_rmm.sizes import align_up, format_bytes, parse_resource_size
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_behind"]

@@ -12,7 +12,7 @@ every such copy to the functions here.
 
 from __future__ import annotations
 
-from dask_rmm.mr.base import ALIGNMENT
+from dask_rmm.sizes import ALIGNMENT
 
 __all__ = [
     "CACHED_LIMIT",

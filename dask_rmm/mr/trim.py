@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.sizes import format_bytes
 
 __all__ = ["TrimResult", "pools_in", "trim_pools", "trim_resource"]
 

@@ -10,10 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from dask_rmm.allocators import caches
-from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError, align_up
+from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError
 from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
 from dask_rmm.pressure.metrics import PressureCounters
 from dask_rmm.pressure.store import DeviceSpillStore
+from dask_rmm.sizes import align_up
 
 __all__ = ["DevicePressure", "find_layer"]
 

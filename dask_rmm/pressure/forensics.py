@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dask_rmm.mr.base import align_up
+from dask_rmm.sizes import align_up
 
 __all__ = [
     "FRAGMENTATION",
@@ -112,7 +112,7 @@ class OOMEvent:
 
     def summary(self) -> str:
         """One line: when, which task, what was asked, the verdict and the free memory."""
-        from dask_rmm.mr.base import format_bytes
+        from dask_rmm.sizes import format_bytes
 
         when = time.strftime("%H:%M:%S", time.localtime(self.time))
         return (

@@ -18,10 +18,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 from typing import Any
 
-from dask_rmm.mr.base import align_up
 from dask_rmm.pressure.device_objects import HostCopy, device_allocations, spill_batch, to_host
 from dask_rmm.pressure.metrics import PressureCounters
 from dask_rmm.pressure.victims import Candidate, coalescing_victims, lru_victims
+from dask_rmm.sizes import align_up
 
 __all__ = ["DeviceSpillStore"]
 

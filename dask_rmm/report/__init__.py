@@ -1,9 +1,7 @@
-"""Cluster memory reports on the client: :class:`ClusterMemoryReport` and its renderings (text,
-HTML, dict, DataFrame; the SVG timeline in :mod:`~dask_rmm.report.svg`, matplotlib figures in
-:mod:`~dask_rmm.report.plot`) and fetching one from the scheduler (:func:`cluster_report`, in
-:mod:`~dask_rmm.report.fetch`); over a block of work, :mod:`~dask_rmm.report.sampler` and
-:mod:`~dask_rmm.report.performance`; sizing advice, :mod:`~dask_rmm.report.advice`.
-Importing this package imports no Dask; fetching does.
+"""The cluster memory report as data: :class:`ClusterMemoryReport` and its renderings (text,
+HTML, dict, DataFrame; matplotlib figures in :mod:`~dask_rmm.report.plot`). Dask-free, below
+the scheduler that builds it. Not here: fetching a report from a cluster, sampling it over a
+block of work, performance reports and advice (:mod:`dask_rmm.client`).
 """
 
 from __future__ import annotations
@@ -15,12 +13,4 @@ from dask_rmm.report.memory_report import (
     peak_of_sum,
 )
 
-__all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "cluster_report", "peak_of_sum"]
-
-
-def __getattr__(name: str):
-    if name == "cluster_report":  # imports distributed: on first use only
-        from dask_rmm.report.fetch import cluster_report
-
-        return cluster_report
-    raise AttributeError(f"module 'dask_rmm.report' has no attribute {name!r}")
+__all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]

@@ -1,7 +1,7 @@
 """ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
 (text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
 
-Pure data and formatting: it never talks to a scheduler (``dask_rmm.report.fetch`` fetches the
+Pure data and formatting: it never talks to a scheduler (``dask_rmm.client.fetch`` fetches the
 data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask_rmm.mr.base import format_bytes
-from dask_rmm.report.svg import timeline_svg
+from dask_rmm.plotting.svg import timeline_svg
+from dask_rmm.sizes import format_bytes
 from dask_rmm.wire import COUNTERS, REPORT_VERSION, DeviceSample, to_int
 
 __all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]

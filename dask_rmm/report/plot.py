@@ -1,49 +1,20 @@
 """ClusterMemoryReport.plot: memory over time per worker device, and per-task-group peaks, as a
-matplotlib figure (Agg backend, imported on first use). The dashboard's SVG is in ``svg.py``."""
+matplotlib figure (Agg backend, imported on first use). The dashboard's SVG is in
+``dask_rmm.plotting.svg``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dask_rmm._output import atomic_output
-from dask_rmm.mr.base import format_bytes
-from dask_rmm.report.svg import PALETTE, _byte_step
+from dask_rmm.plotting.figures import byte_axis, figure, legend_outside
+from dask_rmm.plotting.svg import PALETTE
+from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
     from dask_rmm.report.memory_report import ClusterMemoryReport
 
-__all__ = ["byte_axis", "figure", "legend_outside", "plot_report"]
-
-
-def figure(what: str, **kwargs: Any):
-    """A matplotlib Figure on the Agg canvas (no pyplot state, no display); without matplotlib
-    an ImportError saying that ``what`` needs it."""
-    try:
-        import matplotlib  # noqa: F401  (first: its submodules may be loaded already)
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(
-            f"{what} needs matplotlib: pip install matplotlib (or pip install 'dask-rmm[report]')"
-        ) from e
-    fig = Figure(**kwargs)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def byte_axis(axis: Any, top: float) -> None:
-    """Label ``axis`` in bytes (``format_bytes``), with ticks at round binary sizes up to ``top``."""
-    from matplotlib.ticker import FuncFormatter, MultipleLocator
-
-    axis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bytes(v)))
-    if top > 0:
-        axis.set_major_locator(MultipleLocator(_byte_step(top)))
-
-
-def legend_outside(ax: Any, **kwargs: Any) -> Any:
-    """``ax``'s legend to the right of its data area, never over a line, a bar or a label in
-    it; the figure's layout (constrained or tight) makes room for it."""
-    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+__all__ = ["plot_report"]
 
 
 def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_task_groups: int = 10):

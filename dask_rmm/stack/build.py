@@ -128,7 +128,7 @@ class DeviceStack:
 
     def describe(self) -> str:
         """One line: resources, pool size and maximum, base resource, log file."""
-        from dask_rmm.mr.base import format_bytes
+        from dask_rmm.sizes import format_bytes
 
         pool, maximum = (
             "none" if n is None else format_bytes(n)

@@ -115,7 +115,7 @@ def _pause_fraction(value: Any) -> float | None:
 def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
     """RMM's error when the maximum pool size is below the initial one (both bytes, or both
     fractions)."""
-    from dask_rmm.mr.base import format_bytes
+    from dask_rmm.sizes import format_bytes
 
     def describe(value: int | float) -> str:
         return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
@@ -271,7 +271,7 @@ class RMMOptions:
 
     def resolve_size(self, option: str, device: int, total: int) -> int | None:
         """Option ``option`` in bytes on a device of ``total`` bytes (aligned down to 256)."""
-        from dask_rmm.mr.base import format_bytes
+        from dask_rmm.sizes import format_bytes
 
         nbytes = parse_device_bytes(
             getattr(self, option), device, total_memory=total, option=option

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dask_rmm.report.plot import figure
+from dask_rmm.plotting.figures import figure
 
 HERE = Path(__file__).resolve().parent
 

@@ -3,7 +3,8 @@ import pickle
 import pytest
 
 from dask_rmm.mr import OutOfMemoryError, SystemMemoryResource
-from dask_rmm.mr.base import ReservedMemoryInfo, align_up, check_nbytes, format_bytes
+from dask_rmm.mr.base import ReservedMemoryInfo, check_nbytes
+from dask_rmm.sizes import align_up, format_bytes
 
 
 def test_align_up():
@@ -19,6 +20,15 @@ def test_check_nbytes_refuses(bad):
 def test_format_bytes():
     assert format_bytes(3 << 30) == "3.00 GiB"
     assert format_bytes(100) == "100 B"
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(5 << 40, "5.00 TiB"), (3 << 50, "3.00 PiB"), (2**63, "8.00 EiB"), (-(2 << 50), "-2.00 PiB")],
+)
+def test_format_bytes_above_a_tebibyte_uses_larger_units(n, text):
+    # 2**63 used to print as "8388608.00 TiB"
+    assert format_bytes(n) == text
 
 
 def test_oom_pickles_with_fields():
@@ -55,7 +65,7 @@ def test_gc_paused_lock_holds_the_lock_with_the_collector_off():
     import gc
     import threading
 
-    from dask_rmm.mr.base import gc_paused_lock
+    from dask_rmm.mr.locks import gc_paused_lock
 
     lock = threading.Lock()
     assert gc.isenabled()

@@ -18,7 +18,7 @@ import pytest
 
 import dask_rmm.mr
 from dask_rmm.mr import size_classes as sc
-from dask_rmm.mr.base import ALIGNMENT, align_up
+from dask_rmm.sizes import ALIGNMENT, align_up
 from dask_rmm.stream import PER_THREAD_DEFAULT_STREAM, PER_THREAD_HANDLE
 
 TABLES = {"SEARCH_CLASS": sc.search_class, "INSERT_CLASS": sc.insert_class}

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from dask_rmm.plotting.svg import _downsample, timeline_svg
 from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory, peak_of_sum
-from dask_rmm.report.svg import _downsample, timeline_svg
 
 
 def _data(**overrides) -> dict:

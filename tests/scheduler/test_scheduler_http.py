@@ -96,7 +96,7 @@ async def test_dashboard_prefix(c, s, a, b):
 
 @gen_cluster(client=True)
 async def test_report_json_is_the_cli_json_document(c, s, a, b):
-    from dask_rmm.report.fetch import iter_reports
+    from dask_rmm.client.fetch import iter_reports
 
     fake = FakeRMMMetrics()
     a.metrics["dask-rmm"] = fake

@@ -14,8 +14,8 @@ from distributed import wait
 from distributed.utils_test import gen_cluster
 
 from dask_rmm import DeviceBuffer
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.fetch import cluster_report
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import pytest
 from distributed.utils_test import captured_logger, gen_cluster
 from fake_metrics import FakeRMMMetrics
 
-from dask_rmm.report.fetch import cluster_report
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler import SchedulerTimelinePlugin, install_scheduler_plugin
 from dask_rmm.wire import PLUGIN_NAME

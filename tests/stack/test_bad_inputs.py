@@ -55,7 +55,7 @@ class _NotAClientYet:
 def test_cluster_report_names_a_bad_client_or_last():
     """``cluster_report("tcp://...:8786")`` raised "'str' object has no attribute 'sync'";
     ``last="x"`` or ``1.5`` failed inside the scheduler's handler."""
-    from dask_rmm.report.fetch import cluster_report
+    from dask_rmm.client.fetch import cluster_report
 
     with pytest.raises(TypeError, match="client must be a distributed.Client, got 'tcp://"):
         cluster_report("tcp://127.0.0.1:8786")

@@ -14,8 +14,8 @@ import pytest
 from conftest import HAS_GPU, hold, local_process_cluster, wait_until
 from distributed import wait
 
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.fetch import cluster_report
 
 pytestmark = pytest.mark.slow
 

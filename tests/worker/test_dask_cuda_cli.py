@@ -237,7 +237,7 @@ def _physical_gpu_uuids() -> list[str]:
 def test_dask_cuda_worker_flags_give_each_gpu_a_dask_rmm_pool(scheduler, pool, expected):  # noqa: F811
     from distributed import Client
 
-    from dask_rmm.report.fetch import cluster_report
+    from dask_rmm.client.fetch import cluster_report
 
     pytest.importorskip("rmm", reason="dask-cuda's --rmm-pool-size needs compiled RMM")
     uuids = _physical_gpu_uuids()
@@ -334,7 +334,7 @@ def test_local_cuda_cluster_keywords_configure_dask_rmm(kwargs, base, pool):
     pytest.importorskip("rmm", reason="dask-cuda's rmm_* keywords need compiled RMM")
     from distributed import Client
 
-    from dask_rmm.report.fetch import cluster_report
+    from dask_rmm.client.fetch import cluster_report
 
     with (
         dask_cuda.LocalCUDACluster(
@@ -380,7 +380,7 @@ def test_a_dask_cudf_workload_shows_in_the_report_under_its_task_groups():
     pytest.importorskip("rmm", reason="needs compiled RMM (cuDF allocates through it)")
     from distributed import Client, wait
 
-    from dask_rmm.report.fetch import cluster_report
+    from dask_rmm.client.fetch import cluster_report
 
     n = 1 << 22
     with (

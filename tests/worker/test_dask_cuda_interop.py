@@ -26,8 +26,8 @@ from gpu_cluster import (
     gpu_name,
 )
 
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.fetch import cluster_report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

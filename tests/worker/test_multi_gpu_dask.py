@@ -19,8 +19,8 @@ from gpu_cluster import (
     worker_setup,
 )
 
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
-from dask_rmm.report.fetch import cluster_report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

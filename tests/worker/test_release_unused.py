@@ -9,8 +9,8 @@ from conftest import HAS_GPU, local_process_cluster, wait_until
 from distributed import wait
 
 import dask_rmm
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.fetch import cluster_report
 
 MiB = 1 << 20
 BASE = "cuda" if HAS_GPU else "system"

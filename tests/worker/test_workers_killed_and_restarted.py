@@ -16,8 +16,8 @@ from distributed import Worker, wait
 from distributed.utils_test import gen_cluster
 from fake_metrics import FakeRMMMetrics
 
+from dask_rmm.client.fetch import cluster_report
 from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.fetch import cluster_report
 from dask_rmm.scheduler import install_scheduler_plugin
 
 MiB = 1 << 20

@@ -12,9 +12,7 @@ import pytest
 from conftest import HAS_GPU, local_process_cluster
 from distributed import wait
 
-from dask_rmm.logs import HEADER, Action, LogEvent, format_event
-from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.advice import (
+from dask_rmm.client.advice import (
     CANDIDATE_FACTORS,
     advise_from_logs,
     advise_from_report,
@@ -23,6 +21,8 @@ from dask_rmm.report.advice import (
     nice_size,
     size_text,
 )
+from dask_rmm.logs import HEADER, Action, LogEvent, format_event
+from dask_rmm.plugin import RMMPlugin
 from dask_rmm.report.memory_report import ClusterMemoryReport
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -15,16 +15,16 @@ from conftest import HAS_GPU, hold, local_process_cluster
 from distributed import wait
 from distributed.utils_test import gen_cluster
 
-from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.memory_report import ClusterMemoryReport
-from dask_rmm.report.performance import (
+from dask_rmm.client.performance import (
     SECTION_ID,
     gpu_section_html,
     insert_section,
     performance_report,
 )
-from dask_rmm.report.sampler import DeviceSeries, GPUSamples
-from dask_rmm.report.svg import PALETTE
+from dask_rmm.client.sampler import DeviceSeries, GPUSamples
+from dask_rmm.plotting.svg import PALETTE
+from dask_rmm.plugin import RMMPlugin
+from dask_rmm.report.memory_report import ClusterMemoryReport
 
 MiB = 1 << 20
 
@@ -107,7 +107,7 @@ def test_the_section_goes_into_the_summary_tab_of_bokehs_document_once():
 
 
 def _summary_text(page: str) -> str:
-    from dask_rmm.report.performance import _summary_div
+    from dask_rmm.client.performance import _summary_div
 
     for m in re.finditer(r'<script type="application/json"[^>]*>(.*?)</script>', page, re.S):
         div = _summary_div(json.loads(html.unescape(m.group(1))))

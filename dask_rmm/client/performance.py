@@ -1,7 +1,7 @@
 """``dask_rmm.performance_report``: distributed's ``performance_report`` with a GPU memory
 section (the cluster's RMM timeline over the block, task-group peaks, OOM events, spills) in the
-Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.report.sampler`), the SVG
-(:mod:`~dask_rmm.report.svg`).
+Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.client.sampler`), the SVG
+(:mod:`~dask_rmm.plotting.svg`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import distributed
 
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.client.sampler import GPUMemorySampler, GPUSamples
+from dask_rmm.plotting.svg import timeline_svg
 from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
-from dask_rmm.report.sampler import GPUMemorySampler, GPUSamples
-from dask_rmm.report.svg import timeline_svg
+from dask_rmm.sizes import format_bytes
 
 __all__ = ["SECTION_ID", "gpu_section_html", "insert_section", "performance_report"]
 
@@ -53,7 +53,7 @@ class performance_report(distributed.performance_report):
         Bokeh's resources mode: ``"inline"`` (default) or ``"cdn"``.
     interval : float
         Seconds between two reads of the scheduler's timelines (see
-        :meth:`~dask_rmm.report.sampler.GPUMemorySampler.sample`).
+        :meth:`~dask_rmm.client.sampler.GPUMemorySampler.sample`).
 
     Attributes
     ----------
@@ -153,7 +153,7 @@ class performance_report(distributed.performance_report):
 
 
 async def _fetch(client: Any) -> ClusterMemoryReport:
-    from dask_rmm.report.fetch import fetch_report_data
+    from dask_rmm.client.fetch import fetch_report_data
 
     return ClusterMemoryReport.from_dict(await fetch_report_data(client.scheduler, timeline=False))
 

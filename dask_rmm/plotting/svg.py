@@ -9,7 +9,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.sizes import format_bytes
 
 __all__ = ["PALETTE", "timeline_svg"]
 
@@ -39,7 +39,7 @@ def _nice_step(span: float, ticks: int = 5) -> float:
     return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
 
 
-def _byte_step(top: float) -> float:
+def byte_step(top: float) -> float:
     # Ticks at round binary sizes (1, 2, 4, ... x KiB/MiB/GiB) so the labels read cleanly.
     step = 1.0
     while top / step > 5:
@@ -78,7 +78,7 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
     t0 = min(p[0] for p in pts)
     t1 = max(p[0] for p in pts)
     ymax = max(max(p[2] for p in pts), 1)
-    ystep = _byte_step(ymax)
+    ystep = byte_step(ymax)
     ytop = ystep * (int(ymax / ystep) + 1)
     tspan = max(t1 - t0, 1e-9)
 

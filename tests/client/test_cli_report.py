@@ -275,7 +275,7 @@ def test_an_http_port_gets_a_hint():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from dask_rmm.report.fetch import iter_reports
+    from dask_rmm.client.fetch import iter_reports
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -354,7 +354,7 @@ def test_a_scheduler_greeting_is_recognised_as_dask():
 
     from distributed import Scheduler
 
-    from dask_rmm.report.fetch import _non_dask_greeting
+    from dask_rmm.client.fetch import _non_dask_greeting
 
     async def greeting() -> str | None:
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -399,7 +399,7 @@ class GPUMemorySampler:
         :meth:`pandas.DataFrame.plot`. Returns the axes.
         """
         from dask_rmm._output import atomic_output
-        from dask_rmm.report.plot import byte_axis, figure
+        from dask_rmm.plotting.figures import byte_axis, figure
 
         df = self.to_pandas(align=align, measure=measure, per_worker=per_worker)
         if ax is None:
@@ -444,7 +444,7 @@ class _Recorder:
         self.error: Exception | None = None
 
     async def poll(self) -> None:
-        from dask_rmm.report.fetch import fetch_report_data
+        from dask_rmm.client.fetch import fetch_report_data
 
         while True:
             data = await fetch_report_data(

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.mr.base import format_bytes
+from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
     from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory

@@ -12,14 +12,14 @@ from conftest import HAS_GPU, hold, local_process_cluster, wait_until
 from distributed import wait
 from distributed.utils_test import gen_cluster
 
-from dask_rmm.plugin import RMMPlugin
-from dask_rmm.report.sampler import (
+from dask_rmm.client.sampler import (
     DeviceSeries,
     GPUMemorySampler,
     GPUSamples,
     summed_series,
     time_mean,
 )
+from dask_rmm.plugin import RMMPlugin
 
 MiB = 1 << 20
 
