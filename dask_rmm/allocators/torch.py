@@ -453,8 +453,9 @@ class TorchCache:
 
     def _total(self, device: int) -> int:
         total = self._totals.get(device)
-        if total is None:  # what PyTorch's fraction is a fraction of: cudaMemGetInfo's total
-            total = self._totals[device] = int(self.torch.cuda.mem_get_info(device)[1])
+        if total is None:  # what PyTorch's fraction is a fraction of (the device's memory)
+            props = self.torch.cuda.get_device_properties(device)
+            total = self._totals[device] = int(props.total_memory)
         return total
 
     def set_cap(self, device: int, nbytes: int | None) -> None:

@@ -205,6 +205,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
+        # bytes trimmed off the pool and not yet given back upstream: still the device's
+        self._releasing = 0
         # stream key -> that stream's FreeList.cache, read by the lock-free fast paths
         self._caches: dict[Hashable, list[list[int]]] = {}
         # Instrumentation (see count_allocations / charge_owners). The fast paths test _owners
@@ -474,13 +476,21 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 released.append((chunk, csize))
                 if chunk == self._initial_chunk:
                     self._initial_chunk = None
-        if self._ordered:
-            synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
-        for start, csize in released:
-            self.upstream_mr.deallocate(start, csize, DEFAULT_STREAM)
+            total = sum(csize for _, csize in released)
+            # Until upstream has them back, the maximum still counts them (growth meanwhile
+            # must not take their room).
+            self._releasing += total
+        try:
+            if self._ordered:
+                synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
+            for start, csize in released:
+                self.upstream_mr.deallocate(start, csize, DEFAULT_STREAM)
+        finally:
+            with gc_paused_lock(self._lock):
+                self._releasing -= total
         if released and self._sharers:
             self._refresh_room()
-        return sum(csize for _, csize in released)
+        return total
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with gc_paused_lock(self._lock):
@@ -773,7 +783,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     # -- growth ----------------------------------------------------------------------------
 
     def _size_to_grow(self, size: int, outside: int = 0) -> int:
-        held = self._pool_size + self._growing + outside
+        held = self._pool_size + self._growing + self._releasing + outside
         if self._maximum is not None:
             remaining = align_up(max(self._maximum - held, 0))
             return max(size, align_up(remaining // 2)) if size <= remaining else 0
@@ -834,7 +844,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             for s in sharers:
                 s.set_room(None)
             return
-        room = max(0, self._maximum - self._pool_size - self._growing)
+        room = max(0, self._maximum - self._pool_size - self._growing - self._releasing)
         held = [int(s.reserved_bytes()) for s in sharers] if len(sharers) > 1 else [0]
         for i, s in enumerate(sharers):
             s.set_room(max(0, room - (sum(held) - held[i])))
@@ -849,7 +859,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         with self._budget_lock:
             for attempt in range(3):
                 self._set_rooms()
-                room = max(0, self._maximum - self._pool_size - self._growing)
+                room = max(0, self._maximum - self._pool_size - self._growing - self._releasing)
                 held = self._sharers_reserved()
                 if held <= room:
                     return try_size
