@@ -247,6 +247,8 @@ class DeviceSample:
         events = tuple(dict(e) for e in d.get("oom_events") or () if isinstance(e, Mapping))
         libraries = []
         for x in d.get("libraries") or ():
+            if not isinstance(x, (list, tuple)) or len(x) != 4:
+                continue
             try:
                 libraries.append(
                     LibraryShare(str(x[0]), to_int(x[1]), to_int(x[2]), bool(to_int(x[3])))
