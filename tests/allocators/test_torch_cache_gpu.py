@@ -1,0 +1,162 @@
+"""PyTorch's own caching allocator under the worker's budget (``allocators=["torch"]``), on a GPU
+with a CUDA build of torch: PyTorch allocates natively beside the pool, its cap follows the pool,
+the pool counts PyTorch before it grows, the heartbeat breaks the device down, release and
+spilling empty PyTorch's cache, and 8 threads under stress neither deadlock nor pass the
+maximum. Each scenario runs in its own process (PyTorch's allocator is per process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _run(code: str, *args: str, timeout: float = 240) -> dict:
+    if not _torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, *(["-c", code] if code else []), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, f"rc {proc.returncode}: {proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT") :])
+
+
+_SCENARIO = textwrap.dedent(
+    """
+    import gc, json
+    import torch
+    from dask_rmm import DeviceBuffer, mr
+    from dask_rmm.allocators import caches, set_allocators
+    from dask_rmm.allocators.torch import get_torch_cache, set_torch_allocator
+    from dask_rmm.stack.build import build_stack
+    from dask_rmm.stack.options import RMMOptions
+    from dask_rmm.worker.metrics import WorkerMetrics, _DeviceSamples
+    from dask_rmm.worker.stacks import install_stack
+    from dask_rmm.wire import DeviceSample
+
+    MiB = 1 << 20
+    opts = RMMOptions(pool_size=256 * MiB, maximum_pool_size=2048 * MiB, allocators=["torch"])
+    stack = build_stack(opts, 0)
+    install_stack(stack)
+    pool = stack.top.upstream_mr
+    set_allocators(["torch"])
+    cache = get_torch_cache()
+    out = {"cap_at_start": cache.cap(0), "pool_at_start": pool.pool_size()}
+    x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    out["stack_bytes_with_tensor"] = stack.statistics.current_bytes
+    out["torch_in_use"] = cache.in_use_bytes(0)
+    try:
+        torch.empty(1400 * MiB, dtype=torch.uint8, device="cuda")  # 512 + 1400 > 1792 - 2
+        out["torch_past_cap"] = "no error"
+    except torch.OutOfMemoryError as e:
+        out["torch_past_cap"] = "OutOfMemoryError"
+    buf = DeviceBuffer(size=600 * MiB)  # the pool grows: PyTorch's room shrinks first
+    out["pool_after_growth"] = pool.pool_size()
+    out["cap_after_growth"] = cache.cap(0)
+    try:
+        DeviceBuffer(size=900 * MiB)  # 512 of PyTorch's + the pool's > 2 GiB
+        out["pool_past_torch"] = "no error"
+    except MemoryError as e:
+        out["pool_past_torch"] = str(e)
+    del x  # now free in PyTorch's cache: the pool's growth makes it give it back
+    out["torch_cached_after_del"] = cache.cached_bytes(0)
+    big = DeviceBuffer(size=900 * MiB)
+    out["torch_reserved_after_pool_took_room"] = cache.reserved_bytes(0)
+    d = WorkerMetrics._device_metrics(_DeviceSamples(stack), 10, [])
+    s = DeviceSample.from_dict(d)
+    out["error"] = d.get("error")
+    out["libraries"] = [list(x) for x in s.libraries]
+    out["breakdown"] = s.breakdown()
+    out["device_used"] = s.device_used_bytes
+    out["outside"] = s.outside_dask_rmm_bytes
+    del big, buf
+    pool.trim()
+    out["cap_after_trim"] = cache.cap(0)
+    out["pool_after_trim"] = pool.pool_size()
+    y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    del y
+    out["released"] = caches.release_cached(0)
+    try:
+        set_torch_allocator(cache=False)
+        out["exact_after_cache"] = "no error"
+    except RuntimeError as e:
+        out["exact_after_cache"] = str(e)
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_torch_cache_shares_the_pools_maximum_and_reports_its_bytes():
+    MiB = 1 << 20
+    out = _run(_SCENARIO)
+    assert out["pool_at_start"] == 256 * MiB
+    assert out["cap_at_start"] == 2048 * MiB - 256 * MiB
+    assert out["stack_bytes_with_tensor"] == 0  # PyTorch's cache is beside the stack
+    assert out["torch_in_use"] == 512 * MiB
+    assert out["torch_past_cap"] == "OutOfMemoryError"
+    assert out["cap_after_growth"] == 2048 * MiB - out["pool_after_growth"]
+    assert "torch beside the pool holds" in out["pool_past_torch"]
+    assert out["torch_cached_after_del"] >= 512 * MiB
+    assert out["torch_reserved_after_pool_took_room"] < 512 * MiB  # empty_cache gave it back
+    assert out["error"] is None
+    libs = {x[0]: x for x in out["libraries"]}
+    assert libs["torch"][3] == 1  # beside the stack
+    assert sum(n for _, n in out["breakdown"]) == out["device_used"]
+    assert out["outside"] > 0  # the CUDA context at least
+    assert out["cap_after_trim"] == 2048 * MiB - out["pool_after_trim"]
+    assert out["released"] >= 64 * MiB
+    assert "caching allocator already serves" in out["exact_after_cache"]
+
+
+def test_the_exact_paths_private_pytorch_name_is_still_there():
+    """``exact_allocators=["torch"]`` needs ``torch._C._cuda_customAllocator`` (private); the
+    cache path uses public names only. Fails when PyTorch moves it."""
+    if not _torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    import torch
+
+    assert hasattr(torch._C, "_cuda_customAllocator"), torch.__version__
+
+
+def test_eight_threads_of_stress_neither_deadlock_nor_pass_the_maximum():
+    out = _run(
+        "",
+        os.path.join(ROOT, "bench", "torch_budget.py"),
+        "--child",
+        "stress",
+        "--stress",
+        "15",
+        "--threads",
+        "8",
+        "--maximum",
+        str(3 << 30),
+        timeout=200,
+    )
+    assert out["deadlocked_threads"] == 0, out
+    assert out["errors"] == [], out
+    assert out["torch_oom"] > 0 and out["backward"] > 0 and out["ops"] > 1000, out
+    assert out["peak_over_baseline"] <= out["maximum"] + out["slack"], out
