@@ -786,7 +786,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         held = self._pool_size + self._growing + self._releasing + outside
         if self._maximum is not None:
             remaining = align_up(max(self._maximum - held, 0))
-            return max(size, align_up(remaining // 2)) if size <= remaining else 0
+            if size > remaining:
+                return 0
+            step = remaining // 2
+            if self._sharers:
+                # Sharing the maximum: grow as without one (by the pool's size), at most by half
+                # the room, so that the pool does not take half the budget from a library beside
+                # it at its first growth.
+                step = min(step, self._pool_size + self._growing)
+            return max(size, align_up(step))
         return max(size, held)
 
     def _grow(self, nbytes: int, size: int, key: Hashable, stream: Stream, tag: int) -> int:

@@ -145,7 +145,7 @@ _SCENARIO = textwrap.dedent(
     stats = mr.StatisticsResourceAdaptor(
         mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26))
     mr.set_current_device_resource(stats)
-    set_allocators(["torch"])
+    set_allocators(["torch"], exact=["torch"])  # the per-tensor path
     out = {}
     x = torch.ones(1000, device="cuda")
     out["bytes_with_tensor"] = stats.allocation_counts.current_bytes
@@ -171,7 +171,7 @@ _SCENARIO = textwrap.dedent(
     except torch.OutOfMemoryError as e:
         out["oom"] = type(e).__name__ if isinstance(e, MemoryError) else "not a MemoryError"
     out["after_oom"] = float(torch.ones(10, device="cuda").sum())
-    set_allocators(["torch"])  # again: harmless
+    set_allocators(["torch"], exact=["torch"])  # again: harmless
     print("RESULT" + json.dumps(out))
     """
 )

@@ -267,3 +267,21 @@ def test_threads_on_both_sides_never_pass_the_maximum_together(device):
     assert errors == []
     assert 0 < device.peak <= maximum
     assert lib.room == maximum - pool.pool_size()
+
+
+def test_a_pool_sharing_its_maximum_grows_by_its_size_not_by_half_the_room(device):
+    alone = PoolMemoryResource(
+        device.upstream(), initial_pool_size=4 * MiB, maximum_pool_size=64 * MiB
+    )
+    shared = PoolMemoryResource(
+        device.upstream(), initial_pool_size=4 * MiB, maximum_pool_size=64 * MiB
+    )
+    shared.share_budget(FakeSharer(device))
+    a, b = alone.allocate(5 * MiB), shared.allocate(5 * MiB)
+    assert alone.pool_size() == 4 * MiB + 30 * MiB  # half the room, as RMM's pool
+    assert shared.pool_size() == 4 * MiB + 5 * MiB  # the request (more than the pool's size)
+    c = shared.allocate(6 * MiB)  # more than the 4 MiB free
+    assert shared.pool_size() == 9 * MiB + 9 * MiB  # by its own size
+    alone.deallocate(a, 5 * MiB)
+    shared.deallocate(b, 5 * MiB)
+    shared.deallocate(c, 6 * MiB)
