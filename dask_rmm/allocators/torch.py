@@ -350,11 +350,22 @@ def _make_allocator():
 #: allocation), or use :func:`set_torch_allocator`. None without a CUDA-enabled torch.
 rmm_torch_allocator = _make_allocator()
 
-_library_import_error: ImportError | None = None
-if rmm_torch_allocator is None:
-    _library_import_error = ImportError(
-        "torch is not importable or has no usable CUDA (rmm_torch_allocator is None)"
-    )
+
+def _torch_problem() -> ImportError | None:
+    """Why neither PyTorch path can work here (no torch, or no CUDA), or None."""
+    try:
+        import torch
+    except ImportError as e:
+        return ImportError(f"torch is not importable ({e})")
+    if not torch.cuda.is_available():
+        return ImportError("torch has no usable CUDA")
+    return None
+
+
+#: Why the "torch" allocators cannot be set here (None: they can). A torch without the private
+#: ``torch._C._cuda_customAllocator`` still has the cache path (``rmm_torch_allocator`` is None).
+_library_import_error: ImportError | None = _torch_problem()
+_warned_exact_fallback = False
 
 _installed = False
 
@@ -564,7 +575,7 @@ def set_torch_allocator(cache: bool = True) -> None:
         When the other path was set earlier in this process (PyTorch cannot switch back), or,
         for the exact path, when PyTorch already allocated CUDA memory with its own allocator.
     """
-    global _installed, _cache
+    global _installed, _cache, _warned_exact_fallback
     from dask_rmm.allocators import caches
 
     if cache:
@@ -579,17 +590,32 @@ def set_torch_allocator(cache: bool = True) -> None:
         caches.register_cache(_cache)
         _share_with_current_resources()
         return
+    if _installed:
+        return
+    if rmm_torch_allocator is None:
+        if _library_import_error is not None:
+            raise ImportError(
+                "set_torch_allocator needs torch with CUDA; rmm_torch_allocator is None here"
+            ) from _library_import_error
+        # This PyTorch lacks the private hook of the exact path: its cache path instead, once
+        # warned (allocations are then counted per library, not per tensor).
+        if not _warned_exact_fallback:
+            _warned_exact_fallback = True
+            import torch
+
+            logger.warning(
+                "dask-rmm: PyTorch %s has no torch._C._cuda_customAllocator, which the exact "
+                "path (exact_allocators=['torch']) needs; using PyTorch's own caching allocator "
+                "under the worker's budget instead",
+                torch.__version__,
+            )
+        set_torch_allocator(cache=True)
+        return
     if _cache is not None and _cache.torch.cuda.is_initialized():
         raise RuntimeError(
             "cannot route PyTorch tensors through dask-rmm one by one (exact_allocators="
             "['torch']): PyTorch's caching allocator already serves this process"
         )
-    if _installed:
-        return
-    if rmm_torch_allocator is None:
-        raise ImportError(
-            "set_torch_allocator needs torch with CUDA; rmm_torch_allocator is None here"
-        ) from _library_import_error
     from torch.cuda.memory import change_current_allocator
 
     try:

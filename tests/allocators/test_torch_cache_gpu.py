@@ -161,3 +161,42 @@ def test_eight_threads_of_stress_neither_deadlock_nor_pass_the_maximum():
     assert out["errors"] == [], out
     assert out["torch_oom"] > 0 and out["backward"] > 0 and out["ops"] > 1000, out
     assert out["peak_over_baseline"] <= out["maximum"] + out["slack"], out
+
+
+_WITHOUT_THE_PRIVATE_HOOK = textwrap.dedent(
+    """
+    import json, logging
+    import torch
+    del torch._C._cuda_customAllocator  # a PyTorch that moved it
+    from dask_rmm import mr
+    from dask_rmm.allocators import set_allocators
+    from dask_rmm.allocators import torch as torch_hook
+
+    records = []
+    logging.getLogger("dask_rmm.allocators.torch").addHandler(
+        type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r.getMessage())})()
+    )
+    stats = mr.StatisticsResourceAdaptor(
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26,
+                              maximum_pool_size=1 << 30))
+    mr.set_current_device_resource(stats)
+    set_allocators(["torch"], exact=["torch"])
+    set_allocators(["torch"], exact=["torch"])
+    x = torch.ones(1 << 20, device="cuda")
+    print("RESULT" + json.dumps({
+        "allocator_none": torch_hook.rmm_torch_allocator is None,
+        "cache": torch_hook.get_torch_cache() is not None,
+        "stack_bytes": stats.allocation_counts.current_bytes,
+        "cap": torch_hook.get_torch_cache().cap(0),
+        "warnings": [m for m in records if "_cuda_customAllocator" in m],
+    }))
+    """
+)
+
+
+def test_without_the_private_hook_the_exact_path_falls_back_to_the_cache_with_one_warning():
+    out = _run(_WITHOUT_THE_PRIVATE_HOOK)
+    assert out["allocator_none"] and out["cache"]
+    assert out["stack_bytes"] == 0  # PyTorch's own allocator served the tensor
+    assert out["cap"] == (1 << 30) - (1 << 26)
+    assert len(out["warnings"]) == 1, out["warnings"]
