@@ -806,7 +806,11 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if not try_size and sharing and outside:
                 try_size = self._size_to_grow(size)  # room the sharers may give back
             if not try_size:
-                raise self._oom(nbytes, stream, "the maximum pool size leaves no room")
+                reason = "the maximum pool size leaves no room"
+                if sharing:
+                    names = ", ".join(s.name for s in self._sharers)
+                    reason += f"; {names} beside the pool hold(s) {format_bytes(outside)} of it"
+                raise self._oom(nbytes, stream, reason)
             self._growing += try_size
         if sharing:
             try_size = self._claim_from_sharers(nbytes, size, try_size, stream)

@@ -200,3 +200,30 @@ def test_without_the_private_hook_the_exact_path_falls_back_to_the_cache_with_on
     assert out["stack_bytes"] == 0  # PyTorch's own allocator served the tensor
     assert out["cap"] == (1 << 30) - (1 << 26)
     assert len(out["warnings"]) == 1, out["warnings"]
+
+
+def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why():
+    """PyTorch, CuPy, Numba and DeviceBuffers, each filled while the others hold memory: the
+    device's used memory never passes the maximum; PyTorch stops with its own out-of-memory
+    error at its cap, the others with the pool's, which names PyTorch's share."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("numba")
+    maximum = 2 << 30
+    out = _run(
+        "",
+        os.path.join(ROOT, "bench", "torch_budget.py"),
+        "--child",
+        "fill",
+        "--maximum",
+        str(maximum),
+        timeout=200,
+    )
+    assert set(out) >= {"torch", "cupy", "numba", "DeviceBuffer"}, out
+    for library in ("torch", "cupy", "numba", "DeviceBuffer"):
+        got = out[library]
+        assert got["error"] is not None and not got["over_maximum"], (library, got)
+        assert got["device_used_over_baseline"] <= maximum, (library, got)
+        assert got["filled_bytes"] > 0, (library, got)
+    assert "OutOfMemoryError" in out["torch"]["error"] and "allowed" in out["torch"]["error"]
+    for library in ("cupy", "numba", "DeviceBuffer"):
+        assert "torch beside the pool holds" in out[library]["error"], out[library]

@@ -285,3 +285,14 @@ def test_a_pool_sharing_its_maximum_grows_by_its_size_not_by_half_the_room(devic
     alone.deallocate(a, 5 * MiB)
     shared.deallocate(b, 5 * MiB)
     shared.deallocate(c, 6 * MiB)
+
+
+def test_a_request_past_the_maximum_says_what_the_sharer_holds(device):
+    pool = PoolMemoryResource(
+        device.upstream(), initial_pool_size=4 * MiB, maximum_pool_size=64 * MiB
+    )
+    lib = FakeSharer(device)
+    pool.share_budget(lib)
+    lib.malloc(8 * MiB)
+    with pytest.raises(OutOfMemoryError, match="leaves no room; fakelib beside the pool hold"):
+        pool.allocate(80 * MiB)
