@@ -40,15 +40,55 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _stack(maximum: int, initial: int = 256 * MiB, allocators=("torch",), exact=()):
+class BudgetWatch:
+    """The pool's upstream, counting the pool's device bytes; at each growth (under its lock,
+    which a trim's give-back waits for) it checks the pool's bytes plus PyTorch's reserved
+    bytes, and plus the room PyTorch was given, against the maximum. In-process: unlike the
+    device's used memory it holds with other processes on the GPU."""
+
+    def __init__(self, maximum: int):
+        self.maximum = maximum
+        self.lock = threading.Lock()
+        self.pool_bytes = 0
+        self.peak_with_torch = 0
+        self.peak_with_room = 0
+        self.checks = 0
+        self.cache = None  # PyTorch's cache, once set
+
+    def upstream(self):
+        from dask_rmm import mr
+
+        base = mr.CudaMemoryResource()
+
+        def allocate(nbytes, stream):
+            ptr = base.allocate(nbytes, stream)
+            with self.lock:
+                self.pool_bytes += nbytes
+                if self.cache is not None:
+                    reserved = self.cache.reserved_bytes(0)
+                    room = self.cache.cap(0)
+                    self.peak_with_torch = max(self.peak_with_torch, self.pool_bytes + reserved)
+                    if room is not None:
+                        self.peak_with_room = max(self.peak_with_room, self.pool_bytes + room)
+                    self.checks += 1
+            return ptr
+
+        def deallocate(ptr, nbytes, stream):
+            base.deallocate(ptr, nbytes, stream)
+            with self.lock:
+                self.pool_bytes -= nbytes
+
+        return mr.CallbackMemoryResource(allocate, deallocate)
+
+
+def _stack(maximum: int, initial: int = 256 * MiB, allocators=("torch",), exact=(), watch=None):
     """A worker-like stack (statistics over a pool with a maximum) as device 0's resource, and
     the allocators set over it as a worker does."""
     from dask_rmm import mr
     from dask_rmm.allocators import set_allocators
 
-    pool = mr.PoolMemoryResource(
-        mr.CudaMemoryResource(), initial_pool_size=initial, maximum_pool_size=maximum
-    )
+    upstream = watch.upstream() if watch is not None else mr.CudaMemoryResource()
+    pool = mr.PoolMemoryResource(upstream, initial_pool_size=initial, maximum_pool_size=maximum)
     stats = mr.StatisticsResourceAdaptor(pool)
     mr.set_current_device_resource(stats)
     set_allocators(list(allocators), exact=list(exact))
@@ -184,8 +224,9 @@ def stress_child(seconds: float, threads: int, maximum: int, slack: int) -> dict
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(0)
     baseline = total - free
-    pool, stats = _stack(maximum=maximum, initial=64 * MiB)
-    cache = get_torch_cache()
+    watch = BudgetWatch(maximum)
+    pool, stats = _stack(maximum=maximum, initial=64 * MiB, watch=watch)
+    cache = watch.cache = get_torch_cache()
     deadline = time.monotonic() + seconds
     counts = {"ops": 0, "torch_oom": 0, "pool_oom": 0, "fills": 0, "backward": 0, "empty": 0}
     errors: list[str] = []
@@ -289,7 +330,14 @@ def stress_child(seconds: float, threads: int, maximum: int, slack: int) -> dict
         pool_size_now=pool.pool_size(),
         torch_reserved_now=cache.reserved_bytes(0),
     )
-    out["ok"] = not errors and not alive and peak[0] <= maximum + slack
+    out["pool_growth_checks"] = watch.checks
+    out["peak_pool_plus_torch_at_growth"] = watch.peak_with_torch
+    out["peak_pool_plus_torch_room_at_growth"] = watch.peak_with_room
+    # In-process: the pool's bytes plus PyTorch's (and plus PyTorch's room) at every growth.
+    out["within_maximum"] = watch.peak_with_torch <= maximum and watch.peak_with_room <= maximum
+    # The device's used memory, which other processes on the GPU would move too.
+    out["device_within_maximum"] = peak[0] <= maximum + slack
+    out["ok"] = not errors and not alive and out["within_maximum"]
     if alive:  # a deadlock: report and leave without waiting for the stuck threads
         print("RESULT" + json.dumps(out), flush=True)
         os._exit(3)
@@ -311,6 +359,9 @@ def fill_child(maximum: int) -> dict:
     free, total = torch.cuda.mem_get_info(0)
     baseline = total - free
     pool, _ = _stack(maximum=maximum, initial=64 * MiB, allocators=("torch", "cupy", "numba"))
+    from dask_rmm.allocators.torch import get_torch_cache
+
+    cache = get_torch_cache()
     from numba import cuda as ncuda
 
     def used():
@@ -333,11 +384,13 @@ def fill_child(maximum: int) -> dict:
         except BaseException as e:
             error = f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
         peak = used()
+        both = pool.pool_size() + cache.reserved_bytes(0)  # one thread: read exactly
         out[name] = {
             "filled_bytes": len(held) * 32 * MiB,
             "error": error,
-            "device_used_over_baseline": peak,
-            "over_maximum": peak > maximum,
+            "pool_plus_torch": both,
+            "over_maximum": both > maximum,
+            "device_used_over_baseline": peak,  # other processes on the GPU count here too
         }
         del held, others
         cupy.get_default_memory_pool().free_all_blocks()

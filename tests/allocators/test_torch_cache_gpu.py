@@ -2,7 +2,9 @@
 with a CUDA build of torch: PyTorch allocates natively beside the pool, its cap follows the pool,
 the pool counts PyTorch before it grows, the heartbeat breaks the device down, release and
 spilling empty PyTorch's cache, and 8 threads under stress neither deadlock nor pass the
-maximum. Each scenario runs in its own process (PyTorch's allocator is per process)."""
+maximum. Each scenario runs in its own process (PyTorch's allocator is per process). The limits
+are checked on in-process figures (the pool's bytes and PyTorch's), not on the device's used
+memory, which other tests running on the GPU at the same time move too."""
 
 from __future__ import annotations
 
@@ -160,7 +162,9 @@ def test_eight_threads_of_stress_neither_deadlock_nor_pass_the_maximum():
     assert out["deadlocked_threads"] == 0, out
     assert out["errors"] == [], out
     assert out["torch_oom"] > 0 and out["backward"] > 0 and out["ops"] > 1000, out
-    assert out["peak_over_baseline"] <= out["maximum"] + out["slack"], out
+    # At every growth of the pool, its bytes plus PyTorch's, and plus PyTorch's room, were
+    # within the maximum (in-process figures: other tests may use the GPU meanwhile)
+    assert out["pool_growth_checks"] > 0 and out["within_maximum"], out
 
 
 _WITHOUT_THE_PRIVATE_HOOK = textwrap.dedent(
@@ -204,7 +208,7 @@ def test_without_the_private_hook_the_exact_path_falls_back_to_the_cache_with_on
 
 def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why():
     """PyTorch, CuPy, Numba and DeviceBuffers, each filled while the others hold memory: the
-    device's used memory never passes the maximum; PyTorch stops with its own out-of-memory
+    pool's bytes plus PyTorch's never pass the maximum; PyTorch stops with its own out-of-memory
     error at its cap, the others with the pool's, which names PyTorch's share."""
     pytest.importorskip("cupy")
     pytest.importorskip("numba")
@@ -222,7 +226,7 @@ def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why
     for library in ("torch", "cupy", "numba", "DeviceBuffer"):
         got = out[library]
         assert got["error"] is not None and not got["over_maximum"], (library, got)
-        assert got["device_used_over_baseline"] <= maximum, (library, got)
+        assert got["pool_plus_torch"] <= maximum, (library, got)
         assert got["filled_bytes"] > 0, (library, got)
     assert "OutOfMemoryError" in out["torch"]["error"] and "allowed" in out["torch"]["error"]
     for library in ("cupy", "numba", "DeviceBuffer"):
