@@ -480,6 +480,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             # Until upstream has them back, the maximum still counts them (growth meanwhile
             # must not take their room).
             self._releasing += total
+        if not released:
+            return 0
         try:
             if self._ordered:
                 synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
@@ -488,7 +490,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         finally:
             with gc_paused_lock(self._lock):
                 self._releasing -= total
-        if released and self._sharers:
+        if self._sharers:
             self._refresh_room()
         return total
 
