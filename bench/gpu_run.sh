@@ -2,7 +2,7 @@
 # One batch on a GPU host: the whole test suite, the quickstart, then the benchmarks. Logs go to
 # $OUT when set (the device tool's folder), else to bench/out/ (ignored by git: run logs stay out
 # of the repository; the current figures are in bench/README.md).
-# Usage, from the repository root:   bash bench/gpu_run.sh [tests|bench|tiers|all]
+# Usage, from the repository root:   bash bench/gpu_run.sh [tests|bench|tiers|torch|all]
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-bench/out}
@@ -26,6 +26,13 @@ if [ "$what" = tiers ]; then
   timeout 200 python3 bench/gil_profile.py --threads 4 2>&1 | tee "$out/gil_profile.txt"
   timeout 520 python3 bench/tiers.py --workloads "${TIERS_WORKLOADS:-cupy,torch}" \
     --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+fi
+if [ "$what" = torch ]; then
+  # PyTorch's own cache under the worker's budget (issue 35): speed, 60 s stress, fill, Dask.
+  timeout 280 python3 bench/torch_budget.py --mlp --stress 60 --fill --rounds 3 --steps 60 \
+    --json "$out/torch_budget.json" 2>&1 | tee "$out/torch_budget.txt"
+  timeout 120 python3 bench/torch_budget.py --dask --rounds 3 --steps 60 --tasks 8 \
+    --json "$out/torch_dask.json" 2>&1 | tee "$out/torch_dask.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 110 python3 bench/alloc.py --out "$out/alloc.json" 2>&1 | tee "$out/alloc.txt"
