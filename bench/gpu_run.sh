@@ -21,8 +21,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 60 python3 examples/quickstart.py 2>&1 | tee -a "$out/env.txt" | tail -25
 fi
 if [ "$what" = tiers ]; then
-  # Library caches against the per-allocation path and the peers (cuDF: add "cudf" to the
-  # workloads once its wheels are installed, see ../shared/gpu/README.md).
+  # Library caches against the per-allocation path and the peers (on a host with cuDF
+  # installed, add it: TIERS_WORKLOADS=cupy,torch,cudf).
   timeout 200 python3 bench/gil_profile.py --threads 4 2>&1 | tee "$out/gil_profile.txt"
   timeout 520 python3 bench/tiers.py --workloads "${TIERS_WORKLOADS:-cupy,torch}" \
     --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"

@@ -279,7 +279,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._after_journaled_allocation(ptr)
             return ptr
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _charge_owner does; a call costs ~8% of a charged pair).
+        # account updated inline (as _charge_owner does; a call's cost: bench/README.md).
         try:  # outside the lock: a first read of a thread-local may allocate and so run the GC
             owner_key = owners.get_owner()
         except Exception:
@@ -354,7 +354,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
             return
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
+        # account updated inline (as _uncount does; a call's cost: bench/README.md).
         live = self._live
         unlocked = self._unlocked
         try:

@@ -176,7 +176,7 @@ def test_cross_stream_take_waits_on_an_event(pool, monkeypatch):
     calls = []
     from dask_rmm import _cuda
 
-    monkeypatch.setattr(_cuda, "event_create", lambda **kw: 77, raising=False)
+    monkeypatch.setattr(_cuda, "event_create", lambda **_: 77, raising=False)
     monkeypatch.setattr(_cuda, "event_record", lambda ev, s: calls.append(("record", ev, s)),
                         raising=False)  # fmt: skip
     monkeypatch.setattr(_cuda, "stream_wait_event", lambda s, ev: calls.append(("wait", s, ev)),
