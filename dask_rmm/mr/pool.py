@@ -76,11 +76,12 @@ from collections.abc import Hashable
 from typing import Any, Final
 
 from dask_rmm.mr.base import (
+    SIZE_MAX,
     DeviceMemoryResource,
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    check_nbytes,
+    check_size,
 )
 from dask_rmm.mr.free_list import FreeList
 from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts
@@ -614,8 +615,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
         Instrumented: counted and charged to the owner key read before the lock is taken.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
+        if type(nbytes) is not int or nbytes <= 0 or nbytes > SIZE_MAX:
+            nbytes = check_size(nbytes)
             if nbytes == 0:
                 return 0
         if nbytes <= CACHED_LIMIT:
