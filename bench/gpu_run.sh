@@ -32,5 +32,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   { timeout 70 python3 bench/stats_overhead.py 100000; timeout 30 python3 bench/attribution_overhead.py;
     timeout 30 python3 bench/plugin_metrics.py --base cuda; } 2>&1 | tee "$out/overheads.txt"
   timeout 40 python3 bench/cupy_churn.py 2>&1 | tee "$out/cupy_churn.txt"
+  timeout 120 python3 bench/pool_mechanisms.py --steps 50000 --rounds 5 \
+    --json "$out/pool_mechanisms.json" 2>&1 | tee "$out/pool_mechanisms.txt"
   timeout 150 python3 bench/dask_workload.py --json "$out/dask_workload.json" 2>&1 | tee "$out/dask_workload.txt"
 fi
