@@ -21,8 +21,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 60 python3 examples/quickstart.py 2>&1 | tee -a "$out/env.txt" | tail -25
 fi
 if [ "$what" = tiers ]; then
-  # Library caches against the per-allocation path and the peers (cuDF: add "cudf" to the
-  # workloads once its wheels are installed, see ../shared/gpu/README.md).
+  # Library caches against the per-allocation path and the peers (on a host with cuDF
+  # installed, add it: TIERS_WORKLOADS=cupy,torch,cudf).
   timeout 200 python3 bench/gil_profile.py --threads 4 2>&1 | tee "$out/gil_profile.txt"
   timeout 520 python3 bench/tiers.py --workloads "${TIERS_WORKLOADS:-cupy,torch}" \
     --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
@@ -39,5 +39,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   { timeout 70 python3 bench/stats_overhead.py 100000; timeout 30 python3 bench/attribution_overhead.py;
     timeout 30 python3 bench/plugin_metrics.py --base cuda; } 2>&1 | tee "$out/overheads.txt"
   timeout 40 python3 bench/cupy_churn.py 2>&1 | tee "$out/cupy_churn.txt"
+  timeout 120 python3 bench/pool_mechanisms.py --steps 50000 --rounds 5 \
+    --json "$out/pool_mechanisms.json" 2>&1 | tee "$out/pool_mechanisms.txt"
   timeout 150 python3 bench/dask_workload.py --json "$out/dask_workload.json" 2>&1 | tee "$out/dask_workload.txt"
 fi

@@ -77,11 +77,12 @@ from collections.abc import Hashable
 from typing import Any, Final
 
 from dask_rmm.mr.base import (
+    SIZE_MAX,
     DeviceMemoryResource,
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    check_nbytes,
+    check_size,
 )
 from dask_rmm.mr.budget import BudgetSharer
 from dask_rmm.mr.free_list import FreeList
@@ -313,7 +314,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._after_journaled_allocation(ptr)
             return ptr
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _charge_owner does; a call costs ~8% of a charged pair).
+        # account updated inline (as _charge_owner does; a call's cost: bench/README.md).
         try:  # outside the lock: a first read of a thread-local may allocate and so run the GC
             owner_key = owners.get_owner()
         except Exception:
@@ -388,7 +389,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
             return
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
+        # account updated inline (as _uncount does; a call's cost: bench/README.md).
         live = self._live
         unlocked = self._unlocked
         try:
@@ -660,8 +661,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
         Instrumented: counted and charged to the owner key read before the lock is taken.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
+        if type(nbytes) is not int or nbytes <= 0 or nbytes > SIZE_MAX:
+            nbytes = check_size(nbytes)
             if nbytes == 0:
                 return 0
         if nbytes <= CACHED_LIMIT:

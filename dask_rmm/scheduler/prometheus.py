@@ -2,7 +2,7 @@
 (``dask_rmm_cluster_*``, worker and device counts) always, and one series per running worker
 device for each :data:`dask_rmm.wire.GAUGES` field plus fragmentation while the cluster has at
 most ``dask-rmm.scheduler.prometheus-device-limit`` devices (a scrape formats every series on the
-event loop: about 10 us a series). Needs prometheus_client (an optional dependency).
+event loop; its cost a series is in bench/README.md). Needs prometheus_client (an optional dependency).
 """
 
 from __future__ import annotations
