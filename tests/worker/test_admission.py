@@ -1,0 +1,196 @@
+"""Memory admission on workers (host memory): tasks wait until their learned or annotated peak
+fits; held-back tasks stay in the worker's task states, so that none is lost or run twice when
+the plugin is unregistered or replaced or the worker closes; a task that raises an
+out-of-memory error of another library runs once more after the caches gave memory back. The
+distributed details the admission executor relies on are checked here too."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import dask
+import pytest
+from distributed import Worker, wait
+from distributed.utils_test import gen_cluster
+from distributed.worker import thread_state
+
+from dask_rmm import RMMPlugin
+from dask_rmm.worker.admission import AdmissionThreadPoolExecutor, admission_of
+
+MiB = 1 << 20
+POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
+#: No work stealing: a stolen task would leave the worker whose gate holds it.
+CONFIG = {"distributed.scheduler.work-stealing": False}
+
+HOLD = threading.Event()
+RUNS: Counter = Counter()
+_runs_lock = threading.Lock()
+
+
+def hold(nbytes: int, i: int, wait: bool = True) -> int:
+    """Allocate ``nbytes`` from the worker's stack and keep them until HOLD is set."""
+    from dask_rmm import DeviceBuffer
+
+    with _runs_lock:
+        RUNS[thread_state.key] += 1
+    buf = DeviceBuffer(size=nbytes) if nbytes else None
+    if wait:
+        HOLD.wait(30)
+    del buf
+    return i
+
+
+async def until(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    HOLD.clear()
+    RUNS.clear()
+    yield
+    HOLD.set()
+
+
+async def _learn(c, nbytes: int = 3 * MiB) -> None:
+    """One task of prefix "hold" runs alone: its peak is learned."""
+    assert await c.submit(hold, nbytes, -1, False, key="hold-100") == -1
+
+
+def _running_and_held(worker: Worker) -> tuple[int, int]:
+    gate = admission_of(worker).gate
+    return len(gate.running_keys()), gate.metrics().held_tasks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_tasks_wait_until_their_learned_peak_fits(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    executor = admission_of(a)
+    assert isinstance(executor, AdmissionThreadPoolExecutor)
+    await _learn(c)
+    assert executor.gate.peaks.expected("hold") == 3 * MiB
+    futures = c.map(hold, [3 * MiB] * 6, range(6), key=[f"hold-{i}" for i in range(6)])
+    # 8 MiB: two tasks of 3 MiB fit, a third would not; the worker executes 4 at a time.
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 2 held back")
+    # Held back, the tasks are "executing" in the worker's state machine, as running ones.
+    executing = [k for k, ts in a.state.tasks.items() if ts.state == "executing"]
+    assert len(executing) == 4 and set(admission_of(a).gate.waiting_keys()) <= set(executing)
+    HOLD.set()
+    assert await c.gather(futures) == list(range(6))
+    assert all(RUNS[f"hold-{i}"] == 1 for i in range(6))
+    m = executor.gate.metrics()
+    assert m.held_tasks == 0 and m.total_held >= 2 and m.longest_wait_seconds > 0
+    assert executor.pressure.metrics()[0].oom_count == 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_without_admission_the_same_tasks_run_out_of_memory(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL))
+    assert admission_of(a) is None
+    futures = c.map(hold, [3 * MiB] * 4, range(4), key=[f"hold-{i}" for i in range(4)])
+    # 4 threads start 4 tasks; the pool holds two of them.
+    await until(lambda: sum(f.status == "error" for f in futures) == 2, "two failures")
+    HOLD.set()
+    await wait(futures)
+    assert sorted(f.status for f in futures) == ["error", "error", "finished", "finished"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_an_annotated_peak_holds_tasks_back_before_any_is_learned(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    with dask.annotate(gpu_memory="3MiB"):
+        futures = c.map(hold, [0] * 5, range(5), key=[f"noted-{i}" for i in range(5)])
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 2 held back")
+    HOLD.set()
+    assert await c.gather(futures) == list(range(5))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_tasks_needing_no_memory_pass_held_back_ones(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    await c.submit(hold, 0, -1, False, key="light-100")  # learned: needs nothing
+    with dask.annotate(gpu_memory="5MiB"):
+        big = c.map(hold, [0] * 3, range(3), key=[f"big-{i}" for i in range(3)])
+    await until(lambda: _running_and_held(a) == (1, 2), "1 running, 2 held back")
+    # One thread is free: the light tasks run there while the big ones wait.
+    light = c.map(hold, [0] * 2, range(2), [False] * 2, key=[f"light-{i}" for i in range(2)])
+    await until(lambda: sum(RUNS[f"light-{i}"] for i in range(2)) == 2, "the light tasks to run")
+    assert _running_and_held(a)[1] == 2  # the big ones still wait
+    HOLD.set()
+    await c.gather(big + light)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_held_tasks_run_once_when_the_plugin_is_unregistered(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    with dask.annotate(gpu_memory="3MiB"):
+        futures = c.map(hold, [0] * 5, range(5), key=[f"noted-{i}" for i in range(5)])
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 2 held back")
+    await c.unregister_worker_plugin("dask-rmm")
+    assert admission_of(a) is None
+    assert not isinstance(a.executors["default"], AdmissionThreadPoolExecutor)
+    await until(lambda: sum(RUNS.values()) == 4, "the held tasks to start")
+    HOLD.set()
+    assert await c.gather(futures) == list(range(5))
+    assert all(RUNS[f"noted-{i}"] == 1 for i in range(5))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_held_tasks_run_once_when_the_plugin_is_replaced(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    first = admission_of(a)
+    with dask.annotate(gpu_memory="3MiB"):
+        futures = c.map(hold, [0] * 5, range(5), key=[f"noted-{i}" for i in range(5)])
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 2 held back")
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    second = admission_of(a)
+    assert second is not None and second is not first
+    assert second.inner is first.inner  # one gate in front of the pool, never two
+    await until(lambda: sum(RUNS.values()) == 4, "the held tasks to start")
+    HOLD.set()
+    assert await c.gather(futures) == list(range(5))
+    assert all(RUNS[f"noted-{i}"] == 1 for i in range(5))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], config=CONFIG)
+async def test_held_tasks_move_to_another_worker_when_theirs_closes(c, s, a, b):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    with dask.annotate(gpu_memory="3MiB"):
+        futures = c.map(
+            hold,
+            [0] * 5,
+            range(5),
+            key=[f"noted-{i}" for i in range(5)],
+            workers=[a.address],
+            allow_other_workers=True,
+        )
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 3 held back on a")
+    held = admission_of(a).gate.waiting_keys()
+    closing = asyncio.ensure_future(a.close())
+    # The closing worker drops what it holds back (the scheduler hands those keys to b); the
+    # running ones end when let go.
+    await until(lambda: a.status.name in ("closing", "closed"), "a to close")
+    HOLD.set()
+    await closing
+    assert await c.gather(futures) == list(range(5))
+    assert all(RUNS[k] == 1 for k in held), {k: RUNS[k] for k in held}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config=CONFIG)
+async def test_the_executor_sees_each_tasks_key_and_its_thread_state(c, s, a):
+    """distributed runs a task with its key in thread_state only through an executor whose type
+    name says ThreadPoolExecutor, and submits it just after adding the key to active_keys: the
+    gate's learned peak is that task's own allocation."""
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    await c.submit(hold, 2 * MiB, 0, False, key="two-0")
+    await c.submit(hold, 1 * MiB, 0, False, key="one-0")
+    peaks = admission_of(a).gate.peaks
+    assert peaks.expected("two") == 2 * MiB and peaks.expected("one") == 1 * MiB
+    assert "ThreadPoolExecutor" in str(type(a.executors["default"]))
