@@ -194,3 +194,48 @@ async def test_the_executor_sees_each_tasks_key_and_its_thread_state(c, s, a):
     peaks = admission_of(a).gate.peaks
     assert peaks.expected("two") == 2 * MiB and peaks.expected("one") == 1 * MiB
     assert "ThreadPoolExecutor" in str(type(a.executors["default"]))
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as PyTorch's and CuPy's errors are: told by name, neither library imported."""
+
+
+def torch_like(nbytes: int, limit: int) -> int:
+    """A library with its own allocator over the device (as PyTorch's): it fails when the
+    device has no room, without asking dask-rmm for any."""
+    from dask_rmm import DeviceBuffer
+    from dask_rmm.mr.registry import get_per_device_resource
+
+    used = get_per_device_resource(0).handler.statistics.current_bytes
+    if used + nbytes > limit:
+        raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+    return DeviceBuffer(size=nbytes).size
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_a_task_out_of_memory_in_another_library_runs_again_after_the_caches_give_back(
+    admission,
+):
+    from library_cache_helpers import HostLibraryCache
+
+    from dask_rmm.allocators import arbitration, caches
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
+    async def run(c, s, a):
+        await c.register_plugin(RMMPlugin(**POOL, memory_admission=admission))
+        cache = HostLibraryCache()
+        caches.register_cache(cache)
+        cache.free(cache.malloc(6 * MiB))  # 6 of the 8 MiB held free in another library
+        future = c.submit(torch_like, 4 * MiB, 8 * MiB, key="torchlike-0")
+        await wait(future)
+        if not admission:  # today's behaviour: the error reaches the task
+            assert future.status == "error" and cache.cached_bytes(0) == 6 * MiB
+            return
+        assert await future == 4 * MiB
+        assert cache.cached_bytes(0) == 0
+        room = arbitration.recent_rooms()[-1]
+        assert room.library == "task" and room.released == {"fakelib": 6 * MiB}
+        m = admission_of(a).pressure.metrics()[0]
+        assert (m.task_retries, m.task_retries_succeeded) == (1, 1)
+
+    run()
