@@ -239,3 +239,48 @@ def test_a_task_out_of_memory_in_another_library_runs_again_after_the_caches_giv
         assert (m.task_retries, m.task_retries_succeeded) == (1, 1)
 
     run()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_held_back_figures_reach_the_report_page_and_prometheus(c, s, a):
+    from dask_rmm.client.fetch import fetch_report_data
+    from dask_rmm.report.memory_report import ClusterMemoryReport
+
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    await _learn(c)
+    futures = c.map(hold, [3 * MiB] * 4, range(4), key=[f"hold-{i}" for i in range(4)])
+    await until(lambda: _running_and_held(a) == (2, 2), "2 running, 2 held back")
+    d = a.metrics["dask-rmm"](a)["devices"]["0"]
+    assert d["admission_held_tasks"] == 2 and d["admission_total_held"] == 2
+    assert d["admission_expected_peaks"] == [["hold", 3 * MiB, 1]]
+    await a.heartbeat()
+    report = ClusterMemoryReport.from_dict(await fetch_report_data(c.scheduler, timeline=False))
+    dev = report.device(a.address)
+    assert dev.admission_held_tasks == 2 and dev.admission_expected_peaks == (("hold", 3 * MiB, 1),)
+    text = str(report)
+    assert "memory admission:" in text and "2 held back now" in text and "hold 3.00 MiB" in text
+    assert "<h4>Memory admission</h4>" in report.to_html()
+    assert report.to_dict()["workers"][0]["devices"]["0"]["admission_held_tasks"] == 2
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+    from tornado.httpclient import AsyncHTTPClient
+
+    r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+    assert [x.value for x in families["dask_rmm_admission_held_tasks"].samples] == [2]
+    assert [x.value for x in families["dask_rmm_admission_held"].samples] == [2]  # a counter
+    HOLD.set()
+    await c.gather(futures)
+
+
+def test_the_option_means_the_same_everywhere(monkeypatch):
+    from dask_rmm.preload import plugin_from_flags
+    from dask_rmm.stack.options import RMMOptions
+
+    assert RMMPlugin(memory_admission=True).options.memory_admission
+    assert plugin_from_flags(rmm_memory_admission=True).options.memory_admission
+    assert not RMMOptions().memory_admission
+    with dask.config.set({"dask-rmm.memory-admission": True}):
+        assert RMMPlugin().options.memory_admission
+    with pytest.raises(TypeError, match="memory_admission"):
+        RMMOptions(memory_admission="sometimes")
