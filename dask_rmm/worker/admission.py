@@ -175,8 +175,9 @@ class AdmissionThreadPoolExecutor(Executor):
     def _run_again(
         self, key: Hashable, error: BaseException, fn: Callable, args: tuple, kwargs: dict, first
     ) -> Any:
-        """Make room on every device (caches give back, outputs spill), run the task once more;
-        its second result (the first one's error is kept if it fails again)."""
+        """Make room on every device (caches give back, outputs spill, then the pool's fully free
+        chunks go back to the device, for libraries that allocate beside the stack such as
+        PyTorch's own allocator), run the task once more; its second result."""
         pressure = self.pressure
         devices = sorted(pressure.devices) if pressure is not None else [0]
         account = self.gate.accounts.get(key)
@@ -185,6 +186,9 @@ class AdmissionThreadPoolExecutor(Executor):
         for device in devices:
             make_room(device, need, library="task")
             if pressure is not None:
+                pool = pressure.devices[device].pool
+                if pool is not None:
+                    pool.release()
                 pressure.counters.add(device, "task_retries")
         result = fn(*args, **kwargs)
         if _task_error(result) is None and pressure is not None:
