@@ -134,6 +134,9 @@ class AdmissionGate:
         when a task starts and reads its peak when it finishes.
     peaks : ExpectedPeaks, optional
         What is learned (a new one by default).
+    ignore : callable, optional
+        ``ignore(key) -> True`` for a running task that no longer counts (one that left its
+        thread to wait for other tasks: it must not hold them back).
 
     Examples
     --------
@@ -154,7 +157,9 @@ class AdmissionGate:
         held: Callable[[], int],
         accounts: dict | None = None,
         peaks: ExpectedPeaks | None = None,
+        ignore: Callable[[Hashable], bool] | None = None,
     ):
+        self._ignore = ignore
         self._limit = limit
         self._held = held
         self.accounts: dict = accounts if accounts is not None else {}
@@ -178,9 +183,21 @@ class AdmissionGate:
     def _no_memory(need: int | None) -> bool:
         return need is not None and need <= NO_MEMORY
 
+    def _ignored(self, key: Hashable) -> bool:
+        if self._ignore is None:
+            return False
+        try:
+            return bool(self._ignore(key))
+        except Exception:
+            return False
+
     def _fits(self, need: int | None) -> bool:
         """Whether a task of expected peak ``need`` (None: unknown) may start now (lock held)."""
-        using = [t for t in self._running.values() if not self._no_memory(t.need)]
+        using = [
+            t
+            for t in self._running.values()
+            if not self._no_memory(t.need) and not self._ignored(t.key)
+        ]
         if not using:
             return True  # at least one task runs, whatever its peak
         if need is None or any(t.need is None for t in using):

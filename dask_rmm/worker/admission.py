@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_rmm.allocators.arbitration import is_out_of_memory, make_room
 from dask_rmm.pressure.admission import AdmissionGate
+from dask_rmm.worker.metrics import add_periodic, remove_periodic
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -44,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: The task annotation giving a task's expected peak: ``dask.annotate(gpu_memory="2GiB")``.
 ANNOTATION = "gpu_memory"
+#: Key of the periodic look at the waiting tasks in ``worker.periodic_callbacks``, and seconds.
+PUMP_KEY = "dask-rmm-admission"
+PUMP_INTERVAL = 0.1
 
 
 class AdmissionThreadPoolExecutor(Executor):
@@ -228,9 +232,18 @@ def install_admission(worker: Worker, pressure: WorkerPressure) -> AdmissionThre
     def held() -> int:
         return sum(dp.current_bytes() for dp in devices)
 
-    gate = AdmissionGate(limit, held, accounts=pressure.task_accounts)
+    def seceded(key: Hashable) -> bool:
+        # A task that called secede() (to wait for other tasks, worker_client) must not hold
+        # them back: it no longer counts as running.
+        ts = worker.state.tasks.get(key)  # type: ignore[call-overload]
+        return ts is not None and ts.state == "long-running"
+
+    gate = AdmissionGate(limit, held, accounts=pressure.task_accounts, ignore=seceded)
     executor = AdmissionThreadPoolExecutor(worker.executors["default"], worker, gate, pressure)
     worker.executors["default"] = executor
+    # Memory freed without a task finishing (outputs released or spilled), a task seceding:
+    # waiting tasks are looked at again every so often, not only when a task finishes.
+    add_periodic(worker, PUMP_KEY, gate.pump, PUMP_INTERVAL)
     return executor
 
 
@@ -247,6 +260,7 @@ def remove_admission(worker: Worker) -> None:
     if not isinstance(executor, AdmissionThreadPoolExecutor):
         return
     worker.executors["default"] = executor.inner
+    remove_periodic(worker, PUMP_KEY)
     if worker.status.name in ("closing", "closed", "failed"):
         for outer in executor.gate.drop_waiting():
             outer.cancel()

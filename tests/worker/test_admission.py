@@ -284,3 +284,34 @@ def test_the_option_means_the_same_everywhere(monkeypatch):
         assert RMMPlugin().options.memory_admission
     with pytest.raises(TypeError, match="memory_admission"):
         RMMOptions(memory_admission="sometimes")
+
+
+CHILD_RAN = threading.Event()
+
+
+def child() -> None:
+    CHILD_RAN.set()
+
+
+def parent() -> bool:
+    """Leave the thread (as worker_client does) and wait for a child task."""
+    from distributed import secede
+
+    secede()
+    return CHILD_RAN.wait(15)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config=CONFIG)
+async def test_a_task_that_left_its_thread_does_not_hold_back_the_tasks_it_waits_for(c, s, a):
+    CHILD_RAN.clear()
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    waiting = c.submit(parent, key="parent-0")  # a prefix never seen: it would run alone
+    await until(
+        lambda: (
+            a.state.tasks.get("parent-0") is not None
+            and a.state.tasks["parent-0"].state == "long-running"
+        ),
+        "the parent to secede",
+    )
+    await c.submit(child, key="child-0")
+    assert await waiting is True
