@@ -350,7 +350,7 @@ def round_b(config: Config, s: Setup) -> None:
     )
     wait(outputs)
     t0 = time.perf_counter()
-    job = c.submit(torch_task, int(budget * 0.4), s.host, budget, pure=False)
+    job = c.submit(torch_task, budget // 2, s.host, budget, pure=False)
     wait(job)
     config.times.append(time.perf_counter() - t0)
     ok = job.status == "finished"

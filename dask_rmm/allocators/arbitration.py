@@ -11,6 +11,7 @@ name and module (no library is imported). Not here: the caches (:mod:`.caches`),
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -19,7 +20,14 @@ from typing import Any
 
 from dask_rmm.allocators import caches
 
-__all__ = ["RoomMade", "is_out_of_memory", "make_room", "recent_rooms", "release_caches"]
+__all__ = [
+    "RoomMade",
+    "is_out_of_memory",
+    "make_room",
+    "recent_rooms",
+    "release_caches",
+    "requested_bytes",
+]
 
 #: Records kept per process (the newest).
 MAX_RECORDS = 64
@@ -69,6 +77,7 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
     caches give their free blocks back, then (when ``spill`` and the worker spills on
     out-of-memory) task outputs adding up to ``nbytes`` are spilled. The caller retries.
 
+    Spilled arrays of a library cache free into that cache, which then gives them back too.
     Never raises; returns (and keeps, :func:`recent_rooms`) the record of what was freed.
 
     Examples
@@ -88,6 +97,10 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
                 spilled = int(handler(int(nbytes)) or 0)
             except Exception:
                 caches.logger.warning("dask-rmm: spilling for %s failed", library, exc_info=True)
+        if spilled:
+            # Spilled arrays of a library free into that library's cache: give those back too.
+            for name, n in release_caches(device).items():
+                released[name] = released.get(name, 0) + n
     record = RoomMade(device, int(nbytes), str(library), released, spilled, time.time())
     with _lock:
         _records.append(record)
@@ -106,6 +119,29 @@ def recent_rooms() -> list[RoomMade]:
 _OOM_NAMES = ("OutOfMemoryError",)
 #: MemoryError subclasses that are not out of memory (a broken pool or device).
 _NOT_OOM_NAMES = ("CUDAAllocationError",)
+
+
+_TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+)\s*([KMGTP]i?B|bytes|B)?")
+
+
+def requested_bytes(error: BaseException) -> int:
+    """The bytes an out-of-memory error says were asked for: its ``requested`` field
+    (dask-rmm's), else "Tried to allocate 2.00 GiB" in its message (PyTorch's); 0 if unknown."""
+    requested = getattr(error, "requested", None)
+    if isinstance(requested, int) and requested > 0:
+        return requested
+    match = _TRIED.search(str(error))
+    if match is None:
+        return 0
+    number, unit = match.group(1), match.group(2) or "B"
+    from dask_rmm.sizes import parse_device_bytes
+
+    try:
+        if unit in ("B", "bytes"):
+            return int(float(number))
+        return int(parse_device_bytes(f"{number}{unit}", alignment=1, total_memory=1) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -8,6 +8,7 @@ What to spill and how is the ``handler``'s job (``DevicePressure``); this module
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -94,6 +95,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         #: charged to it, and its free (on any thread) charged back.
         self.task_accounts: dict[Any, list[int]] = {}
         self._task_ptrs: dict[int, tuple[list[int], int]] = {}
+        # An account is updated by its task's thread and by frees on any thread.
+        self._task_lock = threading.Lock()
         self.resync()
 
     def resync(self) -> None:
@@ -125,10 +128,11 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         if self.task_accounts and key is not None:
             account = self.task_accounts.get(key)
             if account is not None:
-                current = account[0] + nbytes
-                account[0] = current
-                if current > account[1]:
-                    account[1] = current
+                with self._task_lock:
+                    current = account[0] + nbytes
+                    account[0] = current
+                    if current > account[1]:
+                        account[1] = current
                 self._task_ptrs[ptr] = (account, nbytes)
         return ptr
 
@@ -190,7 +194,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         if self._task_ptrs:
             charged = self._task_ptrs.pop(ptr, None)
             if charged is not None:
-                charged[0][0] -= charged[1]
+                with self._task_lock:
+                    charged[0][0] -= charged[1]
         self._events.append((time.time(), "free", nbytes, ptr, None))
 
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:

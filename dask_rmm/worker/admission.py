@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.allocators.arbitration import is_out_of_memory, make_room
+from dask_rmm.allocators.arbitration import is_out_of_memory, make_room, requested_bytes
 from dask_rmm.pressure.admission import AdmissionGate
 from dask_rmm.worker.metrics import add_periodic, remove_periodic
 
@@ -185,7 +185,9 @@ class AdmissionThreadPoolExecutor(Executor):
         pressure = self.pressure
         devices = sorted(pressure.devices) if pressure is not None else [0]
         account = self.gate.accounts.get(key)
-        need = max(int(getattr(error, "requested", 0) or 0), account[1] if account else 0)
+        need = max(requested_bytes(error), account[1] if account else 0)
+        if not need:  # a library that says nothing of the size: spill what can be spilled
+            need = sum(dp.admission_limit() for dp in pressure.devices.values()) if pressure else 0
         del error, first  # its traceback holds the failed run's frames (and their arrays)
         for device in devices:
             make_room(device, need, library="task")

@@ -100,3 +100,49 @@ def test_the_pressure_adaptor_charges_each_running_task_its_own_bytes():
     freeing.join()
     assert account == [0, 3 * MiB]
     top.deallocate(c, MiB)
+
+
+@pytest.mark.parametrize(
+    "error, nbytes",
+    [
+        (OutOfMemoryError("pool out of memory", requested=3 * MiB), 3 * MiB),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"), 2 << 30),
+        (RuntimeError("out of memory: tried to allocate 4096 bytes"), 4096),
+        (MemoryError(), 0),
+    ],
+    ids=["dask-rmm", "torch", "bytes", "unknown"],
+)
+def test_the_requested_bytes_are_read_from_the_error(error, nbytes):
+    assert arbitration.requested_bytes(error) == nbytes
+
+
+def test_arrays_a_spill_frees_into_a_cache_are_given_back_too():
+    from dask_rmm.pressure import device_objects
+
+    wp, top = pressure_stack(8 * MiB, spill_on_oom=True)
+    cache = _cache("cupy", [])
+
+    class CachedArray:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            self.ptr = cache.malloc(nbytes)
+
+        def __del__(self):
+            cache.free(self.ptr)
+
+    device_objects.register_device_type(
+        CachedArray,
+        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
+        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
+        "CachedArray",
+        lambda copy: CachedArray(copy.nbytes),
+    )
+    try:
+        wp.store["x"] = CachedArray(2 * MiB)
+        caches.set_oom_handler(0, wp.devices[0].spill_for_cache)
+        room = arbitration.make_room(0, 2 * MiB, library="torch")
+        assert room.spilled == 2 * MiB and room.released == {"cupy": 2 * MiB}
+        assert cache.cached_bytes(0) == 0
+    finally:
+        device_objects._TYPES.pop(CachedArray, None)
+        device_objects._REBUILD.pop("CachedArray", None)
