@@ -279,6 +279,10 @@ def test_the_option_means_the_same_everywhere(monkeypatch):
 
     assert RMMPlugin(memory_admission=True).options.memory_admission
     assert plugin_from_flags(rmm_memory_admission=True).options.memory_admission
+    from dask_rmm.preload import PROG, dask_setup
+
+    with dask_setup.make_context(PROG, ["--rmm-memory-admission"]) as ctx:
+        assert ctx.params["rmm_memory_admission"] is True
     assert not RMMOptions().memory_admission
     with dask.config.set({"dask-rmm.memory-admission": True}):
         assert RMMPlugin().options.memory_admission
