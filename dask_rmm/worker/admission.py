@@ -136,6 +136,8 @@ class AdmissionThreadPoolExecutor(Executor):
     # -- the Executor interface ---------------------------------------------------------------
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        """A future of ``fn(*args, **kwargs)``: run in the pool once the gate admits the task
+        being submitted (at once for a call that is not a task's)."""
         key = self._claim_key()
         if key is None:
             return self.inner.submit(fn, *args, **kwargs)
