@@ -58,7 +58,7 @@ class Setup:
 
 
 def gpu_setup() -> Setup:
-    return Setup(host=False, limit=16 * GiB)
+    return Setup(host=False, limit=16 * GiB, tasks=16)
 
 
 def host_setup() -> Setup:
