@@ -98,8 +98,10 @@ class AdmissionThreadPoolExecutor(Executor):
         new = []
         for k in active:
             ts = tasks.get(k)
+            if ts is None or not _in_default_executor(ts):
+                continue  # a coroutine task, or one annotated with another executor
             start = getattr(ts, "start_time", None)
-            if ts is not None and (k not in claims or claims[k] != start):
+            if k not in claims or claims[k] != start:
                 new.append((k, start))
         if len(new) != 1:
             return None
@@ -213,6 +215,13 @@ class AdmissionThreadPoolExecutor(Executor):
 
     def __repr__(self) -> str:
         return f"<AdmissionThreadPoolExecutor over {self.inner!r}>"
+
+
+def _in_default_executor(ts: Any) -> bool:
+    """Whether distributed submits task ``ts`` to the default executor."""
+    if getattr(ts.run_spec, "is_coro", False):
+        return False
+    return (getattr(ts, "annotations", None) or {}).get("executor", "default") == "default"
 
 
 def _task_error(result: Any) -> BaseException | None:

@@ -319,3 +319,18 @@ async def test_a_task_that_left_its_thread_does_not_hold_back_the_tasks_it_waits
     )
     await c.submit(child, key="child-0")
     assert await waiting is True
+
+
+async def _coroutine_task() -> int:
+    await asyncio.sleep(0.5)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_tasks_of_other_executors_do_not_hide_the_submitted_key(c, s, a):
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    slow = c.submit(_coroutine_task, key="coro-0")  # executing on the event loop meanwhile
+    await until(lambda: "coro-0" in a.active_keys, "the coroutine task to start")
+    await c.submit(hold, 2 * MiB, 0, False, key="two-0")
+    assert admission_of(a).gate.peaks.expected("two") == 2 * MiB
+    assert await slow == 1
