@@ -12,8 +12,10 @@ distributed details this relies on, each with a test that fails when it moves
 (tests/worker/test_admission.py): ``Worker.execute`` runs a task through
 ``run_in_executor_with_context`` (with the task's key in ``thread_state``) only for an executor
 whose type name contains "ThreadPoolExecutor"; it adds the key to ``Worker.active_keys`` and sets
-``ts.start_time`` just before submitting, with no ``await`` in between; ``_run_task`` returns a
-dict whose ``"op"`` is ``"task-erred"`` with the exception as ``"actual_exception"``.
+``ts.start_time`` just before submitting, with no ``await`` in between (tasks whose
+``run_spec.is_coro``, or with an ``executor`` annotation naming another executor, are not
+submitted here); ``_run_task`` returns a dict whose ``"op"`` is ``"task-erred"`` with the
+exception as ``"actual_exception"``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm.allocators.arbitration import is_out_of_memory, make_room, requested_bytes
-from dask_rmm.pressure.admission import AdmissionGate
+from dask_rmm.pressure.admission import AdmissionGate, AdmissionMetrics
 from dask_rmm.worker.metrics import add_periodic, remove_periodic
 
 if TYPE_CHECKING:
@@ -205,6 +207,10 @@ class AdmissionThreadPoolExecutor(Executor):
             for device in devices:
                 pressure.counters.add(device, "task_retries_succeeded")
         return result
+
+    def admission_metrics(self) -> AdmissionMetrics:
+        """What the gate did (the heartbeat's admission fields)."""
+        return self.gate.metrics()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """The worker is closing: waiting tasks are dropped (their futures cancelled; the

@@ -92,12 +92,12 @@ def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
 def admission_fields(worker: Worker, top_n: int) -> dict[str, Any]:
     """The heartbeat's memory-admission fields of ``worker`` (none without admission): tasks
     held back now and since setup, their waits, and the ``top_n`` largest expected peaks."""
-    from dask_rmm.worker.admission import admission_of
-
-    executor = admission_of(worker)
-    if executor is None:
+    # The admission executor (dask_rmm.worker.admission, which imports this module) says it is
+    # one by having admission_metrics().
+    report = getattr(worker.executors.get("default"), "admission_metrics", None)
+    if report is None:
         return {}
-    m = executor.gate.metrics()
+    m = report()
     return {
         "admission_held_tasks": m.held_tasks,
         "admission_total_held": m.total_held,
