@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
@@ -174,7 +175,11 @@ class AdmissionThreadPoolExecutor(Executor):
             result = fn(*args, **kwargs)
             error = _task_error(result)
             if error is not None and is_out_of_memory(error):
-                result = self._run_again(key, error, fn, args, kwargs, result)
+                need = self._room_needed(key, error)
+                # The failed run's frames (kept by the traceback) hold its arrays: let them go.
+                traceback.clear_frames(error.__traceback__)
+                del error, result
+                result = self._run_again(key, need, fn, args, kwargs)
         except BaseException as e:
             self.gate.finished(key)
             outer.set_exception(e)
@@ -182,19 +187,22 @@ class AdmissionThreadPoolExecutor(Executor):
         self.gate.finished(key)
         outer.set_result(result)
 
-    def _run_again(
-        self, key: Hashable, error: BaseException, fn: Callable, args: tuple, kwargs: dict, first
-    ) -> Any:
+    def _room_needed(self, key: Hashable, error: BaseException) -> int:
+        """Bytes to make room for: what the error says was asked for, at least what the failed
+        run held at its peak; for a library that says nothing, all that can be spilled."""
+        account = self.gate.accounts.get(key)
+        need = max(requested_bytes(error), account[1] if account else 0)
+        pressure = self.pressure
+        if not need and pressure is not None:
+            need = sum(dp.admission_limit() for dp in pressure.devices.values())
+        return need
+
+    def _run_again(self, key: Hashable, need: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """Make room on every device (caches give back, outputs spill, then the pool's fully free
         chunks go back to the device, for libraries that allocate beside the stack such as
         PyTorch's own allocator), run the task once more; its second result."""
         pressure = self.pressure
         devices = sorted(pressure.devices) if pressure is not None else [0]
-        account = self.gate.accounts.get(key)
-        need = max(requested_bytes(error), account[1] if account else 0)
-        if not need:  # a library that says nothing of the size: spill what can be spilled
-            need = sum(dp.admission_limit() for dp in pressure.devices.values()) if pressure else 0
-        del error, first  # its traceback holds the failed run's frames (and their arrays)
         for device in devices:
             make_room(device, need, library="task")
             if pressure is not None:

@@ -334,3 +334,27 @@ async def test_tasks_of_other_executors_do_not_hide_the_submitted_key(c, s, a):
     await c.submit(hold, 2 * MiB, 0, False, key="two-0")
     assert admission_of(a).gate.peaks.expected("two") == 2 * MiB
     assert await slow == 1
+
+
+FAILED_ONCE: set = set()
+
+
+def grab_then_fail(nbytes: int) -> int:
+    """Hold ``nbytes`` in a local, then (the first time) fail as PyTorch does."""
+    from dask_rmm import DeviceBuffer
+
+    keep = DeviceBuffer(size=nbytes)
+    if thread_state.key not in FAILED_ONCE:
+        FAILED_ONCE.add(thread_state.key)
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB")
+    return keep.size
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
+async def test_the_failed_runs_memory_is_free_before_the_task_runs_again(c, s, a):
+    """The failed run's frames, kept by its error's traceback, hold its arrays: the second run
+    needs that memory (5 MiB twice do not fit in 8)."""
+    FAILED_ONCE.clear()
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    assert await c.submit(grab_then_fail, 5 * MiB, key="grab-0") == 5 * MiB
+    assert "grab-0" in FAILED_ONCE
