@@ -106,6 +106,10 @@ class AdmissionMetrics:
         }
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass
 class _Task:
     key: Hashable
@@ -238,6 +242,20 @@ class AdmissionGate:
         if now:
             start()
         return now
+
+    def admit_now(self, key: Hashable, prefix: str, given: int | None) -> bool:
+        """Start task ``key`` now if it may without waiting (True: the caller starts it);
+        False changes nothing (then :meth:`request` queues it). The fast path of
+        :meth:`request`, with nothing to call back."""
+        task = _Task(key, prefix, given, _nothing, since=time.monotonic())
+        with self._lock:
+            need = self._need(task)
+            if not (
+                self._closed or self._no_memory(need) or (not self._waiting and self._fits(need))
+            ):
+                return False
+            self._begin(task, need)
+        return True
 
     def finished(self, key: Hashable, peak: int | None = None, *, learn: bool = True) -> None:
         """Task ``key`` finished: its peak (read from its account unless given) is learned

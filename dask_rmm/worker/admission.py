@@ -148,6 +148,9 @@ class AdmissionThreadPoolExecutor(Executor):
             return self.inner.submit(fn, *args, **kwargs)
         from dask.utils import key_split
 
+        prefix, given = key_split(key), self._given_peak(key)
+        if self.gate.admit_now(key, prefix, given):  # no future of our own to make
+            return self.inner.submit(self._run_admitted, key, fn, args, kwargs)
         outer: Future = Future()
 
         def start() -> None:
@@ -163,8 +166,29 @@ class AdmissionThreadPoolExecutor(Executor):
                 self.gate.withdraw(key)
 
         outer.add_done_callback(withdrawn)
-        self.gate.request(key, key_split(key), self._given_peak(key), start, outer)
+        self.gate.request(key, prefix, given, start, outer)
         return outer
+
+    def _run_admitted(self, key: Hashable, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """In a thread of the pool, for a task admitted at once: :meth:`_run` without a future
+        of our own (a task cancelled before it ran stays counted: only a closing worker
+        cancels)."""
+        try:
+            return self._call(key, fn, args, kwargs)
+        finally:
+            self.gate.finished(key)
+
+    def _call(self, key: Hashable, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run the task, once more after an out-of-memory error."""
+        result = fn(*args, **kwargs)
+        error = _task_error(result)
+        if error is not None and is_out_of_memory(error):
+            need = self._room_needed(key, error)
+            # The failed run's frames (kept by the traceback) hold its arrays: let them go.
+            traceback.clear_frames(error.__traceback__)
+            del error, result
+            result = self._run_again(key, need, fn, args, kwargs)
+        return result
 
     def _run(self, key: Hashable, outer: Future, fn: Callable, args: tuple, kwargs: dict) -> None:
         """In a thread of the pool: run the task (once more after an out-of-memory error)."""
@@ -172,14 +196,7 @@ class AdmissionThreadPoolExecutor(Executor):
             self.gate.finished(key, learn=False)
             return
         try:
-            result = fn(*args, **kwargs)
-            error = _task_error(result)
-            if error is not None and is_out_of_memory(error):
-                need = self._room_needed(key, error)
-                # The failed run's frames (kept by the traceback) hold its arrays: let them go.
-                traceback.clear_frames(error.__traceback__)
-                del error, result
-                result = self._run_again(key, need, fn, args, kwargs)
+            result = self._call(key, fn, args, kwargs)
         except BaseException as e:
             self.gate.finished(key)
             outer.set_exception(e)

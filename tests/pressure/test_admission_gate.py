@@ -184,3 +184,15 @@ def test_the_metrics_count_waits():
     m = g.gate.metrics()
     assert m.held_tasks == 0 and m.admitted == 2
     assert m.to_dict()["expected_peaks"] == [["big", 60 * MiB, 2]]
+
+
+def test_admit_now_starts_only_what_request_would_start_at_once():
+    g = Gate(limit=100 * MiB)
+    g.learn("big", 60 * MiB)
+    g.learn("cpu", 0)
+    assert g.gate.admit_now("big-0", "big", None)
+    assert not g.gate.admit_now("big-1", "big", None)  # changes nothing: not queued
+    assert g.gate.metrics().held_tasks == 0 and g.gate.running_keys() == ["big-0"]
+    assert not g.request("big-1")
+    assert g.gate.admit_now("cpu-0", "cpu", None)  # needs no memory: also past a waiting one
+    assert not g.gate.admit_now("new-0", "new", None)  # behind the waiting one
