@@ -20,6 +20,7 @@ that allocates beside the stack), so it runs on a CPU host; its figures say noth
 
     python bench/admission.py [--rounds 3] [--parts abc] [--json out.json]
     python bench/admission.py --host-memory [--rounds 3]
+    python bench/admission.py --executor-cost
 """
 
 from __future__ import annotations
@@ -449,13 +450,66 @@ def table(configs: list[Config], s: Setup, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def executor_cost(n: int = 10000, threads: int = 4) -> tuple[float, float]:
+    """Median microseconds per task (6 interleaved rounds) of submitting ``n`` empty tasks to a
+    thread pool directly and through the admission executor (tasks admitted at once; a stand-in for the worker's task
+    table): the executor's own cost, without Dask."""
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dask_rmm.pressure.admission import AdmissionGate
+    from dask_rmm.worker.admission import AdmissionThreadPoolExecutor
+
+    class Task:
+        def __init__(self) -> None:
+            self.start_time = time.time()
+            self.annotations: dict = {}
+            self.run_spec = types.SimpleNamespace(is_coro=False)
+            self.state = "executing"
+
+    def empty() -> dict:
+        return {"op": "task-finished"}
+
+    worker = types.SimpleNamespace(active_keys=set(), state=types.SimpleNamespace(tasks={}))
+    out: list[list[float]] = [[], []]
+    with ThreadPoolExecutor(threads) as pool:
+        gate = AdmissionGate(lambda: 1 << 40, lambda: 0)
+        gate.peaks.observe("x", 0)
+        executor = AdmissionThreadPoolExecutor(pool, worker, gate)
+        for r in range(7):  # interleaved; the first round of each is a warm-up
+            for j, submit in enumerate((pool.submit, executor.submit)):
+                worker.active_keys.clear()
+                worker.state.tasks.clear()
+                t0 = time.perf_counter()
+                futures = []
+                for i in range(n):
+                    key = f"x-{r}-{i}"
+                    worker.state.tasks[key] = Task()
+                    if len(worker.active_keys) >= threads:  # as Worker.execute discards them
+                        worker.active_keys.pop()
+                    worker.active_keys.add(key)
+                    futures.append(submit(empty))
+                for f in futures:
+                    f.result()
+                if r:
+                    out[j].append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out[0]), statistics.median(out[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host-memory", action="store_true", help="host memory, no GPU")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="abc", help="which demonstrations: a, b, c")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--executor-cost", action="store_true", help="only the executor's cost per task"
+    )
     args = parser.parse_args()
+    if args.executor_cost:
+        plain, gated = executor_cost()
+        print(f"per task: pool {plain:.1f} us, admission executor {gated:.1f} us")
+        return
     s = host_setup() if args.host_memory else gpu_setup()
     configs = run(s, args.parts, args.rounds)
     print(table(configs, s, args.rounds))

@@ -12,6 +12,7 @@ tasks start in the order they came.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -45,17 +46,22 @@ class ExpectedPeaks:
         self.quantile = quantile
         self.history = max(int(history), 1)
         self._lock = threading.Lock()
-        self._observed: dict[str, deque[int]] = {}
+        # Per prefix: the last peaks in the order seen, and the same sorted.
+        self._observed: dict[str, tuple[deque[int], list[int]]] = {}
         self._expected: dict[str, int] = {}
 
     def observe(self, prefix: str, nbytes: int) -> None:
         """Record one finished task's peak."""
+        nbytes = max(int(nbytes), 0)
         with self._lock:
             seen = self._observed.get(prefix)
             if seen is None:
-                seen = self._observed[prefix] = deque(maxlen=self.history)
-            seen.append(max(int(nbytes), 0))
-            ordered = sorted(seen)
+                seen = self._observed[prefix] = (deque(), [])
+            order, ordered = seen
+            if len(order) >= self.history:
+                del ordered[bisect.bisect_left(ordered, order.popleft())]
+            order.append(nbytes)
+            bisect.insort(ordered, nbytes)
             rank = max(math.ceil(self.quantile * len(ordered)), 1)
             self._expected[prefix] = ordered[rank - 1]
 
@@ -66,12 +72,12 @@ class ExpectedPeaks:
     def observations(self, prefix: str) -> int:
         with self._lock:
             seen = self._observed.get(prefix)
-            return 0 if seen is None else len(seen)
+            return 0 if seen is None else len(seen[0])
 
     def to_list(self) -> list[tuple[str, int, int]]:
         """``(prefix, expected peak, observations)``, largest expected peak first."""
         with self._lock:
-            out = [(p, self._expected[p], len(s)) for p, s in self._observed.items()]
+            out = [(p, self._expected[p], len(s[0])) for p, s in self._observed.items()]
         out.sort(key=lambda r: (-r[1], r[0]))
         return out
 

@@ -27,6 +27,8 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import key_split
+
 from dask_rmm.allocators.arbitration import is_out_of_memory, make_room, requested_bytes
 from dask_rmm.pressure.admission import AdmissionGate, AdmissionMetrics
 from dask_rmm.worker.metrics import add_periodic, remove_periodic
@@ -146,8 +148,6 @@ class AdmissionThreadPoolExecutor(Executor):
         key = self._claim_key()
         if key is None:
             return self.inner.submit(fn, *args, **kwargs)
-        from dask.utils import key_split
-
         prefix, given = key_split(key), self._given_peak(key)
         if self.gate.admit_now(key, prefix, given):  # no future of our own to make
             return self.inner.submit(self._run_admitted, key, fn, args, kwargs)
