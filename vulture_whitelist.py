@@ -52,3 +52,9 @@ _restore
 gpu_cupy_allocator
 rmm_free_thread
 gpu_mr
+_reset  # tests/worker/test_admission.py autouse fixture
+
+# DeviceSample wire fields read by name (to_dict, the report's dict and Prometheus).
+_.admission_total_held
+_.admission_wait_seconds
+_.admission_longest_wait_seconds

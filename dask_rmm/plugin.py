@@ -143,6 +143,7 @@ class RMMPlugin(WorkerPlugin):
         device_memory_limit: int | str | float | None = _UNSET,
         spill_on_oom: bool = _UNSET,
         device_pause_fraction: float | None = _UNSET,
+        memory_admission: bool = _UNSET,
     ):
         given = dict(
             pool_size=pool_size,
@@ -160,6 +161,7 @@ class RMMPlugin(WorkerPlugin):
             device_memory_limit=device_memory_limit,
             spill_on_oom=spill_on_oom,
             device_pause_fraction=device_pause_fraction,
+            memory_admission=memory_admission,
         )
         #: The checked options (:class:`~dask_rmm.stack.RMMOptions`); those not given (``_UNSET``)
         #: come from the config.
@@ -389,6 +391,14 @@ class RMMPlugin(WorkerPlugin):
             add_periodic(worker, TRIMMER_KEY, trimmer, TRIM_INTERVAL)
         else:
             remove_periodic(worker, TRIMMER_KEY)
+        from dask_rmm.worker.admission import admission_of, install_admission, remove_admission
+
+        if ws.options.memory_admission and ws.pressure is not None:
+            current = admission_of(worker)
+            if current is None or current.pressure is not ws.pressure:
+                install_admission(worker, ws.pressure)
+        else:
+            remove_admission(worker)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -397,6 +407,9 @@ class RMMPlugin(WorkerPlugin):
         them until its own are ready; otherwise they are removed on the next loop iteration
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
+        from dask_rmm.worker.admission import remove_admission
+
+        remove_admission(worker)  # waiting tasks start now (or are dropped if the worker closes)
         remove_periodic(worker, _FLUSHER_KEY)
         remove_periodic(worker, TRIMMER_KEY)
         ws = worker_stack(worker)

@@ -200,6 +200,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
         "outputs to host memory above this many bytes in use on the device.")),
     ("--spill-on-oom/--no-spill-on-oom", "spill_on_oom",
         dict(help="Spill task outputs and retry when an allocation runs out of memory.")),
+    ("--rmm-memory-admission/--no-rmm-memory-admission", "memory_admission",
+        dict(help="Start a task only when its expected peak (learned per task prefix) fits "
+        "under the worker's limit beside the running tasks'.")),
     ("--rmm-statistics/--no-rmm-statistics", "statistics", dict(help="Count allocations per "
         "worker and task prefix for the heartbeat metrics (on by default).")),
 ]  # fmt: skip

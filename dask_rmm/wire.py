@@ -161,6 +161,23 @@ class DeviceSample:
     device_memory_limit: int = _exported(
         "dask_rmm_device_memory_limit_bytes", "device_memory_limit (0: none)"
     )
+    #: Tasks that raised an out-of-memory error and ran once more after room was made.
+    task_retries: int = _exported(
+        "dask_rmm_task_oom_retries", "Tasks run again after an out-of-memory error", "counter"
+    )
+    task_retries_succeeded: int = 0
+    #: Memory admission (dask_rmm.pressure.admission; per worker, on its first device only):
+    #: tasks held back now and since setup, seconds they waited in all and the longest wait.
+    admission_held_tasks: int = _exported(
+        "dask_rmm_admission_held_tasks", "Tasks held back by memory admission now"
+    )
+    admission_total_held: int = _exported(
+        "dask_rmm_admission_held_total", "Tasks that waited for memory admission", "counter"
+    )
+    admission_wait_seconds: float = 0.0
+    admission_longest_wait_seconds: float = 0.0
+    #: Expected peak per task prefix: ``(prefix, bytes, observations)``, largest first.
+    admission_expected_peaks: tuple[tuple[str, int, int], ...] = ()
     #: The last OOM snapshots (``dask_rmm.pressure.OOMEvent.to_dict()``), oldest first.
     oom_events: tuple[dict, ...] = ()
     error: str | None = None
@@ -224,6 +241,7 @@ class DeviceSample:
             for x in self.libraries
         ]
         out["oom_events"] = [dict(e) for e in self.oom_events]
+        out["admission_expected_peaks"] = [list(p) for p in self.admission_expected_peaks]
         out["fragmentation"] = self.fragmentation
         if self.error:
             out["error"] = self.error
@@ -255,11 +273,18 @@ class DeviceSample:
                 )
             except (IndexError, TypeError, KeyError):
                 continue
+        peaks = []
+        for p in d.get("admission_expected_peaks") or ():
+            try:
+                peaks.append((str(p[0]), to_int(p[1]), to_int(p[2])))
+            except (IndexError, TypeError, KeyError):
+                continue
         return cls(
             **values,
             task_groups=tuple(groups),
             libraries=tuple(libraries),
             oom_events=events,
+            admission_expected_peaks=tuple(peaks),
             error=d.get("error") or None,
             **extra,
         )

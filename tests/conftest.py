@@ -171,6 +171,7 @@ def _reset_global_state():
     reset = getattr(registry, "_reset_for_tests", None)
     if reset is not None:
         reset()
-    from dask_rmm.allocators import caches
+    from dask_rmm.allocators import arbitration, caches
 
     caches._reset_for_tests()
+    arbitration._reset_for_tests()

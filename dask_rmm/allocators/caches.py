@@ -29,6 +29,7 @@ __all__ = [
     "library_caches",
     "register_cache",
     "release_cached",
+    "release_cached_by_library",
     "set_oom_handler",
     "unregister_cache",
 ]
@@ -151,12 +152,21 @@ def outside_in_use_bytes(device: int) -> int:
 def release_cached(device: int) -> int:
     """Make every library cache give its free blocks on ``device`` back to the stack; the bytes
     given back. What spill-on-OOM and the limit check do before spilling anything."""
-    released = 0
+    return sum(release_cached_by_library(device).values())
+
+
+def release_cached_by_library(device: int) -> dict[str, int]:
+    """:func:`release_cached`, with the bytes each library's cache gave back, by library name.
+
+    Never raises: a cache that fails to release counts 0 (logged)."""
+    released: dict[str, int] = {}
     for cache in library_caches():
         try:
-            released += int(cache.release(device))
+            n = int(cache.release(device))
         except Exception:
             logger.warning("dask-rmm: releasing the %s cache failed", cache.name, exc_info=True)
+            n = 0
+        released[cache.name] = released.get(cache.name, 0) + n
     return released
 
 

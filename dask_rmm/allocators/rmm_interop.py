@@ -46,7 +46,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from dask_rmm.allocators import caches
+from dask_rmm.allocators import arbitration, caches
 from dask_rmm.sizes import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream
 
@@ -354,10 +354,7 @@ class RMMPoolCache:
     def _out_of_memory(self, nbytes: int) -> bool:
         """RMM's failure callback: free what can be freed; True to retry. Never raises."""
         try:
-            freed = caches.release_cached(self.device)
-            handler = caches.oom_handler(self.device)
-            if handler is not None:
-                freed += int(handler(nbytes) or 0)
+            freed = arbitration.make_room(self.device, nbytes, library=self.name).freed
         except BaseException:  # nothing may propagate into C++
             logger.warning("dask-rmm: freeing memory for RMM's pool failed", exc_info=True)
             return False

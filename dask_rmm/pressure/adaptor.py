@@ -8,6 +8,7 @@ What to spill and how is the ``handler``'s job (``DevicePressure``); this module
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -89,6 +90,13 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         #: Deallocations so far (lock-free, so approximate): a failed allocation waiting for
         #: memory to change watches it.
         self.deallocations = 0
+        #: ``task key -> [current bytes, peak bytes]`` of the tasks memory admission watches
+        #: (``dask_rmm.pressure.admission``): each allocation made while such a task runs is
+        #: charged to it, and its free (on any thread) charged back.
+        self.task_accounts: dict[Any, list[int]] = {}
+        self._task_ptrs: dict[int, tuple[list[int], int]] = {}
+        # An account is updated by its task's thread and by frees on any thread.
+        self._task_lock = threading.Lock()
         self.resync()
 
     def resync(self) -> None:
@@ -115,7 +123,17 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 raise
             ptr = self._allocate_after_oom(nbytes, stream, e)
         self._estimate += nbytes
-        self._events.append((time.time(), "alloc", nbytes, ptr, self._task_key()))
+        key = self._task_key()
+        self._events.append((time.time(), "alloc", nbytes, ptr, key))
+        if self.task_accounts and key is not None:
+            account = self.task_accounts.get(key)
+            if account is not None:
+                with self._task_lock:
+                    current = account[0] + nbytes
+                    account[0] = current
+                    if current > account[1]:
+                        account[1] = current
+                self._task_ptrs[ptr] = (account, nbytes)
         return ptr
 
     def _check_limit(self, nbytes: int, limit: int) -> None:
@@ -140,6 +158,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         h = self.handler
         if h.busy():
             raise error
+        start = getattr(h, "start_arbitration", None)
+        if start is not None:
+            start()
         release = getattr(h, "release_cached", None)
         if release is not None and release() > 0:
             # Free blocks of library caches went back to the stack: no spilling needed yet.
@@ -170,6 +191,11 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self._upstream_deallocate(ptr, nbytes, stream)
         self._estimate -= nbytes
         self.deallocations += 1
+        if self._task_ptrs:
+            charged = self._task_ptrs.pop(ptr, None)
+            if charged is not None:
+                with self._task_lock:
+                    charged[0][0] -= charged[1]
         self._events.append((time.time(), "free", nbytes, ptr, None))
 
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:

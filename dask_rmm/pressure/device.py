@@ -4,12 +4,14 @@ takes the OOM snapshots. Dask-free: the worker side wires it up (``pressure/work
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from dask_rmm.allocators import caches
+from dask_rmm.allocators.arbitration import release_caches
 from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError
 from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
 from dask_rmm.pressure.metrics import PressureCounters
@@ -97,6 +99,7 @@ class DevicePressure:
         self.recording = True
         self.counters: PressureCounters = store.counters
         self.counters.set_limit(device, limit)
+        self._local = threading.local()
 
     # -- what the adaptor asks ------------------------------------------------------------------
 
@@ -126,8 +129,23 @@ class DevicePressure:
 
     def release_cached(self) -> int:
         """Have the library caches give their free blocks on this device back to the stack;
-        the bytes given back. Cheaper than spilling, so done first."""
-        return caches.release_cached(self.device)
+        the bytes given back (recorded per library for this thread's OOM snapshot). Cheaper
+        than spilling, so done first (:func:`~dask_rmm.allocators.arbitration.release_caches`)."""
+        released = release_caches(self.device)
+        mine = getattr(self._local, "released", None)
+        if mine is not None:
+            for name, n in released.items():
+                mine[name] = mine.get(name, 0) + n
+        return sum(released.values())
+
+    def start_arbitration(self) -> None:
+        """An allocation on this thread failed: count what caches give back for it from now."""
+        self._local.released = {}
+
+    def _take_released(self) -> dict[str, int]:
+        released = getattr(self._local, "released", None) or {}
+        self._local.released = None
+        return released
 
     def spill_for_cache(self, nbytes: int) -> int:
         """A library cache of this device is out of memory (its own failure callback asks):
@@ -179,7 +197,13 @@ class DevicePressure:
         )
 
     def avoided_oom(self) -> None:
+        self._take_released()
         self.counters.add(self.device, "ooms_avoided")
+
+    def admission_limit(self) -> int:
+        """What memory admission admits tasks under: ``device_memory_limit``, else the
+        capacity (the pool's maximum, else the device's memory)."""
+        return self.limit if self.limit is not None else self.capacity
 
     # -- periodic and store-time checks ---------------------------------------------------------
 
@@ -287,6 +311,7 @@ class DevicePressure:
             largest_free_block=largest,
             verdict=oom_verdict(nbytes, free, largest),
             spilled_trying=spilled,
+            released_by_library=self._take_released(),
             free_block_histogram=histogram,
             live_bytes_by_prefix=by_prefix,
             recent_events=[

@@ -74,6 +74,8 @@ class OOMEvent:
     verdict: str
     #: Bytes moved off the device while trying to serve this request before giving up.
     spilled_trying: int = 0
+    #: Bytes each library cache gave back while trying (arbitration), by library.
+    released_by_library: dict[str, int] = field(default_factory=dict)
     free_block_histogram: list[tuple[int, int, int]] = field(default_factory=list)
     live_bytes_by_prefix: list[tuple[str, int]] = field(default_factory=list)
     recent_events: list[tuple[float, str, int, int, str | None]] = field(default_factory=list)

@@ -33,6 +33,10 @@ class PressureMetrics:
     ooms_avoided: int = 0
     #: OutOfMemoryErrors that reached the caller (each has an entry in the OOM events).
     oom_count: int = 0
+    #: Tasks that raised an out-of-memory error (of any library) and were run once more after
+    #: room was made (memory admission / spill_on_oom), and those of them that then succeeded.
+    task_retries: int = 0
+    task_retries_succeeded: int = 0
     #: Times the worker was paused for device memory, and whether it is paused now.
     pauses: int = 0
     paused: bool = False

@@ -76,6 +76,8 @@ class WorkerPressure:
         self.counters = PressureCounters()
         self.store = DeviceSpillStore(None, self.counters, on_store=self._on_store)
         self.devices: dict[int, DevicePressure] = {}
+        #: The running tasks' accounts that every device's adaptor charges (memory admission).
+        self.task_accounts: dict[Any, list[int]] = {}
         self._worker: Any = None
         self._monitor: Any = None
         self._paused_by_us = False
@@ -116,6 +118,7 @@ class WorkerPressure:
         # at most what this device may hold, so host memory grows by no more than that.
         self.store.keep_host_copies += limit if limit is not None else capacity
         dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+        dp.adaptor.task_accounts = self.task_accounts
         return dp.adaptor
 
     # -- the worker -----------------------------------------------------------------------------
@@ -307,20 +310,23 @@ def _capacity(top: Any, maximum: int | None, total: int) -> int:
 
 def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | None = None):
     """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack's
-    ``top`` wrapped, or None when neither ``device_memory_limit`` nor ``spill_on_oom`` is set
-    (then nothing changes). Nothing on the worker changes until :meth:`WorkerPressure.attach`.
+    ``top`` wrapped, or None when none of ``device_memory_limit``, ``spill_on_oom`` and
+    ``memory_admission`` is set (then nothing changes). The pause fraction applies only with
+    ``device_memory_limit`` or ``spill_on_oom``. Nothing on the worker changes until
+    :meth:`WorkerPressure.attach`.
     """
     import dask.config
     from dask.utils import parse_timedelta
 
-    if options.device_memory_limit is None and not options.spill_on_oom:
+    spilling = options.device_memory_limit is not None or options.spill_on_oom
+    if not spilling and not getattr(options, "memory_admission", False):
         return None
     interval = parse_timedelta(
         dask.config.get("distributed.worker.memory.monitor-interval", "100ms"), default="ms"
     )
     wp = WorkerPressure(
         spill_on_oom=options.spill_on_oom,
-        pause_fraction=options.device_pause_fraction,
+        pause_fraction=options.device_pause_fraction if spilling else None,
         monitor_interval=interval or 0.1,
         task_key=task_key,
     )

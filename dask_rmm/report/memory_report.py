@@ -429,7 +429,8 @@ class ClusterMemoryReport:
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines += self._peak_notes()
         lines += self.cache_lines() + self.breakdown_lines()
-        return "\n".join(lines + self.pressure_lines() + self._notes())
+        lines += self.pressure_lines() + self.admission_lines()
+        return "\n".join(lines + self._notes())
 
     def cache_lines(self) -> list[str]:
         """One line per device whose memory passes through a library cache: how much of what
@@ -517,6 +518,27 @@ class ClusterMemoryReport:
             lines.insert(0, "memory pressure:")
         return lines
 
+    def admission_lines(self) -> list[str]:
+        """Memory admission, one line per worker that has held tasks back or learned a peak:
+        tasks held back now, since setup, their waits, the largest expected peaks (none
+        without admission)."""
+        lines = []
+        for d in self.devices:
+            if not (d.admission_total_held or d.admission_expected_peaks):
+                continue
+            peaks = ", ".join(
+                f"{p} {format_bytes(n)} ({k})" for p, n, k in d.admission_expected_peaks[:5]
+            )
+            lines.append(
+                f"{_worker_label(d)}: {d.admission_held_tasks} held back now, "
+                f"{d.admission_total_held} waited in all for {d.admission_wait_seconds:.2f} s "
+                f"(longest {d.admission_longest_wait_seconds:.2f} s), {d.task_retries} tasks run "
+                f"again after OOM; expected peaks (tasks seen): {peaks or 'none yet'}"
+            )
+        if lines:
+            lines.insert(0, "memory admission:")
+        return lines
+
     def __repr__(self) -> str:
         t = self.totals
         return (
@@ -586,6 +608,10 @@ class ClusterMemoryReport:
         if pressure:
             items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
             parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
+        admission = self.admission_lines()
+        if admission:
+            items = "".join(f"<li>{esc(line)}</li>" for line in admission[1:])
+            parts.append(f"<h4>Memory admission</h4><ul>{items}</ul>")
         parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
         if timeline and (self.total_timeline or any(d.timeline for d in self.devices)):
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]

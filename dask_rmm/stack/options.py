@@ -169,6 +169,10 @@ class RMMOptions:
     #: maximum, else the device's memory), like distributed's host ``pause``; only active with
     #: ``device_memory_limit`` or ``spill_on_oom``
     device_pause_fraction: float | None = 0.8
+    #: a task starts only when its expected peak (learned per task prefix, or given with
+    #: ``dask.annotate(gpu_memory=...)``) fits under the limit beside the running tasks'
+    #: (:mod:`dask_rmm.pressure.admission`)
+    memory_admission: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -182,7 +186,8 @@ class RMMOptions:
         put("base_resource", base.strip().lower())
         for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
             put(name, _size(name, getattr(self, name)))
-        for name in ("pool_allocator", "track_allocations", "statistics", "spill_on_oom"):
+        switches = ("track_allocations", "statistics", "spill_on_oom", "memory_admission")
+        for name in ("pool_allocator", *switches):
             put(name, _bool(name, getattr(self, name)))
         put("pool_allocator", self.pool_allocator or self.pool_size is not None)
         put("allocators", _allocators(self.allocators))

@@ -89,6 +89,24 @@ def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
             del worker.periodic_callbacks[key]
 
 
+def admission_fields(worker: Worker, top_n: int) -> dict[str, Any]:
+    """The heartbeat's memory-admission fields of ``worker`` (none without admission): tasks
+    held back now and since setup, their waits, and the ``top_n`` largest expected peaks."""
+    # The admission executor (dask_rmm.worker.admission, which imports this module) says it is
+    # one by having admission_metrics().
+    report = getattr(worker.executors.get("default"), "admission_metrics", None)
+    if report is None:
+        return {}
+    m = report()
+    return {
+        "admission_held_tasks": m.held_tasks,
+        "admission_total_held": m.total_held,
+        "admission_wait_seconds": m.wait_seconds,
+        "admission_longest_wait_seconds": m.longest_wait_seconds,
+        "admission_expected_peaks": [list(p) for p in m.expected_peaks[:top_n]],
+    }
+
+
 class WorkerMetrics:
     """The heartbeat metrics of one worker's device stacks, and the sampler that feeds them.
 
@@ -176,6 +194,12 @@ class WorkerMetrics:
                 devices[str(d.stack.device)] = self._device_metrics(d, self._top_n, retired)
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 devices[str(d.stack.device)] = {"error": f"{type(e).__name__}: {e}"}
+        if devices:  # memory admission is per worker: its figures go with the first device
+            first = devices[min(devices, key=int)]
+            try:
+                first.update(admission_fields(worker, self._top_n))
+            except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
+                first["error"] = f"admission: {type(e).__name__}: {e}"
         return wire.heartbeat(
             name if isinstance(name, (str, int)) else str(name), time.time(), devices
         )

@@ -491,3 +491,39 @@ def test_local_cluster_end_to_end(tmp_path, base):
         names = client.run(lambda dask_worker: dask_worker.name)
         expected = sorted(os.path.basename(log_file_path(tmp_path, n, 0)) for n in names.values())
         assert sorted(os.listdir(tmp_path)) == expected
+
+
+def test_every_argument_of_the_plugin_reaches_its_options(tmp_path):
+    """Options are forwarded by name: an argument added to ``RMMPlugin.__init__`` but not to the
+    forwarding (``memory_admission`` was, once) would silently keep its default."""
+    import inspect
+
+    given = {
+        "pool_size": "16MiB",
+        "maximum_pool_size": "32MiB",
+        "managed_memory": True,
+        "async_alloc": False,
+        "release_threshold": None,
+        "log_directory": str(tmp_path),
+        "track_allocations": True,
+        "allocators": ["numba"],
+        "exact_allocators": ["cupy"],
+        "statistics": False,
+        "base_resource": "system",
+        "devices": [0],
+        "device_memory_limit": "24MiB",
+        "spill_on_oom": True,
+        "device_pause_fraction": 0.5,
+        "memory_admission": True,
+    }
+    params = set(inspect.signature(RMMPlugin.__init__).parameters) - {"self"}
+    assert params == set(given), "every argument needs a case here"
+    for name, value in given.items():
+        if name in ("managed_memory", "async_alloc", "release_threshold"):
+            continue  # these select base_resource / pool settings checked below
+        base = {"pool_size": "8MiB"} if name != "pool_size" else {}
+        if name in ("device_pause_fraction", "memory_admission"):
+            base["device_memory_limit"] = "24MiB"
+        options = RMMPlugin(**base, **{name: value}).options.to_dict()
+        assert options != RMMPlugin(**base).options.to_dict(), f"{name} did not reach the options"
+    assert RMMPlugin(managed_memory=True).options.base_resource == "managed"

@@ -1,0 +1,159 @@
+"""Arbitration across libraries: the one order in which room is made on a device when an
+allocation fails in any library drawing from its stack (CuPy, compiled RMM, Numba, PyTorch,
+``DeviceBuffer``): first every library cache gives its free blocks back, then (with
+``spill_on_oom``) task outputs move to host memory; the caller then retries. Each time is
+recorded (:class:`RoomMade`: bytes given back per library, bytes spilled).
+
+Also: :func:`is_out_of_memory`, which tells an out-of-memory error of any library by its type's
+name and module (no library is imported). Not here: the caches (:mod:`.caches`), spilling
+(:mod:`dask_rmm.pressure`, which sets the spill handler), retrying a task (the worker side).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_rmm.allocators import caches
+
+__all__ = [
+    "RoomMade",
+    "is_out_of_memory",
+    "make_room",
+    "recent_rooms",
+    "release_caches",
+    "requested_bytes",
+]
+
+#: Records kept per process (the newest).
+MAX_RECORDS = 64
+
+_lock = threading.Lock()
+_records: deque[RoomMade] = deque(maxlen=MAX_RECORDS)
+
+
+@dataclass(frozen=True)
+class RoomMade:
+    """What was freed on ``device`` after ``library`` failed to allocate ``requested`` bytes."""
+
+    device: int
+    requested: int
+    #: The library whose allocation failed ("cupy", "rmm", "torch", "task", ...).
+    library: str
+    #: Bytes each library's cache gave back (libraries that gave nothing left out).
+    released: dict[str, int] = field(default_factory=dict)
+    #: Bytes of task outputs moved to host memory.
+    spilled: int = 0
+    time: float = 0.0
+
+    @property
+    def freed(self) -> int:
+        """All bytes made free: given back by caches, plus spilled."""
+        return sum(self.released.values()) + self.spilled
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "requested": self.requested,
+            "library": self.library,
+            "released": dict(self.released),
+            "spilled": self.spilled,
+            "time": self.time,
+        }
+
+
+def release_caches(device: int) -> dict[str, int]:
+    """Step one: every library cache gives its free blocks on ``device`` back to the stack; the
+    bytes given back per library (only those that gave some). Never raises."""
+    return {k: v for k, v in caches.release_cached_by_library(device).items() if v > 0}
+
+
+def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> RoomMade:
+    """Make room for ``nbytes`` on ``device`` after ``library`` failed to allocate them: the
+    caches give their free blocks back, then (when ``spill`` and the worker spills on
+    out-of-memory) task outputs adding up to ``nbytes`` are spilled. The caller retries.
+
+    Spilled arrays of a library cache free into that cache, which then gives them back too.
+    Never raises; returns (and keeps, :func:`recent_rooms`) the record of what was freed.
+
+    Examples
+    --------
+    What PyTorch's or CuPy's out-of-memory handler on a worker calls before retrying::
+
+        room = make_room(device, nbytes, library="torch")
+        if room.freed:
+            retry()
+    """
+    released = release_caches(device)
+    spilled = 0
+    if spill:
+        handler = caches.oom_handler(device)
+        if handler is not None:
+            try:
+                spilled = int(handler(int(nbytes)) or 0)
+            except Exception:
+                caches.logger.warning("dask-rmm: spilling for %s failed", library, exc_info=True)
+        if spilled:
+            # Spilled arrays of a library free into that library's cache: give those back too.
+            for name, n in release_caches(device).items():
+                released[name] = released.get(name, 0) + n
+    record = RoomMade(device, int(nbytes), str(library), released, spilled, time.time())
+    with _lock:
+        _records.append(record)
+    return record
+
+
+def recent_rooms() -> list[RoomMade]:
+    """The last records :func:`make_room` made in this process, oldest first."""
+    with _lock:
+        return list(_records)
+
+
+#: Names of out-of-memory error types: dask-rmm's and RMM's ``OutOfMemoryError``, CuPy's
+#: ``cupy.cuda.memory.OutOfMemoryError``, PyTorch's ``torch.OutOfMemoryError``
+#: (``torch.cuda.OutOfMemoryError``), Numba's ``CudaAPIError`` is not one (it carries any error).
+_OOM_NAMES = ("OutOfMemoryError",)
+#: MemoryError subclasses that are not out of memory (a broken pool or device).
+_NOT_OOM_NAMES = ("CUDAAllocationError",)
+
+
+_TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+)\s*([KMGTP]i?B|bytes|B)?")
+
+
+def requested_bytes(error: BaseException) -> int:
+    """The bytes an out-of-memory error says were asked for: its ``requested`` field
+    (dask-rmm's), else "Tried to allocate 2.00 GiB" in its message (PyTorch's); 0 if unknown."""
+    requested = getattr(error, "requested", None)
+    if isinstance(requested, int) and requested > 0:
+        return requested
+    match = _TRIED.search(str(error))
+    if match is None:
+        return 0
+    number, unit = match.group(1), match.group(2) or "B"
+    from dask_rmm.sizes import parse_device_bytes
+
+    try:
+        if unit in ("B", "bytes"):
+            return int(float(number))
+        return int(parse_device_bytes(f"{number}{unit}", alignment=1, total_memory=1) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error of some library: a ``MemoryError`` (dask-rmm's
+    ``OutOfMemoryError`` is one) or a type named ``OutOfMemoryError`` (CuPy's, PyTorch's, RMM's),
+    told by name so that none of them is imported."""
+    names = [t.__name__ for t in type(error).__mro__]
+    if any(n in _NOT_OOM_NAMES for n in names):
+        return False
+    return isinstance(error, MemoryError) or any(n in _OOM_NAMES for n in names)
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _records.clear()

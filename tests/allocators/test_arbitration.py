@@ -1,0 +1,148 @@
+"""Arbitration across libraries (host memory, fake library caches holding real blocks of the
+stack): one order (caches give back, then outputs spill), recorded per library; out-of-memory
+errors of any library told by name; what the caches gave back is in the OOM snapshot; running
+tasks' bytes are charged to them by the pressure adaptor."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from library_cache_helpers import HostLibraryCache
+
+from dask_rmm.allocators import arbitration, caches
+from dask_rmm.mr.base import CUDAAllocationError, OutOfMemoryError
+from tests.pressure_helpers import MiB, patterned_buffer, pressure_stack
+
+
+def _cache(name: str, free_blocks: list[int]) -> HostLibraryCache:
+    """A fake library cache named ``name`` holding free blocks drawn from device 0's stack."""
+    cache = HostLibraryCache()
+    cache.name = name
+    caches.register_cache(cache)
+    for nbytes in free_blocks:
+        cache.free(cache.malloc(nbytes))
+    return cache
+
+
+def test_make_room_empties_every_cache_then_spills_outputs():
+    wp, top = pressure_stack(8 * MiB, spill_on_oom=True)
+    store = wp.store
+    store["a"] = patterned_buffer(2 * MiB, 1)
+    store["b"] = patterned_buffer(2 * MiB, 2)
+    cupy_like = _cache("cupy", [MiB])
+    torch_like = _cache("torch", [2 * MiB])
+    caches.set_oom_handler(0, wp.devices[0].spill_for_cache)
+    room = arbitration.make_room(0, 2 * MiB, library="torch")
+    assert room.released == {"cupy": MiB, "torch": 2 * MiB}
+    assert room.spilled == 2 * MiB  # the least recently used output
+    assert room.freed == 5 * MiB and room.library == "torch"
+    assert cupy_like.cached_bytes(0) == torch_like.cached_bytes(0) == 0
+    assert arbitration.recent_rooms() == [room]
+    assert room.to_dict()["released"] == {"cupy": MiB, "torch": 2 * MiB}
+    assert wp.metrics()[0].spilled_bytes == 2 * MiB
+
+
+def test_make_room_spills_nothing_without_spill_on_oom():
+    wp, top = pressure_stack(8 * MiB, spill_on_oom=False)
+    wp.store["a"] = patterned_buffer(2 * MiB, 1)
+    _cache("cupy", [MiB])
+    room = arbitration.make_room(0, 4 * MiB, library="rmm")
+    assert room.released == {"cupy": MiB} and room.spilled == 0
+    assert wp.metrics()[0].spilled_bytes == 0
+
+
+def test_a_failed_allocation_takes_cache_blocks_back_and_the_snapshot_says_from_where():
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=False)
+    _cache("torch", [MiB])
+    big = patterned_buffer(3 * MiB + MiB // 2, 1)  # fits only once torch's free block is back
+    assert big.size == 3 * MiB + MiB // 2
+    del big
+    _cache("cupy", [MiB])
+    with pytest.raises(MemoryError):
+        patterned_buffer(8 * MiB, 2)  # more than the pool: fails after the caches gave back
+    (event,) = wp.oom_events()
+    assert event.released_by_library == {"cupy": MiB}
+    assert event.to_dict()["released_by_library"] == {"cupy": MiB}
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (OutOfMemoryError("pool out of memory"), True),
+        (MemoryError(), True),
+        (type("OutOfMemoryError", (RuntimeError,), {"__module__": "torch"})(), True),
+        (type("OutOfMemoryError", (MemoryError,), {"__module__": "cupy.cuda.memory"})(), True),
+        (CUDAAllocationError("cudaErrorIllegalAddress", "cudaMalloc"), False),
+        (RuntimeError("something else"), False),
+        (ValueError(), False),
+    ],
+    ids=["dask-rmm", "MemoryError", "torch", "cupy", "CUDAAllocationError", "Runtime", "Value"],
+)
+def test_out_of_memory_errors_are_told_by_type_name(error, expected):
+    assert arbitration.is_out_of_memory(error) is expected
+
+
+def test_the_pressure_adaptor_charges_each_running_task_its_own_bytes():
+    local = threading.local()
+    wp, top = pressure_stack(8 * MiB, task_key=lambda: getattr(local, "key", None))
+    account = wp.task_accounts["t-1"] = [0, 0]
+    local.key = "t-1"
+    a = top.allocate(MiB)
+    b = top.allocate(2 * MiB)
+    top.deallocate(b, 2 * MiB)
+    assert account == [MiB, 3 * MiB]
+    local.key = "other-1"  # not watched: not charged
+    c = top.allocate(MiB)
+    assert account == [MiB, 3 * MiB]
+    freeing = threading.Thread(target=top.deallocate, args=(a, MiB))  # a free on another thread
+    freeing.start()
+    freeing.join()
+    assert account == [0, 3 * MiB]
+    top.deallocate(c, MiB)
+
+
+@pytest.mark.parametrize(
+    "error, nbytes",
+    [
+        (OutOfMemoryError("pool out of memory", requested=3 * MiB), 3 * MiB),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"), 2 << 30),
+        (RuntimeError("out of memory: tried to allocate 4096 bytes"), 4096),
+        (MemoryError(), 0),
+    ],
+    ids=["dask-rmm", "torch", "bytes", "unknown"],
+)
+def test_the_requested_bytes_are_read_from_the_error(error, nbytes):
+    assert arbitration.requested_bytes(error) == nbytes
+
+
+def test_arrays_a_spill_frees_into_a_cache_are_given_back_too():
+    from dask_rmm.pressure import device_objects
+
+    wp, top = pressure_stack(8 * MiB, spill_on_oom=True)
+    cache = _cache("cupy", [])
+
+    class CachedArray:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            self.ptr = cache.malloc(nbytes)
+
+        def __del__(self):
+            cache.free(self.ptr)
+
+    device_objects.register_device_type(
+        CachedArray,
+        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
+        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
+        "CachedArray",
+        lambda copy: CachedArray(copy.nbytes),
+    )
+    try:
+        wp.store["x"] = CachedArray(2 * MiB)
+        caches.set_oom_handler(0, wp.devices[0].spill_for_cache)
+        room = arbitration.make_room(0, 2 * MiB, library="torch")
+        assert room.spilled == 2 * MiB and room.released == {"cupy": 2 * MiB}
+        assert cache.cached_bytes(0) == 0
+    finally:
+        device_objects._TYPES.pop(CachedArray, None)
+        device_objects._REBUILD.pop("CachedArray", None)
