@@ -31,6 +31,7 @@ class PressureHandler(Protocol):
     spill_on_oom: bool
 
     def busy(self) -> bool: ...
+    def never_fits(self, nbytes: int) -> bool: ...
     def current_bytes(self) -> int: ...
     def spill(self, need: int | Callable[[], int]) -> int: ...
     def spill_until(
@@ -121,7 +122,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def _check_limit(self, nbytes: int, limit: int) -> None:
         """The estimate says ``nbytes`` more would cross the limit: measure, and spill."""
         h = self.handler
-        if h.busy():
+        if h.busy() or nbytes > limit or h.never_fits(nbytes):
+            # Spilling every output cannot bring a request larger than the limit under it, nor
+            # make room for one larger than the device (or the pool's maximum): spill nothing.
             return
         now = time.monotonic()
         if now < self._quiet_until:
@@ -139,6 +142,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
         h = self.handler
         if h.busy():
+            raise error
+        if h.never_fits(nbytes):
+            self._record_failure(error, nbytes, 0)
             raise error
         release = getattr(h, "release_cached", None)
         if release is not None and release() > 0:
@@ -159,12 +165,15 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 h.avoided_oom()
                 return ptr
             error = last
+        self._record_failure(error, nbytes, spilled)
+        raise error
+
+    def _record_failure(self, error: MemoryError, nbytes: int, spilled: int) -> None:
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
         try:
-            h.record_oom(error, nbytes, spilled, self.recent_events())
+            self.handler.record_oom(error, nbytes, spilled, self.recent_events())
         except Exception:  # forensics must never change the error the caller sees
             pass
-        raise error
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         self._upstream_deallocate(ptr, nbytes, stream)
