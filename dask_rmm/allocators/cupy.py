@@ -313,14 +313,17 @@ class CupyPoolCache:
         # total_bytes() before and after also moved with other threads' draws (CuPy adds a
         # draw's size to it before calling the allocator), so a release that gave blocks back
         # could read as 0 (or less) and the caller give up on an allocation that would fit.
+        # (The difference stays a floor, should a block's memory object outlive the release.)
         counting: list[int] = []
         _released.counting = counting
         try:
             with self._on_device(device):
+                before = int(self.pool.total_bytes())
                 self.pool.free_all_blocks()
+                difference = before - int(self.pool.total_bytes())
         finally:
             _released.counting = None
-        return sum(counting)
+        return max(sum(counting), difference, 0)
 
     def __repr__(self) -> str:
         return f"<CupyPoolCache {self.pool!r}>"
