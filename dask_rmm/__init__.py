@@ -1,7 +1,7 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
 ``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
-distributed (``RMMPlugin``, ``cluster_report``, ``ClusterMemoryReport``, ``GPUMemorySampler``,
+distributed (``RMMPlugin``, ``RMMSetupError``, ``cluster_report``, ``ClusterMemoryReport``, ``GPUMemorySampler``,
 ``performance_report``, ``release_unused``) or numpy
 (``DeviceBuffer`` and the copy functions) are imported on first use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
 after dask_rmm.
@@ -70,6 +70,7 @@ _LAZY = {
     "copy_ptr_to_host": "dask_rmm.device_buffer",
     "to_device": "dask_rmm.device_buffer",
     "RMMPlugin": "dask_rmm.plugin",
+    "RMMSetupError": "dask_rmm.plugin",
     "cluster_report": "dask_rmm.client.fetch",
     "ClusterMemoryReport": "dask_rmm.report.memory_report",
     "GPUMemorySampler": "dask_rmm.client.sampler",
@@ -88,6 +89,7 @@ __all__ = [
     "PER_THREAD_DEFAULT_STREAM",
     "RMMError",
     "RMMPlugin",
+    "RMMSetupError",
     "Stream",
     "allocators",
     "cluster_report",

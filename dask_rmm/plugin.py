@@ -416,6 +416,9 @@ class RMMPlugin(WorkerPlugin):
         if ws.release():
             if worker.status.name in ("closing", "closed", "failed", "init"):
                 ws.remove_released()
+            elif ws.command_line is not None and ws.command_line is not self:
+                # Unregistered on a worker set up by its command line: that setup comes back.
+                worker.loop.add_callback(ws.restore_command_line, worker)
             else:
                 worker.loop.add_callback(ws.remove_released)
         self._worker = None

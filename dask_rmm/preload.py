@@ -255,6 +255,10 @@ async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags
     worker.plugins[plugin.name] = plugin
     try:
         await plugin.setup(worker)
+        from dask_rmm.worker.stacks import worker_stack
+
+        # what unregistering a client's RMMPlugin on this worker brings back
+        worker_stack(worker).command_line = plugin
     except Exception as e:
         worker.plugins.pop(plugin.name, None)
         reason = _reason(e)

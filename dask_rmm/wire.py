@@ -23,12 +23,15 @@ __all__ = [
     "REPORT_VERSION",
     "SAMPLE_FIELDS",
     "SAMPLE_STRUCT",
+    "NOT_MEASURED_WITHOUT_A_POOL",
+    "STATISTICS_ONLY",
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
     "heartbeat",
     "pack_samples",
     "to_int",
+    "unmeasured_fields",
     "unpack_samples",
 ]
 
@@ -89,6 +92,11 @@ class DeviceSample:
     """
 
     resource: str = ""
+    #: Where the figures come from: ``"statistics"`` (a StatisticsResourceAdaptor counts every
+    #: allocation), ``"pool"`` (``statistics=False`` over a pool: ``current_bytes`` is the
+    #: pool's reserved minus its free bytes; the :data:`STATISTICS_ONLY` figures and task groups
+    #: are not measured) or ``"none"`` (``statistics=False`` without a pool: nothing is).
+    measured: str = "statistics"
     current_bytes: int = _exported("dask_rmm_used_bytes", "Bytes allocated through RMM now")
     current_count: int = 0
     peak_bytes: int = _exported(
@@ -181,6 +189,11 @@ class DeviceSample:
     #: The last OOM snapshots (``dask_rmm.pressure.OOMEvent.to_dict()``), oldest first.
     oom_events: tuple[dict, ...] = ()
     error: str | None = None
+
+    @property
+    def unmeasured(self) -> tuple[str, ...]:
+        """The fields this device did not measure (see ``measured``): their 0 means "n/a"."""
+        return unmeasured_fields(self.measured)
 
     @property
     def in_array_bytes(self) -> int:
@@ -303,6 +316,28 @@ GAUGES = tuple(
     for f in _FIELDS
     if "gauge" in f.metadata
 )
+#: The figures only a StatisticsResourceAdaptor measures: with ``statistics=False`` they are
+#: not measured (0 on the wire, "n/a" in the report, None in its JSON, absent in Prometheus).
+STATISTICS_ONLY = (
+    "current_count", "peak_bytes", "peak_count", "total_bytes", "total_count",
+    "failed_allocations",
+)  # fmt: skip
+
+#: What ``statistics=False`` without a pool does not measure either.
+NOT_MEASURED_WITHOUT_A_POOL = (
+    "current_bytes", "reserved_bytes", "pool_free_bytes", "largest_free_block",
+)  # fmt: skip
+
+
+def unmeasured_fields(measured: Any) -> tuple[str, ...]:
+    """The fields a device whose ``measured`` is this did not measure (``()``: all measured)."""
+    if measured == "pool":
+        return STATISTICS_ONLY
+    if measured == "none":
+        return (*STATISTICS_ONLY, *NOT_MEASURED_WITHOUT_A_POOL)
+    return ()
+
+
 #: The integer fields, in order (table, DataFrame and totals columns).
 COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,16 @@ def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
         pass
 
 
+class _ReleasedOnThisThread(threading.local):
+    """Sizes of the blocks this thread gave back to the stack while
+    :meth:`CupyPoolCache.release` counts them (``counting`` is a list then, else None)."""
+
+    counting: list[int] | None = None
+
+
+_released = _ReleasedOnThisThread()
+
+
 if _cupy is not None:
     _get_device_id = _cupy.cuda.device.get_device_id
     _get_current_stream = _cupy.cuda.get_current_stream
@@ -174,13 +185,19 @@ if _cupy is not None:
         __slots__ = ("resource", "stream")
 
         # Bound as defaults: at interpreter shutdown module globals may already be None.
-        def __del__(self, _free_failed=_free_failed, _finalizing=sys.is_finalizing):
+        def __del__(
+            self, _free_failed=_free_failed, _finalizing=sys.is_finalizing, _released=_released
+        ):
             ptr = self.ptr
             if ptr and not _finalizing():
                 try:
                     self.resource.deallocate(ptr, self.size, self.stream)
                 except Exception as e:
                     _free_failed(ptr, self.size, e)
+                else:
+                    counting = _released.counting
+                    if counting is not None:
+                        counting.append(self.size)
 
     def lean_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
         """A CuPy allocator that takes memory from the current device resource, as
@@ -292,10 +309,21 @@ class CupyPoolCache:
     def release(self, device: int) -> int:
         """Give CuPy's free blocks on ``device`` back to the stack (blocks partly in use stay);
         the bytes given back."""
-        with self._on_device(device):
-            before = int(self.pool.total_bytes())
-            self.pool.free_all_blocks()
-            return before - int(self.pool.total_bytes())
+        # Counted as the blocks go back, on this thread: the difference of the pool's
+        # total_bytes() before and after also moved with other threads' draws (CuPy adds a
+        # draw's size to it before calling the allocator), so a release that gave blocks back
+        # could read as 0 (or less) and the caller give up on an allocation that would fit.
+        # (The difference stays a floor, should a block's memory object outlive the release.)
+        counting: list[int] = []
+        _released.counting = counting
+        try:
+            with self._on_device(device):
+                before = int(self.pool.total_bytes())
+                self.pool.free_all_blocks()
+                difference = before - int(self.pool.total_bytes())
+        finally:
+            _released.counting = None
+        return max(sum(counting), difference, 0)
 
     def __repr__(self) -> str:
         return f"<CupyPoolCache {self.pool!r}>"

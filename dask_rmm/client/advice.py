@@ -304,6 +304,18 @@ def _advise_device(d: DeviceMemory) -> Advice:
     peak = max(d.peak_bytes, d.timeline_peak)
     verdicts = [e.get("verdict") for e in d.oom_events]
     notes: list[str] = []
+    if d.unmeasured:  # statistics=False: the peak in use is not measured
+        peak = d.reserved_bytes if d.measured == "pool" else 0
+        notes.append(
+            "statistics off (statistics=False): the peak in use is not measured; "
+            + (
+                f"this advice takes the pool's reserved bytes ({format_bytes(peak)}), at least "
+                "the peak while the pool gave nothing back; "
+                if d.measured == "pool"
+                else "without a pool nothing is; "
+            )
+            + "register with statistics=True for advice from the real peak"
+        )
     pieces = d.fragmentation >= 0.5 and d.pool_free_bytes * 4 >= max(d.reserved_bytes, 1)
     if "fragmentation" in verdicts:
         fragmenting = True

@@ -1,5 +1,5 @@
 """``dask_rmm.performance_report``: distributed's ``performance_report`` with a GPU memory
-section (the cluster's RMM timeline over the block, task-group peaks, OOM events, spills) in the
+section (titled "Host memory" when the workers' stacks use ``base_resource="system"``) (the cluster's RMM timeline over the block, task-group peaks, OOM events, spills) in the
 Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.client.sampler`), the SVG
 (:mod:`~dask_rmm.plotting.svg`).
 """
@@ -86,6 +86,10 @@ class performance_report(distributed.performance_report):
         self._sync = False
         self._begin: ClusterMemoryReport | None = None
         self._end: ClusterMemoryReport | None = None
+        #: ``{worker: {device: {task group: peak bytes in the block} or None}}`` (None before
+        #: the block ended, or when the workers could not say).
+        self.block_peaks: dict[str, dict[str, dict[str, int] | None]] | None = None
+        self._window = f"performance-report-{id(self):x}-{time.time_ns()}"
 
     # -- synchronous client -------------------------------------------------------------------
 
@@ -95,6 +99,7 @@ class performance_report(distributed.performance_report):
         client = get_client()
         self._sync = True
         self._begin = client.sync(_fetch, client)
+        client.sync(_open_windows, client, self._window)
         self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
         self._sampling.__enter__()
         try:
@@ -109,6 +114,7 @@ class performance_report(distributed.performance_report):
 
         client = get_client()
         self._sampling.__exit__(exc_type, exc_value, traceback)
+        self.block_peaks = client.sync(_close_windows, client, self._window)
         self._end = client.sync(_fetch, client)
         super().__exit__(exc_type, exc_value, traceback)  # runs our __aexit__: writes the file
 
@@ -120,6 +126,7 @@ class performance_report(distributed.performance_report):
 
             client = get_client()
             self._begin = await _fetch(client)
+            await _open_windows(client, self._window)
             self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
             await self._sampling.__aenter__()
         await super().__aenter__()
@@ -130,6 +137,7 @@ class performance_report(distributed.performance_report):
             from distributed import get_client
 
             await self._sampling.__aexit__(exc_type, exc_value, traceback)
+            self.block_peaks = await _close_windows(get_client(), self._window)
             self._end = await _fetch(get_client())
         await super().__aexit__(exc_type, exc_value, traceback, code=code)
         self._add_section()
@@ -138,7 +146,7 @@ class performance_report(distributed.performance_report):
         import fsspec
 
         samples = self.sampler.samples[self.LABEL]
-        section = gpu_section_html(samples, self._begin, self._end)
+        section = gpu_section_html(samples, self._begin, self._end, self.block_peaks)
         with fsspec.open(self.filename, "r", compression="infer", **self.storage_options) as f:
             page = f.read()
         page = insert_section(page, section)
@@ -150,6 +158,26 @@ class performance_report(distributed.performance_report):
 
             with atomic_output(str(self.filename)) as tmp, open(tmp, "w") as f:
                 f.write(page)
+
+
+async def _open_windows(client: Any, window: str) -> None:
+    """Open the block's task-group peak window on every worker (never fails the block)."""
+    from dask_rmm.worker.peak_windows import open_peak_windows
+
+    try:
+        await client.run(open_peak_windows, window=window, on_error="ignore")
+    except Exception:  # the report then shows the peaks since setup, and says so
+        pass
+
+
+async def _close_windows(client: Any, window: str) -> dict | None:
+    from dask_rmm.worker.peak_windows import close_peak_windows
+
+    try:
+        out = await client.run(close_peak_windows, window=window, on_error="ignore")
+    except Exception:
+        return None
+    return {w: peaks for w, peaks in out.items() if isinstance(peaks, dict)}
 
 
 async def _fetch(client: Any) -> ClusterMemoryReport:
@@ -219,12 +247,15 @@ def gpu_section_html(
     samples: GPUSamples,
     begin: ClusterMemoryReport | None = None,
     end: ClusterMemoryReport | None = None,
+    block_peaks: Mapping[str, Mapping[str, Mapping[str, int] | None]] | None = None,
 ) -> str:
     """The GPU memory section: plain HTML, inline CSS and SVG (no script, nothing fetched).
 
     ``samples`` is the block's :class:`GPUSamples`; ``begin`` and ``end`` are the cluster
-    reports at its start and end (task-group peaks, OOM events and spill counters come from
-    them; without them those parts say so).
+    reports at its start and end (OOM events and spill counters come from them; without them
+    those parts say so). ``block_peaks`` (``{worker: {device: {task group: peak}}}``, from
+    :mod:`dask_rmm.worker.peak_windows`) are the task groups' peaks over the block; without it
+    the table compares the peaks since setup at the start and at the end.
     """
     esc = html.escape
     stop = samples.stop if samples.stop is not None else time.time()
@@ -232,7 +263,7 @@ def gpu_section_html(
     lost = samples.workers_lost
     parts = [
         f'<section id="{SECTION_ID}" class="dask-rmm-gpu"><style>{_CSS}</style>',
-        "<h2>GPU memory (dask-rmm)</h2>",
+        f"<h2>{esc(_memory_kind(begin, end))} (dask-rmm)</h2>",
         f"<p>{seconds:.1f} s, {len(samples.devices)} worker device(s): at most "
         f"<b>{esc(format_bytes(samples.peak_used))}</b> in use at once "
         f"(time-weighted mean {esc(format_bytes(int(samples.mean_used)))}), at most "
@@ -247,11 +278,24 @@ def gpu_section_html(
         "and devices of workers that left. "
         "Times are the workers' clocks.</p>",
     ]
-    parts += _task_groups(begin, end)
+    parts += (
+        _task_groups(begin, end) if block_peaks is None else _block_task_groups(end, block_peaks)
+    )
     parts += _oom_events(samples, end)
     parts += _spills(begin, end)
     parts.append(f"</section><!-- /{SECTION_ID} -->")
     return "".join(parts)
+
+
+def _memory_kind(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> str:
+    """What the workers' stacks hand out: "GPU memory", "Host memory" (``base_resource=
+    "system"``, where ``gpu_name`` is ``"host"``) or both, as the reports of the block say."""
+    names = {d.gpu_name == "host" for r in (begin, end) if r is not None for d in r.devices}
+    if names == {True}:
+        return "Host memory"
+    if names == {True, False}:
+        return "GPU and host memory"
+    return "GPU memory"
 
 
 def _timeline(samples: GPUSamples) -> str:
@@ -302,6 +346,49 @@ def _task_groups(
         '<p class="note">Peaks are counted since each worker\'s dask-rmm setup; "before it": '
         "the peak did not change during this block.</p>",
     ]
+
+
+def _block_task_groups(
+    end: ClusterMemoryReport | None,
+    block_peaks: Mapping[str, Mapping[str, Mapping[str, int] | None]],
+    top: int = 15,
+) -> list[str]:
+    """The task groups' peaks over the block, measured on the workers from its start."""
+    esc = html.escape
+    out = ["<h3>Task groups: peak bytes held during the block</h3>"]
+    labels = {(d.worker, d.device): d.label for d in (end.devices if end is not None else ())}
+    rows: dict[str, dict[str, Any]] = {}
+    unmeasured = []
+    for worker, devices in sorted(block_peaks.items()):
+        for device, peaks in sorted(devices.items()):
+            label = labels.get((worker, device), f"{worker}/dev{device}")
+            if peaks is None:
+                unmeasured.append(label)
+                continue
+            for prefix, peak in peaks.items():
+                row = rows.setdefault(prefix, {"peak": 0, "where": []})
+                row["peak"] = max(row["peak"], peak)
+                row["where"].append(f"{label} {format_bytes(peak)}")
+    if rows:
+        body = "".join(
+            f"<tr><td>{esc(prefix)}</td><td>{esc(format_bytes(r['peak']))}</td>"
+            f"<td>{esc('; '.join(r['where']))}</td></tr>"
+            for prefix, r in sorted(rows.items(), key=lambda kv: -kv[1]["peak"])[:top]
+        )
+        out.append(
+            "<table><thead><tr><th>task group</th><th>largest peak on one device</th>"
+            f"<th>per worker device</th></tr></thead><tbody>{body}</tbody></table>"
+        )
+    else:
+        out.append("<p>No task group held memory during the block (or statistics off).</p>")
+    note = "Peaks over this block only, measured on each worker from the block's start."
+    if unmeasured:
+        note += (
+            " Not measured over the whole block (the setup was replaced during it): "
+            + ", ".join(unmeasured)
+            + "."
+        )
+    return out + [f'<p class="note">{esc(note)}</p>']
 
 
 def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[str]:

@@ -101,7 +101,9 @@ class LogSummary:
     truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
     #: what the reader of the numbers should know (how the peak compares with the report's)
     notes: tuple[str, ...] = ()
-    #: restart markers: a new process appended to the log ...
+    #: restart markers: a new writer appended to the log (a worker restarted under the same
+    #: name, or a re-registration of the plugin in the same process, whose previous writer had
+    #: closed the file) ...
     restarts: int = 0
     #: ... and the allocations the previous one still held then, which ended with it (not
     #: counted as outstanding: its memory went back to the device when it died)
@@ -381,7 +383,8 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         (s.reallocated_live_pointers, "allocations of an address whose free row came later "
             "(threads' rows out of order)"),
         (s.size_mismatched_frees, "frees with a size other than allocated"),
-        (s.restarts, "restarts (a new process appended to the log)"),
+        (s.restarts, "new writers appended to the log (a worker restarted, or the plugin "
+            "registered again in the same process)"),
         (s.ended_with_process_count, f"allocations ({format_size(s.ended_with_process_bytes)}) "
             "still live when their process ended at a restart: freed by its end, not leaked"),
     ]  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
@@ -125,6 +125,12 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._by_name: dict[str, list[int]] = {}
         self._by_owner_key: dict[Hashable, list[int]] = {}
         self._live: dict[int, tuple[list[int], int]] = {}
+        # Peak windows (open_window): each open window's peaks folded in when another window
+        # opened (which resets the accounts' peaks to their current bytes), and the peaks since
+        # the adaptor was made, folded the same way. Touched only by windows and readers.
+        self._windows: dict[int, dict[str, int]] = {}
+        self._folded: dict[str, int] = {}
+        self._next_window = 0
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
         self._charging_pool: PoolMemoryResource | None = None
@@ -223,12 +229,16 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         """Current and peak bytes charged to the owner ``name`` (zeros for one never seen)."""
         with self._lock:
             counts = self._by_name.get(name, (0, 0))
-            return OwnerMemory(name, counts[0], counts[1])
+            return OwnerMemory(name, counts[0], max(counts[1], self._folded.get(name, 0)))
 
     def get_attribution(self) -> list[OwnerMemory]:
         """Every owner seen so far, largest peak first."""
         with self._lock:
-            out = [OwnerMemory(name, c[0], c[1]) for name, c in self._by_name.items()]
+            folded = self._folded
+            out = [
+                OwnerMemory(name, c[0], max(c[1], folded.get(name, 0)))
+                for name, c in self._by_name.items()
+            ]
         out.sort(key=lambda m: (-m.peak_bytes, -m.current_bytes, m.owner))
         return out
 
@@ -237,10 +247,44 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         return self.get_attribution()[: max(n, 0)]
 
     def reset_peaks(self) -> None:
-        """Set every owner's peak to its current bytes."""
+        """Set every owner's peak to its current bytes (open windows keep theirs)."""
         with self._lock:
+            self._fold(self._windows.values())
+            self._folded.clear()
             for counts in self._by_name.values():
                 counts[1] = counts[0]
+
+    def _fold(self, into: Iterable[dict[str, int]]) -> None:
+        """Raise each peak table of ``into`` to the accounts' peaks (lock held)."""
+        tables = list(into)
+        for name, counts in self._by_name.items():
+            peak = counts[1]
+            for table in tables:
+                if peak > table.get(name, 0):
+                    table[name] = peak
+
+    def open_window(self) -> int:
+        """Start measuring each owner's peak from now (a performance report's block); the
+        token for :meth:`close_window`. The peaks since the adaptor was made stay what
+        :meth:`get_attribution` reports; windows may overlap. Costs nothing per allocation: the
+        accounts' peaks restart at their current bytes, and what they held is folded into the
+        other open windows and the since-made peaks first."""
+        with self._lock:
+            self._fold([self._folded, *self._windows.values()])
+            for counts in self._by_name.values():
+                counts[1] = counts[0]
+            token = self._next_window
+            self._next_window += 1
+            self._windows[token] = {name: c[0] for name, c in self._by_name.items() if c[0]}
+        return token
+
+    def close_window(self, token: int) -> dict[str, int]:
+        """Each owner's peak bytes since :meth:`open_window` returned ``token`` (owners that
+        held nothing in the window are left out). KeyError for a token not open."""
+        with self._lock:
+            table = self._windows.pop(token)
+            self._fold([table])
+        return {name: peak for name, peak in table.items() if peak > 0}
 
     def __repr__(self) -> str:
         return (

@@ -252,6 +252,16 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                 except OSError as e:
                     self._write_failed(e)
 
+    def plan_file_name(self, file_name: str) -> bool:
+        """With ``open_on_first_row`` and no row yet: where the file is expected to be (what
+        :meth:`get_file_name` says until the first row claims its name). False, and nothing
+        changed, once the file was opened or closed."""
+        with self._lock:
+            if self._file is not None or self._closed:
+                return False
+            self._file_name = os.fspath(file_name)
+            return True
+
     def get_file_name(self) -> str:
         """The absolute path of the log file (with the ``.dev{id}`` suffix); with
         ``open_on_first_row``, where it will be (no file before the first row)."""

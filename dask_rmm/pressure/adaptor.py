@@ -32,6 +32,7 @@ class PressureHandler(Protocol):
     spill_on_oom: bool
 
     def busy(self) -> bool: ...
+    def never_fits(self, nbytes: int) -> bool: ...
     def current_bytes(self) -> int: ...
     def spill(self, need: int | Callable[[], int]) -> int: ...
     def spill_until(
@@ -139,7 +140,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def _check_limit(self, nbytes: int, limit: int) -> None:
         """The estimate says ``nbytes`` more would cross the limit: measure, and spill."""
         h = self.handler
-        if h.busy():
+        if h.busy() or nbytes > limit or h.never_fits(nbytes):
+            # Spilling every output cannot bring a request larger than the limit under it, nor
+            # make room for one larger than the device (or the pool's maximum): spill nothing.
             return
         now = time.monotonic()
         if now < self._quiet_until:
@@ -160,7 +163,10 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             raise error
         start = getattr(h, "start_arbitration", None)
         if start is not None:
-            start()
+            start()  # first: a failure recorded below says what was freed for it, nothing older
+        if h.never_fits(nbytes):
+            self._record_failure(error, nbytes, 0)
+            raise error
         release = getattr(h, "release_cached", None)
         if release is not None and release() > 0:
             # Free blocks of library caches went back to the stack: no spilling needed yet.
@@ -180,12 +186,15 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 h.avoided_oom()
                 return ptr
             error = last
+        self._record_failure(error, nbytes, spilled)
+        raise error
+
+    def _record_failure(self, error: MemoryError, nbytes: int, spilled: int) -> None:
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
         try:
-            h.record_oom(error, nbytes, spilled, self.recent_events())
+            self.handler.record_oom(error, nbytes, spilled, self.recent_events())
         except Exception:  # forensics must never change the error the caller sees
             pass
-        raise error
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         self._upstream_deallocate(ptr, nbytes, stream)

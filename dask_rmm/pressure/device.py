@@ -106,6 +106,11 @@ class DevicePressure:
     def busy(self) -> bool:
         return self.store.spilling_on_this_thread()
 
+    def never_fits(self, nbytes: int) -> bool:
+        """Whether a request of ``nbytes`` is larger than this device's capacity (the pool's
+        maximum, else the device's memory): no spilling can make room for it."""
+        return align_up(nbytes) > self.capacity
+
     def current_bytes(self) -> int:
         """Bytes in use on this device: allocated through the worker's resource, less the free
         bytes that library caches in front of it hold (those are given back, not spilled), plus
@@ -150,7 +155,7 @@ class DevicePressure:
     def spill_for_cache(self, nbytes: int) -> int:
         """A library cache of this device is out of memory (its own failure callback asks):
         spill ``nbytes`` with ``spill_on_oom``, else nothing; the bytes spilled."""
-        if not self.spill_on_oom or self.busy():
+        if not self.spill_on_oom or self.busy() or self.never_fits(nbytes):
             return 0
         return self.spill(nbytes)
 

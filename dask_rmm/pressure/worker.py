@@ -272,6 +272,28 @@ class WorkerPressure:
             except OSError as e:
                 logger.warning("dask-rmm: could not save the OOM snapshot: %r", e)
 
+    #: Counters that add up over the worker's life (what is on host *now* is not carried).
+    CARRIED_COUNTERS = (
+        "total_spilled_bytes", "total_spilled_count", "total_unspilled_bytes",
+        "total_unspilled_count", "spill_seconds", "unspill_seconds", "ooms_avoided",
+        "oom_count", "pauses",
+    )  # fmt: skip
+
+    def carry_history(self, previous: WorkerPressure) -> None:
+        """Take over ``previous``'s OOM events and running totals, device by device (a
+        re-registration replacing it): the events are kept like the peaks are, and the OOM
+        count still matches the events listed."""
+        for device, dp in self.devices.items():
+            old = previous.devices.get(device)
+            if old is None:
+                continue
+            dp.oom_events.extendleft(reversed(old.oom_events))
+            before = previous.counters.snapshot(device)
+            for name in self.CARRIED_COUNTERS:
+                value = getattr(before, name)
+                if value:
+                    self.counters.add(device, name, value)
+
     # -- reading --------------------------------------------------------------------------------
 
     def metrics(self) -> list[PressureMetrics]:

@@ -17,7 +17,13 @@ from typing import Any
 
 from dask_rmm.plotting.svg import breakdown_svg, timeline_svg
 from dask_rmm.sizes import format_bytes
-from dask_rmm.wire import COUNTERS, REPORT_VERSION, DeviceSample, to_int
+from dask_rmm.wire import (
+    COUNTERS,
+    NOT_MEASURED_WITHOUT_A_POOL,
+    REPORT_VERSION,
+    DeviceSample,
+    to_int,
+)
 
 __all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]
 
@@ -66,6 +72,10 @@ class DeviceMemory(DeviceSample):
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
         """This device's entry in the report document (the wire fields plus ``timeline``)."""
         out = super().to_dict()
+        for name in self.unmeasured:  # statistics=False: not measured, not 0
+            out[name] = None
+        if self.unmeasured:
+            out["task_groups"] = None
         if timeline:
             out["timeline"] = [list(s) for s in self.timeline]
         return out
@@ -123,9 +133,28 @@ class ClusterTotals:
     oom_count: int = 0
     pauses: int = 0
     paused_devices: int = 0
+    #: Running devices with ``statistics=False`` (see ``DeviceSample.measured``): the cluster's
+    #: peak and allocated bytes leave them out, so they are "n/a" then.
+    unmeasured_devices: int = 0
+    #: Of those, devices without a pool, where not even the bytes in use are measured: the
+    #: sums of in use and reserved bytes leave them out, so they are "n/a" too.
+    unmeasured_current_devices: int = 0
+
+    @property
+    def unmeasured(self) -> tuple[str, ...]:
+        """The totals that leave devices out (``statistics=False``): "n/a"."""
+        out: tuple[str, ...] = ()
+        if self.unmeasured_devices:
+            out += ("peak_bytes", "total_bytes", "sum_of_device_peaks", "failed_allocations")
+        if self.unmeasured_current_devices:
+            out += NOT_MEASURED_WITHOUT_A_POOL
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        for name in self.unmeasured:
+            out[name] = None
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterTotals | None:
@@ -136,6 +165,8 @@ class ClusterTotals:
             values = {
                 k: None if v is None and k == "peak_bytes" else to_int(v) for k, v in values.items()
             }
+            if values.get("unmeasured_devices") and d.get("peak_bytes") is None:
+                values["peak_bytes"] = None
             return cls(**values)
         except (TypeError, AttributeError):
             return None
@@ -272,6 +303,8 @@ class ClusterMemoryReport:
             sum_of_device_peaks=sum(d.peak_bytes for d in run),
             largest_free_block=max((d.largest_free_block for d in run), default=0),
             paused_devices=sum(1 for d in run if d.paused),
+            unmeasured_devices=sum(1 for d in run if d.unmeasured),
+            unmeasured_current_devices=sum(1 for d in run if "current_bytes" in d.unmeasured),
             **{k: sum(getattr(d, k) for d in run) for k in SUMMED_FIELDS},
         )
 
@@ -333,10 +366,10 @@ class ClusterMemoryReport:
     def to_frame(self):
         """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
 
-        Columns: worker, name, device, status, the wire's counters, fragmentation, resource,
-        gpu_name, gpu_uuid, pci_bus_id, error, then the breakdown: ``direct_bytes``,
-        ``outside_dask_rmm_bytes`` (None on host memory) and, per library reported anywhere,
-        ``<lib>_in_use_bytes`` and ``<lib>_cache_free_bytes``.
+        Columns: worker, name, device, status, measured, the wire's counters (None where not
+        measured), fragmentation, resource, gpu_name, gpu_uuid, pci_bus_id, error, then the
+        breakdown: ``direct_bytes``, ``outside_dask_rmm_bytes`` (None on host memory) and, per
+        library reported anywhere, ``<lib>_in_use_bytes`` and ``<lib>_cache_free_bytes``.
         """
         try:
             import pandas as pd
@@ -345,7 +378,10 @@ class ClusterMemoryReport:
                 "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
                 "(or pip install 'dask-rmm[report]')"
             ) from e
-        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
+        rows = [
+            {k: None if k in d.unmeasured else getattr(d, k) for k in _FRAME_COLUMNS}
+            for d in self.devices
+        ]
         libraries = sorted({x.library for d in self.devices for x in d.libraries})
         for row, d in zip(rows, self.devices, strict=True):
             row["direct_bytes"] = d.direct_bytes
@@ -382,27 +418,42 @@ class ClusterMemoryReport:
     def table_rows(self) -> list[list[str]]:
         """The text table's rows, header first (used by ``__str__`` and the CLI)."""
 
-        def memory(x: Any, peak: str) -> list[str]:  # a device, or the totals
+        def memory(x: Any, peak: str, unmeasured: Sequence[str] = ()) -> list[str]:
+            # a device, or the totals; "n/a" for what statistics=False does not measure
+            def size(name: str) -> str:
+                return "n/a" if name in unmeasured else format_bytes(getattr(x, name))
+
             retired = f" +{format_bytes(x.retired_bytes)} retired" if x.retired_bytes else ""
-            sizes = (x.current_bytes, x.total_bytes, x.pool_free_bytes, x.largest_free_block)
-            current, total, free, largest = map(format_bytes, sizes)
-            return [current, peak, total, format_bytes(x.reserved_bytes) + retired, free, largest]
+            current, total, free, largest = map(
+                size, ("current_bytes", "total_bytes", "pool_free_bytes", "largest_free_block")
+            )
+            if getattr(x, "measured", "") == "pool":
+                current += " ~"  # derived: the pool's reserved minus its free bytes
+            return [current, peak, total, size("reserved_bytes") + retired, free, largest]
 
         rows = [list(_HEADER)]
         for d in self.devices:
             restarts = f" ({d.restarts} restart{'s' if d.restarts != 1 else ''})"
             status = d.status + (restarts if d.restarts else "")
+            off = d.unmeasured
             rows.append(
                 [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
-                + memory(d, format_bytes(d.peak_bytes))
-                + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
+                + memory(d, "n/a" if off else format_bytes(d.peak_bytes), off)
+                + [
+                    f"{d.fragmentation:.0%}",
+                    "n/a" if off else str(d.failed_allocations),
+                    "n/a (statistics off)" if off else _top_groups(d),
+                ]
             )
         t = self.totals
         peak = "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *"
+        if "peak_bytes" in t.unmeasured:
+            peak = "n/a"
         workers = f"total ({t.workers} worker{'s' if t.workers != 1 else ''})"
         gone = f"{t.gone_workers} gone" if t.gone_workers else ""
+        failures = "n/a" if "failed_allocations" in t.unmeasured else str(t.failed_allocations)
         rows.append(
-            [workers, str(t.devices), gone] + memory(t, peak) + ["", str(t.failed_allocations), ""]
+            [workers, str(t.devices), gone] + memory(t, peak, t.unmeasured) + ["", failures, ""]
         )
         return rows
 
@@ -477,6 +528,17 @@ class ClusterMemoryReport:
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
         lines = [
+            f"{_worker_label(d)}/dev{d.device}: statistics off (statistics=False): "
+            + (
+                "current is the pool's reserved minus its free bytes (~); "
+                if d.measured == "pool"
+                else "nothing is measured without a pool; "
+            )
+            + "peak, allocated, failures and task groups are not measured (n/a)"
+            for d in self.devices
+            if d.unmeasured
+        ]
+        lines += [
             f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error
         ]
         lines += [f"error: {e}" for e in self.errors]
@@ -553,6 +615,7 @@ class ClusterMemoryReport:
         full_page: bool = False,
         refresh: int | None = None,
         nav: str = "",
+        json_href: str | None = None,
     ) -> str:
         """The report as HTML: the table, then the timeline drawn as inline SVG.
 
@@ -566,6 +629,10 @@ class ClusterMemoryReport:
             With ``full_page``, reload the page every ``refresh`` seconds.
         nav : str
             With ``full_page``, HTML put above the report (the scheduler page's links).
+        json_href : str, optional
+            With ``full_page``, where the page links to the same report as JSON (the scheduler's
+            page: ``dask-rmm/report.json``). None: a page saved elsewhere, which names the
+            command that writes the JSON instead of linking to a file that is not there.
         """
         esc = html.escape
         rows = self.table_rows()
@@ -625,11 +692,15 @@ class ClusterMemoryReport:
         if not full_page:
             return fragment
         meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
+        if json_href is not None:
+            json_foot = f'<a href="{esc(json_href)}">report.json</a>'
+        else:
+            json_foot = f"<code>dask rmm report {esc(self.scheduler or 'SCHEDULER')} --json</code>"
         return (
             '<!DOCTYPE html><html><head><meta charset="utf-8">'
             f"<title>dask-rmm cluster memory</title>{meta}</head>"
             f'<body style="font-family:system-ui,sans-serif;font-size:13px">{nav}{fragment}'
-            '<p class="foot">JSON: <a href="dask-rmm/report.json">report.json</a></p></body></html>'
+            f'<p class="foot">JSON: {json_foot}</p></body></html>'
         )
 
     def totals_devices_label(self) -> str:
@@ -644,7 +715,21 @@ class ClusterMemoryReport:
             )
         else:
             total = _PEAK_NOTE
-        return [_ROW_PEAK_NOTE, total]
+        notes = [_ROW_PEAK_NOTE, total]
+        t = self.totals
+        if (
+            t.peak_bytes is not None
+            and "peak_bytes" not in t.unmeasured
+            and t.peak_bytes > t.sum_of_device_peaks
+        ):
+            # The summed timelines keep what rows no longer show: a worker that left, or
+            # memory held under a setup that was unregistered (its rows went with it).
+            notes.append(
+                f"total peak {format_bytes(t.peak_bytes)} is above the sum of the rows' peaks "
+                f"({format_bytes(t.sum_of_device_peaks)}): it was reached earlier, by devices "
+                "or setups no longer listed (workers that left, a plugin unregistered since)"
+            )
+        return notes
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -686,7 +771,9 @@ _PEAK_NOTE = (
 )
 #: Device lines the HTML timeline draws at most (beside the total).
 _SVG_SERIES = 10
-_FRAME_COLUMNS = ("worker", "name", "device", "status", *COUNTERS, "fragmentation", "resource")
+_FRAME_COLUMNS = (
+    "worker", "name", "device", "status", "measured", *COUNTERS, "fragmentation", "resource",
+)  # fmt: skip
 _FRAME_COLUMNS += ("gpu_name", "gpu_uuid", "pci_bus_id", "error")
 
 _CSS = (

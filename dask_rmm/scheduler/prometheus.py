@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dask_rmm.scheduler.report_build import ReportRequest
-from dask_rmm.wire import GAUGES, DeviceSample, to_int
+from dask_rmm.wire import GAUGES, DeviceSample, to_int, unmeasured_fields
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
@@ -66,7 +66,9 @@ class DaskRMMCollector:
             )
             family.add_metric([], getattr(totals, field))
             yield family
-        if totals.peak_bytes is not None:
+        # A device with statistics=False has no timeline: a cluster peak without it is no peak.
+        unmeasured = any(unmeasured_fields(x.d.get("measured")) for x in devices if x.running)
+        if totals.peak_bytes is not None and not unmeasured:
             peak = GaugeMetricFamily(
                 "dask_rmm_cluster_peak_bytes",
                 "Most bytes all devices held at once (peak of the summed timelines)",
@@ -111,7 +113,10 @@ class DaskRMMCollector:
                 x.dev,
                 str(d.get("gpu_uuid") or d.get("gpu_name") or ""),
             ]
+            skip = unmeasured_fields(d.get("measured"))  # statistics=False: not exported
             for field, family in gauges:
+                if field in skip:
+                    continue
                 value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
                 family.add_metric(labels, value)
             frag.add_metric(labels, x.frag)

@@ -25,7 +25,7 @@ from dask_rmm.report.memory_report import (
     DeviceMemory,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
-from dask_rmm.wire import to_int
+from dask_rmm.wire import to_int, unmeasured_fields
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.cluster_total import TotalSnapshot
@@ -225,6 +225,8 @@ class Snapshot:
             sum_of_device_peaks=sum(x.peak for x in run),
             largest_free_block=largest,
             paused_devices=paused,
+            unmeasured_devices=sum(1 for x in run if unmeasured_fields(x.d.get("measured"))),
+            unmeasured_current_devices=sum(1 for x in run if x.d.get("measured") == "none"),
             **sums,
         )
 
@@ -336,7 +338,12 @@ class Snapshot:
             return text.encode() if form == "json-bytes" else text
         report = self.build()
         if form == "html":
-            return report.to_html(full_page=True, refresh=self.request.refresh, nav=self._nav())
+            return report.to_html(
+                full_page=True,
+                refresh=self.request.refresh,
+                nav=self._nav(),
+                json_href="dask-rmm/report.json",
+            )
         return report
 
     def _nav(self) -> str:

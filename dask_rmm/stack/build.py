@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DeviceStack",
     "build_stack",
+    "check_log_file_keeps_rows",
     "claim_log_file",
     "log_file_path",
     "make_base_resource",
@@ -96,6 +97,42 @@ def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
     raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
 
 
+def check_log_file_keeps_rows(path: str) -> None:
+    """Raise OSError unless rows written to ``path`` (a log file made at its first row) would be
+    kept: an existing ``path`` must be a regular file (not ``/dev/null``, ``/dev/full`` or a
+    pipe, which take rows and drop them), and a probe file written next to it must hold what
+    was written (a pseudo-filesystem such as ``/proc`` or ``/sys`` refuses it, or keeps none).
+    Done when the stack is built, so that a registration fails on the client instead of each
+    worker warning at its first allocation that every row is lost."""
+    import stat
+    import uuid
+
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(
+            f"{path} is not a regular file ({os.path.realpath(path)}): rows written to it "
+            "would not be kept"
+        )
+    directory = os.path.dirname(path) or "."
+    probe = os.path.join(directory, f".rmm_log_probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    from dask_rmm.mr.logging_adaptor import CSV_HEADER
+
+    row = (CSV_HEADER + "\n").encode()
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        written = os.write(fd, row)
+        os.fsync(fd)
+        kept = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    if written != len(row) or kept != len(row):
+        raise OSError(
+            f"{directory} does not keep what is written to it (a test row of {len(row)} bytes "
+            f"left a file of {kept}): not a place for allocation logs"
+        )
+
+
 # -- per-device state on one worker --------------------------------------------------------------
 
 
@@ -109,6 +146,8 @@ class DeviceStack:
     attribution: Any = None  # AttributionResourceAdaptor or None
     logging: Any = None  # LoggingResourceAdaptor or None
     log_path: str | None = None
+    #: with ``log_directory``: the name the log file is claimed under at its first row
+    log_claim_path: str | None = None
     chain: str = ""
     host_memory: bool = False
     options: RMMOptions | None = None
@@ -155,6 +194,16 @@ class DeviceStack:
                     break
                 except Exception:  # pragma: no cover - a timer or a teardown must go on
                     logger.exception("dask-rmm: %s of %s failed", method, self.log_path)
+
+    def plan_log_path(self) -> None:
+        """Before the log's first row, name the file a claim would take now: a stack this one
+        replaced may have released its name since the build, and the first row then takes it
+        (the INFO line named the build-time choice, a file that never appeared)."""
+        if self.logging is None or self.log_claim_path is None:
+            return
+        name, _ = claim_log_file(self.log_claim_path, create=False)
+        if self.logging.plan_file_name(name):
+            self.log_path = name
 
     def close_log(self) -> None:
         self.flush_log(close=True)
@@ -232,7 +281,11 @@ def build_stack(
     ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
     """
     from dask_rmm import _cuda, mr
+    from dask_rmm.mr.registry import _check_device
 
+    # A device this host lacks fails here, while building (so the vote hears it), not when the
+    # built stack is installed after every worker agreed.
+    _check_device(device)
     with on_device(device):
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
@@ -254,6 +307,8 @@ def build_stack(
                 os.makedirs(options.log_directory, exist_ok=True)
                 path = log_file_path(options.log_directory, worker_name, device)
                 stack.log_path, _ = claim_log_file(path, create=False)
+                check_log_file_keeps_rows(stack.log_path)
+                stack.log_claim_path = path
                 # The adaptor adds RMM's ".dev<id>" to the name it is given. A worker's log is
                 # appended to, so a worker restarted under the same name keeps what was there,
                 # and made at the first row, so a worker that never allocates (one the

@@ -17,7 +17,7 @@ from typing import Any
 
 from dask_rmm.sizes import parse_device_bytes
 
-__all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
+__all__ = ["BASE_RESOURCES", "MAX_SIZE", "OptionError", "RMMOptions", "check_size"]
 
 #: Where memory comes from: cudaMalloc, cudaMallocManaged, cudaMallocAsync, pinned host memory,
 #: host memory (the only one that works without a GPU; never picked silently).
@@ -31,14 +31,38 @@ class OptionError(ValueError, RuntimeError):
     """
 
 
+#: No memory, on any device or host, is 16 EiB (a 64-bit address space) or more: a size at or
+#: above it is refused where it is given, not on every worker.
+MAX_SIZE = 1 << 64
+
+
+def check_size(option: str, value: Any) -> int | None:
+    """Check a size option where it is given (on the client): its form, a non-zero byte count
+    of at least 256 (the allocation alignment) and below :data:`MAX_SIZE`. Returns the bytes
+    (a fraction taken of a made-up total, since the device is not known here) or None."""
+    from dask_rmm.sizes import ALIGNMENT, format_bytes
+
+    # Parsing against a made-up total checks a fraction's form; bytes are exact here and
+    # aligned when a device resolves them.
+    nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
+    if nbytes is not None and nbytes < ALIGNMENT:
+        raise OptionError(
+            f"{option}={value!r}: {nbytes} bytes is smaller than the {ALIGNMENT}-byte alignment"
+        )
+    if nbytes is not None and nbytes >= MAX_SIZE:
+        raise OptionError(
+            f"{option}={value!r}: {format_bytes(nbytes)} is more memory than any device or host "
+            f"can have (a 64-bit address space holds less than {format_bytes(MAX_SIZE)})"
+        )
+    return nbytes
+
+
 def _size(option: str, value: Any) -> int | float | None:
     """A size option as kept until a device is known: bytes, a fraction (float), or None."""
     if isinstance(value, str) and not value.strip().isdigit():
         with contextlib.suppress(ValueError):  # "0.8" is a fraction, "1" one byte
             value = float(value) if 0 < float(value) <= 1 else value
-    # Parsing against a made-up total checks a fraction's form; bytes are exact here and
-    # aligned when a device resolves them.
-    nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
+    nbytes = check_size(option, value)
     return value if isinstance(value, float) and 0 < value <= 1 else nbytes
 
 

@@ -226,6 +226,10 @@ class WorkerMetrics:
                 d["reserved_bytes"] = int(info.reserved_bytes)
                 d["pool_free_bytes"] = int(info.free_bytes)
                 d["largest_free_block"] = int(info.largest_free_block)
+            if stats is None:  # statistics=False: derive what can be, say what cannot
+                d["measured"] = "none" if info is None else "pool"
+                if info is not None:
+                    d["current_bytes"] = max(0, int(info.reserved_bytes - info.free_bytes))
             device.last_reserved = (time.monotonic(), d["reserved_bytes"])
             d["retired_bytes"] = retired_bytes(retired, stack.device)
 
@@ -292,7 +296,11 @@ class WorkerMetrics:
             stack = device.stack
             try:
                 stats = stack.statistics
-                current = stats.current_bytes if stats is not None else 0
+                if stats is not None:
+                    current = stats.current_bytes
+                else:  # statistics=False: in use in a pool is its reserved minus free bytes
+                    info = stack.top.reserved_memory_info()
+                    current = info.reserved_bytes - info.free_bytes if info is not None else 0
                 # distributed's plot: what arrays use, not what library caches keep free
                 used += max(0, current - sum(caches.cached_bytes(stack.device).values()))
                 # The "dask-rmm" metric of this heartbeat has just walked the pool's free lists:

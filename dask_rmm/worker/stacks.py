@@ -142,6 +142,9 @@ class WorkerStack:
     plugin: Any = None
     #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
     pressure: Any = None
+    #: The plugin the worker's command line set up (``--preload dask_rmm.preload``), or None:
+    #: unregistering a plugin that replaced it sets it up again (:meth:`restore_command_line`).
+    command_line: Any = None
     _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
     _released: bool = False
 
@@ -170,6 +173,8 @@ class WorkerStack:
             allocators.reset_allocators(dropped)
         self.active, self.options, self.token, self._released = stacks, options, token, False
         self.retire(previous)
+        for stack in stacks:  # a retired stack may have let its log file name go
+            stack.plan_log_path()
         allocators.set_allocators(list(options.allocators), exact=options.exact_allocators)
         from dask_rmm.allocators import caches
 
@@ -185,6 +190,8 @@ class WorkerStack:
         if previous is not None:
             previous.detach(worker)
         if pressure is not None:
+            if previous is not None:  # OOM events and totals stay, as the peaks do
+                pressure.carry_history(previous)
             pressure.attach(worker)
             self.pressure = pressure
 
@@ -230,6 +237,25 @@ class WorkerStack:
         if options is not None:
             allocators.reset_allocators(list(options.allocators))
         self.retire(stacks)
+
+    async def restore_command_line(self, worker: Any) -> None:
+        """After a plugin that replaced the command line's setup was torn down: unless another
+        registration arrived meanwhile (it took the stacks), set the command line's plugin up
+        again on ``worker``. The stacks handed back stay installed until its new ones are
+        built, so tasks running meanwhile keep allocating; if that setup fails, they are removed
+        as without a command line (and the reason logged)."""
+        plugin = self.command_line
+        if plugin is None or not self._released or worker.plugins.get(plugin.name) is not None:
+            self.remove_released()
+            return
+        worker.plugins[plugin.name] = plugin
+        try:
+            await plugin.setup(worker)
+        except Exception:
+            if worker.plugins.get(plugin.name) is plugin:
+                del worker.plugins[plugin.name]
+            logger.exception("dask-rmm: restoring the command line's setup failed")
+            self.remove_released()
 
     def flush_logs(self) -> None:
         """Write the buffered log rows of every active stack, and of every retired stack

@@ -75,8 +75,8 @@ def release_unused(
     size : int, str or float, optional
         Bytes each pool keeps at least (``"2GiB"``, a fraction of the device, ``0``: as little
         as possible).
-    workers : list of str, optional
-        Only these workers (default: all).
+    workers : str or list of str, optional
+        Only these workers (an address, or a list of them; default: all).
     library_caches : bool
         Have the library caches give their free blocks back first.
 
@@ -92,6 +92,7 @@ def release_unused(
     >>> released = dask_rmm.release_unused(client)  # doctest: +SKIP
     >>> {w: sum(r.released_bytes for r in rs) for w, rs in released.items()}  # doctest: +SKIP
     """
+    size, workers = _check_release_arguments(size, workers, library_caches)
     if client is None:
         from distributed import default_client
 
@@ -113,6 +114,32 @@ def release_unused(
     return convert(
         client.run(trim_worker, size=size, library_caches=library_caches, workers=workers)
     )
+
+
+def _check_release_arguments(
+    size: Any, workers: Any, library_caches: Any
+) -> tuple[Any, list[str] | None]:
+    """``release_unused``'s arguments checked on the client (a bad size raised on every worker;
+    one address string was taken as a list of its characters); one address becomes a list."""
+    from dask_rmm.stack.options import check_size
+
+    if size is not None:
+        check_size("size", size)
+    if isinstance(workers, str):
+        workers = [workers]
+    elif workers is not None:
+        try:
+            workers = list(workers)
+        except TypeError:
+            raise TypeError(
+                f"`workers` must be a worker address or a list of them, got {workers!r}"
+            ) from None
+        bad = [w for w in workers if not isinstance(w, str)]
+        if bad:
+            raise TypeError(f"`workers` must be worker addresses (strings), got {bad[0]!r}")
+    if not isinstance(library_caches, bool):
+        raise TypeError(f"`library_caches` must be True or False, got {library_caches!r}")
+    return size, workers
 
 
 class PoolTrimmer:

@@ -59,11 +59,27 @@ def test_a_failed_allocation_takes_cache_blocks_back_and_the_snapshot_says_from_
     assert big.size == 3 * MiB + MiB // 2
     del big
     _cache("cupy", [MiB])
+    held = patterned_buffer(2 * MiB, 3)
     with pytest.raises(MemoryError):
-        patterned_buffer(8 * MiB, 2)  # more than the pool: fails after the caches gave back
+        patterned_buffer(3 * MiB, 2)  # fits the pool, not beside `held`: fails after cupy gave back
     (event,) = wp.oom_events()
     assert event.released_by_library == {"cupy": MiB}
     assert event.to_dict()["released_by_library"] == {"cupy": MiB}
+    del held
+
+
+def test_a_request_that_never_fits_claims_nothing_freed_for_it():
+    # A cache gave back for an allocation that then succeeded (no failure recorded); the next
+    # failure, a request above the pool's maximum, asks no cache: its record must not carry
+    # the earlier release over.
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=False)
+    _cache("torch", [MiB])
+    big = patterned_buffer(3 * MiB + MiB // 2, 1)  # fits only once torch's free block is back
+    del big
+    with pytest.raises(MemoryError):
+        patterned_buffer(8 * MiB, 2)
+    (event,) = wp.oom_events()
+    assert event.released_by_library == {}
 
 
 @pytest.mark.parametrize(

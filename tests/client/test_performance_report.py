@@ -71,6 +71,26 @@ def test_the_section_shows_the_blocks_peak_timeline_task_groups_ooms_in_it_and_s
     assert "<script" not in section
 
 
+@pytest.mark.parametrize(
+    "names, title",
+    [(["host"], "Host memory"), (["NVIDIA H200"], "GPU memory"),
+     (["host", "NVIDIA H200"], "GPU and host memory"), ([], "GPU memory")],
+)  # fmt: skip
+def test_the_section_is_titled_by_the_memory_the_stacks_hand_out(names, title):
+    """It said "GPU memory" on host memory (base_resource="system")."""
+    report = ClusterMemoryReport.from_dict(
+        {
+            "time": 110.0,
+            "workers": [
+                {"address": f"tcp://w:{i}", "name": f"w{i}", "devices": {"0": {"gpu_name": n}}}
+                for i, n in enumerate(names)
+            ],
+        }
+    )
+    section = gpu_section_html(_block(), None, report)
+    assert f"<h2>{title} (dask-rmm)</h2>" in section
+
+
 def test_the_section_goes_into_the_summary_tab_of_bokehs_document_once():
     text = "<h1> Dask Performance Report </h1><h2> Calling Code </h2><pre>x</pre>"
     docs = {
@@ -136,8 +156,31 @@ async def test_async_with_writes_the_report_with_the_gpu_section(c, s, a):
         async with performance_report(str(path), interval=0.05) as pr:
             assert await c.submit(burst, 6 * MiB, pure=False) == 6 * MiB
         summary = _summary_text(path.read_text())
-    assert "GPU memory (dask-rmm)" in summary
+    assert "<h2>Host memory (dask-rmm)</h2>" in summary
     assert pr.sampler.samples["performance report"].peak_used >= 6 * MiB
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_task_group_table_shows_the_blocks_peaks_not_those_since_setup(c, s, a):
+    """After a larger earlier run every row said "before it", with the earlier peak."""
+    pytest.importorskip("bokeh", reason="distributed's performance report needs bokeh")
+    import tempfile
+    from pathlib import Path
+
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="16MiB"))
+    await c.submit(burst, 12 * MiB, pure=False)  # before the block: a larger peak
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "block.html"
+        async with performance_report(str(path), interval=0.05) as pr:
+            await c.submit(burst, 3 * MiB, pure=False)
+        summary = _summary_text(path.read_text())
+    assert pr.block_peaks == {a.address: {"0": {"burst": 3 * MiB}}}
+    assert "<td>burst</td><td>3.00 MiB</td>" in summary
+    assert "12.00 MiB" not in summary.split("Task groups")[1].split("</table>")[0]
+    assert "Peaks over this block only" in summary
+    # the peaks since setup are still what the cluster report says
+    stack = a.plugins["dask-rmm"].resources()[0]
+    assert {m.owner: m.peak_bytes for m in stack.get_attribution()}["burst"] == 12 * MiB
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +207,11 @@ def test_the_report_file_is_distributeds_report_with_the_gpu_section_and_needs_n
     page = path.read_text()
     summary = _summary_text(page)
     assert "Dask Performance Report" in summary
-    assert "GPU memory (dask-rmm)" in summary and "<polyline" in summary
+    kind = "GPU memory" if HAS_GPU else "Host memory"
+    assert f"<h2>{kind} (dask-rmm)</h2>" in summary and "<polyline" in summary
     samples = pr.sampler.samples["performance report"]
     assert samples.peak_used >= 20 * MiB + 8 * MiB
-    assert "<td>burst</td><td>20.00 MiB</td><td>yes</td>" in summary
+    assert "<td>burst</td><td>20.00 MiB</td>" in summary  # the block's own peak
     # bokeh's JavaScript is inline: no script or style sheet is loaded from elsewhere (only
     # distributed's favicon link is)
     assert not re.search(r'<script[^>]+src="', page)

@@ -266,3 +266,41 @@ def test_fused_adaptor_and_pool_form_no_reference_cycle(owner):
         assert dead() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["plain", "pool-charged"])
+def test_peak_windows_measure_a_block_and_leave_the_peaks_since_made(pooled):
+    """A performance report's block needs each task group's peak over the block; the peaks
+    since the adaptor was made (the cluster report's) must not change, windows may overlap."""
+    import threading
+
+    from dask_rmm.mr import PoolMemoryResource, SystemMemoryResource
+    from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+
+    local = threading.local()
+    base = SystemMemoryResource()
+    upstream = PoolMemoryResource(base, initial_pool_size=8 << 20) if pooled else base
+    mr = AttributionResourceAdaptor(upstream, lambda: getattr(local, "task", None))
+    assert (mr.charging_pool is not None) == pooled
+
+    def burst(task: str, nbytes: int) -> None:
+        local.task = task
+        mr.deallocate(mr.allocate(nbytes), nbytes)
+
+    burst("x", 4096)
+    local.task = "held"
+    held = mr.allocate(1024)
+    outer = mr.open_window()
+    burst("x", 512)
+    inner = mr.open_window()
+    burst("x", 2048)
+    burst("y", 256)
+    assert mr.close_window(inner) == {"x": 2048, "y": 256, "held": 1024}
+    burst("x", 1024)
+    assert mr.close_window(outer) == {"x": 2048, "y": 256, "held": 1024}
+    peaks = {m.owner: m.peak_bytes for m in mr.get_attribution()}
+    assert peaks == {"x": 4096, "y": 256, "held": 1024}
+    assert mr.get_owner_memory("x").peak_bytes == 4096
+    with pytest.raises(KeyError):
+        mr.close_window(outer)
+    mr.deallocate(held, 1024)

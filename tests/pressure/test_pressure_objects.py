@@ -97,6 +97,40 @@ def test_coalescing_prefers_older_on_ties():
     ) == ["new"]
 
 
+# One 1000-byte chunk in which a library cache (CuPy's MemoryPool) drew two blocks and carved
+# arrays out of them: block P [0,400) holds a at 0 and b at 256 (b's pointer is inside the block,
+# not at its start); free [400,600); block Q [600,1000) holds c at 600.
+CACHE_CHUNKS = [(0, 1000)]
+CACHE_FREE = [(400, 200)]
+CACHE_LIVE = [(0, 400), (600, 400)]
+
+
+@pytest.mark.parametrize(
+    "cands, request_bytes, expected",
+    [
+        # a block is freed only with every candidate inside it, whatever their order or offsets
+        ([("a", 256, [0]), ("b", 144, [256])], 600, ["a", "b"]),
+        ([("b", 144, [256]), ("a", 256, [0])], 600, ["b", "a"]),
+        ([("b", 144, [399]), ("a", 256, [0])], 600, ["b", "a"]),
+        # only a pointer inside the block: the block is that candidate's
+        ([("b", 144, [256])], 600, ["b"]),
+        # both blocks, three candidates
+        ([("a", 256, [0]), ("b", 144, [256]), ("c", 400, [600])], 1000, ["a", "b", "c"]),
+        # equal cost, Q's candidate is older: Q, and P's two arrays stay
+        ([("c", 400, [600]), ("a", 256, [0]), ("b", 144, [256])], 600, ["c"]),
+        # a pointer outside every live block owns nothing
+        ([("x", 100, [450])], 600, None),
+    ],
+)
+def test_coalescing_victims_count_every_candidate_inside_a_block(cands, request_bytes, expected):
+    """Only the array at a cache block's start was mapped to the block: spilling it freed
+    nothing while the others in the block lived, and spill-on-OOM then gave up with most of the
+    pool spillable (the H200's "OOM with 7.92 MiB free of a 64 MiB pool" through CuPy's cache)."""
+    assert coalescing_victims(cands, request_bytes, CACHE_CHUNKS, CACHE_FREE, CACHE_LIVE) == (
+        expected
+    )
+
+
 def test_lru_victims():
     cands = [("a", 10, []), ("b", 20, []), ("c", 30, [])]
     assert lru_victims(cands, 0) == []

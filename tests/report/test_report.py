@@ -125,8 +125,17 @@ def test_html_escapes_and_draws_svg():
     assert "&lt;script&gt;" in html and "<script>" not in html
     assert html.count("<tr") == 5 and '<tr class="gone"' in html
     assert "<svg" in html and html.count("<polyline") == 3
-    page = ClusterMemoryReport.from_dict(_data()).to_html(full_page=True)
-    assert page.startswith("<!DOCTYPE html>") and "report.json" in page
+    report = ClusterMemoryReport.from_dict(_data())
+    page = report.to_html(full_page=True, json_href="dask-rmm/report.json")
+    assert page.startswith("<!DOCTYPE html>") and 'href="dask-rmm/report.json"' in page
+
+
+def test_a_page_saved_elsewhere_names_the_json_command_instead_of_a_missing_file():
+    """A standalone page linked to dask-rmm/report.json, which exists only on the scheduler."""
+    report = ClusterMemoryReport.from_dict(_data())
+    page = report.to_html(full_page=True)
+    assert "report.json" not in page and "<a href" not in page.split('class="foot"')[1]
+    assert f"dask rmm report {report.scheduler} --json" in page
 
 
 def test_empty_report_renders():
@@ -238,3 +247,16 @@ def test_bytes_held_free_in_library_caches_are_told_apart_from_bytes_in_arrays()
     assert row["library_cached_bytes"] == 2 << 20
     again = ClusterMemoryReport.from_dict(json.loads(r.to_json()))
     assert again.device("tcp://10.0.0.10:4000", 0).library_caches == "cupy,rmm"
+
+
+def test_a_total_peak_above_the_rows_peaks_is_explained():
+    """After an unregistration the total row's peak (384 MiB) stood far above the rows' peaks
+    (36 + 64 MiB) with nothing saying why."""
+    data = _data()
+    rows = ClusterMemoryReport.from_dict(data).totals
+    data["totals"] = dict(rows.to_dict(), peak_bytes=384 << 20, sum_of_device_peaks=100 << 20)
+    data["totals_cover"] = "cluster"
+    text = str(ClusterMemoryReport.from_dict(data))
+    assert "total peak 384.00 MiB is above the sum of the rows' peaks (100.00 MiB)" in text
+    assert "no longer listed" in text
+    assert "is above the sum" not in str(ClusterMemoryReport.from_dict(_data()))

@@ -107,6 +107,65 @@ def test_incompatible_options_fail_on_the_client(kwargs, match):
         RMMPlugin(**kwargs)
 
 
+_SIZE_OPTIONS = ["pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"]
+
+
+@pytest.mark.parametrize("option", _SIZE_OPTIONS)
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (100, "smaller than the 256-byte alignment"),
+        (1, "smaller than the 256-byte alignment"),
+        ("255", "smaller than the 256-byte alignment"),
+        ("200B", "smaller than the 256-byte alignment"),
+        (1 << 64, "more memory than any device or host"),
+        (10**30, "more memory than any device or host"),
+        ("100000000PiB", "more memory than any device or host"),
+        (1e25, "more memory than any device or host"),
+    ],
+)
+def test_sizes_no_worker_can_take_fail_on_the_client_naming_the_option(option, value, match):
+    """``RMMPlugin(pool_size=100)`` and ``pool_size=10**30`` were accepted here and failed on
+    every worker (README: options are checked on the client)."""
+    kwargs = {"base_resource": "system", "pool_size": "1MiB", option: value}
+    with pytest.raises(ValueError, match=match) as info:
+        RMMPlugin(**kwargs)
+    assert str(info.value).startswith(f"{option}=")
+
+
+def test_the_smallest_and_largest_sizes_a_worker_may_take_are_accepted_on_the_client():
+    assert RMMPlugin(base_resource="system", pool_size=256).options.pool_size == 256
+    huge = (1 << 64) - 256
+    assert RMMPlugin(base_resource="system", pool_size=huge).options.pool_size == huge
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_device_the_workers_lack_is_an_rmm_setup_error_and_changes_nothing(c, s, a):
+    """``devices=[5]`` failed while installing, after the vote, with a plain ValueError."""
+    import dask_rmm
+
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    before = get_per_device_resource(0)
+    for devices in ([5], [0, 5]):
+        with pytest.raises(dask_rmm.RMMSetupError, match=rf"{a.address}: .*device 5 does not"):
+            await c.register_plugin(RMMPlugin(base_resource="system", devices=devices))
+        assert get_per_device_resource(0) is before
+        assert [st.device for st in worker_stack(a).active] == [0]
+
+
+def test_rmm_setup_error_is_exported_without_importing_distributed():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dask_rmm; assert 'distributed' not in sys.modules; "
+        "assert 'RMMSetupError' in dask_rmm.__all__; "
+        "from dask_rmm import RMMSetupError; from dask_rmm.plugin import RMMSetupError as E; "
+        "assert RMMSetupError is E"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
     assert RMMPlugin().options.exact_allocators == ()
     assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")

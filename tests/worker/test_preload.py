@@ -494,3 +494,50 @@ def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch)
     assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
     monkeypatch.setenv(_RECOVERED_ENV, "not json")
     assert dask_setup.make_context("dask_setup", typed[1:]).params["rmm_pool_size"] is None
+
+
+# A task that allocates and frees through the worker's resource for a while (n rounds); pickled
+# by value, as the lambdas above.
+_churn = lambda n, nbytes: sum(  # noqa: E731
+    __import__("time").sleep(0.01) or __import__("dask_rmm").DeviceBuffer(size=nbytes).size > 0
+    for _ in range(n)
+)
+_stack_of = lambda dask_worker: [  # noqa: E731
+    (s.pool_size, s.chain)
+    for s in __import__("dask_rmm.worker.stacks").worker.stacks.worker_stack(dask_worker).active
+]
+
+
+@pytest.mark.slow
+def test_unregistering_a_plugin_brings_back_the_command_lines_setup_and_metrics(scheduler):
+    """Unregistering left preload-configured workers with the default CudaMemoryResource: every
+    running task failed (CUDAUnavailableError without a GPU) and the report had no workers."""
+    from distributed import Client
+
+    from dask_rmm import RMMPlugin, cluster_report
+
+    flags = ("--rmm-pool-size", "24MiB", "--rmm-base-resource", BASE)
+    workers = [_start_worker(scheduler, *flags, name=f"cl-{i}") for i in range(2)]
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(2, timeout=60)
+            command_line = client.run(_stack_of)
+            assert all(v[0][0] == 24 << 20 for v in command_line.values()), command_line
+            client.register_plugin(RMMPlugin(base_resource=BASE, pool_size="32MiB"))
+            assert all(v[0][0] == 32 << 20 for v in client.run(_stack_of).values())
+            running = client.map(_churn, [150] * 4, [1 << 20] * 4, pure=False)
+            wait_until(lambda: sum(len(p) for p in client.processing().values()) == 4, 30, "tasks")
+            client.unregister_worker_plugin("dask-rmm")
+            assert client.gather(running) == [150] * 4  # none failed
+            assert client.run(_stack_of) == command_line
+            options = client.run(_plugin_options)
+            assert all(o["pool_size"] == 24 << 20 for o in options.values())
+
+            def reserved():
+                report = cluster_report(client, timeline=False)
+                return sorted(d.reserved_bytes for d in report.devices) == [24 << 20] * 2
+
+            wait_until(reserved, 30, "both workers' command-line pools in the report")
+    finally:
+        for w in workers:
+            _stop(w)

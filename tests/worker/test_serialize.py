@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
+from conftest import HAS_GPU  # noqa: E402
 from distributed.protocol import deserialize, serialize  # noqa: E402
 from distributed.utils_test import gen_cluster  # noqa: E402
 
@@ -215,3 +216,60 @@ async def test_gpu_buffers_move_between_workers(c, s, a, b):
     assert await y == ("DeviceBuffer", PAYLOAD)
     assert await c.submit(_is_device_memory, x, workers=[b.address])
     assert (await x).tobytes() == PAYLOAD
+
+
+# -- a process without a GPU receiving a DeviceBuffer ----------------------------------------
+
+
+def _host_buffer(nbytes: int) -> DeviceBuffer:
+    """A task result in host memory, whatever the worker's current resource."""
+    return DeviceBuffer.to_device(PAYLOAD[:nbytes], mr=SystemMemoryResource())
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks a process without a GPU; this host has one")
+@pytest.mark.parametrize("family", ["dask", "cuda"])
+def test_receiving_without_a_gpu_is_one_error_naming_the_fix(family):
+    """Both families, host frames: the default CudaMemoryResource cannot be made here."""
+    from dask_rmm._cuda import CUDAUnavailableError
+    from dask_rmm.worker.serialize import NoMemoryForDeviceBufferError
+
+    header, frames = serialize(_host_buffer(1000), serializers=(family,))
+    if family == "cuda":  # what a comm hands over: host bytes for the device frame
+        frames = [bytes(memoryview(f)) if not isinstance(f, DeviceBuffer) else f.tobytes()
+                  for f in frames]  # fmt: skip
+    with pytest.raises(NoMemoryForDeviceBufferError) as info:
+        deserialize(header, frames, deserializers=(family,))
+    message = str(info.value)
+    assert 'dask_rmm.reinitialize(base_resource="system")' in message
+    assert "1000 B" in message and "\n" not in message
+    assert isinstance(info.value, CUDAUnavailableError)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks a client without a GPU; this host has one")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_client_without_a_gpu_logs_one_line_then_works_after_reinitialize(c, s, a):
+    """It logged CRITICAL "Failed to deserialize" with a traceback, then raised
+    CUDAUnavailableError naming SystemMemoryResource() (not what a client should call)."""
+    import logging
+
+    import dask_rmm
+    from dask_rmm.worker.serialize import NoMemoryForDeviceBufferError
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    core = logging.getLogger("distributed.protocol.core")
+    core.addHandler(handler)
+    try:
+        future = c.submit(_host_buffer, 1000)
+        with pytest.raises(NoMemoryForDeviceBufferError, match="reinitialize"):
+            await future
+    finally:
+        core.removeHandler(handler)
+    failed = [r for r in records if "Failed to deserialize" in r.getMessage()]
+    assert failed, records
+    for record in failed:
+        assert record.exc_info is None and record.exc_text is None
+        assert 'dask_rmm.reinitialize(base_resource="system")' in record.getMessage()
+    dask_rmm.reinitialize(base_resource="system")
+    assert (await future).tobytes() == PAYLOAD[:1000]

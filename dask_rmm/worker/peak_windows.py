@@ -1,0 +1,50 @@
+"""Task-group peaks over a block of work (what a performance report shows): on a worker, open a
+peak window on each active stack's attribution adaptor, later close it and read each task
+group's peak since it opened. Costs nothing per allocation (see
+:meth:`~dask_rmm.mr.attribution_adaptor.AttributionResourceAdaptor.open_window`). Not here: the
+accounts (:mod:`dask_rmm.mr.attribution_adaptor`), the report (:mod:`dask_rmm.client.performance`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+__all__ = ["close_peak_windows", "open_peak_windows"]
+
+# worker -> window id -> [(attribution adaptor, device, token)]
+_open: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def open_peak_windows(dask_worker: Any, window: str) -> int:
+    """On a worker (``client.run``): open the window ``window`` on every active stack that
+    attributes memory to task groups; the number of devices it covers."""
+    from dask_rmm.worker.stacks import worker_stack
+
+    entries = []
+    for stack in worker_stack(dask_worker).active:
+        attribution = stack.attribution
+        if attribution is not None:
+            entries.append((weakref.ref(attribution), stack.device, attribution.open_window()))
+    _open.setdefault(dask_worker, {})[window] = entries
+    return len(entries)
+
+
+def close_peak_windows(dask_worker: Any, window: str) -> dict[str, dict[str, int] | None]:
+    """On a worker (``client.run``): close ``window`` and return ``{device: {task group: peak
+    bytes in the window}}``; None for a device whose stack was replaced during the window (its
+    task groups were not measured over all of it). Devices the window did not cover (no
+    statistics, a setup made during the window) are left out."""
+    from dask_rmm.worker.stacks import worker_stack
+
+    active = [s.attribution for s in worker_stack(dask_worker).active]
+    out: dict[str, dict[str, int] | None] = {}
+    for ref, device, token in _open.get(dask_worker, {}).pop(window, []):
+        attribution = ref()
+        try:
+            peaks = attribution.close_window(token) if attribution is not None else None
+        except KeyError:
+            peaks = None
+        still = attribution is not None and any(a is attribution for a in active)
+        out[str(device)] = peaks if still else None
+    return out
