@@ -325,13 +325,13 @@ def report(
 
     Per worker and device: used, peak, reserved, free in the pool, largest free block,
     fragmentation, failed allocations and the task groups holding the most. Exits with
-    status 1 when the scheduler cannot be reached or no worker reports dask-rmm metrics, 2
-    when the address answers but not as a Dask scheduler (a dashboard, a proxy).
+    status 1 when the scheduler cannot be reached (the host does not resolve, the connection
+    is refused, no answer in time) or no worker reports dask-rmm metrics, 2 when the address
+    is not one of a scheduler (no port, a port out of range) or answers but not as a Dask
+    scheduler (a dashboard, a proxy, another service).
     """
-    import asyncio
-
     from dask_rmm._output import refuse_input
-    from dask_rmm.client.fetch import NotDaskAddressError, iter_reports
+    from dask_rmm.client.fetch import iter_reports
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
@@ -373,17 +373,29 @@ def report(
                 if plot_path is not None:
                     click.echo(f"wrote {plot_path}")
 
-    with _user_errors(), contextlib.suppress(KeyboardInterrupt):
-        try:
-            asyncio.run(run())
-        except NotDaskAddressError as e:
-            raise _WrongAddress(str(e)) from e
+    with contextlib.suppress(KeyboardInterrupt):
+        _run_at_scheduler(run())
 
 
 class _WrongAddress(click.ClickException):
-    """An address that answers, but not as a Dask scheduler: a usage error (exit 2)."""
+    """An address that is not a scheduler's, or answers but not as a Dask scheduler: a usage
+    error (exit 2)."""
 
     exit_code = 2
+
+
+def _run_at_scheduler(coroutine: Any) -> Any:
+    """Run ``coroutine`` (it talks to a scheduler) with the errors of ``report`` and ``advise``
+    worded alike: a wrong address exits 2, an unreachable one 1, each in one line."""
+    import asyncio
+
+    from dask_rmm.client.fetch import BadAddressError, NotDaskAddressError
+
+    with _user_errors():
+        try:
+            return asyncio.run(coroutine)
+        except (NotDaskAddressError, BadAddressError) as e:
+            raise _WrongAddress(str(e)) from e
 
 
 @main.command()
@@ -453,16 +465,13 @@ def advise(
                 raise click.ClickException(
                     f"cannot read a scheduler address from {scheduler_file}: {e!r}"
                 ) from e
-        import asyncio
-
         from dask_rmm.client.fetch import iter_reports
 
         async def fetch() -> Any:
             async for r in iter_reports(address, timeout=timeout, timeline=True):
                 return r
 
-        with _user_errors():
-            report = asyncio.run(fetch())
+        report = _run_at_scheduler(fetch())
         if not report.running:
             raise click.ClickException(
                 f"no running dask-rmm workers on the scheduler at {address}; "
