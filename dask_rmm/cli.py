@@ -78,6 +78,19 @@ def _parse_positive_size(
     return size
 
 
+def _progress_option(what: str) -> Callable[[Any], Any]:
+    """``--progress/--no-progress``: click's progress bar on stderr, by default on a terminal."""
+    return click.option(
+        "--progress/--no-progress",
+        default=None,
+        help=f"Progress bar on stderr while {what} (default: when stderr is a terminal).",
+    )
+
+
+def _progress(flag: bool | None) -> bool:
+    return sys.stderr.isatty() if flag is None else flag
+
+
 _FILES = click.argument(
     "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False)
 )
@@ -93,7 +106,8 @@ _FILES = click.argument(
     show_default=True,
     help="Largest outstanding allocations to list.",
 )
-def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
+@_progress_option("reading the logs")
+def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | None) -> None:
     """Duration, counts, peak, leaks, size histogram and per-thread/stream totals of FILES.
 
     With several files (one per worker), also their combination merged by time.
@@ -101,7 +115,7 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
     from dask_rmm.logs import summary as log_summary
 
     with _user_errors():
-        report = log_summary.summarize(files, top=top)
+        report = log_summary.summarize(files, top=top, progress=_progress(progress))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
@@ -115,7 +129,8 @@ def summary(files: tuple[str, ...], as_json: bool, top: int) -> None:
     "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Image to write."
 )
 @click.option("--title", default=None, help="Plot title.")
-def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
+@_progress_option("reading the logs")
+def plot(files: tuple[str, ...], output: str, title: str | None, progress: bool | None) -> None:
     """Plot bytes in use over time, one line per file (worker), each peak marked.
 
     Writes PNG, SVG or PDF by OUTPUT's extension; needs matplotlib.
@@ -123,7 +138,7 @@ def plot(files: tuple[str, ...], output: str, title: str | None) -> None:
     from dask_rmm.logs import timeline as log_timeline
 
     with _user_errors():
-        timelines = log_timeline.plot_logs(files, output, title=title)
+        timelines = log_timeline.plot_logs(files, output, title=title, progress=_progress(progress))
     peaks = ", ".join(f"{t.source} {t.peak_bytes:,} B" for t in timelines)
     click.echo(f"wrote {output} (peaks: {peaks})")
 
@@ -178,11 +193,7 @@ _RESOURCE_NAMES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
     is_flag=True,
     help="Re-issue the log's 'allocate failure' rows too (successes are freed at once).",
 )
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress bar on stderr (default: when stderr is a terminal).",
-)
+@_progress_option("replaying")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def replay(
     file: str,
@@ -232,7 +243,7 @@ def replay(
                 gpu=gpu,
                 block_size=block_size,
                 retry_failures=retry_failures,
-                progress=sys.stderr.isatty() if progress is None else progress,
+                progress=_progress(progress),
                 initial_pool_size=initial_pool_size,
                 maximum_pool_size=maximum_pool_size,
             )
@@ -438,6 +449,7 @@ def _run_at_scheduler(coroutine: Any) -> Any:
     help="With --logs: the logs come from host memory (no cudaMallocAsync to advise).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the advice as JSON.")
+@_progress_option("reading and replaying --logs")
 @_timeout_option("Seconds to wait for the scheduler.")
 def advise(
     targets: tuple[str, ...],
@@ -446,6 +458,7 @@ def advise(
     device_memory: int | None,
     host_memory: bool,
     as_json: bool,
+    progress: bool | None,
     timeout: float,
 ) -> None:
     """Recommend pool_size, maximum_pool_size and the allocator per worker device.
@@ -466,7 +479,10 @@ def advise(
             raise click.BadParameter(f"no such log file: {', '.join(missing)}")
         with _user_errors():
             advices = advice_mod.advise_from_logs(
-                list(targets), device_memory=device_memory or 0, on_device=not host_memory
+                list(targets),
+                device_memory=device_memory or 0,
+                on_device=not host_memory,
+                progress=_progress(progress),
             )
     else:
         if device_memory is not None or host_memory:

@@ -368,20 +368,42 @@ def _unique_sources(paths: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def read_logs(
-    paths: Sequence[str | os.PathLike], readers: list[LogReader] | None = None
+    paths: Sequence[str | os.PathLike],
+    readers: list[LogReader] | None = None,
+    *,
+    progress: str | None = None,
 ) -> Iterator[LogEvent]:
     """The events of several logs merged by time (each file keeps its own order).
 
     Each file is read lazily, so memory stays bounded by the number of files. When ``readers``
     is given (an empty list) it receives the :class:`LogReader` of each path, for their
-    ``truncated``, ``rows`` and progress attributes.
+    ``truncated``, ``rows`` and progress attributes. ``progress`` (a label) draws click's
+    progress bar over the bytes read on stderr (click draws the bar only on a terminal).
     """
     made = [LogReader(p, s) for p, s in zip(paths, _unique_sources(paths), strict=True)]
     if readers is not None:
         readers.extend(made)
-    if len(made) == 1:
-        return iter(made[0])
-    return heapq.merge(*made, key=operator.attrgetter("time"))
+    events = iter(made[0]) if len(made) == 1 else heapq.merge(*made, key=_BY_TIME)
+    return events if progress is None else _with_progress(events, made, progress)
+
+
+_BY_TIME = operator.attrgetter("time")
+
+
+def _with_progress(
+    events: Iterator[LogEvent], readers: Sequence[LogReader], label: str, every: int = 8192
+) -> Iterator[LogEvent]:
+    import sys
+
+    import click
+
+    total = max(sum(r.total_bytes for r in readers), 1)
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        for i, e in enumerate(events):
+            if i % every == 0:
+                bar.update(min(sum(r.bytes_read for r in readers), total) - bar.pos)
+            yield e
+        bar.update(total - bar.pos)
 
 
 # --- live allocations ------------------------------------------------------------------------

@@ -298,10 +298,11 @@ class SummaryReport:
 
 
 def summarize(
-    paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10
+    paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10, *, progress: bool = False
 ) -> SummaryReport:
     """Summarize one or several logs (one per worker, or merged logs) in one streaming pass:
-    ``files`` in the order given, and ``combined`` when there are several files.
+    ``files`` in the order given, and ``combined`` when there are several files. ``progress``
+    draws click's progress bar on stderr.
 
     Examples
     --------
@@ -321,7 +322,7 @@ def summarize(
         paths = [paths]
     paths = list(paths)
     readers: list[LogReader] = []
-    events = read_logs(paths, readers)
+    events = read_logs(paths, readers, progress="reading logs" if progress else None)
     per_file = {r.path: Summarizer(r.source, top) for r in readers}
     if len(per_file) != len(readers):
         raise ValueError("the same log file was given twice")

@@ -516,3 +516,21 @@ def test_merge_refuses_a_file_given_twice_by_any_name(runner, two_logs, tmp_path
         result = runner.invoke(cli.main, ["log", "merge", *map(str, inputs), "-o", str(out)])
         assert result.exit_code == 1, (inputs, result.output)
         assert "is given twice" in result.output and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "command, label",
+    [(["summary", "--json"], "reading logs"), (["plot", "-o", "{tmp}/p.png"], "reading logs")],
+)
+def test_summary_and_plot_show_progress_on_stderr(runner, two_logs, tmp_path, command, label):
+    pytest.importorskip("matplotlib")
+    a, b, _, _ = two_logs
+    args = [c.replace("{tmp}", str(tmp_path)) for c in command]
+    result = runner.invoke(cli.main, ["log", *args, str(a), str(b), "--progress"])
+    assert result.exit_code == 0, result.output
+    # click hides the bar itself when stderr is not a terminal, but still names it there.
+    assert label in result.stderr and label not in result.stdout
+    if "--json" in args:
+        json.loads(result.stdout)
+    quiet = runner.invoke(cli.main, ["log", *args, str(a), "--no-progress"])
+    assert quiet.exit_code == 0 and label not in quiet.stderr
