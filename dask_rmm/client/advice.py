@@ -325,7 +325,8 @@ def _advise_device(d: DeviceMemory) -> Advice:
     peak = max(d.peak_bytes, d.timeline_peak)
     verdicts = [e.get("verdict") for e in d.oom_events]
     notes: list[str] = []
-    pieces = d.fragmentation >= 0.5 and d.pool_free_bytes * 4 >= max(d.reserved_bytes, 1)
+    frag = d.fragmentation  # None: none of the pool in use, nothing to call fragmented
+    pieces = frag is not None and frag >= 0.5 and d.pool_free_bytes * 4 >= d.reserved_bytes
     if "fragmentation" in verdicts:
         fragmenting = True
         evidence = (
@@ -335,15 +336,16 @@ def _advise_device(d: DeviceMemory) -> Advice:
     elif pieces:
         fragmenting = True
         evidence = (
-            f"the pool's free memory is in pieces (fragmentation {d.fragmentation:.0%}, largest "
+            f"the pool's free memory is in pieces (fragmentation {frag:.0%}, largest "
             f"free block {format_bytes(d.largest_free_block)} of {format_bytes(d.pool_free_bytes)}"
             " free)"
         )
     else:
         fragmenting = False
         evidence = (
-            f"no sign of fragmentation (fragmentation {d.fragmentation:.0%} now, no OOM with "
-            "verdict 'fragmentation')"
+            "no sign of fragmentation ("
+            + ("none of the pool in use now" if frag is None else f"fragmentation {frag:.0%} now")
+            + ", no OOM with verdict 'fragmentation')"
         )
     if "demand" in verdicts:
         notes.append(

@@ -382,7 +382,7 @@ class ClusterMemoryReport:
             rows.append(
                 [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
                 + memory(d, format_bytes(d.peak_bytes))
-                + [f"{d.fragmentation:.0%}", str(d.failed_allocations), _top_groups(d)]
+                + [_percent(d.fragmentation), str(d.failed_allocations), _top_groups(d)]
             )
         t = self.totals
         peak = "-" if t.peak_bytes is None else format_bytes(t.peak_bytes) + " *"
@@ -631,6 +631,11 @@ _CSS = (
     ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
     ".dask-rmm-report .note{color:#b00}"
 )
+
+
+def _percent(ratio: float | None) -> str:
+    """A ratio as a percentage; ``-`` where there is no figure (fragmentation of an unused pool)."""
+    return "-" if ratio is None else f"{ratio:.0%}"
 
 
 def _worker_label(d: DeviceMemory) -> str:

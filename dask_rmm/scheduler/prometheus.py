@@ -84,7 +84,7 @@ class DaskRMMCollector:
         gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
         frag = GaugeMetricFamily(
             "dask_rmm_fragmentation_ratio",
-            "1 - largest free block / free bytes in the pool",
+            "1 - largest free block / free bytes in the pool (absent while none of it is in use)",
             labels=LABELS,
         )
         for x in running:
@@ -98,7 +98,8 @@ class DaskRMMCollector:
             for field, family in gauges:
                 value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
                 family.add_metric(labels, value)
-            frag.add_metric(labels, x.frag)
+            if x.frag is not None:  # no figure while none of the pool is in use
+                frag.add_metric(labels, x.frag)
         for _, family in gauges:
             yield family
         yield frag

@@ -325,3 +325,17 @@ def test_advise_logs_progress_goes_to_stderr(tmp_path):
     json.loads(r.stdout)  # the bar never reaches stdout
     quiet = CliRunner().invoke(main, ["advise", "--logs", steady, "--host-memory", "--no-progress"])
     assert "replay pool" not in quiet.stderr
+
+
+@pytest.mark.parametrize("largest", [GiB, 2 * GiB, 4 * GiB])
+def test_advice_does_not_act_on_the_free_chunks_of_an_idle_pool(largest):
+    idle = _device(peak_bytes=GiB, reserved_bytes=8 * GiB, pool_free_bytes=8 * GiB)
+    idle["largest_free_block"] = largest
+    [a] = advise_from_report(
+        ClusterMemoryReport.from_dict(
+            {"workers": [{"address": "tcp://a:1", "devices": {"0": idle}}]}
+        )
+    )
+    assert a.allocator == "pool" and not a.fragmenting
+    assert "none of the pool in use now" in a.reasons["allocator"]
+    assert "%" not in a.reasons["allocator"]

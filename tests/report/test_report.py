@@ -85,9 +85,45 @@ def test_totals_cover_running_workers_only():
 
 
 def test_fragmentation():
-    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=25).fragmentation == 0.75
-    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=100).fragmentation == 0.0
-    assert DeviceMemory("w", "0").fragmentation == 0.0
+    def frag(**fields):
+        return DeviceMemory("w", "0", **fields).fragmentation
+
+    assert frag(reserved_bytes=200, pool_free_bytes=100, largest_free_block=25) == 0.75
+    assert frag(reserved_bytes=200, pool_free_bytes=100, largest_free_block=100) == 0.0
+    assert frag(reserved_bytes=200, pool_free_bytes=0, largest_free_block=0) == 0.0
+    # nothing in use (free chunks of an idle pool, or no pool at all): no figure
+    assert frag(reserved_bytes=100, pool_free_bytes=100, largest_free_block=50) is None
+    assert frag() is None
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_an_idle_pool_in_separate_chunks_reads_no_fragmentation_anywhere(chunks):
+    """A pool grown in ``chunks`` pieces, everything freed again (the issue's 50 % with two)."""
+    from dask_rmm import mr
+
+    MiB = 1 << 20
+    pool = mr.PoolMemoryResource(mr.SystemMemoryResource(), 4 * MiB, 256 * MiB)
+    blocks = [(pool.allocate(4 * MiB * (i + 1)), 4 * MiB * (i + 1)) for i in range(chunks)]
+    busy = pool.reserved_memory_info()
+    for ptr, n in blocks:
+        pool.deallocate(ptr, n)
+    info = pool.reserved_memory_info()
+    assert info.reserved_bytes == info.free_bytes > info.largest_free_block or chunks == 1
+    assert info.fragmentation is None
+    assert busy.fragmentation is not None  # while in use, a figure
+    device = {
+        "reserved_bytes": info.reserved_bytes,
+        "pool_free_bytes": info.free_bytes,
+        "largest_free_block": info.largest_free_block,
+    }
+    r = ClusterMemoryReport.from_dict(
+        {"workers": [{"address": "tcp://w:1", "devices": {"0": device}}]}
+    )
+    (d,) = r.devices
+    assert d.fragmentation is None
+    header, row = r.table_rows()[:2]
+    assert row[header.index("frag")] == "-" and "%" not in " ".join(row)
+    assert json.loads(r.to_json())["workers"][0]["devices"]["0"]["fragmentation"] is None
 
 
 def test_dict_and_json_round_trip():
