@@ -354,7 +354,10 @@ class Snapshot:
 
         sorts = " ".join(link(k, req.sort == k, sort=k) for k in SORT_KEYS)
         tops = " ".join(link(str(n), req.top == n, top=n) for n in (20, 50, 200, 1000))
-        return f'<p class="nav">sort by: {sorts} &middot; rows: {tops}</p>'
+        # Relative links: they follow the dashboard's --dashboard-prefix. distributed gives
+        # plugins no documented way into its dashboard's menu; this page links back to it.
+        back = '<a href="status">Dask dashboard</a>'
+        return f'<p class="nav">{back} &middot; sort by: {sorts} &middot; rows: {tops}</p>'
 
 
 @contextlib.contextmanager
