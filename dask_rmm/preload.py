@@ -217,7 +217,29 @@ def _with_flags(command: Any) -> Any:
         settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
         command = click.option(flag, default=None, **settings)(command)
     command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", default=None, hidden=True)(command)
-    return click.command(name="dask_rmm.preload", cls=_PreloadCommand)(command)
+    return click.command(
+        name="dask_rmm.preload",
+        cls=_PreloadCommand,
+        help=_HELP,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )(command)
+
+
+#: The command's help (``--help``, ``-h``): plain text, not the docstring's Sphinx markup.
+_HELP = """Set the worker's memory resources up from the --rmm-* flags (one RMMPlugin for
+this worker).
+
+\b
+  dask worker tcp://HOST:8786 --preload dask_rmm.preload --rmm-pool-size 4GiB
+
+Give the scheduler address before these flags: dask worker takes the first flag as its address
+otherwise (with --scheduler-file that flag is recovered and logged). Under dask-cuda, its own
+--rmm-* settings configure dask-rmm. A setup that fails stops the worker with the reason.
+Without a GPU, add --rmm-base-resource system (host memory).
+
+python -m dask_rmm.preload FLAGS checks the flags and prints the RMMPlugin they make, without
+starting anything.
+"""
 
 
 @_with_flags

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -494,3 +495,26 @@ def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch)
     assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
     monkeypatch.setenv(_RECOVERED_ENV, "not json")
     assert dask_setup.make_context("dask_setup", typed[1:]).params["rmm_pool_size"] is None
+
+
+_SPHINX_MARKUP = re.compile(r"``|:(func|class|meth|mod|attr|data|exc|ref):`")
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_python_m_dask_rmm_preload_help_is_plain_text(flag):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_rmm.preload", flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Usage: dask worker SCHEDULER --preload dask_rmm.preload")
+    assert "--rmm-pool-size" in out.stdout and "--rmm-base-resource" in out.stdout
+    assert not _SPHINX_MARKUP.search(out.stdout), out.stdout
+    same = CliRunner().invoke(
+        dask_setup, [flag], prog_name="dask worker SCHEDULER --preload dask_rmm.preload"
+    )
+    assert same.exit_code == 0 and not _SPHINX_MARKUP.search(same.output)
