@@ -12,6 +12,7 @@ dask_rmm.preload --help`` for the flags.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 import click
 
+from dask_rmm.config import unknown_keys_unreported
 from dask_rmm.stack.options import BASE_RESOURCES
 
 __all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
@@ -84,7 +86,10 @@ class _PreloadCommand(click.Command):
         # fresh context for the preload; at worker start the preload's context is the current one
         outer = click.get_current_context(silent=True)
         worker_params = {p.name for p in outer.command.params} if outer is not None else set()
-        if outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params:
+        checking_for_dask_worker = (
+            outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params
+        )
+        if checking_for_dask_worker and outer is not None:
             args = _check_scheduler_argument(self, outer, list(args))
             from dask_rmm.worker.fatal import arm_worker_command
 
@@ -92,8 +97,12 @@ class _PreloadCommand(click.Command):
         else:
             args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
+        # Checked again where the worker starts (often another process): an unknown config
+        # key is reported there, once.
+        quiet = unknown_keys_unreported() if checking_for_dask_worker else contextlib.nullcontext()
         try:
-            plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
+            with quiet:
+                plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
         except click.UsageError as e:
             e.ctx = ctx  # the usage shown is this command's
             raise

@@ -518,3 +518,32 @@ def test_python_m_dask_rmm_preload_help_is_plain_text(flag):
         dask_setup, [flag], prog_name="dask worker SCHEDULER --preload dask_rmm.preload"
     )
     assert same.exit_code == 0 and not _SPHINX_MARKUP.search(same.output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nanny", [True, False], ids=["nanny", "no-nanny"])
+def test_an_unknown_config_key_is_reported_once_per_worker_start(scheduler, nanny):
+    from distributed import Client
+
+    env = _env(DASK_DASK_RMM__POOLSIZE="1GB", DASK_DASK_RMM__BASE_RESOURCE=BASE)
+    worker = _start_worker(
+        scheduler, "--rmm-pool-size", "16MiB", name="typo-1", env=env, nanny=nanny
+    )
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            assert next(iter(client.run(_plugin_options).values()))["pool_size"] == 16 << 20
+    finally:
+        out = _stop(worker)
+    assert out.count("unknown config key dask-rmm.poolsize (DASK_DASK_RMM__POOLSIZE)") == 1, out
+
+
+def test_an_unknown_config_key_warns_once_per_process():
+    from dask_rmm.config import validate_config
+
+    with dask.config.set({"dask-rmm.pool-szie": "1GB"}):
+        with pytest.warns(UserWarning, match=r"dask-rmm.pool-szie") as caught:
+            for _ in range(4):
+                validate_config()
+                plugin_from_flags(rmm_base_resource="system")
+    assert len([w for w in caught if "pool-szie" in str(w.message)]) == 1
