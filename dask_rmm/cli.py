@@ -365,6 +365,10 @@ def report(
 
     if bool(scheduler_address) == bool(scheduler_file):
         raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
+    if timelines and not as_json:
+        raise click.UsageError(
+            "--timelines goes with --json (the table shows no timelines; --plot draws them)"
+        )
     if scheduler_file:
         try:
             refuse_input(plot_path or "", [scheduler_file])

@@ -484,3 +484,12 @@ def test_a_closed_port_is_connection_refused(command):
         r = CliRunner().invoke(main, [command, address, "--timeout", "60"])
     line = _one_line_error(r, 1)
     assert f"could not reach the Dask scheduler at {address}: connection refused" in line
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--plot", "x.png"], ["--watch", "1"], ["--top", "3"]], ids=str
+)
+def test_timelines_without_json_is_a_usage_error(extra):
+    r = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:9", "--timelines", *extra])
+    assert r.exit_code == 2, r.output
+    assert "--timelines goes with --json" in r.output and "Traceback" not in r.output
