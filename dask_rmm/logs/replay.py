@@ -469,9 +469,10 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in results:
-        ratio = r.peak_upstream_bytes / r.peak_bytes if r.peak_bytes else float("nan")
+        # nothing was in use (every allocation failed): no ratio to give
+        ratio = f"{r.peak_upstream_bytes / r.peak_bytes:.2f}x" if r.peak_bytes else "-"
         lines.append(
-            f"{r.resource:<12} {format_bytes(r.peak_upstream_bytes):>14} {ratio:>8.2f}x "
+            f"{r.resource:<12} {format_bytes(r.peak_upstream_bytes):>14} {ratio:>9} "
             f"{r.upstream_allocations:>15,} "
             f"{r.new_failures if r.can_serve else 'cannot serve':>12} {r.seconds:>9.3f} "
             f"{1e6 * r.seconds / max(r.rows, 1):>7.2f}"

@@ -417,12 +417,12 @@ def _small_and_large_log(tmp_path) -> Path:
 
 
 def _footprints(stdout: str) -> dict[str, str]:
-    """resource -> its row of the comparison table."""
-    return {
-        line.split()[0]: line
-        for line in stdout.splitlines()
-        if line.split() and line.split()[0] in replay.RESOURCES
-    }
+    """resource -> its row of the comparison table (the first line naming it)."""
+    rows: dict[str, str] = {}
+    for line in stdout.splitlines():
+        if line.split() and line.split()[0] in replay.RESOURCES:
+            rows.setdefault(line.split()[0], line)
+    return rows
 
 
 @pytest.mark.parametrize("names", ["pool,cuda", "cuda,pool", "arena,cuda,binning"])
@@ -534,3 +534,16 @@ def test_summary_and_plot_show_progress_on_stderr(runner, two_logs, tmp_path, co
         json.loads(result.stdout)
     quiet = runner.invoke(cli.main, ["log", *args, str(a), "--no-progress"])
     assert quiet.exit_code == 0 and label not in quiet.stderr
+
+
+def test_compare_with_nothing_served_shows_no_ratio_rather_than_nan(runner, tmp_path):
+    p = tmp_path / "never.csv"
+    size = (1 << 64) - 1  # what a size_t holds: no resource serves it
+    p.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        f"1,01:00:00.000000,allocate,0x1000,{size},0x0\n1,01:00:00.100000,free,0x1000,{size},0x0\n"
+    )
+    result = runner.invoke(cli.main, ["log", "replay", str(p), "--compare", "pool,cuda"])
+    assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
+    rows = _footprints(result.stdout)
+    assert "nan" not in result.stdout and rows["pool"].split()[3] == "-"
