@@ -177,7 +177,7 @@ def part1_host(args, save=lambda rows: None) -> list[dict]:
     rows = []
     # Repeats interleaved (a drifting machine affects all rows alike), then one run without
     # the options (it fails).
-    runs = [c for rep in range(args.host_repeats) for c in configs]
+    runs = [c for _ in range(args.host_repeats) for c in configs]
     runs.append(("none", "dask-rmm, no options", dict(base)))
     for name, label, options in runs:
         row = {"config": label, "options": dict(options)}

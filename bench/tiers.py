@@ -229,7 +229,7 @@ def _torch_child(kind: str, steps: int, threads: int) -> None:
             mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 30)
         )
         mr.set_current_device_resource(stats)
-        set_torch_allocator()
+        set_torch_allocator(cache=False)  # the per-tensor path
     barrier = threading.Barrier(threads + 1)
 
     def train(seed: int) -> None:

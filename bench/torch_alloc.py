@@ -51,7 +51,7 @@ def _setup(kind: str) -> None:
         if kind == "statistics":
             res = mr.StatisticsResourceAdaptor(res)
     mr.set_current_device_resource(res)
-    set_allocators(["torch"])
+    set_allocators(["torch"], exact=["torch"])  # every tensor through the resource
 
 
 def _child(kind: str, sizes: list[int], iterations: int, repeat: int) -> None:

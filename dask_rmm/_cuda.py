@@ -263,7 +263,7 @@ class HandleObjects(dict):
     made on first lookup: ``objects[handle]``.
 
     cuda-python turns an int handle argument into a new handle object on every call (about as
-    costly as the call itself on a fast path: ~0.8 us per argument on the CPU host);
+    costly as the call itself on a fast path; figure in bench/README.md, "Design measurements");
     a cached object is passed as is. Handles are plain values, so an entry never goes stale; the
     table is cleared when it reaches 4096 entries. A value that is not an int is converted
     every time, as cuda-python would.

@@ -144,8 +144,25 @@ class RMMPlugin(WorkerPlugin):
         spill_on_oom: bool = _UNSET,
         device_pause_fraction: float | None = _UNSET,
     ):
-        given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        #: The checked options (:class:`~dask_rmm.stack.RMMOptions`).
+        given = dict(
+            pool_size=pool_size,
+            maximum_pool_size=maximum_pool_size,
+            managed_memory=managed_memory,
+            async_alloc=async_alloc,
+            release_threshold=release_threshold,
+            log_directory=log_directory,
+            track_allocations=track_allocations,
+            allocators=allocators,
+            exact_allocators=exact_allocators,
+            statistics=statistics,
+            base_resource=base_resource,
+            devices=devices,
+            device_memory_limit=device_memory_limit,
+            spill_on_oom=spill_on_oom,
+            device_pause_fraction=device_pause_fraction,
+        )
+        #: The checked options (:class:`~dask_rmm.stack.RMMOptions`); those not given (``_UNSET``)
+        #: come from the config.
         self.options = RMMOptions.from_config(**{k: v for k, v in given.items() if v is not _UNSET})
         #: Identifies this registration in the setup vote.
         self.token = uuid.uuid4().hex
@@ -168,13 +185,24 @@ class RMMPlugin(WorkerPlugin):
     # -- setup -----------------------------------------------------------------------------
 
     async def setup(self, worker: Worker) -> None:
-        """Build this worker's stacks, vote, then install them or keep the previous ones."""
+        """Build this worker's stacks, vote, then roll back (keep the previous ones) or commit."""
         ws = worker_stack(worker)
         # First, before any await: keep the stacks a teardown of the plugin we replace handed back
         # installed until ours are ready (or for good if we fail).
         kept = ws.take_released()
         self._worker = worker
-        stacks, error, pressure = [], None, None
+        stacks, pressure, error = self._build(worker)
+        failures, current, joining = await self._vote(worker, error, ws.token if kept else None)
+        if failures or not current:
+            pressure = None
+            await self._roll_back(worker, ws, stacks, failures, joining)
+            return
+        await self._commit(worker, ws, stacks, pressure)
+
+    def _build(self, worker: Worker) -> tuple[list, Any, str | None]:
+        """This worker's new stacks and their memory-pressure layer, installed nowhere yet; or
+        the ones built before an error, and the error as one line (``"Type: message"``)."""
+        stacks: list = []
         try:
             validate_config()
             # a library the worker lacks fails here, before any stack is built or installed
@@ -193,34 +221,35 @@ class RMMPlugin(WorkerPlugin):
 
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
-            error = f"{type(e).__name__}: {self._hint(e)}"
-        current, joining = True, False
-        if self.coordinated:
-            failures, current, joining = await self._vote(worker, error, ws.token if kept else None)
-        else:
-            failures = {worker.address: error} if error else {}
-        if failures or not current:
-            # The error's traceback keeps this frame: leave no discarded stack in it (no loop
-            # variable either), so that the memory their pools took is given back at once.
-            while stacks:
-                stacks.pop().close_log()
-            pressure = None
-            owner = ws.plugin
-            if (
-                not failures
-                and owner is not None
-                and owner is not self
-                and owner.token == ws.token
-                and worker.plugins.get(self.name) is self
-            ):
-                # Superseded, and the later registration reached this worker first: arriving
-                # after it, this one replaced it in worker.plugins and tore it down, while its
-                # stacks stay installed. Put it back, so the plugin and the stacks agree.
-                worker.plugins[self.name] = owner
-                owner._worker = worker
-                owner._publish(worker, ws)
-            elif failures or worker.plugins.get(self.name) is self:
-                self._publish(worker, ws)
+            return stacks, None, f"{type(e).__name__}: {self._hint(e)}"
+        return stacks, pressure, None
+
+    async def _roll_back(
+        self, worker: Worker, ws: Any, stacks: list, failures: dict, joining: bool
+    ) -> None:
+        """Discard the new stacks and keep the previous setup; raise :class:`RMMSetupError`
+        when any worker failed (a worker that joined a set-up cluster and failed also stops)."""
+        # The error's traceback keeps the callers' frames: leave no discarded stack in them (no
+        # loop variable either, the list emptied), so that the memory their pools took is given
+        # back at once.
+        while stacks:
+            stacks.pop().close_log()
+        owner = ws.plugin
+        if (
+            not failures
+            and owner is not None
+            and owner is not self
+            and owner.token == ws.token
+            and worker.plugins.get(self.name) is self
+        ):
+            # Superseded, and the later registration reached this worker first: arriving
+            # after it, this one replaced it in worker.plugins and tore it down, while its
+            # stacks stay installed. Put it back, so the plugin and the stacks agree.
+            worker.plugins[self.name] = owner
+            owner._worker = worker
+            owner._publish(worker, ws)
+        elif failures or worker.plugins.get(self.name) is self:
+            self._publish(worker, ws)
         if failures:
             setup_error = RMMSetupError.from_failures(failures, kept_previous=bool(ws.active))
             if joining and worker.address in failures:
@@ -229,13 +258,15 @@ class RMMPlugin(WorkerPlugin):
                 reason = f"dask-rmm setup failed: {failures[worker.address]}"
                 await stop_worker(worker, reason, close_later=True)
             raise setup_error
-        if not current:
-            # A registration that reached the scheduler after this one (two clients at once)
-            # is the one every worker installs; this one changes nothing.
-            WORKER_LOGGER.info(
-                "dask-rmm: worker %s: a later registration replaced this one", worker.name
-            )
-            return
+        # A registration that reached the scheduler after this one (two clients at once)
+        # is the one every worker installs; this one changes nothing.
+        WORKER_LOGGER.info(
+            "dask-rmm: worker %s: a later registration replaced this one", worker.name
+        )
+
+    async def _commit(self, worker: Worker, ws: Any, stacks: list, pressure: Any) -> None:
+        """Install the new stacks (the previous ones retire), publish their metrics and make
+        sure the scheduler has the cluster report's plugin."""
         if worker.plugins.get(self.name) is not self:
             # That later registration reached this worker first, and this one, arriving after
             # it, tore it down; the scheduler keeps it, so it is this worker's plugin again.
@@ -314,7 +345,10 @@ class RMMPlugin(WorkerPlugin):
     ) -> tuple[dict, bool, bool]:
         """The failures of this registration on every worker (``{}``: all succeeded), whether
         it is still the scheduler's registration of the plugin, and whether this worker joined
-        after the registration succeeded on the others."""
+        after the registration succeeded on the others. An uncoordinated plugin (the preload)
+        decides alone."""
+        if not self.coordinated:
+            return ({worker.address: error} if error else {}), True, False
         from distributed.protocol.pickle import dumps
 
         try:

@@ -24,6 +24,7 @@ __all__ = [
     "SAMPLE_FIELDS",
     "SAMPLE_STRUCT",
     "DeviceSample",
+    "LibraryShare",
     "TaskGroup",
     "fragmentation",
     "heartbeat",
@@ -80,6 +81,22 @@ class TaskGroup(NamedTuple):
     peak_bytes: int
 
 
+class LibraryShare(NamedTuple):
+    """What one library holds on one worker device: bytes in its objects (arrays, tensors),
+    bytes held free in its cache, and whether they come from the stack (in ``current_bytes``:
+    CuPy's, compiled RMM's caches) or beside it (``outside_stack``: PyTorch's caching
+    allocator, within the room the pool's maximum leaves)."""
+
+    library: str
+    in_use_bytes: int
+    cached_bytes: int
+    outside_stack: bool = False
+
+    @property
+    def held_bytes(self) -> int:
+        return self.in_use_bytes + self.cached_bytes
+
+
 def _exported(name: str, help: str, kind: str = "gauge") -> Any:
     """An int field (default 0) that Prometheus exports as ``name``."""
     return field(default=0, metadata={"gauge": name, "help": help, "kind": kind})
@@ -127,7 +144,17 @@ class DeviceSample:
     #: The libraries whose caches draw from this stack, comma-separated ("cupy,rmm"); with
     #: one, statistics and task groups count the caches' blocks, not each array.
     library_caches: str = ""
-    device_used_bytes: int = 0
+    #: Bytes libraries hold beside the stack (PyTorch's reserved bytes), not in ``current_bytes``.
+    library_outside_bytes: int = _exported(
+        "dask_rmm_library_outside_bytes",
+        "Bytes library caches hold beside the stack (PyTorch's caching allocator)",
+    )
+    #: Per library: in its objects and held free (:class:`LibraryShare`); absent from old workers.
+    libraries: tuple[LibraryShare, ...] = ()
+    #: The device's used memory (cudaMemGetInfo: total - free; 0 on host memory).
+    device_used_bytes: int = _exported(
+        "dask_rmm_device_used_bytes", "Device memory in use, by anything (0 on host memory)"
+    )
     device_total_bytes: int = _exported(
         "dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"
     )
@@ -168,6 +195,44 @@ class DeviceSample:
         return max(0, self.current_bytes - self.library_cached_bytes)
 
     @property
+    def direct_bytes(self) -> int:
+        """Of ``current_bytes``, what no library cache in front of the stack drew: DeviceBuffers,
+        Numba arrays and the exact per-allocation paths."""
+        drawn = sum(x.held_bytes for x in self.libraries if not x.outside_stack)
+        return max(0, self.current_bytes - drawn)
+
+    @property
+    def outside_dask_rmm_bytes(self) -> int | None:
+        """Device memory that neither the stack nor the libraries beside it hold (CUDA contexts,
+        cuBLAS/cuDNN workspaces, NCCL buffers, other processes): the device's used memory less
+        the stack's reserved bytes, the libraries' outside the stack, and retired stacks'. None
+        without a device figure (host memory, or an old worker)."""
+        if self.device_total_bytes <= 0:
+            return None
+        held = self.reserved_bytes + self.library_outside_bytes + self.retired_bytes
+        return max(0, self.device_used_bytes - held)
+
+    def breakdown(self) -> list[tuple[str, int]]:
+        """Where this device's bytes are, as ``(part, bytes)``: each library's in use and held
+        free (stack libraries first), other allocations through the stack, the pool's free
+        bytes, retired stacks, and (with a device figure) memory outside dask-rmm. With a device
+        figure the parts add up to ``device_used_bytes`` (unless the figures, read at slightly
+        different moments, disagree by more than the outside part)."""
+        libs = sorted(self.libraries, key=lambda x: (x.outside_stack, x.library))
+        parts: list[tuple[str, int]] = []
+        for x in libs:
+            parts.append((f"{x.library} in use", x.in_use_bytes))
+            parts.append((f"{x.library} cache free", x.cached_bytes))
+        parts.append(("other allocations", self.direct_bytes))
+        parts.append(("pool free", max(0, self.reserved_bytes - self.current_bytes)))
+        if self.retired_bytes:
+            parts.append(("retired stacks", self.retired_bytes))
+        outside = self.outside_dask_rmm_bytes
+        if outside is not None:
+            parts.append(("outside dask-rmm", outside))
+        return parts
+
+    @property
     def fragmentation(self) -> float | None:
         """:func:`fragmentation` of this device's pool (None: nothing of it in use)."""
         return fragmentation(self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
@@ -176,6 +241,10 @@ class DeviceSample:
         """Plain data for the wire (``fragmentation`` included for readers without this class)."""
         out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
         out["task_groups"] = [list(g) for g in self.task_groups]
+        out["libraries"] = [
+            [x.library, x.in_use_bytes, x.cached_bytes, int(x.outside_stack)]
+            for x in self.libraries
+        ]
         out["oom_events"] = [dict(e) for e in self.oom_events]
         out["fragmentation"] = self.fragmentation
         if self.error:
@@ -198,9 +267,20 @@ class DeviceSample:
             except (IndexError, TypeError, KeyError):
                 continue
         events = tuple(dict(e) for e in d.get("oom_events") or () if isinstance(e, Mapping))
+        libraries = []
+        for x in d.get("libraries") or ():
+            if not isinstance(x, (list, tuple)) or len(x) != 4:
+                continue
+            try:
+                libraries.append(
+                    LibraryShare(str(x[0]), to_int(x[1]), to_int(x[2]), bool(to_int(x[3])))
+                )
+            except (IndexError, TypeError, KeyError):
+                continue
         return cls(
             **values,
             task_groups=tuple(groups),
+            libraries=tuple(libraries),
             oom_events=events,
             error=d.get("error") or None,
             **extra,

@@ -17,6 +17,8 @@ class FakeDevice:
         self.task_groups: dict[str, list[int]] = {}
         self.samples: list[list] = []
         self.error: str | None = None
+        #: more wire fields, sent as they are (newer fields a test sets by hand)
+        self.extra: dict = {}
 
     def allocate(self, nbytes: int, group: str = "task") -> None:
         self.current += nbytes
@@ -63,6 +65,7 @@ class FakeDevice:
             ),
             "samples": samples,
         }
+        out.update(self.extra)
         if self.error:
             out["error"] = self.error
         return out

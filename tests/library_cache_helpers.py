@@ -61,6 +61,9 @@ class HostLibraryCache:
     def array_bytes(self) -> int:
         return sum(self.in_use.values())
 
+    def in_use_bytes(self, device: int) -> int:
+        return self.array_bytes() if device == self.device else 0
+
     # -- the LibraryCache protocol -------------------------------------------------------------
 
     def cached_bytes(self, device: int) -> int:
@@ -80,3 +83,79 @@ class HostLibraryCache:
                 released += size
         self.releases += 1 if released else 0
         return released
+
+
+class HostOutsideCache:
+    """A library cache *beside* the stack, as PyTorch's caching allocator is on a GPU: it takes
+    host memory from its own resource (the stack never sees it), keeps freed blocks, and keeps
+    its reserved bytes within the room a pool's budget leaves it (``budget(device)``)."""
+
+    name = "outsidelib"
+    outside_stack = True
+
+    def __init__(self, device: int = 0):
+        from dask_rmm.mr import SystemMemoryResource
+
+        self.device = device
+        self.source = SystemMemoryResource()
+        self.in_use: dict[int, int] = {}
+        self.free_blocks: list[tuple[int, int]] = []
+        self.room: int | None = None
+        self.releases = 0
+
+    def malloc(self, nbytes: int) -> int:
+        size = align_up(max(nbytes, 1))
+        for i, (ptr, bsize) in enumerate(self.free_blocks):
+            if bsize == size:
+                del self.free_blocks[i]
+                self.in_use[ptr] = size
+                return ptr
+        if self.room is not None and self.reserved_bytes(self.device) + size > self.room:
+            self.release(self.device)
+            if self.reserved_bytes(self.device) + size > self.room:
+                raise MemoryError(f"outsidelib: {size} bytes do not fit in its room {self.room}")
+        ptr = self.source.allocate(size)
+        self.in_use[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.free_blocks.append((ptr, self.in_use.pop(ptr)))
+
+    # -- the LibraryCache protocol, for a cache outside the stack -------------------------------
+
+    def in_use_bytes(self, device: int) -> int:
+        return sum(self.in_use.values()) if device == self.device else 0
+
+    def cached_bytes(self, device: int) -> int:
+        return sum(s for _, s in self.free_blocks) if device == self.device else 0
+
+    def reserved_bytes(self, device: int) -> int:
+        return self.in_use_bytes(device) + self.cached_bytes(device)
+
+    def release(self, device: int) -> int:
+        if device != self.device:
+            return 0
+        released = 0
+        while self.free_blocks:
+            ptr, size = self.free_blocks.pop()
+            self.source.deallocate(ptr, size)
+            released += size
+        self.releases += 1 if released else 0
+        return released
+
+    def budget(self, device: int):
+        cache = self
+
+        class Budget:
+            name = cache.name
+
+            def reserved_bytes(self) -> int:
+                return cache.reserved_bytes(device)
+
+            def set_room(self, nbytes):
+                cache.room = nbytes
+
+            def release(self) -> int:
+                return cache.release(device)
+
+        return Budget()

@@ -304,3 +304,19 @@ def test_documented_paths_are_found():
 def test_every_documented_import_path_works():
     broken = sorted(p for p in documented_paths() if not _resolves(p))
     assert broken == []
+
+
+def cuda_importers(modules: dict[str, Path]) -> list[str]:
+    """The modules that import cuda-python (``cuda`` or any ``cuda.*``), anywhere in the file."""
+    return sorted(
+        name
+        for name, path in modules.items()
+        if any(t == "cuda" or t.startswith("cuda.") for t in _imports(ast.parse(path.read_text())))
+    )
+
+
+def test_only_the_cuda_module_imports_cuda_python(tmp_path):
+    other = tmp_path / "other.py"
+    other.write_text("def f():\n    from cuda.bindings import runtime\n")
+    assert cuda_importers({"dask_rmm.other": other}) == ["dask_rmm.other"]
+    assert cuda_importers(_modules()) == ["dask_rmm._cuda"]

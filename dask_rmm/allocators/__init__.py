@@ -4,8 +4,9 @@
 and ``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
 :mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba`,
 :mod:`dask_rmm.allocators.rmm_interop` and :mod:`dask_rmm.allocators.torch`, and the registry of
-library caches (CuPy's and compiled RMM's own pools drawing blocks from the stack, the default
-for those two) in :mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
+library caches (CuPy's and compiled RMM's own pools drawing blocks from the stack, PyTorch's
+caching allocator beside it under the same maximum: the default for those three) in
+:mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
 libraries.
 """
 
@@ -53,10 +54,11 @@ _HOOKS = {
 
 #: Names accepted by :func:`set_allocators`.
 SUPPORTED_ALLOCATORS: tuple[str, ...] = tuple(sorted(_HOOKS))
-#: Libraries whose own compiled cache serves their allocations by default, drawing its blocks
-#: from dask-rmm's stack (CuPy's ``MemoryPool``, compiled RMM's pool); the others (Numba,
-#: PyTorch) allocate every array through the stack.
-CACHED_ALLOCATORS: tuple[str, ...] = ("cupy", "rmm")
+#: Libraries whose own compiled cache serves their allocations by default: CuPy's
+#: ``MemoryPool`` and compiled RMM's pool draw their blocks from dask-rmm's stack; PyTorch's
+#: caching allocator takes device memory beside the stack's pool, within the room the pool's
+#: maximum leaves it. Numba allocates every array through the stack.
+CACHED_ALLOCATORS: tuple[str, ...] = ("cupy", "rmm", "torch")
 
 
 def _normalize(names: str | Iterable[str] | None) -> list[str]:
@@ -153,9 +155,10 @@ def set_allocators(
     Each library's hook looks the resource up at every allocation, so resources set later
     with :func:`dask_rmm.mr.set_current_device_resource` are used at once. Numba chooses its
     memory manager when it creates a CUDA context: set it before Numba's first CUDA call.
-    PyTorch takes a new allocator only once per process, before its first CUDA tensor, and
-    cannot be given its own back (resetting "torch" does nothing). Setting an allocator twice
-    is harmless.
+    PyTorch's exact path takes a new allocator only once per process, before its first CUDA
+    tensor, and cannot be given its own back; the default "torch" keeps PyTorch's own caching
+    allocator and shares the maximum of each device's current pool (call again after
+    replacing resources). Setting an allocator twice is harmless.
 
     Examples
     --------

@@ -4,7 +4,10 @@ them to arrays themselves, what they hold, and how to make them give free blocks
 
 The stack counts every block a cache draws (statistics, limits, logs); the cache's own free
 bytes are reported beside it (``library_cached_bytes``), so that bytes in arrays are the stack's
-``current_bytes`` minus those. Not here: the caches themselves (:mod:`.cupy`,
+``current_bytes`` minus those. A cache *outside* the stack (``outside_stack = True``: PyTorch's
+caching allocator, which takes device memory itself) shares the pool's maximum instead
+(:mod:`dask_rmm.mr.budget`) and reports what it holds on its own
+(:func:`library_bytes`). Not here: the caches themselves (:mod:`.cupy`,
 :mod:`.rmm_interop`) and spilling (:mod:`dask_rmm.pressure`).
 """
 
@@ -14,11 +17,14 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
+    "LibraryBytes",
     "LibraryCache",
     "cached_bytes",
+    "library_bytes",
+    "outside_in_use_bytes",
     "drawing_for_cache",
     "library_caches",
     "register_cache",
@@ -43,6 +49,19 @@ class LibraryCache(Protocol):
     def release(self, device: int) -> int:
         """Give the cache's free blocks on ``device`` back to the stack; the bytes given back."""
         ...
+
+    # Optional: ``in_use_bytes(device)`` (bytes in the library's objects), and, for a cache
+    # outside the stack, ``outside_stack = True``, ``reserved_bytes(device)`` and
+    # ``budget(device)`` (a :class:`dask_rmm.mr.budget.BudgetSharer`).
+
+
+class LibraryBytes(NamedTuple):
+    """What one library holds on one device: bytes in its objects, bytes free in its cache,
+    and whether those come from the stack (in its ``current_bytes``) or beside it."""
+
+    in_use_bytes: int
+    cached_bytes: int
+    outside_stack: bool
 
 
 _lock = threading.Lock()
@@ -73,10 +92,14 @@ def library_caches() -> list[LibraryCache]:
 def cached_bytes(device: int) -> dict[str, int]:
     """Free bytes each library's cache holds from ``device``'s stack, by library name.
 
-    Never raises: a cache that cannot tell counts 0 (logged at debug level).
+    Caches outside the stack (PyTorch's) are not listed: their bytes are not the stack's (see
+    :func:`library_bytes`). Never raises: a cache that cannot tell counts 0 (logged at debug
+    level).
     """
     out: dict[str, int] = {}
     for cache in library_caches():
+        if _is_outside(cache):
+            continue
         try:
             n = int(cache.cached_bytes(device))
         except Exception:
@@ -84,6 +107,45 @@ def cached_bytes(device: int) -> dict[str, int]:
             n = 0
         out[cache.name] = out.get(cache.name, 0) + n
     return out
+
+
+def _is_outside(cache: Any) -> bool:
+    return bool(getattr(cache, "outside_stack", False))
+
+
+def library_bytes(device: int) -> dict[str, LibraryBytes]:
+    """Per library name, what its cache holds on ``device`` (:class:`LibraryBytes`). A cache
+    that cannot tell its bytes in use counts 0 there. Never raises (a failing cache is left
+    out, logged at debug level)."""
+    out: dict[str, LibraryBytes] = {}
+    for cache in library_caches():
+        try:
+            cached = int(cache.cached_bytes(device))
+            in_use_fn = getattr(cache, "in_use_bytes", None)
+            in_use = int(in_use_fn(device)) if in_use_fn is not None else 0
+        except Exception:
+            logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
+            continue
+        prev = out.get(cache.name)
+        if prev is not None:
+            in_use, cached = in_use + prev.in_use_bytes, cached + prev.cached_bytes
+        out[cache.name] = LibraryBytes(max(0, in_use), max(0, cached), _is_outside(cache))
+    return out
+
+
+def outside_in_use_bytes(device: int) -> int:
+    """Bytes in the objects of caches outside the stack on ``device`` (PyTorch's tensors): what
+    a device memory limit counts beside the stack's own. Never raises."""
+    total = 0
+    for cache in library_caches():
+        if _is_outside(cache):
+            try:
+                total += int(cache.in_use_bytes(device))  # type: ignore[attr-defined]
+            except Exception:
+                logger.debug(
+                    "dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True
+                )
+    return total
 
 
 def release_cached(device: int) -> int:

@@ -1,5 +1,19 @@
-"""PyTorch allocator: ``rmm_torch_allocator`` hands PyTorch's CUDA tensors memory from the
-current device resource, in pure Python (no compiled library).
+"""PyTorch allocators: PyTorch's own caching allocator under the worker's budget (the default,
+:class:`TorchCache`), or ``rmm_torch_allocator``, which hands every CUDA tensor memory from the
+current device resource, in pure Python (the exact path).
+
+The cache path (``set_torch_allocator()``, the plugin's ``allocators=["torch"]``): PyTorch keeps
+its native caching allocator, so no Python ever runs under PyTorch's allocator lock and tensors
+cost what they cost without dask-rmm. Its memory comes from the device beside the worker's pool,
+and shares the pool's maximum (:mod:`dask_rmm.mr.budget`): PyTorch's cap
+(``torch.cuda.set_per_process_memory_fraction``) is the room the pool leaves, lowered before the
+pool grows and raised when it shrinks, and the pool counts PyTorch's reserved bytes
+(``torch.cuda.memory_reserved``) before it grows, so neither passes the maximum. PyTorch's bytes
+in tensors and held free in its cache are reported as a library outside the stack
+(:func:`dask_rmm.allocators.caches.library_bytes`); ``release_unused`` and spilling call
+``torch.cuda.empty_cache()``. Only public PyTorch functions are used (PyTorch >= 2.0).
+
+The exact path (``set_torch_allocator(cache=False)``, the plugin's ``exact_allocators=["torch"]``):
 
 PyTorch's pluggable allocator only needs two C function addresses,
 ``void* alloc(size_t size, int device, cudaStream_t stream)`` and
@@ -38,6 +52,8 @@ from typing import Any
 from dask_rmm.stream import Stream
 
 __all__ = [
+    "TorchCache",
+    "get_torch_cache",
     "last_allocation_error",
     "reset_torch_allocator",
     "rmm_torch_allocator",
@@ -334,35 +350,272 @@ def _make_allocator():
 #: allocation), or use :func:`set_torch_allocator`. None without a CUDA-enabled torch.
 rmm_torch_allocator = _make_allocator()
 
-_library_import_error: ImportError | None = None
-if rmm_torch_allocator is None:
-    _library_import_error = ImportError(
-        "torch is not importable or has no usable CUDA (rmm_torch_allocator is None)"
-    )
+
+def _torch_problem() -> ImportError | None:
+    """Why neither PyTorch path can work here (no torch, or no CUDA), or None."""
+    try:
+        import torch
+    except ImportError as e:
+        return ImportError(f"torch is not importable ({e})")
+    if not torch.cuda.is_available():
+        return ImportError("torch has no usable CUDA")
+    return None
+
+
+#: Why the "torch" allocators cannot be set here (None: they can). A torch without the private
+#: ``torch._C._cuda_customAllocator`` still has the cache path (``rmm_torch_allocator`` is None).
+_library_import_error: ImportError | None = _torch_problem()
+_warned_exact_fallback = False
 
 _installed = False
 
 
-def set_torch_allocator() -> None:
-    """Make PyTorch allocate CUDA tensors from dask-rmm's current device resource.
+def _torch_cuda():
+    """The torch module, when it has CUDA; ImportError otherwise."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"the 'torch' allocator needs torch with CUDA ({e})") from e
+    if not torch.cuda.is_available():
+        raise ImportError("the 'torch' allocator needs torch with CUDA; torch has no usable CUDA")
+    return torch
 
-    PyTorch can change its allocator only once per process and only before its first CUDA
-    allocation; calling this again after it succeeded does nothing.
+
+#: PyTorch's cap is kept this far below the room (its fraction is a float times the device's
+#: memory; PyTorch's smallest segment is 2 MiB).
+ROOM_MARGIN = 2 << 20
+
+
+class _TorchDeviceBudget:
+    """PyTorch's caching allocator on one device, sharing a pool's maximum
+    (a :class:`dask_rmm.mr.budget.BudgetSharer`)."""
+
+    name = "torch"
+
+    def __init__(self, cache: TorchCache, device: int):
+        self.cache = cache
+        self.device = device
+        #: The room the pool last gave (None: no limit), and the pool (weakly).
+        self.room: int | None = None
+        self.pool: Any = None
+
+    def reserved_bytes(self) -> int:
+        return self.cache.reserved_bytes(self.device)
+
+    def set_room(self, nbytes: int | None) -> None:
+        self.room = nbytes
+        self.cache.set_cap(self.device, nbytes)
+
+    def release(self) -> int:
+        return self.cache.release(self.device)
+
+
+class TorchCache:
+    """PyTorch's own caching allocator as a library cache beside dask-rmm's stack.
+
+    Not a hook: PyTorch allocates exactly as it does without dask-rmm. This object reads what it
+    holds (``memory_allocated``/``memory_reserved``), makes it give free segments back
+    (``empty_cache``) and caps it (``set_per_process_memory_fraction``) to the room the
+    worker's pool leaves (:meth:`budget`). ``outside_stack``: its bytes are not in the stack's
+    statistics; the report shows them as PyTorch's, beside the stack.
+    """
+
+    name = "torch"
+    outside_stack = True
+
+    def __init__(self) -> None:
+        self.torch = _torch_cuda()
+        self._budgets: dict[int, _TorchDeviceBudget] = {}
+        self._totals: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _initialized(self) -> bool:
+        return bool(self.torch.cuda.is_initialized())
+
+    def in_use_bytes(self, device: int) -> int:
+        """Bytes in PyTorch's tensors on ``device`` (``torch.cuda.memory_allocated``)."""
+        if not self._initialized():
+            return 0
+        return int(self.torch.cuda.memory_allocated(device))
+
+    def reserved_bytes(self, device: int) -> int:
+        """Bytes PyTorch's caching allocator holds on ``device`` (``memory_reserved``)."""
+        if not self._initialized():
+            return 0
+        return int(self.torch.cuda.memory_reserved(device))
+
+    def cached_bytes(self, device: int) -> int:
+        """Bytes PyTorch holds free in its cache on ``device`` (reserved, in no tensor)."""
+        if not self._initialized():
+            return 0
+        stats = self.torch.cuda.memory_stats(device)
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        return max(0, reserved - int(stats.get("allocated_bytes.all.current", 0)))
+
+    def release(self, device: int) -> int:
+        """``torch.cuda.empty_cache()`` on ``device``: PyTorch's free segments go back to the
+        device; the bytes given back."""
+        if not self._initialized():
+            return 0
+        before = self.reserved_bytes(device)
+        with self.torch.cuda.device(device):
+            self.torch.cuda.empty_cache()
+        return max(0, before - self.reserved_bytes(device))
+
+    def _total(self, device: int) -> int:
+        total = self._totals.get(device)
+        if total is None:  # what PyTorch's fraction is a fraction of (the device's memory)
+            props = self.torch.cuda.get_device_properties(device)
+            total = self._totals[device] = int(props.total_memory)
+        return total
+
+    def set_cap(self, device: int, nbytes: int | None) -> None:
+        """Cap PyTorch's reserved bytes on ``device`` at ``nbytes`` (less
+        :data:`ROOM_MARGIN`); None: no cap."""
+        total = self._total(device)
+        if nbytes is None:
+            fraction = 1.0
+        else:
+            fraction = max(0, min(total, int(nbytes) - ROOM_MARGIN)) / total
+        self.torch.cuda.set_per_process_memory_fraction(float(fraction), device)
+
+    def cap(self, device: int) -> int | None:
+        """The room last given to PyTorch on ``device`` (None: no cap)."""
+        budget = self._budgets.get(device)
+        return None if budget is None else budget.room
+
+    def budget(self, device: int) -> _TorchDeviceBudget:
+        """This cache on ``device`` as a pool's budget sharer (one object per device)."""
+        with self._lock:
+            budget = self._budgets.get(device)
+            if budget is None:
+                budget = self._budgets[device] = _TorchDeviceBudget(self, device)
+            return budget
+
+    def make_room(self, device: int, nbytes: int) -> int:
+        """After PyTorch ran out of memory at its cap on ``device``: give the pool's fully free
+        chunks back until PyTorch's room grew by ``nbytes`` (PyTorch gives its own free
+        segments back before it raises); the bytes the pool gave back. What a task-level retry
+        of a ``torch.OutOfMemoryError`` calls before trying again."""
+        budget = self._budgets.get(device)
+        pool = budget.pool() if budget is not None and budget.pool is not None else None
+        if pool is None:
+            return 0
+        return int(pool.give_room(nbytes))
+
+    def __repr__(self) -> str:
+        return f"<TorchCache devices={sorted(self._budgets)}>"
+
+
+#: The process's PyTorch cache, made by the first set_torch_allocator(cache=True).
+_cache: TorchCache | None = None
+
+
+def get_torch_cache() -> TorchCache | None:
+    """The :class:`TorchCache` :func:`set_torch_allocator` registered, or None."""
+    return _cache
+
+
+def share_torch_budget(device: int, resource: Any) -> None:
+    """Make PyTorch's cache on ``device`` share the maximum of the pool in ``resource``'s chain
+    (and leave the pool it shared before); no cap without such a pool."""
+    import weakref
+
+    from dask_rmm.mr.pool import pool_behind
+
+    if _cache is None:
+        return
+    pool = None
+    mr = resource
+    while mr is not None and pool is None:
+        pool = pool_behind(mr)
+        mr = getattr(mr, "upstream_mr", None)
+    budget = _cache.budget(device)
+    previous = budget.pool() if budget.pool is not None else None
+    if previous is not None and previous is not pool:
+        previous.stop_sharing(budget)
+    if pool is None:
+        budget.pool = None
+        if budget.room is not None:
+            budget.set_room(None)
+        return
+    budget.pool = weakref.ref(pool)
+    pool.share_budget(budget)
+
+
+def _share_with_current_resources() -> None:
+    from dask_rmm.mr.registry import lookup_per_device_resource, registered_devices
+
+    for device in registered_devices():
+        resource = lookup_per_device_resource(device)
+        if resource is not None:
+            share_torch_budget(device, resource)
+
+
+def set_torch_allocator(cache: bool = True) -> None:
+    """Make PyTorch's CUDA memory part of dask-rmm's budget.
+
+    Parameters
+    ----------
+    cache : bool
+        True (default): PyTorch keeps its own caching allocator (native speed); it is registered
+        as a library cache (:class:`TorchCache`) and shares the maximum of the pool of each
+        device's current resource (its cap follows the pool; see the module docs). Call again
+        after replacing the resources (the worker does) to share the new pools' maximum.
+        False: every tensor's memory comes from the current device resource through
+        ``rmm_torch_allocator`` (exact per-allocation statistics; a Python call per tensor).
+        PyTorch can change its allocator only once per process and only before its first
+        CUDA allocation; calling this again after it succeeded does nothing.
 
     Raises
     ------
     ImportError
         Without a CUDA-enabled torch.
     RuntimeError
-        When PyTorch already allocated CUDA memory with its own allocator.
+        When the other path was set earlier in this process (PyTorch cannot switch back), or,
+        for the exact path, when PyTorch already allocated CUDA memory with its own allocator.
     """
-    global _installed
+    global _installed, _cache, _warned_exact_fallback
+    from dask_rmm.allocators import caches
+
+    if cache:
+        if _installed:
+            raise RuntimeError(
+                "cannot put PyTorch's caching allocator in front of dask-rmm: this process "
+                "already routes every PyTorch tensor through rmm_torch_allocator (the exact "
+                "path, exact_allocators=['torch']), which PyTorch cannot undo"
+            )
+        if _cache is None:
+            _cache = TorchCache()
+        caches.register_cache(_cache)
+        _share_with_current_resources()
+        return
     if _installed:
         return
     if rmm_torch_allocator is None:
-        raise ImportError(
-            "set_torch_allocator needs torch with CUDA; rmm_torch_allocator is None here"
-        ) from _library_import_error
+        if _library_import_error is not None:
+            raise ImportError(
+                "set_torch_allocator needs torch with CUDA; rmm_torch_allocator is None here"
+            ) from _library_import_error
+        # This PyTorch lacks the private hook of the exact path: its cache path instead, once
+        # warned (allocations are then counted per library, not per tensor).
+        if not _warned_exact_fallback:
+            _warned_exact_fallback = True
+            import torch
+
+            logger.warning(
+                "dask-rmm: PyTorch %s has no torch._C._cuda_customAllocator, which the exact "
+                "path (exact_allocators=['torch']) needs; using PyTorch's own caching allocator "
+                "under the worker's budget instead",
+                torch.__version__,
+            )
+        set_torch_allocator(cache=True)
+        return
+    if _cache is not None and _cache.torch.cuda.is_initialized():
+        raise RuntimeError(
+            "cannot route PyTorch tensors through dask-rmm one by one (exact_allocators="
+            "['torch']): PyTorch's caching allocator already serves this process"
+        )
     from torch.cuda.memory import change_current_allocator
 
     try:
@@ -374,8 +627,30 @@ def set_torch_allocator() -> None:
             f"first CUDA tensor (PyTorch said: {e})"
         ) from e
     _installed = True
+    _drop_cache()
+
+
+def _drop_cache() -> None:
+    """Unregister the cache and lift PyTorch's caps (the pools stop counting it)."""
+    from dask_rmm.allocators import caches
+
+    if _cache is None:
+        return
+    caches.unregister_cache(_cache)
+    for device, budget in list(_cache._budgets.items()):
+        pool = budget.pool() if budget.pool is not None else None
+        if pool is not None:
+            pool.stop_sharing(budget)
+        budget.pool = None
+        if budget.room is not None:
+            try:
+                budget.set_room(None)
+            except Exception:  # pragma: no cover - a reset must go on
+                logger.warning("dask-rmm: lifting PyTorch's cap on device %d failed", device)
 
 
 def reset_torch_allocator() -> None:
-    """PyTorch cannot switch allocators back: this does nothing (tensors keep coming from
+    """Take PyTorch's cache off dask-rmm's budget (its cap lifted, no longer reported). After
+    the exact path, nothing: PyTorch cannot switch allocators back (tensors keep coming from
     dask-rmm's current device resource until the process ends)."""
+    _drop_cache()

@@ -22,7 +22,7 @@ from typing import Any
 
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
 from dask_rmm.logs.summary import format_size
-from dask_rmm.mr.base import UpstreamResourceAdaptor
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.sizes import format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
 
@@ -114,6 +114,7 @@ def build_resource(
     counter = CountingResource(base)
     if name == "cuda":
         return counter, counter, base_name
+    resource: DeviceMemoryResource
     if name == "pool":
         resource = mr.PoolMemoryResource(
             counter, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size

@@ -1,10 +1,15 @@
-"""Memory resources under RMM's ``rmm.mr`` names. This module only re-exports (lazily, so that
-``import dask_rmm.mr`` stays cheap); each name lives in the module the table names.
-``dask_rmm.mr.experimental`` holds RMM's experimental resources."""
+"""Memory resources under RMM's ``rmm.mr`` names. This module only re-exports; each name lives
+in the module the table names. ``dask_rmm.mr.experimental`` holds RMM's experimental resources.
+
+At run time the names are imported on first use: ``dask_rmm.initialize`` (``enable_logging``)
+imports ``dask_rmm.mr``, so an eager import here would be a circle. Type checkers and IDEs read
+the ``TYPE_CHECKING`` block instead, which imports the same names eagerly (tests/mr/test_mr_exports.py
+keeps the two lists equal)."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 _EXPORTS = {
     # interface
@@ -58,6 +63,54 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs (``X as X``: re-exported)
+    from dask_rmm.initialize import disable_logging as disable_logging
+    from dask_rmm.initialize import enable_logging as enable_logging
+    from dask_rmm.initialize import get_log_filenames as get_log_filenames
+    from dask_rmm.mr import experimental as experimental
+    from dask_rmm.mr.arena import ArenaMemoryResource as ArenaMemoryResource
+    from dask_rmm.mr.base import CUDAAllocationError as CUDAAllocationError
+    from dask_rmm.mr.base import DeviceMemoryResource as DeviceMemoryResource
+    from dask_rmm.mr.base import OutOfMemoryError as OutOfMemoryError
+    from dask_rmm.mr.base import ReservedMemoryInfo as ReservedMemoryInfo
+    from dask_rmm.mr.base import UpstreamResourceAdaptor as UpstreamResourceAdaptor
+    from dask_rmm.mr.binning import BinningMemoryResource as BinningMemoryResource
+    from dask_rmm.mr.callback import CallbackMemoryResource as CallbackMemoryResource
+    from dask_rmm.mr.cuda import CudaAsyncMemoryResource as CudaAsyncMemoryResource
+    from dask_rmm.mr.cuda import CudaAsyncViewMemoryResource as CudaAsyncViewMemoryResource
+    from dask_rmm.mr.cuda import CudaMemoryResource as CudaMemoryResource
+    from dask_rmm.mr.cuda import ManagedMemoryResource as ManagedMemoryResource
+    from dask_rmm.mr.cuda import PinnedHostMemoryResource as PinnedHostMemoryResource
+    from dask_rmm.mr.cuda import SamHeadroomMemoryResource as SamHeadroomMemoryResource
+    from dask_rmm.mr.cuda import SystemMemoryResource as SystemMemoryResource
+    from dask_rmm.mr.failure_callback_adaptor import (
+        FailureCallbackResourceAdaptor as FailureCallbackResourceAdaptor,
+    )
+    from dask_rmm.mr.fixed_size import FixedSizeMemoryResource as FixedSizeMemoryResource
+    from dask_rmm.mr.limiting_adaptor import LimitingResourceAdaptor as LimitingResourceAdaptor
+    from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor as LoggingResourceAdaptor
+    from dask_rmm.mr.pool import PoolMemoryResource as PoolMemoryResource
+    from dask_rmm.mr.prefetch_adaptor import PrefetchResourceAdaptor as PrefetchResourceAdaptor
+    from dask_rmm.mr.registry import available_device_memory as available_device_memory
+    from dask_rmm.mr.registry import get_current_device_resource as get_current_device_resource
+    from dask_rmm.mr.registry import (
+        get_current_device_resource_type as get_current_device_resource_type,
+    )
+    from dask_rmm.mr.registry import get_per_device_resource as get_per_device_resource
+    from dask_rmm.mr.registry import get_per_device_resource_type as get_per_device_resource_type
+    from dask_rmm.mr.registry import is_initialized as is_initialized
+    from dask_rmm.mr.registry import registered_devices as registered_devices
+    from dask_rmm.mr.registry import reset_current_device_resource as reset_current_device_resource
+    from dask_rmm.mr.registry import reset_per_device_resource as reset_per_device_resource
+    from dask_rmm.mr.registry import set_current_device_resource as set_current_device_resource
+    from dask_rmm.mr.registry import set_per_device_resource as set_per_device_resource
+    from dask_rmm.mr.statistics_adaptor import (
+        StatisticsResourceAdaptor as StatisticsResourceAdaptor,
+    )
+    from dask_rmm.mr.tracking_adaptor import TrackingResourceAdaptor as TrackingResourceAdaptor
+    from dask_rmm.mr.trim import TrimResult as TrimResult
+    from dask_rmm.mr.trim import trim_pools as trim_pools
 
 
 def __getattr__(name: str):

@@ -19,6 +19,18 @@ __all__ = [
 ]
 
 
+#: The largest size an allocation can have (CUDA's ``size_t``).
+SIZE_MAX = (1 << 64) - 1
+
+
+def check_size(nbytes: Any, what: str = "nbytes") -> int:
+    """:func:`check_nbytes`, and at most :data:`SIZE_MAX` (a ValueError naming the limit)."""
+    nbytes = check_nbytes(nbytes, what)
+    if nbytes > SIZE_MAX:
+        raise ValueError(f"{what} {nbytes} is larger than any allocation can be (2**64 - 1 bytes)")
+    return nbytes
+
+
 def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:
     """Validate an allocation size: a non-negative int (bools and floats refused)."""
     if type(nbytes) is not int:

@@ -116,11 +116,6 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
         """The bins' allocation sizes, ascending."""
         return list(self._table[0])
 
-    def _resource_for(self, nbytes: int) -> DeviceMemoryResource:
-        sizes, mrs = self._table
-        i = bisect.bisect_left(sizes, nbytes)
-        return mrs[i] if i < len(mrs) else self.upstream_mr
-
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)

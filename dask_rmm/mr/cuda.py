@@ -13,10 +13,11 @@ from typing import Any
 
 from dask_rmm import _cuda
 from dask_rmm.mr.base import (
+    SIZE_MAX,
     CUDAAllocationError,
     DeviceMemoryResource,
     OutOfMemoryError,
-    check_nbytes,
+    check_size,
 )
 from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
@@ -32,7 +33,6 @@ __all__ = [
 ]
 
 #: The largest size a C ``size_t`` holds; anything above it cannot be asked of any allocator.
-_SIZE_MAX = (1 << 64) - 1
 _OOM_ERRORS = frozenset({"cudaErrorMemoryAllocation"})
 
 
@@ -76,17 +76,10 @@ class _OwnedPointers:
         return len(self.sizes)
 
 
-def _check_size(nbytes: Any, what: str = "nbytes") -> int:
-    nbytes = check_nbytes(nbytes, what)
-    if nbytes > _SIZE_MAX:
-        raise ValueError(f"{what} {nbytes} is larger than any allocation can be (2**64 - 1 bytes)")
-    return nbytes
-
-
 def _parse_size(value: Any, what: str, device: int | None) -> int:
     """An int size as is; a string or fraction through :func:`dask_rmm.sizes.parse_device_bytes`."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return _check_size(value, what)
+        return check_size(value, what)
     if isinstance(value, (str, float)):
         return parse_device_bytes(value, device=device, option=what) or 0
     raise TypeError(
@@ -130,8 +123,8 @@ class _CudaResource(DeviceMemoryResource):
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate ``nbytes`` (256-byte aligned) and return the pointer as an int."""
-        if type(nbytes) is not int or nbytes < 0 or nbytes > _SIZE_MAX:
-            nbytes = _check_size(nbytes)
+        if type(nbytes) is not int or nbytes < 0 or nbytes > SIZE_MAX:
+            nbytes = check_size(nbytes)
         if nbytes == 0:
             return 0
         handle = _handle(stream)
@@ -309,7 +302,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         if (
             type(nbytes) is int
-            and 0 < nbytes <= _SIZE_MAX
+            and 0 < nbytes <= SIZE_MAX
             and (not self._multi_device or self._get_device_call()[1] == self.device_id)
         ):
             try:
@@ -475,7 +468,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
     def trim_to(self, min_bytes_to_keep: int = 0) -> None:
         """Hand unused pool memory back to the driver, keeping at least ``min_bytes_to_keep``."""
-        _cuda.mem_pool_trim_to(self._pool, _check_size(min_bytes_to_keep, "min_bytes_to_keep"))
+        _cuda.mem_pool_trim_to(self._pool, check_size(min_bytes_to_keep, "min_bytes_to_keep"))
 
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the driver (``cudaMemPoolAttrReservedMemCurrent``)."""
@@ -559,7 +552,7 @@ class SamHeadroomMemoryResource(_CudaResource):
         return ptr
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = _check_size(nbytes)
+        nbytes = check_size(nbytes)
         if nbytes == 0:
             return 0
         handle = _handle(stream)
@@ -625,11 +618,11 @@ class SystemMemoryResource(DeviceMemoryResource):
         return len(self._owned)
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = _check_size(nbytes)
+        nbytes = check_size(nbytes)
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= _SIZE_MAX else None
+        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= SIZE_MAX else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "

@@ -4,7 +4,8 @@ segregated-fit lists behind it. Not here: which stream's list serves a request, 
 
 Each class's blocks are a dict ``ptr -> size`` (``popitem`` is O(1) and LIFO, deleting any block
 is O(1)), and a ``bytearray`` flags the non-empty classes so that the first candidate class is
-one C-level ``find`` (an int bitmap was tried: its big-int shifts and masks cost ~40 ns each).
+one C-level ``find`` (an int bitmap was tried: its big-int shifts and masks cost more; figure in
+bench/README.md, "Design measurements").
 Two more dicts, ``start -> size`` and ``end -> start``, let a freed block merge with both
 neighbours in O(1); blocks never merge across the addresses in ``barriers`` (the starts of the
 pool's upstream chunks).

@@ -102,7 +102,7 @@ class AllocationCounters:
             else:
                 import numpy as np
 
-                # struct packs a list of ints ~5x faster than np.array() converts one.
+                # struct packs a list of ints faster than np.array() converts one (bench/README.md).
                 sizes = np.frombuffer(struct.pack(f"{n}q", *entries), dtype=np.int64)
                 running = sizes.cumsum()
                 net = int(running[-1])
@@ -129,7 +129,7 @@ class AllocationCounters:
 
 
 #: Journal entries at which an allocation settles the counters itself (bounds the journal's
-#: memory and each settle's pause: 4096 entries take ~0.04 ms on the 2-vCPU development host).
+#: memory and each settle's pause; its length in bench/README.md, "Design measurements").
 JOURNAL_LIMIT = 4096
 _SETTLE_IN_NUMPY = 160  # journals at least this long are folded with NumPy (faster from ~200)
 

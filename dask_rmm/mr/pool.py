@@ -72,16 +72,19 @@ from __future__ import annotations
 
 import bisect
 import gc
+import threading
 from collections.abc import Hashable
 from typing import Any, Final
 
 from dask_rmm.mr.base import (
+    SIZE_MAX,
     DeviceMemoryResource,
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    check_nbytes,
+    check_size,
 )
+from dask_rmm.mr.budget import BudgetSharer
 from dask_rmm.mr.free_list import FreeList
 from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters, OwnerAccounts
 from dask_rmm.mr.locks import ListLock, acquire_contended, gc_paused_lock
@@ -203,6 +206,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
+        # bytes trimmed off the pool and not yet given back upstream: still the device's
+        self._releasing = 0
         # stream key -> that stream's FreeList.cache, read by the lock-free fast paths
         self._caches: dict[Hashable, list[list[int]]] = {}
         # Instrumentation (see count_allocations / charge_owners). The fast paths test _owners
@@ -217,6 +222,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
         self._instrumented = False
+        # Library caches sharing the maximum (share_budget); the lock orders their room changes.
+        self._sharers: tuple[BudgetSharer, ...] = ()
+        self._budget_lock = threading.Lock()
         # The default stream's free list exists from the start, so that the fast paths reach its
         # caches (for any stream of handle 0) without a dict lookup.
         self._default_caches = self._free_list(DEFAULT_KEY, DEFAULT_STREAM).cache
@@ -235,6 +243,33 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     @property
     def maximum_pool_size(self) -> int | None:
         return self._maximum
+
+    def share_budget(self, sharer: BudgetSharer) -> None:
+        """Let ``sharer`` (a library cache taking device memory beside the pool, e.g. PyTorch's)
+        share the maximum pool size: it gets the room the pool leaves now, and the pool counts
+        its reserved bytes whenever it grows (see :mod:`dask_rmm.mr.budget`). Idempotent;
+        without a maximum the sharer gets no limit."""
+        with self._budget_lock:
+            if not any(s is sharer for s in self._sharers):
+                self._sharers = (*self._sharers, sharer)
+        self._refresh_room()
+
+    def stop_sharing(self, sharer: BudgetSharer) -> None:
+        """Take ``sharer`` off; it keeps the room it was last given (nothing if not sharing)."""
+        with self._budget_lock:
+            self._sharers = tuple(s for s in self._sharers if s is not sharer)
+
+    def budget_sharers(self) -> tuple[BudgetSharer, ...]:
+        """The library caches sharing the maximum, in the order they joined."""
+        return self._sharers
+
+    def give_room(self, nbytes: int) -> int:
+        """Give fully free chunks back to upstream until the room left to the budget's sharers
+        grew by ``nbytes`` (or nothing more is free), and tell them; the bytes given back.
+        What a sharer's out-of-memory handling calls before it retries."""
+        released = self.trim(max(0, self._pool_size - max(0, int(nbytes))))
+        self._refresh_room()
+        return released
 
     @property
     def initial_pool_size(self) -> int:
@@ -279,7 +314,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._after_journaled_allocation(ptr)
             return ptr
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _charge_owner does; a call costs ~8% of a charged pair).
+        # account updated inline (as _charge_owner does; a call's cost: bench/README.md).
         try:  # outside the lock: a first read of a thread-local may allocate and so run the GC
             owner_key = owners.get_owner()
         except Exception:
@@ -354,7 +389,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
             return
         # Charging owners (the attribution adaptor): the same under the lock, the owner's
-        # account updated inline (as _uncount does; a call costs ~8% of a charged pair).
+        # account updated inline (as _uncount does; a call's cost: bench/README.md).
         live = self._live
         unlocked = self._unlocked
         try:
@@ -442,11 +477,23 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 released.append((chunk, csize))
                 if chunk == self._initial_chunk:
                     self._initial_chunk = None
-        if self._ordered:
-            synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
-        for start, csize in released:
-            self.upstream_mr.deallocate(start, csize, DEFAULT_STREAM)
-        return sum(csize for _, csize in released)
+            total = sum(csize for _, csize in released)
+            # Until upstream has them back, the maximum still counts them (growth meanwhile
+            # must not take their room).
+            self._releasing += total
+        if not released:
+            return 0
+        try:
+            if self._ordered:
+                synchronize_streams([(fl.key, fl.stream) for fl in freed_on])
+            for start, csize in released:
+                self.upstream_mr.deallocate(start, csize, DEFAULT_STREAM)
+        finally:
+            with gc_paused_lock(self._lock):
+                self._releasing -= total
+        if self._sharers:
+            self._refresh_room()
+        return total
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with gc_paused_lock(self._lock):
@@ -614,8 +661,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
         Instrumented: counted and charged to the owner key read before the lock is taken.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
+        if type(nbytes) is not int or nbytes <= 0 or nbytes > SIZE_MAX:
+            nbytes = check_size(nbytes)
             if nbytes == 0:
                 return 0
         if nbytes <= CACHED_LIMIT:
@@ -738,28 +785,52 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
     # -- growth ----------------------------------------------------------------------------
 
-    def _size_to_grow(self, size: int) -> int:
-        held = self._pool_size + self._growing
+    def _size_to_grow(self, size: int, outside: int = 0) -> int:
+        held = self._pool_size + self._growing + self._releasing + outside
         if self._maximum is not None:
             remaining = align_up(max(self._maximum - held, 0))
-            return max(size, align_up(remaining // 2)) if size <= remaining else 0
+            if size > remaining:
+                return 0
+            step = remaining // 2
+            if self._sharers:
+                # Sharing the maximum: grow as without one (by the pool's size), at most by half
+                # the room, so that the pool does not take half the budget from a library beside
+                # it at its first growth.
+                step = min(step, self._pool_size + self._growing)
+            return max(size, align_up(step))
         return max(size, held)
 
     def _grow(self, nbytes: int, size: int, key: Hashable, stream: Stream, tag: int) -> int:
+        sharing = bool(self._sharers) and self._maximum is not None
+        # Read before the lock (a library call); checked again below, after lowering its room.
+        outside = self._sharers_reserved() if sharing else 0
         with gc_paused_lock(self._lock):
-            try_size = self._size_to_grow(size)
+            try_size = self._size_to_grow(size, outside)
+            if not try_size and sharing and outside:
+                try_size = self._size_to_grow(size)  # room the sharers may give back
             if not try_size:
-                raise self._oom(nbytes, stream, "the maximum pool size leaves no room")
+                reason = "the maximum pool size leaves no room"
+                if sharing:
+                    names = ", ".join(s.name for s in self._sharers)
+                    reason += f"; {names} beside the pool hold(s) {format_bytes(outside)} of it"
+                raise self._oom(nbytes, stream, reason)
             self._growing += try_size
+        if sharing:
+            try_size = self._claim_from_sharers(nbytes, size, try_size, stream)
         try:
             ptr, got = self._upstream_allocate(try_size, size, stream)
         except MemoryError as e:
             with gc_paused_lock(self._lock):
                 self._growing -= try_size
+            if sharing:
+                self._refresh_room()
+            with gc_paused_lock(self._lock):
                 raise self._oom(nbytes, stream, f"upstream could not supply it: {e}") from e
         except BaseException:
             with gc_paused_lock(self._lock):
                 self._growing -= try_size
+            if sharing:
+                self._refresh_room()
             raise
         with gc_paused_lock(self._lock):
             self._growing -= try_size
@@ -767,7 +838,65 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if got > size:
                 self._free_list(key, stream).insert(ptr + size, got - size)
             self._live[ptr] = tag
+        if sharing and got < try_size:
+            self._refresh_room()  # the upstream gave less than was set aside
         return ptr
+
+    def _sharers_reserved(self) -> int:
+        return sum(int(s.reserved_bytes()) for s in self._sharers)
+
+    def _refresh_room(self) -> None:
+        """Tell the budget's sharers the room the pool leaves them now."""
+        with self._budget_lock:
+            self._set_rooms()
+
+    def _set_rooms(self) -> None:
+        # With the budget lock held. Each sharer's room leaves out what the others hold.
+        sharers = self._sharers
+        if not sharers:
+            return
+        if self._maximum is None:
+            for s in sharers:
+                s.set_room(None)
+            return
+        room = max(0, self._maximum - self._pool_size - self._growing - self._releasing)
+        held = [int(s.reserved_bytes()) for s in sharers] if len(sharers) > 1 else [0]
+        for i, s in enumerate(sharers):
+            s.set_room(max(0, room - (sum(held) - held[i])))
+
+    def _claim_from_sharers(self, nbytes: int, size: int, try_size: int, stream: Stream) -> int:
+        """Before growing by ``try_size`` (set aside in ``_growing``): lower the sharers' room
+        first, then count what they hold, so that neither side can pass the maximum. When they
+        hold too much: ask them to give free bytes back, then settle for ``size``; the bytes to
+        grow by. When even that does not fit, give the set-aside bytes back and raise the
+        pool's OutOfMemoryError naming the sharers."""
+        assert self._maximum is not None
+        with self._budget_lock:
+            for attempt in range(3):
+                self._set_rooms()
+                room = max(0, self._maximum - self._pool_size - self._growing - self._releasing)
+                held = self._sharers_reserved()
+                if held <= room:
+                    return try_size
+                if attempt == 0:
+                    for s in self._sharers:
+                        s.release()
+                elif try_size > size:  # settle for the request
+                    with gc_paused_lock(self._lock):
+                        self._growing -= try_size - size
+                    try_size = size
+            with gc_paused_lock(self._lock):
+                self._growing -= try_size
+            self._set_rooms()
+        names = ", ".join(s.name for s in self._sharers)
+        with gc_paused_lock(self._lock):
+            raise self._oom(
+                nbytes,
+                stream,
+                f"{names} beside the pool hold{'s' if len(self._sharers) == 1 else ''} "
+                f"{format_bytes(held)} of the maximum, leaving no room to grow by "
+                f"{format_bytes(try_size)}",
+            )
 
     def _upstream_allocate(self, try_size: int, min_size: int, stream: Stream) -> tuple[int, int]:
         """``(ptr, size)`` of ``try_size`` bytes from upstream, halving on failure down to

@@ -1,4 +1,5 @@
-"""Draws the memory timeline as a self-contained inline SVG string (no JavaScript, no CDN).
+"""Draws the memory timeline, and where each device's bytes are, as self-contained inline SVG
+strings (no JavaScript, no CDN).
 
 Used by the report's HTML and the scheduler's /dask-rmm page; the PNG plot is in ``plot.py``.
 """
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 from dask_rmm.sizes import format_bytes
 
-__all__ = ["PALETTE", "bucket_maxima", "timeline_svg"]
+__all__ = ["PALETTE", "breakdown_svg", "bucket_maxima", "timeline_svg"]
 
 #: Line colours, one per series in order (Tableau 10, readable on white).
 PALETTE = (
@@ -172,5 +173,84 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
                 f'<line x1="{left + pw + 12}" x2="{left + pw + 32}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>'
             )
             out.append(f'<text x="{left + pw + 38}" y="{ly + 4}">{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+#: Colour of the breakdown's fixed parts; libraries take the palette in order.
+_PART_COLORS = {
+    "other allocations": "#9c755f",
+    "pool free": "#d7d7d7",
+    "retired stacks": "#bab0ac",
+    "outside dask-rmm": "#555555",
+}
+
+Bar = tuple[str, Sequence[tuple[str, int]], int]
+
+
+def breakdown_svg(bars: Sequence[Bar], *, width: int = 900) -> str:
+    """An ``<svg>`` element with one stacked bar per ``(label, parts, total)``: the ``(part,
+    bytes)`` pieces left to right, scaled to the largest ``total`` (the device's memory; the
+    sum of the parts when it is 0), a legend of the parts under them. A library's two parts
+    (``"<lib> in use"``, ``"<lib> cache free"``) share its colour, the free one lighter."""
+    left, right, bar_h, gap = 220, 20, 18, 8
+    pw = width - left - right
+    names: list[str] = []
+    for _, parts, _ in bars:
+        names += [p for p, _ in parts if p not in names]
+    libs = [n[: -len(" in use")] for n in names if n.endswith(" in use")]
+    colors: dict[str, tuple[str, str]] = {}
+    for name in names:
+        lib = name.rsplit(" ", 2)[0] if name.endswith((" in use", " cache free")) else None
+        if lib in libs:
+            base = PALETTE[libs.index(lib) % len(PALETTE)]
+            colors[name] = (base, "0.45" if name.endswith("cache free") else "1")
+        else:
+            colors[name] = (_PART_COLORS.get(name, "#bbbbbb"), "1")
+    scale = max((t or sum(b for _, b in parts)) for _, parts, t in bars) if bars else 0
+    scale = max(scale, 1)
+    legend_rows = (len(names) + 3) // 4
+    height = len(bars) * (bar_h + gap) + 16 + legend_rows * 16 + 8
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
+    ]
+    for i, (label, parts, total) in enumerate(bars):
+        y = 4 + i * (bar_h + gap)
+        out.append(
+            f'<text x="{left - 6}" y="{y + bar_h - 5}" text-anchor="end">{html.escape(label)}</text>'
+        )
+        full = (total or sum(b for _, b in parts)) / scale * pw
+        out.append(
+            f'<rect x="{left}" y="{y}" width="{full:.1f}" height="{bar_h}" fill="#fafafa" '
+            'stroke="#ccc"/>'
+        )
+        x = float(left)
+        for part, nbytes in parts:
+            w = nbytes / scale * pw
+            if w <= 0:
+                continue
+            color, opacity = colors[part]
+            tip = html.escape(f"{part}: {format_bytes(nbytes)}")
+            out.append(
+                f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{color}" '
+                f'fill-opacity="{opacity}"><title>{tip}</title></rect>'
+            )
+            x += w
+        used = sum(b for _, b in parts)
+        text = f"{format_bytes(used)} of {format_bytes(total)}" if total else format_bytes(used)
+        out.append(
+            f'<text x="{min(x + 4, width - 4):.1f}" y="{y + bar_h - 5}" fill="#333">{text}</text>'
+        )
+    y0 = 4 + len(bars) * (bar_h + gap) + 4
+    for k, name in enumerate(names):
+        lx = left + (k % 4) * (pw // 4)
+        ly = y0 + (k // 4) * 16
+        color, opacity = colors[name]
+        out.append(
+            f'<rect x="{lx}" y="{ly}" width="12" height="10" fill="{color}" '
+            f'fill-opacity="{opacity}"/>'
+        )
+        out.append(f'<text x="{lx + 16}" y="{ly + 9}">{html.escape(name)}</text>')
     out.append("</svg>")
     return "".join(out)

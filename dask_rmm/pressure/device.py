@@ -105,7 +105,11 @@ class DevicePressure:
 
     def current_bytes(self) -> int:
         """Bytes in use on this device: allocated through the worker's resource, less the free
-        bytes that library caches in front of it hold (those are given back, not spilled)."""
+        bytes that library caches in front of it hold (those are given back, not spilled), plus
+        the bytes in the objects of caches beside it (PyTorch's tensors)."""
+        return self._stack_bytes() + caches.outside_in_use_bytes(self.device)
+
+    def _stack_bytes(self) -> int:
         if self.statistics is not None:
             allocated = self.statistics.current_bytes
         elif self.pool is not None:

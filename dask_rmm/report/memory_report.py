@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask_rmm.plotting.svg import timeline_svg
+from dask_rmm.plotting.svg import breakdown_svg, timeline_svg
 from dask_rmm.sizes import format_bytes
 from dask_rmm.wire import COUNTERS, REPORT_VERSION, DeviceSample, to_int
 
@@ -334,7 +334,9 @@ class ClusterMemoryReport:
         """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
 
         Columns: worker, name, device, status, the wire's counters, fragmentation, resource,
-        gpu_name, gpu_uuid, pci_bus_id, error.
+        gpu_name, gpu_uuid, pci_bus_id, error, then the breakdown: ``direct_bytes``,
+        ``outside_dask_rmm_bytes`` (None on host memory) and, per library reported anywhere,
+        ``<lib>_in_use_bytes`` and ``<lib>_cache_free_bytes``.
         """
         try:
             import pandas as pd
@@ -344,7 +346,18 @@ class ClusterMemoryReport:
                 "(or pip install 'dask-rmm[report]')"
             ) from e
         rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
-        return pd.DataFrame(rows, columns=list(_FRAME_COLUMNS))
+        libraries = sorted({x.library for d in self.devices for x in d.libraries})
+        for row, d in zip(rows, self.devices, strict=True):
+            row["direct_bytes"] = d.direct_bytes
+            row["outside_dask_rmm_bytes"] = d.outside_dask_rmm_bytes
+            shares = {x.library: x for x in d.libraries}
+            for lib in libraries:
+                x = shares.get(lib)
+                row[f"{lib}_in_use_bytes"] = x.in_use_bytes if x is not None else 0
+                row[f"{lib}_cache_free_bytes"] = x.cached_bytes if x is not None else 0
+        columns = [*_FRAME_COLUMNS, "direct_bytes", "outside_dask_rmm_bytes"]
+        columns += [f"{lib}_{kind}_bytes" for lib in libraries for kind in ("in_use", "cache_free")]
+        return pd.DataFrame(rows, columns=columns)
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):
         """Draw memory over time per worker device and per-task-group peaks.
@@ -415,7 +428,8 @@ class ClusterMemoryReport:
                 lines.append(self.selection)
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines += self._peak_notes()
-        return "\n".join(lines + self.cache_lines() + self.pressure_lines() + self._notes())
+        lines += self.cache_lines() + self.breakdown_lines()
+        return "\n".join(lines + self.pressure_lines() + self._notes())
 
     def cache_lines(self) -> list[str]:
         """One line per device whose memory passes through a library cache: how much of what
@@ -435,6 +449,27 @@ class ClusterMemoryReport:
                 0,
                 "library caches (allocated = in arrays + held free in the caches; counts and "
                 "task groups are the caches' blocks, charged to the task that drew them):",
+            )
+        return lines
+
+    def breakdown_lines(self) -> list[str]:
+        """Where each running device's bytes are (:meth:`DeviceSample.breakdown`): one line per
+        device that reports libraries or a device figure; on host memory it says there is no
+        device figure (none when no device says anything beyond the table)."""
+        lines = []
+        for d in self.running:
+            if not d.libraries and d.device_total_bytes <= 0:
+                continue
+            parts = ", ".join(f"{format_bytes(n)} {part}" for part, n in d.breakdown())
+            if d.device_total_bytes > 0:
+                end = f" = {format_bytes(d.device_used_bytes)} used of the device"
+            else:
+                end = " (host memory: no device figure)"
+            lines.append(f"{_worker_label(d)}/dev{d.device}: {parts}{end}")
+        if lines:
+            lines.insert(
+                0,
+                "where the bytes are (libraries in use and cache free, the pool, outside dask-rmm):",
             )
         return lines
 
@@ -538,6 +573,15 @@ class ClusterMemoryReport:
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
                 f"<tfoot><tr>{foot}</tr></tfoot></table><p>{notes}</p>"
             )
+        breakdown = self.breakdown_lines()
+        if breakdown:
+            bars = [
+                (d.label, d.breakdown(), d.device_total_bytes)
+                for d in self.running
+                if d.libraries or d.device_total_bytes > 0
+            ][:_SVG_SERIES]
+            items = "".join(f"<li>{esc(line)}</li>" for line in breakdown[1:])
+            parts.append(f"<h4>Where the bytes are</h4>{breakdown_svg(bars)}<ul>{items}</ul>")
         pressure = self.pressure_lines()
         if pressure:
             items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])

@@ -2,7 +2,7 @@
 (``dask_rmm_cluster_*``, worker and device counts) always, and one series per running worker
 device for each :data:`dask_rmm.wire.GAUGES` field plus fragmentation while the cluster has at
 most ``dask-rmm.scheduler.prometheus-device-limit`` devices (a scrape formats every series on the
-event loop: about 10 us a series). Needs prometheus_client (an optional dependency).
+event loop; its cost a series is in bench/README.md). Needs prometheus_client (an optional dependency).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dask_rmm.scheduler.report_build import ReportRequest
-from dask_rmm.wire import GAUGES, to_int
+from dask_rmm.wire import GAUGES, DeviceSample, to_int
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
@@ -87,6 +87,22 @@ class DaskRMMCollector:
             "1 - largest free block / free bytes in the pool (absent while none of it is in use)",
             labels=LABELS,
         )
+        in_use = GaugeMetricFamily(
+            "dask_rmm_library_in_use_bytes",
+            "Bytes in a library's objects (arrays, tensors) on the device",
+            labels=[*LABELS, "library", "beside_stack"],
+        )
+        held_free = GaugeMetricFamily(
+            "dask_rmm_library_cache_free_bytes",
+            "Bytes a library's cache holds free on the device",
+            labels=[*LABELS, "library", "beside_stack"],
+        )
+        outside = GaugeMetricFamily(
+            "dask_rmm_outside_bytes",
+            "Device memory in use outside dask-rmm (used less what the stack and the libraries "
+            "beside it hold: CUDA contexts, workspaces, other processes)",
+            labels=LABELS,
+        )
         for x in running:
             d = x.d
             labels = [
@@ -100,6 +116,17 @@ class DaskRMMCollector:
                 family.add_metric(labels, value)
             if x.frag is not None:  # no figure while none of the pool is in use
                 frag.add_metric(labels, x.frag)
+            sample = DeviceSample.from_dict(d)
+            for share in sample.libraries:
+                where = [share.library, "1" if share.outside_stack else "0"]
+                in_use.add_metric(labels + where, share.in_use_bytes)
+                held_free.add_metric(labels + where, share.cached_bytes)
+            outside_bytes = sample.outside_dask_rmm_bytes
+            if outside_bytes is not None:
+                outside.add_metric(labels, outside_bytes)
         for _, family in gauges:
             yield family
         yield frag
+        yield in_use
+        yield held_free
+        yield outside

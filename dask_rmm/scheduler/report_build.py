@@ -364,7 +364,7 @@ class Snapshot:
 def _collector_paused() -> Iterator[None]:
     """No automatic garbage collection while a report is built: a full pass walks every object
     of the scheduler (each worker's last heartbeat is hundreds of them) holding the GIL, which
-    at 16,000 devices stalls the event loop's thread for 50-250 ms; building a report makes
+    at 16,000 devices stalls the event loop's thread (bench/README.md); building a report makes
     enough objects to start several. What it makes has no cycles: reference counting frees it.
     One report is built at a time (one thread), so nothing else turns the collector back on."""
     was_enabled = gc.isenabled()

@@ -19,7 +19,6 @@ import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
-from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
@@ -347,22 +346,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, snap.render, form)
-
-    def report_data(self, timeline: bool = True, last: int | None = None) -> dict[str, Any]:
-        """The report document (``ClusterMemoryReport.to_dict()``, served as report.json), with
-        each device's timeline (its newest ``last`` points) if ``timeline``. Built here, on the
-        calling thread; the scheduler's handlers use :meth:`report_async`."""
-        return self.memory_report(timeline, last).to_dict(timeline=timeline)
-
-    def memory_report(
-        self, timeline: bool = True, last: int | None = None, **request: Any
-    ) -> ClusterMemoryReport:
-        """The cluster's memory report as a :class:`~dask_rmm.report.ClusterMemoryReport` (what
-        :meth:`report_data` serializes), with each device's timeline (its newest ``last``
-        points) if ``timeline``; ``request`` takes the other :class:`ReportRequest` fields
-        (``top``, ``sort``, ``worker``, ``width``)."""
-        req = ReportRequest(timeline=timeline, last=last, **request)
-        return self.snapshot(req).build()
 
 
 def _device_peaks(metrics: dict | None) -> dict[str, int]:

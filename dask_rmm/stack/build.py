@@ -260,12 +260,16 @@ def build_stack(
                 # scheduler refuses, a stack replaced before use) leaves no file; the name is
                 # claimed then, when an earlier process under it has surely ended.
                 log_file_name = stack.log_path[: -len(f".dev{device}.csv")] + ".csv"
+
+                def claim(_name: str, path: str = path) -> tuple[str, int | None]:
+                    return claim_log_file(path)
+
                 top = stack.logging = mr.LoggingResourceAdaptor(
                     top,
                     log_file_name=log_file_name,
                     append=True,
                     open_on_first_row=True,
-                    claim=lambda _name, path=path: claim_log_file(path),
+                    claim=claim,
                 )
             except OSError as e:
                 raise OSError(

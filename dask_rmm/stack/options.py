@@ -158,7 +158,7 @@ class RMMOptions:
     ] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
     #: libraries of ``allocators`` whose every allocation goes through the stack (exact
     #: per-allocation statistics and attribution) rather than through their own compiled cache
-    #: drawing blocks from it (the default for "cupy" and "rmm"); True: all of them
+    #: drawing blocks from it (the default for "cupy", "rmm" and "torch"); True: all of them
     exact_allocators: tuple[str, ...] = ()
     devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
     #: above this many bytes in use (measured by the resource), a worker spills its least

@@ -206,9 +206,17 @@ class WorkerMetrics:
             d["retired_bytes"] = retired_bytes(retired, stack.device)
 
         def library_caches() -> None:
-            cached = caches.cached_bytes(stack.device)
-            d["library_cached_bytes"] = sum(cached.values())
-            d["library_caches"] = ",".join(sorted(cached))
+            shares = caches.library_bytes(stack.device)
+            inside = {k: v for k, v in shares.items() if not v.outside_stack}
+            d["library_cached_bytes"] = sum(v.cached_bytes for v in inside.values())
+            d["library_caches"] = ",".join(sorted(inside))
+            d["library_outside_bytes"] = sum(
+                v.in_use_bytes + v.cached_bytes for v in shares.values() if v.outside_stack
+            )
+            d["libraries"] = [
+                [name, v.in_use_bytes, v.cached_bytes, int(v.outside_stack)]
+                for name, v in sorted(shares.items())
+            ]
 
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))

@@ -909,7 +909,7 @@ def test_the_plugin_takes_allocators_rmm_on_any_host():
     # What the GPU workload tests below build their plugin with, checked where they skip.
     plugin = _plugin_with_rmm(allocators=["cupy", "rmm"], pool_size="64MiB")
     assert plugin.options.allocators == ("cupy", "rmm")
-    assert plugin.options.exact_allocators == ("cupy", "rmm")
+    assert plugin.options.exact_allocators == ("cupy", "rmm", "torch")  # True: every cache
 
 
 def _check_dask_workload(client, log_directory=None) -> None:

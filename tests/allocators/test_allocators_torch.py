@@ -145,7 +145,7 @@ _SCENARIO = textwrap.dedent(
     stats = mr.StatisticsResourceAdaptor(
         mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1 << 26))
     mr.set_current_device_resource(stats)
-    set_allocators(["torch"])
+    set_allocators(["torch"], exact=["torch"])  # the per-tensor path
     out = {}
     x = torch.ones(1000, device="cuda")
     out["bytes_with_tensor"] = stats.allocation_counts.current_bytes
@@ -171,7 +171,7 @@ _SCENARIO = textwrap.dedent(
     except torch.OutOfMemoryError as e:
         out["oom"] = type(e).__name__ if isinstance(e, MemoryError) else "not a MemoryError"
     out["after_oom"] = float(torch.ones(10, device="cuda").sum())
-    set_allocators(["torch"])  # again: harmless
+    set_allocators(["torch"], exact=["torch"])  # again: harmless
     print("RESULT" + json.dumps(out))
     """
 )
@@ -409,3 +409,48 @@ def test_raises_on_the_failing_line_not_at_a_later_call(host_mr):
     assert state["oom"] == "TorchAllocationError"
     assert state["message"].count("rmm_torch_allocator") == 1
     assert state["later"]
+
+
+class _StandInCache:
+    """What PyTorch's cache gives the pool (its reserved bytes, a cap, a release), without
+    PyTorch: the routing of its budget between pools runs the same on any host."""
+
+    def __init__(self):
+        self.caps: list = []
+        self._budgets: dict = {}
+
+    def reserved_bytes(self, device):
+        return 0
+
+    def set_cap(self, device, nbytes):
+        self.caps.append(nbytes)
+
+    def release(self, device):
+        return 0
+
+    def budget(self, device):
+        if device not in self._budgets:
+            self._budgets[device] = torch_hook._TorchDeviceBudget(self, device)
+        return self._budgets[device]
+
+
+def test_pytorchs_budget_follows_the_current_pool_and_leaves_the_replaced_one(monkeypatch):
+    MiB = 1 << 20
+    cache = _StandInCache()
+    monkeypatch.setattr(torch_hook, "_cache", cache)
+    first = mr.PoolMemoryResource(
+        mr.SystemMemoryResource(), initial_pool_size=MiB, maximum_pool_size=8 * MiB
+    )
+    torch_hook.share_torch_budget(0, mr.StatisticsResourceAdaptor(first))  # found down the chain
+    assert first.budget_sharers() == (cache.budget(0),) and cache.caps[-1] == 7 * MiB
+    second = mr.PoolMemoryResource(
+        mr.SystemMemoryResource(), initial_pool_size=MiB, maximum_pool_size=16 * MiB
+    )
+    torch_hook.share_torch_budget(0, second)  # a re-registration's new stack
+    assert first.budget_sharers() == () and second.budget_sharers() == (cache.budget(0),)
+    assert cache.caps[-1] == 15 * MiB
+    ptr = first.allocate(4 * MiB)  # the replaced pool growing no longer moves the cap
+    assert cache.caps[-1] == 15 * MiB
+    first.deallocate(ptr, 4 * MiB)
+    torch_hook.share_torch_budget(0, mr.SystemMemoryResource())  # no pool: no cap
+    assert second.budget_sharers() == () and cache.caps[-1] is None

@@ -7,6 +7,8 @@ import threading
 import numpy
 import pytest
 from conftest import make_base_resource, make_test_streams
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dask_rmm import mr
 from dask_rmm.mr import pool as pool_module
@@ -176,7 +178,7 @@ def test_cross_stream_take_waits_on_an_event(pool, monkeypatch):
     calls = []
     from dask_rmm import _cuda
 
-    monkeypatch.setattr(_cuda, "event_create", lambda **kw: 77, raising=False)
+    monkeypatch.setattr(_cuda, "event_create", lambda **_: 77, raising=False)
     monkeypatch.setattr(_cuda, "event_record", lambda ev, s: calls.append(("record", ev, s)),
                         raising=False)  # fmt: skip
     monkeypatch.setattr(_cuda, "stream_wait_event", lambda s, ev: calls.append(("wait", s, ev)),
@@ -355,3 +357,41 @@ def test_ordering_after_another_threads_per_thread_stream_gives_this_thread_no_k
     t.start()
     t.join()
     assert synced == [1] and seen == [None]
+
+
+# -- sizes out of range ------------------------------------------------------------------------
+
+_HUGE = st.integers(min_value=pool_module.CACHED_LIMIT + 1, max_value=2**70) | st.integers(
+    min_value=2**63, max_value=2**70
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=_HUGE, counted=st.booleans(), other_stream=st.booleans())
+def test_every_huge_size_is_a_clear_error_that_changes_nothing(n, counted, other_stream):
+    # A bounded pool: sizes up to 2**64 - 1 are out of memory, larger ones no allocation can
+    # be; never another exception (an IndexError once came from the size classes above 2**74).
+    pool = PoolMemoryResource(mr.SystemMemoryResource(), 1 << 20, 4 << 20)
+    top = mr.StatisticsResourceAdaptor(pool) if counted else pool
+    stream = Stream(0x77) if other_stream else DEFAULT_STREAM
+
+    def state():
+        return [b[:2] for b in pool._free_blocks()], pool.pool_size(), pool._live_count()
+
+    before = state()
+    if n > 2**64 - 1:
+        with pytest.raises(ValueError, match=rf"nbytes {n} is larger than any allocation can be"):
+            top.allocate(n, stream)
+    else:
+        with pytest.raises(mr.OutOfMemoryError, match=rf"\({n} bytes\)"):
+            top.allocate(n, stream)
+    assert state() == before
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(min_value=2**64, max_value=2**80))
+def test_a_size_no_allocation_can_have_is_a_value_error_on_an_unbounded_pool(n):
+    pool = PoolMemoryResource(mr.SystemMemoryResource(), 1 << 20)
+    with pytest.raises(ValueError, match="larger than any allocation can be"):
+        pool.allocate(n)
+    assert pool.pool_size() == 1 << 20 and pool._live_count() == 0

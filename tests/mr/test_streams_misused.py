@@ -385,7 +385,7 @@ def test_a_block_freed_by_an_exited_thread_is_taken_after_a_device_sync(monkeypa
 
     calls = []
     monkeypatch.setattr(_cuda, "device_synchronize", lambda: calls.append("device sync"))
-    monkeypatch.setattr(_cuda, "event_create", lambda **kw: calls.append("event") or 1)
+    monkeypatch.setattr(_cuda, "event_create", lambda **_: calls.append("event") or 1)
     res = mr.PoolMemoryResource(mr.SystemMemoryResource(), 1 << 20, 1 << 20)
     res._ordered = True
     got = []

@@ -64,7 +64,7 @@ async def test_detach_keeps_the_store_when_outputs_do_not_fit_back(c, s, a: Work
         await asyncio.sleep(0.01)
     check_buffer(a.data["b-0"], 0)
     # A new setup takes the leftovers over.
-    wp2, top2 = pressure_stack(4 * MiB, spill_on_oom=True)
+    wp2, _ = pressure_stack(4 * MiB, spill_on_oom=True)
     wp2.attach(a)
     assert wp2.metrics()[0].spilled_count >= 1
     for i in range(5):

@@ -110,7 +110,7 @@ def test_incompatible_options_fail_on_the_client(kwargs, match):
 def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
     assert RMMPlugin().options.exact_allocators == ()
     assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")
-    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm")
+    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm", "torch")
     assert RMMPlugin(exact_allocators=False).options.exact_allocators == ()
     assert "exact_allocators=['cupy']" in repr(RMMPlugin(exact_allocators=["cupy"]))
 

@@ -1,0 +1,54 @@
+"""Names vulture (the dead-code check in .ci/run, configured in pyproject.toml) cannot see used:
+each is called or read by name from outside this repository's code. Not imported by anything."""
+
+# Module __getattr__ / __dir__ (PEP 562): the lazy names of dask_rmm and dask_rmm.mr.
+__getattr__
+__dir__
+
+# Plugin hooks distributed calls by name (SchedulerPlugin, WorkerPlugin) and flags it reads.
+_.add_worker
+_.remove_worker
+_.teardown
+_.idempotent
+
+# tornado calls RequestHandler.write_error for an HTTPError.
+_.write_error
+
+# Fields of cuda-python's cudaMemPoolProps, read by cudaMemPoolCreate.
+_.allocType
+_.handleTypes
+_.maxSize
+
+# Read by distributed's preload (``dask_setup(worker, dask_cuda_context=...)`` is how
+# dask-cuda's CLI calls a preload) and by the `dask rmm advise` click command.
+dask_cuda_context
+advise
+
+# Kept alive in a threading.local: its __del__ drains the thread's stream at thread exit.
+_.drain_at_exit
+
+# PyTorch keeps the allocator object alive through this reference.
+_._allocator
+
+# Public names of the API (RMM's or documented) that this repository does not itself call.
+logging_level  # rmm.logging_level, RMM's older alias
+_.pretty_print  # rmm.statistics.ProfilerRecords.pretty_print
+_.charging_pool  # AttributionResourceAdaptor, as counting_pool / tracking_pool
+_.paused_devices  # ClusterTotals field (JSON, DataFrame)
+_.failed_rows  # ReplayResult field (JSON)
+_.device_pointer  # PointerAttributes fields
+_.host_pointer
+
+# importlib's Loader protocol and package attribute, used by tools/rmm_compat's import finder.
+_.create_module
+_.__path__
+
+# pytest: module marks, hooks, autouse fixtures and fixtures asked for by name.
+pytestmark
+pytest_collection_modifyitems
+_reset_global_state
+_hooks
+_restore
+gpu_cupy_allocator
+rmm_free_thread
+gpu_mr
