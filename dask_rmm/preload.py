@@ -66,6 +66,16 @@ class _PreloadCommand(click.Command):
     error of ``dask worker`` itself (distributed parses preload flags before starting), and
     recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
 
+    def get_help_option_names(self, ctx: click.Context) -> list[str]:
+        # -h too, however the context was made: distributed makes the preload's context itself
+        # (without this command's context_settings), and click keeps the first help option it
+        # builds for a command
+        names = dict.fromkeys(["-h", "--help", *ctx.help_option_names])
+        for param in self.params:
+            for name in (*param.opts, *param.secondary_opts):
+                names.pop(name, None)
+        return list(names)
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # distributed parses the flags again when the worker starts, with this name; an error
         # there it would log and then start the worker without dask-rmm

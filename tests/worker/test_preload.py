@@ -517,7 +517,7 @@ def test_python_m_dask_rmm_preload_help_is_plain_text(flag):
     same = CliRunner().invoke(
         dask_setup, [flag], prog_name="dask worker SCHEDULER --preload dask_rmm.preload"
     )
-    assert same.exit_code == 0 and not _SPHINX_MARKUP.search(same.output)
+    assert same.exit_code == 0 and not _SPHINX_MARKUP.search(same.output), same.output
 
 
 @pytest.mark.slow
@@ -547,3 +547,13 @@ def test_an_unknown_config_key_warns_once_per_process():
                 validate_config()
                 plugin_from_flags(rmm_base_resource="system")
     assert len([w for w in caught if "pool-szie" in str(w.message)]) == 1
+
+
+def test_h_is_help_also_after_a_context_made_as_distributed_makes_it():
+    import click
+
+    # distributed checks preload flags with a Context of its own (no context_settings); click
+    # keeps the first help option it builds for a command
+    assert "-h" in dask_setup.get_help_option(click.Context(dask_setup)).opts
+    result = CliRunner().invoke(dask_setup, ["-h"])
+    assert result.exit_code == 0 and "--rmm-pool-size" in result.output, result.output
