@@ -58,3 +58,6 @@ _reset  # tests/worker/test_admission.py autouse fixture
 _.admission_total_held
 _.admission_wait_seconds
 _.admission_longest_wait_seconds
+
+# click calls it by name (the preload command's -h).
+_.get_help_option_names

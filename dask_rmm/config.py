@@ -7,8 +7,11 @@ distributed. Turning the settings into options is :mod:`dask_rmm.stack`' job.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import dask.config
@@ -24,8 +27,27 @@ __all__ = [
     "defaults",
     "environment_variable",
     "parse_device_bytes",
+    "unknown_keys_unreported",
     "validate_config",
 ]
+
+#: Unknown keys already warned about in this process: a worker start validates the config
+#: several times (flags, plugin, setup), and the user needs to read it once.
+_warned_unknown: set[str] = set()
+_report_unknown = contextvars.ContextVar("dask_rmm_report_unknown_config_keys", default=True)
+
+
+@contextlib.contextmanager
+def unknown_keys_unreported() -> Iterator[None]:
+    """Validate without warning about unknown keys inside this block: for a check whose
+    process hands the same config on to one that validates it again (``dask worker``'s nanny
+    checking the preload flags before it starts the worker process)."""
+    token = _report_unknown.set(False)
+    try:
+        yield
+    finally:
+        _report_unknown.reset(token)
+
 
 YAML_PATH = os.path.join(os.path.dirname(__file__), "dask-rmm.yaml")
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "dask-rmm-schema.yaml")
@@ -101,7 +123,8 @@ def _check(key: str, value: Any, schema: dict, unknown: list[str]) -> None:
 
 def validate_config() -> None:
     """Check the ``dask-rmm.*`` config against dask-rmm-schema.yaml (and sizes and intervals
-    by parsing them); warn about keys the schema does not know (``dask-rmm.poolsize``).
+    by parsing them); warn about keys the schema does not know (``dask-rmm.poolsize``), each
+    once per process (not inside :func:`unknown_keys_unreported`).
 
     Raises
     ------
@@ -126,7 +149,12 @@ def validate_config() -> None:
         parse_timedelta(interval, default="ms")
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(key, interval, f"not a time interval such as '100ms' ({e})") from None
+    if not _report_unknown.get():
+        return
     for key in unknown:
+        if key in _warned_unknown:
+            continue
+        _warned_unknown.add(key)
         warnings.warn(
             f"unknown config key {key} ({environment_variable(key)}) ignored; dask-rmm's keys "
             f"are {', '.join(sorted(_SCHEMA['properties']))}",

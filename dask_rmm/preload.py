@@ -12,6 +12,7 @@ dask_rmm.preload --help`` for the flags.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 import click
 
+from dask_rmm.config import unknown_keys_unreported
 from dask_rmm.stack.options import BASE_RESOURCES
 
 __all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
@@ -64,6 +66,16 @@ class _PreloadCommand(click.Command):
     error of ``dask worker`` itself (distributed parses preload flags before starting), and
     recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
 
+    def get_help_option_names(self, ctx: click.Context) -> list[str]:
+        # -h too, however the context was made: distributed makes the preload's context itself
+        # (without this command's context_settings), and click keeps the first help option it
+        # builds for a command
+        names = dict.fromkeys(["-h", "--help", *ctx.help_option_names])
+        for param in self.params:
+            for name in (*param.opts, *param.secondary_opts):
+                names.pop(name, None)
+        return list(names)
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # distributed parses the flags again when the worker starts, with this name; an error
         # there it would log and then start the worker without dask-rmm
@@ -84,7 +96,10 @@ class _PreloadCommand(click.Command):
         # fresh context for the preload; at worker start the preload's context is the current one
         outer = click.get_current_context(silent=True)
         worker_params = {p.name for p in outer.command.params} if outer is not None else set()
-        if outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params:
+        checking_for_dask_worker = (
+            outer is not None and outer is not ctx and _WORKER_PARAMS <= worker_params
+        )
+        if checking_for_dask_worker and outer is not None:
             args = _check_scheduler_argument(self, outer, list(args))
             from dask_rmm.worker.fatal import arm_worker_command
 
@@ -92,8 +107,12 @@ class _PreloadCommand(click.Command):
         else:
             args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
+        # Checked again where the worker starts (often another process): an unknown config
+        # key is reported there, once.
+        quiet = unknown_keys_unreported() if checking_for_dask_worker else contextlib.nullcontext()
         try:
-            plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
+            with quiet:
+                plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
         except click.UsageError as e:
             e.ctx = ctx  # the usage shown is this command's
             raise
@@ -220,7 +239,29 @@ def _with_flags(command: Any) -> Any:
         settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
         command = click.option(flag, default=None, **settings)(command)
     command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", default=None, hidden=True)(command)
-    return click.command(name="dask_rmm.preload", cls=_PreloadCommand)(command)
+    return click.command(
+        name="dask_rmm.preload",
+        cls=_PreloadCommand,
+        help=_HELP,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )(command)
+
+
+#: The command's help (``--help``, ``-h``): plain text, not the docstring's Sphinx markup.
+_HELP = """Set the worker's memory resources up from the --rmm-* flags (one RMMPlugin for
+this worker).
+
+\b
+  dask worker tcp://HOST:8786 --preload dask_rmm.preload --rmm-pool-size 4GiB
+
+Give the scheduler address before these flags: dask worker takes the first flag as its address
+otherwise (with --scheduler-file that flag is recovered and logged). Under dask-cuda, its own
+--rmm-* settings configure dask-rmm. A setup that fails stops the worker with the reason.
+Without a GPU, add --rmm-base-resource system (host memory).
+
+python -m dask_rmm.preload FLAGS checks the flags and prints the RMMPlugin they make, without
+starting anything.
+"""
 
 
 @_with_flags

@@ -28,12 +28,36 @@ __all__ = [
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
+    "fragmentation",
     "heartbeat",
     "pack_samples",
     "to_int",
     "unmeasured_fields",
     "unpack_samples",
 ]
+
+
+def fragmentation(reserved_bytes: int, free_bytes: int, largest_free_block: int) -> float | None:
+    """How much of a pool's free memory is in pieces: ``1 - largest free block / free bytes``,
+    the one definition (reports, Prometheus, sorting, advice, ``ReservedMemoryInfo``).
+
+    None when none of the pool is in use (``reserved_bytes <= free_bytes``): its free pieces are
+    then the separate blocks it took from upstream, which no allocation split, and there is
+    nothing to call fragmented. 0.0 when nothing is free.
+
+    Examples
+    --------
+    >>> fragmentation(256 << 20, 256 << 20, 128 << 20) is None  # two free chunks, none in use
+    True
+    >>> fragmentation(256 << 20, 128 << 20, 32 << 20)  # half in use, free in 32 MiB pieces
+    0.75
+    """
+    if reserved_bytes <= free_bytes:
+        return None
+    if free_bytes <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - largest_free_block / free_bytes))
+
 
 #: Key of the heartbeat metrics in ``worker.metrics`` (and so in ``WorkerState.metrics``).
 METRICS_KEY = "dask-rmm"
@@ -239,11 +263,9 @@ class DeviceSample:
         return parts
 
     @property
-    def fragmentation(self) -> float:
-        """``1 - largest free block / free bytes in the pool``; 0.0 when nothing is free."""
-        if self.pool_free_bytes <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.largest_free_block / self.pool_free_bytes)
+    def fragmentation(self) -> float | None:
+        """:func:`fragmentation` of this device's pool (None: nothing of it in use)."""
+        return fragmentation(self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (``fragmentation`` included for readers without this class)."""

@@ -1,7 +1,7 @@
 """Cluster memory report: run a small workload on a LocalCluster with RMMPlugin, then read the
 report (table, DataFrame, PNG plot) and the scheduler's /dask-rmm page.
 
-    python examples/cluster_report.py                    # device memory (needs a GPU)
+    python examples/cluster_report.py                    # device memory (host memory without a GPU)
     python examples/cluster_report.py --host-memory      # host memory, any machine
     python examples/cluster_report.py --plot report.png --html report.html --keep-open 60
 """
@@ -14,8 +14,23 @@ import time
 from distributed import Client, LocalCluster, wait
 
 import dask_rmm
+from dask_rmm import _cuda
 
 MiB = 1 << 20
+
+
+def use_host_memory(asked: bool) -> bool:
+    """Whether to run on host memory: when asked (``--host-memory``), or, as the quickstart
+    does, when this host has no GPU (said on stdout, so that nothing falls back silently)."""
+    if asked:
+        return True
+    if _cuda.is_available():
+        return False
+    print(
+        "No GPU on this host: using base_resource='system' (host memory), as --host-memory "
+        "does; pass --host-memory to choose it yourself"
+    )
+    return True
 
 
 def load(i: int, nbytes: int):
@@ -50,6 +65,7 @@ def main() -> None:
         help="seconds to keep the cluster up (to browse /dask-rmm)",
     )
     args = ap.parse_args()
+    host_memory = use_host_memory(args.host_memory)
 
     with (
         LocalCluster(
@@ -60,7 +76,7 @@ def main() -> None:
         # One call sets up every worker's pool and the scheduler side of the reports.
         client.register_plugin(
             dask_rmm.RMMPlugin(
-                base_resource="system" if args.host_memory else "cuda",
+                base_resource="system" if host_memory else "cuda",
                 pool_size="512MiB",
             )
         )

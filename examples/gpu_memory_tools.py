@@ -1,7 +1,7 @@
 """GPU memory where Dask users look: GPUMemorySampler over two runs, a performance report with
 the GPU section, sizing advice from the live cluster, and giving pooled memory back.
 
-    python examples/gpu_memory_tools.py                  # device memory (needs a GPU)
+    python examples/gpu_memory_tools.py                  # device memory (host memory without a GPU)
     python examples/gpu_memory_tools.py --host-memory    # host memory, any machine
     python examples/gpu_memory_tools.py --out docs/      # where the PNGs and the HTML go
 """
@@ -15,9 +15,24 @@ import time
 from distributed import Client, LocalCluster, wait
 
 import dask_rmm
+from dask_rmm import _cuda
 from dask_rmm.client.advice import advise_from_report, format_advice
 
 MiB = 1 << 20
+
+
+def use_host_memory(asked: bool) -> bool:
+    """Whether to run on host memory: when asked (``--host-memory``), or, as the quickstart
+    does, when this host has no GPU (said on stdout, so that nothing falls back silently)."""
+    if asked:
+        return True
+    if _cuda.is_available():
+        return False
+    print(
+        "No GPU on this host: using base_resource='system' (host memory), as --host-memory "
+        "does; pass --host-memory to choose it yourself"
+    )
+    return True
 
 
 def step(i: int, nbytes: int, hold: float):
@@ -40,7 +55,7 @@ def main() -> None:
     ap.add_argument("--out", default=".", help="directory for the PNGs and the report")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    base = "system" if args.host_memory else "cuda"
+    base = "system" if use_host_memory(args.host_memory) else "cuda"
 
     with (
         LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cluster,

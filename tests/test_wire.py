@@ -12,6 +12,7 @@ def test_round_trip_and_defaults():
     d = DeviceSample(
         resource="Pool",
         current_bytes=5,
+        reserved_bytes=200,
         pool_free_bytes=100,
         largest_free_block=25,
         retired_bytes=7,
@@ -22,6 +23,9 @@ def test_round_trip_and_defaults():
     assert data["fragmentation"] == 0.75 and data["task_groups"] == [["inc", 1, 2]]
     assert DeviceSample.from_dict(data) == d
     assert DeviceSample.from_dict({}) == DeviceSample()
+    idle = DeviceSample(reserved_bytes=200, pool_free_bytes=200, largest_free_block=100)
+    assert idle.to_dict()["fragmentation"] is None  # none of the pool in use: no figure
+    assert DeviceSample.from_dict(idle.to_dict()) == idle
 
 
 def test_readers_tolerate_unknown_missing_and_malformed_fields():

@@ -57,10 +57,16 @@ class Advice:
     device_total_bytes: int = 0
     notes: tuple[str, ...] = ()
     replays: tuple[dict[str, Any], ...] = field(default=())
+    #: the base resource the advice is for when it is not the default ``"cuda"``: ``"system"``
+    #: for host-memory workers, whose pasted setup must say so (a host without a GPU refuses
+    #: the default)
+    base_resource: str | None = None
 
     def plugin_args(self) -> dict[str, Any]:
         """The ``RMMPlugin`` keyword arguments (sizes as strings)."""
         args: dict[str, Any] = {"pool_size": size_text(self.pool_size)}
+        if self.base_resource is not None:
+            args["base_resource"] = self.base_resource
         if self.maximum_pool_size is not None:
             args["maximum_pool_size"] = size_text(self.maximum_pool_size)
         if self.allocator == "async":
@@ -74,6 +80,8 @@ class Advice:
     def worker_flags(self) -> str:
         """The ``dask worker --preload dask_rmm.preload`` flags to paste (dask-cuda's names)."""
         flags = [f"--rmm-pool-size {size_text(self.pool_size)}"]
+        if self.base_resource is not None:
+            flags.append(f"--rmm-base-resource {self.base_resource}")
         if self.maximum_pool_size is not None:
             flags.append(f"--rmm-maximum-pool-size {size_text(self.maximum_pool_size)}")
         if self.allocator == "async":
@@ -135,6 +143,7 @@ def _decide(
     notes: list[str],
     replays: Sequence[dict[str, Any]] = (),
     required_what: str = "the smallest replayed pool that served every allocation",
+    base_resource: str | None = None,
 ) -> Advice:
     """The advice once the peak, the pool the workload needs and the fragmentation are known."""
     reasons: dict[str, str] = {}
@@ -199,6 +208,7 @@ def _decide(
         device_total_bytes=device_total,
         notes=tuple(notes),
         replays=tuple(replays),
+        base_resource=base_resource,
     )
 
 
@@ -211,6 +221,7 @@ def advise_from_logs(
     device_memory: int = 0,
     on_device: bool = True,
     gpu: bool | None = None,
+    progress: bool = False,
 ) -> list[Advice]:
     """Advice for each log (one worker device each), from its peak and replays of it.
 
@@ -220,6 +231,7 @@ def advise_from_logs(
     fragments. ``device_memory`` (bytes; 0: unknown) bounds ``maximum_pool_size``;
     ``on_device`` says the logs come from GPU workers (cudaMallocAsync is an option there).
     ``gpu`` is :func:`dask_rmm.logs.replay.replay`'s (default: replay on a GPU when there is one).
+    ``progress`` draws click's progress bar on stderr for the summary and each replay.
     """
     from dask_rmm.logs.replay import replay
     from dask_rmm.logs.summary import summarize
@@ -227,7 +239,8 @@ def advise_from_logs(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out = []
-    for path, summary in zip(paths, summarize(list(paths)).files, strict=True):
+    summaries = summarize(list(paths), progress=progress).files
+    for path, summary in zip(paths, summaries, strict=True):
         peak = summary.peak_bytes
         notes: list[str] = []
         replays: list[dict[str, Any]] = []
@@ -235,7 +248,14 @@ def advise_from_logs(
         if peak > 0:
             for factor in CANDIDATE_FACTORS:
                 size = (int(peak * factor) + 255) & -256
-                r = replay(path, "pool", gpu=gpu, initial_pool_size=size, maximum_pool_size=size)
+                r = replay(
+                    path,
+                    "pool",
+                    gpu=gpu,
+                    initial_pool_size=size,
+                    maximum_pool_size=size,
+                    progress=progress,
+                )
                 replays.append(
                     {
                         "resource": "pool",
@@ -279,6 +299,7 @@ def advise_from_logs(
                 on_device,
                 notes,
                 replays,
+                base_resource=None if on_device else "system",
             )
         )
     return out
@@ -316,7 +337,8 @@ def _advise_device(d: DeviceMemory) -> Advice:
             )
             + "register with statistics=True for advice from the real peak"
         )
-    pieces = d.fragmentation >= 0.5 and d.pool_free_bytes * 4 >= max(d.reserved_bytes, 1)
+    frag = d.fragmentation  # None: none of the pool in use, nothing to call fragmented
+    pieces = frag is not None and frag >= 0.5 and d.pool_free_bytes * 4 >= d.reserved_bytes
     if "fragmentation" in verdicts:
         fragmenting = True
         evidence = (
@@ -326,15 +348,16 @@ def _advise_device(d: DeviceMemory) -> Advice:
     elif pieces:
         fragmenting = True
         evidence = (
-            f"the pool's free memory is in pieces (fragmentation {d.fragmentation:.0%}, largest "
+            f"the pool's free memory is in pieces (fragmentation {frag:.0%}, largest "
             f"free block {format_bytes(d.largest_free_block)} of {format_bytes(d.pool_free_bytes)}"
             " free)"
         )
     else:
         fragmenting = False
         evidence = (
-            f"no sign of fragmentation (fragmentation {d.fragmentation:.0%} now, no OOM with "
-            "verdict 'fragmentation')"
+            "no sign of fragmentation ("
+            + ("none of the pool in use now" if frag is None else f"fragmentation {frag:.0%} now")
+            + ", no OOM with verdict 'fragmentation')"
         )
     if "demand" in verdicts:
         notes.append(
@@ -356,6 +379,7 @@ def _advise_device(d: DeviceMemory) -> Advice:
         on_device,
         notes,
         required_what="what the pool grew to for it (its reserved bytes)",
+        base_resource="system" if d.gpu_name == "host" else None,
     )
 
 
@@ -377,6 +401,13 @@ def combine(advices: Iterable[Advice]) -> Advice | None:
         maximum = pool
     allocator = "async" if any(a.allocator == "async" for a in advices) else "pool"
     worst = max(advices, key=lambda a: a.pool_size)
+    bases = {a.base_resource for a in advices}
+    if len(bases) > 1:
+        notes.append(
+            "some workers run on host memory, some on a GPU: give each its own setup "
+            "(--rmm-base-resource system on the host-memory ones)"
+        )
+    base_resource = bases.pop() if len(bases) == 1 else None
     return Advice(
         source=f"all {len(advices)} worker devices",
         peak_bytes=max(a.peak_bytes for a in advices),
@@ -395,6 +426,7 @@ def combine(advices: Iterable[Advice]) -> Advice | None:
         fragmenting=any(a.fragmenting for a in advices),
         device_total_bytes=min((a.device_total_bytes for a in advices), default=0),
         notes=tuple(notes),
+        base_resource=base_resource,
     )
 
 

@@ -15,12 +15,22 @@ from dask_rmm.scheduler import install_scheduler_plugin
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["NotDaskAddressError", "cluster_report", "fetch_report_data", "iter_reports"]
+__all__ = [
+    "BadAddressError",
+    "NotDaskAddressError",
+    "cluster_report",
+    "fetch_report_data",
+    "iter_reports",
+]
 
 
 class NotDaskAddressError(OSError):
     """The address answers, but not with Dask's protocol (an HTTP server, a proxy, another
     service): a wrong address rather than a scheduler that is down."""
+
+
+class BadAddressError(ValueError):
+    """The address cannot be one of a scheduler: no port, a port out of range, not host:port."""
 
 
 async def fetch_report_data(
@@ -138,6 +148,7 @@ async def iter_reports(
     from distributed import Security
     from distributed.core import rpc
 
+    await check_address(address, timeout)
     security = security or Security()
     scheduler = rpc(
         address, timeout=timeout, connection_args=security.get_connection_args("client")
@@ -174,10 +185,7 @@ async def iter_reports(
                 # length of exabytes, a short buffer, a closed stream): look at them ourselves.
                 answer = await _non_dask_greeting(address, min(timeout, 2.0))
                 if answer is not None:
-                    raise NotDaskAddressError(
-                        f"{address} does not speak Dask's protocol: it {answer}; give the "
-                        "scheduler's address (`dask scheduler` prints it, usually port 8786)"
-                    ) from e
+                    raise NotDaskAddressError(_not_dask_message(address, answer)) from e
                 if isinstance(e, OSError):
                     reason = str(e) or type(e).__name__
                     raise OSError(
@@ -194,6 +202,74 @@ async def iter_reports(
             await asyncio.sleep(interval)
     finally:
         await scheduler.close_rpc()
+
+
+def _not_reachable(address: str, reason: str) -> OSError:
+    return OSError(f"could not reach the Dask scheduler at {address}: {reason}")
+
+
+async def check_address(address: str, timeout: float) -> None:
+    """Before any of distributed's machinery runs (which retries a refused connection until the
+    timeout, and reads a non-Dask answer as a length of exabytes): ``address`` names a host and a
+    port in range (else :class:`BadAddressError`), the host resolves and something listens there
+    (else ``OSError`` saying which), and over plain TCP whatever listens speaks Dask's protocol
+    whichever side speaks first (else :class:`NotDaskAddressError`)."""
+    import socket
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+    except (ValueError, TypeError) as e:
+        raise BadAddressError(f"{address!r} is not a scheduler address: {e}") from e
+    if scheme not in ("tcp", "tls"):
+        return  # ucx, inproc, ...: distributed's own errors
+    try:
+        host, port = parse_host_port(location)
+    except (ValueError, TypeError) as e:
+        raise BadAddressError(
+            f"{address!r} is not a scheduler address such as tcp://HOST:8786 ({e})"
+        ) from e
+    if not 0 < port < 65536:
+        raise BadAddressError(
+            f"{address!r} is not a scheduler address: port {port} is out of range (1-65535)"
+        )
+    loop = asyncio.get_running_loop()
+    try:
+        # RFC 6761: names under .invalid never resolve; no query needs to leave the host.
+        if host.rstrip(".").lower().rpartition(".")[2] == "invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        await asyncio.wait_for(
+            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout=timeout
+        )
+    except socket.gaierror as e:
+        raise _not_reachable(address, f"cannot resolve host {host!r} ({e.strerror})") from e
+    except asyncio.TimeoutError as e:
+        raise _not_reachable(
+            address, f"resolving host {host!r} took more than {timeout:g} s"
+        ) from e
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError as e:
+        raise _not_reachable(
+            address, f"connection refused (nothing listens on port {port} of {host})"
+        ) from e
+    except asyncio.TimeoutError as e:
+        raise _not_reachable(address, f"no connection within {timeout:g} s") from e
+    except OSError as e:
+        raise _not_reachable(address, e.strerror or str(e) or type(e).__name__) from e
+    writer.close()
+    if scheme == "tcp":
+        answer = await _non_dask_greeting(address, timeout)
+        if answer is not None:
+            raise NotDaskAddressError(_not_dask_message(address, answer))
+
+
+def _not_dask_message(address: str, answer: str) -> str:
+    return (
+        f"{address} does not speak Dask's protocol: it {answer}; give the "
+        "scheduler's address (`dask scheduler` prints it, usually port 8786)"
+    )
 
 
 async def _http_hint(address: str, delay: float) -> str | None:
@@ -227,11 +303,26 @@ async def _http_hint(address: str, delay: float) -> str | None:
 #: A Dask server's greeting (its handshake, a few hundred bytes) is far below this.
 _GREETING_MAX = 1 << 16
 
+#: Seconds to wait for a server's greeting before speaking first, as a Dask client does.
+_GREETING_WAIT = 0.5
+
+
+def _client_handshake() -> bytes:
+    """A Dask client's first message (its handshake) in the TCP framing: total length, frame
+    count, frame lengths, frames."""
+    from distributed.protocol.core import dumps
+
+    frames = [bytes(f) for f in dumps({"compression": None, "python": (3, 0, 0)})]
+    header = b"".join(n.to_bytes(8, "little") for n in (len(frames), *map(len, frames)))
+    body = header + b"".join(frames)
+    return len(body).to_bytes(8, "little") + body
+
 
 async def _non_dask_greeting(address: str, timeout: float) -> str | None:
-    """What the server at a ``tcp://`` ``address`` said on connecting, in words, if that is not
-    a Dask greeting (a handshake message in Dask's framing); None if it is one, if nothing
-    could be connected to or read, or for other protocols (TLS, UCX: not looked into)."""
+    """What the server at a ``tcp://`` ``address`` said on connecting (or, when it waits for the
+    client, in answer to a Dask client's handshake), in words, if that is not a Dask greeting (a
+    handshake message in Dask's framing); None if it is one, if nothing could be connected to or
+    read, or for other protocols (TLS, UCX: not looked into)."""
     from distributed.protocol.core import loads
 
     scheme, sep, rest = address.rpartition("://")
@@ -244,7 +335,14 @@ async def _non_dask_greeting(address: str, timeout: float) -> str | None:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host.strip("[]") or "127.0.0.1", int(port)), timeout
         )
-        data = await asyncio.wait_for(reader.read(8), timeout)
+        spoke = False
+        try:  # a Dask server greets at once (its handshake)
+            data = await asyncio.wait_for(reader.read(8), min(timeout, _GREETING_WAIT))
+        except asyncio.TimeoutError:  # a server that waits for the client: speak first
+            writer.write(_client_handshake())
+            await writer.drain()
+            spoke = True
+            data = await asyncio.wait_for(reader.read(8), min(timeout, 2.0))
         while 0 < len(data) < 8:
             more = await asyncio.wait_for(reader.read(8 - len(data)), timeout)
             if not more:
@@ -259,6 +357,9 @@ async def _non_dask_greeting(address: str, timeout: float) -> str | None:
             body = await asyncio.wait_for(reader.readexactly(total), timeout)
             data += body
             if _is_handshake(body, loads):
+                if not spoke:  # answer it, so that the server logs no broken handshake
+                    writer.write(_client_handshake())
+                    await writer.drain()
                 return None
         else:  # show what it sent
             try:

@@ -397,11 +397,25 @@ class GPUMemorySampler:
 
         ``path`` writes a PNG; ``ax`` draws into existing matplotlib axes; ``kwargs`` go to
         :meth:`pandas.DataFrame.plot`. Returns the axes.
+
+        Raises ValueError when there is nothing to draw (no block sampled, or none of the blocks
+        saw a dask-rmm worker report this measure) rather than drawing empty axes.
         """
         from dask_rmm._output import atomic_output
         from dask_rmm.plotting.figures import byte_axis, figure
 
         df = self.to_pandas(align=align, measure=measure, per_worker=per_worker)
+        if not len(df.columns):
+            if not self.samples:
+                raise ValueError(
+                    "GPUMemorySampler.plot: nothing sampled yet; sample a block first "
+                    "(with sampler.sample('label', client=client): ...)"
+                )
+            raise ValueError(
+                f"GPUMemorySampler.plot: no {measure!r} samples in "
+                f"{', '.join(map(repr, self.samples))}: no dask-rmm worker reported during "
+                "those blocks (is RMMPlugin registered on the workers?)"
+            )
         if ax is None:
             fig = figure("GPUMemorySampler.plot", figsize=(10, 4.5), layout="constrained")
             ax = fig.subplots()

@@ -130,12 +130,13 @@ def parse_time(text: str) -> float:
     """
     try:
         h, m, s = text.split(":", 2)
-        value = int(h) * 3600 + int(m) * 60 + float(s.replace(":", ".", 1))
+        hours, minutes, seconds = int(h), int(m), float(s.replace(":", ".", 1))
     except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
-        raise ValueError(f"time {text!r} is not HH:MM:SS.ffffff")
-    return value
+        hours = -1
+    # A time of day: 25:99:99 is no time (and NaN fails every comparison).
+    if not (0 <= hours < 24 and 0 <= minutes < 60 and 0 <= seconds < 60):
+        raise ValueError(f"time {text!r} is not a time of day HH:MM:SS.ffffff")
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def format_time(seconds: float) -> str:
@@ -158,9 +159,21 @@ def _parse_pointer(text: str) -> int:
 
 
 def _open_text(path: str) -> TextIO:
+    # utf-8-sig: a byte-order mark, as spreadsheet programs save CSV, is not part of the header.
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", errors="replace")
+    return open(path, encoding="utf-8-sig", errors="replace")
+
+
+#: The largest size a log row can hold: RMM logs a ``size_t``.
+_SIZE_MAX = (1 << 64) - 1
+
+
+def _is_cut_off(line: str) -> bool:
+    """Whether ``line``, the last of a file, was cut off mid-write: RMM ends every row it
+    writes with a newline, so a row with its newline is complete (NUL bytes, which a crash can
+    leave behind, mean cut off whatever follows)."""
+    return not line.endswith("\n") or "\x00" in line
 
 
 def _is_blank(line: str) -> bool:
@@ -173,8 +186,10 @@ class LogReader:
 
     Iterating reads the file line by line; nothing but the current line is held. A malformed row
     raises :class:`LogFormatError` naming the file and line, except on the last line of the file,
-    which is taken to be cut off by a process that died mid-write: it is skipped, recorded in
-    :attr:`truncated` and reported with a :class:`TruncatedLogWarning`.
+    which is taken to be cut off by a process that died mid-write when it lacks its newline (or
+    holds NUL bytes): it is skipped, recorded in :attr:`truncated` and reported with a
+    :class:`TruncatedLogWarning`. A complete last row (newline included) that is malformed is an
+    error like any other. A UTF-8 byte-order mark before the header is ignored.
 
     ``path`` may be gzipped (``.gz``). ``source`` names the worker the log belongs to (default
     the file's name without ``.csv``); a ``Worker`` column (:func:`merge_logs`) overrides it.
@@ -268,6 +283,8 @@ class LogReader:
                 size = int(fields[i_size])
                 if size < 0:
                     raise ValueError(f"negative size {size}")
+                if size > _SIZE_MAX:
+                    raise ValueError(f"size {size} is larger than any size RMM logs (2**64 - 1)")
                 event_source = source
                 if worker_col is not None:
                     name = fields[worker_col].strip()
@@ -295,6 +312,8 @@ class LogReader:
             yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
             cut_line = pending.text or ""
+            if not _is_cut_off(cut_line):  # complete, and still malformed
+                raise pending
             self.truncated = (pending.line, cut_line.rstrip("\r\n"))
             warnings.warn(
                 f"{path}:{pending.line}: skipped the cut-off last line "
@@ -349,20 +368,42 @@ def _unique_sources(paths: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def read_logs(
-    paths: Sequence[str | os.PathLike], readers: list[LogReader] | None = None
+    paths: Sequence[str | os.PathLike],
+    readers: list[LogReader] | None = None,
+    *,
+    progress: str | None = None,
 ) -> Iterator[LogEvent]:
     """The events of several logs merged by time (each file keeps its own order).
 
     Each file is read lazily, so memory stays bounded by the number of files. When ``readers``
     is given (an empty list) it receives the :class:`LogReader` of each path, for their
-    ``truncated``, ``rows`` and progress attributes.
+    ``truncated``, ``rows`` and progress attributes. ``progress`` (a label) draws click's
+    progress bar over the bytes read on stderr (click draws the bar only on a terminal).
     """
     made = [LogReader(p, s) for p, s in zip(paths, _unique_sources(paths), strict=True)]
     if readers is not None:
         readers.extend(made)
-    if len(made) == 1:
-        return iter(made[0])
-    return heapq.merge(*made, key=operator.attrgetter("time"))
+    events = iter(made[0]) if len(made) == 1 else heapq.merge(*made, key=_BY_TIME)
+    return events if progress is None else _with_progress(events, made, progress)
+
+
+_BY_TIME = operator.attrgetter("time")
+
+
+def _with_progress(
+    events: Iterator[LogEvent], readers: Sequence[LogReader], label: str, every: int = 8192
+) -> Iterator[LogEvent]:
+    import sys
+
+    import click
+
+    total = max(sum(r.total_bytes for r in readers), 1)
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        for i, e in enumerate(events):
+            if i % every == 0:
+                bar.update(min(sum(r.bytes_read for r in readers), total) - bar.pos)
+            yield e
+        bar.update(total - bar.pos)
 
 
 # --- live allocations ------------------------------------------------------------------------
@@ -464,6 +505,7 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
     >>> sorted({e.source for e in read_log(os.path.join(folder, "merged.csv"))})
     ['w0.dev0', 'w1.dev0']
     """
+    _refuse_repeated_inputs(paths)
     n = 0
     with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
         f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
@@ -471,3 +513,18 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
             f.write(f"{format_event(e)},{e.source}\n")
             n += 1
     return n
+
+
+def _refuse_repeated_inputs(paths: Sequence[str | os.PathLike]) -> None:
+    """ValueError when one file is among ``paths`` twice (by any name: a link, ``./``): merged
+    with itself, every row would appear twice and each worker's memory double."""
+    seen: dict[tuple[int, int], str] = {}
+    for path in paths:
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            raise ValueError(
+                f"{os.fspath(path)} is given twice (also as {seen[key]}); a log merged with "
+                "itself would count every allocation twice"
+            )
+        seen[key] = os.fspath(path)

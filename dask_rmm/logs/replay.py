@@ -95,6 +95,8 @@ def build_resource(
     """
     from dask_rmm import mr
 
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of bytes, got {block_size}")
     if name not in RESOURCES:
         raise ValueError(f"unknown resource {name!r}; choose one of {', '.join(RESOURCES)}")
     if gpu is None:
@@ -207,11 +209,19 @@ class ReplayResult:
     #: rows that failed here, new failures and re-issued original failures (``failures``
     #: holds the first 50 of them)
     failed_rows: int = 0
+    #: of ``new_failures``, the requests this resource rejects whatever memory it has (larger
+    #: than fixed_size's block): it cannot serve this log at all
+    unservable: int = 0
 
     @property
     def failed(self) -> bool:
         """True when the replay hit a failure the original run did not."""
         return self.new_failures > 0
+
+    @property
+    def can_serve(self) -> bool:
+        """False when the log asks for a size this kind of resource never serves."""
+        return self.unservable == 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -256,13 +266,19 @@ def replay(
     """
     if gpu is None:
         gpu = _has_gpu()
-    mr, counter, description = build_resource(
-        resource,
-        gpu=gpu,
-        initial_pool_size=initial_pool_size,
-        maximum_pool_size=maximum_pool_size,
-        block_size=block_size,
-    )
+    try:
+        mr, counter, description = build_resource(
+            resource,
+            gpu=gpu,
+            initial_pool_size=initial_pool_size,
+            maximum_pool_size=maximum_pool_size,
+            block_size=block_size,
+        )
+    except MemoryError as oom:  # an initial pool or arena larger than the memory there is
+        reason = str(oom).splitlines()[0] if str(oom) else type(oom).__name__
+        raise RuntimeError(
+            f"cannot build the {resource!r} resource to replay on: {reason}"
+        ) from oom
     reader = LogReader(path)
     bar = None
     if progress:
@@ -279,6 +295,7 @@ def replay(
     failures: list[ReplayFailure] = []
     allocate, deallocate = mr.allocate, mr.deallocate
     allocations = frees = original_failures = recovered = new_failures = skipped = 0
+    unservable = 0
     current = peak = 0
     n_failed = 0
     call_seconds = 0.0
@@ -321,6 +338,7 @@ def replay(
             except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
                 call_seconds += clock() - t0
                 new_failures += original_ok
+                unservable += original_ok and not isinstance(err, MemoryError)
                 original_failures += not original_ok
                 n_failed += 1
                 if len(failures) < _MAX_LISTED_FAILURES:
@@ -378,6 +396,7 @@ def replay(
         truncated=f"{reader.path}:{reader.truncated[0]}" if reader.truncated else None,
         notes=tuple(notes),
         failed_rows=n_failed,
+        unservable=unservable,
     )
 
 
@@ -405,6 +424,8 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
         )
     if r.skipped_frees:
         lines.append(f"  skipped frees    {r.skipped_frees:,} (no block held for them)")
+    if not r.can_serve:
+        lines.append(f"  CANNOT SERVE     {_cannot_serve(r)}")
     if r.new_failures:
         lines.append(
             f"  NEW FAILURES     {r.new_failures:,} allocations that succeeded originally failed"
@@ -425,29 +446,60 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _cannot_serve(r: ReplayResult) -> str:
+    """Why ``r``'s resource cannot serve the log, in words (its first rejected request)."""
+    why = next((f.error for f in r.failures if not f.original_failed), "")
+    return (
+        f"{r.resource} cannot serve this log: {r.unservable:,} allocations it rejects whatever "
+        f"its size ({why})"
+    )
+
+
 def format_comparison(results: Sequence[ReplayResult]) -> str:
-    """One table comparing replays of the same log on several resources."""
+    """One table comparing replays of the same log on several resources.
+
+    A resource that cannot serve the log (a request larger than fixed_size's block) is named as
+    such below the table, not counted as a resource that ran out of memory. The smallest
+    footprint is the smallest of all that served every allocation; when that is a base resource
+    alone (``cuda``, ``async``: one upstream call per allocation), the smallest pooled one is
+    named as well.
+    """
     head = (
         f"{'resource':<12} {'peak upstream':>14} {'vs in-use':>9} {'upstream allocs':>15} "
         f"{'new failures':>12} {'time (s)':>9} {'us/row':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
-        ratio = r.peak_upstream_bytes / r.peak_bytes if r.peak_bytes else float("nan")
+        # nothing was in use (every allocation failed): no ratio to give
+        ratio = f"{r.peak_upstream_bytes / r.peak_bytes:.2f}x" if r.peak_bytes else "-"
         lines.append(
-            f"{r.resource:<12} {format_bytes(r.peak_upstream_bytes):>14} {ratio:>8.2f}x "
-            f"{r.upstream_allocations:>15,} {r.new_failures:>12,} {r.seconds:>9.3f} "
+            f"{r.resource:<12} {format_bytes(r.peak_upstream_bytes):>14} {ratio:>9} "
+            f"{r.upstream_allocations:>15,} "
+            f"{r.new_failures if r.can_serve else 'cannot serve':>12} {r.seconds:>9.3f} "
             f"{1e6 * r.seconds / max(r.rows, 1):>7.2f}"
         )
+    lines.extend(_cannot_serve(r) for r in results if not r.can_serve)
     ok = [r for r in results if not r.failed]
-    # A base resource alone always has the smallest footprint; the question is which pool.
-    pooled = [r for r in ok if r.resource not in ("cuda", "async")] or ok
-    if pooled:
-        best = min(pooled, key=lambda r: r.peak_upstream_bytes)
-        lines.append(
-            f"smallest footprint without new failures: {best.resource} "
-            f"({format_bytes(best.peak_upstream_bytes)})"
-        )
-    else:
+    if not ok:
         lines.append("every resource failed allocations the original run did not")
+        return "\n".join(lines)
+    best = min(ok, key=lambda r: r.peak_upstream_bytes)
+    line = (
+        f"smallest footprint without new failures: {best.resource} "
+        f"({format_bytes(best.peak_upstream_bytes)})"
+    )
+    if best.resource in _BASE_ALONE:
+        line += " (the base resource alone: one upstream call per allocation)"
+        pooled = [r for r in ok if r.resource not in _BASE_ALONE]
+        if pooled:
+            best_pool = min(pooled, key=lambda r: r.peak_upstream_bytes)
+            line += (
+                f"; of the pooled resources: {best_pool.resource} "
+                f"({format_bytes(best_pool.peak_upstream_bytes)})"
+            )
+    lines.append(line)
     return "\n".join(lines)
+
+
+#: The resources that are a base resource alone, no suballocator in front.
+_BASE_ALONE = ("cuda", "async")

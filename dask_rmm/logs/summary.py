@@ -300,10 +300,11 @@ class SummaryReport:
 
 
 def summarize(
-    paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10
+    paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10, *, progress: bool = False
 ) -> SummaryReport:
     """Summarize one or several logs (one per worker, or merged logs) in one streaming pass:
-    ``files`` in the order given, and ``combined`` when there are several files.
+    ``files`` in the order given, and ``combined`` when there are several files. ``progress``
+    draws click's progress bar on stderr.
 
     Examples
     --------
@@ -317,11 +318,13 @@ def summarize(
     >>> summarize(path).files[0].peak_bytes
     1000
     """
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top must be a number of allocations to list (an int >= 0), got {top!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = list(paths)
     readers: list[LogReader] = []
-    events = read_logs(paths, readers)
+    events = read_logs(paths, readers, progress="reading logs" if progress else None)
     per_file = {r.path: Summarizer(r.source, top) for r in readers}
     if len(per_file) != len(readers):
         raise ValueError("the same log file was given twice")
@@ -348,7 +351,9 @@ def format_size(n: int) -> str:
 
 
 def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
-    """A human-readable text block for one :class:`LogSummary`."""
+    """A human-readable text block for one :class:`LogSummary`: every one of its largest
+    outstanding allocations (as many as :func:`summarize` was asked for), the first
+    ``top_rows`` threads and streams."""
     s = summary
     lines = [f"== {s.name} ({', '.join(s.paths)})"]
     if s.start is not None and s.end is not None:
@@ -372,12 +377,16 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         f"  outstanding   {format_size(s.outstanding_bytes)} in {s.outstanding_count:,} "
         "allocations never freed"
     )
-    for o in s.largest_outstanding[:top_rows]:
+    # The summary kept the ``top`` largest (summarize's, the CLI's --top): all of them are listed.
+    for o in s.largest_outstanding:
         where = f"{o.source} " if s.name == "combined" else ""
         lines.append(
             f"      {format_size(o.size):>28}  ptr {o.pointer:#x}  {where}line {o.line}  "
             f"thread {o.thread}  stream {o.stream:#x}"
         )
+    unlisted = s.outstanding_count - len(s.largest_outstanding)
+    if s.largest_outstanding and unlisted > 0:
+        lines.append(f"      ... and {unlisted:,} smaller ones (--top lists more)")
     notes = [
         (s.unmatched_frees, "frees of pointers never allocated in the log"),
         (s.reallocated_live_pointers, "allocations of an address whose free row came later "

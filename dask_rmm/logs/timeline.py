@@ -55,17 +55,21 @@ class Timeline:
 
 
 def in_use_timeline(
-    paths: Sequence[str | os.PathLike] | str | os.PathLike, max_points: int = 20000
+    paths: Sequence[str | os.PathLike] | str | os.PathLike,
+    max_points: int = 20000,
+    *,
+    progress: bool = False,
 ) -> list[Timeline]:
     """Bytes in use over time, one :class:`Timeline` per source (file or ``Worker`` value).
 
     Long logs are thinned to about ``max_points`` points per source keeping the upper envelope,
-    so memory stays bounded and peaks stay visible.
+    so memory stays bounded and peaks stay visible. ``progress`` draws click's progress bar on
+    stderr.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     sources: dict[str, tuple[Summarizer, _Envelope, list[tuple[float, int]]]] = {}
-    for e in read_logs(list(paths)):
+    for e in read_logs(list(paths), progress="reading logs" if progress else None):
         source = sources.get(e.source)
         if source is None:
             source = sources[e.source] = (Summarizer(e.source), _Envelope(max_points), [])
@@ -92,11 +96,13 @@ def plot_logs(
     *,
     title: str | None = None,
     max_points: int = 20000,
+    progress: bool = False,
 ) -> list[Timeline]:
     """Plot bytes in use over time, one line per worker (file), each peak marked; save to
     ``output`` (PNG, SVG or PDF by extension).
 
-    Needs matplotlib (``pip install dask-rmm[report]``).
+    Needs matplotlib (``pip install dask-rmm[report]``). ``progress`` draws click's progress bar
+    on stderr while the logs are read.
 
     Returns
     -------
@@ -104,7 +110,7 @@ def plot_logs(
         What was plotted.
     """
     refuse_input(output, paths)
-    timelines = in_use_timeline(paths, max_points=max_points)
+    timelines = in_use_timeline(paths, max_points=max_points, progress=progress)
     if not timelines:
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
     fig = timelines_figure(timelines, title=title)

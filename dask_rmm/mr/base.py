@@ -76,11 +76,12 @@ class ReservedMemoryInfo:
     largest_free_block: int
 
     @property
-    def fragmentation(self) -> float:
-        """``1 - largest_free_block / free_bytes`` (0 when nothing is free)."""
-        if self.free_bytes <= 0:
-            return 0.0
-        return 1.0 - self.largest_free_block / self.free_bytes
+    def fragmentation(self) -> float | None:
+        """:func:`dask_rmm.wire.fragmentation`: ``1 - largest_free_block / free_bytes``, None
+        when none of the pool is in use, 0.0 when nothing is free."""
+        from dask_rmm.wire import fragmentation
+
+        return fragmentation(self.reserved_bytes, self.free_bytes, self.largest_free_block)
 
 
 class OutOfMemoryError(MemoryError):

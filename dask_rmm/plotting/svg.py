@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from dask_rmm.sizes import format_bytes
 
-__all__ = ["PALETTE", "breakdown_svg", "timeline_svg"]
+__all__ = ["PALETTE", "breakdown_svg", "bucket_maxima", "timeline_svg"]
 
 #: Line colours, one per series in order (Tableau 10, readable on white).
 PALETTE = (
@@ -48,29 +48,66 @@ def byte_step(top: float) -> float:
     return step
 
 
-def _downsample(
-    points: Sequence[Sequence[float]], t0: float, t1: float, width: int
-) -> list[tuple[float, float]]:
-    """At most two points per pixel column (its min and max), so peaks are never lost."""
-    if len(points) <= 2 * width or t1 <= t0:
-        return [(p[0], p[2]) for p in points]
-    buckets: dict[int, list[tuple[float, float]]] = {}
-    scale = (width - 1) / (t1 - t0)
+def bucket_maxima(
+    points: Sequence[Sequence[float]], t0: float, t1: float, buckets: int
+) -> list[float | None]:
+    """The most in use in each of ``buckets`` equal time buckets of ``[t0, t1]``, from samples
+    ``(time, current_bytes, max_bytes_in_interval)`` oldest first (None: a bucket the samples do
+    not cover).
+
+    A sample's maximum is the most in use since the sample before it, so it counts in every
+    bucket its interval touches, and in no other: a burst between two samples shows as high as
+    it was over that interval only, never sloping into the next. The same buckets for every
+    series make a device's line never rise above the total's where the total's samples cover
+    the device's.
+    """
+    out: list[float | None] = [None] * buckets
+    if not points or buckets < 1:
+        return out
+    scale = buckets / (t1 - t0) if t1 > t0 else 0.0
+
+    def bucket(t: float) -> int:
+        return min(max(int((t - t0) * scale), 0), buckets - 1)
+
+    previous: float | None = None
     for p in points:
-        buckets.setdefault(int((p[0] - t0) * scale), []).append((p[0], p[2]))
-    out: list[tuple[float, float]] = []
-    for _, pts in sorted(buckets.items()):
-        lo = min(pts, key=lambda q: q[1])
-        hi = max(pts, key=lambda q: q[1])
-        out.extend(sorted({lo, hi}))
+        t, m = p[0], p[2]
+        first = bucket(t if previous is None else previous)
+        for k in range(first, bucket(t) + 1):
+            old = out[k]
+            out[k] = m if old is None or m > old else old
+        previous = t
     return out
+
+
+def _step_paths(values: Sequence[float | None], xs: Sequence[float], y) -> list[str]:
+    """``points`` attributes of polylines drawing ``values`` as steps: bucket ``k`` flat from
+    ``xs[k]`` to ``xs[k + 1]``; a run of uncovered buckets breaks the line."""
+    paths: list[str] = []
+    current: list[str] = []
+    for k, v in enumerate(values):
+        if v is None:
+            if current:
+                paths.append(" ".join(current))
+                current = []
+            continue
+        yy = f"{y(v):.1f}"
+        if current and current[-1].endswith("," + yy):  # the same height: extend the step
+            current[-1] = f"{xs[k + 1]:.1f},{yy}"
+            continue
+        current.append(f"{xs[k]:.1f},{yy}")
+        current.append(f"{xs[k + 1]:.1f},{yy}")
+    if current:
+        paths.append(" ".join(current))
+    return paths
 
 
 def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 280) -> str:
     """An ``<svg>`` element of ``width`` x ``height`` pixels: memory over time, one line per
-    ``(label, status, samples)`` series following the samples' ``max_bytes_in_interval``
-    (samples are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running"
-    or "total" (drawn dark)."""
+    ``(label, status, samples)`` series, drawn as steps: the most in use in each time bucket of
+    a pixel (:func:`bucket_maxima` of the samples' ``max_bytes_in_interval``; samples
+    are ``(time, current_bytes, max_bytes_in_interval)``); dashed unless "running" or "total"
+    (drawn dark)."""
     left, right, top, bottom = 78, 190, 12, 34
     pw, ph = width - left - right, height - top - bottom
     pts = [p for _, _, s in series for p in s]
@@ -116,17 +153,20 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
         f'<text x="{left + pw / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#555">'
         "seconds since the oldest sample</text>"
     )
+    buckets = max(1, pw)
+    edges = [left + k * pw / buckets for k in range(buckets + 1)]
     for i, (label, status, samples) in enumerate(series):
         color = "#222" if status == "total" else PALETTE[i % len(PALETTE)]
         dash = ' stroke-dasharray="5,3"' if status not in ("running", "total") else ""
-        line = " ".join(f"{x(t):.1f},{y(m):.1f}" for t, m in _downsample(samples, t0, t1, pw))
         if len(samples) == 1:
             t, _, m = samples[0]
             out.append(f'<circle cx="{x(t):.1f}" cy="{y(m):.1f}" r="2.5" fill="{color}"/>')
         else:
-            out.append(
-                f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{line}"/>'
-            )
+            for line in _step_paths(bucket_maxima(samples, t0, t1, buckets), edges, y):
+                out.append(
+                    f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} '
+                    f'points="{line}"/>'
+                )
         ly = top + 8 + 16 * i
         if ly < top + ph:
             out.append(

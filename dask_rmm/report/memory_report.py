@@ -440,7 +440,7 @@ class ClusterMemoryReport:
                 [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
                 + memory(d, "n/a" if off else format_bytes(d.peak_bytes), off)
                 + [
-                    f"{d.fragmentation:.0%}",
+                    _percent(d.fragmentation),
                     "n/a" if off else str(d.failed_allocations),
                     "n/a (statistics off)" if off else _top_groups(d),
                 ]
@@ -788,6 +788,11 @@ _CSS = (
     ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
     ".dask-rmm-report .note{color:#b00}"
 )
+
+
+def _percent(ratio: float | None) -> str:
+    """A ratio as a percentage; ``-`` where there is no figure (fragmentation of an unused pool)."""
+    return "-" if ratio is None else f"{ratio:.0%}"
 
 
 def _worker_label(d: DeviceMemory) -> str:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
-__all__ = ["ReportJSON", "ReportPage", "install_routes", "routes"]
+__all__ = ["ReportJSON", "ReportPage", "ReportPageSlash", "install_routes", "routes"]
 
 #: Rows of the page when neither ``?top=`` nor the config says.
 DEFAULT_PAGE_ROWS = 50
@@ -129,9 +129,19 @@ class ReportJSON(_ReportHandler):
         self.write("".join(batch))
 
 
+class ReportPageSlash(RequestHandler):
+    """``GET /dask-rmm/``: a permanent redirect to ``/dask-rmm`` (query kept), so that the
+    page's relative links resolve as they do from ``/dask-rmm``."""
+
+    def get(self) -> None:
+        query = self.request.query
+        self.redirect(self.request.path.rstrip("/") + (f"?{query}" if query else ""), True)
+
+
 #: distributed's route list format: ``(path, handler, kwargs)``.
 routes: list[tuple[str, type, dict]] = [
     ("dask-rmm/report.json", ReportJSON, {}),
+    ("dask-rmm/", ReportPageSlash, {}),
     ("dask-rmm", ReportPage, {}),
 ]
 

@@ -86,7 +86,7 @@ class DaskRMMCollector:
         gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
         frag = GaugeMetricFamily(
             "dask_rmm_fragmentation_ratio",
-            "1 - largest free block / free bytes in the pool",
+            "1 - largest free block / free bytes in the pool (absent while none of it is in use)",
             labels=LABELS,
         )
         in_use = GaugeMetricFamily(
@@ -119,7 +119,8 @@ class DaskRMMCollector:
                     continue
                 value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
                 family.add_metric(labels, value)
-            frag.add_metric(labels, x.frag)
+            if x.frag is not None:  # no figure while none of the pool is in use
+                frag.add_metric(labels, x.frag)
             sample = DeviceSample.from_dict(d)
             for share in sample.libraries:
                 where = [share.library, "1" if share.outside_stack else "0"]

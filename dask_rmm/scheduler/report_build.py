@@ -25,7 +25,7 @@ from dask_rmm.report.memory_report import (
     DeviceMemory,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
-from dask_rmm.wire import to_int, unmeasured_fields
+from dask_rmm.wire import fragmentation, to_int, unmeasured_fields
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.cluster_total import TotalSnapshot
@@ -124,7 +124,7 @@ class _Device:
     running: bool
     current: int
     peak: int
-    frag: float
+    frag: float | None
 
     def __init__(
         self, rec: _Record, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int
@@ -132,9 +132,11 @@ class _Device:
         self.rec, self.dev, self.d, self.levels = rec, dev, d, levels
         self.running = rec.status == "running"
         self.current = _int(d.get("current_bytes", 0))
-        free = _int(d.get("pool_free_bytes", 0))
-        largest = _int(d.get("largest_free_block", 0))
-        self.frag = max(0.0, 1.0 - largest / free) if free > 0 else 0.0
+        self.frag = fragmentation(
+            _int(d.get("reserved_bytes", 0)),
+            _int(d.get("pool_free_bytes", 0)),
+            _int(d.get("largest_free_block", 0)),
+        )
         # The most this worker name's device held at once since the scheduler first saw it:
         # its heartbeat's peak, every sample it sent, and the peaks of earlier processes.
         self.peak = max(_int(d.get("peak_bytes", 0)), peak, rec.earlier_peaks.get(dev, 0))
@@ -244,7 +246,7 @@ class Snapshot:
             key = {
                 "current": lambda x: x.current,
                 "peak": _Device.row_peak,
-                "fragmentation": lambda x: x.frag,
+                "fragmentation": lambda x: -1.0 if x.frag is None else x.frag,
             }[order]
             chosen = sorted(chosen, key=lambda x: (x.running, key(x)), reverse=True)
         matched = len(chosen)
@@ -359,7 +361,10 @@ class Snapshot:
 
         sorts = " ".join(link(k, req.sort == k, sort=k) for k in SORT_KEYS)
         tops = " ".join(link(str(n), req.top == n, top=n) for n in (20, 50, 200, 1000))
-        return f'<p class="nav">sort by: {sorts} &middot; rows: {tops}</p>'
+        # Relative links: they follow the dashboard's --dashboard-prefix. distributed gives
+        # plugins no documented way into its dashboard's menu; this page links back to it.
+        back = '<a href="status">Dask dashboard</a>'
+        return f'<p class="nav">{back} &middot; sort by: {sorts} &middot; rows: {tops}</p>'
 
 
 @contextlib.contextmanager

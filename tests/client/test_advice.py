@@ -125,7 +125,10 @@ def test_on_host_memory_a_fragmenting_workload_gets_a_pool_of_the_size_it_needs(
     assert a.pool_size >= a.required_pool_bytes >= 1.25 * peak
     assert a.maximum_pool_size is None
     assert "device's size is unknown" in a.reasons["maximum_pool_size"]
-    assert a.plugin_call() == f"RMMPlugin(pool_size={size_text(a.pool_size)!r})"
+    assert (
+        a.plugin_call()
+        == f"RMMPlugin(pool_size={size_text(a.pool_size)!r}, base_resource='system')"
+    )
 
 
 def _device(**fields) -> dict:
@@ -232,3 +235,107 @@ def test_dask_rmm_advise_on_a_live_cluster_sizes_the_pool_from_the_observed_peak
 
 async def _beat(dask_worker=None) -> None:
     await dask_worker.heartbeat()
+
+
+def _host_report() -> ClusterMemoryReport:
+    host = {"gpu_name": "host", "device_total_bytes": 0, "reserved_bytes": 64 * MiB}
+    return ClusterMemoryReport.from_dict(
+        {
+            "workers": [
+                {"address": "tcp://a:1", "devices": {"0": {**host, "peak_bytes": 40 * MiB}}},
+                {"address": "tcp://b:2", "devices": {"0": {**host, "peak_bytes": 20 * MiB}}},
+            ]
+        }
+    )
+
+
+def _host_advices(kind: str, tmp_path):
+    if kind == "logs":
+        steady, _ = steady_log(tmp_path / "steady.csv")
+        frag, _ = fragmenting_log(tmp_path / "frag.csv")
+        advices = advise_from_logs([steady, frag], on_device=False, gpu=False)
+    else:
+        advices = advise_from_report(_host_report())
+    return [*advices, combine(advices)]
+
+
+@pytest.mark.parametrize("kind", ["logs", "report"])
+def test_host_memory_advice_pastes_a_setup_that_builds_on_host_memory(kind, tmp_path):
+    import shlex
+
+    from dask_rmm.preload import _without_dask_cuda_flag, dask_setup, plugin_from_flags
+    from dask_rmm.stack.build import build_stack
+
+    for a in _host_advices(kind, tmp_path):
+        assert "base_resource='system'" in a.plugin_call()
+        assert "--rmm-base-resource system" in a.worker_flags()
+        pasted = eval(a.plugin_call(), {"RMMPlugin": RMMPlugin})
+        with dask_setup.make_context("preload", shlex.split(a.worker_flags())) as ctx:
+            flagged = plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
+        for plugin in (pasted, flagged):
+            assert plugin.options.base_resource == "system"
+            assert plugin.options.pool_size == a.pool_size
+            stack = build_stack(plugin.options, 0)  # what a worker builds: works without a GPU
+            assert stack.host_memory and stack.chain.endswith("SystemMemoryResource")
+            assert stack.pool_size == a.pool_size
+        assert a.to_dict()["base_resource"] == "system"
+
+
+def test_gpu_advice_pastes_no_base_resource():
+    [a] = advise_from_report(
+        ClusterMemoryReport.from_dict(
+            {"workers": [{"address": "tcp://a:1", "devices": {"0": _device(peak_bytes=GiB)}}]}
+        )
+    )
+    assert a.base_resource is None
+    assert "base_resource" not in a.plugin_call() and "base-resource" not in a.worker_flags()
+
+
+def test_combined_advice_of_host_and_gpu_workers_says_to_set_them_apart():
+    [gpu] = advise_from_report(
+        ClusterMemoryReport.from_dict(
+            {"workers": [{"address": "tcp://a:1", "devices": {"0": _device(peak_bytes=GiB)}}]}
+        )
+    )
+    host = advise_from_report(_host_report())[0]
+    every = combine([gpu, host])
+    assert every.base_resource is None
+    assert any("--rmm-base-resource system on the host-memory ones" in n for n in every.notes)
+
+
+def test_dask_rmm_advise_logs_on_host_memory_prints_the_host_memory_setup(tmp_path):
+    steady, _ = steady_log(tmp_path / "steady.csv")
+    out = _cli("--logs", steady, "--host-memory")
+    assert out.returncode == 0, out.stderr
+    assert "base_resource='system'" in out.stdout
+    assert "--rmm-base-resource system" in out.stdout
+
+
+def test_advise_logs_progress_goes_to_stderr(tmp_path):
+    from click.testing import CliRunner
+
+    from dask_rmm.cli import main
+
+    steady, _ = steady_log(tmp_path / "steady.csv")
+    r = CliRunner().invoke(
+        main, ["advise", "--logs", steady, "--host-memory", "--json", "--progress"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "reading logs" in r.stderr and "replay pool" in r.stderr
+    json.loads(r.stdout)  # the bar never reaches stdout
+    quiet = CliRunner().invoke(main, ["advise", "--logs", steady, "--host-memory", "--no-progress"])
+    assert "replay pool" not in quiet.stderr
+
+
+@pytest.mark.parametrize("largest", [GiB, 2 * GiB, 4 * GiB])
+def test_advice_does_not_act_on_the_free_chunks_of_an_idle_pool(largest):
+    idle = _device(peak_bytes=GiB, reserved_bytes=8 * GiB, pool_free_bytes=8 * GiB)
+    idle["largest_free_block"] = largest
+    [a] = advise_from_report(
+        ClusterMemoryReport.from_dict(
+            {"workers": [{"address": "tcp://a:1", "devices": {"0": idle}}]}
+        )
+    )
+    assert a.allocator == "pool" and not a.fragmenting
+    assert "none of the pool in use now" in a.reasons["allocator"]
+    assert "%" not in a.reasons["allocator"]

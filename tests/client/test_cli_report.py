@@ -363,3 +363,133 @@ def test_a_scheduler_greeting_is_recognised_as_dask():
     # its own event loop, as the command's: after the CLI tests' asyncio.run loops, a
     # gen_cluster test here got a future of another loop from distributed's shared state
     assert asyncio.run(greeting()) is None
+
+
+def _answering_server(answer: bytes | None) -> tuple[int, Callable[[], None]]:
+    """A TCP server on localhost that waits for the client to speak, then writes ``answer``
+    (None: nothing) and closes: a proxy, an HTTP server, a Redis-style service."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def answer_one(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            if conn.recv(4096) and answer is not None:
+                conn.sendall(answer)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=answer_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1], sock.close
+
+
+def _one_line_error(r, status: int) -> str:
+    assert r.exit_code == status, (r.output, r.exception)
+    assert "Traceback" not in r.output and "EiB" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1, r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        b"HTTP/1.1 404 Not Found\r\n\r\n",
+        b"-ERR unknown command\r\n",
+        b"+OK\r\n",
+        b"\x00" * 3,
+        (1 << 40).to_bytes(8, "little") + b"x" * 16,
+        None,
+    ],
+    ids=["http-400", "http-404", "redis-err", "redis-ok", "short", "huge-length", "silent-close"],
+)
+def test_a_peer_that_waits_for_the_client_is_not_dask_in_one_line(command, answer):
+    port, close = _answering_server(answer)
+    try:
+        r = CliRunner().invoke(main, [command, f"tcp://127.0.0.1:{port}", "--timeout", "10"])
+    finally:
+        close()
+    line = _one_line_error(r, 2)
+    assert "does not speak Dask's protocol" in line and f"tcp://127.0.0.1:{port}" in line
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+def test_a_peer_that_greets_first_is_not_dask_in_one_line_in_advise_too(command):
+    port, close = _one_shot_server(b"-ERR greeting\r\n")
+    try:
+        r = CliRunner().invoke(main, [command, f"tcp://127.0.0.1:{port}", "--timeout", "10"])
+    finally:
+        close()
+    assert "does not speak Dask's protocol" in _one_line_error(r, 2)
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1:70000", "tcp://127.0.0.1:0", "127.0.0.1:99999999", "tcp://127.0.0.1"],
+)
+def test_an_address_that_cannot_be_a_schedulers_is_one_line_and_exit_2(command, address):
+    line = _one_line_error(CliRunner().invoke(main, [command, address]), 2)
+    assert address in line and "is not a scheduler address" in line
+
+
+@pytest.fixture
+def loopback_only_resolver(monkeypatch):
+    """Resolve loopback names only; any other name fails as an unknown host would, so that no
+    query leaves the host. Returns the names asked for."""
+    import socket
+
+    asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1", None):
+            asked.append(host)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return asked
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+@pytest.mark.parametrize("host", ["nohost.invalid", "a.b.c.invalid", "NoHost.INVALID."])
+def test_an_unresolvable_host_says_so_not_timed_out(command, host, loopback_only_resolver):
+    line = _one_line_error(
+        CliRunner().invoke(main, [command, f"tcp://{host}:8786", "--timeout", "30"]), 1
+    )
+    assert f"could not reach the Dask scheduler at tcp://{host}:8786" in line
+    assert f"cannot resolve host {host!r}" in line and "imed out" not in line
+    assert loopback_only_resolver == []  # .invalid never resolves: not even asked
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+def test_a_closed_port_is_connection_refused(command):
+    import socket
+
+    with socket.socket() as sock:  # bound, never listening: the port stays closed and ours
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        r = CliRunner().invoke(main, [command, address, "--timeout", "60"])
+    line = _one_line_error(r, 1)
+    assert f"could not reach the Dask scheduler at {address}: connection refused" in line
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--plot", "x.png"], ["--watch", "1"], ["--top", "3"]], ids=str
+)
+def test_timelines_without_json_is_a_usage_error(extra):
+    r = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:9", "--timelines", *extra])
+    assert r.exit_code == 2, r.output
+    assert "--timelines goes with --json" in r.output and "Traceback" not in r.output

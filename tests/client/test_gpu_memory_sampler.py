@@ -178,3 +178,27 @@ def test_what_was_sampled_of_a_worker_killed_mid_block_stays_after_its_restart(c
     assert s.peak_used >= 3 * MiB
     # after the kill its bytes are no longer counted in the cluster's sum
     assert s.summed("used")[-1][1] < 3 * MiB
+
+
+def _block_without_samples(label: str) -> GPUSamples:
+    s = GPUSamples(label, start=100.0, stop=104.0)
+    s.devices[("tcp://a:1", "0")] = DeviceSeries("tcp://a:1", "w0", "0")  # seen, never sampled
+    return s
+
+
+@pytest.mark.parametrize("blocks", [[], ["run"], ["first", "second"]])
+@pytest.mark.parametrize("measure", ["used", "used_max", "reserved"])
+@pytest.mark.parametrize("per_worker", [False, True])
+def test_plotting_a_sampler_with_nothing_sampled_says_so_and_writes_nothing(
+    tmp_path, blocks, measure, per_worker
+):
+    pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    ms = GPUMemorySampler()
+    for label in blocks:
+        ms.samples[label] = _block_without_samples(label)
+    path = tmp_path / "empty.png"
+    what = "nothing sampled yet" if not blocks else f"no {measure!r} samples in {blocks[0]!r}"
+    with pytest.raises(ValueError, match=what):
+        ms.plot(path=str(path), measure=measure, per_worker=per_worker)
+    assert not path.exists() and list(tmp_path.iterdir()) == []

@@ -369,3 +369,181 @@ def test_summary_says_why_its_peak_may_differ_from_the_reports(runner, tmp_path)
         assert said == (threads > 1) and bool(data["notes"]) == (threads > 1), text
     # One thread: one order, the same peak as the statistics adaptor's.
     assert peaks[1][0] == peaks[1][1]
+
+
+def _outstanding_rows(text: str) -> int:
+    return sum(1 for line in text.splitlines() if "  ptr 0x" in line)
+
+
+@pytest.mark.parametrize("top", [0, 1, 8, 9, 25, 200])
+def test_summary_top_lists_as_many_rows_in_text_as_in_json(runner, tmp_path, top):
+    p = tmp_path / "leaky.csv"
+    exp = write_synthetic(p, 3000, seed=5, failure_rate=0.0)
+    assert exp.outstanding_count > 30  # enough never-freed blocks for every top here
+    text = runner.invoke(cli.main, ["log", "summary", "--top", str(top), str(p)])
+    as_json = runner.invoke(cli.main, ["log", "summary", "--json", "--top", str(top), str(p)])
+    assert text.exit_code == 0 and as_json.exit_code == 0, (text.output, as_json.output)
+    listed = len(json.loads(as_json.stdout)["files"][0]["largest_outstanding"])
+    assert listed == min(top, exp.outstanding_count)
+    assert _outstanding_rows(text.stdout) == listed
+
+
+@pytest.mark.parametrize("top", ["-5", "-1", "two"])
+def test_summary_top_must_be_a_count(runner, two_logs, top):
+    a, _, _, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "summary", "--top", top, str(a)])
+    assert result.exit_code == 2 and "--top" in result.output, result.output
+
+
+@pytest.mark.parametrize("top", [-5, -1, 1.5, True, "3"])
+def test_summarize_refuses_a_top_that_is_not_a_count(two_logs, top):
+    from dask_rmm.logs import summary as log_summary
+
+    with pytest.raises(ValueError, match="top must be"):
+        log_summary.summarize(two_logs[0], top=top)
+
+
+def _small_and_large_log(tmp_path) -> Path:
+    """One 1 MB block, then one of 75 MB: larger than fixed_size's default 1 MiB block."""
+    p = tmp_path / "large.csv"
+    p.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "1,01:00:00.000000,allocate,0x1000,1000000,0x0\n"
+        "1,01:00:00.100000,allocate,0x2000,75000000,0x0\n"
+        "1,01:00:00.200000,free,0x1000,1000000,0x0\n"
+        "1,01:00:00.300000,free,0x2000,75000000,0x0\n"
+    )
+    return p
+
+
+def _footprints(stdout: str) -> dict[str, str]:
+    """resource -> its row of the comparison table (the first line naming it)."""
+    rows: dict[str, str] = {}
+    for line in stdout.splitlines():
+        if line.split() and line.split()[0] in replay.RESOURCES:
+            rows.setdefault(line.split()[0], line)
+    return rows
+
+
+@pytest.mark.parametrize("names", ["pool,cuda", "cuda,pool", "arena,cuda,binning"])
+def test_compare_names_the_smallest_footprint_of_all_that_served(runner, tmp_path, names):
+    p = _small_and_large_log(tmp_path)
+    result = runner.invoke(cli.main, ["log", "replay", str(p), "--compare", names, "--json"])
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.stdout)
+    smallest = min(results, key=lambda r: r["peak_upstream_bytes"])["resource"]
+    assert smallest == "cuda"  # the base alone: exactly what was asked, rounded
+    text = runner.invoke(cli.main, ["log", "replay", str(p), "--compare", names])
+    verdict = next(x for x in text.stdout.splitlines() if x.startswith("smallest footprint"))
+    assert verdict.startswith(f"smallest footprint without new failures: {smallest} (")
+    assert "of the pooled resources:" in verdict  # and which pool, the question of a pool
+
+
+def test_compare_all_reports_a_resource_that_cannot_serve_the_log(runner, tmp_path):
+    p = _small_and_large_log(tmp_path)
+    result = runner.invoke(cli.main, ["log", "replay", str(p), "--compare", "all"])
+    assert result.exit_code == 0, result.output
+    rows = _footprints(result.stdout)
+    assert "cannot serve" in rows["fixed_size"]
+    assert "fixed_size cannot serve this log" in result.stdout
+    assert "larger than the block size" in result.stdout
+    assert "NEW FAILURES" not in result.stdout
+    # asked for alone, the answer is the failure
+    alone = runner.invoke(cli.main, ["log", "replay", str(p), "-r", "fixed_size"])
+    assert alone.exit_code == cli.EXIT_NEW_FAILURES and "CANNOT SERVE" in alone.stdout
+
+
+def test_compare_still_fails_when_a_resource_that_can_serve_runs_out(runner, tmp_path):
+    p = _small_and_large_log(tmp_path)
+    args = ["--compare", "pool,fixed_size", "--maximum-pool-size", "8MiB"]
+    result = runner.invoke(cli.main, ["log", "replay", str(p), *args])
+    assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
+    assert "NEW FAILURES" in result.stdout
+
+
+@pytest.mark.parametrize("size", ["0", "0B", "0.0", "-1", "lots"])
+def test_block_size_must_be_positive(runner, two_logs, size):
+    a, _, _, _ = two_logs
+    result = runner.invoke(
+        cli.main, ["log", "replay", str(a), "-r", "fixed_size", f"--block-size={size}"]
+    )
+    assert result.exit_code == 2 and "--block-size" in result.output, result.output
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_build_resource_refuses_a_block_size_that_is_not_positive(size):
+    with pytest.raises(ValueError, match="block_size must be a positive"):
+        replay.build_resource("fixed_size", gpu=False, block_size=size)
+
+
+@pytest.mark.parametrize("resource", ["pool", "arena"])
+@pytest.mark.parametrize("size", ["1PiB", "100TiB", "4096TiB"])
+def test_replay_on_a_pool_larger_than_memory_is_one_line(runner, tmp_path, resource, size):
+    p = _small_and_large_log(tmp_path)
+    args = ["log", "replay", str(p), "-r", resource, "--host-memory", "--initial-pool-size", size]
+    result = runner.invoke(cli.main, args)
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert (
+        f"cannot build the {resource!r} resource to replay on" in line and "out of memory" in line
+    )
+
+
+@pytest.mark.parametrize("size", [str(1 << 64), str(10**23), "9" * 40])
+@pytest.mark.parametrize("command", [["replay"], ["replay", "--compare", "all"], ["summary"]])
+def test_a_log_with_a_size_no_allocation_can_have_is_one_line(runner, tmp_path, size, command):
+    p = tmp_path / "absurd.csv"
+    p.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        f"1,01:00:00.000000,allocate,0x1000,{size},0x0\n"
+        f"1,01:00:00.100000,free,0x1000,{size},0x0\n"
+    )
+    result = runner.invoke(cli.main, ["log", command[0], str(p), *command[1:]])
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert ":2:" in line and "larger than any size RMM logs" in line
+
+
+def test_merge_refuses_a_file_given_twice_by_any_name(runner, two_logs, tmp_path):
+    a, b, _, _ = two_logs
+    link = tmp_path / "link.csv"
+    link.symlink_to(a)
+    relative = os.path.relpath(a)
+    for inputs in ([a, a], [a, b, a], [a, link], [relative, a]):
+        out = tmp_path / "merged.csv"
+        result = runner.invoke(cli.main, ["log", "merge", *map(str, inputs), "-o", str(out)])
+        assert result.exit_code == 1, (inputs, result.output)
+        assert "is given twice" in result.output and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "command, label",
+    [(["summary", "--json"], "reading logs"), (["plot", "-o", "{tmp}/p.png"], "reading logs")],
+)
+def test_summary_and_plot_show_progress_on_stderr(runner, two_logs, tmp_path, command, label):
+    pytest.importorskip("matplotlib")
+    a, b, _, _ = two_logs
+    args = [c.replace("{tmp}", str(tmp_path)) for c in command]
+    result = runner.invoke(cli.main, ["log", *args, str(a), str(b), "--progress"])
+    assert result.exit_code == 0, result.output
+    # click hides the bar itself when stderr is not a terminal, but still names it there.
+    assert label in result.stderr and label not in result.stdout
+    if "--json" in args:
+        json.loads(result.stdout)
+    quiet = runner.invoke(cli.main, ["log", *args, str(a), "--no-progress"])
+    assert quiet.exit_code == 0 and label not in quiet.stderr
+
+
+def test_compare_with_nothing_served_shows_no_ratio_rather_than_nan(runner, tmp_path):
+    p = tmp_path / "never.csv"
+    size = (1 << 64) - 1  # what a size_t holds: no resource serves it
+    p.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        f"1,01:00:00.000000,allocate,0x1000,{size},0x0\n1,01:00:00.100000,free,0x1000,{size},0x0\n"
+    )
+    result = runner.invoke(cli.main, ["log", "replay", str(p), "--compare", "pool,cuda"])
+    assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
+    rows = _footprints(result.stdout)
+    assert "nan" not in result.stdout and rows["pool"].split()[3] == "-"

@@ -526,3 +526,94 @@ def test_log_plot_legend_sits_outside_the_data_and_the_peak_labels(tmp_path):
         box = label.get_window_extent(renderer)
         assert not box.overlaps(legend), label.get_text()
         assert data_area.x0 <= box.x0 and box.x1 <= data_area.x1, label.get_text()
+
+
+_MALFORMED_COMPLETE_ROWS = [
+    "1,00:00:02.0,reallocate,0x1,1,0",  # unknown action
+    "1,00:00:02.0,allocate,0x1,1",  # a field short
+    "1,00:00:02.0,allocate,0x1,1,0,7",  # a field too many
+    "1,25:99:99.0,allocate,0x1,1,0",  # no time of day
+    "1,00:00:02.0,allocate,0x1,-5,0",  # negative size
+    "x,00:00:02.0,allocate,0x1,1,0",  # thread not a number
+]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+@pytest.mark.parametrize("row", _MALFORMED_COMPLETE_ROWS)
+def test_a_complete_malformed_last_row_is_an_error_not_a_cut_off_line(tmp_path, row, ending):
+    p = _write(tmp_path, HEADER_LINE + "1,00:00:01.0,allocate,0x1,1,0\n" + row + ending)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TruncatedLogWarning either
+        with pytest.raises(LogFormatError, match="malformed row") as info:
+            list(logs.read_log(p))
+    assert info.value.line == 3
+    # the same row followed by blank lines, or NUL fill after its newline: still complete
+    p = _write(tmp_path, HEADER_LINE + row + ending + "\n\n", "blank-after.csv")
+    with pytest.raises(LogFormatError, match="malformed row"):
+        list(logs.read_log(p))
+
+
+@pytest.mark.parametrize("row", _MALFORMED_COMPLETE_ROWS)
+def test_the_same_rows_without_their_newline_are_cut_off(tmp_path, row):
+    p = _write(tmp_path, HEADER_LINE + "1,00:00:01.0,allocate,0x1,1,0\n" + row)
+    reader = logs.LogReader(p)
+    with pytest.warns(TruncatedLogWarning):
+        assert len(list(reader)) == 1
+    assert reader.truncated == (3, row)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["25:99:99", "24:00:00.000000", "12:60:00.000000", "12:00:60.000000", "12:-1:00.0",
+     "-1:00:00.0", "12:00:-0.5", "99:00:00.0", "12:00:nan", "12:00:inf"],
+)  # fmt: skip
+def test_times_that_are_no_time_of_day_are_rejected(tmp_path, text):
+    with pytest.raises(ValueError, match="not a time of day"):
+        logs.parse_time(text)
+    p = _write(tmp_path, HEADER_LINE + f"1,{text},allocate,0x1,1,0\n1,00:00:02.0,free,0x1,1,0\n")
+    with pytest.raises(LogFormatError, match="not a time of day") as info:
+        list(logs.read_log(p))
+    assert info.value.line == 2
+
+
+@pytest.mark.parametrize("text", ["00:00:00.000000", "23:59:59.999999", "12:30:15:250000"])
+def test_times_of_day_still_read(text):
+    h, m, s = (float(x) for x in text.replace(":", " ", 2).replace(":", ".").split())
+    assert logs.parse_time(text) == pytest.approx(h * 3600 + m * 60 + s)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_a_byte_order_mark_before_the_header_is_accepted(tmp_path, gz, newline):
+    text = (
+        HEADER_LINE + "1,00:00:01.000000,allocate,0x100,256,0\n1,00:00:02.000000,free,0x100,256,0\n"
+    )
+    data = ("\ufeff" + text.replace("\n", newline)).encode("utf-8")
+    p = tmp_path / ("bom.csv.gz" if gz else "bom.csv")
+    p.write_bytes(gzip.compress(data) if gz else data)
+    events = [(e.action, e.size) for e in logs.read_log(p)]
+    assert events == [(Action.ALLOCATE, 256), (Action.FREE, 256)]
+    assert log_summary.summarize(p).files[0].peak_bytes == 256
+
+
+@pytest.mark.parametrize("size", [1 << 64, 10**23])
+def test_a_size_beyond_size_t_is_a_malformed_row(tmp_path, size):
+    p = _write(
+        tmp_path, HEADER_LINE + f"1,00:00:01.0,allocate,0x1,{size},0\n1,00:00:02.0,free,0x1,1,0\n"
+    )
+    with pytest.raises(LogFormatError, match="larger than any size RMM logs") as info:
+        list(logs.read_log(p))
+    assert info.value.line == 2
+    largest = _write(
+        tmp_path, HEADER_LINE + f"1,00:00:01.0,allocate,0x1,{(1 << 64) - 1},0\n", "max.csv"
+    )
+    assert [e.size for e in logs.read_log(largest)] == [(1 << 64) - 1]
+
+
+def test_merge_logs_refuses_a_file_given_twice(tmp_path):
+    p = tmp_path / "w0.csv"
+    write_synthetic(p, 50, seed=4)
+    for inputs in ([p, p], [p, str(p)], [p, tmp_path / "." / "w0.csv"]):
+        with pytest.raises(ValueError, match="is given twice"):
+            logs.merge_logs(inputs, tmp_path / "out.csv")
+        assert not (tmp_path / "out.csv").exists()

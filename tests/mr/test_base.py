@@ -43,6 +43,11 @@ def test_fragmentation():
     assert ReservedMemoryInfo(100, 80, 20).fragmentation == pytest.approx(0.75)
 
 
+@pytest.mark.parametrize("free, largest", [(100, 50), (100, 100), (100, 25), (0, 0)])
+def test_a_pool_with_nothing_in_use_has_no_fragmentation_figure(free, largest):
+    assert ReservedMemoryInfo(free, free, largest).fragmentation is None
+
+
 def test_system_resource_roundtrip_and_bad_frees():
     import ctypes
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
 import pytest
 
-from dask_rmm.plotting.svg import _downsample, timeline_svg
+from dask_rmm.plotting.svg import bucket_maxima, timeline_svg
 from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory, peak_of_sum
 
 
@@ -85,9 +86,45 @@ def test_totals_cover_running_workers_only():
 
 
 def test_fragmentation():
-    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=25).fragmentation == 0.75
-    assert DeviceMemory("w", "0", pool_free_bytes=100, largest_free_block=100).fragmentation == 0.0
-    assert DeviceMemory("w", "0").fragmentation == 0.0
+    def frag(**fields):
+        return DeviceMemory("w", "0", **fields).fragmentation
+
+    assert frag(reserved_bytes=200, pool_free_bytes=100, largest_free_block=25) == 0.75
+    assert frag(reserved_bytes=200, pool_free_bytes=100, largest_free_block=100) == 0.0
+    assert frag(reserved_bytes=200, pool_free_bytes=0, largest_free_block=0) == 0.0
+    # nothing in use (free chunks of an idle pool, or no pool at all): no figure
+    assert frag(reserved_bytes=100, pool_free_bytes=100, largest_free_block=50) is None
+    assert frag() is None
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_an_idle_pool_in_separate_chunks_reads_no_fragmentation_anywhere(chunks):
+    """A pool grown in ``chunks`` pieces, everything freed again (the issue's 50 % with two)."""
+    from dask_rmm import mr
+
+    MiB = 1 << 20
+    pool = mr.PoolMemoryResource(mr.SystemMemoryResource(), 4 * MiB, 256 * MiB)
+    blocks = [(pool.allocate(4 * MiB * (i + 1)), 4 * MiB * (i + 1)) for i in range(chunks)]
+    busy = pool.reserved_memory_info()
+    for ptr, n in blocks:
+        pool.deallocate(ptr, n)
+    info = pool.reserved_memory_info()
+    assert info.reserved_bytes == info.free_bytes > info.largest_free_block or chunks == 1
+    assert info.fragmentation is None
+    assert busy.fragmentation is not None  # while in use, a figure
+    device = {
+        "reserved_bytes": info.reserved_bytes,
+        "pool_free_bytes": info.free_bytes,
+        "largest_free_block": info.largest_free_block,
+    }
+    r = ClusterMemoryReport.from_dict(
+        {"workers": [{"address": "tcp://w:1", "devices": {"0": device}}]}
+    )
+    (d,) = r.devices
+    assert d.fragmentation is None
+    header, row = r.table_rows()[:2]
+    assert row[header.index("frag")] == "-" and "%" not in " ".join(row)
+    assert json.loads(r.to_json())["workers"][0]["devices"]["0"]["fragmentation"] is None
 
 
 def test_dict_and_json_round_trip():
@@ -174,13 +211,100 @@ def test_plot_writes_png(tmp_path):
     ClusterMemoryReport.from_dict(_data(workers=[])).plot(str(tmp_path / "empty.png"))
 
 
-def test_svg_downsample_keeps_extremes():
+def test_svg_bucket_maxima_keep_extremes():
     pts = [[float(i), 0, (i * 7919) % 1000] for i in range(10000)]
     pts[5001][2] = 10**6
-    down = _downsample(pts, 0.0, 9999.0, 100)
-    assert len(down) <= 200
-    assert max(v for _, v in down) == 10**6
-    assert min(v for _, v in down) == 0
+    buckets = bucket_maxima(pts, 0.0, 9999.0, 100)
+    assert len(buckets) == 100 and None not in buckets
+    assert max(buckets) == 10**6 and buckets.count(10**6) <= 2  # the spike's bucket(s) only
+
+
+# The SVG's plot area (timeline_svg's defaults): x from 78 over 632 px, y = 0 bytes at 246.
+_LEFT, _PW, _BASE = 78, 632, 246.0
+
+
+def _polylines(svg: str) -> list[list[tuple[float, float]]]:
+    import re
+
+    return [
+        [tuple(map(float, xy.split(","))) for xy in m.split()]
+        for m in re.findall(r'<polyline[^>]*points="([^"]*)"', svg)
+    ]
+
+
+def _height(lines: list[list[tuple[float, float]]], xq: float) -> float:
+    """The drawn height (pixels above zero bytes) at ``xq``: the highest of the lines' segments
+    there (a vertical step counts at its top)."""
+    best = 0.0
+    for pts in lines:
+        for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+            if x0 <= xq <= x1:
+                yq = min(y0, y1) if x1 == x0 else y0 + (y1 - y0) * (xq - x0) / (x1 - x0)
+                best = max(best, _BASE - yq)
+    return best
+
+
+def _x(t: float, t0: float, t1: float) -> float:
+    return _LEFT + (t - t0) / (t1 - t0) * _PW
+
+
+@pytest.mark.parametrize("burst_at", [3, 10, 20])
+@pytest.mark.parametrize("spacing", [6.4, 3.0])
+def test_svg_draws_a_burst_between_coarse_samples_as_a_burst_not_a_triangle(burst_at, spacing):
+    """Samples ``spacing`` s apart, each the most in use since the one before; a burst of 1.5 s
+    falls into the interval ending at sample ``burst_at``."""
+    samples = [[i * spacing, 0, 100 << 20 if i == burst_at else 1 << 20] for i in range(30)]
+    t0, t1 = samples[0][0], samples[-1][0]
+    lines = _polylines(timeline_svg([("w/dev0", "running", samples)]))
+    top = max(_height(lines, _x(t, t0, t1)) for t, _, _ in samples)
+    start, end = (burst_at - 1) * spacing, burst_at * spacing
+    px = _PW / (t1 - t0)  # pixels per second
+    # the burst's height over its whole interval (the samples say no more of when it was) ...
+    for f in (0.1, 0.5, 0.9):
+        assert _height(lines, _x(start + f * spacing, t0, t1)) == pytest.approx(top, abs=0.5)
+    # ... and nowhere else: half an interval after it, the floor again (a line sloping down
+    # to the next sample read half the burst there)
+    for t in (start - 0.5 * spacing, end + 0.5 * spacing, end + 2 / px):
+        assert _height(lines, _x(t, t0, t1)) < 0.05 * top
+
+
+def test_svg_device_lines_never_rise_above_the_total_line():
+    """Two devices sampled at their heartbeats, one joining late, and the cluster total at the
+    same times (the most of the sum in each interval), each cut to the page's buckets as the
+    scheduler does: every device's line stays at or under the total's."""
+    import numpy as np
+
+    from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
+
+    times = np.arange(0.0, 3600.0, 0.5)
+
+    def in_use(seed: int, joined: float) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        fine = rng.integers(0, 50, len(times)).astype(np.int64) << 20
+        for start in rng.uniform(joined, 3600, 12):  # 1.5 s bursts
+            fine[(times >= start) & (times < start + 1.5)] += 400 << 20
+        fine[times < joined] = 0
+        return fine
+
+    a, b = in_use(1, 0.0), in_use(2, 1234.5)
+
+    def series(values: np.ndarray, since: float) -> list[list[float]]:
+        keep = times >= since
+        pts = np.zeros(int(keep.sum()), SAMPLE_DTYPE)
+        pts["t"], pts["c"], pts["m"] = times[keep], values[keep], values[keep]
+        return downsample(pts, 640).tolist()
+
+    total = series(a + b, 0.0)
+    dev_a, dev_b = series(a, 0.0), series(b, 1234.5)
+    svg = timeline_svg(
+        [("total", "total", total), ("a/dev0", "running", dev_a), ("b/dev0", "running", dev_b)]
+    )
+    total_line, line_a, line_b = _polylines(svg)
+    # Within a pixel: the three series were cut into time buckets of their own spans.
+    for xq in np.arange(_LEFT + 0.25, _LEFT + _PW, 0.5):
+        cluster = max(_height([total_line], xq + dx) for dx in (-1.0, -0.5, 0.0, 0.5, 1.0))
+        assert _height([line_a], xq) <= cluster + 0.5, xq
+        assert _height([line_b], xq) <= cluster + 0.5, xq
 
 
 def test_svg_without_samples_and_single_sample():

@@ -157,3 +157,42 @@ async def test_page_and_json_select_rows_by_worker_sort_and_top_with_totals_over
     page = (await _get(s, f"dask-rmm?worker={port}&top=1")).body.decode()
     assert "showing 1 of 1 devices of workers matching" in page and b.address not in page
     assert 'href="dask-rmm?worker=' in page and "sort by:" in page
+
+
+@pytest.mark.parametrize("prefix", ["", "/prefixed"])
+@pytest.mark.parametrize("query", ["", "?sort=peak&top=20", "?timeline=0"])
+def test_the_page_with_a_trailing_slash_is_the_page(prefix, query):
+    @gen_cluster(client=True, scheduler_kwargs={"http_prefix": prefix or None})
+    async def run(c, s, a, b):
+        fake = FakeRMMMetrics()
+        a.metrics["dask-rmm"] = fake
+        await install_scheduler_plugin(c)
+        fake["0"].allocate(3 << 20, "matmul")
+        await a.heartbeat()
+        base = prefix.strip("/") + "/" if prefix else ""
+        plain = await _get(s, f"{base}dask-rmm{query}")
+        slash = await _get(s, f"{base}dask-rmm/{query}")  # follows the redirect
+        assert slash.code == 200 and slash.effective_url.endswith(f"/{base}dask-rmm{query}")
+        assert b"matmul" in slash.body and slash.body.count(b"<table") == plain.body.count(
+            b"<table"
+        )
+        moved = await _get(s, f"{base}dask-rmm/{query}", follow_redirects=False, raise_error=False)
+        assert moved.code == 301 and moved.headers["Location"] == f"/{base}dask-rmm{query}"
+
+    run()
+
+
+@gen_cluster(client=True, scheduler_kwargs={"http_prefix": "/prefixed"})
+async def test_the_page_links_back_to_the_dask_dashboard(c, s, a, b):
+    await install_scheduler_plugin(c)
+    fake = FakeRMMMetrics()
+    a.metrics["dask-rmm"] = fake
+    fake["0"].allocate(1 << 20)
+    await a.heartbeat()
+    from urllib.parse import urljoin
+
+    r = await _get(s, "prefixed/dask-rmm")
+    assert '<a href="status">Dask dashboard</a>' in r.body.decode()
+    # relative: the dashboard's status page under the same prefix (its Bokeh pages are not
+    # served in this test cluster)
+    assert urljoin(r.effective_url, "status").endswith(f":{s.http_server.port}/prefixed/status")

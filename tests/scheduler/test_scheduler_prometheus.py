@@ -67,3 +67,17 @@ async def test_no_double_registration_and_unregister(c, s, a, b):
     await install_scheduler_plugin(c)
     fams = await _families(s)
     assert len(fams["dask_rmm_used_bytes"].samples) == 1
+
+
+@gen_cluster(client=True)
+async def test_fragmentation_ratio_is_absent_for_a_pool_with_nothing_in_use(c, s, a, b):
+    fa, fb = FakeRMMMetrics(), FakeRMMMetrics()
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = fa, fb
+    fa["0"].largest_free = fb["0"].largest_free = fa["0"].reserved // 2  # two free chunks
+    fa["0"].allocate(1000)
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    await b.heartbeat()
+    frag = _by_worker((await _families(s))["dask_rmm_fragmentation_ratio"])
+    assert set(frag) == {(a.address, "0")}  # b's pool is idle: no figure, not 50 %
+    assert 0.0 < frag[a.address, "0"] < 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -541,3 +542,65 @@ def test_unregistering_a_plugin_brings_back_the_command_lines_setup_and_metrics(
     finally:
         for w in workers:
             _stop(w)
+
+
+_SPHINX_MARKUP = re.compile(r"``|:(func|class|meth|mod|attr|data|exc|ref):`")
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_python_m_dask_rmm_preload_help_is_plain_text(flag):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_rmm.preload", flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Usage: dask worker SCHEDULER --preload dask_rmm.preload")
+    assert "--rmm-pool-size" in out.stdout and "--rmm-base-resource" in out.stdout
+    assert not _SPHINX_MARKUP.search(out.stdout), out.stdout
+    same = CliRunner().invoke(
+        dask_setup, [flag], prog_name="dask worker SCHEDULER --preload dask_rmm.preload"
+    )
+    assert same.exit_code == 0 and not _SPHINX_MARKUP.search(same.output), same.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nanny", [True, False], ids=["nanny", "no-nanny"])
+def test_an_unknown_config_key_is_reported_once_per_worker_start(scheduler, nanny):
+    from distributed import Client
+
+    env = _env(DASK_DASK_RMM__POOLSIZE="1GB", DASK_DASK_RMM__BASE_RESOURCE=BASE)
+    worker = _start_worker(
+        scheduler, "--rmm-pool-size", "16MiB", name="typo-1", env=env, nanny=nanny
+    )
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            assert next(iter(client.run(_plugin_options).values()))["pool_size"] == 16 << 20
+    finally:
+        out = _stop(worker)
+    assert out.count("unknown config key dask-rmm.poolsize (DASK_DASK_RMM__POOLSIZE)") == 1, out
+
+
+def test_an_unknown_config_key_warns_once_per_process():
+    from dask_rmm.config import validate_config
+
+    with dask.config.set({"dask-rmm.pool-szie": "1GB"}):
+        with pytest.warns(UserWarning, match=r"dask-rmm.pool-szie") as caught:
+            for _ in range(4):
+                validate_config()
+                plugin_from_flags(rmm_base_resource="system")
+    assert len([w for w in caught if "pool-szie" in str(w.message)]) == 1
+
+
+def test_h_is_help_also_after_a_context_made_as_distributed_makes_it():
+    import click
+
+    # distributed checks preload flags with a Context of its own (no context_settings); click
+    # keeps the first help option it builds for a command
+    assert "-h" in dask_setup.get_help_option(click.Context(dask_setup)).opts
+    result = CliRunner().invoke(dask_setup, ["-h"])
+    assert result.exit_code == 0 and "--rmm-pool-size" in result.output, result.output

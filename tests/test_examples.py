@@ -1,0 +1,47 @@
+"""The examples a new user runs first: each finishes without a traceback on any host, on the
+GPU when there is one, and on host memory without one (saying so, as the quickstart does)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import HAS_GPU
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXAMPLES = {
+    "cluster_report.py": lambda out: ["--plot", str(out / "report.png"), "--workers", "2"],
+    "gpu_memory_tools.py": lambda out: ["--out", str(out)],
+}
+NO_GPU_LINE = "No GPU on this host: using base_resource='system' (host memory)"
+
+
+def _run(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host_memory", [False, True], ids=["default", "host-memory"])
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_an_example_runs_on_this_host_without_a_traceback(script, host_memory, tmp_path):
+    if host_memory and not HAS_GPU:
+        pytest.skip("without a GPU the default run is the host-memory run")
+    out = _run(script, EXAMPLES[script](tmp_path) + (["--host-memory"] if host_memory else []))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    # without a GPU, and without being asked, it says it runs on host memory
+    assert (NO_GPU_LINE in out.stdout) == (not HAS_GPU and not host_memory)
+    assert any(p.suffix == ".png" for p in tmp_path.iterdir())
