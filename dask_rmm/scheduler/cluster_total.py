@@ -16,6 +16,11 @@ __all__ = ["ClusterTotal", "TotalSnapshot"]
 #: A sample as a change of the sum: its time and how much the device's current bytes and
 #: ``max_bytes_in_interval`` moved since its previous sample.
 _CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
+#: Arrays of waiting changes kept before they are merged into one (a device far ahead of the
+#: others leaves a part of every batch waiting).
+_MAX_WAITING_ARRAYS = 8
+#: Sums at least this large (in absolute value) are computed saturating, not in int64.
+_SAFE = float(1 << 62)
 
 
 class ClusterTotal:
@@ -162,6 +167,9 @@ class ClusterTotal:
                 # A view keeps its whole array alive: copy once most of it is summed.
                 rest = changes[cut:]
                 waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
+        if len(waiting) > _MAX_WAITING_ARRAYS:
+            merged = np.concatenate(waiting)
+            waiting = [merged[np.argsort(merged["t"], kind="stable")]]
         self._waiting = waiting
         if not final:
             return
@@ -201,14 +209,24 @@ def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> n
         t[late] = np.nextafter(final_time, np.inf)
     order = np.argsort(t, kind="stable")
     times = t[order]
-    c = start[0] + np.cumsum(changes["c"][order])
-    m = start[1] + np.cumsum(changes["m"][order])
+    c = _cumsum(start[0], changes["c"][order])
+    m = _cumsum(start[1], changes["m"][order])
     # Samples at the same time count together (the sum after all of them).
     end = np.ones(len(times), bool)
     end[:-1] = times[1:] != times[:-1]
     points = np.empty(int(end.sum()), SAMPLE_DTYPE)
     points["t"], points["c"], points["m"] = times[end], c[end], m[end]
     return points
+
+
+def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:
+    """``start`` plus the running sum of ``changes``, never wrapping: where an int64 could
+    overflow (it cannot with the scheduler's bounds on what a device sends, but the bounds are
+    per device) the sum is taken in float and held to the int64 range."""
+    if abs(float(start)) + float(np.abs(changes.astype(np.float64)).sum()) < _SAFE:
+        return start + np.cumsum(changes)
+    total = float(start) + np.cumsum(changes.astype(np.float64))
+    return np.clip(total, -_SAFE, _SAFE).astype(np.int64)
 
 
 class TotalSnapshot:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import html
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from time import time
@@ -23,6 +22,7 @@ from dask_rmm.report.memory_report import (
     ClusterMemoryReport,
     ClusterTotals,
     DeviceMemory,
+    strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
 from dask_rmm.wire import to_int
@@ -383,13 +383,13 @@ def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[s
             pts = timelines.get((w["address"], dev))
             if pts is not None:
                 d["timeline"] = marker = f"@timeline:{dev}@"
-                found[json.dumps(marker)] = pts
-        text = json.dumps(w)
+                found[strict_json(marker)] = pts
+        text = strict_json(w)
         for marker, pts in found.items():
-            text = text.replace(marker, json.dumps(pts.tolist()), 1)
+            text = text.replace(marker, strict_json(pts.tolist()), 1)
         return text
 
-    head = json.dumps({k: v for k, v in doc.items() if k != "workers"})
+    head = strict_json({k: v for k, v in doc.items() if k != "workers"})
     pieces = [head[:-1] + (", " if head != "{}" else "") + '"workers": [']
     for i, w in enumerate(doc.get("workers") or ()):
         pieces.append(("," if i else "") + worker(w))

@@ -23,7 +23,8 @@ from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, SAMPLE_STRUCT, pack_samples
+from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -42,6 +43,9 @@ DEFAULT_TIMELINE_LEVELS = 3
 DEFAULT_KEEP_GONE = 32
 #: Seconds between two passes that add what every device has sent to the cluster's total.
 TOTAL_INTERVAL = 0.5
+#: Seconds between two log lines about the same worker's malformed metrics (a new reason is
+#: logged at once).
+LOG_INTERVAL = 60.0
 
 
 @dataclass(eq=False)
@@ -53,7 +57,10 @@ class _WorkerRecord:
     address: str
     name: str
     status: str = "running"
+    #: The last heartbeat's metrics as checked (``validate.check_metrics``): valid data only.
     metrics: dict | None = None
+    #: The last heartbeat's metrics as the worker sent them (to see that one is new).
+    raw: Any = None
     timelines: dict[str, Timeline] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     last_seen: float | None = None
@@ -62,6 +69,9 @@ class _WorkerRecord:
     restarts: int = 0
     #: Per device: the largest ``peak_bytes`` the processes before this one reported.
     earlier_peaks: dict[str, int] = field(default_factory=dict)
+    #: The last problem logged, and when (one line a worker per ``LOG_INTERVAL``).
+    logged: str | None = None
+    logged_at: float = float("-inf")
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -251,10 +261,21 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def _ingest_all(self) -> None:
         if self.scheduler is not None:
+            now = time()
+            pending: list = []
             for ws in list(self.scheduler.workers.values()):
-                self._ingest(ws)
+                self._read(ws, now, pending)
+            self._take_samples(pending, now)
 
     def _ingest(self, ws: WorkerState) -> None:
+        now = time()
+        pending: list = []
+        self._read(ws, now, pending)
+        self._take_samples(pending, now)
+
+    def _read(self, ws: WorkerState, now: float, pending: list) -> None:
+        """Take ``ws``'s latest heartbeat metrics if new: checked (``validate.py``), its
+        devices' samples queued in ``pending`` for one check of the whole batch."""
         m = ws.metrics.get(METRICS_KEY)
         rec = self._records.get(ws.address)
         if m is None:
@@ -266,21 +287,49 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         if rec is None or rec.status == "gone":
             rec = self._running_record(ws)
-        elif m is rec.metrics:
+        elif m is rec.raw:
             return  # this heartbeat was read already
-        rec.metrics = m
-        try:
-            rec.last_seen = float(m.get("time") or time())
-            rec.error = None
-            for dev, d in m["devices"].items():
-                samples = d.get("samples")
-                if samples:
-                    self._add_samples(rec, dev, samples)
-        except Exception as e:
-            # A malformed metrics dict must never break the scheduler.
-            if rec.error is None:
-                logger.warning("dask-rmm: malformed metrics from %s: %r", ws.address, e)
-            rec.error = f"malformed dask-rmm metrics: {e!r}"
+        rec.raw = m
+        checked = check_metrics(m, now)
+        rec.error = None
+        if checked.metrics is None:
+            # Nothing usable: the worker shows its error, and its old numbers stop counting.
+            rec.metrics = None
+            for row in rec.rows.values():
+                self._total.stop(row)
+        else:
+            rec.metrics = checked.metrics
+            rec.last_seen = checked.metrics["time"]
+            pending.extend((rec, dev, blob) for dev, blob in checked.samples)
+            if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
+                self._drop_devices(rec, checked.metrics["devices"])
+        self._problem(rec, checked.problems, now)
+
+    def _take_samples(self, pending: list, now: float) -> None:
+        """Add the queued samples that are valid (one check for all of them)."""
+        checked = check_samples([blob for _, _, blob in pending], now)
+        for (rec, dev, _), (blob, problem) in zip(pending, checked, strict=True):
+            if problem is not None:
+                self._problem(rec, [f"device {dev!r}: {problem}"], now)
+            if blob:
+                self._add_samples(rec, dev, blob)
+
+    def _problem(self, rec: _WorkerRecord, problems: list[str], now: float) -> None:
+        """Show ``problems`` as the worker's error; log them once per ``LOG_INTERVAL``."""
+        if not problems:
+            return
+        text = "malformed dask-rmm metrics: " + "; ".join(problems)
+        rec.error = text if rec.error is None else f"{rec.error}; {'; '.join(problems)}"
+        if text != rec.logged or now - rec.logged_at >= LOG_INTERVAL:
+            rec.logged, rec.logged_at = text, now
+            logger.warning("dask-rmm: worker %s: %s", rec.address, text[:2000])
+
+    def _drop_devices(self, rec: _WorkerRecord, keep: dict) -> None:
+        for dev in [d for d in rec.timelines if d not in keep]:
+            del rec.timelines[dev]
+            row = rec.rows.pop(dev, None)
+            if row is not None:
+                self._total.release(row)
 
     def _running_record(self, ws: WorkerState) -> _WorkerRecord:
         """The record of a worker seen for the first time: a new one, or, for a name that
@@ -294,18 +343,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                     old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
-                old.metrics = None
+                old.metrics = old.raw = None
                 self._records[ws.address] = old
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
         return rec
 
-    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: Any) -> None:
+    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: bytes) -> None:
+        """Packed samples, checked (``validate.check_samples``)."""
         tl = rec.timelines.get(dev)
         if tl is None:
             tl = rec.timelines[dev] = self._new_timeline()
-        if type(samples) is not bytes or len(samples) % SAMPLE_STRUCT.size:
-            samples = pack_samples(samples)  # a list (version 2), or raises: malformed
         new = tl.extend_packed(samples)
         if tl.overflowing:
             self._full.append(tl)  # merged by the poller, a batch of devices at a time
