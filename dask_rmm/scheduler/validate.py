@@ -109,7 +109,7 @@ def check_metrics(m: Any, now: float) -> Checked:
         if not isinstance(d, Mapping):
             problems.append(f"device {dev!r} is {_kind(d)}, not a mapping; dropped")
             continue
-        d = _check_device(dev, d, problems)
+        d = _check_device(dev, d, now, problems)
         blob = d.get("samples")
         if blob:
             blob = _packed(dev, blob, problems)
@@ -121,7 +121,7 @@ def check_metrics(m: Any, now: float) -> Checked:
     return Checked(out, samples, problems)
 
 
-def _check_device(dev: str, d: Mapping, problems: list[str]) -> dict:
+def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> dict:
     """The device entry with malformed known fields left out (they read as their default)."""
     try:
         values = _ints_of(d)
@@ -154,11 +154,14 @@ def _check_device(dev: str, d: Mapping, problems: list[str]) -> dict:
                 bad.append(k)
             elif len(v) > MAX_TEXT:
                 out[k] = v[:MAX_TEXT] + "..."
+                problems.append(f"device {dev!r}: {k} of {len(v)} characters cut")
     error = out.get("error")
     if error is not None and type(error) is not str:
         out["error"] = f"(an error of type {type(error).__name__}, not text)"
+        problems.append(f"device {dev!r}: error={_short(error)} is not text")
     elif error is not None and len(error) > MAX_TEXT:
         out["error"] = error[:MAX_TEXT] + "..."
+        problems.append(f"device {dev!r}: error of {len(error)} characters cut")
     for k in bad:
         problems.append(f"device {dev!r}: {k}={_short(out.pop(k))} dropped (wrong type or range)")
     groups = out.get("task_groups")
@@ -166,7 +169,7 @@ def _check_device(dev: str, d: Mapping, problems: list[str]) -> dict:
         out["task_groups"] = _task_groups(dev, groups, problems)
     events = out.get("oom_events")
     if events:
-        out["oom_events"] = _oom_events(dev, events, problems)
+        out["oom_events"] = _oom_events(dev, events, now, problems)
     return out
 
 
@@ -189,7 +192,7 @@ def _task_groups(dev: str, groups: Any, problems: list[str]) -> list:
     return kept
 
 
-def _oom_events(dev: str, events: Any, problems: list[str]) -> list:
+def _oom_events(dev: str, events: Any, now: float, problems: list[str]) -> list:
     if not isinstance(events, (list, tuple)):
         problems.append(f"device {dev!r}: oom_events are {_kind(events)}; dropped")
         return []
@@ -201,7 +204,10 @@ def _oom_events(dev: str, events: Any, problems: list[str]) -> list:
             event = _plain(e, 3)
         except ValueError:
             continue
-        if all(event.get(k) is None or _number(event[k]) for k in _OOM_NUMBERS):
+        when = event.get("time")
+        if all(event.get(k) is None or _number(event[k]) for k in _OOM_NUMBERS) and (
+            when is None or -1e12 < when <= now + MAX_AHEAD
+        ):
             kept.append(event)
     if len(kept) < len(events):
         problems.append(f"device {dev!r}: {len(events) - len(kept)} OOM events dropped")
