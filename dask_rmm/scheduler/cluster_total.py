@@ -138,8 +138,10 @@ class ClusterTotal:
             _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
             starts_n.append(len(b) // SAMPLE_STRUCT.size)
             start += starts_n[-1]
-        rows = np.repeat(np.fromiter((r for r, _ in chunks), np.int64, len(chunks)), starts_n)
-        np.maximum.at(self._row_peak, rows, raw[:, 2])
+        # Each chunk's largest max_bytes_in_interval, then each row's (a row may have chunks
+        # of several heartbeats here).
+        rows = np.fromiter((r for r, _ in chunks), np.int64, len(chunks))
+        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(raw[:, 2], starts))
         values = raw[:, 1:]
         previous = np.empty_like(values)
         previous[1:] = values[:-1]

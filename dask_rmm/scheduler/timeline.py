@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import time
@@ -132,6 +133,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
         self._total_due = 0.0
         self._full: list[Timeline] = []  # timelines whose newest level is full
+        self._order: list[str] | None = None  # the workers' addresses the poller reads in turn
+        self._cursor = 0
+        # Cluster sums kept up to date (Prometheus reads them without a pass over every device):
+        # each record's share, and the records whose share changed since.
+        self._sums = [0] * (3 + len(SUM_FIELDS))
+        self._shares: dict[str, list[int]] = {}
+        self._dirty: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
@@ -215,15 +223,18 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return s is not None and s.plugins.get(self.name) is self
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._order = None
         ws = scheduler.workers.get(worker)
         if ws is not None:
             self._ingest(ws)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self._order = None
         rec = self._records.get(worker)
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
+        self._dirty.add(worker)
         for row in rec.rows.values():
             self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
@@ -232,19 +243,24 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._forget(self._records.pop(address))
 
     def _forget(self, rec: _WorkerRecord) -> None:
+        self._dirty.add(rec.address)
         for row in rec.rows.values():
             self._total.release(row)
         rec.rows.clear()
 
     # -- ingest -------------------------------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Read each worker's latest heartbeat metrics that this plugin has not seen yet;
-        False (and stop) if the plugin is not registered any more."""
+    def poll(self, every: bool = True) -> bool:
+        """Read each worker's latest heartbeat metrics that this plugin has not seen yet (with
+        ``every=False``, as the poller does, only the next share of the workers); False (and
+        stop) if the plugin is not registered any more."""
         if not self.active:
             self._stop()
             return False
-        self._ingest_all()
+        if every:
+            self._ingest_all()
+        else:
+            self._ingest_share()
         now = time()
         if now >= self._total_due:  # half a second of samples at a time: no long block
             self._total_due = now + TOTAL_INTERVAL
@@ -257,7 +273,37 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         compact_all(full)
 
     def _tick(self) -> None:
-        self.poll()
+        self.poll(every=False)
+
+    def _ingest_share(self) -> None:
+        """Read the next share of the workers, in turn: each at least twice per heartbeat
+        interval (a heartbeat repeats the previous one's samples, so none is lost), so that a
+        tick costs as many reads as heartbeats arrive, not one per worker."""
+        s = self.scheduler
+        if s is None:
+            return
+        workers = s.workers
+        order = self._order
+        if order is None or len(order) != len(workers):
+            order = self._order = list(workers)
+        n = len(order)
+        if not n:
+            return
+        from distributed.scheduler import heartbeat_interval
+
+        share = min(n, math.ceil(n * self.poll_interval * 2 / heartbeat_interval(n)))
+        start = self._cursor % n
+        chosen = order[start : start + share]
+        if len(chosen) < share:
+            chosen += order[: share - len(chosen)]
+        self._cursor = start + share
+        now = time()
+        pending: list = []
+        for address in chosen:
+            ws = workers.get(address)
+            if ws is not None:
+                self._read(ws, now, pending)
+        self._take_samples(pending, now)
 
     def _ingest_all(self) -> None:
         if self.scheduler is not None:
@@ -287,9 +333,11 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         if rec is None or rec.status == "gone":
             rec = self._running_record(ws)
+            self._order = None
         elif m is rec.raw:
             return  # this heartbeat was read already
         rec.raw = m
+        self._dirty.add(rec.address)
         checked = check_metrics(m, now)
         rec.error = None
         if checked.metrics is None:
@@ -365,6 +413,32 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     # -- queries ------------------------------------------------------------------------------
 
+    @property
+    def cluster_peak(self) -> int:
+        """The most bytes all devices held at once, over the samples summed so far."""
+        return self._total.peak
+
+    def cluster_sums(self) -> dict[str, int]:
+        """Running and gone workers, running devices, and :data:`SUM_FIELDS` summed over the
+        running devices, as of the heartbeats read (kept up to date: the cost is the records
+        that changed since the last call, not every device)."""
+        sums, shares = self._sums, self._shares
+        dirty, self._dirty = self._dirty, set()
+        for address in dirty:
+            old = shares.pop(address, None)
+            if old is not None:
+                for i, v in enumerate(old):
+                    sums[i] -= v
+            rec = self._records.get(address)
+            if rec is None or rec.address != address:
+                continue
+            new = _share(rec)
+            if new is not None:
+                shares[address] = new
+                for i, v in enumerate(new):
+                    sums[i] += v
+        return dict(zip(("workers", "gone_workers", "devices", *SUM_FIELDS), sums, strict=True))
+
     def snapshot(self, request: ReportRequest | None = None) -> Snapshot:
         """What a report needs, taken on the event loop in one pass over the workers (cheap:
         references to data that is replaced, never changed in place); the report is built
@@ -411,6 +485,33 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         (``top``, ``sort``, ``worker``, ``width``)."""
         req = ReportRequest(timeline=timeline, last=last, **request)
         return self.snapshot(req).build()
+
+
+#: Device fields :meth:`SchedulerTimelinePlugin.cluster_sums` keeps summed.
+SUM_FIELDS: tuple[str, ...] = (
+    "current_bytes",
+    "reserved_bytes",
+    "pool_free_bytes",
+    "retired_bytes",
+)
+SUM_FIELDS += ("failed_allocations", "spilled_bytes", "oom_count", "ooms_avoided", "paused")
+
+
+def _share(rec: _WorkerRecord) -> list[int] | None:
+    """A record's part of the cluster sums: [running, gone, devices, *SUM_FIELDS]."""
+    devices = (rec.metrics or {}).get("devices") or {}
+    if not devices:
+        return None
+    if rec.status != "running":
+        return [0, 1, 0] + [0] * len(SUM_FIELDS)
+    share = [1, 0, len(devices)]
+    for k in SUM_FIELDS:
+        total = 0
+        for d in devices.values():
+            v = d.get(k, 0)
+            total += v if type(v) is int else 0
+        share.append(total)
+    return share
 
 
 def _device_peaks(metrics: dict | None) -> dict[str, int]:

@@ -56,6 +56,10 @@ _INTS = tuple(k for k, t in _FIELDS.items() if t == "int")
 _FLOATS = tuple(k for k, t in _FIELDS.items() if t == "float")
 _STRS = tuple(k for k, t in _FIELDS.items() if t == "str")
 _ints_of = operator.itemgetter(*_INTS)
+_floats_of = operator.itemgetter(*_FLOATS, *_FLOATS)  # a tuple even for one field
+_strs_of = operator.itemgetter(*_STRS)
+_INT, _STR, _NUMBER = {int}, {str}, {int, float}
+_SEQUENCE, _THREE = {list, tuple}, {3}
 _RECORD = SAMPLE_STRUCT.size
 
 
@@ -92,7 +96,7 @@ def check_metrics(m: Any, now: float) -> Checked:
         t = float(sent)
     elif sent is not None:
         problems.append(f"heartbeat time {_short(sent)} is not a time up to now; taken as now")
-    devices: dict[str, dict] = {}
+    devices: dict[str, Mapping] = {}
     samples: list[tuple[str, bytes]] = []
     for dev, d in raw.items():
         if len(devices) == MAX_DEVICES:
@@ -121,17 +125,35 @@ def check_metrics(m: Any, now: float) -> Checked:
     return Checked(out, samples, problems)
 
 
-def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> dict:
-    """The device entry with malformed known fields left out (they read as their default)."""
+def _well_formed(d: Mapping) -> bool:
+    """Every known field there and well formed (what a worker of this version sends): checked
+    a few C calls at a time."""
     try:
-        values = _ints_of(d)
-        fast = (
-            set(map(type, values)) == {int}
-            and min(values) >= -MAX_BYTES
-            and max(values) <= MAX_BYTES
-        )
+        ints, floats, strs = _ints_of(d), _floats_of(d), _strs_of(d)
     except KeyError:  # an older producer: some fields missing
-        fast = False
+        return False
+    error, groups, events = d.get("error"), d.get("task_groups"), d.get("oom_events")
+    return (
+        set(map(type, ints)) == _INT
+        and -MAX_BYTES <= min(ints)
+        and max(ints) <= MAX_BYTES
+        and set(map(type, floats)) <= _NUMBER
+        and 0 <= min(floats)
+        and math.isfinite(sum(floats))
+        and set(map(type, strs)) == _STR
+        and max(map(len, strs)) <= MAX_TEXT
+        and (error is None or (type(error) is str and len(error) <= MAX_TEXT))
+        and (not groups or _groups_ok(groups))
+        and not events
+    )
+
+
+def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> Mapping:
+    """The device entry with malformed known fields left out (they read as their default).
+    Task groups are only bounded here: their readers take each one apart safely."""
+    if _well_formed(d):
+        return d
+    fast = False
     out = dict(d)
     bad = []
     if not fast:
@@ -173,20 +195,30 @@ def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> dict
     return out
 
 
+def _groups_ok(groups: Any) -> bool:
+    """Task groups all ``[str, int, int]`` in bounds (a few C calls, not a loop)."""
+    if type(groups) is not list or len(groups) > MAX_TASK_GROUPS:
+        return False
+    if not set(map(type, groups)) <= _SEQUENCE or set(map(len, groups)) != _THREE:
+        return False
+    prefixes, current, peak = zip(*groups, strict=True)
+    numbers = current + peak
+    return (
+        set(map(type, prefixes)) == _STR
+        and max(map(len, prefixes)) <= MAX_TEXT
+        and set(map(type, numbers)) == _INT
+        and min(numbers) >= 0
+        and max(numbers) <= MAX_BYTES
+    )
+
+
 def _task_groups(dev: str, groups: Any, problems: list[str]) -> list:
+    if _groups_ok(groups):
+        return groups
     if not isinstance(groups, (list, tuple)):
         problems.append(f"device {dev!r}: task_groups are {_kind(groups)}; dropped")
         return []
-    kept = []
-    for g in groups[:MAX_TASK_GROUPS]:
-        if (
-            isinstance(g, (list, tuple))
-            and len(g) >= 3
-            and type(g[0]) is str
-            and len(g[0]) <= MAX_TEXT
-            and all(type(v) is int and 0 <= v <= MAX_BYTES for v in g[1:3])
-        ):
-            kept.append(g)
+    kept = [g for g in groups[:MAX_TASK_GROUPS] if _groups_ok([g])]
     if len(kept) < len(groups):
         problems.append(f"device {dev!r}: {len(groups) - len(kept)} task groups dropped")
     return kept

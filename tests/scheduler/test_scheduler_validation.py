@@ -312,6 +312,14 @@ def _every_reader(plugin: SchedulerTimelinePlugin) -> ClusterMemoryReport:
     return reports[0]
 
 
+def _sums_agree(plugin: SchedulerTimelinePlugin) -> None:
+    """The sums Prometheus reads (kept up to date) equal the report's (a pass over all)."""
+    totals = plugin.memory_report(timeline=False).totals
+    sums = plugin.cluster_sums()
+    for k, v in sums.items():
+        assert v == (totals.paused_devices if k == "paused" else getattr(totals, k)), k
+
+
 def test_random_structures_break_no_reader():
     pytest.importorskip("prometheus_client")
     from hypothesis import HealthCheck, given, settings
@@ -371,7 +379,10 @@ def test_random_structures_break_no_reader():
             plugin.poll()
             report = _every_reader(plugin)
             assert report.device(good.address).current_bytes == MiB
+            _sums_agree(plugin)
+        del plugin.scheduler.workers[bad.address]
         plugin.remove_worker(plugin.scheduler, bad.address)
+        _sums_agree(plugin)
         plugin._stop()
 
     check()
@@ -445,3 +456,22 @@ def test_an_int64_cluster_sum_saturates_instead_of_wrapping():
     total.advance(1e9 + 100)
     peak, points = total.snapshot().points()
     assert points["c"][-1] > 0 and peak > 0
+
+
+def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbeat_interval():
+    from distributed.scheduler import heartbeat_interval
+
+    plugin = SchedulerTimelinePlugin(timeline_length=16)
+    plugin._configure()
+    workers = [_worker(i, {"dask-rmm": _beat({})}) for i in range(1000)]
+    _fake_scheduler(plugin, workers)
+    read: list[str] = []
+    original = plugin._read
+    plugin._read = lambda ws, now, pending: (read.append(ws.address), original(ws, now, pending))
+    ticks = heartbeat_interval(1000) / 2 / plugin.poll_interval  # ticks in half an interval
+    for _ in range(int(ticks)):
+        plugin._tick()
+    assert len(read) <= 1000 * 1.1 and set(read) == {w.address for w in workers}
+    read.clear()
+    plugin._tick()
+    assert 0 < len(read) <= 1000 / ticks + 1
