@@ -326,6 +326,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats timed")
     ap.add_argument("--repeat", type=int, default=3, help="fetches of each route")
     args = ap.parse_args()
+    import logging
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # a line per simulated worker
     try:
         commit = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
