@@ -16,9 +16,10 @@ __all__ = ["ClusterTotal", "TotalSnapshot"]
 #: A sample as a change of the sum: its time and how much the device's current bytes and
 #: ``max_bytes_in_interval`` moved since its previous sample.
 _CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
-#: Arrays of waiting changes kept before they are merged into one (a device far ahead of the
-#: others leaves a part of every batch waiting).
-_MAX_WAITING_ARRAYS = 8
+#: Arrays of waiting changes kept before they are merged into one: a safety net (a device
+#: ahead of the others leaves a part of every batch waiting; the scheduler accepts sample times
+#: up to 60 s ahead and ``max_lag`` 30 s behind, so about 180 arrays at most at one a 0.5 s).
+MAX_WAITING_ARRAYS = 256
 #: Sums at least this large (in absolute value) are computed saturating, not in int64.
 _SAFE = float(1 << 62)
 
@@ -169,7 +170,7 @@ class ClusterTotal:
                 # A view keeps its whole array alive: copy once most of it is summed.
                 rest = changes[cut:]
                 waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
-        if len(waiting) > _MAX_WAITING_ARRAYS:
+        if len(waiting) > MAX_WAITING_ARRAYS:
             merged = np.concatenate(waiting)
             waiting = [merged[np.argsort(merged["t"], kind="stable")]]
         self._waiting = waiting

@@ -23,7 +23,7 @@ from dask_rmm.client.fetch import cluster_report
 from dask_rmm.report.memory_report import ClusterMemoryReport, strict_json, visible
 from dask_rmm.scheduler import SchedulerTimelinePlugin, install_scheduler_plugin
 from dask_rmm.scheduler import timeline as timeline_module
-from dask_rmm.scheduler.cluster_total import ClusterTotal
+from dask_rmm.scheduler.cluster_total import MAX_WAITING_ARRAYS, ClusterTotal
 from dask_rmm.scheduler.resolution import Timeline
 from dask_rmm.scheduler.validate import MAX_AHEAD, MAX_DEVICES, MAX_SAMPLES
 from dask_rmm.wire import METRICS_VERSION, PLUGIN_NAME, pack_samples
@@ -436,15 +436,17 @@ def test_a_skewed_worker_for_a_simulated_hour_keeps_the_cluster_total_drained(mo
 
 
 def test_the_cluster_total_merges_what_waits_for_a_device_ahead():
+    """Past what the scheduler accepts (a device 1000 s ahead, fed to the total directly)."""
     total = ClusterTotal(Timeline(64), max_lag=30.0)
     ahead, behind = total.add_row(), total.add_row()
     now = 1e9
     for i in range(1000):
         now += 0.5
-        total.add(ahead, pack_samples([[now + 25, i, i]]), now + 25)
+        total.add(ahead, pack_samples([[now + 1000, i, i]]), now + 1000)
         total.add(behind, pack_samples([[now, i, i]]), now)
         total.advance(now)
-        assert len(total._waiting) <= 9
+        assert len(total._waiting) <= MAX_WAITING_ARRAYS + 1
+    assert total.waiting == 1000
 
 
 def test_an_int64_cluster_sum_saturates_instead_of_wrapping():
