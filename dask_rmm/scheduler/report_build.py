@@ -165,21 +165,7 @@ class Snapshot:
         timeline_length: int,
         without: list[str],
     ) -> Snapshot:
-        rows = [
-            _Record(
-                r.address,
-                r.name,
-                r.status,
-                r.last_seen,
-                r.error,
-                r.restarts,
-                r.metrics,
-                dict(r.earlier_peaks),
-                {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
-                dict(r.rows),
-            )
-            for r in records
-        ]
+        rows = [cls.record(r) for r in records]
         meta = {
             "time": time(),
             "scheduler": scheduler,
@@ -187,6 +173,23 @@ class Snapshot:
             "without": without,
         }
         return cls(request, rows, total, meta)
+
+    @staticmethod
+    def record(r: Any) -> _Record:
+        """One worker record as a snapshot keeps it (references to data replaced, never
+        changed in place)."""
+        return _Record(
+            r.address,
+            r.name,
+            r.status,
+            r.last_seen,
+            r.error,
+            r.restarts,
+            r.metrics,
+            dict(r.earlier_peaks),
+            {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+            dict(r.rows),
+        )
 
     # -- building (any thread) ----------------------------------------------------------------
 

@@ -44,6 +44,8 @@ DEFAULT_TIMELINE_LEVELS = 3
 DEFAULT_KEEP_GONE = 32
 #: Seconds between two passes that add what every device has sent to the cluster's total.
 TOTAL_INTERVAL = 0.5
+#: Worker records a report's snapshot takes between two returns to the event loop.
+SNAPSHOT_CHUNK = 500
 #: Seconds between two log lines about the same worker's malformed metrics (a new reason is
 #: logged at once).
 LOG_INTERVAL = 60.0
@@ -459,12 +461,40 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             ],
         )
 
+    async def snapshot_async(self, request: ReportRequest) -> Snapshot:
+        """:meth:`snapshot`, the records taken :data:`SNAPSHOT_CHUNK` at a time with the
+        event loop free in between (each record is taken whole; heartbeats read in between
+        are in the records taken after them)."""
+        if self.scheduler is not None and self.active:
+            self.poll()
+        self._compact()
+        records = list(self._records.values())
+        rows = []
+        for start in range(0, len(records), SNAPSHOT_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            rows += [Snapshot.record(r) for r in records[start : start + SNAPSHOT_CHUNK]]
+        s = self.scheduler
+        snap = Snapshot.take(
+            request,
+            records=[],
+            total=self._total.snapshot(),
+            scheduler=s.address if s is not None else "",
+            timeline_length=self.timeline_length or 0,
+            without=[
+                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
+            ],
+        )
+        snap.records = rows
+        return snap
+
     async def report_async(self, request: ReportRequest, form: str = "report") -> Any:
         """The report for ``request``, built in a thread so that the event loop only takes
-        the snapshot: ``form`` is "report" (a ClusterMemoryReport), "json" (the document as
-        JSON text; "json-bytes" encoded, "json-pieces" a list of str, one worker a piece) or
-        "html" (the page; ``request.refresh`` sets its reload)."""
-        snap = self.snapshot(request)
+        the snapshot (a chunk of records at a time): ``form`` is "report" (a
+        ClusterMemoryReport), "json" (the document as JSON text; "json-bytes" encoded,
+        "json-pieces" a list of str, one worker a piece) or "html" (the page;
+        ``request.refresh`` sets its reload)."""
+        snap = await self.snapshot_async(request)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
         loop = asyncio.get_running_loop()
