@@ -539,7 +539,10 @@ def _share(rec: _WorkerRecord) -> list[int] | None:
         total = 0
         for d in devices.values():
             v = d.get(k, 0)
-            total += v if type(v) is int else 0
+            if k == "paused":  # a count of paused devices, as the report's totals
+                total += bool(v)
+            else:
+                total += v if type(v) is int else 0
         share.append(total)
     return share
 

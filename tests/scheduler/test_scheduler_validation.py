@@ -477,3 +477,14 @@ def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbe
     read.clear()
     plugin._tick()
     assert 0 < len(read) <= 1000 / ticks + 1
+
+
+def test_prometheus_sums_count_paused_devices_as_the_report_does():
+    plugin = SchedulerTimelinePlugin(timeline_length=16)
+    plugin._configure()
+    w = _worker(0, {"dask-rmm": _beat({"0": _device(time.time(), paused=-1), "1": _device(
+        time.time(), paused=3)})})  # fmt: skip
+    _fake_scheduler(plugin, [w])
+    plugin.poll()
+    _sums_agree(plugin)
+    assert plugin.cluster_sums()["paused"] == 2
