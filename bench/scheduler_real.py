@@ -196,11 +196,19 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         await cluster.add_all()
         added = time.perf_counter() - t0
         now = time.time()
-        for i in range(workers):  # full timelines: what a scheduler holds after an hour
-            cluster.beat(i, now, fill=args.length)
+        for i in range(workers):
+            cluster.beat(i, now - cluster.interval)
             if i % 200 == 199:
                 await asyncio.sleep(0)
         plugin.poll()
+        # Full timelines (what a scheduler holds after an hour), put in place directly: an
+        # hour of samples of every device summed at once would be no steady state.
+        for rec in plugin._records.values():
+            for dev, tl in rec.timelines.items():
+                full = plugin._new_timeline()
+                full.extend(cluster.samples(tl.points()["t"][0] - 1, args.length))
+                full.extend(tl.points().tobytes())
+                rec.timelines[dev] = full
         plugin._compact()
         gc.collect()
 
