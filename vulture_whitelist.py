@@ -61,3 +61,12 @@ _.admission_longest_wait_seconds
 
 # click calls it by name (the preload command's -h).
 _.get_help_option_names
+
+# reprlib.Repr settings (read by reprlib), and an attribute a recorder script keeps alive.
+_.maxstring
+_.maxother
+_.recorded_buffers
+
+# bench/scheduler_real.py: an idle comm distributed calls by name.
+_.closed
+_.abort

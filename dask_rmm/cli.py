@@ -27,6 +27,13 @@ __all__ = ["main"]
 EXIT_NEW_FAILURES = 3
 
 
+def _strict_json(data: Any, **kwargs: Any) -> str:
+    """JSON that strict parsers read (a number that is not finite is written as null)."""
+    from dask_rmm.report.memory_report import strict_json
+
+    return strict_json(data, **kwargs)
+
+
 @click.group(name="rmm", context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """dask-rmm: RMM memory resources for Dask; cluster reports and allocation logs."""
@@ -117,7 +124,7 @@ def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | No
     with _user_errors():
         report = log_summary.summarize(files, top=top, progress=_progress(progress))
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(_strict_json(report.to_dict(), indent=2))
         return
     summaries = [s for s in (*report.files, report.combined) if s is not None]
     click.echo("\n\n".join(map(log_summary.format_summary, summaries)))
@@ -251,7 +258,7 @@ def replay(
         ]
     if as_json:
         out = [r.to_dict() for r in results]
-        click.echo(json.dumps(out if compare else out[0], indent=2))
+        click.echo(_strict_json(out if compare else out[0], indent=2))
     elif compare:
         for r in results:
             if r.failed and r.can_serve:
@@ -520,7 +527,7 @@ def advise(
     if as_json:
         combined = advice_mod.combine(advices)
         click.echo(
-            json.dumps(
+            _strict_json(
                 {
                     "devices": [a.to_dict() for a in advices],
                     "all": combined.to_dict() if combined is not None else None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
+import re
 import time as _time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,14 @@ from dask_rmm.wire import (
     to_int,
 )
 
-__all__ = ["ClusterMemoryReport", "ClusterTotals", "DeviceMemory", "peak_of_sum"]
+__all__ = [
+    "ClusterMemoryReport",
+    "ClusterTotals",
+    "DeviceMemory",
+    "peak_of_sum",
+    "strict_json",
+    "visible",
+]
 
 
 @dataclass(frozen=True)
@@ -360,8 +369,9 @@ class ClusterMemoryReport:
         }
 
     def to_json(self, timeline: bool = True, **kwargs: Any) -> str:
-        """:meth:`to_dict` as a JSON string (``kwargs`` go to :func:`json.dumps`)."""
-        return json.dumps(self.to_dict(timeline=timeline), **kwargs)
+        """:meth:`to_dict` as strict JSON (a number that is not finite, which strict parsers
+        reject, is written as null; ``kwargs`` go to :func:`json.dumps`)."""
+        return strict_json(self.to_dict(timeline=timeline), **kwargs)
 
     def to_frame(self):
         """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
@@ -458,7 +468,9 @@ class ClusterMemoryReport:
         return rows
 
     def __str__(self) -> str:
-        rows = self.table_rows()
+        # A worker's name or error is data: a newline or escape sequence in it must neither
+        # make a row of its own nor reach the terminal (shown escaped instead).
+        rows = [[visible(c) for c in r] for r in self.table_rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
         right = {3, 4, 5, 6, 7, 8, 9, 10}
 
@@ -470,7 +482,7 @@ class ClusterMemoryReport:
             return "  ".join(cells).rstrip()
 
         rule = "  ".join("-" * w for w in widths)
-        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        when = _clock(self.time, "%Y-%m-%d %H:%M:%S")
         lines = [f"dask-rmm cluster memory report: {self.scheduler or 'scheduler'} at {when}"]
         if not self.devices and not self.totals.devices:
             lines.append("no dask-rmm workers (register dask_rmm.RMMPlugin on the workers)")
@@ -479,9 +491,9 @@ class ClusterMemoryReport:
                 lines.append(self.selection)
             lines += [fmt(rows[0]), rule, *map(fmt, rows[1:-1]), rule, fmt(rows[-1])]
             lines += self._peak_notes()
-        lines += self.cache_lines() + self.breakdown_lines()
-        lines += self.pressure_lines() + self.admission_lines()
-        return "\n".join(lines + self._notes())
+        notes = self.cache_lines() + self.breakdown_lines()
+        notes += self.pressure_lines() + self.admission_lines() + self._notes()
+        return "\n".join(lines[:1] + [visible(x) for x in lines[1:]] + [visible(x) for x in notes])
 
     def cache_lines(self) -> list[str]:
         """One line per device whose memory passes through a library cache: how much of what
@@ -568,7 +580,7 @@ class ClusterMemoryReport:
                 f"limit {limit}"
             )
         for e in self.oom_events:
-            when = _time.strftime("%H:%M:%S", _time.localtime(e.get("time") or 0))
+            when = _clock(e.get("time") or 0, "%H:%M:%S")
             lines.append(
                 f"OOM {when} {e.get('worker')}/dev{e.get('device')} task "
                 f"{e.get('task_key') or '(none)'}: {e.get('verdict')}, requested "
@@ -645,7 +657,7 @@ class ClusterMemoryReport:
                 f'<tr class="{cls}"{tip}>' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
             )
         foot = "".join(f"<th>{esc(c)}</th>" for c in rows[-1])
-        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(self.time))
+        when = _clock(self.time, "%Y-%m-%d %H:%M:%S")
         parts = [
             f'<div class="dask-rmm-report"><style>{_CSS}</style>',
             f"<h3>dask-rmm cluster memory &middot; {esc(self.scheduler)} &middot; {esc(when)}</h3>",
@@ -793,6 +805,46 @@ _CSS = (
 def _percent(ratio: float | None) -> str:
     """A ratio as a percentage; ``-`` where there is no figure (fragmentation of an unused pool)."""
     return "-" if ratio is None else f"{ratio:.0%}"
+
+
+#: Characters shown escaped in text output: C0 and C1 controls (newline, ESC...), DEL, and the
+#: Unicode line separators and bidirectional overrides that can make text read otherwise.
+_INVISIBLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str) -> str:
+    """``text`` with control characters shown as escapes (``"a\\nb"`` for a newline): what
+    a worker sends can then never add a line or an escape sequence to a terminal."""
+    if _INVISIBLE.search(text) is None:
+        return text
+    return _INVISIBLE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def strict_json(data: Any, **kwargs: Any) -> str:
+    """``json.dumps(data)`` without the bare NaN and Infinity strict parsers reject: a number
+    that is not finite is written as null."""
+    try:
+        return json.dumps(data, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(_finite(data), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _clock(t: Any, form: str) -> str:
+    """The local time ``t`` (unix seconds) in ``form``; "?" when it is no time."""
+    try:
+        return _time.strftime(form, _time.localtime(float(t)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
 
 
 def _worker_label(d: DeviceMemory) -> str:

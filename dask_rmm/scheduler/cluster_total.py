@@ -16,6 +16,15 @@ __all__ = ["ClusterTotal", "TotalSnapshot"]
 #: A sample as a change of the sum: its time and how much the device's current bytes and
 #: ``max_bytes_in_interval`` moved since its previous sample.
 _CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
+#: Arrays of waiting changes kept before they are merged into one: a safety net (a device
+#: ahead of the others leaves a part of every batch waiting; the scheduler accepts sample times
+#: up to 60 s ahead and ``max_lag`` 30 s behind, so about 180 arrays at most at one a 0.5 s).
+MAX_WAITING_ARRAYS = 256
+#: Device rows up to which the sum takes every sample (above: ``COARSE_SECONDS`` buckets).
+EXACT_ROWS = 4096
+COARSE_SECONDS = 1.0
+#: Sums at least this large (in absolute value) are computed saturating, not in int64.
+_SAFE = float(1 << 62)
 
 
 class ClusterTotal:
@@ -37,11 +46,26 @@ class ClusterTotal:
         ``max``: the sum of their ``max_bytes_in_interval``).
     max_lag : float
         Seconds a device may be behind the others before the sum goes on without it.
+    exact_rows : int
+        Up to this many device rows the sum takes every sample; above, each device's samples
+        count a ``coarse`` seconds bucket at a time (its last current bytes, its largest
+        ``max_bytes_in_interval``), so that the work per sample stays small at thousands of
+        devices: the sum's peak is then the peak at that resolution, never below the exact one.
+    coarse : float
+        Seconds of a bucket above ``exact_rows`` rows.
     """
 
-    def __init__(self, timeline: Timeline, max_lag: float = 30.0):
+    def __init__(
+        self,
+        timeline: Timeline,
+        max_lag: float = 30.0,
+        exact_rows: int = EXACT_ROWS,
+        coarse: float = COARSE_SECONDS,
+    ):
         self.timeline = timeline
         self.max_lag = max_lag
+        self.exact_rows = exact_rows
+        self.coarse = coarse
         #: The largest final sum of the devices' ``max_bytes_in_interval`` (0: none yet).
         self.peak = 0
         # Per row: the latest (current, max) arrived (lists: read one at a time per chunk).
@@ -117,6 +141,8 @@ class ClusterTotal:
         chunks, self._chunks = self._chunks, []
         if not chunks:
             return
+        if self.rows > self.exact_rows:
+            chunks = _coarsen(chunks, self.coarse)
         blob = b"".join(b for _, b in chunks)
         raw = np.frombuffer(blob, np.int64).reshape(-1, 3)  # time bits, current, max
         # Within a chunk, each sample changes the sum by its difference to the one before;
@@ -133,8 +159,10 @@ class ClusterTotal:
             _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
             starts_n.append(len(b) // SAMPLE_STRUCT.size)
             start += starts_n[-1]
-        rows = np.repeat(np.fromiter((r for r, _ in chunks), np.int64, len(chunks)), starts_n)
-        np.maximum.at(self._row_peak, rows, raw[:, 2])
+        # Each chunk's largest max_bytes_in_interval, then each row's (a row may have chunks
+        # of several heartbeats here).
+        rows = np.fromiter((r for r, _ in chunks), np.int64, len(chunks))
+        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(raw[:, 2], starts))
         values = raw[:, 1:]
         previous = np.empty_like(values)
         previous[1:] = values[:-1]
@@ -162,6 +190,9 @@ class ClusterTotal:
                 # A view keeps its whole array alive: copy once most of it is summed.
                 rest = changes[cut:]
                 waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
+        if len(waiting) > MAX_WAITING_ARRAYS:
+            merged = np.concatenate(waiting)
+            waiting = [merged[np.argsort(merged["t"], kind="stable")]]
         self._waiting = waiting
         if not final:
             return
@@ -201,14 +232,44 @@ def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> n
         t[late] = np.nextafter(final_time, np.inf)
     order = np.argsort(t, kind="stable")
     times = t[order]
-    c = start[0] + np.cumsum(changes["c"][order])
-    m = start[1] + np.cumsum(changes["m"][order])
+    c = _cumsum(start[0], changes["c"][order])
+    m = _cumsum(start[1], changes["m"][order])
     # Samples at the same time count together (the sum after all of them).
     end = np.ones(len(times), bool)
     end[:-1] = times[1:] != times[:-1]
     points = np.empty(int(end.sum()), SAMPLE_DTYPE)
     points["t"], points["c"], points["m"] = times[end], c[end], m[end]
     return points
+
+
+def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> list[tuple[int, bytes]]:
+    """Each chunk's samples a ``seconds`` bucket at a time: the bucket's last time and current
+    bytes, its largest ``max_bytes_in_interval`` (one numpy pass over all chunks)."""
+    a = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
+    counts = np.fromiter((len(b) // SAMPLE_STRUCT.size for _, b in chunks), np.int64, len(chunks))
+    chunk = np.repeat(np.arange(len(chunks)), counts)
+    bucket = np.floor(a["t"] / seconds)
+    first = np.ones(len(a), bool)
+    first[1:] = (bucket[1:] != bucket[:-1]) | (chunk[1:] != chunk[:-1])
+    starts = np.flatnonzero(first)
+    ends = np.r_[starts[1:], len(a)] - 1
+    out = np.empty(len(starts), SAMPLE_DTYPE)
+    out["t"], out["c"] = a["t"][ends], a["c"][ends]
+    out["m"] = np.maximum.reduceat(a["m"], starts)
+    data = out.tobytes()
+    at = np.r_[0, np.cumsum(np.bincount(chunk[starts], minlength=len(chunks)))]
+    at *= SAMPLE_STRUCT.size
+    return [(row, data[at[i] : at[i + 1]]) for i, (row, _) in enumerate(chunks)]
+
+
+def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:
+    """``start`` plus the running sum of ``changes``, never wrapping: where an int64 could
+    overflow (it cannot with the scheduler's bounds on what a device sends, but the bounds are
+    per device) the sum is taken in float and held to the int64 range."""
+    if abs(float(start)) + float(np.abs(changes.astype(np.float64)).sum()) < _SAFE:
+        return start + np.cumsum(changes)
+    total = float(start) + np.cumsum(changes.astype(np.float64))
+    return np.clip(total, -_SAFE, _SAFE).astype(np.int64)
 
 
 class TotalSnapshot:

@@ -46,42 +46,41 @@ class DaskRMMCollector:
         plugin = self.plugin
         if not plugin.poll():  # stops a plugin that was unregistered
             return
-        snap = plugin.snapshot(ReportRequest(timeline=False))
-        devices = snap.devices()
-        # The final peak: the not-yet-final samples would take a sort of every waiting
-        # sample on the event loop; the next scrape has them.
-        totals = snap.totals(devices, snap.total.peak if snap.total is not None else None)
+        # The totals are kept up to date as heartbeats arrive: no pass over every device on
+        # the event loop (the final peak: the not-yet-final samples would take a sort of every
+        # waiting sample; the next scrape has them).
+        sums = plugin.cluster_sums()
         workers = GaugeMetricFamily(
             "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
         )
-        workers.add_metric(["running"], totals.workers)
-        workers.add_metric(["gone"], totals.gone_workers)
+        workers.add_metric(["running"], sums["workers"])
+        workers.add_metric(["gone"], sums["gone_workers"])
         yield workers
         count = GaugeMetricFamily("dask_rmm_devices", "Devices of running dask-rmm workers")
-        count.add_metric([], totals.devices)
+        count.add_metric([], sums["devices"])
         yield count
         for field in _CLUSTER:
             family = GaugeMetricFamily(
                 f"dask_rmm_cluster_{field}", f"Sum of {field} over the running devices"
             )
-            family.add_metric([], getattr(totals, field))
+            family.add_metric([], sums[field])
             yield family
         # A device with statistics=False has no timeline: a cluster peak without it is no peak.
-        unmeasured = any(unmeasured_fields(x.d.get("measured")) for x in devices if x.running)
-        if totals.peak_bytes is not None and not unmeasured:
+        if not sums["unmeasured_devices"]:
             peak = GaugeMetricFamily(
                 "dask_rmm_cluster_peak_bytes",
                 "Most bytes all devices held at once (peak of the summed timelines)",
             )
-            peak.add_metric([], totals.peak_bytes)
+            peak.add_metric([], plugin.cluster_peak)
             yield peak
 
         limit = dask.config.get(
             "dask-rmm.scheduler.prometheus-device-limit", default=DEFAULT_DEVICE_LIMIT
         )
-        running = [x for x in devices if x.running]
-        if len(running) > limit:
+        if sums["devices"] > limit:
             return
+        snap = plugin.snapshot(ReportRequest(timeline=False))
+        running = [x for x in snap.devices() if x.running]
         kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
         gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
         frag = GaugeMetricFamily(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import html
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from time import time
@@ -23,6 +22,7 @@ from dask_rmm.report.memory_report import (
     ClusterMemoryReport,
     ClusterTotals,
     DeviceMemory,
+    strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
 from dask_rmm.wire import fragmentation, to_int, unmeasured_fields
@@ -167,21 +167,7 @@ class Snapshot:
         timeline_length: int,
         without: list[str],
     ) -> Snapshot:
-        rows = [
-            _Record(
-                r.address,
-                r.name,
-                r.status,
-                r.last_seen,
-                r.error,
-                r.restarts,
-                r.metrics,
-                dict(r.earlier_peaks),
-                {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
-                dict(r.rows),
-            )
-            for r in records
-        ]
+        rows = [cls.record(r) for r in records]
         meta = {
             "time": time(),
             "scheduler": scheduler,
@@ -189,6 +175,23 @@ class Snapshot:
             "without": without,
         }
         return cls(request, rows, total, meta)
+
+    @staticmethod
+    def record(r: Any) -> _Record:
+        """One worker record as a snapshot keeps it (references to data replaced, never
+        changed in place)."""
+        return _Record(
+            r.address,
+            r.name,
+            r.status,
+            r.last_seen,
+            r.error,
+            r.restarts,
+            r.metrics,
+            dict(r.earlier_peaks),
+            {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+            dict(r.rows),
+        )
 
     # -- building (any thread) ----------------------------------------------------------------
 
@@ -395,13 +398,13 @@ def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[s
             pts = timelines.get((w["address"], dev))
             if pts is not None:
                 d["timeline"] = marker = f"@timeline:{dev}@"
-                found[json.dumps(marker)] = pts
-        text = json.dumps(w)
+                found[strict_json(marker)] = pts
+        text = strict_json(w)
         for marker, pts in found.items():
-            text = text.replace(marker, json.dumps(pts.tolist()), 1)
+            text = text.replace(marker, strict_json(pts.tolist()), 1)
         return text
 
-    head = json.dumps({k: v for k, v in doc.items() if k != "workers"})
+    head = strict_json({k: v for k, v in doc.items() if k != "workers"})
     pieces = [head[:-1] + (", " if head != "{}" else "") + '"workers": [']
     for i, w in enumerate(doc.get("workers") or ()):
         pieces.append(("," if i else "") + worker(w))

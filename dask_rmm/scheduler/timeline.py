@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import time
@@ -22,7 +23,8 @@ from tornado.ioloop import PeriodicCallback
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, SAMPLE_STRUCT, pack_samples
+from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, unmeasured_fields
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -41,6 +43,11 @@ DEFAULT_TIMELINE_LEVELS = 3
 DEFAULT_KEEP_GONE = 32
 #: Seconds between two passes that add what every device has sent to the cluster's total.
 TOTAL_INTERVAL = 0.5
+#: Worker records a report's snapshot takes between two returns to the event loop.
+SNAPSHOT_CHUNK = 500
+#: Seconds between two log lines about the same worker's malformed metrics (a new reason is
+#: logged at once).
+LOG_INTERVAL = 60.0
 
 
 @dataclass(eq=False)
@@ -52,7 +59,10 @@ class _WorkerRecord:
     address: str
     name: str
     status: str = "running"
+    #: The last heartbeat's metrics as checked (``validate.check_metrics``): valid data only.
     metrics: dict | None = None
+    #: The last heartbeat's metrics as the worker sent them (to see that one is new).
+    raw: Any = None
     timelines: dict[str, Timeline] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     last_seen: float | None = None
@@ -61,6 +71,9 @@ class _WorkerRecord:
     restarts: int = 0
     #: Per device: the largest ``peak_bytes`` the processes before this one reported.
     earlier_peaks: dict[str, int] = field(default_factory=dict)
+    #: The last problem logged, and when (one line a worker per ``LOG_INTERVAL``).
+    logged: str | None = None
+    logged_at: float = float("-inf")
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -121,6 +134,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
         self._total_due = 0.0
         self._full: list[Timeline] = []  # timelines whose newest level is full
+        self._order: list[str] | None = None  # the workers' addresses the poller reads in turn
+        self._cursor = 0
+        # Cluster sums kept up to date (Prometheus reads them without a pass over every device):
+        # each record's share, and the records whose share changed since.
+        self._sums = [0] * (3 + len(SUM_FIELDS))
+        self._shares: dict[str, list[int]] = {}
+        self._dirty: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
@@ -204,15 +224,18 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return s is not None and s.plugins.get(self.name) is self
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._order = None
         ws = scheduler.workers.get(worker)
         if ws is not None:
             self._ingest(ws)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self._order = None
         rec = self._records.get(worker)
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
+        self._dirty.add(worker)
         for row in rec.rows.values():
             self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
@@ -221,19 +244,24 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._forget(self._records.pop(address))
 
     def _forget(self, rec: _WorkerRecord) -> None:
+        self._dirty.add(rec.address)
         for row in rec.rows.values():
             self._total.release(row)
         rec.rows.clear()
 
     # -- ingest -------------------------------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Read each worker's latest heartbeat metrics that this plugin has not seen yet;
-        False (and stop) if the plugin is not registered any more."""
+    def poll(self, every: bool = True) -> bool:
+        """Read each worker's latest heartbeat metrics that this plugin has not seen yet (with
+        ``every=False``, as the poller does, only the next share of the workers); False (and
+        stop) if the plugin is not registered any more."""
         if not self.active:
             self._stop()
             return False
-        self._ingest_all()
+        if every:
+            self._ingest_all()
+        else:
+            self._ingest_share()
         now = time()
         if now >= self._total_due:  # half a second of samples at a time: no long block
             self._total_due = now + TOTAL_INTERVAL
@@ -246,14 +274,55 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         compact_all(full)
 
     def _tick(self) -> None:
-        self.poll()
+        self.poll(every=False)
+
+    def _ingest_share(self) -> None:
+        """Read the next share of the workers, in turn: each at least twice per heartbeat
+        interval (a heartbeat repeats the previous one's samples, so none is lost), so that a
+        tick costs as many reads as heartbeats arrive, not one per worker."""
+        s = self.scheduler
+        if s is None:
+            return
+        workers = s.workers
+        order = self._order
+        if order is None or len(order) != len(workers):
+            order = self._order = list(workers)
+        n = len(order)
+        if not n:
+            return
+        from distributed.scheduler import heartbeat_interval
+
+        share = min(n, math.ceil(n * self.poll_interval * 2 / heartbeat_interval(n)))
+        start = self._cursor % n
+        chosen = order[start : start + share]
+        if len(chosen) < share:
+            chosen += order[: share - len(chosen)]
+        self._cursor = start + share
+        now = time()
+        pending: list = []
+        for address in chosen:
+            ws = workers.get(address)
+            if ws is not None:
+                self._read(ws, now, pending)
+        self._take_samples(pending, now)
 
     def _ingest_all(self) -> None:
         if self.scheduler is not None:
+            now = time()
+            pending: list = []
             for ws in list(self.scheduler.workers.values()):
-                self._ingest(ws)
+                self._read(ws, now, pending)
+            self._take_samples(pending, now)
 
     def _ingest(self, ws: WorkerState) -> None:
+        now = time()
+        pending: list = []
+        self._read(ws, now, pending)
+        self._take_samples(pending, now)
+
+    def _read(self, ws: WorkerState, now: float, pending: list) -> None:
+        """Take ``ws``'s latest heartbeat metrics if new: checked (``validate.py``), its
+        devices' samples queued in ``pending`` for one check of the whole batch."""
         m = ws.metrics.get(METRICS_KEY)
         rec = self._records.get(ws.address)
         if m is None:
@@ -265,21 +334,51 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         if rec is None or rec.status == "gone":
             rec = self._running_record(ws)
-        elif m is rec.metrics:
+            self._order = None
+        elif m is rec.raw:
             return  # this heartbeat was read already
-        rec.metrics = m
-        try:
-            rec.last_seen = float(m.get("time") or time())
-            rec.error = None
-            for dev, d in m["devices"].items():
-                samples = d.get("samples")
-                if samples:
-                    self._add_samples(rec, dev, samples)
-        except Exception as e:
-            # A malformed metrics dict must never break the scheduler.
-            if rec.error is None:
-                logger.warning("dask-rmm: malformed metrics from %s: %r", ws.address, e)
-            rec.error = f"malformed dask-rmm metrics: {e!r}"
+        rec.raw = m
+        self._dirty.add(rec.address)
+        checked = check_metrics(m, now)
+        rec.error = None
+        if checked.metrics is None:
+            # Nothing usable: the worker shows its error, and its old numbers stop counting.
+            rec.metrics = None
+            for row in rec.rows.values():
+                self._total.stop(row)
+        else:
+            rec.metrics = checked.metrics
+            rec.last_seen = checked.metrics["time"]
+            pending.extend((rec, dev, blob) for dev, blob in checked.samples)
+            if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
+                self._drop_devices(rec, checked.metrics["devices"])
+        self._problem(rec, checked.problems, now)
+
+    def _take_samples(self, pending: list, now: float) -> None:
+        """Add the queued samples that are valid (one check for all of them)."""
+        checked = check_samples([blob for _, _, blob in pending], now)
+        for (rec, dev, _), (blob, problem) in zip(pending, checked, strict=True):
+            if problem is not None:
+                self._problem(rec, [f"device {dev!r}: {problem}"], now)
+            if blob:
+                self._add_samples(rec, dev, blob)
+
+    def _problem(self, rec: _WorkerRecord, problems: list[str], now: float) -> None:
+        """Show ``problems`` as the worker's error; log them once per ``LOG_INTERVAL``."""
+        if not problems:
+            return
+        text = "malformed dask-rmm metrics: " + "; ".join(problems)
+        rec.error = text if rec.error is None else f"{rec.error}; {'; '.join(problems)}"
+        if text != rec.logged or now - rec.logged_at >= LOG_INTERVAL:
+            rec.logged, rec.logged_at = text, now
+            logger.warning("dask-rmm: worker %s: %s", rec.address, text[:2000])
+
+    def _drop_devices(self, rec: _WorkerRecord, keep: dict) -> None:
+        for dev in [d for d in rec.timelines if d not in keep]:
+            del rec.timelines[dev]
+            row = rec.rows.pop(dev, None)
+            if row is not None:
+                self._total.release(row)
 
     def _running_record(self, ws: WorkerState) -> _WorkerRecord:
         """The record of a worker seen for the first time: a new one, or, for a name that
@@ -293,18 +392,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                     old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
-                old.metrics = None
+                old.metrics = old.raw = None
                 self._records[ws.address] = old
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
         return rec
 
-    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: Any) -> None:
+    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: bytes) -> None:
+        """Packed samples, checked (``validate.check_samples``)."""
         tl = rec.timelines.get(dev)
         if tl is None:
             tl = rec.timelines[dev] = self._new_timeline()
-        if type(samples) is not bytes or len(samples) % SAMPLE_STRUCT.size:
-            samples = pack_samples(samples)  # a list (version 2), or raises: malformed
         new = tl.extend_packed(samples)
         if tl.overflowing:
             self._full.append(tl)  # merged by the poller, a batch of devices at a time
@@ -315,6 +413,32 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._total.add(row, new, tl.newest)
 
     # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def cluster_peak(self) -> int:
+        """The most bytes all devices held at once, over the samples summed so far."""
+        return self._total.peak
+
+    def cluster_sums(self) -> dict[str, int]:
+        """Running and gone workers, running devices, and :data:`SUM_FIELDS` summed over the
+        running devices, as of the heartbeats read (kept up to date: the cost is the records
+        that changed since the last call, not every device)."""
+        sums, shares = self._sums, self._shares
+        dirty, self._dirty = self._dirty, set()
+        for address in dirty:
+            old = shares.pop(address, None)
+            if old is not None:
+                for i, v in enumerate(old):
+                    sums[i] -= v
+            rec = self._records.get(address)
+            if rec is None or rec.address != address:
+                continue
+            new = _share(rec)
+            if new is not None:
+                shares[address] = new
+                for i, v in enumerate(new):
+                    sums[i] += v
+        return dict(zip(("workers", "gone_workers", "devices", *SUM_FIELDS), sums, strict=True))
 
     def snapshot(self, request: ReportRequest | None = None) -> Snapshot:
         """What a report needs, taken on the event loop in one pass over the workers (cheap:
@@ -336,16 +460,78 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             ],
         )
 
+    async def snapshot_async(self, request: ReportRequest) -> Snapshot:
+        """:meth:`snapshot`, the records taken :data:`SNAPSHOT_CHUNK` at a time with the
+        event loop free in between (each record is taken whole; heartbeats read in between
+        are in the records taken after them)."""
+        if self.scheduler is not None and self.active:
+            self.poll()
+        self._compact()
+        records = list(self._records.values())
+        rows = []
+        for start in range(0, len(records), SNAPSHOT_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            rows += [Snapshot.record(r) for r in records[start : start + SNAPSHOT_CHUNK]]
+        s = self.scheduler
+        snap = Snapshot.take(
+            request,
+            records=[],
+            total=self._total.snapshot(),
+            scheduler=s.address if s is not None else "",
+            timeline_length=self.timeline_length or 0,
+            without=[
+                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
+            ],
+        )
+        snap.records = rows
+        return snap
+
     async def report_async(self, request: ReportRequest, form: str = "report") -> Any:
         """The report for ``request``, built in a thread so that the event loop only takes
-        the snapshot: ``form`` is "report" (a ClusterMemoryReport), "json" (the document as
-        JSON text; "json-bytes" encoded, "json-pieces" a list of str, one worker a piece) or
-        "html" (the page; ``request.refresh`` sets its reload)."""
-        snap = self.snapshot(request)
+        the snapshot (a chunk of records at a time): ``form`` is "report" (a
+        ClusterMemoryReport), "json" (the document as JSON text; "json-bytes" encoded,
+        "json-pieces" a list of str, one worker a piece) or "html" (the page;
+        ``request.refresh`` sets its reload)."""
+        snap = await self.snapshot_async(request)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, snap.render, form)
+
+
+#: Device fields :meth:`SchedulerTimelinePlugin.cluster_sums` keeps summed.
+SUM_FIELDS: tuple[str, ...] = (
+    "current_bytes",
+    "reserved_bytes",
+    "pool_free_bytes",
+    "retired_bytes",
+)
+SUM_FIELDS += ("failed_allocations", "spilled_bytes", "oom_count", "ooms_avoided", "paused")
+#: Running devices with statistics off (figures not measured): no cluster peak with them.
+SUM_FIELDS += ("unmeasured_devices",)
+
+
+def _share(rec: _WorkerRecord) -> list[int] | None:
+    """A record's part of the cluster sums: [running, gone, devices, *SUM_FIELDS]."""
+    devices = (rec.metrics or {}).get("devices") or {}
+    if not devices:
+        return None
+    if rec.status != "running":
+        return [0, 1, 0] + [0] * len(SUM_FIELDS)
+    share = [1, 0, len(devices)]
+    for k in SUM_FIELDS:
+        total = 0
+        for d in devices.values():
+            v = d.get(k, 0)
+            if k == "paused":  # a count of paused devices, as the report's totals
+                total += bool(v)
+            elif k == "unmeasured_devices":
+                total += bool(unmeasured_fields(d.get("measured")))
+            else:
+                total += v if type(v) is int else 0
+        share.append(total)
+    return share
 
 
 def _device_peaks(metrics: dict | None) -> dict[str, int]:

@@ -187,3 +187,36 @@ def test_cluster_total_rows_are_reused_so_memory_stays_bounded_as_workers_come_a
             total.release(r)
         total.advance(now=0.0)
     assert total.rows == 0 and len(total._newest) <= 16 and total.waiting == 0
+
+
+def test_above_exact_rows_the_sum_takes_a_bucket_a_device_and_never_lowers_the_peak():
+    import random
+
+    from dask_rmm.report.memory_report import peak_of_sum
+    from dask_rmm.scheduler.cluster_total import ClusterTotal
+    from dask_rmm.scheduler.resolution import Timeline
+
+    rng = random.Random(3)
+    exact = ClusterTotal(Timeline(100_000))
+    coarse = ClusterTotal(Timeline(100_000), exact_rows=2, coarse=1.0)
+    rows = [(exact.add_row(), coarse.add_row()) for _ in range(4)]
+    raw: list[list] = [[] for _ in rows]
+    clock = [1e9 + rng.random() for _ in rows]
+    for beat in range(20):
+        for i, (e, c) in enumerate(rows):
+            batch = []
+            for _ in range(10):
+                clock[i] += 0.1
+                current = rng.randrange(1 << 20)
+                batch.append([clock[i], current, current + rng.randrange(1 << 16)])
+            raw[i] += batch
+            exact.add(e, pack_samples(batch), clock[i])
+            coarse.add(c, pack_samples(batch), clock[i])
+        exact.advance(1e9 + beat)
+        coarse.advance(1e9 + beat)
+    (peak_e, pts_e), (peak_c, pts_c) = exact.snapshot().points(), coarse.snapshot().points()
+    assert peak_e == peak_of_sum(raw)
+    assert peak_of_sum(raw) <= peak_c <= sum(max(s[2] for s in r) for r in raw)
+    assert pts_c["c"][-1] == pts_e["c"][-1] == sum(r[-1][1] for r in raw)
+    assert len(pts_c) <= len(pts_e) // 5
+    assert list(coarse.snapshot().row_peaks[:4]) == [max(s[2] for s in r) for r in raw]

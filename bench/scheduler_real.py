@@ -1,0 +1,366 @@
+"""dask-rmm's scheduler side at scale on a real ``distributed.Scheduler``: simulated workers added
+through the scheduler's real ``add_worker`` handler, heartbeats through its real
+``heartbeat_worker`` handler at the rate distributed spaces them for that many workers, the
+plugin's own 0.1 s poller running, timelines of ``--length`` points filled before timing.
+
+Reported per size (workers x devices), the worst over every repetition (never the best):
+
+- the event loop's worst block (a 1 ms tick probe) while heartbeats arrive, and while each of
+  /dask-rmm, /dask-rmm/report.json, /metrics (Prometheus) and ``dask rmm report`` is served to
+  another process;
+- dask-rmm's CPU per heartbeat (everything the plugin does on the loop: reads, checks, timelines,
+  cluster total; ``time.thread_time`` of the loop's thread) and the poller's share of the loop;
+- what the plugin keeps per device (timeline points, cluster-total samples waiting) and the
+  process's resident memory per device.
+
+    python bench/scheduler_real.py [--sizes 2000x8,10000x1] [--length 3600] [--seconds 20]
+
+Numbers vary with the machine and its load (tests never assert on time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.scheduler_overhead import device_fields  # noqa: E402
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE  # noqa: E402
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, heartbeat  # noqa: E402
+
+SAMPLE_INTERVAL = 0.1
+_FETCH = (
+    "import sys, time, urllib.request as u; t = time.perf_counter(); "
+    "n = len(u.urlopen(sys.argv[1], timeout=600).read()); print(n, time.perf_counter() - t)"
+)
+
+
+class IdleComm:
+    """The comm ``add_worker`` keeps for a worker's stream: never a message, writes dropped."""
+
+    name = "bench"
+    peer_address = local_address = "tcp://127.0.0.1:0"
+
+    def __init__(self) -> None:
+        self._never = asyncio.Event()
+
+    async def read(self, deserializers=None):
+        await self._never.wait()
+
+    async def write(self, msg, serializers=None, on_error=None) -> int:
+        return 0
+
+    def closed(self) -> bool:
+        return self._never.is_set()
+
+    def abort(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class TickProbe:
+    """The event loop's worst lateness coming back to a 1 ms sleep, since the last reset."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.worst = max(self.worst, time.perf_counter() - start - 0.001)
+
+
+class Cluster:
+    """``workers`` x ``devices`` simulated dask-rmm workers on scheduler ``s``."""
+
+    def __init__(self, s, workers: int, devices: int, base_metrics: dict) -> None:
+        from distributed.scheduler import heartbeat_interval
+
+        self.s = s
+        self.addresses = [f"tcp://10.{i // 250}.{i % 250}.1:40000" for i in range(workers)]
+        self.devices = [str(d) for d in range(devices)]
+        self.fields = {d: device_fields(int(d)) for d in self.devices}
+        self.base = base_metrics
+        self.interval = heartbeat_interval(workers)
+        self.per_beat = max(1, round(self.interval / SAMPLE_INTERVAL))
+        rng = np.random.default_rng(0)
+        self.template = np.empty(self.per_beat, SAMPLE_DTYPE)
+        self.template["c"] = rng.integers(1 << 29, 1 << 31, self.per_beat)
+        self.template["m"] = self.template["c"] + rng.integers(0, 1 << 28, self.per_beat)
+        self.previous: dict[int, bytes] = {}
+        self.sent = 0
+        self.comms: list[IdleComm] = []
+
+    async def add_all(self) -> None:
+        from distributed.versions import get_versions
+
+        versions = get_versions()
+        handler = self.s.handlers["register-worker"]
+        for i, address in enumerate(self.addresses):
+            comm = IdleComm()
+            self.comms.append(comm)
+            asyncio.get_running_loop().create_task(
+                handler(
+                    comm, address=address, status="running", server_id=f"bench-{i}",
+                    nthreads=1, name=f"w{i}", now=time.time(), resources={},
+                    memory_limit=0, metrics=dict(self.base), services={},
+                    local_directory="/tmp", versions=versions, nanny="", extra={},
+                    stimulus_id=f"bench-add-{i}",
+                )
+            )  # fmt: skip
+            if i % 100 == 99:
+                await asyncio.sleep(0)
+        while len(self.s.workers) < len(self.addresses):
+            await asyncio.sleep(0.05)
+
+    def samples(self, end: float, n: int) -> bytes:
+        pts = np.resize(self.template, n)
+        pts["t"] = end - SAMPLE_INTERVAL * np.arange(n - 1, -1, -1)
+        return pts.tobytes()
+
+    def beat(self, i: int, now: float, fill: int = 0) -> None:
+        """Worker i's heartbeat through the scheduler's handler (with ``fill`` old samples)."""
+        new = self.samples(now, self.per_beat) if not fill else self.samples(now - 1, fill)
+        devices = {
+            d: dict(self.fields[d], samples=self.previous.get(i, b"") + new) for d in self.devices
+        }
+        self.previous[i] = new if not fill else b""
+        metrics = dict(self.base)
+        metrics[METRICS_KEY] = heartbeat(f"w{i}", now, devices)
+        self.s.handlers["heartbeat_worker"](address=self.addresses[i], metrics=metrics)
+        self.sent += 1
+
+    async def drive(self, stop: asyncio.Event) -> None:
+        """Heartbeats at distributed's rate (every worker once per interval), in 10 ms steps."""
+        n = len(self.addresses)
+        rate = n / self.interval
+        due = 0.0
+        i = 0
+        while not stop.is_set():
+            due += rate * 0.01
+            now = time.time()
+            while due >= 1:
+                self.beat(i % n, now)
+                i += 1
+                due -= 1
+            await asyncio.sleep(0.01)
+
+
+async def base_metrics() -> dict:
+    """A real worker's heartbeat metrics (distributed's part), dask-rmm's added per beat."""
+    from distributed import Scheduler, Worker
+
+    async with Scheduler(dashboard_address=":0", port=0) as s:
+        async with Worker(s.address, nthreads=1) as w:
+            metrics = await w.get_metrics()
+    metrics.pop(METRICS_KEY, None)
+    return metrics
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
+    from distributed import Scheduler
+
+    from dask_rmm.scheduler import SchedulerTimelinePlugin
+
+    base = await base_metrics()
+    rows: list[tuple[str, str]] = []
+    gc.collect()
+    start_rss = rss()
+    async with Scheduler(dashboard_address=":0", port=0) as s:
+        await s.register_scheduler_plugin(
+            SchedulerTimelinePlugin(timeline_length=args.length), idempotent=True
+        )
+        plugin = s.plugins[PLUGIN_NAME]
+        cluster = Cluster(s, workers, devices, base)
+        t0 = time.perf_counter()
+        await cluster.add_all()
+        added = time.perf_counter() - t0
+        now = time.time()
+        for i in range(workers):
+            cluster.beat(i, now - cluster.interval)
+            if i % 200 == 199:
+                await asyncio.sleep(0)
+        plugin.poll()
+        # Full timelines (what a scheduler holds after an hour), put in place directly: an
+        # hour of samples of every device summed at once would be no steady state.
+        for rec in plugin._records.values():
+            for dev, tl in rec.timelines.items():
+                full = plugin._new_timeline()
+                full.extend(cluster.samples(tl.points()["t"][0] - 1, args.length))
+                full.extend(tl.points().tobytes())
+                rec.timelines[dev] = full
+        plugin._compact()
+        gc.collect()
+
+        # dask-rmm's time on the loop: every call of the plugin's poll (the poller's reads,
+        # checks, timelines and cluster total), on the loop's own thread.
+        spent = {"tick": 0.0, "other": 0.0, "ticks": 0}
+        poll = plugin.poll
+
+        def timed_poll(every: bool = True) -> bool:
+            start = time.thread_time()
+            try:
+                return poll(every)
+            finally:
+                spent["other" if every else "tick"] += time.thread_time() - start
+                spent["ticks"] += not every
+
+        plugin.poll = timed_poll
+        probe = TickProbe()
+        stop = asyncio.Event()
+        driver = asyncio.get_running_loop().create_task(cluster.drive(stop))
+        await asyncio.sleep(2)  # the first round of heartbeats replaces the fill
+        spent.update(tick=0.0, other=0.0, ticks=0)
+        sent, wall = cluster.sent, time.perf_counter()
+        probe.worst = 0.0
+        await asyncio.sleep(args.seconds)
+        wall = time.perf_counter() - wall
+        beats = cluster.sent - sent
+        rows.append(
+            (
+                "heartbeats only",
+                f"worst loop block {probe.worst * 1e3:.1f} ms over {args.seconds:g} s "
+                f"({beats} heartbeats, {devices} dev x {cluster.per_beat} new samples each, "
+                f"every {cluster.interval:g} s a worker)",
+            )
+        )
+        rows.append(
+            (
+                "dask-rmm CPU per heartbeat",
+                f"{spent['tick'] / max(1, beats) * 1e6:.1f} us (the poller's; "
+                f"{spent['ticks']} ticks)",
+            )
+        )
+        rows.append(("poller share of the loop", f"{spent['tick'] / wall * 100:.2f} %"))
+
+        url = f"http://127.0.0.1:{s.http_server.port}/"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+        async def fetch(path: str) -> tuple[int, float]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await proc.communicate()
+            size, seconds = out.split()
+            return int(size), float(seconds)
+
+        async def cli() -> tuple[int, float]:
+            start = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300",
+                stdout=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0
+            return len(out), time.perf_counter() - start
+
+        for label, run in (
+            ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
+            ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
+            ("/metrics (Prometheus)", lambda: fetch("metrics")),
+            ("dask rmm report (CLI)", cli),
+        ):
+            worst = answer = 0.0
+            size = 0
+            for _ in range(args.repeat):
+                await asyncio.sleep(0.2)
+                probe.worst = 0.0
+                size, seconds = await run()
+                worst, answer = max(worst, probe.worst), max(answer, seconds)
+            rows.append(
+                (
+                    label,
+                    f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
+                    f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+                )
+            )
+        collector = plugin._collector
+        if collector is not None:  # dask-rmm's part of /metrics, on the loop
+            worst = 0.0
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                list(collector.collect())
+                worst = max(worst, time.perf_counter() - start)
+            rows.append(("dask-rmm's Prometheus collector alone", f"{worst * 1e3:.1f} ms worst"))
+        stop.set()
+        await driver
+        probe.task.cancel()
+        points = sum(len(tl) for r in plugin._records.values() for tl in r.timelines.values())
+        n = workers * devices
+        rows.append(
+            (
+                "kept per device",
+                f"{points / n:.0f} points ({points * 24 / n / 1024:.1f} KiB; bound "
+                f"{args.length}); cluster total waiting {plugin._total.waiting:,} samples",
+            )
+        )
+        rows.append(
+            (
+                "process memory per device",
+                f"{(rss() - start_rss) / n / 1024:.1f} KiB resident (the scheduler's own "
+                "worker state and last heartbeats included)",
+            )
+        )
+        rows.append(("adding the workers", f"{added:.1f} s"))
+        for comm in cluster.comms:
+            comm._never.set()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2000x8,10000x1")
+    ap.add_argument("--length", type=int, default=3600, help="timeline points per device")
+    ap.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats timed")
+    ap.add_argument("--repeat", type=int, default=3, help="fetches of each route")
+    args = ap.parse_args()
+    import logging
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # a line per simulated worker
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    import distributed
+
+    print(
+        f"dask-rmm scheduler, real Scheduler: host {platform.node()} ({os.cpu_count()} CPUs), "
+        f"Python {platform.python_version()}, distributed {distributed.__version__}, "
+        f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    for size in args.sizes.split(","):
+        workers, devices = map(int, size.split("x"))
+        load = os.getloadavg()[0]
+        rows = asyncio.run(run_size(workers, devices, args))
+        print(f"\n{workers} workers x {devices} devices (load average {load:.1f} at the start)")
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""Malformed, skewed and oversized dask-rmm heartbeats from one worker (another version, a bug, a
+wrong clock, a hand-made client): the scheduler keeps what is valid, shows the rest as that
+worker's error, and none of the four readers (the /dask-rmm routes, Prometheus' /metrics,
+``cluster_report`` and ``dask rmm report``) fails; memory and work stay bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import types
+
+import pytest
+from click.testing import CliRunner
+from distributed import Worker
+from distributed.utils_test import gen_cluster
+from fake_metrics import FakeRMMMetrics
+from tornado.httpclient import AsyncHTTPClient
+
+from dask_rmm.cli import main
+from dask_rmm.client.fetch import cluster_report
+from dask_rmm.report.memory_report import ClusterMemoryReport, strict_json, visible
+from dask_rmm.scheduler import SchedulerTimelinePlugin, install_scheduler_plugin
+from dask_rmm.scheduler import timeline as timeline_module
+from dask_rmm.scheduler.cluster_total import MAX_WAITING_ARRAYS, ClusterTotal
+from dask_rmm.scheduler.report_build import ReportRequest
+from dask_rmm.scheduler.resolution import Timeline
+from dask_rmm.scheduler.validate import MAX_AHEAD, MAX_DEVICES, MAX_SAMPLES
+from dask_rmm.wire import METRICS_VERSION, PLUGIN_NAME, pack_samples
+
+MiB = 1 << 20
+
+
+def _strict(text: str | bytes) -> object:
+    """json.loads that, like strict parsers, rejects NaN and Infinity."""
+
+    def reject(constant: str) -> None:
+        raise ValueError(f"bare {constant} in JSON")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def _device(now: float, **fields: object) -> dict:
+    d: dict = {
+        "current_bytes": MiB,
+        "peak_bytes": 2 * MiB,
+        "reserved_bytes": 4 * MiB,
+        "samples": pack_samples([[now - 0.1, MiB, MiB], [now, MiB, 2 * MiB]]),
+    }
+    d.update(fields)
+    return d
+
+
+def _beat(devices: object, **top: object) -> dict:
+    return {"version": METRICS_VERSION, "time": time.time(), "worker": "w", "devices": devices,
+            **top}  # fmt: skip
+
+
+def _one(**fields: object) -> dict:
+    return _beat({"0": _device(time.time(), **fields)})
+
+
+def _samples(rows: list) -> dict:
+    return _beat({"0": _device(time.time(), samples=rows)})
+
+
+def _packed_samples(rows: list) -> dict:
+    import struct
+
+    blob = b"".join(struct.pack("<dqq", t, c, m) for t, c, m in rows)
+    return _beat({"0": _device(time.time(), samples=blob)})
+
+
+NOW = time.time()
+#: What worker ``a`` sends as ``metrics["dask-rmm"]`` (made at heartbeat time when callable).
+MALFORMED = {
+    "a list": lambda: [1, 2, 3],
+    "a str": lambda: "dask-rmm",
+    "an int": lambda: 7,
+    "None devices": lambda: _beat(None),
+    "devices a list": lambda: _beat([{"current_bytes": 1}]),
+    "a device that is a str": lambda: _beat({"0": "full"}),
+    "bytes in a device's error": lambda: _one(error=b"\xff\xfe"),
+    "an error of a megabyte": lambda: _one(error="x" * (1 << 20)),
+    "bytes in an OOM event": lambda: _one(oom_events=[{"time": NOW, "message": b"\xff"}]),
+    "an OOM event with a str time and free_bytes": lambda: _one(
+        oom_events=[{"time": "noon", "free_bytes": "lots", "verdict": "demand"}]
+    ),
+    "OOM events with mixed time types": lambda: _one(
+        oom_events=[{"time": NOW, "verdict": "demand"}, {"time": [1], "verdict": "demand"}]
+    ),
+    "an OOM event at time 1e300": lambda: _one(oom_events=[{"time": 1e300, "verdict": "x"}]),
+    "an OOM event nested deep": lambda: _one(oom_events=[{"a": {"b": {"c": {"d": {"e": 1}}}}}]),
+    "OOM events a str": lambda: _one(oom_events="oops"),
+    "one sample at +inf": lambda: _samples([[NOW, 1, 1], [math.inf, 2, 2]]),
+    "one sample at NaN": lambda: _samples([[NOW, 1, 1], [math.nan, 2, 2]]),
+    "a far-future sample": lambda: _samples([[NOW, 1, 1], [1e18, 2, 2]]),
+    "samples an hour ahead": lambda: _samples([[time.time() + 3600, 1, 1]]),
+    "samples out of time order": lambda: _samples([[NOW, 1, 1], [NOW - 5, 2, 2]]),
+    "sample bytes near 2**63": lambda: _packed_samples([[NOW, 2**63 - 1, 2**63 - 1]]),
+    "negative sample bytes": lambda: _packed_samples([[NOW, -(2**63), -1]]),
+    "current_bytes near 2**63": lambda: _one(current_bytes=2**63 - 1, peak_bytes=2**63 - 1),
+    "current_bytes -(2**63)": lambda: _one(current_bytes=-(2**63)),
+    "a float where an int goes": lambda: _one(current_bytes=1.5, reserved_bytes=math.inf),
+    "a str where an int goes": lambda: _one(current_bytes="1 GiB"),
+    "NaN seconds": lambda: _one(spill_seconds=math.nan, unspill_seconds=math.inf),
+    "a list where a str goes": lambda: _one(gpu_name=["H200"], resource={"a": 1}),
+    "task groups a str": lambda: _one(task_groups="inc"),
+    "malformed task groups": lambda: _one(task_groups=[[1, 2, 3], ["x", "a", 1], ["ok", 1, 2]]),
+    "samples a str": lambda: _samples("0123"),
+    "samples of 25 bytes": lambda: _beat({"0": _device(NOW, samples=b"x" * 25)}),
+    "samples rows of dicts": lambda: _samples([{"t": 1}]),
+    "samples rows of str": lambda: _samples([["a", "b", "c"]]),
+    "more samples than a heartbeat holds": lambda: _packed_samples(
+        [[NOW - 1 + i * 1e-5, i, i] for i in range(MAX_SAMPLES + 1)]
+    ),
+    "wire version 999": lambda: _one() | {"version": 999},
+    "wire version a str": lambda: _one() | {"version": "3"},
+    "wire version 0": lambda: _one() | {"version": 0},
+    "device ids 0 and '0'": lambda: _beat({0: _device(NOW), "0": _device(NOW)}),
+    "more devices than a worker has": lambda: _beat(
+        {str(i): _device(NOW) for i in range(MAX_DEVICES + 5)}
+    ),
+    "a device id of a kilobyte": lambda: _beat({"d" * 1024: _device(NOW)}),
+    "a heartbeat time of NaN": lambda: _one() | {"time": math.nan},
+    "a heartbeat time a str": lambda: _one() | {"time": "now"},
+}
+
+
+async def _readers(c, s, good) -> tuple[ClusterMemoryReport, str]:
+    """Every reader answers, and shows the good worker: returns cluster_report's report and
+    the CLI's table."""
+    http = AsyncHTTPClient()
+    base = f"http://127.0.0.1:{s.http_server.port}/"
+    page = await http.fetch(base + "dask-rmm")
+    assert page.code == 200 and good.address.rsplit("//")[-1] in page.body.decode()
+    for path in ("dask-rmm/report.json", "dask-rmm/report.json?timeline=1"):
+        doc = _strict((await http.fetch(base + path)).body)
+        assert good.address in [w["address"] for w in doc["workers"]]
+    metrics = await http.fetch(base + "metrics")
+    assert metrics.code == 200 and b"dask_rmm_cluster_current_bytes" in metrics.body
+
+    report = await cluster_report(c)
+    assert report.device(good.address).current_bytes == 3 * MiB
+    text = str(report)
+    report.to_html()
+    _strict(report.to_json())
+    report.to_frame()
+
+    runner = CliRunner()
+    table = await asyncio.to_thread(runner.invoke, main, ["report", s.address])
+    assert table.exit_code == 0, table.output
+    assert good.address.rsplit("//")[-1] in table.output
+    as_json = await asyncio.to_thread(runner.invoke, main, ["report", s.address, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    _strict(as_json.output)
+    return report, text
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+@gen_cluster(client=True)
+async def test_a_malformed_heartbeat_breaks_no_reader_and_is_that_workers_error(c, s, a, b, case):
+    fb = FakeRMMMetrics()
+    b.metrics["dask-rmm"] = fb
+    fb["0"].allocate(3 * MiB)
+    make = MALFORMED[case]
+    a.metrics["dask-rmm"] = lambda worker: make()
+    await install_scheduler_plugin(c)
+    plugin = s.plugins[PLUGIN_NAME]
+    for _ in range(2):
+        await asyncio.gather(a.heartbeat(), b.heartbeat())
+    report, text = await _readers(c, s, b)
+    assert any(e.startswith(a.address) for e in report.errors), report.errors
+    assert a.address in text
+    # Nothing unbounded was kept: a worker's devices and timelines stay within their limits.
+    rec = plugin._records[a.address]
+    assert len(rec.timelines) <= MAX_DEVICES
+    assert all(len(tl) <= plugin.timeline_length + 2 * MAX_SAMPLES for tl in rec.timelines.values())
+    # The worker leaving is fine too (a row that cannot be stopped kept it "running").
+    await a.close()
+    while a.address in s.workers:
+        await asyncio.sleep(0.01)
+    report = await cluster_report(c)
+    assert all(d.status == "gone" for d in report.devices if d.worker == a.address)
+    assert report.totals.current_bytes == 3 * MiB and report.totals.workers == 1
+
+
+@gen_cluster(client=True)
+async def test_an_error_is_logged_once_per_worker_not_every_heartbeat(c, s, a, b):
+    from distributed.utils_test import captured_logger
+
+    a.metrics["dask-rmm"] = lambda worker: [1]
+    with captured_logger("dask_rmm.scheduler.timeline") as log:
+        await install_scheduler_plugin(c)
+        for _ in range(5):
+            await a.heartbeat()
+            s.plugins[PLUGIN_NAME].poll()
+    assert log.getvalue().count("not a mapping") == 1, log.getvalue()
+
+
+@gen_cluster(client=True)
+async def test_unknown_fields_and_a_newer_minor_addition_are_read_without_error(c, s, a, b):
+    now = time.time()
+    device = _device(now, admission={"queued": 3}, library_bytes={"cupy": 5}, future=[1, 2])
+    beat = _beat({"0": device}, admission_policy="fifo", extra={"x": 1})
+    a.metrics["dask-rmm"] = lambda worker: beat
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert report.errors == ()
+    d = report.device(a.address)
+    assert (d.current_bytes, d.peak_bytes, len(d.timeline)) == (MiB, 2 * MiB, 2)
+    # The scheduler's record keeps them for whoever reads them.
+    kept = s.plugins[PLUGIN_NAME]._records[a.address].metrics
+    assert kept["admission_policy"] == "fifo" and kept["devices"]["0"]["admission"] == {"queued": 3}
+
+
+@gen_cluster(client=True)
+async def test_valid_devices_are_kept_beside_a_malformed_one(c, s, a, b):
+    now = time.time()
+    beat = _beat({"0": _device(now), "1": "garbage", "2": _device(now, current_bytes="x")})
+    a.metrics["dask-rmm"] = lambda worker: beat
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert report.device(a.address, 0).current_bytes == MiB
+    assert report.device(a.address, 2).current_bytes == 0  # the field left out, the rest kept
+    assert report.device(a.address, 2).reserved_bytes == 4 * MiB
+    with pytest.raises(KeyError):
+        report.device(a.address, 1)
+    (error,) = report.errors
+    assert "device '1' is a str" in error and "device '2': current_bytes='x'" in error
+
+
+# -- text that cannot be spoofed ----------------------------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_control_characters_in_a_name_cannot_add_a_row_or_reach_the_terminal(c, s):
+    name = "evil\ntcp://10.0.0.1:1 (fake)  0 host  running  1.00 TiB\x1b[2J\x1b]0;x\x07"
+    async with Worker(s.address, name=name, nthreads=1) as w:
+        w.metrics["dask-rmm"] = lambda worker: _one(error="bad\r\nerror: \x1b[31mred")
+        await install_scheduler_plugin(c)
+        await w.heartbeat()
+        report = await cluster_report(c)
+        assert report.device(w.address).name == name  # the data is kept as sent
+        text = str(report)
+        cli = await asyncio.to_thread(CliRunner().invoke, main, ["report", s.address])
+        assert cli.exit_code == 0, cli.output
+    for out in (text, cli.output):
+        assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+        assert "evil\\ntcp://10.0.0.1:1" in out and "\\x1b[2J" in out
+        assert not any(line.startswith("tcp://10.0.0.1:1") for line in out.splitlines())
+        assert "bad\\r\\nerror: \\x1b[31mred" in out
+
+
+def test_visible_escapes_only_what_does_not_show():
+    assert visible("gpu-0 (worker) é 字") == "gpu-0 (worker) é 字"
+    assert visible("a\nb\tc\x00\x7f\x9b\u2028\u202e") == "a\\nb\\tc\\x00\\x7f\\x9b\\u2028\\u202e"
+
+
+def test_report_json_is_strict_with_values_that_are_not_finite():
+    data = {"x": math.nan, "y": [math.inf, 1.5], "z": {"w": -math.inf}}
+    assert _strict(strict_json(data)) == {"x": None, "y": [None, 1.5], "z": {"w": None}}
+    doc = {
+        "version": 2,
+        "time": 1e9,
+        "workers": [
+            {"address": "tcp://h:1", "last_seen": math.nan,
+             "devices": {"0": {"spill_seconds": math.nan, "timeline": [[math.inf, 1, 1]]}}}
+        ],
+    }  # fmt: skip
+    report = ClusterMemoryReport.from_dict(doc)
+    _strict(report.to_json())
+    str(report)
+
+
+# -- a property test: random structures ---------------------------------------------------------
+
+
+def _fake_scheduler(plugin: SchedulerTimelinePlugin, workers: list) -> None:
+    plugin.scheduler = types.SimpleNamespace(
+        plugins={PLUGIN_NAME: plugin},
+        workers={w.address: w for w in workers},
+        address="tcp://scheduler:8786",
+    )
+
+
+def _worker(i: int, metrics: object) -> types.SimpleNamespace:
+    return types.SimpleNamespace(address=f"tcp://10.0.0.{i}:1", name=f"w{i}", metrics=metrics)
+
+
+def _every_reader(plugin: SchedulerTimelinePlugin) -> ClusterMemoryReport:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dask_rmm.scheduler.prometheus import DaskRMMCollector
+
+    registry = CollectorRegistry()
+    registry.register(DaskRMMCollector(plugin))
+    assert b"dask_rmm_devices" in generate_latest(registry)  # /metrics
+    reports = []
+    for request in (ReportRequest(), ReportRequest(top=1, sort="peak", width=10)):
+        snap = plugin.snapshot(request)
+        assert "<html>" in snap.render("html")  # /dask-rmm
+        doc = _strict(snap.render("json"))  # report.json, then cluster_report / the CLI
+        report = ClusterMemoryReport.from_dict(doc)
+        str(report)
+        _strict(report.to_json())
+        report.to_html()
+        reports.append(report)
+    return reports[0]
+
+
+def _sums_agree(plugin: SchedulerTimelinePlugin) -> None:
+    """The sums Prometheus reads (kept up to date) equal the report's (a pass over all)."""
+    totals = plugin.snapshot(ReportRequest(timeline=False)).build().totals
+    sums = plugin.cluster_sums()
+    for k, v in sums.items():
+        assert v == (totals.paused_devices if k == "paused" else getattr(totals, k)), k
+
+
+def test_random_structures_break_no_reader():
+    pytest.importorskip("prometheus_client")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**64), max_value=2**64)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=20)
+        | st.binary(max_size=30)
+        | st.sampled_from([2**63 - 1, -(2**63), time.time(), time.time() + 3600, 1e300])
+    )
+    anything = st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=4)
+        ),
+        max_leaves=20,
+    )
+    field_names = st.sampled_from(
+        ["current_bytes", "peak_bytes", "pool_free_bytes", "largest_free_block", "error",
+         "task_groups", "oom_events", "samples", "spill_seconds", "gpu_name", "paused"]
+    )  # fmt: skip
+    rows = st.lists(
+        st.tuples(
+            st.floats(allow_nan=True, allow_infinity=True) | st.just(time.time()),
+            st.integers(min_value=-(2**63), max_value=2**63 - 1),
+            st.integers(min_value=-(2**63), max_value=2**63 - 1),
+        ),
+        max_size=5,
+    )
+    device = st.dictionaries(field_names, anything, max_size=6) | st.builds(
+        lambda r, extra: {"samples": pack_samples(r), **extra},
+        rows,
+        st.dictionaries(field_names, anything, max_size=3),
+    )
+    heartbeat = anything | st.builds(
+        lambda v, t, devs: {"version": v, "time": t, "devices": devs},
+        st.sampled_from([1, 2, 3, 4, 999, "3", None]),
+        st.floats(allow_nan=True) | st.just(time.time()),
+        st.dictionaries(st.text(max_size=3) | st.integers(0, 3), device, max_size=3) | anything,
+    )
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(heartbeat, min_size=1, max_size=3))
+    def check(beats: list) -> None:
+        plugin = SchedulerTimelinePlugin(timeline_length=16)
+        plugin._configure()
+        good = _worker(0, {"dask-rmm": _one()})
+        bad = _worker(1, {})
+        _fake_scheduler(plugin, [good, bad])
+        for beat in beats:
+            bad.metrics = {"dask-rmm": beat}
+            plugin.poll()
+            report = _every_reader(plugin)
+            assert report.device(good.address).current_bytes == MiB
+            _sums_agree(plugin)
+        del plugin.scheduler.workers[bad.address]
+        plugin.remove_worker(plugin.scheduler, bad.address)
+        _sums_agree(plugin)
+        plugin._stop()
+
+    check()
+
+
+# -- bounded work with a wrong clock ------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("skew", [3600.0, math.nan, 1e18, MAX_AHEAD / 2])
+def test_a_skewed_worker_for_a_simulated_hour_keeps_the_cluster_total_drained(monkeypatch, skew):
+    """A heartbeat every 0.5 s for an hour from a good worker and one whose clock is ``skew``
+    ahead (NaN, far future; half of MAX_AHEAD is accepted): what waits for the cluster total,
+    and the arrays it waits in, stay as small at the end as after the first minute."""
+    clock = _Clock(1.7e9)
+    monkeypatch.setattr(timeline_module, "time", clock)
+    plugin = SchedulerTimelinePlugin(timeline_length=64)
+    plugin._configure()
+    good, skewed = _worker(0, {}), _worker(1, {})
+    _fake_scheduler(plugin, [good, skewed])
+    seen = []
+    for beat in range(7200):
+        clock.now += 0.5
+        t = clock.now
+        good.metrics = {"dask-rmm": _beat({"0": _device(t, samples=pack_samples(
+            [[t - 0.25, beat, beat], [t, beat, beat]]))})}  # fmt: skip
+        ahead = t + skew
+        skewed.metrics = {"dask-rmm": _beat({"0": _device(t, samples=pack_samples(
+            [[ahead - 0.25, beat, beat], [ahead, beat, beat]]))})}  # fmt: skip
+        plugin.poll()
+        total = plugin._total
+        seen.append((len(total._waiting), total.waiting, len(total.timeline)))
+    first_minute = max(seen[:120])
+    last_half = max(seen[3600:])
+    assert last_half[0] <= max(first_minute[0], 9), (first_minute, last_half)
+    assert last_half[1] <= first_minute[1] + 4, (first_minute, last_half)
+    assert last_half[2] <= 64
+    report = plugin.snapshot(ReportRequest()).build()
+    accepted = skew < MAX_AHEAD  # otherwise its samples are dropped, its scalars kept
+    assert report.total_timeline[-1][1] == 7199 * (2 if accepted else 1)
+    assert report.totals.current_bytes == 2 * MiB
+    if not accepted:
+        assert any(f"{skewed.address}: malformed" in e for e in report.errors), report.errors
+
+
+def test_the_cluster_total_merges_what_waits_for_a_device_ahead():
+    """Past what the scheduler accepts (a device 1000 s ahead, fed to the total directly)."""
+    total = ClusterTotal(Timeline(64), max_lag=30.0)
+    ahead, behind = total.add_row(), total.add_row()
+    now = 1e9
+    for i in range(1000):
+        now += 0.5
+        total.add(ahead, pack_samples([[now + 1000, i, i]]), now + 1000)
+        total.add(behind, pack_samples([[now, i, i]]), now)
+        total.advance(now)
+        assert len(total._waiting) <= MAX_WAITING_ARRAYS + 1
+    assert total.waiting == 1000
+
+
+def test_an_int64_cluster_sum_saturates_instead_of_wrapping():
+    total = ClusterTotal(Timeline(64))
+    rows = [total.add_row() for _ in range(4)]
+    big = 2**62
+    for r in rows:
+        total.add(r, pack_samples([[1e9, big, big]]), 1e9)
+    total.advance(1e9 + 100)
+    peak, points = total.snapshot().points()
+    assert points["c"][-1] > 0 and peak > 0
+
+
+def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbeat_interval():
+    from distributed.scheduler import heartbeat_interval
+
+    plugin = SchedulerTimelinePlugin(timeline_length=16)
+    plugin._configure()
+    workers = [_worker(i, {"dask-rmm": _beat({})}) for i in range(1000)]
+    _fake_scheduler(plugin, workers)
+    read: list[str] = []
+    original = plugin._read
+    plugin._read = lambda ws, now, pending: (read.append(ws.address), original(ws, now, pending))
+    ticks = heartbeat_interval(1000) / 2 / plugin.poll_interval  # ticks in half an interval
+    for _ in range(int(ticks)):
+        plugin._tick()
+    assert len(read) <= 1000 * 1.1 and set(read) == {w.address for w in workers}
+    read.clear()
+    plugin._tick()
+    assert 0 < len(read) <= 1000 / ticks + 1
+
+
+def test_prometheus_sums_count_paused_devices_as_the_report_does():
+    plugin = SchedulerTimelinePlugin(timeline_length=16)
+    plugin._configure()
+    w = _worker(0, {"dask-rmm": _beat({"0": _device(time.time(), paused=-1), "1": _device(
+        time.time(), paused=3)})})  # fmt: skip
+    _fake_scheduler(plugin, [w])
+    plugin.poll()
+    _sums_agree(plugin)
+    assert plugin.cluster_sums()["paused"] == 2
