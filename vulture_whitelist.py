@@ -70,3 +70,5 @@ _.recorded_buffers
 # bench/scheduler_real.py: an idle comm distributed calls by name.
 _.closed
 _.abort
+_.peer_address
+_.local_address
