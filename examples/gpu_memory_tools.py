@@ -9,6 +9,7 @@ the GPU section, sizing advice from the live cluster, and giving pooled memory b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 
@@ -74,9 +75,14 @@ def main() -> None:
 
         # 2. the performance report with its GPU memory section
         report = os.path.join(args.out, "performance-report.html")
-        with dask_rmm.performance_report(report):
-            run(client, 24, 32 * MiB)
-        print(f"wrote {report}")
+        if importlib.util.find_spec("bokeh") is None:
+            print(
+                "skipped the performance report: distributed draws it with bokeh (pip install bokeh)"
+            )
+        else:
+            with dask_rmm.performance_report(report):
+                run(client, 24, 32 * MiB)
+            print(f"wrote {report}")
 
         # 3. sizing advice from the live cluster
         print(format_advice(advise_from_report(dask_rmm.cluster_report(client))))

@@ -19,7 +19,7 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     check_size,
 )
-from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, parse_device_bytes
+from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, host_total_memory, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -607,6 +607,7 @@ class SystemMemoryResource(DeviceMemoryResource):
             raise ValueError(f"device_id must be a device id (an int >= 0), got {device_id!r}")
         super().__init__(device_id=device_id)
         self._owned = _OwnedPointers()
+        self._host_total = host_total_memory()
 
     @property
     def is_host_memory(self) -> bool:
@@ -622,11 +623,15 @@ class SystemMemoryResource(DeviceMemoryResource):
         if nbytes == 0:
             return 0
         size = align_up(nbytes)
-        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if size <= SIZE_MAX else None
+        # More than the host's physical memory is refused even where the kernel overcommits
+        # (malloc then succeeds and the process dies on touching the pages).
+        fits = size <= self._host_total
+        ptr = self._libc.aligned_alloc(ALIGNMENT, size) if fits else None
         if not ptr:
             raise OutOfMemoryError(
                 f"SystemMemoryResource out of memory: requested {format_bytes(nbytes)} "
-                f"({nbytes} bytes) of host memory",
+                f"({nbytes} bytes) of host memory"
+                + ("" if fits else f", more than this host's {format_bytes(self._host_total)}"),
                 requested=nbytes,
                 resource="SystemMemoryResource",
             )

@@ -315,3 +315,18 @@ def test_async_pool_outlives_its_finalizer_while_memory_is_live():
     assert r._owns_pool  # still needed: p is live
     r.deallocate(p, 1 << 20)
     assert not r._owns_pool
+
+
+def test_host_memory_refuses_more_than_the_host_has_even_where_the_kernel_overcommits():
+    """On the GPU host (overcommitting kernel) a 100 TiB host-memory pool was handed out; it
+    must be an out-of-memory error naming the host's memory, and change nothing."""
+    from dask_rmm.sizes import host_total_memory
+
+    r = mr.SystemMemoryResource()
+    total = host_total_memory()
+    for n in (total + 256, 100 << 40):
+        with pytest.raises(OutOfMemoryError, match="more than this host's") as info:
+            r.allocate(n)
+        assert info.value.requested == n
+        assert r.live_allocations == 0
+    r.deallocate(r.allocate(256), 256)  # still usable

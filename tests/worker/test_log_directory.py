@@ -5,9 +5,11 @@ process."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+import time
 
 import pytest
 from conftest import hold
@@ -85,9 +87,17 @@ async def test_after_a_re_registration_the_info_line_names_the_file_the_rows_go_
     try:
         with tempfile.TemporaryDirectory() as d:
             await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
-            await wait(c.submit(hold, 1000, pure=False))  # the first stack makes its file
+            first_task = c.submit(hold, 1000, pure=False)
+            await wait(first_task)  # the first stack makes its file
             first = log_file_path(d, a.name, 0)
             assert os.path.exists(first)
+            # Its buffer must be gone before the stack is replaced: a buffer still held keeps
+            # the replaced stack's file (and name) open, and the new stack rightly takes another.
+            del first_task
+            deadline = time.monotonic() + 30
+            while a.data:
+                assert time.monotonic() < deadline, "the first task's output was never released"
+                await asyncio.sleep(0.01)
             records.clear()
             await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
             (line,) = [r.getMessage() for r in records if "installed" in r.getMessage()]

@@ -549,7 +549,9 @@ _SPHINX_MARKUP = re.compile(r"``|:(func|class|meth|mod|attr|data|exc|ref):`")
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_python_m_dask_rmm_preload_help_is_plain_text(flag):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # ROOT first, the rest of PYTHONPATH kept (the GPU host finds Dask there)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run(
         [sys.executable, "-m", "dask_rmm.preload", flag],
         capture_output=True,
