@@ -13,27 +13,13 @@ import importlib.util
 import os
 import time
 
+from _host_memory import use_host_memory
 from distributed import Client, LocalCluster, wait
 
 import dask_rmm
-from dask_rmm import _cuda
 from dask_rmm.client.advice import advise_from_report, format_advice
 
 MiB = 1 << 20
-
-
-def use_host_memory(asked: bool) -> bool:
-    """Whether to run on host memory: when asked (``--host-memory``), or, as the quickstart
-    does, when this host has no GPU (said on stdout, so that nothing falls back silently)."""
-    if asked:
-        return True
-    if _cuda.is_available():
-        return False
-    print(
-        "No GPU on this host: using base_resource='system' (host memory), as --host-memory "
-        "does; pass --host-memory to choose it yourself"
-    )
-    return True
 
 
 def step(i: int, nbytes: int, hold: float):
