@@ -5,6 +5,7 @@ memory) and keeps its own counts of what it drew, to compare with the stack's st
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 from dask_rmm.mr.registry import get_per_device_resource
@@ -159,3 +160,31 @@ class HostOutsideCache:
                 return cache.release(device)
 
         return Budget()
+
+
+@contextlib.contextmanager
+def cached_array_type(cache):
+    """A spillable array type whose arrays live in ``cache``'s blocks (as CuPy's arrays live in
+    its MemoryPool), registered with the pressure layer for the block; yields the class."""
+    from dask_rmm.pressure import device_objects
+
+    class CachedArray:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            self.ptr = cache.malloc(nbytes)
+
+        def __del__(self):
+            cache.free(self.ptr)
+
+    device_objects.register_device_type(
+        CachedArray,
+        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
+        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
+        "CachedArray",
+        lambda copy: CachedArray(copy.nbytes),
+    )
+    try:
+        yield CachedArray
+    finally:
+        device_objects._TYPES.pop(CachedArray, None)
+        device_objects._REBUILD.pop("CachedArray", None)

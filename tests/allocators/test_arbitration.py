@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from library_cache_helpers import HostLibraryCache
+from library_cache_helpers import HostLibraryCache, cached_array_type
 
 from dask_rmm.allocators import arbitration, caches
 from dask_rmm.mr.base import CUDAAllocationError, OutOfMemoryError
@@ -133,32 +133,11 @@ def test_the_requested_bytes_are_read_from_the_error(error, nbytes):
 
 
 def test_arrays_a_spill_frees_into_a_cache_are_given_back_too():
-    from dask_rmm.pressure import device_objects
-
     wp, top = pressure_stack(8 * MiB, spill_on_oom=True)
     cache = _cache("cupy", [])
-
-    class CachedArray:
-        def __init__(self, nbytes):
-            self.nbytes = nbytes
-            self.ptr = cache.malloc(nbytes)
-
-        def __del__(self):
-            cache.free(self.ptr)
-
-    device_objects.register_device_type(
-        CachedArray,
-        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
-        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
-        "CachedArray",
-        lambda copy: CachedArray(copy.nbytes),
-    )
-    try:
+    with cached_array_type(cache) as CachedArray:
         wp.store["x"] = CachedArray(2 * MiB)
         caches.set_oom_handler(0, wp.devices[0].spill_for_cache)
         room = arbitration.make_room(0, 2 * MiB, library="torch")
         assert room.spilled == 2 * MiB and room.released == {"cupy": 2 * MiB}
         assert cache.cached_bytes(0) == 0
-    finally:
-        device_objects._TYPES.pop(CachedArray, None)
-        device_objects._REBUILD.pop("CachedArray", None)

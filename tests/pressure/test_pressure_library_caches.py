@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from distributed import Worker
 from distributed.utils_test import gen_cluster
-from library_cache_helpers import HostLibraryCache
+from library_cache_helpers import HostLibraryCache, cached_array_type
 
 from dask_rmm.allocators import caches
 from tests.pressure_helpers import MiB, check_buffer, patterned_buffer, pressure_stack
@@ -46,24 +46,7 @@ def test_out_of_memory_takes_cached_blocks_back_before_spilling(cache):
 def test_spilled_arrays_of_a_cache_reach_the_stack_through_the_cache(cache):
     """The values spilled are the cache's arrays: their blocks go back to the cache, which is
     asked to give them back before each retry."""
-    from dask_rmm.pressure import device_objects
-
-    class CachedArray:
-        def __init__(self, nbytes):
-            self.nbytes = nbytes
-            self.ptr = cache.malloc(nbytes)
-
-        def __del__(self):
-            cache.free(self.ptr)
-
-    device_objects.register_device_type(
-        CachedArray,
-        lambda a: [device_objects.DeviceAllocation(0, a.ptr, a.nbytes)],
-        lambda a: device_objects.HostCopy("CachedArray", 0, None, None, a.nbytes),
-        "CachedArray",
-        lambda copy: CachedArray(copy.nbytes),
-    )
-    try:
+    with cached_array_type(cache) as CachedArray:
         wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
         for i in range(4):
             wp.store[f"x-{i}"] = CachedArray(MiB)  # the whole pool, in the cache's arrays
@@ -71,9 +54,6 @@ def test_spilled_arrays_of_a_cache_reach_the_stack_through_the_cache(cache):
         check_buffer(big, 5)
         assert 1 <= wp.metrics()[0].total_spilled_count <= 2
         assert cache.releases >= 1
-    finally:
-        device_objects._TYPES.pop(CachedArray, None)
-        device_objects._REBUILD.pop("CachedArray", None)
 
 
 def test_the_limit_counts_bytes_in_arrays_not_cached_ones(cache):
