@@ -354,29 +354,20 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="64x1,64x8,512x1,512x8,2000x1,2000x8")
-    ap.add_argument("--rounds", type=int, default=3, help="heartbeats per worker timed")
-    ap.add_argument("--fill", type=int, default=4096, help="samples per device before timing")
-    ap.add_argument(
-        "--full-limit", type=int, default=4096, help="most devices for the every-point JSON"
-    )
-    args = ap.parse_args()
+def git_commit() -> str:
+    """The checkout's short commit, or "unknown" (a copy without git, as on the GPU host)."""
     try:
-        commit = subprocess.run(
+        return subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    import distributed
+        return "unknown"
 
-    print(
-        f"dask-rmm scheduler at scale: host {platform.node()} ({platform.machine()}, "
-        f"{os.cpu_count()} CPUs), Python {platform.python_version()}, distributed "
-        f"{distributed.__version__}, commit {commit}"
-    )
+
+def print_sizes(args: argparse.Namespace, run_size) -> None:
+    """Run ``run_size(workers, devices, args)`` for each ``WxD`` of ``args.sizes`` and print
+    its rows as a table, with the load average at its start."""
     for size in args.sizes.split(","):
         workers, devices = map(int, size.split("x"))
         load = os.getloadavg()[0]
@@ -386,6 +377,26 @@ def main() -> None:
         for k, v in rows:
             print(f"  {k:<{width}}  {v}")
         sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64x1,64x8,512x1,512x8,2000x1,2000x8")
+    ap.add_argument("--rounds", type=int, default=3, help="heartbeats per worker timed")
+    ap.add_argument("--fill", type=int, default=4096, help="samples per device before timing")
+    ap.add_argument(
+        "--full-limit", type=int, default=4096, help="most devices for the every-point JSON"
+    )
+    args = ap.parse_args()
+    commit = git_commit()
+    import distributed
+
+    print(
+        f"dask-rmm scheduler at scale: host {platform.node()} ({platform.machine()}, "
+        f"{os.cpu_count()} CPUs), Python {platform.python_version()}, distributed "
+        f"{distributed.__version__}, commit {commit}"
+    )
+    print_sizes(args, run_size)
 
 
 if __name__ == "__main__":

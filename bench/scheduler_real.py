@@ -25,7 +25,6 @@ import asyncio
 import gc
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.scheduler_overhead import device_fields  # noqa: E402
+from bench.scheduler_overhead import device_fields, git_commit, print_sizes  # noqa: E402
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE  # noqa: E402
 from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, heartbeat  # noqa: E402
 
@@ -339,13 +338,7 @@ def main() -> None:
     import logging
 
     logging.getLogger("distributed").setLevel(logging.ERROR)  # a line per simulated worker
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = git_commit()
     import distributed
 
     print(
@@ -353,15 +346,7 @@ def main() -> None:
         f"Python {platform.python_version()}, distributed {distributed.__version__}, "
         f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
-    for size in args.sizes.split(","):
-        workers, devices = map(int, size.split("x"))
-        load = os.getloadavg()[0]
-        rows = asyncio.run(run_size(workers, devices, args))
-        print(f"\n{workers} workers x {devices} devices (load average {load:.1f} at the start)")
-        width = max(len(k) for k, _ in rows)
-        for k, v in rows:
-            print(f"  {k:<{width}}  {v}")
-        sys.stdout.flush()
+    print_sizes(args, run_size)
 
 
 if __name__ == "__main__":
