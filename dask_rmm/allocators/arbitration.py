@@ -25,7 +25,6 @@ __all__ = [
     "is_out_of_memory",
     "make_room",
     "recent_rooms",
-    "release_caches",
     "requested_bytes",
 ]
 
@@ -66,12 +65,6 @@ class RoomMade:
         }
 
 
-def release_caches(device: int) -> dict[str, int]:
-    """Step one: every library cache gives its free blocks on ``device`` back to the stack; the
-    bytes given back per library (only those that gave some). Never raises."""
-    return {k: v for k, v in caches.release_cached_by_library(device).items() if v > 0}
-
-
 def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> RoomMade:
     """Make room for ``nbytes`` on ``device`` after ``library`` failed to allocate them: the
     caches give their free blocks back, then (when ``spill`` and the worker spills on
@@ -88,7 +81,7 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
         if room.freed:
             retry()
     """
-    released = release_caches(device)
+    released = caches.release_cached_by_library(device)
     spilled = 0
     if spill:
         handler = caches.oom_handler(device)
@@ -99,7 +92,7 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
                 caches.logger.warning("dask-rmm: spilling for %s failed", library, exc_info=True)
         if spilled:
             # Spilled arrays of a library free into that library's cache: give those back too.
-            for name, n in release_caches(device).items():
+            for name, n in caches.release_cached_by_library(device).items():
                 released[name] = released.get(name, 0) + n
     record = RoomMade(device, int(nbytes), str(library), released, spilled, time.time())
     with _lock:

@@ -156,7 +156,8 @@ def release_cached(device: int) -> int:
 
 
 def release_cached_by_library(device: int) -> dict[str, int]:
-    """:func:`release_cached`, with the bytes each library's cache gave back, by library name.
+    """:func:`release_cached`, with the bytes each library's cache gave back, by library name
+    (only the libraries that gave some back): step one of making room.
 
     Never raises: a cache that fails to release counts 0 (logged)."""
     released: dict[str, int] = {}
@@ -166,7 +167,8 @@ def release_cached_by_library(device: int) -> dict[str, int]:
         except Exception:
             logger.warning("dask-rmm: releasing the %s cache failed", cache.name, exc_info=True)
             n = 0
-        released[cache.name] = released.get(cache.name, 0) + n
+        if n > 0:
+            released[cache.name] = released.get(cache.name, 0) + n
     return released
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 from dask_rmm.allocators import caches
-from dask_rmm.allocators.arbitration import release_caches
 from dask_rmm.mr.base import DeviceMemoryResource, OutOfMemoryError
 from dask_rmm.pressure.forensics import OOMEvent, free_block_histogram, oom_verdict
 from dask_rmm.pressure.metrics import PressureCounters
@@ -135,8 +134,8 @@ class DevicePressure:
     def release_cached(self) -> int:
         """Have the library caches give their free blocks on this device back to the stack;
         the bytes given back (recorded per library for this thread's OOM snapshot). Cheaper
-        than spilling, so done first (:func:`~dask_rmm.allocators.arbitration.release_caches`)."""
-        released = release_caches(self.device)
+        than spilling, so done first (:func:`~dask_rmm.allocators.caches.release_cached_by_library`)."""
+        released = caches.release_cached_by_library(self.device)
         mine = getattr(self._local, "released", None)
         if mine is not None:
             for name, n in released.items():
