@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -213,15 +214,22 @@ def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why
     pytest.importorskip("cupy")
     pytest.importorskip("numba")
     maximum = 2 << 30
-    out = _run(
-        "",
-        os.path.join(ROOT, "bench", "torch_budget.py"),
-        "--child",
-        "fill",
-        "--maximum",
-        str(maximum),
-        timeout=200,
-    )
+    for _attempt in range(4):
+        out = _run(
+            "",
+            os.path.join(ROOT, "bench", "torch_budget.py"),
+            "--child",
+            "fill",
+            "--maximum",
+            str(maximum),
+            timeout=200,
+        )
+        # Under a parallel suite another process may fill the device itself for a moment (a
+        # pool of half the free memory): PyTorch then stops at the device, not at its cap, and
+        # the run says nothing about the budget. Run again once the device has room.
+        if "allowed" in str(out.get("torch", {}).get("error")):
+            break
+        time.sleep(5)
     assert set(out) >= {"torch", "cupy", "numba", "DeviceBuffer"}, out
     for library in ("torch", "cupy", "numba", "DeviceBuffer"):
         got = out[library]

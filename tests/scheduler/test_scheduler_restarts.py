@@ -31,6 +31,12 @@ def _wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
         time.sleep(0.1)
 
 
+def _nanny_process_status(dask_worker) -> str | None:
+    process = getattr(dask_worker, "process", None)
+    status = getattr(process, "status", None)
+    return None if status is None else status.name
+
+
 def _rows(report, name: str) -> list:
     return [d for d in report.devices if d.name == name]
 
@@ -70,6 +76,14 @@ def test_a_killed_or_restarted_worker_keeps_its_history_and_the_total_peak():
         assert after.totals.peak_bytes == before.totals.peak_bytes
         assert after.totals.workers == 2 and after.totals.gone_workers == 0
 
+        # The nanny that restarted worker "0" has finished doing so (under load it may still be
+        # settling after the new worker registered; distributed then closes it on restart).
+        _wait_for(
+            lambda: all(
+                s == "running" for s in client.run(_nanny_process_status, nanny=True).values()
+            ),
+            what="both nannies' worker processes running",
+        )
         client.restart()
         again = _wait_for(
             lambda: (
