@@ -114,3 +114,70 @@ def worker_pressure_state(dask_worker) -> dict:
         "metrics": {m.device: m.to_dict() for m in wp.metrics()},
         "oom_events": [e.to_dict() for e in wp.oom_events()],
     }
+
+
+def capture_oom_layout(dask_worker) -> bool:
+    """Have the worker's device-0 pressure layer, at each OOM that reaches a caller, keep a
+    picture of what held the pool then (:func:`oom_layouts` reads them): every live block of
+    the pool with the stored values inside it and whether something else references them."""
+    import sys
+
+    plugin = dask_worker.plugins.get("dask-rmm")
+    wp = getattr(plugin, "worker_pressure", None)
+    if wp is None or 0 not in wp.devices:
+        return False
+    dp = wp.devices[0]
+    store = dp.store
+    pictures: list = []
+    dask_worker._oom_layouts = pictures
+    previous = dp.on_oom
+
+    def on_oom(event):
+        try:
+            chunks, free, live = dp.pool.memory_layout() if dp.pool is not None else ([], [], [])
+            with store._lock:
+                stored = [
+                    (str(k), e.nbytes, e.ptrs, sys.getrefcount(store._device[k]))
+                    for k, e in store._lru.items()
+                    if e.nbytes and k in store._device
+                ]
+            blocks = []
+            for p, s in live:
+                inside = [
+                    (k, n, r) for k, n, ptrs, r in stored if any(p <= q < p + s for q in ptrs)
+                ]
+                blocks.append((p, s, inside))
+            cupy_pool = None
+            try:
+                import cupy
+
+                pool = cupy.get_default_memory_pool()
+                cupy_pool = (pool.used_bytes(), pool.total_bytes(), pool.n_free_blocks())
+            except Exception:
+                pass
+            pictures.append(
+                {
+                    "requested": event.requested,
+                    "task": event.task_key,
+                    "spilled_trying": event.spilled_trying,
+                    "released": event.released_by_library,
+                    "free": free,
+                    "chunks": chunks,
+                    "live": blocks,
+                    "cupy_pool": cupy_pool,
+                    "by_prefix": event.live_bytes_by_prefix,
+                    "recent": event.recent_events[-24:],
+                    "threads": sorted(t.name for t in __import__("threading").enumerate()),
+                }
+            )
+        except Exception as e:  # a diagnosis must not change the OOM
+            pictures.append({"error": repr(e)})
+        if previous is not None:
+            previous(event)
+
+    dp.on_oom = on_oom
+    return True
+
+
+def oom_layouts(dask_worker) -> list:
+    return getattr(dask_worker, "_oom_layouts", [])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pprint
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -144,7 +146,7 @@ def test_cupy_workload_four_times_the_pool(options, exact):
     from distributed import Client, LocalCluster, wait
 
     from dask_rmm import RMMPlugin
-    from tests.pressure_helpers import worker_pressure_state
+    from tests.pressure_helpers import capture_oom_layout, oom_layouts, worker_pressure_state
 
     n, chunk = 32 << 20, 1 << 20  # 256 MiB in 8 MiB chunks
     with (
@@ -169,8 +171,14 @@ def test_cupy_workload_four_times_the_pool(options, exact):
                 wait(x)
                 x.sum().compute()
             return
-        wait(x)
-        total = float((x * 2).sum().compute())
+        assert client.run(capture_oom_layout) == {a: True for a in client.run(lambda: 0)}
+        try:
+            wait(x)
+            total = float((x * 2).sum().compute())
+        except MemoryError as e:
+            # What held the pool at each OOM that got through: the failure says why.
+            pictures = client.run(oom_layouts)
+            raise AssertionError(f"{e}\n{pprint.pformat(pictures, width=160)}") from e
         assert total == float(n) * (n - 1)
         (state,) = client.run(worker_pressure_state).values()
         assert state["metrics"][0]["total_spilled_bytes"] >= 128 << 20
