@@ -12,7 +12,8 @@ Modes (each configuration in its own process: PyTorch takes one allocator per pr
   to its limit (out of memory), and DeviceBuffers growing and trimming the pool beside it, while
   a monitor reads the device's used memory; no deadlock (a watchdog), no crash, never past the
   maximum by more than ``--slack`` (CUDA context growth, cuBLAS handles).
-- ``--fill``: for each library (torch, cupy, numba, DeviceBuffer), fill it past the maximum
+- ``--fill``: for each library (torch, cupy, numba, DeviceBuffer, and compiled RMM where it is
+  installed), fill it past the maximum
   while the others hold memory; the error each raises and the device's used memory.
 - ``--dask``: a Dask workload (tasks training the MLP on a one-worker LocalCluster of 4 threads)
   with and without ``RMMPlugin(allocators=["torch"])``.
@@ -358,7 +359,12 @@ def fill_child(maximum: int) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info(0)
     baseline = total - free
-    pool, _ = _stack(maximum=maximum, initial=64 * MiB, allocators=("torch", "cupy", "numba"))
+    try:  # compiled RMM (what cuDF allocates through), where installed
+        import rmm as compiled_rmm
+    except ImportError:
+        compiled_rmm = None
+    libraries = ("torch", "cupy", "numba") + (("rmm",) if compiled_rmm is not None else ())
+    pool, _ = _stack(maximum=maximum, initial=64 * MiB, allocators=libraries)
     from dask_rmm.allocators.torch import get_torch_cache
 
     cache = get_torch_cache()
@@ -374,6 +380,8 @@ def fill_child(maximum: int) -> dict:
         "numba": lambda: ncuda.device_array(32 * MiB, dtype="uint8"),
         "DeviceBuffer": lambda: DeviceBuffer(size=32 * MiB),
     }
+    if compiled_rmm is not None:
+        fillers["rmm"] = lambda: compiled_rmm.DeviceBuffer(size=32 * MiB)
     out = {}
     for name, make in fillers.items():
         others = [f() for n, f in fillers.items() if n != name for _ in range(3)]  # others hold

@@ -141,6 +141,10 @@ def capture_oom_layout(dask_worker) -> bool:
                     for k, e in store._lru.items()
                     if e.nbytes and k in store._device
                 ]
+            referrers = {}
+            for k, _n, _ptrs, r in stored:
+                if r > 2 and len(referrers) < 6:
+                    referrers[k] = _describe_referrers(store, k)
             blocks = []
             for p, s in live:
                 inside = [
@@ -162,6 +166,7 @@ def capture_oom_layout(dask_worker) -> bool:
                     "spilled_trying": event.spilled_trying,
                     "released": event.released_by_library,
                     "free": free,
+                    "referrers": referrers,
                     "chunks": chunks,
                     "live": blocks,
                     "cupy_pool": cupy_pool,
@@ -177,6 +182,32 @@ def capture_oom_layout(dask_worker) -> bool:
 
     dp.on_oom = on_oom
     return True
+
+
+def _describe_referrers(store, key) -> list[str]:
+    """What, besides the store's dict, references the stored value of ``key``: each referrer's
+    type, and for a frame its function and line, for a dict or list what holds it."""
+    import gc
+
+    value = store._device.get(key)
+    if value is None:
+        return []
+    out = []
+    for r in gc.get_referrers(value):
+        if r is store._device:
+            continue
+        if hasattr(r, "f_code"):
+            out.append(f"frame {r.f_code.co_name} {r.f_code.co_filename}:{r.f_lineno}")
+        elif isinstance(r, (dict, list, tuple)):
+            holders = [
+                type(h).__name__
+                + (f" {h.f_code.co_name}:{h.f_lineno}" if hasattr(h, "f_code") else "")
+                for h in gc.get_referrers(r)[:4]
+            ]
+            out.append(f"{type(r).__name__} len {len(r)} held by {holders}")
+        else:
+            out.append(type(r).__name__)
+    return out
 
 
 def oom_layouts(dask_worker) -> list:

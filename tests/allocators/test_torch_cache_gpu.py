@@ -239,3 +239,7 @@ def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why
     assert "OutOfMemoryError" in out["torch"]["error"] and "allowed" in out["torch"]["error"]
     for library in ("cupy", "numba", "DeviceBuffer"):
         assert "torch beside the pool holds" in out[library]["error"], out[library]
+    if "rmm" in out:  # compiled RMM (cuDF's allocations), where installed: under the same cap
+        got = out["rmm"]
+        assert got["error"] is not None and not got["over_maximum"], got
+        assert got["pool_plus_torch"] <= maximum and got["filled_bytes"] > 0, got
