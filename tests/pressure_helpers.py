@@ -16,8 +16,10 @@ def pressure_stack(
     spill_on_oom: bool = True,
     pause_fraction: float | None = None,
     task_key=None,
+    maximum: int | None = None,
 ):
-    """``(WorkerPressure, top)``: a fixed-size pool (initial = maximum = ``pool_bytes``) under a
+    """``(WorkerPressure, top)``: a fixed-size pool (initial = maximum = ``pool_bytes``, or up
+    to ``maximum``) under a
     StatisticsResourceAdaptor and an AttributionResourceAdaptor, wrapped for pressure, and made
     device 0's resource."""
     from dask_rmm import mr
@@ -26,13 +28,15 @@ def pressure_stack(
     from tests.conftest import make_base_resource
 
     pool = mr.PoolMemoryResource(
-        make_base_resource(base), initial_pool_size=pool_bytes, maximum_pool_size=pool_bytes
+        make_base_resource(base),
+        initial_pool_size=pool_bytes,
+        maximum_pool_size=pool_bytes if maximum is None else maximum,
     )
     stats = mr.StatisticsResourceAdaptor(pool)
     owner = task_key or (lambda: None)
     attrib = AttributionResourceAdaptor(stats, owner, owner_name=lambda k: str(k).split("-")[0])
     wp = WorkerPressure(spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key)
-    top = wp.wrap(0, attrib, capacity=pool_bytes, limit=limit)
+    top = wp.wrap(0, attrib, capacity=pool_bytes if maximum is None else maximum, limit=limit)
     mr.set_per_device_resource(0, top)
     return wp, top
 

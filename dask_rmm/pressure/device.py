@@ -142,6 +142,29 @@ class DevicePressure:
                 mine[name] = mine.get(name, 0) + n
         return sum(released.values())
 
+    def release_cached_when_full(self) -> int:
+        """Under pressure, have the library caches give their free blocks back now, not at the
+        next out-of-memory; the bytes given back.
+
+        Pressure here means the pool cannot grow by another eighth of its maximum, or the
+        device's bytes, caches' free blocks included, are over ``device_memory_limit``. A free
+        block a cache keeps at such a time is worse than wasted: the cache carves the small
+        arrays of later tasks out of it (CuPy's pool splits a large free block for a small
+        request), and the block then stays pinned by a few hundred bytes, so that neither the
+        cache nor spilling can give it back. Called when a task's output is stored (between
+        tasks); cheap when there is no pressure (two sizes read).
+        """
+        pool = self.pool
+        full = False
+        if pool is not None:
+            maximum = pool.maximum_pool_size
+            full = maximum is not None and maximum - pool.pool_size() < maximum // 8
+        if not full and self.limit is not None and self.statistics is not None:
+            full = self.statistics.current_bytes > self.limit
+        if not full or self.cached_bytes() == 0:
+            return 0
+        return sum(caches.release_cached_by_library(self.device).values())
+
     def start_arbitration(self) -> None:
         """An allocation on this thread failed: count what caches give back for it from now."""
         self._local.released = {}

@@ -70,7 +70,7 @@ class DeviceSpillStore(MutableMapping):
     counters : PressureCounters, optional
         Where spill counts and times are added.
     on_store : callable, optional
-        ``on_store(device)`` after a device value was stored (the limit check).
+        ``on_store(device)`` after a device value was stored (the limit check, caches giving back under pressure).
     """
 
     def __init__(

@@ -259,7 +259,10 @@ class WorkerPressure:
 
     def _on_store(self, device: int) -> None:
         dp = self.devices.get(device)
-        if dp is not None and dp.limit is not None:
+        if dp is None:
+            return
+        dp.release_cached_when_full()
+        if dp.limit is not None:
             dp.spill_to_limit()
 
     def _on_oom(self, event: OOMEvent) -> None:

@@ -68,6 +68,40 @@ def test_the_limit_counts_bytes_in_arrays_not_cached_ones(cache):
     del extra
 
 
+@pytest.mark.parametrize("spill_on_oom", [True, False])
+def test_at_the_pools_maximum_a_stored_output_has_the_caches_give_free_blocks_back(
+    cache, spill_on_oom
+):
+    """A cache keeping free blocks while the pool cannot grow would carve later small arrays out
+    of them (pinning them): each stored output has the caches give them back first."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=spill_on_oom)
+    _cached_free(cache, [MiB, 2 * MiB])
+    assert cache.cached_bytes(0) == 3 * MiB
+    wp.store["a"] = patterned_buffer(256 << 10, 1)
+    assert cache.cached_bytes(0) == 0 and cache.releases == 1
+    assert wp.metrics()[0].total_spilled_count == 0  # given back, nothing spilled
+    check_buffer(wp.store["a"], 1)
+
+
+def test_with_room_to_grow_the_caches_keep_their_free_blocks(cache):
+    """No pressure: a stored output leaves the caches alone (their blocks make them fast)."""
+    wp, top = pressure_stack(4 * MiB, maximum=64 * MiB)
+    _cached_free(cache, [MiB, 2 * MiB])
+    wp.store["a"] = patterned_buffer(256 << 10, 1)
+    assert cache.cached_bytes(0) == 3 * MiB and cache.releases == 0
+
+
+def test_over_the_limit_counting_cached_blocks_the_caches_give_them_back(cache):
+    """The pool may grow, but the device's bytes with the caches' free blocks are over
+    ``device_memory_limit``: the caches give them back before anything is spilled."""
+    wp, top = pressure_stack(4 * MiB, maximum=64 * MiB, limit=2 * MiB)
+    _cached_free(cache, [MiB, 2 * MiB])
+    wp.store["a"] = patterned_buffer(256 << 10, 1)
+    assert cache.cached_bytes(0) == 0 and cache.releases == 1
+    assert wp.metrics()[0].total_spilled_count == 0
+    check_buffer(wp.store["a"], 1)
+
+
 def test_a_cache_growing_speculatively_is_refused_without_spilling(cache):
     wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
     wp.store["a"] = patterned_buffer(2 * MiB, 1)
