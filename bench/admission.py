@@ -47,7 +47,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ class Setup:
     chain_n: int = 12000  # (c); the warm-up runs a quarter of it with the same chunks
     chain_chunk: int = 500  # (c)
     mixed_budget: int = 24 * GiB  # (b) device memory outside the ballast
-    round_timeout: float = 120.0  # seconds one round may take before it counts as failed
+    round_timeout: float = 60.0  # seconds one wait of a round may take before it fails
 
 
 def gpu_setup() -> Setup:
@@ -92,7 +92,6 @@ def host_setup() -> Setup:
         chain_n=2000,
         chain_chunk=250,
         mixed_budget=64 * MiB,
-        round_timeout=60.0,
     )
 
 
@@ -587,6 +586,10 @@ def round_c(config: Config, s: Setup, r: int, warmup: bool = False) -> Round:
 ROUNDS = {"a": round_a, "b": round_b, "c": round_c}
 #: The parts' shares of the budget.
 SHARES = {"a": 0.3, "b": 0.25, "c": 0.45}
+#: Seconds of (b)'s share kept for each configuration still to run (the failing ones are quick).
+B_RESERVE = 15.0
+#: The shortest a round's timeout gets when its part's time is nearly spent.
+MIN_ROUND_TIMEOUT = 20.0
 
 
 def run(s: Setup, parts: str, rounds: int, budget: float, save) -> list[Config]:
@@ -606,9 +609,8 @@ def run(s: Setup, parts: str, rounds: int, budget: float, save) -> list[Config]:
         if part == "b":
             for i, config in enumerate(group):  # each its equal part of (b)'s time
                 d = None
-                if deadline is not None:
-                    now = time.perf_counter()
-                    d = now + (deadline - now) / (len(group) - i)
+                if deadline is not None:  # what is left, less a reserve for the others
+                    d = deadline - B_RESERVE * (len(group) - i - 1)
                 _rounds([config], s, rounds, d, lambda: save(configs))
         else:
             _rounds(group, s, rounds, deadline, lambda: save(configs))
@@ -617,6 +619,16 @@ def run(s: Setup, parts: str, rounds: int, budget: float, save) -> list[Config]:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _one(config: Config, s: Setup, r: int, warmup: bool = False) -> Round:
+    """Round ``r`` of ``config``; one that raises (a worker lost, the client closed) is a
+    failed round, and the others go on."""
+    t0 = time.perf_counter()
+    try:
+        return ROUNDS[config.part](config, s, r, warmup=warmup)
+    except Exception as e:
+        return Round(time.perf_counter() - t0, False, 0, 0, {}, f"the round raised {e!r}")
 
 
 def _rounds(group: list[Config], s: Setup, rounds: int, deadline: float | None, save) -> None:
@@ -632,7 +644,7 @@ def _rounds(group: list[Config], s: Setup, rounds: int, deadline: float | None, 
                 config.notes.append(f"setup failed: {e!r}")
                 _say(f"{config.label}: setup failed: {e!r}")
         for config in live:  # warm-up (admission learns its peaks here), not kept
-            w = ROUNDS[config.part](config, s, -1, warmup=True)
+            w = _one(config, s, -1, warmup=True)
             _say(f"warm-up: {config.label}: {w.seconds:.2f} s {'ok' if w.ok else w.note}")
         last = 0.0
         for r in range(rounds):
@@ -644,7 +656,10 @@ def _rounds(group: list[Config], s: Setup, rounds: int, deadline: float | None, 
             t_round = time.perf_counter()
             order = live if r % 2 == 0 else list(reversed(live))
             for config in order:
-                one = ROUNDS[config.part](config, s, r)
+                limit = s.round_timeout
+                if deadline is not None:  # a round that hangs must not take the other parts'
+                    limit = min(limit, max(deadline - time.perf_counter(), MIN_ROUND_TIMEOUT))
+                one = _one(config, replace(s, round_timeout=limit), r)
                 config.rounds.append(one)
                 figures = ", ".join(
                     f"{k} {_fmt_bytes(v) if k.endswith('bytes') else v}"
@@ -768,8 +783,10 @@ def table(configs: list[Config], s: Setup, rounds: int) -> str:
             )
             tasks_failed = sum(r.failed for r in c.rounds)
             notes = sorted({r.note for r in c.rounds if r.note}) + c.notes
-            if tasks_failed or notes:
-                lines.append(f"    {tasks_failed} tasks failed; " + "; ".join(notes))
+            if tasks_failed:
+                notes.insert(0, f"{tasks_failed} tasks failed over the rounds")
+            if notes:
+                lines.append("    " + "; ".join(notes))
         v = verdict[part]
         met = {True: "MET", False: "NOT MET", None: "not measured"}[v["met"]]
         if part == "a":
@@ -786,7 +803,10 @@ def table(configs: list[Config], s: Setup, rounds: int) -> str:
             figure = ", ".join(
                 f"{k}: {'-' if p is None else f'{p:+.1f} %'}" for k, p in v["cost_percent"].items()
             )
-        lines.append(f"target: {v['target']}: {figure}: {met}")
+        counted = sorted({len(c.rounds) for c in rows})
+        lines.append(
+            f"target: {v['target']}: {figure}: {met} ({'/'.join(map(str, counted))} rounds run)"
+        )
     return "\n".join(lines)
 
 
