@@ -728,6 +728,7 @@ def verdicts(configs: list[Config]) -> dict[str, dict]:
     c_rows = [c for c in configs if c.part == "c"]
     if c_rows:
         costs: dict[str, float | None] = {}
+        paired: dict[str, float | None] = {}
         for c in c_rows:
             if "admission" not in c.label:
                 continue
@@ -735,10 +736,18 @@ def verdicts(configs: list[Config]) -> dict[str, dict]:
             costs[plain.label] = (
                 (c.median / plain.median - 1) * 100 if c.median and plain.median else None
             )
+            # The same round of both (neighbours in time): less drift than the medians'.
+            ratios = [
+                x.seconds / y.seconds
+                for x, y in zip(c.rounds, plain.rounds, strict=False)
+                if x.ok and y.ok
+            ]
+            paired[plain.label] = (statistics.median(ratios) - 1) * 100 if ratios else None
         measured = [v for v in costs.values() if v is not None]
         out["c"] = {
             "target": "admission costs at most 2 %",
             "cost_percent": costs,
+            "paired_cost_percent": paired,
             "met": (all(v <= 2.0 for v in measured) if len(measured) == len(costs) else None),
         }
     return out
@@ -801,7 +810,11 @@ def table(configs: list[Config], s: Setup, rounds: int) -> str:
             )
         else:
             figure = ", ".join(
-                f"{k}: {'-' if p is None else f'{p:+.1f} %'}" for k, p in v["cost_percent"].items()
+                f"{k}: {'-' if p is None else f'{p:+.1f} %'}"
+                + ("" if q is None else f" (per-round median {q:+.1f} %)")
+                for (k, p), q in zip(
+                    v["cost_percent"].items(), v["paired_cost_percent"].values(), strict=True
+                )
             )
         counted = sorted({len(c.rounds) for c in rows})
         lines.append(
