@@ -186,7 +186,9 @@ def torch_task(nbytes: int, host: bool, budget_end: int) -> int:
     import torch
 
     t = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
-    value = int(t.sum(dtype=torch.float64).item())  # .item() waits for the device
+    # The last element, read back, says the fill ran (.item() waits for the device). A sum
+    # would need a float64 copy as large again as the tensor (24 GiB for 12).
+    value = t.numel() if t[-1].item() == 1.0 else -1
     del t
     torch.cuda.empty_cache()
     return value
