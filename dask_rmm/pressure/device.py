@@ -179,12 +179,21 @@ class DevicePressure:
         spill ``nbytes`` with ``spill_on_oom``, else nothing; the bytes spilled."""
         if not self.spill_on_oom or self.busy() or self.never_fits(nbytes):
             return 0
-        return self.spill(nbytes)
+        # The cache asking frees its own blocks when this returns: not from inside its call.
+        return self.store.spill(nbytes, device=self.device)
 
     def spill(self, need: int | Callable[[], int]) -> int:
         """Spill least recently used values of this device adding up to ``need`` bytes (or
-        what ``need()`` says once this thread's turn to spill comes)."""
-        return self.store.spill(need, device=self.device)
+        what ``need()`` says once this thread's turn to spill comes).
+
+        A spilled array of a library cache frees its block into that cache, not into the
+        stack: the caches then give their free blocks back, so that the bytes spilled reach
+        the pool (left in CuPy's cache, a block is soon carved up by small arrays and pinned).
+        """
+        freed = self.store.spill(need, device=self.device)
+        if freed and self.cached_bytes():
+            caches.release_cached_by_library(self.device)
+        return freed
 
     def spill_until(
         self, attempt: Callable[[], int], request: int

@@ -102,6 +102,21 @@ def test_over_the_limit_counting_cached_blocks_the_caches_give_them_back(cache):
     check_buffer(wp.store["a"], 1)
 
 
+def test_values_spilled_to_the_limit_reach_the_pool_not_the_cache(cache):
+    """Spilling to ``device_memory_limit`` frees a cache's arrays into the cache: it gives the
+    blocks back to the pool at once, where the next large request finds them."""
+    with cached_array_type(cache) as CachedArray:
+        wp, top = pressure_stack(8 * MiB, maximum=64 * MiB, limit=3 * MiB)
+        wp.store["x-0"] = CachedArray(MiB)
+        wp.store["x-1"] = CachedArray(MiB)
+        wp.store["x-2"] = CachedArray(MiB)
+        releases = cache.releases
+        extra = patterned_buffer(MiB, 9)  # over the limit: the oldest spilled first
+        assert wp.metrics()[0].total_spilled_count >= 1
+        assert cache.releases > releases and cache.cached_bytes(0) == 0
+        check_buffer(extra, 9)
+
+
 def test_a_cache_growing_speculatively_is_refused_without_spilling(cache):
     wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
     wp.store["a"] = patterned_buffer(2 * MiB, 1)
