@@ -45,3 +45,22 @@ def test_an_example_runs_on_this_host_without_a_traceback(script, host_memory, t
     # without a GPU, and without being asked, it says it runs on host memory
     assert (NO_GPU_LINE in out.stdout) == (not HAS_GPU and not host_memory)
     assert any(p.suffix == ".png" for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_pytorch_breakdown_example_draws_the_libraries_or_says_what_it_needs(tmp_path):
+    """With a GPU, PyTorch and CuPy: the picture of docs/pytorch.md, each library's bytes in use
+    and held free. Elsewhere: one line naming what is missing, no traceback, status 0."""
+    import importlib.util
+
+    svg = tmp_path / "breakdown.svg"
+    out = _run("pytorch_breakdown.py", ["--svg", str(svg)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    complete = HAS_GPU and all(importlib.util.find_spec(m) for m in ("torch", "cupy"))
+    if not complete:
+        assert "it needs" in out.stdout and not svg.exists()
+        return
+    text = svg.read_text()
+    for part in ("torch in use", "torch cache free", "cupy in use", "outside dask-rmm"):
+        assert part in text, (part, out.stdout)
