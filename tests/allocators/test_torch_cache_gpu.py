@@ -30,6 +30,13 @@ def _torch_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _budget_child(*args: str, timeout: float = 240) -> dict:
+    """One of bench/torch_budget.py's children (``stress``, ``fill``): its result."""
+    return _run(
+        "", os.path.join(ROOT, "bench", "torch_budget.py"), "--child", *args, timeout=timeout
+    )
+
+
 def _run(code: str, *args: str, timeout: float = 240) -> dict:
     if not _torch_cuda():
         pytest.skip("torch with CUDA is not installed")
@@ -147,10 +154,7 @@ def test_the_exact_paths_private_pytorch_name_is_still_there():
 
 
 def test_eight_threads_of_stress_neither_deadlock_nor_pass_the_maximum():
-    out = _run(
-        "",
-        os.path.join(ROOT, "bench", "torch_budget.py"),
-        "--child",
+    out = _budget_child(
         "stress",
         "--stress",
         "15",
@@ -215,10 +219,7 @@ def test_each_library_filled_past_the_maximum_stops_at_it_and_the_error_says_why
     pytest.importorskip("numba")
     maximum = 2 << 30
     for _attempt in range(4):
-        out = _run(
-            "",
-            os.path.join(ROOT, "bench", "torch_budget.py"),
-            "--child",
+        out = _budget_child(
             "fill",
             "--maximum",
             str(maximum),
