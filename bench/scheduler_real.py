@@ -46,30 +46,41 @@ _FETCH = (
 
 
 class IdleComm:
-    """The comm ``add_worker`` keeps for a worker's stream: never a message, writes dropped."""
+    """The comm ``add_worker`` keeps for a worker's stream: never a message, writes dropped.
+    Its read ends (as a closed comm's) only on :meth:`end`, which the bench calls once the
+    scheduler has closed: ending the reads of a running scheduler would remove the workers one
+    at a time, and distributed tells each remaining worker of each removal (n**2 / 2 messages,
+    50 M at 10,000 workers, more than this host's memory)."""
 
     name = "bench"
     peer_address = local_address = "tcp://127.0.0.1:0"
 
     def __init__(self) -> None:
-        self._never = asyncio.Event()
+        self._ended = asyncio.Event()
+        self._closed = False
 
     async def read(self, deserializers=None):
+        from distributed.comm.core import CommClosedError
+
         del deserializers
-        await self._never.wait()
+        await self._ended.wait()
+        raise CommClosedError("the bench ended")
+
+    def end(self) -> None:
+        self._ended.set()
 
     async def write(self, msg, serializers=None, on_error=None) -> int:
         del serializers, on_error  # distributed passes them by name; nothing is written
         return 0
 
     def closed(self) -> bool:
-        return self._never.is_set()
+        return self._closed
 
     def abort(self) -> None:
-        pass
+        self._closed = True
 
     async def close(self) -> None:
-        pass
+        self._closed = True
 
 
 class TickProbe:
@@ -106,6 +117,7 @@ class Cluster:
         self.previous: dict[int, bytes] = {}
         self.sent = 0
         self.comms: list[IdleComm] = []
+        self.handlers: list[asyncio.Task] = []  # asyncio keeps only weak references
 
     async def add_all(self) -> None:
         from distributed.versions import get_versions
@@ -113,17 +125,17 @@ class Cluster:
         versions = get_versions()
         handler = self.s.handlers["register-worker"]
         for i, address in enumerate(self.addresses):
-            comm = IdleComm()
-            self.comms.append(comm)
-            asyncio.get_running_loop().create_task(
+            self.comms.append(IdleComm())
+            task = asyncio.get_running_loop().create_task(
                 handler(
-                    comm, address=address, status="running", server_id=f"bench-{i}",
+                    self.comms[-1], address=address, status="running", server_id=f"bench-{i}",
                     nthreads=1, name=f"w{i}", now=time.time(), resources={},
                     memory_limit=0, metrics=dict(self.base), services={},
                     local_directory="/tmp", versions=versions, nanny="", extra={},
                     stimulus_id=f"bench-add-{i}",
                 )
             )  # fmt: skip
+            self.handlers.append(task)
             if i % 100 == 99:
                 await asyncio.sleep(0)
         while len(self.s.workers) < len(self.addresses):
@@ -323,8 +335,9 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
             )
         )
         rows.append(("adding the workers", f"{added:.1f} s"))
-        for comm in cluster.comms:
-            comm._never.set()
+    for comm in cluster.comms:  # the scheduler is closed: it removes no worker now
+        comm.end()
+    await asyncio.gather(*cluster.handlers)
     return rows
 
 

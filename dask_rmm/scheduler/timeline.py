@@ -128,6 +128,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.poll_interval = poll_interval
         self.scheduler: Scheduler | None = None
         self._records: dict[str, _WorkerRecord] = {}
+        # The departed records (also in _records), oldest first: what a worker's arrival and
+        # departure look through (at most keep_gone + 1, not every worker).
+        self._gone: dict[str, _WorkerRecord] = {}
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
         # Sized from the options in start (the config is the scheduler's).
@@ -239,8 +242,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         for row in rec.rows.values():
             self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
-        gone = [a for a, r in self._records.items() if r.status == "gone"]
-        for address in gone[: max(0, len(gone) - (self.keep_gone or 0))]:
+        self._gone[worker] = rec
+        while len(self._gone) > (self.keep_gone or 0):
+            address = next(iter(self._gone))
+            del self._gone[address]
             self._forget(self._records.pop(address))
 
     def _forget(self, rec: _WorkerRecord) -> None:
@@ -385,14 +390,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         left before (a nanny restart, ``client.restart()``), the departed one continued, so
         its history and peak stay in the report."""
         name = str(ws.name)
-        for address, old in list(self._records.items()):
-            if old.status == "gone" and (old.name == name or address == ws.address):
-                del self._records[address]
+        for address, old in list(self._gone.items()):
+            if old.name == name or address == ws.address:
+                del self._records[address], self._gone[address]
                 for dev, peak in _device_peaks(old.metrics).items():
                     old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
                 old.metrics = old.raw = None
+                stale = self._gone.pop(ws.address, None)  # another name that left from here
+                if stale is not None:
+                    self._forget(self._records.pop(ws.address))
                 self._records[ws.address] = old
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
