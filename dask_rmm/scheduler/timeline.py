@@ -24,7 +24,14 @@ from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
 from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, unmeasured_fields
+from dask_rmm.wire import (
+    METRICS_KEY,
+    METRICS_VERSION,
+    PLUGIN_NAME,
+    READS_VERSION_KEYS,
+    REPORT_HANDLER,
+    unmeasured_fields,
+)
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -174,6 +181,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return await plugin.report_async(request, "json-bytes")
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
+        # Workers send the newest heartbeat version this scheduler reads (an earlier dask-rmm
+        # announces none, and its workers then send the version it reads).
+        scheduler.set_metadata(keys=list(READS_VERSION_KEYS), value=METRICS_VERSION)
         http.install_routes(scheduler)
         try:  # on prometheus_client's default registry: what /metrics serves
             from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector
