@@ -266,55 +266,58 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         )
         rows.append(("poller share of the loop", f"{spent['tick'] / wall * 100:.2f} %"))
 
-        url = f"http://127.0.0.1:{s.http_server.port}/"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if not args.no_routes:
+            url = f"http://127.0.0.1:{s.http_server.port}/"
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
 
-        async def fetch(path: str) -> tuple[int, float]:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
-            )
-            out, _ = await proc.communicate()
-            size, seconds = out.split()
-            return int(size), float(seconds)
-
-        async def cli() -> tuple[int, float]:
-            start = time.perf_counter()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300",
-                stdout=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
-            out, _ = await proc.communicate()
-            assert proc.returncode == 0
-            return len(out), time.perf_counter() - start
-
-        for label, run in (
-            ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
-            ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
-            ("/metrics (Prometheus)", lambda: fetch("metrics")),
-            ("dask rmm report (CLI)", cli),
-        ):
-            worst = answer = 0.0
-            size = 0
-            for _ in range(args.repeat):
-                await asyncio.sleep(0.2)
-                probe.worst = 0.0
-                size, seconds = await run()
-                worst, answer = max(worst, probe.worst), max(answer, seconds)
-            rows.append(
-                (
-                    label,
-                    f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
-                    f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+            async def fetch(path: str) -> tuple[int, float]:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
                 )
-            )
-        collector = plugin._collector
-        if collector is not None:  # dask-rmm's part of /metrics, on the loop
-            worst = 0.0
-            for _ in range(args.repeat):
+                out, _ = await proc.communicate()
+                size, seconds = out.split()
+                return int(size), float(seconds)
+
+            async def cli() -> tuple[int, float]:
                 start = time.perf_counter()
-                list(collector.collect())
-                worst = max(worst, time.perf_counter() - start)
-            rows.append(("dask-rmm's Prometheus collector alone", f"{worst * 1e3:.1f} ms worst"))
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300",
+                    stdout=asyncio.subprocess.PIPE, env=env,
+                )  # fmt: skip
+                out, _ = await proc.communicate()
+                assert proc.returncode == 0
+                return len(out), time.perf_counter() - start
+
+            for label, run in (
+                ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
+                ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
+                ("/metrics (Prometheus)", lambda: fetch("metrics")),
+                ("dask rmm report (CLI)", cli),
+            ):
+                worst = answer = 0.0
+                size = 0
+                for _ in range(args.repeat):
+                    await asyncio.sleep(0.2)
+                    probe.worst = 0.0
+                    size, seconds = await run()
+                    worst, answer = max(worst, probe.worst), max(answer, seconds)
+                rows.append(
+                    (
+                        label,
+                        f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
+                        f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+                    )
+                )
+            collector = plugin._collector
+            if collector is not None:  # dask-rmm's part of /metrics, on the loop
+                worst = 0.0
+                for _ in range(args.repeat):
+                    start = time.perf_counter()
+                    list(collector.collect())
+                    worst = max(worst, time.perf_counter() - start)
+                rows.append(
+                    ("dask-rmm's Prometheus collector alone", f"{worst * 1e3:.1f} ms worst")
+                )
         stop.set()
         await driver
         probe.task.cancel()
@@ -347,6 +350,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=3600, help="timeline points per device")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats timed")
     ap.add_argument("--repeat", type=int, default=3, help="fetches of each route")
+    ap.add_argument("--no-routes", action="store_true", help="heartbeats only: fetch no route")
     args = ap.parse_args()
     import logging
 
