@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,10 @@ class Cluster:
         }
         self.previous[i] = new if not fill else b""
         metrics = dict(self.base)
-        metrics[METRICS_KEY] = heartbeat(f"w{i}", now, devices)
+        # As distributed's comm delivers it (msgpack, sequences as tuples).
+        metrics[METRICS_KEY] = msgpack.unpackb(
+            msgpack.packb(heartbeat(f"w{i}", now, devices), use_bin_type=True), use_list=False
+        )
         self.s.handlers["heartbeat_worker"](address=self.addresses[i], metrics=metrics)
         self.sent += 1
 
