@@ -1,7 +1,8 @@
 """dask-rmm's scheduler side at scale on a real ``distributed.Scheduler``: simulated workers added
-through the scheduler's real ``add_worker`` handler, heartbeats through its real
-``heartbeat_worker`` handler at the rate distributed spaces them for that many workers, the
-plugin's own 0.1 s poller running, timelines of ``--length`` points filled before timing.
+through the scheduler's real ``add_worker`` handler, heartbeats (as distributed's comm delivers
+them: through msgpack, sequences as tuples) through its real ``heartbeat_worker`` handler at the
+rate distributed spaces them for that many workers, the plugin's own 0.1 s poller running,
+timelines of ``--length`` points filled before timing.
 
 Reported per size (workers x devices), the worst over every repetition (never the best):
 
@@ -14,6 +15,7 @@ Reported per size (workers x devices), the worst over every repetition (never th
   process's resident memory per device.
 
     python bench/scheduler_real.py [--sizes 2000x8,10000x1] [--length 3600] [--seconds 20]
+        [--repeat 3] [--no-routes]
 
 Numbers vary with the machine and its load (tests never assert on time).
 """
