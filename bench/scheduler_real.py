@@ -1,7 +1,8 @@
 """dask-rmm's scheduler side at scale on a real ``distributed.Scheduler``: simulated workers added
-through the scheduler's real ``add_worker`` handler, heartbeats through its real
-``heartbeat_worker`` handler at the rate distributed spaces them for that many workers, the
-plugin's own 0.1 s poller running, timelines of ``--length`` points filled before timing.
+through the scheduler's real ``add_worker`` handler, heartbeats (as distributed's comm delivers
+them: through msgpack, sequences as tuples) through its real ``heartbeat_worker`` handler at the
+rate distributed spaces them for that many workers, the plugin's own 0.1 s poller running,
+timelines of ``--length`` points filled before timing.
 
 Reported per size (workers x devices), the worst over every repetition (never the best):
 
@@ -14,6 +15,7 @@ Reported per size (workers x devices), the worst over every repetition (never th
   process's resident memory per device.
 
     python bench/scheduler_real.py [--sizes 2000x8,10000x1] [--length 3600] [--seconds 20]
+        [--repeat 3] [--no-routes]
 
 Numbers vary with the machine and its load (tests never assert on time).
 """
@@ -29,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,30 +49,41 @@ _FETCH = (
 
 
 class IdleComm:
-    """The comm ``add_worker`` keeps for a worker's stream: never a message, writes dropped."""
+    """The comm ``add_worker`` keeps for a worker's stream: never a message, writes dropped.
+    Its read ends (as a closed comm's) only on :meth:`end`, which the bench calls once the
+    scheduler has closed: ending the reads of a running scheduler would remove the workers one
+    at a time, and distributed tells each remaining worker of each removal (n**2 / 2 messages,
+    50 M at 10,000 workers, more than this host's memory)."""
 
     name = "bench"
     peer_address = local_address = "tcp://127.0.0.1:0"
 
     def __init__(self) -> None:
-        self._never = asyncio.Event()
+        self._ended = asyncio.Event()
+        self._closed = False
 
     async def read(self, deserializers=None):
+        from distributed.comm.core import CommClosedError
+
         del deserializers
-        await self._never.wait()
+        await self._ended.wait()
+        raise CommClosedError("the bench ended")
+
+    def end(self) -> None:
+        self._ended.set()
 
     async def write(self, msg, serializers=None, on_error=None) -> int:
         del serializers, on_error  # distributed passes them by name; nothing is written
         return 0
 
     def closed(self) -> bool:
-        return self._never.is_set()
+        return self._closed
 
     def abort(self) -> None:
-        pass
+        self._closed = True
 
     async def close(self) -> None:
-        pass
+        self._closed = True
 
 
 class TickProbe:
@@ -106,6 +120,7 @@ class Cluster:
         self.previous: dict[int, bytes] = {}
         self.sent = 0
         self.comms: list[IdleComm] = []
+        self.handlers: list[asyncio.Task] = []  # asyncio keeps only weak references
 
     async def add_all(self) -> None:
         from distributed.versions import get_versions
@@ -113,17 +128,17 @@ class Cluster:
         versions = get_versions()
         handler = self.s.handlers["register-worker"]
         for i, address in enumerate(self.addresses):
-            comm = IdleComm()
-            self.comms.append(comm)
-            asyncio.get_running_loop().create_task(
+            self.comms.append(IdleComm())
+            task = asyncio.get_running_loop().create_task(
                 handler(
-                    comm, address=address, status="running", server_id=f"bench-{i}",
+                    self.comms[-1], address=address, status="running", server_id=f"bench-{i}",
                     nthreads=1, name=f"w{i}", now=time.time(), resources={},
                     memory_limit=0, metrics=dict(self.base), services={},
                     local_directory="/tmp", versions=versions, nanny="", extra={},
                     stimulus_id=f"bench-add-{i}",
                 )
             )  # fmt: skip
+            self.handlers.append(task)
             if i % 100 == 99:
                 await asyncio.sleep(0)
         while len(self.s.workers) < len(self.addresses):
@@ -142,7 +157,10 @@ class Cluster:
         }
         self.previous[i] = new if not fill else b""
         metrics = dict(self.base)
-        metrics[METRICS_KEY] = heartbeat(f"w{i}", now, devices)
+        # As distributed's comm delivers it (msgpack, sequences as tuples).
+        metrics[METRICS_KEY] = msgpack.unpackb(
+            msgpack.packb(heartbeat(f"w{i}", now, devices), use_bin_type=True), use_list=False
+        )
         self.s.handlers["heartbeat_worker"](address=self.addresses[i], metrics=metrics)
         self.sent += 1
 
@@ -254,55 +272,58 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         )
         rows.append(("poller share of the loop", f"{spent['tick'] / wall * 100:.2f} %"))
 
-        url = f"http://127.0.0.1:{s.http_server.port}/"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if not args.no_routes:
+            url = f"http://127.0.0.1:{s.http_server.port}/"
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
 
-        async def fetch(path: str) -> tuple[int, float]:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
-            )
-            out, _ = await proc.communicate()
-            size, seconds = out.split()
-            return int(size), float(seconds)
-
-        async def cli() -> tuple[int, float]:
-            start = time.perf_counter()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300",
-                stdout=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
-            out, _ = await proc.communicate()
-            assert proc.returncode == 0
-            return len(out), time.perf_counter() - start
-
-        for label, run in (
-            ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
-            ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
-            ("/metrics (Prometheus)", lambda: fetch("metrics")),
-            ("dask rmm report (CLI)", cli),
-        ):
-            worst = answer = 0.0
-            size = 0
-            for _ in range(args.repeat):
-                await asyncio.sleep(0.2)
-                probe.worst = 0.0
-                size, seconds = await run()
-                worst, answer = max(worst, probe.worst), max(answer, seconds)
-            rows.append(
-                (
-                    label,
-                    f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
-                    f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+            async def fetch(path: str) -> tuple[int, float]:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
                 )
-            )
-        collector = plugin._collector
-        if collector is not None:  # dask-rmm's part of /metrics, on the loop
-            worst = 0.0
-            for _ in range(args.repeat):
+                out, _ = await proc.communicate()
+                size, seconds = out.split()
+                return int(size), float(seconds)
+
+            async def cli() -> tuple[int, float]:
                 start = time.perf_counter()
-                list(collector.collect())
-                worst = max(worst, time.perf_counter() - start)
-            rows.append(("dask-rmm's Prometheus collector alone", f"{worst * 1e3:.1f} ms worst"))
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300",
+                    stdout=asyncio.subprocess.PIPE, env=env,
+                )  # fmt: skip
+                out, _ = await proc.communicate()
+                assert proc.returncode == 0
+                return len(out), time.perf_counter() - start
+
+            for label, run in (
+                ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
+                ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
+                ("/metrics (Prometheus)", lambda: fetch("metrics")),
+                ("dask rmm report (CLI)", cli),
+            ):
+                worst = answer = 0.0
+                size = 0
+                for _ in range(args.repeat):
+                    await asyncio.sleep(0.2)
+                    probe.worst = 0.0
+                    size, seconds = await run()
+                    worst, answer = max(worst, probe.worst), max(answer, seconds)
+                rows.append(
+                    (
+                        label,
+                        f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
+                        f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+                    )
+                )
+            collector = plugin._collector
+            if collector is not None:  # dask-rmm's part of /metrics, on the loop
+                worst = 0.0
+                for _ in range(args.repeat):
+                    start = time.perf_counter()
+                    list(collector.collect())
+                    worst = max(worst, time.perf_counter() - start)
+                rows.append(
+                    ("dask-rmm's Prometheus collector alone", f"{worst * 1e3:.1f} ms worst")
+                )
         stop.set()
         await driver
         probe.task.cancel()
@@ -323,8 +344,9 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
             )
         )
         rows.append(("adding the workers", f"{added:.1f} s"))
-        for comm in cluster.comms:
-            comm._never.set()
+    for comm in cluster.comms:  # the scheduler is closed: it removes no worker now
+        comm.end()
+    await asyncio.gather(*cluster.handlers)
     return rows
 
 
@@ -334,6 +356,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=3600, help="timeline points per device")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats timed")
     ap.add_argument("--repeat", type=int, default=3, help="fetches of each route")
+    ap.add_argument("--no-routes", action="store_true", help="heartbeats only: fetch no route")
     args = ap.parse_args()
     import logging
 

@@ -27,7 +27,12 @@ from dask_rmm.scheduler.setup_vote import SetupCoordinator
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
 from dask_rmm.worker.fatal import WORKER_LOGGER, stop_worker
-from dask_rmm.worker.metrics import WorkerMetrics, add_periodic, remove_periodic
+from dask_rmm.worker.metrics import (
+    WorkerMetrics,
+    add_periodic,
+    remove_periodic,
+    scheduler_reads_version,
+)
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
 
@@ -294,6 +299,8 @@ class RMMPlugin(WorkerPlugin):
                 worker.address,
                 exc_info=True,
             )
+        # The heartbeat format the scheduler reads (an earlier dask-rmm reads version 2 only).
+        self.worker_metrics.heartbeat_version = await scheduler_reads_version(worker)
 
     def _hint(self, e: Exception) -> str:
         """``e``'s message; a missing GPU names the form the user typed to use host memory."""

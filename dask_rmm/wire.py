@@ -19,12 +19,14 @@ __all__ = [
     "METRICS_KEY",
     "METRICS_VERSION",
     "PLUGIN_NAME",
+    "READS_VERSION_KEYS",
     "REPORT_HANDLER",
     "REPORT_VERSION",
     "SAMPLE_FIELDS",
     "SAMPLE_STRUCT",
     "NOT_MEASURED_WITHOUT_A_POOL",
     "STATISTICS_ONLY",
+    "UNANNOUNCED_VERSION",
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
@@ -64,6 +66,12 @@ METRICS_KEY = "dask-rmm"
 #: Version of the heartbeat dict; readers ignore the fields they do not know. Version 3 sends
 #: ``samples`` packed (:func:`pack_samples`); readers still take version 2's list of lists.
 METRICS_VERSION = 3
+#: The version a worker sends when the scheduler announces none (:data:`READS_VERSION_KEYS`):
+#: what the scheduler plugin of dask-rmm before the announcement reads (samples as lists).
+UNANNOUNCED_VERSION = 2
+#: Where the scheduler plugin announces the newest heartbeat version it reads: keys of
+#: distributed's scheduler metadata (``Scheduler.set_metadata`` / the ``get_metadata`` handler).
+READS_VERSION_KEYS = ("dask-rmm", "reads-heartbeat-version")
 #: Version of the report document (``ClusterMemoryReport.to_dict``, report.json, ``--json``).
 REPORT_VERSION = 2
 #: Name of the scheduler plugin that keeps the timelines (its key in ``Scheduler.plugins``).
@@ -365,12 +373,27 @@ COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
 
 
 def heartbeat(
-    worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]
+    worker: str | int,
+    time: float,
+    devices: Mapping[str, dict[str, Any]],
+    version: int = METRICS_VERSION,
 ) -> dict[str, Any]:
     """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
     ``samples`` (the ``SAMPLE_FIELDS`` rows of the previous and this heartbeat, packed by
-    :func:`pack_samples`)."""
-    return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
+    :func:`pack_samples`). With ``version=2`` (for a scheduler that reads no newer,
+    :data:`UNANNOUNCED_VERSION`) the samples are ``[time, current, max]`` lists instead."""
+    if version not in (UNANNOUNCED_VERSION, METRICS_VERSION):
+        raise ValueError(
+            f"heartbeat version must be {UNANNOUNCED_VERSION} or {METRICS_VERSION}, got {version!r}"
+        )
+    if version == UNANNOUNCED_VERSION:
+        devices = {
+            dev: {**d, "samples": unpack_samples(d["samples"])}
+            if isinstance(d.get("samples"), bytes)
+            else d
+            for dev, d in devices.items()
+        }
+    return {"version": version, "time": time, "worker": worker, "devices": dict(devices)}
 
 
 def pack_samples(rows: Sequence[Sequence[float]]) -> bytes:

@@ -68,14 +68,14 @@ class ClusterTotal:
         self.coarse = coarse
         #: The largest final sum of the devices' ``max_bytes_in_interval`` (0: none yet).
         self.peak = 0
-        # Per row: the latest (current, max) arrived (lists: read one at a time per chunk).
-        self._latest_c: list[int] = []
-        self._latest_m: list[int] = []
-        # Per row: newest sample time arrived, and whether it runs (lists: set one at a time).
-        self._newest: list[float] = []
-        self._running: list[bool] = []
-        #: Per row: the largest max_bytes_in_interval arrived (numpy: updated a batch at a time).
+        # Per row (numpy, read and updated a batch at a time; grown by doubling): the latest
+        # (current, max) arrived, the largest max_bytes_in_interval arrived, the newest sample
+        # time arrived and whether it runs.
+        self._latest_c = np.zeros(16, np.int64)
+        self._latest_m = np.zeros(16, np.int64)
         self._row_peak = np.zeros(16, np.int64)
+        self._newest = np.full(16, -np.inf)
+        self._running = np.zeros(16, bool)
         self._n = 0  # rows ever made
         self._free: list[int] = []
         self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
@@ -91,16 +91,19 @@ class ClusterTotal:
             row = self._free.pop()
         else:
             row, self._n = self._n, self._n + 1
-            self._latest_c.append(0)
-            self._latest_m.append(0)
-            self._newest.append(float("-inf"))
-            self._running.append(False)
             if row == len(self._row_peak):
-                self._row_peak = np.concatenate([self._row_peak, np.zeros(row, np.int64)])
+                self._grow()
+        self._latest_c[row] = self._latest_m[row] = 0
         self._row_peak[row] = 0
         self._newest[row] = float("-inf")
         self._running[row] = True
         return row
+
+    def _grow(self) -> None:
+        for name in ("_latest_c", "_latest_m", "_row_peak", "_newest", "_running"):
+            a = getattr(self, name)
+            fill = -np.inf if name == "_newest" else 0
+            setattr(self, name, np.concatenate([a, np.full(len(a), fill, a.dtype)]))
 
     @property
     def rows(self) -> int:
@@ -117,8 +120,8 @@ class ClusterTotal:
     def stop(self, row: int) -> None:
         """The row's device is gone: it counts 0 from just after its newest sample."""
         self._take_chunks()
-        newest = self._newest[row]
-        c, m = self._latest_c[row], self._latest_m[row]
+        newest = float(self._newest[row])
+        c, m = int(self._latest_c[row]), int(self._latest_m[row])
         if newest > float("-inf") and (c or m):
             zero = np.zeros(1, _CHANGE)
             zero["t"], zero["c"], zero["m"] = np.nextafter(newest, np.inf), -c, -m
@@ -141,35 +144,43 @@ class ClusterTotal:
         chunks, self._chunks = self._chunks, []
         if not chunks:
             return
-        if self.rows > self.exact_rows:
-            chunks = _coarsen(chunks, self.coarse)
-        blob = b"".join(b for _, b in chunks)
-        raw = np.frombuffer(blob, np.int64).reshape(-1, 3)  # time bits, current, max
-        # Within a chunk, each sample changes the sum by its difference to the one before;
-        # a chunk's first sample by its difference to its row's latest (from the chunk
-        # before, maybe in this same batch: hence one pass over the chunks in order).
-        latest_c, latest_m = self._latest_c, self._latest_m
-        first_c, first_m, starts, starts_n = [], [], [], []
-        start = 0
-        unpack = SAMPLE_STRUCT.unpack_from
-        for row, b in chunks:
-            starts.append(start)
-            first_c.append(latest_c[row])
-            first_m.append(latest_m[row])
-            _, latest_c[row], latest_m[row] = unpack(b, len(b) - SAMPLE_STRUCT.size)
-            starts_n.append(len(b) // SAMPLE_STRUCT.size)
-            start += starts_n[-1]
-        # Each chunk's largest max_bytes_in_interval, then each row's (a row may have chunks
-        # of several heartbeats here).
         rows = np.fromiter((r for r, _ in chunks), np.int64, len(chunks))
-        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(raw[:, 2], starts))
-        values = raw[:, 1:]
-        previous = np.empty_like(values)
-        previous[1:] = values[:-1]
-        previous[starts, 0], previous[starts, 1] = first_c, first_m
+        if self.rows > self.exact_rows:
+            raw, counts = _coarsen(chunks, self.coarse)
+        else:
+            raw = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
+            counts = np.fromiter((len(b) for _, b in chunks), np.int64, len(chunks))
+            counts //= SAMPLE_STRUCT.size
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        ends -= 1
+        c, m = raw["c"], raw["m"]
+        # Within a chunk, each sample changes the sum by its difference to the one before; a
+        # chunk's first sample by its difference to its row's latest: the chunk before of the
+        # same row in this batch (a row may have chunks of several heartbeats here), else the
+        # row's latest from earlier batches.
+        order = np.argsort(rows, kind="stable")
+        by_row = rows[order]
+        follows = np.zeros(len(chunks), bool)  # in ``order``: the row's chunk before is here
+        follows[1:] = by_row[1:] == by_row[:-1]
+        before = np.empty(len(chunks), np.int64)  # in ``order``: that chunk's last sample
+        before[1:] = ends[order[:-1]]
+        first_c = self._latest_c[by_row]
+        first_m = self._latest_m[by_row]
+        first_c[follows] = c[before[follows]]
+        first_m[follows] = m[before[follows]]
+        last = np.ones(len(chunks), bool)  # in ``order``: the row's last chunk here
+        last[:-1] = ~follows[1:]
+        self._latest_c[by_row[last]] = c[ends[order[last]]]
+        self._latest_m[by_row[last]] = m[ends[order[last]]]
+        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(m, starts))
+        previous_c = np.empty_like(c)
+        previous_m = np.empty_like(m)
+        previous_c[1:], previous_m[1:] = c[:-1], m[:-1]
+        previous_c[starts[order]], previous_m[starts[order]] = first_c, first_m
         change = np.empty(len(raw), _CHANGE)
-        change["t"] = raw[:, 0].view(np.float64)
-        change["c"], change["m"] = (values - previous).T
+        change["t"] = raw["t"]
+        change["c"], change["m"] = c - previous_c, m - previous_m
         self._waiting.append(change[np.argsort(change["t"], kind="stable")])
 
     def advance(self, now: float) -> None:
@@ -177,7 +188,7 @@ class ClusterTotal:
         if not self._chunks and not self._waiting:
             return
         self._take_chunks()
-        newest = np.array(self._newest)[np.array(self._running, bool)]
+        newest = self._newest[: self._n][self._running[: self._n]]
         newest = newest[np.isfinite(newest)]
         watermark = float(newest.min()) if len(newest) else float("inf")
         watermark = max(watermark, now - self.max_lag)
@@ -242,9 +253,10 @@ def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> n
     return points
 
 
-def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> list[tuple[int, bytes]]:
+def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> tuple[np.ndarray, np.ndarray]:
     """Each chunk's samples a ``seconds`` bucket at a time: the bucket's last time and current
-    bytes, its largest ``max_bytes_in_interval`` (one numpy pass over all chunks)."""
+    bytes, its largest ``max_bytes_in_interval`` (one numpy pass over all chunks). Returns the
+    samples, chunk after chunk, and how many each chunk has."""
     a = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
     counts = np.fromiter((len(b) // SAMPLE_STRUCT.size for _, b in chunks), np.int64, len(chunks))
     chunk = np.repeat(np.arange(len(chunks)), counts)
@@ -256,10 +268,7 @@ def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> list[tuple[int,
     out = np.empty(len(starts), SAMPLE_DTYPE)
     out["t"], out["c"] = a["t"][ends], a["c"][ends]
     out["m"] = np.maximum.reduceat(a["m"], starts)
-    data = out.tobytes()
-    at = np.r_[0, np.cumsum(np.bincount(chunk[starts], minlength=len(chunks)))]
-    at *= SAMPLE_STRUCT.size
-    return [(row, data[at[i] : at[i + 1]]) for i, (row, _) in enumerate(chunks)]
+    return out, np.bincount(chunk[starts], minlength=len(chunks))
 
 
 def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:

@@ -24,7 +24,14 @@ from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
 from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, unmeasured_fields
+from dask_rmm.wire import (
+    METRICS_KEY,
+    METRICS_VERSION,
+    PLUGIN_NAME,
+    READS_VERSION_KEYS,
+    REPORT_HANDLER,
+    unmeasured_fields,
+)
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -128,6 +135,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.poll_interval = poll_interval
         self.scheduler: Scheduler | None = None
         self._records: dict[str, _WorkerRecord] = {}
+        # The departed records (also in _records), oldest first: what a worker's arrival and
+        # departure look through (at most keep_gone + 1, not every worker).
+        self._gone: dict[str, _WorkerRecord] = {}
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
         # Sized from the options in start (the config is the scheduler's).
@@ -171,6 +181,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return await plugin.report_async(request, "json-bytes")
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
+        # Workers send the newest heartbeat version this scheduler reads (an earlier dask-rmm
+        # announces none, and its workers then send the version it reads).
+        scheduler.set_metadata(keys=list(READS_VERSION_KEYS), value=METRICS_VERSION)
         http.install_routes(scheduler)
         try:  # on prometheus_client's default registry: what /metrics serves
             from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector
@@ -239,8 +252,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         for row in rec.rows.values():
             self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
-        gone = [a for a, r in self._records.items() if r.status == "gone"]
-        for address in gone[: max(0, len(gone) - (self.keep_gone or 0))]:
+        self._gone[worker] = rec
+        while len(self._gone) > (self.keep_gone or 0):
+            address = next(iter(self._gone))
+            del self._gone[address]
             self._forget(self._records.pop(address))
 
     def _forget(self, rec: _WorkerRecord) -> None:
@@ -385,14 +400,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         left before (a nanny restart, ``client.restart()``), the departed one continued, so
         its history and peak stay in the report."""
         name = str(ws.name)
-        for address, old in list(self._records.items()):
-            if old.status == "gone" and (old.name == name or address == ws.address):
-                del self._records[address]
+        for address, old in list(self._gone.items()):
+            if old.name == name or address == ws.address:
+                del self._records[address], self._gone[address]
                 for dev, peak in _device_peaks(old.metrics).items():
                     old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
                 old.metrics = old.raw = None
+                stale = self._gone.pop(ws.address, None)  # another name that left from here
+                if stale is not None:
+                    self._forget(self._records.pop(ws.address))
                 self._records[ws.address] = old
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)

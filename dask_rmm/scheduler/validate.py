@@ -16,6 +16,7 @@ import math
 import operator
 import reprlib
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -59,7 +60,8 @@ _ints_of = operator.itemgetter(*_INTS)
 _floats_of = operator.itemgetter(*_FLOATS, *_FLOATS)  # a tuple even for one field
 _strs_of = operator.itemgetter(*_STRS)
 _INT, _STR, _NUMBER = {int}, {str}, {int, float}
-_SEQUENCE, _THREE = {list, tuple}, {3}
+_SEQUENCE, _THREE, _DICT = {list, tuple}, {3}, {dict}
+_BLOBS = {bytes, type(None)}
 _RECORD = SAMPLE_STRUCT.size
 
 
@@ -98,6 +100,15 @@ def check_metrics(m: Any, now: float) -> Checked:
         problems.append(f"heartbeat time {_short(sent)} is not a time up to now; taken as now")
     devices: dict[str, Mapping] = {}
     samples: list[tuple[str, bytes]] = []
+    if _all_well_formed(raw):  # what a worker of this version sends: checked in bulk
+        blobs = [d.get("samples") for d in raw.values()]
+        if set(map(type, blobs)) <= _BLOBS and all(len(b) % _RECORD == 0 for b in blobs if b):
+            samples = [(dev, b) for dev, b in zip(raw, blobs, strict=True) if b]
+            if not samples or max(len(b) for _, b in samples) <= MAX_SAMPLES * _RECORD:
+                raw = {}
+                devices = dict(m["devices"])
+            else:
+                samples = []
     for dev, d in raw.items():
         if len(devices) == MAX_DEVICES:
             problems.append(f"{len(raw)} devices: only the first {MAX_DEVICES} kept")
@@ -123,6 +134,46 @@ def check_metrics(m: Any, now: float) -> Checked:
     out = dict(m)
     out["version"], out["time"], out["devices"] = version, t, devices
     return Checked(out, samples, problems)
+
+
+def _all_well_formed(devices: Mapping) -> bool:
+    """:func:`_well_formed` for every device of a heartbeat at once (ids short str, entries
+    dicts), a few C calls for all of them."""
+    if not 0 < len(devices) <= MAX_DEVICES or set(map(type, devices)) != _STR:
+        return False
+    if not 0 < min(map(len, devices)) or max(map(len, devices)) > 64:
+        return False
+    ds = list(devices.values())
+    if set(map(type, ds)) != _DICT:
+        return False
+    try:
+        ints = list(chain.from_iterable(map(_ints_of, ds)))
+        floats = list(chain.from_iterable(map(_floats_of, ds)))
+        strs = list(chain.from_iterable(map(_strs_of, ds)))
+    except KeyError:  # an older producer: some fields missing
+        return False
+    errors = [e for d in ds if (e := d.get("error")) is not None]
+    groups = [g for d in ds if (g := d.get("task_groups"))]
+    return (
+        set(map(type, ints)) == _INT
+        and -MAX_BYTES <= min(ints)
+        and max(ints) <= MAX_BYTES
+        and set(map(type, floats)) <= _NUMBER
+        and 0 <= min(floats)
+        and math.isfinite(sum(floats))
+        and set(map(type, strs)) == _STR
+        and max(map(len, strs)) <= MAX_TEXT
+        and (not errors or (set(map(type, errors)) == _STR and max(map(len, errors)) <= MAX_TEXT))
+        and (
+            not groups
+            or (
+                set(map(type, groups)) <= _SEQUENCE
+                and max(map(len, groups)) <= MAX_TASK_GROUPS
+                and _groups_ok(list(chain.from_iterable(groups)), len(ds) * MAX_TASK_GROUPS)
+            )
+        )
+        and not any(d.get("oom_events") for d in ds)
+    )
 
 
 def _well_formed(d: Mapping) -> bool:
@@ -195,9 +246,10 @@ def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> Mapp
     return out
 
 
-def _groups_ok(groups: Any) -> bool:
-    """Task groups all ``[str, int, int]`` in bounds (a few C calls, not a loop)."""
-    if type(groups) is not list or len(groups) > MAX_TASK_GROUPS:
+def _groups_ok(groups: Any, most: int = MAX_TASK_GROUPS) -> bool:
+    """Task groups all ``[str, int, int]`` in bounds, at most ``most`` (a few C calls, not a
+    loop)."""
+    if type(groups) not in _SEQUENCE or len(groups) > most:
         return False
     if not set(map(type, groups)) <= _SEQUENCE or set(map(len, groups)) != _THREE:
         return False
@@ -303,10 +355,10 @@ def check_samples(blobs: list[bytes], now: float) -> list[tuple[bytes, str | Non
     good = (t > -np.inf) & (t <= now + MAX_AHEAD) & (c >= 0) & (c <= MAX_BYTES)
     good &= (m >= 0) & (m <= MAX_BYTES)
     back = t[1:] < t[:-1]
-    if good.all() and not back.any():
-        return [(b, None) for b in blobs]
     ends = np.cumsum([len(b) // _RECORD for b in blobs])
     back[ends[:-1] - 1] = False  # one blob's last sample and the next one's first
+    if good.all() and not back.any():
+        return [(b, None) for b in blobs]
     out: list[tuple[bytes, str | None]] = []
     start = 0
     for b, end in zip(blobs, ends.tolist(), strict=True):

@@ -154,6 +154,53 @@ async def test_keep_gone_bounds_departed_workers(c, s, *workers):
     assert [d.worker for d in report.gone] == [workers[3].address]
 
 
+class _Arrival:
+    """What the plugin reads of a WorkerState: address, name, metrics."""
+
+    def __init__(self, address: str, name: str, t: float):
+        from dask_rmm.wire import heartbeat, pack_samples
+
+        self.address, self.name = address, name
+        blob = pack_samples([[t, 1 << 20, 1 << 20]])
+        self.metrics = {"dask-rmm": heartbeat(name, t, {"0": {"samples": blob}})}
+
+
+def test_departed_records_kept_continued_and_forgotten_like_a_model():
+    """Arrivals and departures in a random order: the gone records are the newest
+    ``keep_gone`` departures, a name or address that comes back continues its record, and no
+    forgotten record keeps a row of the cluster total (one record per address)."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    plugin = SchedulerTimelinePlugin(keep_gone=3)
+    running: dict[str, str] = {}  # address -> name
+    gone: list[tuple[str, str]] = []  # (address, name), oldest first: the model
+    t = time.time() - 1000
+    for _ in range(400):
+        t += 1
+        address = f"tcp://127.0.0.1:{rng.randrange(12)}"
+        if address in running and rng.random() < 0.6:
+            plugin.remove_worker(None, address)
+            gone.append((address, running.pop(address)))
+            del gone[: max(0, len(gone) - 3)]
+        elif address not in running:
+            name = f"w{rng.randrange(12)}"
+            if name in running.values():
+                continue
+            plugin._ingest(_Arrival(address, name, t))
+            running[address] = name
+            # The oldest gone record of that name or address is continued here; another
+            # one left from this address is forgotten.
+            match = next((g for g in gone if g[1] == name or g[0] == address), None)
+            gone = [g for g in gone if g != match and g[0] != address]
+        records = plugin._records
+        assert [(a, r.name) for a, r in records.items() if r.status == "gone"] == gone
+        assert {a: r.name for a, r in records.items() if r.status == "running"} == running
+        assert all(r.address == a for a, r in records.items())
+        assert plugin._total.rows == sum(len(r.rows) for r in records.values())
+
+
 @gen_cluster(client=True)
 async def test_timeline_length_from_config_and_bounded(c, s, a, b):
     (fa,) = _attach(a)

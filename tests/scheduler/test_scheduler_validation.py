@@ -488,3 +488,28 @@ def test_prometheus_sums_count_paused_devices_as_the_report_does():
     plugin.poll()
     _sums_agree(plugin)
     assert plugin.cluster_sums()["paused"] == 2
+
+
+@pytest.mark.parametrize("as_lists", [True, False])
+def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
+    """A heartbeat of this version, as distributed's comm delivers it (msgpack: sequences as
+    tuples) or as lists, passes the checks whole: its device entries are kept, not rebuilt."""
+    import msgpack
+
+    from dask_rmm.scheduler.validate import check_metrics
+    from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup, heartbeat
+
+    now = time.time()
+    device = DeviceSample(
+        current_bytes=MiB,
+        reserved_bytes=4 * MiB,
+        task_groups=(TaskGroup("work", MiB, 2 * MiB), TaskGroup("load", 0, MiB)),
+        libraries=(LibraryShare("cupy", MiB, 0),),
+    ).to_dict()
+    device["samples"] = pack_samples([[now - 0.1, MiB, MiB], [now, MiB, 2 * MiB]])
+    sent = heartbeat("w", now, {"0": device, "1": dict(device)})
+    beat = msgpack.unpackb(msgpack.packb(sent, use_bin_type=True), use_list=as_lists)
+    checked = check_metrics(beat, now)
+    assert checked.problems == []
+    assert all(checked.metrics["devices"][d] is beat["devices"][d] for d in ("0", "1"))
+    assert checked.samples == [(d, device["samples"]) for d in ("0", "1")]
