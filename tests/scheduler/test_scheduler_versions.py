@@ -123,12 +123,14 @@ class PreviousVersionReader(SchedulerPlugin):
                 self.errors[ws.address] = f"malformed dask-rmm metrics: {e!r}"
 
 
-def _hold(nbytes: int) -> int:
-    from distributed import get_worker
+#: Buffers the in-process workers of a test keep (so that their heartbeats show bytes in use).
+_HELD: list = []
 
+
+def _hold(nbytes: int) -> int:
     from dask_rmm import DeviceBuffer
 
-    get_worker().held_buffer = DeviceBuffer(size=nbytes)
+    _HELD.append(DeviceBuffer(size=nbytes))
     return nbytes
 
 
@@ -140,20 +142,23 @@ async def test_a_scheduler_of_the_previous_version_reads_the_workers_of_this_one
     await c.register_plugin(RMMPlugin(base_resource="system"))
     assert s.plugins[PLUGIN_NAME] is reader  # the worker's install found it there
     await c.submit(_hold, 2 * MiB, pure=False)
-    deadline = time.monotonic() + 20
-    while True:
-        await a.heartbeat()
-        reader.read()
-        assert reader.errors == {}
-        tl = reader.timelines.get((a.address, "0"))
-        if tl is not None and tl.columns[1] and tl.columns[1][-1] == 2 * MiB:
-            break
-        assert time.monotonic() < deadline, "the 2 MiB never reached the previous reader"
-        await asyncio.sleep(0.1)
-    beat = s.workers[a.address].metrics["dask-rmm"]
-    assert beat["version"] == 2  # samples as rows (distributed's msgpack makes them tuples)
-    assert isinstance(beat["devices"]["0"]["samples"], (list, tuple))
-    assert list(tl.columns[0]) == sorted(set(tl.columns[0]))  # every sample once, in order
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            await a.heartbeat()
+            reader.read()
+            assert reader.errors == {}
+            tl = reader.timelines.get((a.address, "0"))
+            if tl is not None and tl.columns[1] and tl.columns[1][-1] == 2 * MiB:
+                break
+            assert time.monotonic() < deadline, "the 2 MiB never reached the previous reader"
+            await asyncio.sleep(0.1)
+        beat = s.workers[a.address].metrics["dask-rmm"]
+        assert beat["version"] == 2  # samples as rows (distributed's msgpack makes them tuples)
+        assert isinstance(beat["devices"]["0"]["samples"], (list, tuple))
+        assert list(tl.columns[0]) == sorted(set(tl.columns[0]))  # every sample once, in order
+    finally:
+        _HELD.clear()  # freed while the worker and its resource still stand
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
