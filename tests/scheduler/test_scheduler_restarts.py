@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import dask
 from conftest import local_process_cluster
 from distributed import wait
 from distributed.utils_test import gen_cluster
@@ -31,18 +32,19 @@ def _wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
         time.sleep(0.1)
 
 
-def _nanny_process_status(dask_worker) -> str | None:
-    process = getattr(dask_worker, "process", None)
-    status = getattr(process, "status", None)
-    return None if status is None else status.name
-
-
 def _rows(report, name: str) -> list:
     return [d for d in report.devices if d.name == name]
 
 
 def test_a_killed_or_restarted_worker_keeps_its_history_and_the_total_peak():
-    with local_process_cluster(n_workers=2) as (_, client):
+    # LocalCluster closes a worker's nanny when, lost-worker-timeout (15 s) after the worker
+    # left, no worker of its name is registered: the kill below then client.restart() about 15 s
+    # later had it close the nanny of "0" while the restart had it down. The kill is what this
+    # test does on purpose, so that check waits past the test.
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "10 minutes"}),
+        local_process_cluster(n_workers=2) as (_, client),
+    ):
         client.register_plugin(RMMPlugin(base_resource="system"))
         workers = client.scheduler_info()["workers"]
         address = next(a for a, w in workers.items() if str(w["name"]) == "0")
@@ -76,14 +78,6 @@ def test_a_killed_or_restarted_worker_keeps_its_history_and_the_total_peak():
         assert after.totals.peak_bytes == before.totals.peak_bytes
         assert after.totals.workers == 2 and after.totals.gone_workers == 0
 
-        # The nanny that restarted worker "0" has finished doing so (under load it may still be
-        # settling after the new worker registered; distributed then closes it on restart).
-        _wait_for(
-            lambda: all(
-                s == "running" for s in client.run(_nanny_process_status, nanny=True).values()
-            ),
-            what="both nannies' worker processes running",
-        )
         client.restart()
         again = _wait_for(
             lambda: (
