@@ -72,3 +72,7 @@ _.closed
 _.abort
 _.peer_address
 _.local_address
+
+# distributed's SpecCluster reads scheduler_comm when it closes (a test of the tests' patient
+# close clears it: tests/test_conftest_helpers.py).
+_.scheduler_comm

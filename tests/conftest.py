@@ -104,17 +104,56 @@ def local_process_cluster(n_workers: int = 2, threads_per_worker: int = 1):
     ``(cluster, client)``."""
     from distributed import Client, LocalCluster
 
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=threads_per_worker,
-            processes=True,
-            dashboard_address=":0",
-            worker_dashboard_address=None,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        yield cluster, client
+    cluster = LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=threads_per_worker,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=None,
+    )
+    try:
+        with Client(cluster) as client:
+            yield cluster, client
+    finally:
+        close_patiently(cluster)
+
+
+def close_patiently(cluster, exit_within: float = 60.0) -> None:
+    """``cluster.close()``, tolerating what a loaded host does to it, not what a hang does.
+
+    distributed's nanny gives its worker process 5 s to exit; on a host whose cores are all
+    busy that can pass, and the close then raises ``TimeoutError`` half done, the scheduler
+    still running in this process (and, with it, its dask-rmm Prometheus collector, which then
+    shows its series to every later test). Then the scheduler is closed here, and each worker
+    process must be gone within ``exit_within`` seconds: one that never exits still fails.
+    """
+    import psutil
+
+    pids = [p for p in (getattr(w, "pid", None) for w in cluster.workers.values()) if p]
+    try:
+        cluster.close()
+        return
+    except TimeoutError:
+        pass
+    for nanny in list(cluster.workers.values()):  # those not closed yet, given time now
+        with contextlib.suppress(Exception):
+            cluster.sync(nanny.close, timeout=exit_within)
+    scheduler = getattr(cluster, "scheduler", None)
+    if scheduler is not None:
+        cluster.sync(scheduler.close)
+    deadline = time.monotonic() + exit_within
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _process_running(psutil, p)]
+    assert not alive, f"worker processes {alive} still running {exit_within:.0f} s after close"
+
+
+def _process_running(psutil, pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def hold(nbytes):
