@@ -155,14 +155,7 @@ def _all_well_formed(devices: Mapping) -> bool:
     errors = [e for d in ds if (e := d.get("error")) is not None]
     groups = [g for d in ds if (g := d.get("task_groups"))]
     return (
-        set(map(type, ints)) == _INT
-        and -MAX_BYTES <= min(ints)
-        and max(ints) <= MAX_BYTES
-        and set(map(type, floats)) <= _NUMBER
-        and 0 <= min(floats)
-        and math.isfinite(sum(floats))
-        and set(map(type, strs)) == _STR
-        and max(map(len, strs)) <= MAX_TEXT
+        _scalars_ok(ints, floats, strs)
         and (not errors or (set(map(type, errors)) == _STR and max(map(len, errors)) <= MAX_TEXT))
         and (
             not groups
@@ -176,14 +169,9 @@ def _all_well_formed(devices: Mapping) -> bool:
     )
 
 
-def _well_formed(d: Mapping) -> bool:
-    """Every known field there and well formed (what a worker of this version sends): checked
-    a few C calls at a time."""
-    try:
-        ints, floats, strs = _ints_of(d), _floats_of(d), _strs_of(d)
-    except KeyError:  # an older producer: some fields missing
-        return False
-    error, groups, events = d.get("error"), d.get("task_groups"), d.get("oom_events")
+def _scalars_ok(ints: list, floats: list, strs: list) -> bool:
+    """Byte counts are ints within bounds, figures finite non-negative numbers, texts short
+    strings: a few C calls for all of them."""
     return (
         set(map(type, ints)) == _INT
         and -MAX_BYTES <= min(ints)
@@ -193,6 +181,19 @@ def _well_formed(d: Mapping) -> bool:
         and math.isfinite(sum(floats))
         and set(map(type, strs)) == _STR
         and max(map(len, strs)) <= MAX_TEXT
+    )
+
+
+def _well_formed(d: Mapping) -> bool:
+    """Every known field there and well formed (what a worker of this version sends): checked
+    a few C calls at a time."""
+    try:
+        ints, floats, strs = _ints_of(d), _floats_of(d), _strs_of(d)
+    except KeyError:  # an older producer: some fields missing
+        return False
+    error, groups, events = d.get("error"), d.get("task_groups"), d.get("oom_events")
+    return (
+        _scalars_ok(ints, floats, strs)
         and (error is None or (type(error) is str and len(error) <= MAX_TEXT))
         and (not groups or _groups_ok(groups))
         and not events
