@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -89,14 +90,19 @@ def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
             del worker.periodic_callbacks[key]
 
 
+#: Seconds a worker's setup waits for the scheduler to say which heartbeat version it reads.
+ASK_VERSION_TIMEOUT = 10.0
+
+
 async def scheduler_reads_version(worker: Worker) -> int:
     """The newest heartbeat version the scheduler's dask-rmm plugin reads, as it announces it
     (:data:`dask_rmm.wire.READS_VERSION_KEYS`), at most this worker's; a scheduler that
     announces none (an earlier dask-rmm) or cannot be asked reads
     :data:`~dask_rmm.wire.UNANNOUNCED_VERSION`."""
-    try:
-        reads = await worker.scheduler.get_metadata(
-            keys=list(wire.READS_VERSION_KEYS), default=None
+    try:  # bounded: a scheduler slow to answer must not hold the worker's setup
+        reads = await asyncio.wait_for(
+            worker.scheduler.get_metadata(keys=list(wire.READS_VERSION_KEYS), default=None),
+            ASK_VERSION_TIMEOUT,
         )
     except Exception:
         logger.debug("dask-rmm: could not ask the scheduler what it reads", exc_info=True)

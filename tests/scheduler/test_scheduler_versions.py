@@ -202,3 +202,21 @@ async def test_a_worker_sends_what_the_scheduler_announces_it_reads(s, a, announ
     if announced is not None:
         s.set_metadata(keys=list(READS_VERSION_KEYS), value=announced)
     assert await scheduler_reads_version(a) == sent
+
+
+def test_a_scheduler_that_does_not_answer_in_time_gets_the_previous_version(monkeypatch):
+    """The question is bounded: a scheduler slow to answer does not hold the worker's setup,
+    and gets what every scheduler reads."""
+    from types import SimpleNamespace
+
+    from dask_rmm import wire
+    from dask_rmm.worker import metrics
+
+    async def never(**_):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(metrics, "ASK_VERSION_TIMEOUT", 0.05)
+    worker = SimpleNamespace(scheduler=SimpleNamespace(get_metadata=never))
+    started = time.monotonic()
+    assert asyncio.run(metrics.scheduler_reads_version(worker)) == wire.UNANNOUNCED_VERSION
+    assert time.monotonic() - started < 30
