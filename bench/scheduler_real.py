@@ -37,15 +37,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.scheduler_overhead import device_fields, git_commit, print_sizes  # noqa: E402
+from bench.scheduler_overhead import (  # noqa: E402
+    _FETCH,
+    SAMPLE_INTERVAL,
+    device_fields,
+    git_commit,
+    print_sizes,
+)
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE  # noqa: E402
 from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, heartbeat  # noqa: E402
-
-SAMPLE_INTERVAL = 0.1
-_FETCH = (
-    "import sys, time, urllib.request as u; t = time.perf_counter(); "
-    "n = len(u.urlopen(sys.argv[1], timeout=600).read()); print(n, time.perf_counter() - t)"
-)
 
 
 class IdleComm:
