@@ -98,6 +98,23 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition", interv
 
 
 @contextlib.contextmanager
+def log_records(logger_name: str):
+    """Yields the list of records logged on ``logger_name`` while the block runs (also where
+    that logger does not propagate to the root, so pytest's ``caplog`` would not see them)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger(logger_name)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+
+
+@contextlib.contextmanager
 def local_process_cluster(n_workers: int = 2, threads_per_worker: int = 1):
     """A LocalCluster of worker processes (two single-threaded ones by default; scheduler
     dashboard on a free port, none on the workers) and a Client of it; yields

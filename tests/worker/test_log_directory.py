@@ -6,13 +6,12 @@ process."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 import time
 
 import pytest
-from conftest import hold
+from conftest import hold, log_records
 from distributed import wait
 from distributed.utils_test import gen_cluster
 
@@ -79,12 +78,7 @@ async def test_after_a_re_registration_the_info_line_names_the_file_the_rows_go_
 ):
     import tempfile
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    worker_log = logging.getLogger("distributed.worker.dask_rmm")
-    worker_log.addHandler(handler)
-    try:
+    with log_records("distributed.worker.dask_rmm") as records:
         with tempfile.TemporaryDirectory() as d:
             await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
             first_task = c.submit(hold, 1000, pure=False)
@@ -110,8 +104,6 @@ async def test_after_a_re_registration_the_info_line_names_the_file_the_rows_go_
             with open(first) as f:
                 assert ",3000," in f.read()
             del held
-    finally:
-        worker_log.removeHandler(handler)
 
 
 def test_log_summary_does_not_call_a_new_writer_a_new_process(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from conftest import HAS_GPU  # noqa: E402
+from conftest import HAS_GPU, log_records  # noqa: E402
 from distributed.protocol import deserialize, serialize  # noqa: E402
 from distributed.utils_test import gen_cluster  # noqa: E402
 
@@ -250,22 +250,14 @@ def test_receiving_without_a_gpu_is_one_error_naming_the_fix(family):
 async def test_a_client_without_a_gpu_logs_one_line_then_works_after_reinitialize(c, s, a):
     """It logged CRITICAL "Failed to deserialize" with a traceback, then raised
     CUDAUnavailableError naming SystemMemoryResource() (not what a client should call)."""
-    import logging
 
     import dask_rmm
     from dask_rmm.worker.serialize import NoMemoryForDeviceBufferError
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    core = logging.getLogger("distributed.protocol.core")
-    core.addHandler(handler)
-    try:
+    with log_records("distributed.protocol.core") as records:
         future = c.submit(_host_buffer, 1000)
         with pytest.raises(NoMemoryForDeviceBufferError, match="reinitialize"):
             await future
-    finally:
-        core.removeHandler(handler)
     failed = [r for r in records if "Failed to deserialize" in r.getMessage()]
     assert failed, records
     for record in failed:
