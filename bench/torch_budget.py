@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -348,6 +349,19 @@ def stress_child(seconds: float, threads: int, maximum: int, slack: int) -> dict
 # -- fill past the limit --------------------------------------------------------------------------
 
 
+_OTHER_PROCESSES = re.compile(r"(?:Process \d+ has [\d.]+ [KMGTP]?i?B memory in use\. ?)+")
+
+
+def _short_error(message: str, limit: int = 600) -> str:
+    """An out-of-memory message, short enough to print, with what it says about the limit kept:
+    PyTorch lists every process on the GPU before the part that names its cap ("... allowed"),
+    so on a shared GPU a plain cut loses exactly that part. The list is replaced by its count."""
+    listed = len(re.findall(r"Process \d+ has", message))
+    if listed:
+        message = _OTHER_PROCESSES.sub(f"({listed} processes' use on the GPU left out) ", message)
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
 def fill_child(maximum: int) -> dict:
     import cupy
     import torch
@@ -390,7 +404,7 @@ def fill_child(maximum: int) -> dict:
             for _ in range(10_000):
                 held.append(make())
         except BaseException as e:
-            error = f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
+            error = f"{type(e).__module__}.{type(e).__name__}: {_short_error(str(e))}"
         peak = used()
         both = pool.pool_size() + cache.reserved_bytes(0)  # one thread: read exactly
         out[name] = {
