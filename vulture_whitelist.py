@@ -9,6 +9,7 @@ __dir__
 _.add_worker
 _.remove_worker
 _.teardown
+_.transition
 _.idempotent
 
 # tornado calls RequestHandler.write_error for an HTTPError.

@@ -10,6 +10,7 @@ scheduler side (:mod:`dask_rmm.scheduler.setup_vote`), CLI flags (:mod:`dask_rmm
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -18,12 +19,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split, parse_timedelta
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
 from dask_rmm import allocators
 from dask_rmm.config import config_value, validate_config
-from dask_rmm.scheduler.setup_vote import SetupCoordinator
+from dask_rmm.scheduler.setup_vote import SetupCoordinator, register_on_every_worker
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
 from dask_rmm.worker.fatal import WORKER_LOGGER, stop_worker
@@ -37,7 +38,7 @@ from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
 
 if TYPE_CHECKING:
-    from distributed import Worker
+    from distributed import Scheduler, Worker
 
     from dask_rmm.mr.base import DeviceMemoryResource
 
@@ -94,7 +95,7 @@ def task_prefix(key: Any) -> str:
     return key_split(key)
 
 
-class RMMPlugin(WorkerPlugin):
+class RMMPlugin(SchedulerPlugin, WorkerPlugin):
     """Give every worker an RMM memory-resource stack, per-task-group statistics and metrics.
 
     Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``), plus
@@ -188,6 +189,29 @@ class RMMPlugin(WorkerPlugin):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "worker_metrics": WorkerMetrics(), "_worker": None}
+
+    # -- registration, on the scheduler -----------------------------------------------------
+
+    async def start(self, scheduler: Scheduler) -> None:
+        """Register this plugin on every worker, run on the scheduler.
+
+        ``client.register_plugin(plugin)`` sends a SchedulerPlugin (this class is one first, a
+        WorkerPlugin second) to the scheduler, which calls ``start``: the registration runs
+        there (:func:`~dask_rmm.scheduler.setup_vote.register_on_every_worker`), so a worker
+        dying meanwhile is named in the scheduler's log and its ``dask-rmm`` events instead of
+        failing ``register_plugin`` with a comm error. Once ``start`` returns, the scheduler
+        holds this object as a scheduler plugin too; it removes it on the next loop iteration
+        (it has nothing to do there).
+        """
+        await register_on_every_worker(scheduler, self)
+        # The scheduler adds this object to its plugins right after this returns, without
+        # yielding to the loop: drop it on the loop's next iteration, and drop now one that an
+        # earlier registration finishing in the same iteration left (adding over it would warn).
+        _forget_scheduler_plugins(scheduler)
+        asyncio.get_running_loop().call_soon(_forget_scheduler_plugins, scheduler)
+
+    def transition(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing (the worker calls it for every task it moves; both bases define it)."""
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -442,6 +466,13 @@ class RMMPlugin(WorkerPlugin):
         if self._worker is None:
             return {}
         return {s.device: s.top for s in worker_stack(self._worker).active}
+
+
+def _forget_scheduler_plugins(scheduler: Scheduler) -> None:
+    """Remove every RMMPlugin from the scheduler's plugins (see :meth:`RMMPlugin.start`)."""
+    for name, plugin in list(scheduler.plugins.items()):
+        if isinstance(plugin, RMMPlugin):
+            scheduler.remove_plugin(name)
 
 
 def _current_device() -> int:

@@ -6,6 +6,7 @@ back. Not here: what a worker builds and installs (:mod:`dask_rmm.plugin`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["VOTE_TIMEOUT", "SetupCoordinator"]
+__all__ = ["VOTE_TIMEOUT", "SetupCoordinator", "register_on_every_worker"]
+
+logger = logging.getLogger("distributed.scheduler.dask_rmm")
 
 #: How long a worker's setup waits for the other workers' votes.
 VOTE_TIMEOUT = 60.0
@@ -156,3 +159,57 @@ class SetupCoordinator(SchedulerPlugin):
             else:
                 plugins.pop(r.name, None)
         r.done.set()
+
+
+async def register_on_every_worker(scheduler: Scheduler, plugin: Any) -> dict[str, str]:
+    """Register the worker plugin ``plugin`` on every worker, from the scheduler; what
+    ``client.register_plugin(RMMPlugin(...))`` runs (the plugin's ``start``).
+
+    Does what distributed's own worker-plugin registration does (keep the plugin for workers
+    that join later, send it to every worker and wait for each setup), except that a worker that
+    dies or cannot be reached meanwhile is named instead of ending the registration with its
+    comm error: the workers that set up keep their setup (the vote no longer waits for a worker
+    that left), and the lost workers are returned, logged on the scheduler and published as an
+    event on the ``dask-rmm`` topic (``client.get_events("dask-rmm")``). A failed setup raises
+    what the workers raised (:class:`~dask_rmm.plugin.RMMSetupError`, naming every failure).
+    """
+    from distributed.core import clean_exception
+    from distributed.protocol.pickle import dumps
+
+    name = plugin.name
+    pickled = dumps(plugin)
+    scheduler.worker_plugins[name] = pickled
+    answers = await scheduler.broadcast(
+        msg={"op": "plugin-add", "plugin": pickled, "name": name}, on_error="return"
+    )
+    lost: dict[str, str] = {}
+    for address, answer in sorted(answers.items()):
+        if isinstance(answer, BaseException):
+            lost[address] = f"{type(answer).__name__}: {answer}"
+        elif isinstance(answer, dict) and answer.get("status") == "error":
+            _, exc, tb = clean_exception(
+                _received(answer["exception"]), _received(answer.get("traceback"))
+            )
+            assert exc is not None
+            raise exc.with_traceback(tb)
+    if lost:
+        logger.warning(
+            "dask-rmm: registered %s on the workers that answered; %d lost during the "
+            "registration (they set up what the scheduler holds if they come back): %s",
+            name,
+            len(lost),
+            "; ".join(f"{w}: {why}" for w, why in lost.items()),
+        )
+        scheduler.log_event(
+            "dask-rmm", {"action": "registration-lost-workers", "plugin": name, "lost": lost}
+        )
+    return lost
+
+
+def _received(value: Any) -> Any:
+    """A field of a worker's answer as the scheduler's comm left it: still serialized."""
+    from distributed.protocol import Serialized, deserialize
+
+    if isinstance(value, Serialized):
+        return deserialize(value.header, value.frames)
+    return value

@@ -287,3 +287,137 @@ async def test_a_worker_that_joins_and_cannot_set_the_registered_plugin_up_stops
         while "late" in {w.name for w in s.workers.values()}:
             assert time.monotonic() < deadline, "the scheduler still lists the stopped worker"
             await asyncio.sleep(0.02)
+
+
+def _hang_setup(worker):
+    """Make ``worker`` receive the plugin and never answer, as a worker that dies mid-setup."""
+    never = asyncio.Event()
+
+    async def plugin_add(**kwargs):
+        await never.wait()
+
+    worker.handlers["plugin-add"] = plugin_add
+
+
+async def _close_when_others_voted(s, dying, others: int):
+    from dask_rmm.scheduler.setup_vote import SetupCoordinator
+
+    deadline = time.monotonic() + 20
+    while True:
+        coordinator = s.plugins.get(SetupCoordinator.name)
+        rounds = [] if coordinator is None else list(coordinator.rounds.values())
+        if rounds and len(rounds[-1].votes) >= others:
+            break
+        assert time.monotonic() < deadline, "the other workers never voted"
+        await asyncio.sleep(0.01)
+    await dying.close()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_worker_dying_during_the_registration_is_named_and_the_others_set_up(c, s, a, b, w):
+    """distributed's own registration raised the dying worker's comm error to the client
+    although every live worker installed the setup."""
+    _hang_setup(w)
+    plugin = RMMPlugin(base_resource="system", pool_size="8MiB")
+    with captured_logger("distributed.scheduler.dask_rmm") as log:
+        registering = asyncio.ensure_future(c.register_plugin(plugin))
+        await _close_when_others_voted(s, w, others=2)
+        assert await registering is None
+    assert "1 lost during the registration" in log.getvalue() and w.address in log.getvalue()
+    (event,) = [e for _, e in await c.get_events("dask-rmm")]
+    assert event["action"] == "registration-lost-workers" and set(event["lost"]) == {w.address}
+    for x in (a, b):
+        assert (
+            worker_stack(x).token == plugin.token and worker_stack(x).options.pool_size == 8 * MiB
+        )
+    assert _registered(s).token == plugin.token  # workers joining later get it
+    assert not [p for p in s.plugins.values() if isinstance(p, RMMPlugin)]
+    assert (await c.submit(hold, 1000, workers=[a.address])).size == 1000
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_worker_dying_while_another_fails_gives_the_setup_error(c, s, a, b, w):
+    first = RMMPlugin(base_resource="system", pool_size="8MiB")
+    await c.register_plugin(first)
+    _hang_setup(w)
+    with tempfile.TemporaryDirectory() as d:
+        os.makedirs(log_file_path(d, b.name, 0))  # b cannot open its log
+        registering = asyncio.ensure_future(
+            c.register_plugin(RMMPlugin(base_resource="system", pool_size="16MiB", log_directory=d))
+        )
+        await _close_when_others_voted(s, w, others=2)
+        with pytest.raises(RMMSetupError) as info:
+            await registering
+    assert f"worker {b.address}: OSError: `log_directory`" in str(info.value)
+    for x in (a, b):
+        assert worker_stack(x).token == first.token and worker_stack(x).options.pool_size == 8 * MiB
+    assert _registered(s).token == first.token
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_registering_leaves_no_scheduler_plugin_and_warns_nothing(c, s, a):
+    """RMMPlugin reaches the scheduler as a SchedulerPlugin (that is how the registration runs
+    there); the scheduler keeps the worker plugin only, also for registrations back to back."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugins = [RMMPlugin(base_resource="system", pool_size=f"{n}MiB") for n in (8, 16, 8)]
+        await asyncio.gather(*(c.register_plugin(p) for p in plugins))
+        await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    await asyncio.sleep(0)
+    assert not [p for p in s.plugins.values() if isinstance(p, RMMPlugin)]
+    assert worker_stack(a).token == _registered(s).token
+    await c.unregister_worker_plugin("dask-rmm")
+    assert "dask-rmm" not in s.worker_plugins and worker_stack(a).active == []
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_during_register_plugin_never_gives_a_comm_error():
+    """kill -9 of a worker process while ``register_plugin`` runs, at several moments: the
+    registration succeeds on the others or raises RMMSetupError, and in the end every worker,
+    the restarted one included, runs what the scheduler holds."""
+    import threading
+
+    with local_process_cluster(n_workers=3) as (cluster, client):
+        for delay in (0.0, 0.02, 0.05, 0.1):
+            client.wait_for_workers(3, timeout=60)
+            victim = sorted(client.scheduler_info()["workers"])[0]
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            plugin = RMMPlugin(base_resource="system", pool_size="8MiB")
+            outcome: list = []
+
+            def register(plugin=plugin, outcome=outcome):
+                try:
+                    outcome.append(client.register_plugin(plugin))
+                except Exception as e:  # judged below
+                    outcome.append(e)
+
+            thread = threading.Thread(target=register)
+            thread.start()
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            thread.join(120)
+            assert not thread.is_alive(), "register_plugin hangs"
+            (result,) = outcome
+            assert result is None or isinstance(result, RMMSetupError), repr(result)
+            wait_until(
+                lambda victim=victim: (
+                    victim not in (w := client.scheduler_info()["workers"]) and len(w) == 3
+                ),
+                60,
+                "the nanny's restart of the killed worker",
+            )
+        client.wait_for_workers(3, timeout=60)
+
+        def state(dask_worker):
+            return worker_stack(dask_worker).token
+
+        registered = client.run_on_scheduler(
+            lambda dask_scheduler: _registered(dask_scheduler).token
+        )
+        wait_until(
+            lambda: set(client.run(state).values()) == {registered} and len(client.run(state)) == 3,
+            60,
+            "every worker running the registered setup",
+        )
