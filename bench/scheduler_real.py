@@ -274,7 +274,10 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
 
         if not args.no_routes:
             url = f"http://127.0.0.1:{s.http_server.port}/"
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            )
 
             async def fetch(path: str) -> tuple[int, float]:
                 proc = await asyncio.create_subprocess_exec(
