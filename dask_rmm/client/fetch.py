@@ -310,9 +310,19 @@ _GREETING_WAIT = 0.5
 def _client_handshake() -> bytes:
     """A Dask client's first message (its handshake) in the TCP framing: total length, frame
     count, frame lengths, frames."""
+    import pickle
+    import sys
+
     from distributed.protocol.core import dumps
 
-    frames = [bytes(f) for f in dumps({"compression": None, "python": (3, 0, 0)})]
+    # What distributed's comm sends (Comm.handshake_info): a server missing any of these keys
+    # logs "Your Dask versions may not be in sync" with its traceback.
+    info = {
+        "compression": None,
+        "python": tuple(sys.version_info)[:3],
+        "pickle-protocol": pickle.HIGHEST_PROTOCOL,
+    }
+    frames = [bytes(f) for f in dumps(info)]
     header = b"".join(n.to_bytes(8, "little") for n in (len(frames), *map(len, frames)))
     body = header + b"".join(frames)
     return len(body).to_bytes(8, "little") + body

@@ -349,20 +349,30 @@ def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
     assert f"tcp://127.0.0.1:{port}" in lines[0]
 
 
-def test_a_scheduler_greeting_is_recognised_as_dask():
+def test_a_scheduler_greeting_is_recognised_as_dask_and_the_scheduler_logs_no_error():
+    """The check answers the scheduler's handshake with a whole one: one without the pickle
+    protocol made the scheduler log "Your Dask versions may not be in sync" with two tracebacks
+    at each `dask rmm report` (seen on the H200's scheduler bench)."""
     import asyncio
+    import logging
 
     from distributed import Scheduler
+    from distributed.utils_test import captured_logger
 
     from dask_rmm.client.fetch import _non_dask_greeting
 
     async def greeting() -> str | None:
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
-            return await _non_dask_greeting(s.address, 5.0)
+            answer = await _non_dask_greeting(s.address, 5.0)
+            await asyncio.sleep(0.5)  # the scheduler reads the handshake after we hung up
+            return answer
 
     # its own event loop, as the command's: after the CLI tests' asyncio.run loops, a
     # gen_cluster test here got a future of another loop from distributed's shared state
-    assert asyncio.run(greeting()) is None
+    with captured_logger("tornado.application", level=logging.WARNING) as tornado_log:
+        with captured_logger("distributed", level=logging.WARNING) as distributed_log:
+            assert asyncio.run(greeting()) is None
+    assert tornado_log.getvalue() == "" and distributed_log.getvalue() == ""
 
 
 def _answering_server(answer: bytes | None) -> tuple[int, Callable[[], None]]:
