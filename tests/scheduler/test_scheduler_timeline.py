@@ -314,3 +314,48 @@ async def test_unregistering_rmm_plugin_removes_the_rows(c, s, a):
     report = await cluster_report(c)
     assert report.devices == () and report.workers_without_dask_rmm == (a.address,)
     assert "no dask-rmm workers" in str(report)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 6)
+async def test_a_report_reads_unread_heartbeats_a_chunk_at_a_time_and_skips_removed_workers(
+    c, s, *workers
+):
+    """A report reads the heartbeats the poller has not read yet a chunk of workers at a time,
+    the event loop free in between (at 10,000 workers reading them at once blocked it for half
+    a second); a worker removed meanwhile stays gone, it is not read back in as running."""
+    from dask_rmm.scheduler import timeline as timeline_module
+
+    fakes = _attach(*workers)
+    await install_scheduler_plugin(c)
+    plugin = s.plugins[PLUGIN_NAME]
+    plugin._poller.stop()  # only the report reads the heartbeats below
+    await asyncio.gather(*(w.heartbeat() for w in workers))
+    plugin.poll()  # every worker has its record
+    for i, (w, fake) in enumerate(zip(workers, fakes, strict=True)):
+        fake["0"].allocate(1000 + i)
+        await w.heartbeat()  # not read yet
+    order = list(s.workers)
+    victim = order[-1]  # in the last chunk
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            if ticks == 1:
+                asyncio.ensure_future(s.remove_worker(address=victim, stimulus_id="test"))
+            await asyncio.sleep(0)
+
+    chunk, timeline_module.SNAPSHOT_CHUNK = timeline_module.SNAPSHOT_CHUNK, 1
+    task = asyncio.ensure_future(ticker())
+    try:
+        await plugin._catch_up()
+    finally:
+        task.cancel()
+        timeline_module.SNAPSHOT_CHUNK = chunk
+    assert ticks >= len(order) - 1  # the loop ran between the chunks
+    assert victim not in s.workers and plugin._records[victim].status == "gone"
+    report = await cluster_report(c)
+    for i, w in enumerate(workers):
+        if w.address != victim:
+            assert report.device(w.address).current_bytes == 1000 + i
