@@ -135,7 +135,7 @@ def local_process_cluster(n_workers: int = 2, threads_per_worker: int = 1):
         close_patiently(cluster)
 
 
-def close_patiently(cluster, exit_within: float = 60.0) -> None:
+def close_patiently(cluster, exit_within: float = 60.0, close_within: float = 90.0) -> None:
     """``cluster.close()``, tolerating what a loaded host does to it, not what a hang does.
 
     distributed's nanny gives its worker process 5 s to exit; on a host whose cores are all
@@ -148,7 +148,7 @@ def close_patiently(cluster, exit_within: float = 60.0) -> None:
 
     pids = [p for p in (getattr(w, "pid", None) for w in cluster.workers.values()) if p]
     try:
-        cluster.close()
+        cluster.close(timeout=close_within)  # bounded: a close stuck behind a restart goes on below
         return
     except TimeoutError:
         pass

@@ -17,13 +17,17 @@ def test_a_close_timed_out_by_load_closes_the_rest_and_waits_for_the_processes(m
     scheduler = cluster.scheduler
     real_close = cluster.close
 
+    asked = []
+
     def close_like_a_loaded_host(timeout=None):
+        asked.append(timeout)
         monkeypatch.setattr(cluster, "close", real_close)
         raise TimeoutError("a nanny's worker process did not exit within 5 s")
 
     monkeypatch.setattr(cluster, "close", close_like_a_loaded_host)
     try:
         close_patiently(cluster)
+        assert asked and asked[0] is not None and asked[0] > 0  # distributed's close is bounded
         assert scheduler.status.name in ("closed", "closing")
         running = [
             p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
