@@ -488,7 +488,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         and compacting those at once blocked the loop for half a second."""
         s = self.scheduler
         if s is None or not self.active:
-            self._compact()
             return
         workers = list(s.workers.values())
         for start in range(0, len(workers), SNAPSHOT_CHUNK):
@@ -502,8 +501,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 if s.workers.get(ws.address) is ws:  # not removed while the loop was free
                     self._read(ws, now, pending)
             self._take_samples(pending, now)
-            full, self._full = self._full, []
-            compact_all(full)
+            self._compact()
         self._advance_total_if_due()
 
     async def snapshot_async(self, request: ReportRequest) -> Snapshot:
