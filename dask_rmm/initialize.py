@@ -1,9 +1,11 @@
 """``reinitialize`` and its companions, as RMM's top-level functions: build each device's
 resource stack (base resource, optional pool, optional event log; built by
 :func:`dask_rmm.stack.build_stack`) and install it in the per-device registry; hooks that run
-before; per-device event logging.
+before.
 
-The registry itself (get/set the current resource) is :mod:`dask_rmm.mr.registry`'s.
+The registry itself (get/set the current resource) is :mod:`dask_rmm.mr.registry`'s; per-device
+event logging (``enable_logging`` & co., re-exported here as RMM has them at the top level) is
+:mod:`dask_rmm.mr.logging_adaptor`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Any
 
 from dask_rmm import _cuda
 from dask_rmm.mr import registry
-from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
+from dask_rmm.mr.logging_adaptor import (
+    _log_file_name,
+    _registered_devices,
+    disable_logging,
+    enable_logging,
+    get_log_filenames,
+)
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions, _size
 
@@ -65,24 +73,6 @@ def _check_devices(devices: Any) -> list[int]:
             where = f"{count} CUDA device(s)" if count else "no CUDA device (only device 0)"
             raise ValueError(f"devices: device {d} does not exist, this host has {where}")
     return list(dict.fromkeys(devices))
-
-
-def _log_file_name(log_file_name: Any) -> str:
-    if log_file_name is None:
-        log_file_name = os.environ.get("RMM_LOG_FILE") or None
-    if log_file_name is None:
-        raise ValueError(
-            "logging=True needs a log file: pass log_file_name=... or set the RMM_LOG_FILE "
-            "environment variable"
-        )
-    if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
-        raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
-    return os.fspath(log_file_name)
-
-
-def _registered_devices() -> list[int]:
-    # The device ids that have a resource are what RMM's logging functions walk over.
-    return registry.registered_devices() or [0]
 
 
 def reinitialize(
@@ -199,53 +189,6 @@ def register_reinitialize_hook(func: Callable, *args: Any, **kwargs: Any) -> Cal
 def unregister_reinitialize_hook(func: Callable) -> None:
     """Remove every registration of ``func`` (no error if there is none)."""
     _reinitialize_hooks[:] = [h for h in _reinitialize_hooks if h[0] != func]
-
-
-def enable_logging(log_file_name: str | os.PathLike | None = None) -> None:
-    """Log allocation events on every device that has a resource (device 0 if none has).
-
-    Each device's resource is wrapped in a :class:`~dask_rmm.mr.LoggingResourceAdaptor`
-    writing to ``log_file_name`` with ``.dev{id}`` added; resources that already log are left
-    alone. ``log_file_name`` defaults to ``RMM_LOG_FILE``; ``ValueError`` if neither is set.
-    """
-    log_file_name = _log_file_name(log_file_name)
-    for device in _registered_devices():
-        mr = registry.get_per_device_resource(device)
-        if not isinstance(mr, LoggingResourceAdaptor):
-            registry.set_per_device_resource(
-                device, LoggingResourceAdaptor(mr, log_file_name=log_file_name)
-            )
-
-
-def disable_logging() -> None:
-    """Unwrap every device's :class:`~dask_rmm.mr.LoggingResourceAdaptor` (flushing its file).
-
-    Buffers allocated while logging still free through the adaptor, and those frees are logged.
-    """
-    for device in _registered_devices():
-        mr = registry.get_per_device_resource(device)
-        if isinstance(mr, LoggingResourceAdaptor):
-            mr.flush()
-            registry.set_per_device_resource(device, mr.get_upstream())
-
-
-def get_log_filenames() -> dict[int, str | None]:
-    """``{device: absolute log file name}`` for each device with a resource; ``None`` for a
-    device whose resource does not log.
-
-    Examples
-    --------
-    >>> import dask_rmm, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "rmm.log")
-    >>> dask_rmm.reinitialize(base_resource="system", logging=True, log_file_name=path)
-    >>> dask_rmm.get_log_filenames()[0].endswith("rmm.dev0.log")
-    True
-    """
-    out: dict[int, str | None] = {}
-    for device in registry.registered_devices():
-        mr = registry.get_per_device_resource(device)
-        out[device] = mr.get_file_name() if isinstance(mr, LoggingResourceAdaptor) else None
-    return out
 
 
 def _reset_for_tests() -> None:

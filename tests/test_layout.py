@@ -30,7 +30,24 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(tree: ast.AST) -> set[str]:
+def _has_lazy_table(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+
+
+def _string_import(node: ast.AST) -> str | None:
+    """``"m"`` of ``importlib.import_module("m")`` or ``__import__("m")``."""
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = ast.unparse(node.func)
+        if func.endswith("import_module") or func == "__import__":
+            return str(node.args[0].value)
+    return None
+
+
+def _imports(tree: ast.AST, lazy: bool | None = None) -> set[str]:
+    """What ``tree`` imports, however late: import statements, string imports and, in a module
+    with a ``__getattr__``, every string of its lazy table (TYPE_CHECKING blocks aside)."""
+    if lazy is None:
+        lazy = isinstance(tree, ast.Module) and _has_lazy_table(tree)
     found: set[str] = set()
     for node in ast.iter_child_nodes(tree):
         if _is_type_checking(node):
@@ -40,7 +57,11 @@ def _imports(tree: ast.AST) -> set[str]:
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        found |= _imports(node)
+        elif (target := _string_import(node)) is not None:
+            found.add(target)
+        elif lazy and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+        found |= _imports(node, lazy)
     return found
 
 
@@ -82,6 +103,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+def test_lazy_tables_and_string_imports_are_imports():
+    lazy = "_T = {'X': 'dask_rmm.b'}\ndef __getattr__(name):\n    return _T[name]\n"
+    assert "dask_rmm.b" in _imports(ast.parse(lazy))
+    assert "dask_rmm.b" not in _imports(ast.parse("_T = {'X': 'dask_rmm.b'}\n"))
+    late = "def f():\n    return importlib.import_module('dask_rmm.c')\n"
+    assert "dask_rmm.c" in _imports(ast.parse(late))
 
 
 def test_find_cycle_finds_one():

@@ -15,12 +15,21 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
+from dask_rmm.mr import registry
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
-__all__ = ["CSV_HEADER", "LoggingResourceAdaptor", "format_pointer", "format_stream"]
+__all__ = [
+    "CSV_HEADER",
+    "LoggingResourceAdaptor",
+    "disable_logging",
+    "enable_logging",
+    "format_pointer",
+    "format_stream",
+    "get_log_filenames",
+]
 
 #: The first line of every log file.
 CSV_HEADER = "Thread,Time,Action,Pointer,Size,Stream"
@@ -290,3 +299,68 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             f"<LoggingResourceAdaptor device={self.device_id} file={self._file_name!r} "
             f"upstream={self.upstream_mr!r}>"
         )
+
+
+def _log_file_name(log_file_name: Any) -> str:
+    if log_file_name is None:
+        log_file_name = os.environ.get("RMM_LOG_FILE") or None
+    if log_file_name is None:
+        raise ValueError(
+            "logging=True needs a log file: pass log_file_name=... or set the RMM_LOG_FILE "
+            "environment variable"
+        )
+    if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
+        raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
+    return os.fspath(log_file_name)
+
+
+def _registered_devices() -> list[int]:
+    # The device ids that have a resource are what RMM's logging functions walk over.
+    return registry.registered_devices() or [0]
+
+
+def enable_logging(log_file_name: str | os.PathLike | None = None) -> None:
+    """Log allocation events on every device that has a resource (device 0 if none has).
+
+    Each device's resource is wrapped in a :class:`~dask_rmm.mr.LoggingResourceAdaptor`
+    writing to ``log_file_name`` with ``.dev{id}`` added; resources that already log are left
+    alone. ``log_file_name`` defaults to ``RMM_LOG_FILE``; ``ValueError`` if neither is set.
+    """
+    log_file_name = _log_file_name(log_file_name)
+    for device in _registered_devices():
+        mr = registry.get_per_device_resource(device)
+        if not isinstance(mr, LoggingResourceAdaptor):
+            registry.set_per_device_resource(
+                device, LoggingResourceAdaptor(mr, log_file_name=log_file_name)
+            )
+
+
+def disable_logging() -> None:
+    """Unwrap every device's :class:`~dask_rmm.mr.LoggingResourceAdaptor` (flushing its file).
+
+    Buffers allocated while logging still free through the adaptor, and those frees are logged.
+    """
+    for device in _registered_devices():
+        mr = registry.get_per_device_resource(device)
+        if isinstance(mr, LoggingResourceAdaptor):
+            mr.flush()
+            registry.set_per_device_resource(device, mr.get_upstream())
+
+
+def get_log_filenames() -> dict[int, str | None]:
+    """``{device: absolute log file name}`` for each device with a resource; ``None`` for a
+    device whose resource does not log.
+
+    Examples
+    --------
+    >>> import dask_rmm, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "rmm.log")
+    >>> dask_rmm.reinitialize(base_resource="system", logging=True, log_file_name=path)
+    >>> dask_rmm.get_log_filenames()[0].endswith("rmm.dev0.log")
+    True
+    """
+    out: dict[int, str | None] = {}
+    for device in registry.registered_devices():
+        mr = registry.get_per_device_resource(device)
+        out[device] = mr.get_file_name() if isinstance(mr, LoggingResourceAdaptor) else None
+    return out

@@ -16,9 +16,7 @@ from dask_rmm.mr.base import DeviceMemoryResource
 __all__ = [
     "available_device_memory",
     "get_current_device_resource",
-    "get_current_device_resource_type",
     "get_per_device_resource",
-    "get_per_device_resource_type",
     "is_initialized",
     "reset_current_device_resource",
     "reset_per_device_resource",
@@ -155,16 +153,6 @@ def reset_current_device_resource() -> None:
     reset_per_device_resource(_current_device())
 
 
-def get_per_device_resource_type(device: int) -> type:
-    """The class of ``device``'s resource."""
-    return type(get_per_device_resource(device))
-
-
-def get_current_device_resource_type() -> type:
-    """The class of the current device's resource."""
-    return type(get_current_device_resource())
-
-
 def is_initialized() -> bool:
     """True when the current device has a resource (set explicitly, or its default made)."""
     return _current_device() in _resources
@@ -187,16 +175,15 @@ def available_device_memory() -> tuple[int, int]:
 
 def _flush_logs() -> None:
     """Flush the event log of every registered resource that keeps one (RMM's
-    ``_flush_logs``: a :class:`LoggingResourceAdaptor` anywhere in a device's stack)."""
-    from dask_rmm.mr.logging_adaptor import LoggingResourceAdaptor
-
+    ``_flush_logs``: a :class:`~dask_rmm.mr.LoggingResourceAdaptor`, the one resource with a
+    ``flush``, anywhere in a device's stack)."""
     with _lock:
         resources = list(_resources.values())
     for top in resources:
         mr: DeviceMemoryResource | None = top
         while mr is not None:
-            if isinstance(mr, LoggingResourceAdaptor):
-                mr.flush()
+            if callable(flush := getattr(mr, "flush", None)):
+                flush()
             mr = getattr(mr, "upstream_mr", None)
 
 

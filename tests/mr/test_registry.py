@@ -19,7 +19,6 @@ def test_set_returns_previous_and_none_restores_default():
     assert mr.is_initialized()
     assert mr.set_current_device_resource(b) is a
     assert mr.get_current_device_resource() is b
-    assert mr.get_current_device_resource_type() is mr.SystemMemoryResource
     assert mr.set_current_device_resource(None) is b
     assert not mr.is_initialized()
 
@@ -28,7 +27,6 @@ def test_per_device_is_keyed_by_device():
     a = mr.SystemMemoryResource()
     mr.set_per_device_resource(0, a)
     assert mr.get_per_device_resource(0) is a
-    assert mr.get_per_device_resource_type(0) is mr.SystemMemoryResource
     mr.reset_per_device_resource(0)
     assert registry._resources.get(0) is None
 
