@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
+from typing import Any
 
-__all__ = ["atomic_output", "refuse_input"]
+__all__ = ["atomic_output", "refuse_input", "save_figure"]
 
 
 def refuse_input(path: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
@@ -29,6 +31,8 @@ def atomic_output(
 ) -> Iterator[str]:
     """Yield a temporary path beside ``path`` (same extension) to write; on success it is
     renamed to ``path``, on an error removed, so ``path`` is either the old file or complete.
+    A link is followed to its target; an existing target that is not a regular file (a device
+    such as ``/dev/null``, a FIFO) is never replaced: its own path is yielded, written directly.
 
     Raises
     ------
@@ -42,6 +46,13 @@ def atomic_output(
     if not os.path.isdir(os.path.dirname(os.path.realpath(path))):
         raise FileNotFoundError(errno.ENOENT, "the output's directory does not exist", path)
     refuse_input(path, inputs)
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        try:
+            yield os.fspath(path)
+        except OSError as e:  # a write's error names no file
+            e.filename = e.filename or os.fspath(path)
+            raise
+        return
     target = os.path.realpath(path)  # a link keeps pointing at the new file
     directory, name = os.path.split(target)
     fd, tmp = tempfile.mkstemp(
@@ -60,3 +71,10 @@ def atomic_output(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def save_figure(figure: Any, path: str | os.PathLike, **kwargs: Any) -> None:
+    """``figure.savefig`` through :func:`atomic_output`, in the format of ``path``'s extension
+    (PNG without one: matplotlib would read the temporary name's instead)."""
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format=os.path.splitext(path)[1][1:] or "png", **kwargs)

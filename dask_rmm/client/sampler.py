@@ -401,7 +401,7 @@ class GPUMemorySampler:
         Raises ValueError when there is nothing to draw (no block sampled, or none of the blocks
         saw a dask-rmm worker report this measure) rather than drawing empty axes.
         """
-        from dask_rmm._output import atomic_output
+        from dask_rmm._output import save_figure
         from dask_rmm.plotting.figures import byte_axis, figure
 
         df = self.to_pandas(align=align, measure=measure, per_worker=per_worker)
@@ -434,8 +434,7 @@ class GPUMemorySampler:
         ax.set_xlabel("seconds since each label's start" if align else "time")
         ax.grid(alpha=0.3)
         if path is not None:
-            with atomic_output(path) as tmp:
-                ax.figure.savefig(tmp, dpi=100)
+            save_figure(ax.figure, path, dpi=100)
         return ax
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ import io
 import operator
 import os
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -215,13 +216,22 @@ class LogReader:
         #: line number and text of a skipped, cut-off last line
         self.truncated: tuple[int, str] | None = None
         self.rows = 0  #: rows yielded so far
+        self.lines = 0  #: lines read so far
         self.bytes_read = 0  #: characters read so far (bytes for RMM's ASCII logs): progress
         #: the file's size (compressed for ``.gz``)
         self.total_bytes = os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
     def __iter__(self) -> Iterator[LogEvent]:
         with _open_text(self.path) as f:
-            yield from self._events(f)
+            try:
+                yield from self._events(f)
+            except (EOFError, zlib.error) as e:  # gzip's: a .gz cut short or corrupt
+                raise LogFormatError(
+                    self.path,
+                    self.lines + 1,
+                    f"the gzip file is truncated or corrupt ({e}); read {self.rows:,} rows "
+                    f"in {self.lines:,} lines before it",
+                ) from e
 
     def _header(self, f: TextIO) -> tuple[int, list[int], int | None, int]:
         """Read up to the header; return its line number, the column index of each of HEADER,
@@ -229,6 +239,7 @@ class LogReader:
         lineno = 0
         for line in f:
             lineno += 1
+            self.lines = lineno
             self.bytes_read += len(line)
             if _is_blank(line):
                 continue
@@ -260,6 +271,7 @@ class LogReader:
         restart_line = 0  # the line of a repeated header not yet followed by a row
         for line in f:
             lineno += 1
+            self.lines = lineno
             self.bytes_read += len(line)
             if pending is not None:
                 if _is_blank(line):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask_rmm._output import atomic_output, refuse_input
+from dask_rmm._output import refuse_input, save_figure
 from dask_rmm.logs.reader import Action, format_time, read_logs
 from dask_rmm.logs.summary import Summarizer
 
@@ -114,8 +114,7 @@ def plot_logs(
     if not timelines:
         raise ValueError("no allocation rows to plot in " + ", ".join(map(str, paths)))
     fig = timelines_figure(timelines, title=title)
-    with atomic_output(output) as tmp:
-        fig.savefig(tmp)
+    save_figure(fig, output)
     return timelines
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dask_rmm._output import atomic_output
+from dask_rmm._output import save_figure
 from dask_rmm.plotting.figures import byte_axis, figure, legend_outside
 from dask_rmm.plotting.svg import PALETTE
 from dask_rmm.sizes import format_bytes
@@ -66,6 +66,5 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         f"{format_bytes(t.reserved_bytes)} reserved, {t.failed_allocations} failed allocations"
     )
     if path is not None:
-        with atomic_output(path) as tmp:
-            fig.savefig(tmp, dpi=100)
+        save_figure(fig, path, dpi=100)
     return fig

@@ -3,10 +3,13 @@ real process (``python -m dask_rmm.cli`` and the ``dask rmm`` entry point)."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +175,72 @@ def test_merge_failure_leaves_no_partial_output(runner, two_logs, tmp_path, monk
         "worker-0.csv",
         "worker-1.csv",
     ]
+
+
+def test_merge_into_a_fifo_writes_through_it_and_keeps_it(runner, two_logs, tmp_path):
+    # Renamed over, a FIFO (or /dev/null, /dev/full as root) would become a regular file.
+    a, _, _, _ = two_logs
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        result = runner.invoke(cli.main, ["log", "merge", str(a), "-o", str(fifo)])
+        assert result.exit_code == 0, result.output
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        out = reader.communicate(timeout=60)[0].decode()
+    finally:
+        reader.kill()
+    assert out.startswith("Thread,Time,Action,Pointer,Size,Stream,Worker\n")
+    assert out.count("\n") == 2001
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "worker-0.csv", "worker-1.csv"]
+
+
+def test_merge_through_a_link_writes_the_file_it_points_to(runner, two_logs, tmp_path):
+    a, _, _, _ = two_logs
+    (tmp_path / "old.csv").write_text("previous\n")
+    link = tmp_path / "link.csv"
+    link.symlink_to("old.csv")
+    result = runner.invoke(cli.main, ["log", "merge", str(a), "-o", str(link)])
+    assert result.exit_code == 0, result.output
+    assert os.readlink(link) == "old.csv"
+    assert len(list(logs.read_log(tmp_path / "old.csv"))) == 2000
+
+
+def test_plot_without_an_extension_writes_png(runner, two_logs, tmp_path):
+    pytest.importorskip("matplotlib")
+    a, _, _, _ = two_logs
+    out = tmp_path / "usage"
+    result = runner.invoke(cli.main, ["log", "plot", str(a), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["usage", "worker-0.csv", "worker-1.csv"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["log", "summary"],
+        ["log", "summary", "--json"],
+        ["log", "plot", "-o", "{tmp}/p.png"],
+        ["log", "merge", "-o", "{tmp}/m.csv"],
+        ["log", "replay"],
+        ["log", "replay", "--compare", "pool,arena"],
+        ["advise", "--logs"],
+    ],
+)
+def test_a_truncated_gz_log_names_the_file_and_what_was_read(runner, tmp_path, command):
+    plain = tmp_path / "w.csv"
+    write_synthetic(plain, 3000, seed=3)
+    data = gzip.compress(plain.read_bytes())
+    cut = tmp_path / "w.csv.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    args = [c.format(tmp=tmp_path) for c in command] + [str(cut)]
+    result = runner.invoke(cli.main, args)
+    assert result.exit_code == 1, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {cut}:") and "gzip file is truncated" in line, line
+    assert re.search(r"read [\d,]+ rows in [\d,]+ lines before it$", line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.csv", "w.csv.gz"]
 
 
 def test_plot_refuses_to_overwrite_an_input(runner, two_logs):
