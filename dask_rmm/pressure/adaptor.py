@@ -171,15 +171,14 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         if release is not None and release() > 0:
             # Free blocks of library caches went back to the stack: no spilling needed yet.
             try:
-                return self._upstream_allocate(nbytes, stream)
+                return self._retry(nbytes, stream)
             except CUDAAllocationError:
                 raise
             except MemoryError as e:
                 error = e
         spilled = 0
         if h.spill_on_oom:
-            upstream_allocate = self._upstream_allocate
-            ptr, last, spilled = h.spill_until(lambda: upstream_allocate(nbytes, stream), nbytes)
+            ptr, last, spilled = h.spill_until(lambda: self._retry(nbytes, stream), nbytes)
             if last is None:
                 # spill_until returns a pointer exactly when it returns no error
                 assert ptr is not None
@@ -188,6 +187,18 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             error = last
         self._record_failure(error, nbytes, spilled)
         raise error
+
+    def _retry(self, nbytes: int, stream: Stream) -> int:
+        """The upstream allocation again; its failure is not counted again (one request, one
+        failed allocation in the statistics)."""
+        try:
+            return self._upstream_allocate(nbytes, stream)
+        except MemoryError:
+            stats = getattr(self.handler, "statistics", None)
+            if stats is not None:
+                with stats._lock:
+                    stats._c.failed -= 1
+            raise
 
     def _record_failure(self, error: MemoryError, nbytes: int, spilled: int) -> None:
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))

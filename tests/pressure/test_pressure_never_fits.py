@@ -85,3 +85,18 @@ async def test_oom_events_and_totals_stay_after_a_re_registration_as_the_peaks_d
         assert state["metrics"][0]["oom_count"] == 1
         device = a.metrics[METRICS_KEY](a)["devices"]["0"]
         assert device["oom_count"] == 1 and len(device["oom_events"]) == 1
+
+
+def test_a_request_that_waits_in_vain_counts_as_one_failed_allocation():
+    """spill_until retries a failed allocation ~100 times while nothing can be spilled: the
+    statistics counted each retry, a report showed 102 failed allocations for 1 OOM."""
+    from dask_rmm import DeviceBuffer
+    from tests.pressure_helpers import pressure_stack
+
+    wp, top = pressure_stack(8 * MiB, spill_on_oom=True)
+    held = DeviceBuffer(size=6 * MiB)  # a task's temporary: nothing to spill
+    with pytest.raises(MemoryError):
+        DeviceBuffer(size=4 * MiB)
+    assert wp.devices[0].statistics.failed_allocations == 1
+    del held
+    assert DeviceBuffer(size=4 * MiB).size == 4 * MiB
