@@ -13,64 +13,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = [
-    "CPU_DEVICE_ID",
-    "CUDAError",
-    "CUDAUnavailableError",
-    "PointerAttributes",
-    "check",
-    "device_get_default_managed_mem_pool",
-    "device_get_default_mem_pool",
-    "driver_get_version",
-    "device_synchronize",
-    "device_total_memory",
-    "event_create",
-    "event_destroy",
-    "event_query",
-    "event_record",
-    "event_synchronize",
-    "fail",
-    "free",
-    "free_async",
-    "free_host",
-    "get_device",
-    "get_device_attribute",
-    "get_device_count",
-    "is_available",
-    "mem_pool_objects",
-    "malloc",
-    "malloc_async",
-    "malloc_from_pool_async",
-    "malloc_host",
-    "malloc_managed",
-    "mem_advise_preferred_location",
-    "mem_get_info",
-    "mem_pool_create",
-    "mem_pool_destroy",
-    "mem_pool_export_to_shareable_handle",
-    "mem_pool_get_attribute",
-    "mem_pool_get_release_threshold",
-    "mem_pool_import_from_shareable_handle",
-    "mem_pool_set_release_threshold",
-    "mem_pool_trim_to",
-    "mem_prefetch_async",
-    "memcpy",
-    "memcpy_async",
-    "memset",
-    "memset_async",
-    "pointer_attributes",
-    "require_cuda",
-    "runtime_function",
-    "runtime_get_version",
-    "set_device",
-    "stream_create",
-    "stream_destroy",
-    "stream_objects",
-    "stream_query",
-    "stream_synchronize",
-    "stream_wait_event",
-]
-
 #: ``cudaCpuDeviceId``: pass as ``device`` to :func:`mem_prefetch_async` to move pages to the host.
 CPU_DEVICE_ID = -1
 
@@ -79,7 +21,6 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (
 _STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking
 _EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 _MEM_ATTACH_GLOBAL = 1  # cudaMemAttachGlobal
-_ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 
 class CUDAError(RuntimeError):
@@ -133,8 +74,9 @@ def _error_name(err) -> str:
         return str(err)
 
 
-def _fail(err, call: str):
-    """Raise for a failed call: CUDAUnavailableError without a usable GPU, else CUDAError.
+def fail(err, call: str):
+    """Raise for the nonzero error code ``err`` of runtime function ``call``:
+    :class:`CUDAUnavailableError` without a usable GPU, else :class:`CUDAError`.
 
     The runtime's last-error slot is cleared first, as RMM does, so that a handled failure
     (an out-of-memory the caller turns into MemoryError) does not surface later in another
@@ -150,37 +92,12 @@ def _fail(err, call: str):
     raise CUDAError(name, call)
 
 
-def fail(err, call: str):
-    """Raise the :class:`CUDAError` (or :class:`CUDAUnavailableError`) for the nonzero error
-    code ``err`` that the runtime function ``call`` returned (for callers of
-    :func:`runtime_function`)."""
-    _fail(err, call)
-
-
 def check(result, call: str):
-    """Turn cuda-python's ``(err, *values)`` into the value(s) or raise.
-
-    Parameters
-    ----------
-    result : tuple
-        What a ``cuda.bindings.runtime`` function returned.
-    call : str
-        The function's name, for the error message.
-
-    Returns
-    -------
-    None, the single value, or a tuple of the values.
-
-    Raises
-    ------
-    CUDAUnavailableError
-        On a host without a usable driver or device.
-    CUDAError
-        For any other failure, carrying CUDA's error name.
-    """
+    """cuda-python's ``(err, *values)`` as None, the single value or a tuple of the values;
+    raises as :func:`fail` does when ``err`` is not ``cudaSuccess``."""
     err = result[0]
     if err:  # cudaError_t is an int enum; cudaSuccess is 0
-        _fail(err, call)
+        fail(err, call)
     if len(result) == 1:
         return None
     if len(result) == 2:
@@ -234,7 +151,6 @@ _HOT = (
     "cudaMallocManaged",
     "cudaHostAlloc",
     "cudaFreeHost",
-    "cudaMallocAsync",
     "cudaFreeAsync",
     "cudaMallocFromPoolAsync",
     "cudaMemcpyAsync",
@@ -319,7 +235,6 @@ _cudaFree = _lazy("cudaFree")
 _cudaMallocManaged = _lazy("cudaMallocManaged")
 _cudaHostAlloc = _lazy("cudaHostAlloc")
 _cudaFreeHost = _lazy("cudaFreeHost")
-_cudaMallocAsync = _lazy("cudaMallocAsync")
 _cudaFreeAsync = _lazy("cudaFreeAsync")
 _cudaMallocFromPoolAsync = _lazy("cudaMallocFromPoolAsync")
 _cudaMemcpyAsync = _lazy("cudaMemcpyAsync")
@@ -342,7 +257,7 @@ def get_device() -> int:
     """The calling thread's current CUDA device."""
     err, device = _cudaGetDevice()
     if err:
-        _fail(err, "cudaGetDevice")
+        fail(err, "cudaGetDevice")
     return device
 
 
@@ -361,7 +276,7 @@ def set_device(device: int) -> None:
     (err,) = _cudaSetDevice(device)
     if err:
         _check_device(device)
-        _fail(err, f"cudaSetDevice({device})")
+        fail(err, f"cudaSetDevice({device})")
 
 
 def runtime_get_version() -> int:
@@ -461,7 +376,7 @@ def malloc(nbytes: int) -> int:
     """``cudaMalloc``: device memory on the current device."""
     err, ptr = _cudaMalloc(nbytes)
     if err:
-        _fail(err, "cudaMalloc")
+        fail(err, "cudaMalloc")
     return ptr
 
 
@@ -469,14 +384,14 @@ def free(ptr: int) -> None:
     """``cudaFree`` (synchronizes the device)."""
     (err,) = _cudaFree(ptr)
     if err:
-        _fail(err, "cudaFree")
+        fail(err, "cudaFree")
 
 
 def malloc_managed(nbytes: int) -> int:
     """``cudaMallocManaged(cudaMemAttachGlobal)``: unified memory; free with :func:`free`."""
     err, ptr = _cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL)
     if err:
-        _fail(err, "cudaMallocManaged")
+        fail(err, "cudaMallocManaged")
     return ptr
 
 
@@ -484,7 +399,7 @@ def malloc_host(nbytes: int, flags: int = 0) -> int:
     """``cudaHostAlloc``: page-locked host memory; free with :func:`free_host`."""
     err, ptr = _cudaHostAlloc(nbytes, flags)
     if err:
-        _fail(err, "cudaHostAlloc")
+        fail(err, "cudaHostAlloc")
     return ptr
 
 
@@ -492,15 +407,7 @@ def free_host(ptr: int) -> None:
     """``cudaFreeHost``."""
     (err,) = _cudaFreeHost(ptr)
     if err:
-        _fail(err, "cudaFreeHost")
-
-
-def malloc_async(nbytes: int, stream_handle: int) -> int:
-    """``cudaMallocAsync`` from the current device's current memory pool."""
-    err, ptr = _cudaMallocAsync(nbytes, stream_objects[stream_handle])
-    if err:
-        _fail(err, "cudaMallocAsync")
-    return ptr
+        fail(err, "cudaFreeHost")
 
 
 def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
@@ -509,7 +416,7 @@ def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
         nbytes, mem_pool_objects[pool], stream_objects[stream_handle]
     )
     if err:
-        _fail(err, "cudaMallocFromPoolAsync")
+        fail(err, "cudaMallocFromPoolAsync")
     return ptr
 
 
@@ -517,7 +424,7 @@ def free_async(ptr: int, stream_handle: int) -> None:
     """``cudaFreeAsync``: return ``ptr`` to its pool in stream order."""
     (err,) = _cudaFreeAsync(ptr, stream_objects[stream_handle])
     if err:
-        _fail(err, "cudaFreeAsync")
+        fail(err, "cudaFreeAsync")
 
 
 # --- memory pools (stream-ordered allocator) ---------------------------------------------------
@@ -601,20 +508,12 @@ def device_get_default_managed_mem_pool(device: int | None = None) -> int:
     rt = _rt()
     require_cuda("cudaMemGetDefaultMemPool")
     device = get_device() if device is None else _check_device(device)
-    fn = getattr(rt, "cudaMemGetDefaultMemPool", None)
-    if fn is None:
-        raise CUDAError(
-            "cudaErrorNotSupported",
-            "cudaMemGetDefaultMemPool",
-            "cudaMemGetDefaultMemPool is not in this cuda-python; managed memory pools need "
-            "cuda-python and a CUDA runtime 13.0 or newer",
-        )
     loc = rt.cudaMemLocation()
     loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
     loc.id = device
     return int(
         check(
-            fn(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
+            rt.cudaMemGetDefaultMemPool(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
             "cudaMemGetDefaultMemPool(managed)",
         )
     )
@@ -668,19 +567,6 @@ def mem_pool_export_to_shareable_handle(pool: int, handle_type: int | str = 1) -
     return int(handle)
 
 
-def mem_pool_import_from_shareable_handle(handle: int, handle_type: int | str = 1) -> int:
-    """Open a pool exported by another process; the result can only map imported pointers."""
-    handle_type = _handle_type(handle_type)
-    rt = _rt()
-    pool = check(
-        rt.cudaMemPoolImportFromShareableHandle(
-            handle, rt.cudaMemAllocationHandleType(handle_type), 0
-        ),
-        "cudaMemPoolImportFromShareableHandle",
-    )
-    return int(pool)
-
-
 # --- copies ------------------------------------------------------------------------------------
 
 
@@ -693,7 +579,7 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
     (err,) = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
     if err:
-        _fail(err, "cudaMemcpyAsync")
+        fail(err, "cudaMemcpyAsync")
 
 
 def memset(ptr: int, value: int, nbytes: int) -> None:
@@ -784,24 +670,14 @@ def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
     (err,) = _cudaStreamSynchronize(stream_objects[handle])
     if err:
-        _fail(err, "cudaStreamSynchronize")
-
-
-def stream_query(handle: int) -> bool:
-    """True when all work on the stream has completed."""
-    (err,) = _rt().cudaStreamQuery(handle)
-    if err == _ERROR_NOT_READY:
-        return False
-    if err:
-        _fail(err, "cudaStreamQuery")
-    return True
+        fail(err, "cudaStreamSynchronize")
 
 
 def stream_wait_event(stream_handle: int, event: int) -> None:
     """Make future work on ``stream_handle`` wait for ``event`` (``cudaStreamWaitEvent``)."""
     (err,) = _cudaStreamWaitEvent(stream_handle, event, 0)
     if err:
-        _fail(err, "cudaStreamWaitEvent")
+        fail(err, "cudaStreamWaitEvent")
 
 
 def event_create(disable_timing: bool = True) -> int:
@@ -814,22 +690,7 @@ def event_record(event: int, stream_handle: int) -> None:
     """``cudaEventRecord`` on ``stream_handle``."""
     (err,) = _cudaEventRecord(event, stream_handle)
     if err:
-        _fail(err, "cudaEventRecord")
-
-
-def event_synchronize(event: int) -> None:
-    """Wait for the event's recorded work."""
-    check(_rt().cudaEventSynchronize(event), "cudaEventSynchronize")
-
-
-def event_query(event: int) -> bool:
-    """True when the event's recorded work has completed."""
-    (err,) = _rt().cudaEventQuery(event)
-    if err == _ERROR_NOT_READY:
-        return False
-    if err:
-        _fail(err, "cudaEventQuery")
-    return True
+        fail(err, "cudaEventRecord")
 
 
 def event_destroy(event: int) -> None:

@@ -113,7 +113,9 @@ def test_created_stream_works():
     s = Stream()
     assert not s.is_default() and s.handle != 0
     s.synchronize()
-    assert _cuda.stream_query(s.handle)
+    from cuda.bindings import runtime
+
+    assert runtime.cudaStreamQuery(s.handle) == (runtime.cudaError_t.cudaSuccess,)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,7 @@
-"""Library allocators: point CuPy, Numba and PyTorch at dask-rmm's current device resource.
-
-``set_allocators(["cupy", "numba", "torch"])`` is what the worker plugin's ``allocators=[...]``
-and ``--set-rmm-allocator-for-libs`` call; the library hooks themselves live in
-:mod:`dask_rmm.allocators.cupy`, :mod:`dask_rmm.allocators.numba`,
-:mod:`dask_rmm.allocators.rmm_interop` and :mod:`dask_rmm.allocators.torch`, and the registry of
-library caches (CuPy's and compiled RMM's own pools drawing blocks from the stack, PyTorch's
-caching allocator beside it under the same maximum: the default for those three) in
-:mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
+"""Library allocators: point CuPy, Numba, PyTorch and the compiled RMM at dask-rmm's current
+device resource (``set_allocators``: the worker plugin's ``allocators=[...]`` and
+``--set-rmm-allocator-for-libs``). The hooks live in the submodules, the registry of library
+caches in :mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
 libraries.
 """
 
@@ -54,10 +49,8 @@ _HOOKS = {
 
 #: Names accepted by :func:`set_allocators`.
 SUPPORTED_ALLOCATORS: tuple[str, ...] = tuple(sorted(_HOOKS))
-#: Libraries whose own compiled cache serves their allocations by default: CuPy's
-#: ``MemoryPool`` and compiled RMM's pool draw their blocks from dask-rmm's stack; PyTorch's
-#: caching allocator takes device memory beside the stack's pool, within the room the pool's
-#: maximum leaves it. Numba allocates every array through the stack.
+#: Libraries whose own compiled cache serves their allocations by default (``exact=`` routes
+#: each allocation through the stack instead); Numba allocates every array through the stack.
 CACHED_ALLOCATORS: tuple[str, ...] = ("cupy", "rmm", "torch")
 
 
@@ -109,11 +102,7 @@ def _hook(name: str, which: int):
 
 def check_allocators(names: str | Iterable[str] | None) -> list[str]:
     """Raise what :func:`set_allocators` would raise for ``names`` (an unknown name, a library
-    that is not installed) without changing any library; the normalized names otherwise.
-
-    The worker plugin calls it while it builds a new setup, so that a worker lacking a library
-    fails the registration before anything is installed.
-    """
+    that is not installed) without changing any library; the normalized names otherwise."""
     selected = _normalize(names)
     for name in selected:
         _hook(name, 0)
@@ -137,28 +126,10 @@ def set_allocators(
         threads) instead of through their own compiled cache drawing blocks from it (the
         default). True: all of them.
 
-    Returns
-    -------
-    list of str
-        The normalized names that were set, in order (what :func:`reset_allocators` takes).
-
-    Raises
-    ------
-    ValueError
-        For a name that is not supported (before any library is touched); the message lists
-        the supported names.
-    ImportError
-        When a named library is not installed (chained to the original error).
-
-    Notes
-    -----
-    Each library's hook looks the resource up at every allocation, so resources set later
-    with :func:`dask_rmm.mr.set_current_device_resource` are used at once. Numba chooses its
-    memory manager when it creates a CUDA context: set it before Numba's first CUDA call.
-    PyTorch's exact path takes a new allocator only once per process, before its first CUDA
-    tensor, and cannot be given its own back; the default "torch" keeps PyTorch's own caching
-    allocator and shares the maximum of each device's current pool (call again after
-    replacing resources). Setting an allocator twice is harmless.
+    Returns the normalized names set (what :func:`reset_allocators` takes); ValueError for an
+    unsupported name and ImportError for a missing library, before any library is touched.
+    The hooks look the resource up at every allocation; Numba's and PyTorch's exact path must
+    be set before their first CUDA call (see their modules). Setting twice is harmless.
 
     Examples
     --------
@@ -178,15 +149,8 @@ def set_allocators(
 
 
 def reset_allocators(names: str | Iterable[str] | None) -> None:
-    """Give the named libraries back the allocators they had before :func:`set_allocators`.
-
-    Libraries that are not installed are skipped (nothing can have been set for them).
-
-    Parameters
-    ----------
-    names : str or iterable of str
-        As for :func:`set_allocators`.
-    """
+    """Give the named libraries (as for :func:`set_allocators`; those not installed are
+    skipped) back the allocators they had before :func:`set_allocators`."""
     for name in _normalize(names):
         try:
             resetter = _hook(name, 1)

@@ -1,14 +1,7 @@
-"""Library caches in front of dask-rmm's stack: the registry of native caches (CuPy's
-``MemoryPool``, compiled RMM's pool) that draw blocks from a device's dask-rmm resource and hand
-them to arrays themselves, what they hold, and how to make them give free blocks back.
-
-The stack counts every block a cache draws (statistics, limits, logs); the cache's own free
-bytes are reported beside it (``library_cached_bytes``), so that bytes in arrays are the stack's
-``current_bytes`` minus those. A cache *outside* the stack (``outside_stack = True``: PyTorch's
-caching allocator, which takes device memory itself) shares the pool's maximum instead
-(:mod:`dask_rmm.mr.budget`) and reports what it holds on its own
-(:func:`library_bytes`). Not here: the caches themselves (:mod:`.cupy`,
-:mod:`.rmm_interop`) and spilling (:mod:`dask_rmm.pressure`).
+"""The registry of library caches in front of dask-rmm's stacks (CuPy's ``MemoryPool``,
+compiled RMM's pool: blocks drawn from the stack, whose free bytes are reported beside it) and
+beside them (``outside_stack = True``: PyTorch's caching allocator, sharing the pool's maximum
+through :mod:`dask_rmm.mr.budget`): what they hold and how to make them give free blocks back.
 """
 
 from __future__ import annotations
@@ -91,12 +84,8 @@ def library_caches() -> list[LibraryCache]:
 
 
 def cached_bytes(device: int) -> dict[str, int]:
-    """Free bytes each library's cache holds from ``device``'s stack, by library name.
-
-    Caches outside the stack (PyTorch's) are not listed: their bytes are not the stack's (see
-    :func:`library_bytes`). Never raises: a cache that cannot tell counts 0 (logged at debug
-    level).
-    """
+    """Free bytes each library's cache inside the stack holds from ``device``'s stack, by
+    library name. Never raises: a cache that cannot tell counts 0 (logged at debug level)."""
     out: dict[str, int] = {}
     for cache in library_caches():
         if _is_outside(cache):
@@ -156,10 +145,8 @@ def release_cached(device: int) -> int:
 
 
 def release_cached_by_library(device: int) -> dict[str, int]:
-    """:func:`release_cached`, with the bytes each library's cache gave back, by library name
-    (only the libraries that gave some back): step one of making room.
-
-    Never raises: a cache that fails to release counts 0 (logged)."""
+    """:func:`release_cached` by library name (those that gave some back). Never raises: a
+    cache that fails to release counts 0 (logged)."""
     released: dict[str, int] = {}
     for cache in library_caches():
         try:
@@ -175,8 +162,7 @@ def release_cached_by_library(device: int) -> dict[str, int]:
 @contextlib.contextmanager
 def drawing_for_cache() -> Iterator[None]:
     """Mark this thread as drawing a block for a library cache: a failure then reaches the cache
-    at once, without spilling (a cache may ask for more than it needs and back off; it calls
-    :func:`oom_handler` itself once it is really out of memory)."""
+    at once, without spilling (the cache may back off, or make room itself)."""
     depth = getattr(_drawing, "depth", 0)
     _drawing.depth = depth + 1
     try:

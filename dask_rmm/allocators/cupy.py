@@ -1,27 +1,14 @@
-"""CuPy allocators: hand CuPy memory from the current device resource.
+"""CuPy allocators: hand CuPy memory from the current device resource, on CuPy's current
+stream and the resource of the device CuPy is on (pinned host memory is not covered).
 
-Three ways, the same memory, stream order and limits:
-
-- :class:`CupyPoolCache` (what :func:`set_cupy_allocator` installs by default, and so the Dask
-  plugin's ``allocators=["cupy"]``): CuPy's own ``MemoryPool``, whose blocks come from the
-  current device resource through :func:`lean_cupy_allocator`. Each allocation and free is
-  CuPy's compiled code; dask-rmm sees, counts and limits the blocks CuPy's pool draws and gives
-  back, and reports the free bytes the pool keeps (``cached_bytes``). Fast with several threads
-  (no Python per allocation); statistics count the pool's blocks, not each array.
-
-And the exact, per-allocation paths (``set_cupy_allocator(cache=False)``, the plugin's
-``exact_allocators=["cupy"]``):
-
-- ``rmm_cupy_allocator``, RMM's: the memory object CuPy holds is an ``UnownedMemory`` whose
-  ``_owner`` is a :class:`~dask_rmm.DeviceBuffer` (RMM's tests and some user code look there).
-- ``lean_cupy_allocator``: the memory object is a :class:`ResourceMemory`, an ``UnownedMemory``
-  that gives itself back to the resource when CuPy drops it. One object and one Python call
-  fewer per allocation and free than through a DeviceBuffer (bench/cupy_churn.py), which is
-  why :func:`set_cupy_allocator` (and so the Dask plugin's ``allocators=["cupy"]``) installs
-  this one.
-
-Allocation and free happen on CuPy's current stream (at allocation time) and on the resource
-of the device CuPy is on. Pinned host memory for CuPy is not covered.
+- :class:`CupyPoolCache` (``set_cupy_allocator()``, the default): CuPy's own compiled
+  ``MemoryPool`` drawing its blocks through :func:`lean_cupy_allocator`; no Python per
+  allocation, the stack counts the pool's blocks and the metrics report its free bytes.
+- ``lean_cupy_allocator`` (``set_cupy_allocator(cache=False)``): every allocation through the
+  resource; the memory object is a :class:`ResourceMemory` that frees itself.
+- ``rmm_cupy_allocator``, RMM's: the same, with a :class:`~dask_rmm.DeviceBuffer` as the
+  ``UnownedMemory``'s ``_owner`` (where RMM's tests and some user code look); one object and one
+  Python call more per allocation (bench/cupy_churn.py).
 """
 
 from __future__ import annotations
@@ -132,31 +119,13 @@ if _cupy is not None:
     _adopt = DeviceBuffer._adopt
 
     def rmm_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
-        """A CuPy allocator that takes memory from the current device resource.
+        """RMM's CuPy allocator: ``nbytes`` from the current device resource, owned by a
+        :class:`~dask_rmm.DeviceBuffer` that frees it when CuPy drops the memory.
 
-        The memory comes from the resource of the device CuPy is on
-        (:func:`dask_rmm.mr.get_per_device_resource`), on CuPy's current stream, and goes back
-        to that resource on that stream when CuPy frees it.
-
-        Parameters
-        ----------
-        nbytes : int
-            Bytes to allocate.
-
-        Returns
-        -------
-        cupy.cuda.MemoryPointer
-            Pointer to the start of the allocation.
-
-        Examples
-        --------
         >>> import cupy
         >>> from dask_rmm.allocators.cupy import rmm_cupy_allocator
         >>> cupy.cuda.set_allocator(rmm_cupy_allocator)
         """
-        # Hot path: no Stream object, no pointer-attribute query (the device is passed to
-        # UnownedMemory), one owner object: a DeviceBuffer adopting the pointer (as RMM's
-        # owner is a DeviceBuffer), which frees it when CuPy drops the memory.
         device_id = _get_device_id()
         cupy_stream = _get_current_stream(device_id)
         handle = cupy_stream.ptr
@@ -172,15 +141,9 @@ if _cupy is not None:
         )
 
     class ResourceMemory(_cupy.cuda.memory.UnownedMemory):
-        """CuPy memory from a dask-rmm memory resource that frees itself.
-
-        What :func:`lean_cupy_allocator` hands CuPy: an ``UnownedMemory`` (``ptr``, ``size``,
-        ``device_id`` as CuPy reads them) that also holds the resource it came from
-        (``resource``, kept alive by it) and the :class:`~dask_rmm.stream.Stream` it was
-        allocated on (``stream``). When CuPy drops it, it calls
-        ``resource.deallocate(ptr, size, stream)``; a free that raises is logged, never raised.
-        Its ``_owner`` is None: nothing else owns the memory.
-        """
+        """What :func:`lean_cupy_allocator` hands CuPy: an ``UnownedMemory`` holding the
+        ``resource`` and :class:`~dask_rmm.stream.Stream` it came from, which it frees to when
+        CuPy drops it (a failing free is logged, never raised)."""
 
         __slots__ = ("resource", "stream")
 
@@ -200,16 +163,9 @@ if _cupy is not None:
                         counting.append(self.size)
 
     def lean_cupy_allocator(nbytes: int) -> _cupy.cuda.MemoryPointer:
-        """A CuPy allocator that takes memory from the current device resource, as
-        :func:`rmm_cupy_allocator` does, with fewer objects per allocation.
+        """:func:`rmm_cupy_allocator` without a DeviceBuffer: the memory object is a
+        :class:`ResourceMemory`.
 
-        The memory comes from the resource of the device CuPy is on, on CuPy's current stream,
-        and goes back to that resource on that stream when CuPy frees it; statistics and
-        attribution see the same calls as through :func:`rmm_cupy_allocator`. The memory object
-        is a :class:`ResourceMemory` (no :class:`~dask_rmm.DeviceBuffer` is made).
-
-        Examples
-        --------
         >>> import cupy
         >>> from dask_rmm.allocators.cupy import lean_cupy_allocator
         >>> cupy.cuda.set_allocator(lean_cupy_allocator)
@@ -235,35 +191,18 @@ else:
 
     def rmm_cupy_allocator(nbytes: int):
         """A CuPy allocator that takes memory from the current device resource (needs CuPy)."""
-        raise ImportError(
-            "rmm_cupy_allocator needs CuPy, which is not importable here "
-            f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
-        ) from _library_import_error
+        _require_cupy()
 
-    def lean_cupy_allocator(nbytes: int):
-        """A CuPy allocator that takes memory from the current device resource (needs CuPy)."""
-        raise ImportError(
-            "lean_cupy_allocator needs CuPy, which is not importable here "
-            f"({_library_import_error}); install cupy-cuda13x (pip install 'dask-rmm[cupy]')"
-        ) from _library_import_error
-
+    lean_cupy_allocator = rmm_cupy_allocator
     # Needs CuPy; the name stays importable. mypy sees the class of the branch above.
     ResourceMemory = None  # type: ignore[assignment,misc]
 
 
 class CupyPoolCache:
-    """CuPy's own ``MemoryPool`` over dask-rmm: CuPy's compiled cache in front of the stack.
+    """CuPy's own ``MemoryPool`` (``pool``) drawing its blocks from the current device resource
+    (:func:`lean_cupy_allocator`). Out of memory, it gives its free blocks back and tries once
+    more; then the stack's ``OutOfMemoryError`` reaches the caller.
 
-    ``pool`` is a ``cupy.cuda.MemoryPool`` whose blocks come from the current device resource
-    (:func:`lean_cupy_allocator`, on CuPy's current stream), so every block is counted, limited
-    and logged by the stack, and goes back to it when CuPy frees it (``free_all_blocks``).
-    Arrays are carved out of those blocks by CuPy alone: no Python runs per allocation. When
-    the stack is out of memory, the pool gives its free blocks back and tries once more; if
-    that fails too, the stack's ``MemoryError`` (dask-rmm's ``OutOfMemoryError``, with the
-    pool's numbers) reaches the caller, as through the per-allocation hook.
-
-    Examples
-    --------
     >>> import cupy
     >>> from dask_rmm.allocators.cupy import CupyPoolCache
     >>> cache = CupyPoolCache()
@@ -293,17 +232,14 @@ class CupyPoolCache:
                     raise
         return lean_cupy_allocator(nbytes)
 
-    def _on_device(self, device: int) -> Any:
-        return _cupy.cuda.Device(device)
-
     def cached_bytes(self, device: int) -> int:
         """Bytes CuPy's pool holds free on ``device`` (drawn from the stack, in no array)."""
-        with self._on_device(device):
+        with _cupy.cuda.Device(device):
             return int(self.pool.free_bytes())
 
     def in_use_bytes(self, device: int) -> int:
         """Bytes of CuPy's pool on ``device`` that arrays hold."""
-        with self._on_device(device):
+        with _cupy.cuda.Device(device):
             return int(self.pool.used_bytes())
 
     def release(self, device: int) -> int:
@@ -317,7 +253,7 @@ class CupyPoolCache:
         counting: list[int] = []
         _released.counting = counting
         try:
-            with self._on_device(device):
+            with _cupy.cuda.Device(device):
                 before = int(self.pool.total_bytes())
                 self.pool.free_all_blocks()
                 difference = before - int(self.pool.total_bytes())
@@ -355,28 +291,11 @@ def get_cupy_cache() -> CupyPoolCache | None:
 
 
 def set_cupy_allocator(cache: bool = True) -> None:
-    """Point CuPy's allocations at the current device resource.
+    """Point CuPy's allocations at the current device resource: through :class:`CupyPoolCache`
+    (``cache=True``) or one by one through ``lean_cupy_allocator``. Remembers CuPy's previous
+    allocator for :func:`reset_cupy_allocator`; again with the same choice: nothing; with the
+    other: a switch. ImportError without CuPy.
 
-    Parameters
-    ----------
-    cache : bool
-        True (default): CuPy's own ``MemoryPool`` draws its blocks from the resource
-        (:class:`CupyPoolCache`): native speed, the stack counts the pool's blocks and the
-        metrics report the pool's free bytes. False: every allocation and free goes through the
-        resource (``lean_cupy_allocator``): exact per-allocation statistics and task
-        attribution, a few microseconds of Python per allocation.
-
-    Remembers CuPy's previous allocator for :func:`reset_cupy_allocator`. Calling it again
-    with the same choice does nothing; with the other choice it switches (the cache's free
-    blocks go back to the stack).
-
-    Raises
-    ------
-    ImportError
-        When CuPy is not installed.
-
-    Examples
-    --------
     >>> from dask_rmm.allocators.cupy import reset_cupy_allocator, set_cupy_allocator
     >>> set_cupy_allocator()
     >>> reset_cupy_allocator()

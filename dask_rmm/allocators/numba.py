@@ -8,6 +8,7 @@ host memory stay with Numba's own implementation (``HostOnlyCUDAMemoryManager``)
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from typing import Any
 
@@ -41,12 +42,8 @@ def _release(record: tuple[Any, int, int, Stream]) -> None:
 
 
 def _make_finalizer(allocations: dict, deallocations: Any, ptr: int, nbytes: int):
-    """The finalizer of one allocation: queue its release with Numba's pending deallocations.
-
-    Numba flushes that queue at once unless cleanup is deferred (``defer_cleanup``, e.g. while
-    a kernel launch is being prepared). An allocation already released by :meth:`reset` is not
-    released again.
-    """
+    """The finalizer of one allocation: queue its release with Numba's pending deallocations
+    (flushed at once unless cleanup is deferred), unless :meth:`reset` released it already."""
 
     def finalizer() -> None:
         record = allocations.pop(ptr, None)
@@ -57,19 +54,10 @@ def _make_finalizer(allocations: dict, deallocations: Any, ptr: int, nbytes: int
 
 
 class RMMNumbaManager(HostOnlyCUDAMemoryManager):
-    """Numba EMM plugin that allocates device memory from dask-rmm's current device resource.
-
-    Each allocation comes from :func:`dask_rmm.mr.get_per_device_resource` of the context's
-    device, on Numba's default stream (the per-thread default stream when
-    ``NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM=1``), and is given back to the same resource when
-    Numba frees it. Frees honour :meth:`defer_cleanup`. Pinned (``memhostalloc``), pinning
-    (``mempin``) and managed (``memallocmanaged``) allocations use Numba's own implementation.
-
-    See https://nvidia.github.io/numba-cuda/user/external-memory.html for the interface.
-
-    Examples
-    --------
-    Needs a CUDA device (the doctest run skips these lines):
+    """Numba EMM plugin (https://nvidia.github.io/numba-cuda/user/external-memory.html):
+    device memory from the resource of the context's device, on Numba's default stream (the
+    per-thread one with ``NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM=1``), given back to the same
+    resource. Pinned, pinning and managed allocations stay Numba's own. Needs a CUDA device:
 
     >>> from numba import cuda
     >>> from dask_rmm.allocators.numba import RMMNumbaManager
@@ -85,18 +73,8 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         """Nothing to do: the resource is looked up at each allocation."""
 
     def memalloc(self, size: int) -> MemoryPointer:
-        """Allocate ``size`` bytes of device memory from the current device resource.
-
-        Parameters
-        ----------
-        size : int
-            Bytes to allocate.
-
-        Returns
-        -------
-        numba.cuda.MemoryPointer
-            Owns the allocation; its finalizer gives the memory back to the resource.
-        """
+        """``size`` bytes from the current device resource, freed to it by the pointer's
+        finalizer."""
         from dask_rmm.mr.registry import get_per_device_resource
 
         ctx = self.context
@@ -116,23 +94,9 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         )
 
     def get_ipc_handle(self, memory: MemoryPointer) -> IpcHandle:
-        """An IPC handle for ``memory``: the handle of the upstream allocation holding it plus
-        the offset of ``memory`` inside that allocation.
-
-        Pool blocks are parts of larger upstream allocations (cudaMalloc chunks); a CUDA IPC
-        handle can only name a whole allocation, so the importing process opens the chunk and
-        Numba adds the offset. Memory from ``cudaMallocAsync`` (CudaAsyncMemoryResource) or
-        managed memory cannot be shared this way.
-
-        Parameters
-        ----------
-        memory : numba.cuda.MemoryPointer
-            Device memory returned by :meth:`memalloc` (or a view of it).
-
-        Returns
-        -------
-        numba.cuda.IpcHandle
-        """
+        """An IPC handle for ``memory``: the handle of the whole upstream allocation (a
+        cudaMalloc chunk) holding it plus its offset there (not for cudaMallocAsync or managed
+        memory)."""
         from dask_rmm import _cuda
 
         ptr = int(memory.handle)
@@ -143,13 +107,8 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         return IpcHandle(memory, handle, memory.size, source_info, offset=ptr - base)
 
     def get_memory_info(self) -> MemoryInfo:
-        """``(free, total)`` bytes of the context's device as allocations through the resource
-        see them: free device memory plus what a pooling resource holds free.
-
-        Returns
-        -------
-        numba.cuda.MemoryInfo
-        """
+        """``(free, total)`` bytes of the context's device: free device memory plus what a
+        pooling resource holds free."""
         from dask_rmm import _cuda
         from dask_rmm.mr.registry import get_per_device_resource
 
@@ -181,40 +140,36 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
 # NUMBA_CUDA_MEMORY_MANAGER=dask_rmm.allocators.numba looks for this name.
 _numba_memory_manager = RMMNumbaManager
 
-_previous_managers: list[Any] = []
+_set = False
 
 
 def set_numba_allocator() -> None:
-    """Route Numba's device allocations through the current device resource.
+    """Route Numba's device allocations through the current device resource
+    (``numba.cuda.set_memory_manager(RMMNumbaManager)``) in the CUDA contexts Numba creates from
+    now on: call it before Numba's first CUDA operation. Idempotent.
 
-    Calls ``numba.cuda.set_memory_manager(RMMNumbaManager)`` and remembers the previous
-    manager for :func:`reset_numba_allocator`. Numba picks its memory manager when it creates a
-    CUDA context, so call this before the first Numba CUDA operation in the process.
-    Idempotent.
-
-    Examples
-    --------
     >>> from dask_rmm.allocators.numba import set_numba_allocator
     >>> set_numba_allocator()
     """
-    current = _numba_driver._memory_manager
-    if current is RMMNumbaManager:
-        return
-    cuda.set_memory_manager(RMMNumbaManager)
-    _previous_managers.append(current)
+    global _set
+    if not _set:
+        cuda.set_memory_manager(RMMNumbaManager)
+        _set = True
 
 
 def reset_numba_allocator() -> None:
-    """Give Numba back the memory manager it had before :func:`set_numba_allocator`
-    (for contexts created from now on)."""
-    if not _previous_managers:
+    """Give Numba, for contexts created from now on, the memory manager it chooses itself: the
+    one ``NUMBA_CUDA_MEMORY_MANAGER`` names, or its own. (Numba has no public getter, so a
+    manager set with ``set_memory_manager`` before :func:`set_numba_allocator` is not
+    restored.)"""
+    global _set
+    if not _set:
         return
-    previous = _previous_managers.pop()
-    if _numba_driver._memory_manager is not RMMNumbaManager:
-        _previous_managers.clear()
-        return
-    if previous is None:
-        # Numba had not chosen yet: let it choose again from NUMBA_CUDA_MEMORY_MANAGER.
-        _numba_driver._memory_manager = None
-    else:
-        cuda.set_memory_manager(previous)
+    _set = False
+    from numba.cuda.core import config
+
+    name = config.CUDA_MEMORY_MANAGER
+    if name == "default":
+        cuda.set_memory_manager(_numba_driver.NumbaCUDAMemoryManager)
+    else:  # as Numba loads it: the module's _numba_memory_manager (Numba's EMM docs)
+        cuda.set_memory_manager(importlib.import_module(name)._numba_memory_manager)

@@ -1,38 +1,18 @@
-"""RAPIDS interop: serve the compiled RMM library's allocations (cuDF, cuML, ...) from dask-rmm.
+"""RAPIDS interop: serve the compiled RMM library's allocations (cuDF, cuML, ...) from dask-rmm
+(docs/rapids.md); the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`.
 
-:func:`set_rmm_callback_resource` makes each device's current resource in the compiled ``rmm``
-package an ``rmm.mr.CallbackMemoryResource`` whose callbacks allocate from, and free to, that
-device's dask-rmm resource; :func:`reset_rmm_callback_resource` gives RMM its previous resources
-back. It is the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`. Not here: libraries
-that bypass RMM.
+:func:`set_rmm_callback_resource` sets each device's resource in the compiled ``rmm`` to
+:class:`RMMPoolCache` (default: RMM's compiled pool drawing its blocks through an
+``rmm.mr.CallbackMemoryResource`` from the device's dask-rmm resource; only its growth runs
+Python) or, with ``cache=False``, to the callback resource alone (two Python calls per
+allocation, each counted, attributed and logged by dask-rmm).
 
-Two ways (``cache=``):
-
-- the cache (default, :class:`RMMPoolCache`): RMM's compiled ``StatisticsResourceAdaptor`` over
-  ``FailureCallbackResourceAdaptor`` over ``PoolMemoryResource`` over the callback resource.
-  cuDF's allocations are served by RMM's C++ pool, counted exactly by RMM's C++ statistics, and
-  only the pool's growth runs Python, drawing blocks from dask-rmm's stack (which counts, limits
-  and logs them). RMM's pool cannot shrink: its free blocks stay drawn (``cached_bytes``).
-  Running out of memory calls the failure callback, which has the other library caches give
-  their free blocks back and spills task outputs (with ``spill_on_oom``), then retries.
-- exact (``cache=False``, the plugin's ``exact_allocators=["rmm"]``): the callback resource
-  alone, two Python calls per allocation and free, every allocation counted, attributed to its
-  task and logged by dask-rmm.
-
-How the callbacks behave (RMM calls them with the GIL taken, from any thread):
-
-- ``allocate(nbytes, stream)`` looks up the device's dask-rmm resource at every call, like the
-  CuPy and Numba hooks, and remembers which resource served each pointer, so a free always goes
-  back to the resource that allocated, even after the registry changed. ``stream`` is RMM's
-  stream; it is wrapped as a :class:`~dask_rmm.stream.Stream` by handle, never created or
-  destroyed. A ``MemoryError`` (dask-rmm's ``OutOfMemoryError``) reaches C++ as
-  ``rmm::out_of_memory``, which cuDF's spilling and retry paths catch; any other error as
-  ``std::runtime_error``.
-- ``deallocate(ptr, nbytes, stream)`` never raises (RMM's C++ deallocate is ``noexcept``): a
-  failure is logged and counted; during interpreter shutdown it does nothing (the process's
-  memory goes with it). A free made by the garbage collector (an RMM buffer in a reference
-  cycle) is handed to a daemon thread: the collection may have started inside a resource's
-  locked bookkeeping on this very thread.
+The callbacks (:class:`RMMForwarder`; RMM calls them with the GIL, from any thread) look the
+dask-rmm resource up at every allocation and free each pointer to the resource that allocated
+it. A ``MemoryError`` reaches C++ as ``rmm::out_of_memory`` (cuDF's spilling catches it). A free
+never raises (RMM's deallocate is ``noexcept``): a failure is logged and counted; at interpreter
+shutdown it does nothing; during a garbage collection it is handed to a daemon thread, as the
+collection may have started inside a resource's locked bookkeeping on this very thread.
 """
 
 from __future__ import annotations
@@ -100,20 +80,8 @@ def _dead_ref() -> None:
 
 
 class RMMForwarder:
-    """The two callbacks of one device's ``CallbackMemoryResource``.
-
-    Parameters
-    ----------
-    device : int
-        The device whose dask-rmm resource serves RMM's allocations.
-
-    Attributes
-    ----------
-    live : dict of int to DeviceMemoryResource
-        Pointer -> the dask-rmm resource that allocated it, for every allocation RMM holds.
-    failed_deallocations : int
-        Frees that could not be done (logged; the memory stays with its resource).
-    """
+    """The two callbacks of ``device``'s ``CallbackMemoryResource``. ``live``: pointer -> the
+    dask-rmm resource that allocated it; ``failed_deallocations``: frees that failed (logged)."""
 
     def __init__(self, device: int):
         from dask_rmm.mr.registry import get_per_device_resource
@@ -304,27 +272,14 @@ RMM_CACHE_INITIAL_SIZE = 64 << 20
 
 
 class RMMPoolCache:
-    """Compiled RMM's pool in front of dask-rmm's stack, for one device.
+    """Compiled RMM's pool in front of dask-rmm's stack on ``device``.
 
-    ``top`` (what RMM's per-device resource is set to) is RMM's C++
-    ``StatisticsResourceAdaptor`` over a ``FailureCallbackResourceAdaptor`` over a
-    ``PoolMemoryResource`` whose upstream is a ``CallbackMemoryResource`` drawing blocks from the
-    device's dask-rmm resource. Per allocation only compiled code runs; ``statistics()`` are RMM's
-    exact per-allocation counts. The pool's growth is marked as drawing for a cache
-    (:func:`~dask_rmm.allocators.caches.drawing_for_cache`): it may ask for twice what it needs
-    and back off, so the stack fails it without spilling; when the pool is really out of memory
-    the failure callback has the library caches give back their free blocks and, with
-    ``spill_on_oom``, spills task outputs, then RMM retries.
-
-    Parameters
-    ----------
-    device : int
-        The device whose dask-rmm resource serves the pool's blocks.
-    forwarder : RMMForwarder
-        Its callbacks (which remember the resource of each block).
-    initial_pool_size : int, optional
-        The pool's first block, drawn at once (default :data:`RMM_CACHE_INITIAL_SIZE`); when the stack cannot give it, the pool starts
-        empty and grows by what is asked.
+    ``top`` (RMM's per-device resource) is RMM's ``StatisticsResourceAdaptor`` over a
+    ``FailureCallbackResourceAdaptor`` over a ``PoolMemoryResource`` drawing its blocks through
+    ``forwarder`` (first :data:`RMM_CACHE_INITIAL_SIZE`, or ``initial_pool_size``; none if the
+    stack cannot give it). The growth is marked :func:`~dask_rmm.allocators.caches.drawing_for_cache`
+    (the stack fails it without spilling); when the pool is out of memory, the failure callback
+    makes room (:func:`dask_rmm.allocators.arbitration.make_room`) and RMM retries.
     """
 
     name = "rmm"
@@ -365,9 +320,7 @@ class RMMPoolCache:
     def statistics(self) -> dict[str, int]:
         """RMM's exact counts of the allocations the pool served: current, peak and total
         bytes and counts."""
-        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics (or a dict)
-        if isinstance(counts, dict):
-            return {k: int(counts[k]) for k in _RMM_STATISTICS}
+        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics
         return {k: int(getattr(counts, k)) for k in _RMM_STATISTICS}
 
     def pool_size(self) -> int:
@@ -422,47 +375,14 @@ def _target_devices(devices: Iterable[int] | None) -> list[int]:
 def set_rmm_callback_resource(
     devices: Iterable[int] | None = None, cache: bool = True
 ) -> list[int]:
-    """Serve the compiled RMM library's allocations from dask-rmm's per-device resources.
+    """Serve the compiled RMM's allocations on ``devices`` (default: every device with a
+    dask-rmm resource, else the current one) from dask-rmm's resources, through
+    :class:`RMMPoolCache` (``cache=True``) or the callbacks alone; the devices set.
 
-    Sets RMM's per-device resource of each device to an ``rmm.mr.CallbackMemoryResource`` that
-    allocates from dask-rmm's resource of that device (looked up at every allocation, like the
-    CuPy and Numba hooks) and remembers RMM's previous resource for
-    :func:`reset_rmm_callback_resource`. Everything RAPIDS libraries allocate through RMM (cuDF,
-    cuML, ``rmm.DeviceBuffer``, ``rmm.allocators.cupy``) then shows in dask-rmm's statistics,
-    task-group attribution and allocation logs.
-
-    Parameters
-    ----------
-    devices : iterable of int, optional
-        Default: every device that has a dask-rmm resource now (the worker's configured devices),
-        or the current device when none has.
-    cache : bool
-        True (default): RMM's compiled pool serves the allocations and draws its blocks from
-        dask-rmm (:class:`RMMPoolCache`). False: every allocation goes through dask-rmm.
-
-    Returns
-    -------
-    list of int
-        The devices whose RMM resource forwards to dask-rmm.
-
-    Raises
-    ------
-    ImportError
-        When the compiled ``rmm`` package is not installed (nothing is changed).
-    ValueError
-        When a device's dask-rmm resource is host memory, or a device does not exist (nothing is
-        changed).
-
-    Notes
-    -----
-    Calling it again is harmless: a device already forwarding keeps its callback resource. A
-    device whose RMM resource someone else replaced since gets a new one (and that resource is
-    what :func:`reset_rmm_callback_resource` restores). Allocations RMM made before this call
-    stay with RMM's previous resource, which frees them.
-
-    Examples
-    --------
-    Needs a CUDA device and the compiled RMM (the doctest run skips these lines):
+    RMM's previous resources are remembered for :func:`reset_rmm_callback_resource` (a device
+    already forwarding is left as is; one whose resource someone else replaced since gets a new
+    one). ImportError without ``rmm``; ValueError for a device that does not exist or whose
+    dask-rmm resource is host memory; nothing is changed then. Needs a CUDA device:
 
     >>> from dask_rmm.allocators.rmm_interop import (
     ...     reset_rmm_callback_resource, set_rmm_callback_resource)
@@ -537,17 +457,9 @@ def get_rmm_cache(device: int) -> RMMPoolCache | None:
 
 
 def reset_rmm_callback_resource(devices: Iterable[int] | None = None) -> None:
-    """Give RMM back the per-device resources it had before :func:`set_rmm_callback_resource`.
-
-    A device whose RMM resource was replaced by someone else since keeps that resource. Buffers
-    allocated through the callbacks stay valid and are freed to the dask-rmm resource that
-    allocated them. Does nothing when ``rmm`` is not installed or nothing was set.
-
-    Parameters
-    ----------
-    devices : iterable of int, optional
-        Default: every device set by :func:`set_rmm_callback_resource`.
-    """
+    """Give RMM back, on ``devices`` (default: all set), the resources it had before
+    :func:`set_rmm_callback_resource`, unless someone else replaced them since. Live buffers
+    stay valid and are freed to the dask-rmm resource that allocated them."""
     if _rmm is None:
         return
     with _lock:

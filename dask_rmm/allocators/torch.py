@@ -1,42 +1,20 @@
-"""PyTorch allocators: PyTorch's own caching allocator under the worker's budget (the default,
-:class:`TorchCache`), or ``rmm_torch_allocator``, which hands every CUDA tensor memory from the
-current device resource, in pure Python (the exact path).
+"""PyTorch allocators (docs/pytorch.md).
 
-The cache path (``set_torch_allocator()``, the plugin's ``allocators=["torch"]``): PyTorch keeps
-its native caching allocator, so no Python ever runs under PyTorch's allocator lock and tensors
-cost what they cost without dask-rmm. Its memory comes from the device beside the worker's pool,
-and shares the pool's maximum (:mod:`dask_rmm.mr.budget`): PyTorch's cap
-(``torch.cuda.set_per_process_memory_fraction``) is the room the pool leaves, lowered before the
-pool grows and raised when it shrinks, and the pool counts PyTorch's reserved bytes
-(``torch.cuda.memory_reserved``) before it grows, so neither passes the maximum. PyTorch's bytes
-in tensors and held free in its cache are reported as a library outside the stack
-(:func:`dask_rmm.allocators.caches.library_bytes`); ``release_unused`` and spilling call
-``torch.cuda.empty_cache()``. Only public PyTorch functions are used (PyTorch >= 2.0).
+The cache path (``set_torch_allocator()``, the default): PyTorch keeps its own caching
+allocator (:class:`TorchCache`), whose cap (``set_per_process_memory_fraction``) is the room the
+worker's pool leaves (:mod:`dask_rmm.mr.budget`); its bytes are reported beside the stack.
 
-The exact path (``set_torch_allocator(cache=False)``, the plugin's ``exact_allocators=["torch"]``):
-
-PyTorch's pluggable allocator only needs two C function addresses,
-``void* alloc(size_t size, int device, cudaStream_t stream)`` and
-``void free(void* ptr, size_t size, int device, cudaStream_t stream)``. Here they are ctypes
-callbacks into Python, kept alive for the life of the process. The callbacks never raise into
-C: a failed allocation is retried once after a garbage collection, then returns NULL, keeps its
-exception for :func:`last_allocation_error` and makes the allocating Python call raise
-``TorchAllocationError`` (a ``torch.OutOfMemoryError`` and a ``MemoryError``);
-a failed free is logged. Each call costs a Python call (see ``bench/torch_alloc.py``).
-
-``rmm_torch_allocator`` is None when torch is not importable or has no usable CUDA, as RMM's.
-
-Examples
---------
-Before the process's first CUDA tensor (needs a CUDA device and torch; the doctest run skips
-these lines):
+The exact path (``set_torch_allocator(cache=False)``): ``rmm_torch_allocator``, a
+``CUDAPluggableAllocator`` whose alloc and free functions are ctypes callbacks into Python that
+allocate from the current device resource. They never raise into C: a failed allocation is
+retried once after a garbage collection, then returns NULL and makes the allocating Python call
+raise ``TorchAllocationError`` (a ``torch.OutOfMemoryError`` and a ``MemoryError``);
+:func:`last_allocation_error` keeps the original. ``rmm_torch_allocator`` is None without a
+CUDA-enabled torch, as RMM's.
 
 >>> import torch  # doctest: +SKIP
 >>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP
 >>> torch.cuda.memory.change_current_allocator(rmm_torch_allocator)  # doctest: +SKIP
-
-or ``dask_rmm.allocators.set_allocators(["torch"])`` (what ``RMMPlugin(allocators=["torch"])``
-does on each worker).
 """
 
 from __future__ import annotations
@@ -184,20 +162,13 @@ _AllocationFailed: type[BaseException] | None = None
 def _raise_when_back_in_python(message: str) -> None:
     """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``.
 
-    PyTorch 2.11 does not check the pointer its pluggable allocator returns: a NULL becomes a
-    tensor without memory whose first use fails on the device (and can take the CUDA context
-    down with it). An exception cannot cross the C frames between this callback and the
-    Python code that called PyTorch, so this thread is armed instead: the Python frame that
-    called into PyTorch gets an opcode trace function, which raises at its next instruction,
-    i.e. right after the failing call returns, on the same line. (A profile hook alone is not
-    enough: a profiler installed during a C call gets no ``c_return`` for that call, so it
-    fired at some later call, possibly inside the next allocation.) A profile hook stays as a
-    fallback, for a caller frame that cannot be traced. Whichever fires first restores the
-    previous tracer and profiler and raises, once, with this failure's message; events inside
-    the callbacks (the resource's own code) are ignored. The state is per thread
-    (``_errors``); a later allocation on the thread disarms anything still armed, so it never
-    raises an earlier failure. A thread PyTorch runs without Python code of its own
-    (autograd's device threads) has nowhere to raise: there only the NULL remains.
+    PyTorch does not check the pointer its pluggable allocator returns (a NULL becomes a tensor
+    whose first use fails on the device), and an exception cannot cross its C frames. So this
+    thread is armed: the calling Python frame gets an opcode trace function that raises right
+    after the failing call returns (a profile hook is the fallback for a frame that cannot be
+    traced; a profiler set during a C call gets no ``c_return`` for it). Whichever fires first
+    restores the previous tracer and profiler and raises once; events inside the callbacks are
+    ignored; a later allocation on the thread disarms (docs/internals.md).
     """
     exc_type = _allocation_error_type()
     _disarm()
@@ -326,15 +297,30 @@ def callback_addresses() -> tuple[int, int]:
     return alloc_fn, free_fn
 
 
-def _make_allocator():
-    """A ``torch.cuda.memory.CUDAPluggableAllocator`` over the callbacks, or None without a
-    CUDA-enabled torch."""
+def _torch_cuda():
+    """The torch module, when it has CUDA; ImportError otherwise."""
     try:
         import torch
-        from torch.cuda.memory import CUDAPluggableAllocator
-    except ImportError:
+    except ImportError as e:
+        raise ImportError(f"the 'torch' allocator needs torch with CUDA ({e})") from e
+    if not torch.cuda.is_available():
+        raise ImportError("the 'torch' allocator needs torch with CUDA; torch has no usable CUDA")
+    return torch
+
+
+def _make_allocator():
+    """A ``CUDAPluggableAllocator`` over the callbacks, or None without a CUDA-enabled torch
+    or its private ``torch._C._cuda_customAllocator`` (the public constructor takes only a .so
+    file's path and symbol names; these callbacks live in no .so)."""
+    global _library_import_error
+    try:
+        torch = _torch_cuda()
+    except ImportError as e:
+        _library_import_error = e
         return None
-    if not torch.cuda.is_available() or not hasattr(torch._C, "_cuda_customAllocator"):
+    from torch.cuda.memory import CUDAPluggableAllocator
+
+    if not hasattr(torch._C, "_cuda_customAllocator"):
         return None
 
     class PythonCallbackAllocator(CUDAPluggableAllocator):
@@ -346,39 +332,14 @@ def _make_allocator():
     return PythonCallbackAllocator(*callback_addresses())
 
 
+#: Why the "torch" allocators cannot be set here (None: they can). A torch without the private
+#: ``torch._C._cuda_customAllocator`` still has the cache path (``rmm_torch_allocator`` is None).
+_library_import_error: ImportError | None = None
 #: Pass to ``torch.cuda.memory.change_current_allocator`` (once, before PyTorch's first CUDA
 #: allocation), or use :func:`set_torch_allocator`. None without a CUDA-enabled torch.
 rmm_torch_allocator = _make_allocator()
-
-
-def _torch_problem() -> ImportError | None:
-    """Why neither PyTorch path can work here (no torch, or no CUDA), or None."""
-    try:
-        import torch
-    except ImportError as e:
-        return ImportError(f"torch is not importable ({e})")
-    if not torch.cuda.is_available():
-        return ImportError("torch has no usable CUDA")
-    return None
-
-
-#: Why the "torch" allocators cannot be set here (None: they can). A torch without the private
-#: ``torch._C._cuda_customAllocator`` still has the cache path (``rmm_torch_allocator`` is None).
-_library_import_error: ImportError | None = _torch_problem()
 _warned_exact_fallback = False
-
 _installed = False
-
-
-def _torch_cuda():
-    """The torch module, when it has CUDA; ImportError otherwise."""
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"the 'torch' allocator needs torch with CUDA ({e})") from e
-    if not torch.cuda.is_available():
-        raise ImportError("the 'torch' allocator needs torch with CUDA; torch has no usable CUDA")
-    return torch
 
 
 #: PyTorch's cap is kept this far below the room (its fraction is a float times the device's
@@ -446,11 +407,7 @@ class TorchCache:
 
     def cached_bytes(self, device: int) -> int:
         """Bytes PyTorch holds free in its cache on ``device`` (reserved, in no tensor)."""
-        if not self._initialized():
-            return 0
-        stats = self.torch.cuda.memory_stats(device)
-        reserved = int(stats.get("reserved_bytes.all.current", 0))
-        return max(0, reserved - int(stats.get("allocated_bytes.all.current", 0)))
+        return max(0, self.reserved_bytes(device) - self.in_use_bytes(device))
 
     def release(self, device: int) -> int:
         """``torch.cuda.empty_cache()`` on ``device``: PyTorch's free segments go back to the
@@ -519,8 +476,6 @@ def get_torch_cache() -> TorchCache | None:
 def share_torch_budget(device: int, resource: Any) -> None:
     """Make PyTorch's cache on ``device`` share the maximum of the pool in ``resource``'s chain
     (and leave the pool it shared before); no cap without such a pool."""
-    import weakref
-
     from dask_rmm.mr.pool import pool_behind
 
     if _cache is None:
@@ -530,17 +485,22 @@ def share_torch_budget(device: int, resource: Any) -> None:
     while mr is not None and pool is None:
         pool = pool_behind(mr)
         mr = getattr(mr, "upstream_mr", None)
-    budget = _cache.budget(device)
+    _move_budget(_cache.budget(device), pool)
+
+
+def _move_budget(budget: _TorchDeviceBudget, pool: Any) -> None:
+    """Make ``budget`` share ``pool``'s maximum, leaving the pool it shared before (None: no
+    pool, no cap)."""
+    import weakref
+
     previous = budget.pool() if budget.pool is not None else None
     if previous is not None and previous is not pool:
         previous.stop_sharing(budget)
-    if pool is None:
-        budget.pool = None
-        if budget.room is not None:
-            budget.set_room(None)
-        return
-    budget.pool = weakref.ref(pool)
-    pool.share_budget(budget)
+    budget.pool = None if pool is None else weakref.ref(pool)
+    if pool is not None:
+        pool.share_budget(budget)
+    elif budget.room is not None:
+        budget.set_room(None)
 
 
 def _share_with_current_resources() -> None:
@@ -558,14 +518,10 @@ def set_torch_allocator(cache: bool = True) -> None:
     Parameters
     ----------
     cache : bool
-        True (default): PyTorch keeps its own caching allocator (native speed); it is registered
-        as a library cache (:class:`TorchCache`) and shares the maximum of the pool of each
-        device's current resource (its cap follows the pool; see the module docs). Call again
-        after replacing the resources (the worker does) to share the new pools' maximum.
-        False: every tensor's memory comes from the current device resource through
-        ``rmm_torch_allocator`` (exact per-allocation statistics; a Python call per tensor).
-        PyTorch can change its allocator only once per process and only before its first
-        CUDA allocation; calling this again after it succeeded does nothing.
+        True (default): PyTorch's caching allocator is registered as a library cache
+        (:class:`TorchCache`) sharing the maximum of each device's current pool; call again
+        after replacing the resources. False: every tensor through ``rmm_torch_allocator``,
+        possible once per process, before PyTorch's first CUDA allocation (then a no-op).
 
     Raises
     ------
@@ -638,15 +594,10 @@ def _drop_cache() -> None:
         return
     caches.unregister_cache(_cache)
     for device, budget in list(_cache._budgets.items()):
-        pool = budget.pool() if budget.pool is not None else None
-        if pool is not None:
-            pool.stop_sharing(budget)
-        budget.pool = None
-        if budget.room is not None:
-            try:
-                budget.set_room(None)
-            except Exception:  # pragma: no cover - a reset must go on
-                logger.warning("dask-rmm: lifting PyTorch's cap on device %d failed", device)
+        try:
+            _move_budget(budget, None)
+        except Exception:  # pragma: no cover - a reset must go on
+            logger.warning("dask-rmm: lifting PyTorch's cap on device %d failed", device)
 
 
 def reset_torch_allocator() -> None:

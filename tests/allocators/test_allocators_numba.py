@@ -165,24 +165,33 @@ def test_per_thread_default_stream(host_manager, monkeypatch):
 
 
 def test_set_and_reset_numba_allocator():
-    previous = numba_driver._memory_manager
     set_numba_allocator()
     set_numba_allocator()  # idempotent
     try:
         assert numba_driver._memory_manager is RMMNumbaManager
     finally:
         reset_numba_allocator()
-    assert numba_driver._memory_manager is previous
+    # what Numba chooses itself (NUMBA_CUDA_MEMORY_MANAGER unset: its own)
+    assert numba_driver._memory_manager is numba_driver.NumbaCUDAMemoryManager
 
 
 def test_set_allocators_numba():
-    previous = numba_driver._memory_manager
     assert set_allocators(["numba"]) == ["numba"]
     try:
         assert numba_driver._memory_manager is RMMNumbaManager
     finally:
         reset_allocators(["numba"])
-    assert numba_driver._memory_manager is previous
+    assert numba_driver._memory_manager is numba_driver.NumbaCUDAMemoryManager
+
+
+def test_reset_gives_numba_the_manager_its_environment_names(monkeypatch):
+    from numba.cuda.core import config
+
+    monkeypatch.setattr(numba_driver, "_memory_manager", numba_driver._memory_manager)  # undone
+    monkeypatch.setattr(config, "CUDA_MEMORY_MANAGER", "dask_rmm.allocators.numba")
+    set_numba_allocator()
+    reset_numba_allocator()
+    assert numba_driver._memory_manager is RMMNumbaManager
 
 
 def test_environment_variable_selects_the_manager():
