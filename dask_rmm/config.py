@@ -17,8 +17,6 @@ from typing import Any
 import dask.config
 import yaml
 
-from dask_rmm.sizes import parse_device_bytes
-
 __all__ = [
     "SCHEMA_PATH",
     "YAML_PATH",
@@ -26,7 +24,6 @@ __all__ = [
     "config_value",
     "defaults",
     "environment_variable",
-    "parse_device_bytes",
     "unknown_keys_unreported",
     "validate_config",
 ]
@@ -122,8 +119,9 @@ def _check(key: str, value: Any, schema: dict, unknown: list[str]) -> None:
 
 
 def validate_config() -> None:
-    """Check the ``dask-rmm.*`` config against dask-rmm-schema.yaml (and sizes and intervals
-    by parsing them); warn about keys the schema does not know (``dask-rmm.poolsize``), each
+    """Check the ``dask-rmm.*`` config against dask-rmm-schema.yaml (and the interval by
+    parsing it; sizes and the other options are parsed once, into :class:`~dask_rmm.stack.RMMOptions`,
+    which names the key too); warn about keys the schema does not know (``dask-rmm.poolsize``), each
     once per process (not inside :func:`unknown_keys_unreported`).
 
     Raises
@@ -138,12 +136,6 @@ def validate_config() -> None:
     unknown: list[str] = []
     config = dask.config.get("dask-rmm", {})
     _check("dask-rmm", config, _SCHEMA, unknown)
-    for key in ("pool-size", "maximum-pool-size", "release-threshold", "device-memory-limit"):
-        value = config_value(key)
-        try:
-            parse_device_bytes(value, total_memory=1 << 40, alignment=1)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"dask-rmm.{key}", value, str(e)) from None
     key, interval = "dask-rmm.metrics.sample-interval", config_value("metrics.sample-interval")
     try:
         parse_timedelta(interval, default="ms")

@@ -23,8 +23,9 @@ from dask_rmm.mr.logging_adaptor import (
     enable_logging,
     get_log_filenames,
 )
+from dask_rmm.sizes import parse_size
 from dask_rmm.stack.build import build_stack
-from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions, _size
+from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions
 
 __all__ = [
     "BASE_RESOURCES",
@@ -143,8 +144,8 @@ def reinitialize(
     pool_size = maximum = None
     if pool:
         # Parsed under the names the caller used (the options call them pool_size, ...).
-        pool_size = _size("initial_pool_size", initial_pool_size)
-        maximum = _size("maximum_pool_size", maximum_pool_size)
+        pool_size = parse_size(initial_pool_size, "initial_pool_size")
+        maximum = parse_size(maximum_pool_size, "maximum_pool_size")
     options = RMMOptions(
         base_resource=base_resource,
         pool_allocator=pool,

@@ -36,12 +36,10 @@ _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
     """A memory size: bytes, a size string such as ``4GiB``, or a fraction of device memory."""
-    from dask_rmm.stack.options import _size
+    from dask_rmm.sizes import parse_size
 
     try:
-        if value is not None:
-            _size("size", value)
-        return value
+        return parse_size(value, "size")
     except (TypeError, ValueError) as e:
         # the parser's message says which forms a size takes
         raise click.BadParameter(str(e).removeprefix("size=").removeprefix("size: ")) from None
@@ -311,12 +309,12 @@ async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags
 
 def _same(option: str, a: Any, b: Any) -> bool:
     """Whether two spellings of an option mean the same (``"32MiB"`` and ``33554432``)."""
-    from dask_rmm.stack.options import _size
+    from dask_rmm.sizes import parse_size
 
     if a == b:
         return True
     try:
-        return _size(option, a) == _size(option, b)
+        return parse_size(a, option) == parse_size(b, option)
     except (TypeError, ValueError):
         return False
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from dask_rmm import _cuda
-from dask_rmm.config import SCHEMA_PATH, YAML_PATH, defaults, parse_device_bytes
+from dask_rmm.config import SCHEMA_PATH, YAML_PATH, defaults
+from dask_rmm.sizes import parse_device_bytes
 
 HAS_GPU = _cuda.is_available()
 

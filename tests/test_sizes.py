@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dask_rmm import mr
-from dask_rmm.sizes import host_total_memory, parse_device_bytes, parse_resource_size
+from dask_rmm.sizes import host_total_memory, parse_device_bytes, parse_size
 
 
 def test_one_is_a_byte_and_one_point_zero_is_all_memory():
@@ -34,17 +34,37 @@ def test_errors_name_the_option_and_value(value):
 
 def test_resource_sizes_take_fractions_of_the_resources_memory():
     up = mr.SystemMemoryResource()
-    assert (
-        parse_resource_size(0.5, up, "initial_pool_size") == host_total_memory() // 2 // 256 * 256
-    )
-    assert parse_resource_size(0, up, "initial_pool_size") == 0
+    assert parse_device_bytes(0.5, up) == host_total_memory() // 2 // 256 * 256
+    assert parse_device_bytes(0, up) is None
     pool = mr.PoolMemoryResource(up, initial_pool_size=1000, maximum_pool_size="0.001")
     assert pool.pool_size() == 768
 
 
-def test_sizes_imports_neither_dask_nor_cuda():
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("4GiB", 4 << 30),
+        ("0.8", 0.8),
+        (0.5, 0.5),
+        ("1024", 1024),
+        (4e9, 4_000_000_000),
+        ("0", None),
+    ],
+)
+def test_parsed_once_into_bytes_or_a_fraction(value, expected):
+    assert parse_size(value) == expected
+    assert parse_size(parse_size(value)) == expected  # a parsed value travels as itself
+
+
+@pytest.mark.parametrize("value", ["1e300GiB", 1e300, 1 << 64, "20000 PiB"])
+def test_too_large_is_a_clear_error(value):
+    with pytest.raises(ValueError, match=r"pool_size=.*more memory than any device or host"):
+        parse_size(value, "pool_size")
+
+
+def test_importing_sizes_imports_neither_dask_nor_cuda():
     code = (
-        "import sys, dask_rmm.sizes as s; s.parse_device_bytes('4GiB'); "
+        "import sys, dask_rmm.sizes as s; s.parse_device_bytes(1 << 20); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed', 'cuda')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

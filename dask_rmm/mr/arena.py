@@ -47,7 +47,7 @@ from dask_rmm.mr.size_classes import (
     UNIT_SHIFT,
     class_floor,
 )
-from dask_rmm.sizes import align_up, format_bytes, parse_resource_size
+from dask_rmm.sizes import align_up, format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]
@@ -161,7 +161,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             else:
                 arena_size = align_up(_cuda.mem_get_info()[0] // 2)
         else:
-            arena_size = parse_resource_size(arena_size, upstream_mr, "arena_size")
+            arena_size = parse_device_bytes(arena_size, upstream_mr, option="arena_size") or 0
         if arena_size < SUPERBLOCK_SIZE:
             raise ValueError(
                 f"arena_size ({format_bytes(arena_size)}) is smaller than one superblock (1 MiB)"

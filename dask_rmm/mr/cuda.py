@@ -76,18 +76,6 @@ class _OwnedPointers:
         return len(self.sizes)
 
 
-def _parse_size(value: Any, what: str, device: int | None) -> int:
-    """An int size as is; a string or fraction through :func:`dask_rmm.sizes.parse_device_bytes`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return check_size(value, what)
-    if isinstance(value, (str, float)):
-        return parse_device_bytes(value, device=device, option=what) or 0
-    raise TypeError(
-        f"{what} must be an int number of bytes, a size string such as '4GiB' or a fraction of "
-        f"device memory in (0, 1], got {value!r} ({type(value).__name__})"
-    )
-
-
 def _handle(stream: Any) -> int:
     try:
         return stream.handle
@@ -418,12 +406,12 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
         initial = (
             None
             if initial_pool_size is None
-            else _parse_size(initial_pool_size, "initial_pool_size", device)
+            else parse_device_bytes(initial_pool_size, device, 1, option="initial_pool_size") or 0
         )
         threshold = (
             _cuda.device_total_memory(device)
             if release_threshold is None
-            else _parse_size(release_threshold, "release_threshold", device)
+            else parse_device_bytes(release_threshold, device, 1, option="release_threshold") or 0
         )
         if not _cuda.get_device_attribute("MemoryPoolsSupported", device):
             raise _cuda.CUDAError(
@@ -463,7 +451,8 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
     def set_release_threshold(self, nbytes: int | str) -> None:
         """Change how much unused memory the pool keeps across synchronizations."""
         _cuda.mem_pool_set_release_threshold(
-            self._pool, _parse_size(nbytes, "release_threshold", self.device_id)
+            self._pool,
+            parse_device_bytes(nbytes, self.device_id, 1, option="release_threshold") or 0,
         )
 
     def trim_to(self, min_bytes_to_keep: int = 0) -> None:
@@ -523,7 +512,7 @@ class SamHeadroomMemoryResource(_CudaResource):
     def __init__(self, headroom: int | str):
         _cuda.require_cuda("SamHeadroomMemoryResource")
         device = _cuda.get_device()
-        self.headroom = _parse_size(headroom, "headroom", device)
+        self.headroom = parse_device_bytes(headroom, device, 1, option="headroom") or 0
         if not _cuda.get_device_attribute("PageableMemoryAccess", device):
             raise _cuda.CUDAError(
                 "cudaErrorNotSupported",

@@ -96,7 +96,7 @@ from dask_rmm.mr.size_classes import (
     search_class,
 )
 from dask_rmm.mr.stream_order import FRESH_KEY, order_after, synchronize_streams
-from dask_rmm.sizes import align_up, format_bytes, parse_resource_size
+from dask_rmm.sizes import align_up, format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_behind"]
@@ -176,9 +176,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
         maximum: int | None = None
         if maximum_pool_size is not None:
-            maximum = (
-                parse_resource_size(maximum_pool_size, upstream_mr, "maximum_pool_size") or None
-            )
+            maximum = parse_device_bytes(maximum_pool_size, upstream_mr, option="maximum_pool_size")
         initial: int
         if initial_pool_size is None:
             if upstream_mr.is_host_memory:
@@ -189,7 +187,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if maximum is not None:
                 initial = min(initial, maximum)
         else:
-            initial = parse_resource_size(initial_pool_size, upstream_mr, "initial_pool_size")
+            initial = (
+                parse_device_bytes(initial_pool_size, upstream_mr, option="initial_pool_size") or 0
+            )
         if maximum is not None and initial > maximum:
             raise ValueError(
                 f"initial_pool_size ({format_bytes(initial)}) exceeds "
@@ -447,7 +447,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if size is None:
             keep = self._initial_pool_size
         else:
-            keep = parse_resource_size(size, self.upstream_mr, "size") or 0
+            keep = parse_device_bytes(size, self.upstream_mr, option="size") or 0
         with gc_paused_lock(self._lock):
             self._flush_caches()
             chunk_starts = sorted(self._chunks)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dask_rmm.sizes import format_bytes
+from dask_rmm.sizes import format_bytes, parse_device_bytes
 
 __all__ = ["TrimResult", "pools_in", "trim_pools", "trim_resource"]
 
@@ -98,7 +98,11 @@ def trim_resource(
         if isinstance(pool, CudaAsyncMemoryResource):
             from dask_rmm import _cuda
 
-            keep = pool.release_threshold if size is None else _parse(size, pool)
+            keep = (
+                pool.release_threshold
+                if size is None
+                else parse_device_bytes(size, pool, option="size") or 0
+            )
             # Memory freed on a stream is still the pool's until the stream gets there.
             _cuda.device_synchronize()
             pool.trim_to(keep)
@@ -109,12 +113,6 @@ def trim_resource(
             TrimResult(device, type(pool).__name__, max(before - after, 0), before, after, in_use)
         )
     return results
-
-
-def _parse(size: int | str | float, pool: Any) -> int:
-    from dask_rmm.sizes import parse_resource_size
-
-    return parse_resource_size(size, pool, "size") or 0
 
 
 def trim_pools(

@@ -9,15 +9,14 @@ config only when asked for it).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from dask_rmm.sizes import parse_device_bytes
+from dask_rmm.sizes import parse_device_bytes, parse_size
 
-__all__ = ["BASE_RESOURCES", "MAX_SIZE", "OptionError", "RMMOptions", "check_size"]
+__all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
 
 #: Where memory comes from: cudaMalloc, cudaMallocManaged, cudaMallocAsync, pinned host memory,
 #: host memory (the only one that works without a GPU; never picked silently).
@@ -29,41 +28,6 @@ class OptionError(ValueError, RuntimeError):
 
     A ValueError, and a RuntimeError as RMM raises for the same mistakes in ``reinitialize``.
     """
-
-
-#: No memory, on any device or host, is 16 EiB (a 64-bit address space) or more: a size at or
-#: above it is refused where it is given, not on every worker.
-MAX_SIZE = 1 << 64
-
-
-def check_size(option: str, value: Any) -> int | None:
-    """Check a size option where it is given (on the client): its form, a non-zero byte count
-    of at least 256 (the allocation alignment) and below :data:`MAX_SIZE`. Returns the bytes
-    (a fraction taken of a made-up total, since the device is not known here) or None."""
-    from dask_rmm.sizes import ALIGNMENT, format_bytes
-
-    # Parsing against a made-up total checks a fraction's form; bytes are exact here and
-    # aligned when a device resolves them.
-    nbytes = parse_device_bytes(value, total_memory=1 << 40, alignment=1, option=option)
-    if nbytes is not None and nbytes < ALIGNMENT:
-        raise OptionError(
-            f"{option}={value!r}: {nbytes} bytes is smaller than the {ALIGNMENT}-byte alignment"
-        )
-    if nbytes is not None and nbytes >= MAX_SIZE:
-        raise OptionError(
-            f"{option}={value!r}: {format_bytes(nbytes)} is more memory than any device or host "
-            f"can have (a 64-bit address space holds less than {format_bytes(MAX_SIZE)})"
-        )
-    return nbytes
-
-
-def _size(option: str, value: Any) -> int | float | None:
-    """A size option as kept until a device is known: bytes, a fraction (float), or None."""
-    if isinstance(value, str) and not value.strip().isdigit():
-        with contextlib.suppress(ValueError):  # "0.8" is a fraction, "1" one byte
-            value = float(value) if 0 < float(value) <= 1 else value
-    nbytes = check_size(option, value)
-    return value if isinstance(value, float) and 0 < value <= 1 else nbytes
 
 
 def _bool(option: str, value: Any) -> bool:
@@ -209,7 +173,7 @@ class RMMOptions:
             )
         put("base_resource", base.strip().lower())
         for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
-            put(name, _size(name, getattr(self, name)))
+            put(name, parse_size(getattr(self, name), name))
         switches = ("track_allocations", "statistics", "spill_on_oom", "memory_admission")
         for name in ("pool_allocator", *switches):
             put(name, _bool(name, getattr(self, name)))
@@ -280,14 +244,12 @@ class RMMOptions:
         except (TypeError, ValueError) as e:
             from dask_rmm.config import ConfigError
 
-            # A value from the config that the schema lets through (a log directory that is a
-            # file, a pause fraction above 1): name its key and environment variable.
-            for name in sorted(
-                set(values) - set(given) - {"maximum_pool_size", "release_threshold"}
-            ):
+            # A value from the config that the schema lets through (a size, a log directory
+            # that is a file, a pause fraction above 1): name its key and environment variable.
+            for name in sorted(set(values) - set(given)):
                 key = name.replace("_", "-")
                 try:
-                    cls(**{name: values[name]})
+                    cls(pool_allocator=True, **{name: values[name]})
                 except (TypeError, ValueError) as own:
                     raise ConfigError(f"dask-rmm.{key}", values[name], str(own)) from e
             raise

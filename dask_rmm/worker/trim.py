@@ -121,10 +121,9 @@ def _check_release_arguments(
 ) -> tuple[Any, list[str] | None]:
     """``release_unused``'s arguments checked on the client (a bad size raised on every worker;
     one address string was taken as a list of its characters); one address becomes a list."""
-    from dask_rmm.stack.options import check_size
+    from dask_rmm.sizes import parse_size
 
-    if size is not None:
-        check_size("size", size)
+    parse_size(size, "size")
     if isinstance(workers, str):
         workers = [workers]
     elif workers is not None:

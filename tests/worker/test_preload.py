@@ -489,7 +489,7 @@ def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch)
     typed = ["--rmm-pool-size=1GiB", "--rmm-base-resource", "system"]
     monkeypatch.setenv(_RECOVERED_ENV, json.dumps({"received": typed[1:], "argv": typed}))
     ctx = dask_setup.make_context("dask_setup", typed[1:])
-    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == ("1GiB", "system")
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (1 << 30, "system")
     # Another worker's flags (say, a cluster started from a task) are left alone.
     ctx = dask_setup.make_context("dask_setup", ["--rmm-base-resource", "cuda"])
     assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
