@@ -41,14 +41,9 @@ def _current_stats_mr() -> StatisticsResourceAdaptor | None:
 
 
 def enable_statistics() -> None:
-    """Count allocations on the current device from now on.
+    """Count allocations on the current device from now on: wrap its resource in a
+    :class:`StatisticsResourceAdaptor` (which must stay on top), unless it is one already.
 
-    Wraps the current device's resource in a :class:`StatisticsResourceAdaptor` and makes that
-    the current resource. Idempotent: if the current resource already is one, nothing changes.
-    The adaptor must stay on top of the resource stack while statistics are gathered.
-
-    Examples
-    --------
     >>> from dask_rmm import statistics
     >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
     >>> _ = set_current_device_resource(SystemMemoryResource())
@@ -62,11 +57,8 @@ def enable_statistics() -> None:
 
 
 def disable_statistics() -> None:
-    """Unwrap the current resource if it is a :class:`StatisticsResourceAdaptor` (else no-op).
-
-    Its upstream becomes the current resource again; buffers allocated through the adaptor stay
-    valid (they keep the adaptor alive and free through it).
-    """
+    """Make the upstream of the current :class:`StatisticsResourceAdaptor`, if it is one, the
+    current resource (buffers allocated through the adaptor still free through it)."""
     mr = _current_stats_mr()
     if mr is not None:
         registry.set_current_device_resource(mr.get_upstream())
@@ -87,34 +79,17 @@ def push_statistics() -> Statistics | None:
 
 def pop_statistics() -> Statistics | None:
     """Pop the top counters and fold them into the ones below; returns the popped counters
-    (``None`` if statistics are not enabled).
-
-    Raises
-    ------
-    IndexError
-        When nothing was pushed.
-    """
+    (``None`` if statistics are not enabled; IndexError when nothing was pushed)."""
     mr = _current_stats_mr()
     return None if mr is None else mr.pop_counters()
 
 
 @contextmanager
 def statistics() -> Iterator[None]:
-    """Gather statistics inside a ``with`` block.
+    """Gather statistics inside a ``with`` block: a counter frame pushed and popped if they are
+    enabled, else a :class:`StatisticsResourceAdaptor` current for the block. ValueError on
+    exit when the block changed the current resource (nothing is restored over that change).
 
-    If statistics are already enabled, a new counter frame is pushed on entry and popped on
-    exit; otherwise a :class:`StatisticsResourceAdaptor` is made current on entry and the
-    previous resource restored on exit.
-
-    Raises
-    ------
-    ValueError
-        On exit, when the current resource is no longer the one the block started with (the
-        resource stack was changed inside the block). The block's own resource is still cleaned
-        up as far as it safely can be: nothing is restored over the foreign change.
-
-    Examples
-    --------
     >>> from dask_rmm import statistics
     >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
     >>> _ = set_current_device_resource(SystemMemoryResource())
@@ -167,17 +142,7 @@ class ProfilerRecords:
 
     @dataclass
     class MemoryRecord:
-        """The statistics of one name.
-
-        Attributes
-        ----------
-        num_calls : int
-            How many times the block ran.
-        memory_total : int
-            Bytes allocated over all calls.
-        memory_peak : int
-            Largest peak of any one call.
-        """
+        """One name's calls, bytes allocated over all of them and largest peak of any one."""
 
         num_calls: int = 0
         memory_total: int = 0
@@ -221,13 +186,7 @@ class ProfilerRecords:
     def report(
         self, ordered_by: Literal["num_calls", "memory_peak", "memory_total"] = "memory_peak"
     ) -> str:
-        """The records as RMM's text table, largest ``ordered_by`` first.
-
-        Parameters
-        ----------
-        ordered_by : {"memory_peak", "memory_total", "num_calls"}
-            The column to sort by.
-        """
+        """The records as RMM's text table, largest ``ordered_by`` first."""
         if ordered_by not in ("num_calls", "memory_peak", "memory_total"):
             raise ValueError(
                 f"ordered_by must be 'num_calls', 'memory_peak' or 'memory_total', got {ordered_by!r}"
@@ -284,23 +243,11 @@ def _name_stack() -> list[str]:
 
 
 class ProfilerContext:
-    """Record the memory statistics of a function or ``with`` block (what :func:`profiler`
-    returns; RMM's name).
+    """Record the memory statistics of a function or ``with`` block in ``records`` (default
+    :data:`default_profiler_records`) under ``name`` (required for a block; a function's
+    defaults to ``"file:line(qualname)"``); nested profilers each count. What :func:`profiler`
+    returns (RMM's name); does nothing while statistics are disabled.
 
-    Each run pushes a counter frame on entry and pops it on exit, adding the popped statistics to
-    ``records`` under the block's name. Nested profilers each get their own record; code
-    profiled inside another counts towards both. With statistics disabled it does nothing.
-
-    Parameters
-    ----------
-    records : ProfilerRecords, optional
-        Where to add the statistics (default :data:`default_profiler_records`).
-    name : str, optional
-        The record's name; required for a ``with`` block. A decorated function defaults to
-        ``"file:line(qualname)"``.
-
-    Examples
-    --------
     >>> from dask_rmm import statistics
     >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
     >>> _ = set_current_device_resource(SystemMemoryResource())
@@ -353,18 +300,7 @@ class ProfilerContext:
 
 
 def profiler(*, records: ProfilerRecords | None = None, name: str = "") -> ProfilerContext:
-    """Decorator and context manager recording the memory statistics of a function or block.
-
-    ``@profiler()`` names the record ``"file:line(qualname)"``; ``with profiler(name=...)``
-    needs a name. Does nothing while statistics are disabled. See :class:`ProfilerContext`.
-
-    Parameters
-    ----------
-    records : ProfilerRecords, optional
-        Where to add the statistics (default :data:`default_profiler_records`).
-    name : str, optional
-        The record's name.
-    """
+    """Decorator and context manager: a :class:`ProfilerContext`."""
     return ProfilerContext(records, name)
 
 

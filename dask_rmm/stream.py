@@ -24,14 +24,8 @@ __all__ = [
 
 
 class CudaStreamFlags(enum.IntEnum):
-    """How a new stream relates to the legacy default stream (RMM's names for
-    ``cudaStreamDefault`` and ``cudaStreamNonBlocking``).
-
-    ``SYNC_DEFAULT`` streams wait for, and are waited on by, work on the legacy default
-    stream (handle 0), so a copy on the default stream sees what was queued on the stream
-    before it. ``NON_BLOCKING`` streams run concurrently with it: ordering against the default
-    stream is then the caller's job (an event or a synchronize).
-    """
+    """RMM's names for ``cudaStreamDefault`` (``SYNC_DEFAULT``: ordered with the legacy default
+    stream) and ``cudaStreamNonBlocking`` (``NON_BLOCKING``: concurrent with it)."""
 
     SYNC_DEFAULT = 0
     NON_BLOCKING = 1
@@ -99,16 +93,9 @@ _ptds_lock = threading.Lock()
 
 
 class _DrainAtThreadExit:
-    """Kept in a thread's ``threading.local`` once the thread uses its per-thread default
-    stream through dask-rmm. CPython releases a thread's locals in that thread as it exits,
-    before ``Thread.join`` returns, so ``__del__`` runs there and waits for the work still
-    queued on the thread's per-thread stream.
-
-    Why: on the H200 (driver 580, 16 processes sharing the GPU), a thread that exited with
-    work pending on its per-thread stream was seen to stay running in the driver's teardown
-    while holding a driver mutex, with the GPU idle; every later ``cudaDeviceSynchronize`` in
-    the process then blocked on that mutex (stalls > 45 s, until the process ended). With the
-    stream drained first, the teardown has nothing to wait for (docs/internals.md)."""
+    """In a thread's ``threading.local`` once it uses its per-thread default stream: CPython
+    releases the locals in the exiting thread, so ``__del__`` drains that stream there (a
+    thread exiting with work pending was seen to stall the driver's teardown; docs/internals.md)."""
 
     __slots__ = ()
 
@@ -125,14 +112,8 @@ def own_per_thread_key() -> tuple[str, int] | None:
 
 
 def _per_thread_key() -> tuple[str, int]:
-    """``("ptds", n)``, where ``n`` is a number no other thread of this process has had.
-
-    Not the thread id: CPython hands an exited thread's id to the next thread while work the
-    old thread queued on its per-thread stream may still run, so keys made of ids would give
-    the new thread the old one's freed blocks without a wait. With a number of its own, a
-    thread that takes such a block goes through ``order_after`` (another thread's per-thread
-    stream), and a new thread's first use of the key costs no device synchronization. The
-    first use also arms :class:`_DrainAtThreadExit` for the thread."""
+    """``("ptds", n)``, ``n`` a number no other thread of this process has had (thread ids are
+    reused while an exited thread's work may still run); arms :class:`_DrainAtThreadExit`."""
     try:
         return _this_thread.ptds_key
     except AttributeError:
@@ -145,25 +126,9 @@ def _per_thread_key() -> tuple[str, int]:
 
 
 class Stream:
-    """A CUDA stream.
-
-    ``Stream()`` creates a new stream (needs a GPU) that this object owns and destroys;
-    ``Stream(obj)`` wraps an existing one: an int handle, a CuPy or Numba stream, a cuda-python
-    ``CUstream`` / ``cudaStream_t`` or anything with ``__cuda_stream__``. A wrapped stream keeps
-    ``obj`` alive and is never destroyed by this object.
-
-    Parameters
-    ----------
-    obj : object, optional
-        An existing stream to wrap; None creates a new one.
-    flags : CudaStreamFlags, optional
-        For a new stream only (ValueError with ``obj``). Default ``SYNC_DEFAULT``, as RMM: the
-        stream is ordered with the legacy default stream, so ``DeviceBuffer.to_device(b,
-        stream=s).copy_to_host()`` (a copy on the default stream) reads what was copied in.
-
-    Examples
-    --------
-    Needs a CUDA device (the doctest run skips these lines):
+    """A CUDA stream: ``Stream()`` creates and owns one (``flags`` default ``SYNC_DEFAULT``, as
+    RMM's); ``Stream(obj)`` wraps an int handle, a CuPy, Numba or cuda-python stream or anything
+    with ``__cuda_stream__``, keeping ``obj`` alive and never destroying it. Needs a GPU:
 
     >>> s = Stream(flags=CudaStreamFlags.NON_BLOCKING)  # doctest: +SKIP
     >>> s.synchronize()  # doctest: +SKIP
@@ -210,19 +175,14 @@ class Stream:
         return self.handle == PER_THREAD_HANDLE
 
     def order_key(self) -> int | tuple[str, int]:
-        """What stream-ordered allocators key free lists on: the handle, except that the
-        per-thread default stream is a different stream in each thread: ``("ptds", n)`` with a
-        number ``n`` of the thread's own, never reused (see ``_per_thread_key``)."""
+        """What stream-ordered allocators key free lists on: the handle, or for the per-thread
+        default stream the thread's own ``("ptds", n)``."""
         if self.handle == PER_THREAD_HANDLE:
             return _per_thread_key()
         return self.handle
 
     def synchronize(self) -> None:
-        """Wait for all work on this stream.
-
-        On a host without CUDA nothing can have been queued on a default stream, so
-        synchronizing one is a no-op there.
-        """
+        """Wait for all work on this stream (a default stream without CUDA: nothing to wait for)."""
         from dask_rmm import _cuda
 
         if self.handle <= PER_THREAD_HANDLE and not _cuda.is_available():
@@ -278,15 +238,8 @@ def as_stream(obj: Any) -> Stream:
 
 
 class CudaStreamPool:
-    """A fixed set of streams handed out round-robin, as RMM's ``CudaStreamPool``.
-
-    Parameters
-    ----------
-    pool_size : int
-        How many streams (at least 1).
-    flags : CudaStreamFlags
-        The flags every stream is created with (default ``SYNC_DEFAULT``).
-    """
+    """``pool_size`` streams made with ``flags``, handed out round-robin, as RMM's
+    ``CudaStreamPool``."""
 
     def __init__(self, pool_size: int = 16, flags: CudaStreamFlags = CudaStreamFlags.SYNC_DEFAULT):
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:

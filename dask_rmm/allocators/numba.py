@@ -12,9 +12,10 @@ import importlib
 import weakref
 from typing import Any
 
+from cuda.bindings import driver as cu
 from numba import cuda
 from numba.cuda import HostOnlyCUDAMemoryManager, IpcHandle, MemoryInfo, MemoryPointer
-from numba.cuda.cudadrv import driver as _numba_driver
+from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
 
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
 
@@ -79,7 +80,7 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
 
         ctx = self.context
         if size == 0:
-            return MemoryPointer(weakref.proxy(ctx), _numba_driver.binding.CUdeviceptr(0), 0)
+            return MemoryPointer(weakref.proxy(ctx), cu.CUdeviceptr(0), 0)
         mr = get_per_device_resource(ctx.device.id)
         stream = _numba_default_stream()
         ptr = mr.allocate(size, stream)
@@ -88,7 +89,7 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         finalizer = _make_finalizer(self.allocations, self.deallocations, ptr, size)
         return MemoryPointer(
             weakref.proxy(ctx),
-            _numba_driver.binding.CUdeviceptr(ptr),
+            cu.CUdeviceptr(ptr),
             size,
             finalizer=finalizer,
         )
@@ -101,7 +102,7 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
 
         ptr = int(memory.handle)
         base, _extent = _cuda.mem_get_address_range(ptr)
-        handle = _numba_driver.binding.CUipcMemHandle()
+        handle = cu.CUipcMemHandle()
         handle.reserved = _cuda.ipc_get_mem_handle(base)
         source_info = self.context.device.get_device_identity()
         return IpcHandle(memory, handle, memory.size, source_info, offset=ptr - base)
@@ -170,6 +171,6 @@ def reset_numba_allocator() -> None:
 
     name = config.CUDA_MEMORY_MANAGER
     if name == "default":
-        cuda.set_memory_manager(_numba_driver.NumbaCUDAMemoryManager)
+        cuda.set_memory_manager(NumbaCUDAMemoryManager)
     else:  # as Numba loads it: the module's _numba_memory_manager (Numba's EMM docs)
         cuda.set_memory_manager(importlib.import_module(name)._numba_memory_manager)

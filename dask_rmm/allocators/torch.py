@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import inspect
 import logging
 import sys
 import threading
@@ -193,7 +194,7 @@ def _raise_when_back_in_python(message: str) -> None:
         if event in ("c_return", "c_exception", "return"):
             fire(frame, event, arg)
 
-    caller: FrameType | None = sys._getframe(1)
+    caller: FrameType | None = inspect.currentframe()
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
     _armed_threads.add(threading.get_ident())

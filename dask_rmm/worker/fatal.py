@@ -1,12 +1,6 @@
-"""Stopping a worker whose dask-rmm setup failed: the reason on one line, a non-zero exit, and no
-restart by its nanny. Not here: the setup itself (:mod:`dask_rmm.plugin`, :mod:`dask_rmm.preload`).
-
-A worker must never run on without the memory setup it was started with. distributed would log
-a failed preload and go on; failing the worker's start instead makes distributed, its nanny and
-the ``dask worker`` command each log the exception again (about 150 lines). So a worker process
-whose setup failed logs one line and exits with status 1, after telling its nanny not to start
-it again; the ``dask worker`` (or ``dask cuda worker``) command that checked the preload's flags
-then exits with status 1 without a traceback of its own (nor of its nannies).
+"""Stopping a worker whose dask-rmm setup failed: the reason on one line, exit status 1, no
+restart by its nanny, and the ``dask worker`` command exiting 1 without tracebacks of its own
+(failing the worker's start instead logs the exception about 150 lines' worth, three times).
 """
 
 from __future__ import annotations

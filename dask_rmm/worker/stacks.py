@@ -92,9 +92,8 @@ def replaced_resource_note(device: int) -> str | None:
 
 
 def cupy_allocator_note() -> str | None:
-    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's as dask-cuda's
-    ``rmm_allocator_external_lib_list=["cupy"]`` sets, which dask-rmm neither sees nor counts,
-    or CuPy's own); None when CuPy is not imported."""
+    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's, or CuPy's own);
+    None when CuPy is not imported."""
     try:
         allocator = sys.modules["cupy"].cuda.get_allocator()
     except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
@@ -123,16 +122,11 @@ def cupy_allocator_note() -> str | None:
 
 @dataclass(eq=False)
 class WorkerStack:
-    """The stacks dask-rmm installed on one worker, across plugin registrations.
-
-    ``active``: the installed stacks (one per device), made from ``options`` by the
-    registration ``token``. ``retired``: stacks replaced or removed while buffers allocated
-    through them were still alive; they are listed, with :attr:`DeviceStack.live_bytes`, until
-    those buffers are freed, so that re-registering never hides memory in use (the heartbeat
-    metrics read them). Teardown hands the active stacks back with :meth:`release` instead of
-    removing them at once, so that a registration replacing them can :meth:`take_released` and
-    keep them installed until its own stacks are ready (or keep them if it fails).
-    """
+    """The stacks dask-rmm installed on one worker: ``active`` (one per device, made from
+    ``options`` by registration ``token``) and ``retired`` (replaced while their buffers were
+    alive: listed until those are freed, so that re-registering never hides memory in use).
+    Teardown hands the active ones back (:meth:`release`); a registration replacing them may
+    :meth:`take_released` and keep them installed until its own are ready."""
 
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
@@ -196,12 +190,8 @@ class WorkerStack:
             self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
-        """Uninstall ``stacks`` and keep the ones still holding memory; close the others' logs.
-
-        A retired stack keeps its log file (and its claim on the name) until its last buffer is
-        freed, so that those frees are logged: closing it at once made every buffer held across
-        a re-registration look leaked to ``dask rmm log summary``.
-        """
+        """Uninstall ``stacks`` and keep the ones still holding memory, with their log files
+        open until their last buffer is freed (so those frees are logged); close the others'."""
         for stack in reversed(stacks):
             uninstall_stack(stack)
             if stack.live_bytes <= 0:
@@ -239,11 +229,9 @@ class WorkerStack:
         self.retire(stacks)
 
     async def restore_command_line(self, worker: Any) -> None:
-        """After a plugin that replaced the command line's setup was torn down: unless another
-        registration arrived meanwhile (it took the stacks), set the command line's plugin up
-        again on ``worker``. The stacks handed back stay installed until its new ones are
-        built, so tasks running meanwhile keep allocating; if that setup fails, they are removed
-        as without a command line (and the reason logged)."""
+        """After a plugin that replaced the command line's setup was torn down, and unless another
+        registration took the stacks meanwhile: set the command line's plugin up again on
+        ``worker`` (the stacks handed back stay installed until then; removed if it fails)."""
         plugin = self.command_line
         if plugin is None or not self._released or worker.plugins.get(plugin.name) is not None:
             self.remove_released()

@@ -27,9 +27,7 @@ TRIMMER_KEY = "dask-rmm-trim"
 
 
 def trim_worker(
-    dask_worker: Worker | None = None,
-    size: int | str | float | None = None,
-    library_caches: bool = True,
+    dask_worker: Worker, size: int | str | float | None = None, library_caches: bool = True
 ) -> list[dict[str, Any]]:
     """On a worker (``client.run``): make the library caches in front of its dask-rmm stacks
     give their free blocks back (``library_caches``), then trim the stacks' pools (see
@@ -37,10 +35,6 @@ def trim_worker(
     from dask_rmm.allocators.caches import release_cached
     from dask_rmm.worker.stacks import worker_stack
 
-    if dask_worker is None:
-        from distributed import get_worker
-
-        dask_worker = get_worker()
     out = []
     for stack in worker_stack(dask_worker).active:
         from_caches = release_cached(stack.device) if library_caches else 0
@@ -58,15 +52,11 @@ def release_unused(
     workers: list[str] | None = None,
     library_caches: bool = True,
 ) -> Any:
-    """Give the free memory of every worker's pools back to the device, now.
-
-    First the library caches in front of the stacks (CuPy's ``MemoryPool``, compiled RMM's
-    pool, see :mod:`dask_rmm.allocators.caches`) give their free blocks back to the stack
-    (``library_caches=False``: they keep them). Then each
-    :class:`~dask_rmm.mr.PoolMemoryResource` of the workers' dask-rmm stacks releases its
-    fully free chunks down to ``size`` (default: its initial pool size, ``pool_size``), and
-    each cudaMallocAsync pool trims to ``size`` (default: its release threshold). Blocks in
-    use are never touched: a chunk holding one stays.
+    """Give the free memory of every worker's pools back to the device, now: the library
+    caches in front of the stacks give their free blocks back (unless ``library_caches`` is
+    False), then each pool of the workers' stacks releases its fully free chunks down to
+    ``size`` (default: its ``pool_size``; a cudaMallocAsync pool's: its release threshold).
+    Blocks in use are never touched.
 
     Parameters
     ----------
@@ -98,22 +88,13 @@ def release_unused(
 
         client = default_client()
 
-    def convert(raw: dict[str, list[dict]]) -> dict[str, list[TrimResult]]:
+    async def run() -> dict[str, list[TrimResult]]:
+        raw = await client.run(
+            trim_worker, size=size, library_caches=library_caches, workers=workers
+        )
         return {w: [TrimResult(**r) for r in rs] for w, rs in raw.items()}
 
-    if client.asynchronous:
-
-        async def run() -> dict[str, list[TrimResult]]:
-            return convert(
-                await client.run(
-                    trim_worker, size=size, library_caches=library_caches, workers=workers
-                )
-            )
-
-        return run()
-    return convert(
-        client.run(trim_worker, size=size, library_caches=library_caches, workers=workers)
-    )
+    return client.sync(run)
 
 
 def _check_release_arguments(
