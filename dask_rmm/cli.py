@@ -228,9 +228,10 @@ def replay(
         names = list(rp.RESOURCES) if compare.strip() == "all" else compare.split(",")
         names = [n.strip() for n in names if n.strip()]
         unknown = [n for n in names if n not in rp.RESOURCES]
-        if unknown:
+        if unknown or not names:
             raise click.BadParameter(
-                f"unknown resource(s) {', '.join(unknown)}; choose from {', '.join(rp.RESOURCES)}",
+                f"unknown resource(s) {', '.join(unknown) or repr(compare)}; choose from "
+                f"{', '.join(rp.RESOURCES)}",
                 param_hint="--compare",
             )
     with _user_errors():
@@ -393,6 +394,8 @@ def report(
     # timelines only for the plot or when asked.
     timeline = timelines or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
+    # More devices than any cluster has is all of them (msgpack refuses ints >= 2**64).
+    top = None if top is None else min(top, 1 << 32)
     request: dict[str, Any] = {"top": top, "sort": sort, "worker": worker_filter}
 
     async def run() -> None:

@@ -105,6 +105,8 @@ def _check(key: str, value: Any, schema: dict, unknown: list[str]) -> None:
         raise ConfigError(key, value, f"expected one of {', '.join(map(str, schema['enum']))}")
     if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
         raise ConfigError(key, value, f"must be at least {schema['minimum']}")
+    if "maximum" in schema and isinstance(value, (int, float)) and value > schema["maximum"]:
+        raise ConfigError(key, value, f"must be at most {schema['maximum']}")
     if isinstance(value, dict):
         properties = schema.get("properties", {})
         for name, item in value.items():
@@ -138,6 +140,8 @@ def validate_config() -> None:
     _check("dask-rmm", config, _SCHEMA, unknown)
     key, interval = "dask-rmm.metrics.sample-interval", config_value("metrics.sample-interval")
     try:
+        if str(interval).strip().startswith("-"):  # dask's parser reads "-1" as "1-1"
+            raise ValueError("negative; 0 turns sampling off")
         parse_timedelta(interval, default="ms")
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(key, interval, f"not a time interval such as '100ms' ({e})") from None

@@ -204,6 +204,22 @@ def test_bad_config_names_the_key_and_variable_and_installs_nothing(key, value, 
     assert get_per_device_resource(0) is before
 
 
+@pytest.mark.parametrize(
+    "key, value, reason",
+    [
+        ("metrics.sample-interval", "-1", "negative; 0 turns sampling off"),
+        ("metrics.sample-interval", -0.5, "negative; 0 turns sampling off"),
+        ("metrics.top-task-groups", 10**9, "must be at most 64"),
+    ],
+)
+def test_a_negative_interval_or_too_many_task_groups_says_so(key, value, reason):
+    from dask_rmm.config import ConfigError, validate_config
+
+    with dask.config.set({f"dask-rmm.{key}": value}):
+        with pytest.raises(ConfigError, match=f"dask-rmm.{key}=.*{reason}"):
+            validate_config()
+
+
 def test_unknown_keys_warn():
     from dask_rmm.config import validate_config
 

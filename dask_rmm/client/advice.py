@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm.report.memory_report import visible
 from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -444,7 +445,7 @@ def format_advice(advices: Sequence[Advice], *, combined: bool = True) -> str:
 
 
 def _format_one(a: Advice) -> str:
-    head = f"{a.source}: peak {format_bytes(a.peak_bytes)} in use"
+    head = f"{visible(a.source)}: peak {format_bytes(a.peak_bytes)} in use"  # a worker's name
     if a.device_total_bytes:
         head += f", device {format_bytes(a.device_total_bytes)}"
     maximum = "-" if a.maximum_pool_size is None else size_text(a.maximum_pool_size)

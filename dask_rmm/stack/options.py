@@ -87,6 +87,8 @@ def _log_directory(value: Any) -> str | None:
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise TypeError(f"`log_directory` must be a directory path, got {value!r}")
     path = os.fspath(value)
+    if "\0" in path:
+        raise ValueError(f"`log_directory` {path!r} holds a NUL byte, which no path can")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"`log_directory` {path!r} exists and is not a directory")
     return path
@@ -187,6 +189,11 @@ class RMMOptions:
         elif exact is False or exact is None:
             exact = ()
         put("exact_allocators", _allocators(exact, "exact_allocators"))
+        if self.exact_allocators and not self.allocators:
+            raise OptionError(
+                f"`exact_allocators` {list(self.exact_allocators)} need `allocators` naming "
+                "the libraries to route (an exact path is a way of routing one)"
+            )
         put("devices", _devices(self.devices))
         put("log_directory", _log_directory(self.log_directory))
         put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))

@@ -227,6 +227,7 @@ def test_top_and_worker_filter_limit_the_rows_not_the_totals(rmm_cluster):
     assert top.returncode == 0, top.stderr
     assert "3.00 MiB" in top.stdout
     assert _cli(address, "--top", "0").returncode == 2
+    assert json.loads(_cli(address, "--json", "--top", str(10**20)).stdout)["totals"]["devices"]
 
 
 @pytest.mark.slow

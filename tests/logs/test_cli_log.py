@@ -616,3 +616,24 @@ def test_compare_with_nothing_served_shows_no_ratio_rather_than_nan(runner, tmp_
     assert result.exit_code == cli.EXIT_NEW_FAILURES, result.output
     rows = _footprints(result.stdout)
     assert "nan" not in result.stdout and rows["pool"].split()[3] == "-"
+
+
+@pytest.mark.parametrize("names", [",", " ", " , "])
+def test_compare_naming_no_resource_is_a_usage_error(runner, two_logs, names):
+    a, _, _, _ = two_logs
+    result = runner.invoke(cli.main, ["log", "replay", "--compare", names, str(a)])
+    assert result.exit_code == 2 and "unknown resource(s)" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_advise_shows_control_characters_in_a_name_escaped(runner, tmp_path):
+    # A worker's (here a log's) name with a newline forged an "allocator" line; an escape
+    # sequence reached the terminal.
+    log = tmp_path / "w\n  allocator          FAKE\x1b]0;title\x07.csv"
+    write_synthetic(log, 200, seed=5, failure_rate=0.0)
+    result = runner.invoke(cli.main, ["advise", "--logs", "--host-memory", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert [line for line in result.stdout.splitlines() if "allocator" in line][0].startswith(
+        "w\\n  allocator          FAKE\\x1b]0;title\\x07"
+    )

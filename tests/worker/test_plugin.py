@@ -95,6 +95,7 @@ def _stack_names(dask_worker=None):
             "`async_alloc=True` means base_resource='async', which conflicts",
         ),
         ({"log_directory": 123}, "`log_directory` must be a directory path, got 123"),
+        ({"log_directory": "/tmp/a\0b"}, "`log_directory` '/tmp/a\\\\x00b' holds a NUL byte"),
         ({"device_pause_fraction": 1.5}, "`device_pause_fraction`"),
         ({"device_memory_limit": "lots"}, "device_memory_limit='lots'"),
         ({"base_resource": "system", "allocators": "cupy"}, "`allocators`"),
@@ -168,10 +169,19 @@ def test_rmm_setup_error_is_exported_without_importing_distributed():
 
 def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
     assert RMMPlugin().options.exact_allocators == ()
-    assert RMMPlugin(exact_allocators="RMM, cupy").options.exact_allocators == ("rmm", "cupy")
-    assert RMMPlugin(exact_allocators=True).options.exact_allocators == ("cupy", "rmm", "torch")
+    routed = RMMPlugin(allocators="cupy,rmm", exact_allocators="RMM, cupy")
+    assert routed.options.exact_allocators == ("rmm", "cupy")
+    every = RMMPlugin(allocators="cupy", exact_allocators=True).options.exact_allocators
+    assert every == ("cupy", "rmm", "torch")
     assert RMMPlugin(exact_allocators=False).options.exact_allocators == ()
-    assert "exact_allocators=['cupy']" in repr(RMMPlugin(exact_allocators=["cupy"]))
+    assert "exact_allocators=['cupy']" in repr(
+        RMMPlugin(allocators="cupy", exact_allocators=["cupy"])
+    )
+    for alone in (["cupy"], True, "all"):  # installed nothing, silently
+        with pytest.raises(ValueError, match=r"`exact_allocators` \[.*\] need `allocators`"):
+            RMMPlugin(exact_allocators=alone)
+        with pytest.raises(ValueError, match="need `allocators`"):
+            RMMPlugin(exact_allocators=alone, base_resource="system")
 
 
 def test_dask_cuda_names_choose_the_base_resource():
@@ -583,6 +593,8 @@ def test_every_argument_of_the_plugin_reaches_its_options(tmp_path):
         base = {"pool_size": "8MiB"} if name != "pool_size" else {}
         if name in ("device_pause_fraction", "memory_admission"):
             base["device_memory_limit"] = "24MiB"
+        if name == "exact_allocators":
+            base["allocators"] = ["cupy"]
         options = RMMPlugin(**base, **{name: value}).options.to_dict()
         assert options != RMMPlugin(**base).options.to_dict(), f"{name} did not reach the options"
     assert RMMPlugin(managed_memory=True).options.base_resource == "managed"
