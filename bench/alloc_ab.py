@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROWS = ("dict", "pool", "stats", "tracking", "binning", "arena", "fixed")
+ROWS = ("dict", "pool", "stats", "worker", "tracking", "binning", "arena", "fixed")
 
 _CHILD = r"""
 import gc, json, sys, time
@@ -28,6 +28,7 @@ tree, bench, rows, repeats, steps = sys.argv[1], sys.argv[2], sys.argv[3].split(
 sys.path.insert(0, tree)
 import dask_rmm
 from dask_rmm import mr
+from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
 assert dask_rmm.__file__.startswith(tree), dask_rmm.__file__
 sys.path.insert(0, bench)
 import alloc as B
@@ -42,6 +43,10 @@ def make(name):
         "dict": lambda: B.DictBaseline(),
         "pool": pool,
         "stats": lambda: mr.StatisticsResourceAdaptor(pool()),
+        # the worker stack: owners charged (attribution) over statistics over the pool
+        "worker": lambda: AttributionResourceAdaptor(
+            mr.StatisticsResourceAdaptor(pool()), lambda: "task-0", owner_name=str
+        ),
         "tracking": lambda: mr.TrackingResourceAdaptor(pool()),
         "binning": lambda: mr.BinningMemoryResource(pool(), 18, 22),
         "arena": lambda: mr.ArenaMemoryResource(up, arena_size=B.POOL_SIZE),

@@ -16,6 +16,9 @@ Mechanisms (each switched off here only, by the bench, never by a flag of the po
   ``count_allocations``/``charge_owners``), so no journal either.
 - ``inlined``: the fast paths' inlined ``SEARCH_CLASS[(n + 255) >> 8]`` (pinned by
   tests/mr/test_inlined_formulas.py) made a function call, as it would be without inlining.
+- ``charged``: the fast paths' second branch, serving a cached block under the lock while owners
+  are charged (the worker stack), turned off: those pairs go to the locked path
+  (``_allocate_locked``/``_deallocate_locked``), as one fast path per operation would have it.
 
 Rows: the pool alone, statistics over the pool, the worker stack (attribution over statistics
 over the pool, owners charged), each at 1 and ``--threads`` threads, and ``DeviceBuffer(size=n)``
@@ -60,7 +63,7 @@ from dask_rmm.mr import instrumentation  # noqa: E402
 from dask_rmm.mr import pool as pool_module  # noqa: E402
 from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor  # noqa: E402
 
-MECHANISMS = ("lock", "gc-pause", "numpy-fold", "fused", "inlined")
+MECHANISMS = ("lock", "gc-pause", "numpy-fold", "fused", "inlined", "charged")
 VARIANTS = ("all on", *MECHANISMS)
 
 # -- the switches -------------------------------------------------------------------------------
@@ -141,28 +144,60 @@ def _search_class_of(n: int) -> int:
 
 
 INLINED = "SEARCH_CLASS[(n + 255) >> 8]"
+#: method -> (text, replacement) for each variant made from the pool's own source
+REWRITES = {
+    "inlined": {
+        name: [
+            (INLINED, "_search_class_of(n)"),
+            (INLINED.replace("(n ", "(nbytes "), "_search_class_of(nbytes)"),
+        ]
+        for name in ("allocate", "deallocate")
+    },
+    "charged": {
+        "allocate": [
+            (
+                "    owners = self._owners\n    if owners is None:\n",
+                "    owners = self._owners\n    if owners is not None:\n"
+                "        return self._allocate_locked(nbytes, stream, key)\n"
+                "    if owners is None:\n",
+            )
+        ],
+        "deallocate": [
+            (
+                "    if self._owners is None:\n",
+                "    if self._owners is not None:\n"
+                "        return self._deallocate_locked(ptr, nbytes, stream, key)\n"
+                "    if self._owners is None:\n",
+            )
+        ],
+    },
+}
 
 
 @functools.cache
-def _uninlined_methods() -> dict[str, Callable]:
-    """PoolMemoryResource's ``allocate``/``deallocate`` calling :func:`_search_class_of` where
-    they inline it (made from the pool's own source, so nothing else differs)."""
+def _rewritten_methods(variant: str) -> dict[str, Callable]:
+    """PoolMemoryResource's ``allocate``/``deallocate`` with :data:`REWRITES`' changes (made
+    from the pool's own source, so nothing else differs)."""
     namespace = {**vars(pool_module), "_search_class_of": _search_class_of}
     methods = {}
-    for name in ("allocate", "deallocate"):
+    for name, changes in REWRITES[variant].items():
         source = textwrap.dedent(inspect.getsource(getattr(mr.PoolMemoryResource, name)))
-        replaced = source.replace(INLINED, "_search_class_of(n)").replace(
-            INLINED.replace("(n ", "(nbytes "), "_search_class_of(nbytes)"
-        )
+        replaced = source
+        for old, new in changes:
+            replaced = replaced.replace(old, new)
         if replaced == source:
-            raise RuntimeError(f"PoolMemoryResource.{name} no longer inlines {INLINED}")
+            raise RuntimeError(f"PoolMemoryResource.{name} no longer has {changes[0][0]!r}")
         exec(compile(replaced, pool_module.__file__, "exec"), namespace)
         methods[name] = namespace[name]
     return methods
 
 
 def _uninlined() -> contextlib.AbstractContextManager:
-    return _patched(mr.PoolMemoryResource, **_uninlined_methods())
+    return _patched(mr.PoolMemoryResource, **_rewritten_methods("inlined"))
+
+
+def _uncharged() -> contextlib.AbstractContextManager:
+    return _patched(mr.PoolMemoryResource, **_rewritten_methods("charged"))
 
 
 #: variant -> (change made to each new pool, module-level swap held while the row runs)
@@ -173,6 +208,7 @@ SWITCHES: dict[str, tuple[Callable | None, Callable[[], contextlib.AbstractConte
     "numpy-fold": (None, _python_fold),
     "fused": (None, _unfused),
     "inlined": (None, _uninlined),
+    "charged": (None, _uncharged),
 }
 
 # -- the rows -----------------------------------------------------------------------------------
@@ -279,7 +315,8 @@ def main() -> None:
     )
     ap.add_argument("--json", default="", help="write every measurement to this path")
     args = ap.parse_args()
-    _uninlined_methods()  # fails at once if the pool's source no longer inlines the formula
+    for variant in REWRITES:  # fails at once if the pool's source no longer has what is rewritten
+        _rewritten_methods(variant)
     cells = rows(args.threads)
     runs: dict[tuple[str, int, str], list[float]] = {}
     t_start = time.monotonic()
