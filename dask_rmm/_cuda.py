@@ -9,7 +9,7 @@ out-of-memory errors, device binding) lives in ``dask_rmm.mr``, not here.
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -47,23 +47,15 @@ class CUDAUnavailableError(CUDAError):
     """CUDA was asked for on a host with no usable driver or device."""
 
 
-_runtime = None
-_available: bool | None = None
-_probe_lock = threading.Lock()
-_probe_reason = ""
-
-
+@functools.cache
 def _rt():
-    global _runtime
-    if _runtime is None:
-        try:
-            from cuda.bindings import runtime
-        except ImportError as e:  # pragma: no cover - cuda-python is a dependency
-            raise CUDAUnavailableError(
-                "ImportError", "import cuda.bindings", f"cuda-python is not importable: {e}"
-            ) from e
-        _runtime = runtime
-    return _runtime
+    try:
+        from cuda.bindings import runtime
+    except ImportError as e:  # pragma: no cover - cuda-python is a dependency
+        raise CUDAUnavailableError(
+            "ImportError", "import cuda.bindings", f"cuda-python is not importable: {e}"
+        ) from e
+    return runtime
 
 
 def _error_name(err) -> str:
@@ -105,26 +97,21 @@ def check(result, call: str):
     return result[1:]
 
 
+@functools.cache
+def _probe() -> str:
+    """Why CUDA is not usable on this host, or "" (probed once)."""
+    try:
+        err, count = _rt().cudaGetDeviceCount()
+    except CUDAUnavailableError as e:
+        return str(e)
+    if err:
+        return _error_name(err)
+    return "" if count >= 1 else "no CUDA device found"
+
+
 def is_available() -> bool:
     """True when a CUDA driver and at least one device are usable (probed once)."""
-    global _available, _probe_reason
-    if _available is None:
-        with _probe_lock:
-            if _available is None:
-                try:
-                    err, count = _rt().cudaGetDeviceCount()
-                    if err != 0:
-                        _probe_reason = _error_name(err)
-                        _available = False
-                    elif count < 1:
-                        _probe_reason = "no CUDA device found"
-                        _available = False
-                    else:
-                        _available = True
-                except CUDAUnavailableError as e:
-                    _probe_reason = str(e)
-                    _available = False
-    return _available
+    return not _probe()
 
 
 def require_cuda(what: str) -> None:
@@ -133,7 +120,7 @@ def require_cuda(what: str) -> None:
         raise CUDAUnavailableError(
             "cudaErrorNoDevice",
             what,
-            f"{what} needs a CUDA device, but none is usable on this host ({_probe_reason}). "
+            f"{what} needs a CUDA device, but none is usable on this host ({_probe()}). "
             "Use host memory explicitly: SystemMemoryResource(), reinitialize(base_resource='system') "
             "or config 'dask-rmm.base-resource: system'.",
         )
@@ -168,22 +155,16 @@ def runtime_function(name: str):
     if name not in _HOT:
         raise ValueError(f"runtime_function({name!r}): not one of the bound hot calls {_HOT}")
     fn = globals()["_" + name]
-    if fn in _unbound_stubs:
+    if getattr(fn, "__module__", None) == __name__:  # still the stand-in _lazy made
         _bind_hot()
         fn = globals()["_" + name]
     return fn
 
 
 class HandleObjects(dict):
-    """``int handle -> cuda-python handle object`` (a ``cudaStream_t``, ``cudaMemPool_t``...),
-    made on first lookup: ``objects[handle]``.
-
-    cuda-python turns an int handle argument into a new handle object on every call (about as
-    costly as the call itself on a fast path; figure in bench/README.md, "Design measurements");
-    a cached object is passed as is. Handles are plain values, so an entry never goes stale; the
-    table is cleared when it reaches 4096 entries. A value that is not an int is converted
-    every time, as cuda-python would.
-    """
+    """``int handle -> cuda-python handle object`` (``cudaStream_t``...), made on first lookup
+    and kept (up to 4096): cuda-python converts an int argument at every call, about as costly
+    as the call (bench/README.md, "Design measurements")."""
 
     __slots__ = ("type_name",)
 
@@ -213,18 +194,12 @@ def _bind_hot() -> None:
         g["_" + name] = getattr(rt, name)
 
 
-#: The stand-ins :func:`_lazy` makes, replaced by the real functions at the first call (see
-#: runtime_function).
-_unbound_stubs: set[Callable[..., Any]] = set()
-
-
 def _lazy(name: str) -> Callable[..., Any]:
     def first_call(*args: Any) -> Any:
         _bind_hot()
         return globals()["_" + name](*args)
 
     first_call.__name__ = name
-    _unbound_stubs.add(first_call)
     return first_call
 
 
@@ -347,22 +322,8 @@ def _device_attr(name_or_enum: Any):
 
 
 def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
-    """A device attribute (``cudaDeviceGetAttribute``) as an int.
-
-    Parameters
-    ----------
-    name_or_enum : str or cudaDeviceAttr or int
-        ``"PageableMemoryAccess"``, ``"cudaDevAttrPageableMemoryAccess"`` or the enum member.
-    device : int, optional
-        The device to ask; default the current device.
-
-    Examples
-    --------
-    Needs a CUDA device (the doctest run skips these lines):
-
-    >>> get_device_attribute("MemoryPoolsSupported")  # doctest: +SKIP
-    1
-    """
+    """Attribute ``name_or_enum`` (``"PageableMemoryAccess"``, with or without the
+    ``cudaDevAttr`` prefix, or the enum member) of ``device`` (default: the current one)."""
     attr = _device_attr(name_or_enum)
     require_cuda("cudaDeviceGetAttribute")
     device = get_device() if device is None else _check_device(device)

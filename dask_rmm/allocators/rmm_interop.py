@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask_rmm.allocators import arbitration, caches
 from dask_rmm.sizes import ALIGNMENT
@@ -226,23 +226,14 @@ def _require_device_memory(mr: Any, device: int) -> None:
         )
 
 
-class _Installation:
+class _Installation(NamedTuple):
     """What :func:`set_rmm_callback_resource` changed on one device."""
 
-    __slots__ = ("forwarder", "callback_resource", "rmm_previous", "cache")
-
-    def __init__(
-        self,
-        forwarder: RMMForwarder,
-        callback_resource: Any,
-        rmm_previous: Any,
-        cache: RMMPoolCache | None = None,
-    ):
-        self.forwarder = forwarder
-        #: What RMM's per-device resource is set to (the cache's top, or the callback resource).
-        self.callback_resource = callback_resource
-        self.rmm_previous = rmm_previous
-        self.cache = cache
+    forwarder: RMMForwarder
+    #: What RMM's per-device resource is set to (the cache's top, or the callback resource).
+    callback_resource: Any
+    rmm_previous: Any
+    cache: RMMPoolCache | None = None
 
 
 _lock = threading.Lock()
