@@ -77,6 +77,20 @@ class RMMSetupError(RuntimeError):
         )
 
 
+class _SetupErrorInOneLine(logging.Filter):
+    """distributed logs a failed setup (worker) or registration (scheduler) with its traceback;
+    an RMMSetupError already names each worker and why, so it is logged as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RMMSetupError):
+            record.msg, record.args = f"{record.getMessage()}: {record.exc_info[1]}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ONE_LINE = _SetupErrorInOneLine()
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "<from config>"
@@ -203,6 +217,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         holds this object as a scheduler plugin too; it removes it on the next loop iteration
         (it has nothing to do there).
         """
+        logging.getLogger("distributed.core").addFilter(_ONE_LINE)  # its handler logs errors
         await register_on_every_worker(scheduler, self)
         # The scheduler adds this object to its plugins right after this returns, without
         # yielding to the loop: drop it on the loop's next iteration, and drop now one that an
@@ -217,6 +232,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         """Build this worker's stacks, vote, then roll back (keep the previous ones) or commit."""
+        logging.getLogger("distributed.worker").addFilter(_ONE_LINE)  # plugin_add logs errors
         ws = worker_stack(worker)
         # First, before any await: keep the stacks a teardown of the plugin we replace handed back
         # installed until ours are ready (or for good if we fail).

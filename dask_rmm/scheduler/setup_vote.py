@@ -207,9 +207,10 @@ async def register_on_every_worker(scheduler: Scheduler, plugin: Any) -> dict[st
 
 
 def _received(value: Any) -> Any:
-    """A field of a worker's answer as the scheduler's comm left it: still serialized."""
-    from distributed.protocol import Serialized, deserialize
+    """A field of a worker's answer as the scheduler's comm left it: still serialized (or, over
+    inproc, wrapped for serialization)."""
+    from distributed.protocol import Serialize, Serialized, deserialize
 
     if isinstance(value, Serialized):
         return deserialize(value.header, value.frames)
-    return value
+    return value.data if isinstance(value, Serialize) else value  # inproc: never serialized

@@ -105,7 +105,7 @@ def check_log_file_keeps_rows(path: str) -> None:
     Done when the stack is built, so that a registration fails on the client instead of each
     worker warning at its first allocation that every row is lost."""
     import stat
-    import uuid
+    import tempfile
 
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise OSError(
@@ -113,19 +113,14 @@ def check_log_file_keeps_rows(path: str) -> None:
             "would not be kept"
         )
     directory = os.path.dirname(path) or "."
-    probe = os.path.join(directory, f".rmm_log_probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     from dask_rmm.mr.logging_adaptor import CSV_HEADER
 
     row = (CSV_HEADER + "\n").encode()
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        written = os.write(fd, row)
-        os.fsync(fd)
-        kept = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
+    # A file without a name (O_TMPFILE, else unlinked at once): a worker killed here leaves none.
+    with tempfile.TemporaryFile(dir=directory, prefix=".rmm_log_probe-", buffering=0) as f:
+        written = f.write(row)
+        os.fsync(f.fileno())
+        kept = os.fstat(f.fileno()).st_size
     if written != len(row) or kept != len(row):
         raise OSError(
             f"{directory} does not keep what is written to it (a test row of {len(row)} bytes "

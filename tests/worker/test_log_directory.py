@@ -119,3 +119,15 @@ def test_log_summary_does_not_call_a_new_writer_a_new_process(tmp_path):
     text = format_summary(summarize([str(path)]).files[0])
     assert "a new process" not in text
     assert "1 new writers appended to the log (a worker restarted, or the plugin " in text
+
+
+def test_the_log_directory_probe_has_no_name_a_killed_worker_could_leave(tmp_path, monkeypatch):
+    """A worker killed during setup left ``.rmm_log_probe-*`` files: the probe had a name while
+    it was written and synced."""
+    from dask_rmm.stack import build
+
+    seen = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(os.listdir(tmp_path)), fsync(fd)))
+    build.check_log_file_keeps_rows(log_file_path(str(tmp_path), "w", 0))
+    assert seen == [[]]

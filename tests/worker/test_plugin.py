@@ -4,13 +4,14 @@ re-registration, teardown and failing setups; gen_cluster, plus one real LocalCl
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pathlib
 import time
 
 import dask
 import pytest
-from conftest import BASE_RESOURCES, HAS_GPU, hold, local_process_cluster
+from conftest import BASE_RESOURCES, HAS_GPU, hold, local_process_cluster, log_records
 from distributed import wait
 from distributed.utils_test import gen_cluster
 
@@ -598,3 +599,23 @@ def test_every_argument_of_the_plugin_reaches_its_options(tmp_path):
         options = RMMPlugin(**base, **{name: value}).options.to_dict()
         assert options != RMMPlugin(**base).options.to_dict(), f"{name} did not reach the options"
     assert RMMPlugin(managed_memory=True).options.base_resource == "managed"
+
+
+def test_a_rejected_registration_is_one_line_in_each_log():
+    """It wrote a traceback in the scheduler's log and in each worker's; with in-process
+    workers (inproc) the client got an AssertionError from distributed instead of the error."""
+    from distributed import Client, LocalCluster
+
+    with (
+        log_records("distributed.core") as scheduler,
+        log_records("distributed.worker") as workers,
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                     dashboard_address=":0", worker_dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        with pytest.raises(RMMSetupError, match="failed on 2 workers"):
+            client.register_plugin(RMMPlugin(base_resource="system", pool_size="1PiB"))
+    logged = [r for r in [*scheduler, *workers] if r.levelno >= logging.ERROR]
+    assert len(logged) == 3, [r.getMessage() for r in logged]
+    for r in logged:
+        assert r.exc_info is None and "failed on 2 workers" in r.getMessage(), r.getMessage()
