@@ -228,6 +228,23 @@ LEGACY_DEFAULT_STREAM = Stream._from_handle(_LEGACY_HANDLE)
 PER_THREAD_DEFAULT_STREAM = Stream._from_handle(PER_THREAD_HANDLE)
 
 
+#: Stream objects by handle, so that the allocator hooks' hot paths make none (one dict get;
+#: :func:`cached_stream` on a miss).
+handle_streams: dict[int, Stream] = {}
+
+
+def cached_stream(handle: int, owner: Any = None) -> Stream:
+    """A :class:`Stream` of ``handle``, kept in :data:`handle_streams` (cleared at 1024
+    entries). Unless it is a default stream, it keeps ``owner`` (the library's stream object)
+    alive, so that an array outliving that object is still freed on a live handle."""
+    if len(handle_streams) >= 1024:
+        handle_streams.clear()
+    stream = handle_streams[handle] = Stream._from_handle(handle)
+    if handle > PER_THREAD_HANDLE:
+        stream._owner = owner
+    return stream
+
+
 def as_stream(obj: Any) -> Stream:
     """``obj`` as a :class:`Stream` (``None`` means the default stream)."""
     if obj is None:

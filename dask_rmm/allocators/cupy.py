@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from dask_rmm.allocators import caches
 from dask_rmm.device_buffer import DeviceBuffer
-from dask_rmm.stream import Stream
+from dask_rmm.stream import PER_THREAD_HANDLE as _LAST_DEFAULT_HANDLE
+from dask_rmm.stream import cached_stream as _stream_for
+from dask_rmm.stream import handle_streams as _streams
 
 if TYPE_CHECKING:
     from dask_rmm.mr.base import DeviceMemoryResource
@@ -46,31 +48,6 @@ except ImportError as _e:  # cupy is optional
     _library_import_error: ImportError | None = _e
 else:
     _library_import_error = None
-
-#: Stream objects by handle, so that the hot path makes none (they only wrap the int handle).
-_streams: dict[int, Stream] = {}
-_MAX_CACHED_STREAMS = 1024
-
-
-def _stream_for(handle: int, cupy_stream: Any = None) -> Stream:
-    """The Stream for CuPy's current stream, cached by handle.
-
-    A non-default stream's Stream keeps the CuPy stream object alive (as RMM's allocator does
-    through its DeviceBuffer), so that an array outliving its ``cupy.cuda.Stream`` is still
-    freed on a live stream handle, never on a destroyed (or reused) one.
-    """
-    if len(_streams) >= _MAX_CACHED_STREAMS:
-        _streams.clear()
-    if cupy_stream is None or handle <= _LAST_DEFAULT_HANDLE:
-        stream = Stream(handle)
-    else:
-        stream = Stream(cupy_stream)
-    _streams[handle] = stream
-    return stream
-
-
-# Handles 0, 1 and 2 are the default streams, which are never destroyed.
-_LAST_DEFAULT_HANDLE = 2
 
 
 def _per_device_resource(device_id: int) -> DeviceMemoryResource:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from dask_rmm.allocators import arbitration, caches
 from dask_rmm.sizes import ALIGNMENT
-from dask_rmm.stream import Stream, as_stream
+from dask_rmm.stream import Stream, as_stream, cached_stream, handle_streams
 
 __all__ = [
     "RMMForwarder",
@@ -56,23 +56,13 @@ else:
     _library_import_error = None
 
 
-#: dask-rmm Stream objects by handle, so that the hot path makes none (they only wrap the int).
-_streams: dict[int, Stream] = {}
-_MAX_CACHED_STREAMS = 1024
-
-
 def _our_stream(stream: Any) -> Stream:
     """RMM's stream (anything with ``__cuda_stream__``, or an int) as a dask-rmm Stream."""
     try:
         handle = stream.__cuda_stream__()[1]
     except AttributeError:
         return as_stream(stream)
-    ours = _streams.get(handle)
-    if ours is None:
-        if len(_streams) >= _MAX_CACHED_STREAMS:
-            _streams.clear()
-        ours = _streams[handle] = Stream(handle)
-    return ours
+    return handle_streams.get(handle) or cached_stream(handle)
 
 
 def _dead_ref() -> None:

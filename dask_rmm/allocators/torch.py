@@ -20,6 +20,7 @@ CUDA-enabled torch, as RMM's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import inspect
 import logging
@@ -29,6 +30,8 @@ from types import FrameType
 from typing import Any
 
 from dask_rmm.stream import Stream
+from dask_rmm.stream import cached_stream as _stream_for
+from dask_rmm.stream import handle_streams as _streams
 
 __all__ = [
     "TorchCache",
@@ -51,8 +54,6 @@ FREE_FN_TYPE = ctypes.CFUNCTYPE(
 # Pointer -> the resource it came from, so that a pointer goes back to its own resource even
 # when the current resource was replaced meanwhile (single dict operations: atomic under the GIL).
 _live: dict[int, Any] = {}
-_streams: dict[int, Stream] = {}
-_MAX_CACHED_STREAMS = 1024
 _errors = threading.local()
 # Idents of the threads with a failure pending (armed); empty on every normal allocation, so the
 # callbacks' fast path reads one module global instead of thread-local state.
@@ -69,13 +70,6 @@ def _per_device_resource(device: int):
 
 
 _get_per_device_resource = _per_device_resource
-
-
-def _stream_for(handle: int) -> Stream:
-    if len(_streams) >= _MAX_CACHED_STREAMS:
-        _streams.clear()
-    stream = _streams[handle] = Stream._from_handle(handle)
-    return stream
 
 
 def allocate(size: int, device: int, stream: int | None) -> int | None:
@@ -131,33 +125,28 @@ def _allocation_failed(
     return None
 
 
+@functools.cache
 def _allocation_error_type() -> type[BaseException]:
     """The exception raised in the allocating thread: a ``torch.OutOfMemoryError`` (what
     PyTorch code catches) that is also a ``MemoryError`` and carries dask-rmm's message."""
-    global _AllocationFailed
-    if _AllocationFailed is None:
-        try:
-            from torch.cuda import OutOfMemoryError as torch_oom
+    try:
+        from torch.cuda import OutOfMemoryError as torch_oom
 
-            bases: tuple[type, ...] = (torch_oom, MemoryError)
-        except ImportError:
-            bases = (MemoryError,)
+        bases: tuple[type, ...] = (torch_oom, MemoryError)
+    except ImportError:
+        bases = (MemoryError,)
 
-        # The bases are known only at run time (torch's class when torch is importable).
-        class TorchAllocationError(*bases):  # type: ignore[misc]
-            """PyTorch asked dask-rmm's resource for memory and did not get it; the message
-            is the resource's (``last_allocation_error()`` is the original exception)."""
+    # The bases are known only at run time (torch's class when torch is importable).
+    class TorchAllocationError(*bases):  # type: ignore[misc]
+        """PyTorch asked dask-rmm's resource for memory and did not get it; the message
+        is the resource's (``last_allocation_error()`` is the original exception)."""
 
-            def __init__(self, *args):
-                if not args:
-                    args = (getattr(_errors, "message", "rmm_torch_allocator: out of memory"),)
-                super().__init__(*args)
+        def __init__(self, *args):
+            if not args:
+                args = (getattr(_errors, "message", "rmm_torch_allocator: out of memory"),)
+            super().__init__(*args)
 
-        _AllocationFailed = TorchAllocationError
-    return _AllocationFailed
-
-
-_AllocationFailed: type[BaseException] | None = None
+    return TorchAllocationError
 
 
 def _raise_when_back_in_python(message: str) -> None:

@@ -257,7 +257,7 @@ def test_streams_are_wrapped_by_handle_without_owning_them(fake_rmm, make_stream
     for ptr, handle in zip(ptrs, handles, strict=True):
         cb.deallocate(ptr, 256, handle)
     assert [h for _, h in top.streams] == [*handles, *handles]
-    wrapped = rmm_interop._streams[stream.handle]
+    wrapped = rmm_interop.handle_streams[stream.handle]
     assert wrapped.handle == stream.handle and not wrapped._owned
     # A plain int (not RMM's Stream object) is accepted as a handle too.
     forwarder = rmm_interop.get_rmm_forwarder(0)
