@@ -348,4 +348,6 @@ def test_only_the_cuda_module_imports_cuda_python(tmp_path):
     other = tmp_path / "other.py"
     other.write_text("def f():\n    from cuda.bindings import runtime\n")
     assert cuda_importers({"dask_rmm.other": other}) == ["dask_rmm.other"]
-    assert cuda_importers(_modules()) == ["dask_rmm._cuda"]
+    # and numba's allocator, for the driver types Numba's MemoryPointer and IpcHandle take
+    # (cuda.bindings' public CUdeviceptr/CUipcMemHandle instead of a private name of Numba's)
+    assert cuda_importers(_modules()) == ["dask_rmm._cuda", "dask_rmm.allocators.numba"]
