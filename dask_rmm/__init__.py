@@ -3,16 +3,12 @@
 ``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
 distributed (``RMMPlugin``, ``RMMSetupError``, ``cluster_report``, ``ClusterMemoryReport``, ``GPUMemorySampler``,
 ``performance_report``, ``release_unused``) or numpy
-(``DeviceBuffer`` and the copy functions) are imported on first use. DeviceBuffer's Dask serializers are registered whenever distributed is imported, before or
-after dask_rmm.
+(``DeviceBuffer`` and the copy functions) are imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 
 from dask_rmm import allocators, mr, statistics
 from dask_rmm._cuda import CUDAError
@@ -131,47 +127,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
-
-
-def _register_dask_serializers() -> None:
-    """Make distributed import ``dask_rmm.worker.serialize`` the first time it (de)serializes an object
-    of a dask_rmm type (distributed's own lazy registration, keyed on the top-level package)."""
-    from distributed.protocol import (
-        cuda_deserialize,
-        cuda_serialize,
-        dask_deserialize,
-        dask_serialize,
-    )
-
-    def register() -> None:
-        importlib.import_module("dask_rmm.worker.serialize")
-
-    for dispatch in (cuda_serialize, cuda_deserialize, dask_serialize, dask_deserialize):
-        dispatch.register_lazy("dask_rmm", register)
-
-
-class _OnDistributedProtocol(importlib.abc.MetaPathFinder):
-    """Registers the serializers right after ``distributed.protocol`` is first imported."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "distributed.protocol":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:  # pragma: no cover - no distributed
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            _register_dask_serializers()
-
-        # Wraps this one module's loading (an import hook), not the loader class.
-        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
-        return spec
-
-
-if "distributed.protocol" in sys.modules:
-    _register_dask_serializers()
-else:
-    sys.meta_path.insert(0, _OnDistributedProtocol())

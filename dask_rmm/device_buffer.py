@@ -3,7 +3,10 @@ and the pointer copy helpers ``copy_ptr_to_host`` / ``copy_host_to_ptr`` / ``cop
 
 Copies on the default stream synchronize it; on any other stream they are asynchronous. When the
 memory is host memory (``mr.is_host_memory``) or the host has no GPU, copies are plain
-``memmove``, so the CPU test path can check bytes. Dask serialization lives in :mod:`dask_rmm.worker.serialize`.
+``memmove``, so the CPU test path can check bytes. Dask's serializers live in
+:mod:`dask_rmm.worker.serialize`; importing this module after distributed registers them through
+distributed's lazy door (``register_lazy``): distributed imports them the first time it
+(de)serializes a dask_rmm object.
 """
 
 from __future__ import annotations
@@ -461,3 +464,24 @@ def to_device(
     """
     arr = _host_bytes(b, False, "b")
     return DeviceBuffer(ptr=_address(arr), size=arr.nbytes, stream=stream, mr=mr)
+
+
+def _register_serializers() -> None:
+    from distributed.protocol import (
+        cuda_deserialize,
+        cuda_serialize,
+        dask_deserialize,
+        dask_serialize,
+    )
+
+    def register() -> None:
+        import dask_rmm.worker.serialize  # noqa: F401  (registers on import)
+
+    for dispatch in (cuda_serialize, cuda_deserialize, dask_serialize, dask_deserialize):
+        dispatch.register_lazy("dask_rmm", register)
+
+
+# Without distributed loaded there is no dispatcher to register with (a process that imports
+# this module first and distributed later sends DeviceBuffers pickled: ``__reduce__``).
+if "distributed.protocol" in sys.modules:
+    _register_serializers()

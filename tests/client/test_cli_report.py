@@ -350,29 +350,27 @@ def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
     assert f"tcp://127.0.0.1:{port}" in lines[0]
 
 
-def test_a_scheduler_greeting_is_recognised_as_dask_and_the_scheduler_logs_no_error():
-    """The check answers the scheduler's handshake with a whole one: one without the pickle
-    protocol made the scheduler log "Your Dask versions may not be in sync" with two tracebacks
-    at each `dask rmm report` (seen on the H200's scheduler bench)."""
+def test_a_scheduler_is_recognised_as_dask_and_logs_no_error():
+    """The address check completes Dask's handshake (distributed's connect): a partial one made
+    the scheduler log "Your Dask versions may not be in sync" with two tracebacks."""
     import asyncio
     import logging
 
     from distributed import Scheduler
     from distributed.utils_test import captured_logger
 
-    from dask_rmm.client.fetch import _non_dask_greeting
+    from dask_rmm.client.fetch import _check_address
 
-    async def greeting() -> str | None:
+    async def check() -> None:
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
-            answer = await _non_dask_greeting(s.address, 5.0)
+            await _check_address(s.address, {}, 5.0)
             await asyncio.sleep(0.5)  # the scheduler reads the handshake after we hung up
-            return answer
 
     # its own event loop, as the command's: after the CLI tests' asyncio.run loops, a
     # gen_cluster test here got a future of another loop from distributed's shared state
     with captured_logger("tornado.application", level=logging.WARNING) as tornado_log:
         with captured_logger("distributed", level=logging.WARNING) as distributed_log:
-            assert asyncio.run(greeting()) is None
+            asyncio.run(check())
     assert tornado_log.getvalue() == "" and distributed_log.getvalue() == ""
 
 
@@ -482,7 +480,7 @@ def test_an_unresolvable_host_says_so_not_timed_out(command, host, loopback_only
     )
     assert f"could not reach the Dask scheduler at tcp://{host}:8786" in line
     assert f"cannot resolve host {host!r}" in line and "imed out" not in line
-    assert loopback_only_resolver == []  # .invalid never resolves: not even asked
+    assert loopback_only_resolver == [host]  # asked once, of the fixture: no query left
 
 
 @pytest.mark.parametrize("command", ["report", "advise"])
@@ -495,6 +493,39 @@ def test_a_closed_port_is_connection_refused(command):
         r = CliRunner().invoke(main, [command, address, "--timeout", "60"])
     line = _one_line_error(r, 1)
     assert f"could not reach the Dask scheduler at {address}: connection refused" in line
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("ucx://127.0.0.1:8786", "no ucx:// transport (install distributed-ucxx"),
+        ("tls://127.0.0.1:8786", "needs a TLS client configuration"),
+        ("inproc://x", "reachable only inside its own process"),
+        ("foo://127.0.0.1:8786", "no foo:// transport"),
+    ],
+)
+def test_an_address_this_process_cannot_use_says_why_in_one_line(command, address, says):
+    """No scheduler was reached: the line says what is wrong with the address, never "is
+    dask-rmm installed on the scheduler?" (ucx, tls) or "not enough values to unpack" (inproc)."""
+    line = _one_line_error(CliRunner().invoke(main, [command, address, "--timeout", "5"]), 2)
+    assert address in line and says in line and "scheduler?" not in line, line
+
+
+def test_the_timeout_is_the_whole_wait():
+    """A peer that accepts and never answers: the command gives up after --timeout seconds in
+    all, as its line says (it waited N + min(N, 0.5) + min(N, 2) s)."""
+    import socket
+
+    with socket.socket() as sock:  # listening, never accepting: the handshake gets no answer
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        start = time.monotonic()
+        r = CliRunner().invoke(main, ["report", address, "--timeout", "2"])
+        waited = time.monotonic() - start
+    assert "no answer within 2 s" in _one_line_error(r, 1)
+    assert waited < 3.5, waited  # 2 s and the command's own work; it was 4.5 s and more
 
 
 @pytest.mark.parametrize(

@@ -104,8 +104,8 @@ def test_default_serializers_pick_dask_family(host_mr):
     assert deserialize(header, frames).tobytes() == PAYLOAD
 
 
-def test_import_dask_rmm_registers_lazily_without_importing_distributed():
-    # dask_rmm first: the serializers are registered when distributed is imported later.
+def test_device_buffer_registers_lazily_without_importing_distributed():
+    # dask_rmm first, DeviceBuffer after distributed: registered (device_buffer.py, at import).
     code = (
         "import sys\n"
         "import dask_rmm\n"
