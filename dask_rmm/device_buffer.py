@@ -3,10 +3,8 @@ and the pointer copy helpers ``copy_ptr_to_host`` / ``copy_host_to_ptr`` / ``cop
 
 Copies on the default stream synchronize it; on any other stream they are asynchronous. When the
 memory is host memory (``mr.is_host_memory``) or the host has no GPU, copies are plain
-``memmove``, so the CPU test path can check bytes. Dask's serializers live in
-:mod:`dask_rmm.worker.serialize`; importing this module after distributed registers them through
-distributed's lazy door (``register_lazy``): distributed imports them the first time it
-(de)serializes a dask_rmm object.
+``memmove``, so the CPU test path can check bytes. Importing this module registers
+DeviceBuffer's Dask serializers with distributed (at the end of this file).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
     "DeviceBuffer",
+    "NoMemoryForDeviceBufferError",
     "copy_device_to_ptr",
     "copy_host_to_ptr",
     "copy_ptr_to_host",
@@ -466,7 +465,62 @@ def to_device(
     return DeviceBuffer(ptr=_address(arr), size=arr.nbytes, stream=stream, mr=mr)
 
 
+# -- Dask serialization ---------------------------------------------------------------------
+
+
+class NoMemoryForDeviceBufferError(_cuda.CUDAUnavailableError):
+    """A DeviceBuffer arrived in a process whose current resource needs a GPU it lacks (a
+    client without a GPU gathering a result from host-memory workers)."""
+
+
+def _received(header: dict, frame: Any) -> DeviceBuffer:
+    """The DeviceBuffer of a received frame: a DeviceBuffer as is; another device frame (a
+    comm's receive buffer) or host bytes copied into a new buffer from the current resource."""
+    nbytes = header["size"]
+    if not isinstance(frame, DeviceBuffer):
+        from dask.utils import format_bytes
+
+        from dask_rmm.mr.registry import get_current_device_resource
+
+        try:
+            mr = get_current_device_resource()
+        except _cuda.CUDAUnavailableError as e:
+            raise NoMemoryForDeviceBufferError(
+                e.error_name,
+                e.call,
+                f"cannot receive a DeviceBuffer ({format_bytes(nbytes)}): this process has no "
+                "usable GPU "
+                "for its default resource. To receive DeviceBuffers in host memory, call "
+                'dask_rmm.reinitialize(base_resource="system") in it first (on a client: '
+                "before gathering the result).",
+            ) from None
+        if hasattr(frame, "__cuda_array_interface__"):
+            buf = DeviceBuffer(size=nbytes, mr=mr)
+            buf.copy_from_device(frame)
+            frame = buf
+        else:
+            frame = to_device(frame, mr=mr)
+    if frame.size != nbytes:
+        raise ValueError(f"DeviceBuffer frames hold {frame.size} bytes, the header says {nbytes}")
+    return frame
+
+
+class _OneLineForNoMemory(logging.Filter):
+    """distributed logs every deserialization error at CRITICAL with its traceback, then raises
+    it: for :class:`NoMemoryForDeviceBufferError` the error's own line says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, NoMemoryForDeviceBufferError):
+            record.msg, record.args = "Failed to deserialize: %s", (error,)
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def _register_serializers() -> None:
+    """distributed's ``dask`` family (one host frame, a copy of the bytes: TCP, spilling) and
+    ``cuda`` family (the buffer itself, with the CUDA array interface's shape and type as RMM's
+    serializer sends them: UCX)."""
     from distributed.protocol import (
         cuda_deserialize,
         cuda_serialize,
@@ -474,14 +528,27 @@ def _register_serializers() -> None:
         dask_serialize,
     )
 
-    def register() -> None:
-        import dask_rmm.worker.serialize  # noqa: F401  (registers on import)
+    def cuda_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
+        shape = {"shape": (buf.size,), "typestr": "|u1", "strides": (1,)}
+        return {"size": buf.size, **shape}, [buf]
 
-    for dispatch in (cuda_serialize, cuda_deserialize, dask_serialize, dask_deserialize):
-        dispatch.register_lazy("dask_rmm", register)
+    def dask_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
+        return {"size": buf.size}, [memoryview(buf.copy_to_host())]
+
+    def loads(header: dict, frames: list) -> DeviceBuffer:
+        (frame,) = frames
+        return _received(header, frame)
+
+    cuda_serialize.register(DeviceBuffer)(cuda_dumps)
+    dask_serialize.register(DeviceBuffer)(dask_dumps)
+    cuda_deserialize.register(DeviceBuffer)(loads)
+    dask_deserialize.register(DeviceBuffer)(loads)
+    logging.getLogger("distributed.protocol.core").addFilter(_OneLineForNoMemory())
 
 
-# Without distributed loaded there is no dispatcher to register with (a process that imports
-# this module first and distributed later sends DeviceBuffers pickled: ``__reduce__``).
-if "distributed.protocol" in sys.modules:
+try:  # distributed has no lazy door for a type whose module may load first: register now
+    import distributed.protocol  # noqa: F401
+except ImportError:  # pragma: no cover - distributed is a dependency
+    pass
+else:
     _register_serializers()

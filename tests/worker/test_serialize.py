@@ -15,7 +15,6 @@ from conftest import HAS_GPU, log_records  # noqa: E402
 from distributed.protocol import deserialize, serialize  # noqa: E402
 from distributed.utils_test import gen_cluster  # noqa: E402
 
-import dask_rmm.worker.serialize  # noqa: E402,F401  (registers the serializers in this process)
 from dask_rmm.device_buffer import DeviceBuffer  # noqa: E402
 from dask_rmm.mr import (  # noqa: E402
     PoolMemoryResource,
@@ -104,29 +103,21 @@ def test_default_serializers_pick_dask_family(host_mr):
     assert deserialize(header, frames).tobytes() == PAYLOAD
 
 
-def test_device_buffer_registers_lazily_without_importing_distributed():
-    # dask_rmm first, DeviceBuffer after distributed: registered (device_buffer.py, at import).
+@pytest.mark.parametrize("first", ["import dask_rmm.device_buffer", "import distributed.protocol"])
+def test_serializers_are_registered_whichever_is_imported_first(first):
+    """DeviceBuffer before distributed (the CuPy allocator, or a test run, loads it first):
+    distributed's dispatchers did not exist yet; the dask family still serves it."""
     code = (
-        "import sys\n"
-        "import dask_rmm\n"
+        "import sys, dask_rmm\n"
         "assert 'distributed' not in sys.modules, 'import dask_rmm imported distributed'\n"
+        f"{first}\n"
         "from distributed.protocol import serialize, deserialize\n"
         "dask_rmm.reinitialize(base_resource='system')\n"
         "buf = dask_rmm.DeviceBuffer.to_device(b'abc')\n"
-        "header, frames = serialize(buf, serializers=('dask', 'pickle'))\n"
-        "assert header['serializer'] == 'dask', header\n"
-        "assert deserialize(header, frames).tobytes() == b'abc'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    code = (
-        "import sys\n"
-        "import distributed.protocol as p\n"
-        "import dask_rmm\n"
-        "assert 'dask_rmm.worker.serialize' not in sys.modules\n"
-        "from dask_rmm.device_buffer import DeviceBuffer\n"
-        "p.dask_deserialize.dispatch(DeviceBuffer)\n"
-        "p.cuda_deserialize.dispatch(DeviceBuffer)\n"
-        "assert 'dask_rmm.worker.serialize' in sys.modules\n"
+        "for family in ('dask', 'cuda'):\n"
+        "    header, frames = serialize(buf, serializers=(family, 'pickle'))\n"
+        "    assert header['serializer'] == family, header\n"
+        "    assert deserialize(header, frames).tobytes() == b'abc'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -231,7 +222,7 @@ def _host_buffer(nbytes: int) -> DeviceBuffer:
 def test_receiving_without_a_gpu_is_one_error_naming_the_fix(family):
     """Both families, host frames: the default CudaMemoryResource cannot be made here."""
     from dask_rmm._cuda import CUDAUnavailableError
-    from dask_rmm.worker.serialize import NoMemoryForDeviceBufferError
+    from dask_rmm.device_buffer import NoMemoryForDeviceBufferError
 
     header, frames = serialize(_host_buffer(1000), serializers=(family,))
     if family == "cuda":  # what a comm hands over: host bytes for the device frame
@@ -241,7 +232,7 @@ def test_receiving_without_a_gpu_is_one_error_naming_the_fix(family):
         deserialize(header, frames, deserializers=(family,))
     message = str(info.value)
     assert 'dask_rmm.reinitialize(base_resource="system")' in message
-    assert "1000 B" in message and "\n" not in message
+    assert "(0.98 kiB)" in message and "\n" not in message
     assert isinstance(info.value, CUDAUnavailableError)
 
 
@@ -252,7 +243,7 @@ async def test_a_client_without_a_gpu_logs_one_line_then_works_after_reinitializ
     CUDAUnavailableError naming SystemMemoryResource() (not what a client should call)."""
 
     import dask_rmm
-    from dask_rmm.worker.serialize import NoMemoryForDeviceBufferError
+    from dask_rmm.device_buffer import NoMemoryForDeviceBufferError
 
     with log_records("distributed.protocol.core") as records:
         future = c.submit(_host_buffer, 1000)
