@@ -218,9 +218,14 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             f"cannot connect to {address}: this process has no {scheme}:// transport "
             f"({'install distributed-ucxx; ' if scheme == 'ucx' else ''}{e})"
         ) from e
-    if scheme in ("tcp", "tls"):  # distributed's connect retries these until the timeout
+    # distributed's connect retries these until the timeout, and a peer that hangs up at once
+    if scheme in ("tcp", "tls"):
         try:
-            _, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(host, port)
+            try:  # a Dask server greets first; one that waits for the client is looked at below
+                hung_up = scheme == "tcp" and not await asyncio.wait_for(reader.read(1), 0.3)
+            except asyncio.TimeoutError:
+                hung_up = False
             writer.close()
         except socket.gaierror as e:
             raise _not_reachable(address, f"cannot resolve host {host!r} ({e.strerror})") from e
@@ -230,6 +235,8 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             ) from e
         except OSError as e:
             raise _not_reachable(address, e.strerror or str(e) or type(e).__name__) from e
+        if hung_up:
+            raise _not_dask(address, "it closed the connection without a word")
     http = (
         "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler address "
         "usually ends in :8786, the dashboard's in :8787)"
