@@ -281,8 +281,6 @@ def device_total_memory(device: int | None = None) -> int:
         return mem_get_info()[1]
     device = _check_device(device)
     current = get_device()
-    if current == device:
-        return mem_get_info()[1]
     set_device(device)
     try:
         return mem_get_info()[1]

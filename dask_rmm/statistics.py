@@ -7,6 +7,7 @@ reports are :mod:`dask_rmm.report`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
@@ -173,10 +174,7 @@ class ProfilerRecords:
     def records(self) -> dict[str, ProfilerRecords.MemoryRecord]:
         """``{name: Data}`` (a copy)."""
         with self._lock:
-            return {
-                k: ProfilerRecords.MemoryRecord(v.num_calls, v.memory_total, v.memory_peak)
-                for k, v in self._records.items()
-            }
+            return {k: dataclasses.replace(v) for k, v in self._records.items()}
 
     def clear(self) -> None:
         """Forget every record."""
@@ -232,14 +230,13 @@ def _get_descriptive_name_of_object(func: Callable) -> str:
 #: The records :func:`profiler` writes to unless given others.
 default_profiler_records = ProfilerRecords()
 
-_names = threading.local()
+
+class _Names(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[str] = []
 
 
-def _name_stack() -> list[str]:
-    stack = getattr(_names, "stack", None)
-    if stack is None:
-        stack = _names.stack = []
-    return stack
+_names = _Names()
 
 
 class ProfilerContext:
@@ -288,11 +285,11 @@ class ProfilerContext:
         if mr is not None:
             mr.push_counters()
         self._pushed.append(mr)
-        _name_stack().append(self.name)
+        _names.stack.append(self.name)
         return self
 
     def __exit__(self, *exc) -> Literal[False]:
-        _name_stack().pop()
+        _names.stack.pop()
         mr = self._pushed.pop()
         if mr is not None:
             self.records.add(self.name, mr.pop_counters())
@@ -306,4 +303,4 @@ def profiler(*, records: ProfilerRecords | None = None, name: str = "") -> Profi
 
 def current_profiler_names() -> tuple[str, ...]:
     """Names of the profilers active in this thread, outermost first."""
-    return tuple(_name_stack())
+    return tuple(_names.stack)
