@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dask_rmm.sizes import parse_device_bytes, parse_size
+from dask_rmm.sizes import parse_size
 
 __all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
 
@@ -268,13 +268,20 @@ class RMMOptions:
         }
 
     def resolve_size(self, option: str, device: int, total: int) -> int | None:
-        """Option ``option`` in bytes on a device of ``total`` bytes (aligned down to 256)."""
-        from dask_rmm.sizes import format_bytes
+        """Option ``option`` (parsed already: bytes or a fraction) in bytes on a device of
+        ``total`` bytes, aligned down to 256."""
+        from dask_rmm.sizes import ALIGNMENT, format_bytes
 
-        nbytes = parse_device_bytes(
-            getattr(self, option), device, total_memory=total, option=option
-        )
-        if nbytes is not None and nbytes > total:
+        value = getattr(self, option)
+        if value is None:
+            return None
+        nbytes = int(total * value) if isinstance(value, float) else value
+        nbytes = nbytes // ALIGNMENT * ALIGNMENT
+        if not nbytes:
+            raise OptionError(
+                f"`{option}` ({value:.0%} of {format_bytes(total)}) is below 256 bytes"
+            )
+        if nbytes > total:
             where = "host memory" if self.host_memory else f"device {device}'s memory"
             raise OptionError(
                 f"`{option}` ({format_bytes(nbytes)}) is larger than {where} ({format_bytes(total)})"

@@ -125,3 +125,17 @@ def test_bad_config_the_schema_lets_through_names_its_key_and_variable(key, valu
         assert not isinstance(explicit.value, ConfigError)  # given explicitly: not the config's
     message = str(info.value)
     assert f"dask-rmm.{key}" in message and environment_variable(f"dask-rmm.{key}") in message
+
+
+def test_sizes_travel_parsed_and_resolve_on_the_device_without_parsing_again():
+    from dask_rmm.stack import OptionError, RMMOptions
+
+    options = RMMOptions(pool_size="0.5", maximum_pool_size="1GiB", base_resource="system")
+    assert (options.pool_size, options.maximum_pool_size) == (0.5, 1 << 30)
+    assert options.resolve_size("pool_size", 0, 1000 << 20) == 500 << 20
+    assert options.resolve_size("maximum_pool_size", 0, 2 << 30) == 1 << 30
+    tiny = RMMOptions(pool_size=1e-12, base_resource="system")
+    with pytest.raises(OptionError, match="`pool_size` .* is below 256 bytes"):
+        tiny.resolve_size("pool_size", 0, 1 << 30)
+    with pytest.raises(OptionError, match="`maximum_pool_size` .* is larger than host memory"):
+        options.resolve_size("maximum_pool_size", 0, 1 << 29)
