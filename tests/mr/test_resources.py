@@ -221,6 +221,20 @@ def test_managed_memory_is_managed():
 
 
 @pytest.mark.gpu
+def test_sizes_given_to_device_resources_are_parsed_once_there():
+    # strings and fractions of the device's memory, through the one parser
+    total = _cuda.device_total_memory()
+    r = mr.CudaAsyncMemoryResource(initial_pool_size="4MiB", release_threshold=0.01)
+    assert r.release_threshold == int(total * 0.01)  # exact bytes: no 256-byte rounding here
+    r.set_release_threshold("0.02")
+    assert r.release_threshold == int(total * 0.02)
+    pool = mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size="0.01")
+    assert pool.pool_size() == int(total * 0.01) // 256 * 256  # rounded down to 256 bytes
+    with pytest.raises(ValueError, match=r"initial_pool_size='1e300GiB'.*more memory than any"):
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size="1e300GiB")
+
+
+@pytest.mark.gpu
 def test_async_resource_pool():
     total = _cuda.device_total_memory()
     r = mr.CudaAsyncMemoryResource(initial_pool_size="64MiB")
