@@ -225,8 +225,15 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         _forget_scheduler_plugins(scheduler)
         asyncio.get_running_loop().call_soon(_forget_scheduler_plugins, scheduler)
 
-    def transition(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing (the worker calls it for every task it moves; both bases define it)."""
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """On a worker with memory admission, admission follows the task
+        (:meth:`dask_rmm.worker.admission.WorkerAdmission.transition`); nothing otherwise."""
+        if self._worker is not None:
+            from dask_rmm.worker.admission import admission_of
+
+            admission = admission_of(self._worker)
+            if admission is not None:
+                admission.transition(key, start, finish)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -328,6 +335,12 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         if note is not None:
             WORKER_LOGGER.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws)
+        from dask_rmm.worker.admission import install_admission, remove_admission
+
+        if self.options.memory_admission and pressure is not None:
+            await install_admission(worker, pressure)
+        else:
+            remove_admission(worker)
         await self._warn_if_host_overcommitted(worker, stacks)
         try:  # the cluster report's scheduler plugin, once (idempotent)
             from dask_rmm.scheduler import install_scheduler_plugin
@@ -438,14 +451,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             add_periodic(worker, TRIMMER_KEY, trimmer, TRIM_INTERVAL)
         else:
             remove_periodic(worker, TRIMMER_KEY)
-        from dask_rmm.worker.admission import admission_of, install_admission, remove_admission
-
-        if ws.options.memory_admission and ws.pressure is not None:
-            current = admission_of(worker)
-            if current is None or current.pressure is not ws.pressure:
-                install_admission(worker, ws.pressure)
-        else:
-            remove_admission(worker)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -456,7 +461,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         self.worker_metrics.remove(worker)
         from dask_rmm.worker.admission import remove_admission
 
-        remove_admission(worker)  # waiting tasks start now (or are dropped if the worker closes)
+        remove_admission(worker)  # waiting tasks start now
         remove_periodic(worker, _FLUSHER_KEY)
         remove_periodic(worker, TRIMMER_KEY)
         ws = worker_stack(worker)

@@ -4,8 +4,8 @@ allocation fails in any library drawing from its stack (CuPy, compiled RMM, Numb
 ``spill_on_oom``) task outputs move to host memory; the caller then retries. Each time is
 recorded (:class:`RoomMade`: bytes given back per library, bytes spilled).
 
-Also: :func:`is_out_of_memory`, which tells an out-of-memory error of any library by its type's
-name and module (no library is imported). Not here: the caches (:mod:`.caches`), spilling
+Also: :func:`is_device_out_of_memory`, which tells a device out-of-memory error of those
+libraries from a host ``MemoryError`` (no library is imported). Not here: the caches (:mod:`.caches`), spilling
 (:mod:`dask_rmm.pressure`, which sets the spill handler), retrying a task (the worker side).
 """
 
@@ -22,7 +22,7 @@ from dask_rmm.allocators import caches
 
 __all__ = [
     "RoomMade",
-    "is_out_of_memory",
+    "is_device_out_of_memory",
     "make_room",
     "recent_rooms",
     "requested_bytes",
@@ -106,14 +106,6 @@ def recent_rooms() -> list[RoomMade]:
         return list(_records)
 
 
-#: Names of out-of-memory error types: dask-rmm's and RMM's ``OutOfMemoryError``, CuPy's
-#: ``cupy.cuda.memory.OutOfMemoryError``, PyTorch's ``torch.OutOfMemoryError``
-#: (``torch.cuda.OutOfMemoryError``), Numba's ``CudaAPIError`` is not one (it carries any error).
-_OOM_NAMES = ("OutOfMemoryError",)
-#: MemoryError subclasses that are not out of memory (a broken pool or device).
-_NOT_OOM_NAMES = ("CUDAAllocationError",)
-
-
 _TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+)\s*([KMGTP]i?B|bytes|B)?")
 
 
@@ -137,14 +129,29 @@ def requested_bytes(error: BaseException) -> int:
         return 0
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error of some library: a ``MemoryError`` (dask-rmm's
-    ``OutOfMemoryError`` is one) or a type named ``OutOfMemoryError`` (CuPy's, PyTorch's, RMM's),
-    told by name so that none of them is imported."""
-    names = [t.__name__ for t in type(error).__mro__]
-    if any(n in _NOT_OOM_NAMES for n in names):
-        return False
-    return isinstance(error, MemoryError) or any(n in _OOM_NAMES for n in names)
+#: CUDA's "out of memory" error code (``cudaErrorMemoryAllocation`` and
+#: ``CUDA_ERROR_OUT_OF_MEMORY`` are both 2), carried by Numba's ``CudaAPIError.code``.
+_CUDA_OUT_OF_MEMORY = 2
+#: Libraries drawing device memory from a worker's budget, by top-level module.
+_DEVICE_LIBRARIES = ("dask_rmm", "rmm", "cupy", "cupy_backends", "torch", "numba", "cudf")
+
+
+def is_device_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a *device* allocation failure of a library drawing from the
+    worker's budget: a type named ``OutOfMemoryError`` of dask-rmm, RMM, CuPy, PyTorch or cuDF,
+    Numba's ``CudaAPIError`` with CUDA's out-of-memory code, or the ``MemoryError`` compiled
+    RMM raises for ``rmm::out_of_memory`` (its message names it). A host ``MemoryError``
+    (NumPy's "Unable to allocate") is the task's own error. Told by type name, module and
+    error code: no library is imported."""
+    for t in type(error).__mro__:
+        library = t.__module__.partition(".")[0]
+        if library not in _DEVICE_LIBRARIES:
+            continue
+        if t.__name__ == "OutOfMemoryError":
+            return True
+        if t.__name__ == "CudaAPIError":
+            return getattr(error, "code", None) == _CUDA_OUT_OF_MEMORY
+    return type(error) is MemoryError and "out_of_memory" in str(error)
 
 
 def _reset_for_tests() -> None:

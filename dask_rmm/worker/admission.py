@@ -1,37 +1,34 @@
-"""Memory admission on a Dask worker: :class:`AdmissionThreadPoolExecutor` is installed as the
-worker's default executor in front of the real thread pool. distributed hands it each task as it
-would the pool (the task is ``executing`` in the worker's state machine); the executor passes it
-to the pool once the gate (:class:`~dask_rmm.pressure.admission.AdmissionGate`) says its
-expected peak fits, and learns the task's peak when it finishes. A task that raised an
-out-of-memory error of any library is run once more after room is made
-(:func:`~dask_rmm.allocators.arbitration.make_room`). Teardown starts every waiting task and puts
-the pool back. Not here: the policy (Dask-free) and the per-task accounting (the pressure
-adaptor).
+"""Memory admission on a Dask worker, through distributed's worker resources: the worker
+supplies its device budget as the resource :data:`~dask_rmm.pressure.admission.RESOURCE`
+(bytes), the scheduler gives each GPU task its expected peak as a resource restriction
+(:mod:`dask_rmm.scheduler.admission`), and the worker's state machine keeps a task
+``constrained`` until its peak fits beside the running tasks' (docs/memory-pressure.md).
 
-distributed details this relies on, each with a test that fails when it moves
-(tests/worker/test_admission.py): ``Worker.execute`` runs a task through
-``run_in_executor_with_context`` (with the task's key in ``thread_state``) only for an executor
-whose type name contains "ThreadPoolExecutor"; it adds the key to ``Worker.active_keys`` and sets
-``ts.start_time`` just before submitting, with no ``await`` in between (tasks whose
-``run_spec.is_coro``, or with an ``executor`` annotation naming another executor, are not
-submitted here); ``_run_task`` returns a dict whose ``"op"`` is ``"task-erred"`` with the
-exception as ``"actual_exception"``.
+Here, on the worker: peaks are learned as tasks finish (growth in bytes in use across every
+library, :meth:`WorkerAdmission.transition`) and sent to the scheduler; a task that secedes gives
+its budget back; a task left waiting while nothing finishes (one blocked on another without
+seceding) is admitted after :data:`STALL_SECONDS`; a task that failed with a *device*
+out-of-memory error makes room and is run once more (distributed's ``retries``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-import threading
-import traceback
-from collections.abc import Callable, Hashable
-from concurrent.futures import Executor, Future
+import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from dask.utils import key_split
-
-from dask_rmm.allocators.arbitration import is_out_of_memory, make_room, requested_bytes
-from dask_rmm.allocators.torch import get_torch_cache
-from dask_rmm.pressure.admission import AdmissionGate, AdmissionMetrics
+from dask_rmm.allocators.arbitration import is_device_out_of_memory, make_room, requested_bytes
+from dask_rmm.pressure.admission import (
+    NO_MEMORY,
+    RESOURCE,
+    PeakTable,
+    admission_of,
+    installed,
+    task_prefix,
+)
 from dask_rmm.worker.metrics import add_periodic, remove_periodic
 
 if TYPE_CHECKING:
@@ -40,8 +37,9 @@ if TYPE_CHECKING:
     from dask_rmm.pressure.worker import WorkerPressure
 
 __all__ = [
-    "ANNOTATION",
-    "AdmissionThreadPoolExecutor",
+    "STALL_SECONDS",
+    "TOPIC",
+    "WorkerAdmission",
     "admission_of",
     "install_admission",
     "remove_admission",
@@ -49,270 +47,257 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The task annotation giving a task's expected peak: ``dask.annotate(gpu_memory="2GiB")``.
-ANNOTATION = "gpu_memory"
-#: Key of the periodic look at the waiting tasks in ``worker.periodic_callbacks``, and seconds.
-PUMP_KEY = "dask-rmm-admission"
-PUMP_INTERVAL = 0.1
+#: The event topic workers tell the scheduler's admission plugin on (their limit, bytes held,
+#: changed expected peaks, tasks to run again).
+TOPIC = "dask-rmm-admission"
+#: Seconds the first waiting task waits while no task starts or finishes before it is admitted
+#: anyway (a running task blocked on another task without seceding must not stall the worker).
+STALL_SECONDS = 30.0
+#: What a worker supplies once admission is off: more than any task asks for.
+UNLIMITED = 1 << 50
+#: Seconds between two looks (stalls, peaks to send) and its key in ``periodic_callbacks``.
+TICK = 0.02
+TICK_KEY = "dask-rmm-admission"
+#: Held bytes change the scheduler hears of: this fraction of the limit.
+_HELD_STEP = 1 / 32
+
+#: A task that waited longer than this (seconds) was held back (all pass through constrained).
+_HELD = 0.001
 
 
-class AdmissionThreadPoolExecutor(Executor):
-    """The worker's default executor under memory admission (see the module doc).
+class WorkerAdmission:
+    """Admission on one worker (see the module doc); ``transition`` is called by the worker's
+    :class:`~dask_rmm.plugin.RMMPlugin` for each task it moves."""
 
-    Parameters
-    ----------
-    inner : Executor
-        The worker's thread pool; tasks run there.
-    worker : Worker
-        Whose tasks (``active_keys``, ``state.tasks``) are submitted.
-    gate : AdmissionGate
-        Says when a task may start.
-    pressure : WorkerPressure, optional
-        Its devices are where room is made before a task that ran out of memory runs again.
-    """
-
-    def __init__(
-        self,
-        inner: Executor,
-        worker: Worker,
-        gate: AdmissionGate,
-        pressure: WorkerPressure | None = None,
-    ):
-        self.inner = inner
+    def __init__(self, worker: Worker, pressure: WorkerPressure):
         self.worker = worker
-        self.gate = gate
         self.pressure = pressure
-        # Keys claimed by a submission: key -> the task's start_time then (a task run again
-        # on this worker has a new one).
-        self._claims: dict[Hashable, Any] = {}
-        self._bad_annotations: set[str] = set()
-        self._lock = threading.Lock()
+        self.limit = sum(dp.admission_limit() for dp in pressure.devices.values())
+        self.peaks = PeakTable()
+        self._held_sent: int | None = None
+        # key -> (bytes in use when it started, largest growth seen, running tasks then)
+        self._growth: dict[Hashable, list[int]] = {}
+        self._since: dict[Hashable, float] = {}  # waiting tasks: since when
+        self._progress = time.monotonic()
+        self._retried: set[Hashable] = set()
+        self.total_held = 0
+        self.wait_seconds = 0.0
+        self.longest_wait = 0.0
 
-    # -- which task is submitted --------------------------------------------------------------
+    # -- the worker's tasks -----------------------------------------------------------------------
 
-    def _claim_key(self) -> Hashable | None:
-        """The key of the task being submitted now, or None (not a task's submission)."""
-        worker = self.worker
-        try:
-            active = worker.active_keys
-            tasks = worker.state.tasks
-        except AttributeError:
-            return None
-        claims = self._claims
-        for k in [k for k in claims if k not in active]:
-            del claims[k]
-        new = []
-        for k in active:
-            ts = tasks.get(k)
-            if ts is None or not _in_default_executor(ts):
-                continue  # a coroutine task, or one annotated with another executor
-            start = getattr(ts, "start_time", None)
-            if k not in claims or claims[k] != start:
-                new.append((k, start))
-        if len(new) != 1:
-            return None
-        key, start = new[0]
-        claims[key] = start
-        return key
+    def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
+        """Follow task ``key`` from ``start`` to ``finish`` (the worker's state machine)."""
+        now = time.monotonic()
+        if finish == "constrained":
+            self._since[key] = now
+            return
+        since = self._since.pop(key, None)
+        if since is not None and now - since > _HELD:
+            self.total_held += 1
+            self.wait_seconds += now - since
+            self.longest_wait = max(self.longest_wait, now - since)
+        if finish == "executing":
+            self._progress = now
+            self.pressure.task_accounts[key] = [0, 0]
+            self._growth[key] = [self._in_use(), 0]
+        elif finish == "long-running":
+            self._give_back(key)
+        elif key in self._growth and start in ("executing", "long-running", "cancelled"):
+            self._progress = now
+            account = self.pressure.task_accounts.pop(key, None)
+            growth = self._growth.pop(key)
+            if finish == "memory" and key in self._retried:
+                self._retried.discard(key)
+                for device in self.pressure.devices:
+                    self.pressure.counters.add(device, "task_retries_succeeded")
+            if finish == "memory" and account is not None:  # a failed task teaches nothing
+                share = len(self._growth) + 1  # tasks running beside it grew too
+                peak = max(account[1], growth[1], (self._in_use() - growth[0]) // share)
+                prefix = task_prefix(key)
+                before = self.peaks.expected(prefix)
+                expected = self.peaks.observe(prefix, peak)
+                if expected != before:  # sent before the task's result: the scheduler knows
+                    self.worker.log_event(TOPIC, {"peaks": {prefix: expected}})
+            elif finish == "error":
+                self._after_error(key, account)
 
-    def _given_peak(self, key: Hashable) -> int | None:
-        """The task's ``gpu_memory`` annotation in bytes, or None."""
+    def _in_use(self) -> int:
+        """Bytes in use on the worker's devices, in every library (caches' free blocks not)."""
+        return sum(dp.current_bytes() for dp in self.pressure.devices.values())
+
+    def _give_back(self, key: Hashable) -> None:
+        """A task left its thread (``secede``, ``worker_client``): its budget goes back, so the
+        tasks it waits for can start."""
+        state = self.worker.state
+        ts = state.tasks.get(key)  # type: ignore[call-overload]
+        held = (ts.resource_restrictions or {}).get(RESOURCE) if ts is not None else None
+        if not held:
+            return
+        ts.resource_restrictions = {
+            k: v for k, v in ts.resource_restrictions.items() if k != RESOURCE
+        }
+        state.available_resources[RESOURCE] += held
+        self.worker.loop.add_callback(self._poke)
+
+    def _after_error(self, key: Hashable, account: list[int] | None) -> None:
+        """A device out-of-memory error (not a host one): room is made and the task runs once
+        more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the error
+        reaches it)."""
         ts = self.worker.state.tasks.get(key)  # type: ignore[call-overload]
-        annotations = getattr(ts, "annotations", None) or {}
-        value = annotations.get(ANNOTATION)
-        if value is None:
-            return None
-        from dask.utils import parse_bytes
-
-        try:
-            nbytes = parse_bytes(value) if isinstance(value, str) else int(value)
-            if nbytes < 0:
-                raise ValueError("negative")
-            return nbytes
-        except (TypeError, ValueError) as e:
-            text = repr(value)
-            if text not in self._bad_annotations:
-                self._bad_annotations.add(text)
-                logger.warning(
-                    "dask-rmm: task annotation %s=%s is not a size (%s); its peak is learned",
-                    ANNOTATION,
-                    text,
-                    e,
-                )
-            return None
-
-    # -- the Executor interface ---------------------------------------------------------------
-
-    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
-        """A future of ``fn(*args, **kwargs)``: run in the pool once the gate admits the task
-        being submitted (at once for a call that is not a task's)."""
-        key = self._claim_key()
-        if key is None:
-            return self.inner.submit(fn, *args, **kwargs)
-        prefix, given = key_split(key), self._given_peak(key)
-        if self.gate.admit_now(key, prefix, given):  # no future of our own to make
-            return self.inner.submit(self._run_admitted, key, fn, args, kwargs)
-        outer: Future = Future()
-
-        def start() -> None:
-            try:
-                self.inner.submit(self._run, key, outer, fn, args, kwargs)
-            except BaseException as e:  # the pool is shut down: the task fails, not hangs
-                self.gate.finished(key, learn=False)
-                if outer.set_running_or_notify_cancel():
-                    outer.set_exception(e)
-
-        def withdrawn(f: Future) -> None:
-            if f.cancelled():  # cancelled while waiting (the worker is closing)
-                self.gate.withdraw(key)
-
-        outer.add_done_callback(withdrawn)
-        self.gate.request(key, prefix, given, start, outer)
-        return outer
-
-    def _run_admitted(self, key: Hashable, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """In a thread of the pool, for a task admitted at once: :meth:`_run` without a future
-        of our own (a task cancelled before it ran stays counted: only a closing worker
-        cancels)."""
-        try:
-            return self._call(key, fn, args, kwargs)
-        finally:
-            self.gate.finished(key)
-
-    def _call(self, key: Hashable, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run the task, once more after an out-of-memory error."""
-        result = fn(*args, **kwargs)
-        error = _task_error(result)
-        if error is not None and is_out_of_memory(error):
-            need = self._room_needed(key, error)
-            # The failed run's frames (kept by the traceback) hold its arrays: let them go.
-            traceback.clear_frames(error.__traceback__)
-            del error, result
-            result = self._run_again(key, need, fn, args, kwargs)
-        return result
-
-    def _run(self, key: Hashable, outer: Future, fn: Callable, args: tuple, kwargs: dict) -> None:
-        """In a thread of the pool: run the task (once more after an out-of-memory error)."""
-        if not outer.set_running_or_notify_cancel():
-            self.gate.finished(key, learn=False)
+        requested = _device_out_of_memory(ts) if ts is not None else None
+        if requested is None:
             return
-        try:
-            result = self._call(key, fn, args, kwargs)
-        except BaseException as e:
-            self.gate.finished(key)
-            outer.set_exception(e)
+        if key in self._retried:
+            self._retried.discard(key)
             return
-        self.gate.finished(key)
-        outer.set_result(result)
+        if len(self._retried) > 1024:  # retried elsewhere: never seen again here
+            self._retried.clear()
+        self._retried.add(key)
+        need = max(requested, account[1] if account else 0)
+        self.worker.log_event(TOPIC, {"retry": key})
+        for device in self.pressure.devices:
+            self.pressure.counters.add(device, "task_retries")
+        loop = asyncio.get_running_loop()
+        for device in list(self.pressure.devices):  # spilling: not on the event loop
+            loop.run_in_executor(None, functools.partial(make_room, device, need, library="task"))
 
-    def _room_needed(self, key: Hashable, error: BaseException) -> int:
-        """Bytes to make room for: what the error says was asked for, at least what the failed
-        run held at its peak; for a library that says nothing, all that can be spilled."""
-        account = self.gate.accounts.get(key)
-        need = max(requested_bytes(error), account[1] if account else 0)
-        pressure = self.pressure
-        if not need and pressure is not None:
-            need = sum(dp.admission_limit() for dp in pressure.devices.values())
-        return need
+    # -- every TICK -----------------------------------------------------------------------------
 
-    def _run_again(self, key: Hashable, need: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Make room on every device (caches give back, outputs spill, then the pool's fully free
-        chunks go back to the device, for libraries that allocate beside the stack such as
-        PyTorch's own allocator), run the task once more; its second result."""
-        pressure = self.pressure
-        devices = sorted(pressure.devices) if pressure is not None else [0]
-        for device in devices:
-            make_room(device, need, library="task")
-            torch_cache = get_torch_cache()
-            if torch_cache is not None and torch_cache.cap(device) is not None:
-                # PyTorch's allocator shares the pool's maximum: trim the pool only as far as
-                # the retry needs, and raise PyTorch's cap by what was given back.
-                torch_cache.make_room(device, need)
-            elif pressure is not None:
-                pool = pressure.devices[device].pool
-                if pool is not None:
-                    pool.release()
-                pressure.counters.add(device, "task_retries")
-        result = fn(*args, **kwargs)
-        if _task_error(result) is None and pressure is not None:
-            for device in devices:
-                pressure.counters.add(device, "task_retries_succeeded")
-        return result
+    def tick(self) -> None:
+        """Admit a task left waiting while nothing moves; sample running tasks' growth; tell
+        the scheduler the bytes held when they changed. Never raises."""
+        try:
+            self._sample()
+            self._unstall()
+            self._report()
+        except Exception:
+            logger.exception("dask-rmm: memory admission's periodic look failed")
 
-    def admission_metrics(self) -> AdmissionMetrics:
-        """What the gate did (the heartbeat's admission fields)."""
-        return self.gate.metrics()
+    def _sample(self) -> None:
+        if not self._growth:
+            return
+        in_use, share = self._in_use(), len(self._growth)
+        for growth in self._growth.values():
+            growth[1] = max(growth[1], (in_use - growth[0]) // share)
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """The worker is closing: waiting tasks are dropped (their futures cancelled; the
-        scheduler gives their keys to other workers), then the pool shuts down."""
-        for outer in self.gate.drop_waiting():
-            outer.cancel()
-        self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+    def _unstall(self) -> None:
+        state = self.worker.state
+        waiting = [ts for ts in state.constrained if RESOURCE in (ts.resource_restrictions or {})]
+        if not waiting or time.monotonic() - self._progress < STALL_SECONDS:
+            return
+        first = min(waiting, key=lambda ts: ts.priority or ())
+        available = max(0, int(state.available_resources.get(RESOURCE, 0)))
+        holding = [ts.key for ts in state.executing if RESOURCE in (ts.resource_restrictions or {})]
+        logger.warning(
+            "dask-rmm: task %r waited %.0f s for device memory while %s held it and none "
+            "finished (blocked without secede()?): admitted with the %d bytes free",
+            first.key, STALL_SECONDS, holding, available,
+        )  # fmt: skip
+        first.resource_restrictions = {**first.resource_restrictions, RESOURCE: available}
+        self._progress = time.monotonic()
+        self._poke()
 
-    def __repr__(self) -> str:
-        return f"<AdmissionThreadPoolExecutor over {self.inner!r}>"
+    def _report(self, force: bool = False) -> None:
+        held = max(0, self._in_use() - sum(a[0] for a in self.pressure.task_accounts.values()))
+        step = self.limit * _HELD_STEP
+        moved = self._held_sent is None or abs(held - self._held_sent) > step
+        if force or moved:
+            self._held_sent = held
+            self.worker.log_event(TOPIC, {"limit": self.limit, "held": held})
 
+    def _poke(self) -> None:
+        """Have the worker's state machine look at its waiting tasks again (it does on every
+        event; a changed budget is none)."""
+        from distributed.core import Status
+        from distributed.worker_state_machine import UnpauseEvent
 
-def _in_default_executor(ts: Any) -> bool:
-    """Whether distributed submits task ``ts`` to the default executor."""
-    if getattr(ts.run_spec, "is_coro", False):
-        return False
-    return (getattr(ts, "annotations", None) or {}).get("executor", "default") == "default"
+        if self.worker.status == Status.running:
+            self.worker.handle_stimulus(
+                UnpauseEvent(stimulus_id=f"dask-rmm-admission-{time.time()}")
+            )
 
+    # -- reading ---------------------------------------------------------------------------------
 
-def _task_error(result: Any) -> BaseException | None:
-    """The exception of a task's failed result (distributed's ``_run_task`` result), or None."""
-    if isinstance(result, dict) and result.get("op") == "task-erred":
-        error = result.get("actual_exception")
-        return error if isinstance(error, BaseException) else None
-    return None
-
-
-def install_admission(worker: Worker, pressure: WorkerPressure) -> AdmissionThreadPoolExecutor:
-    """Put an :class:`AdmissionThreadPoolExecutor` in front of ``worker``'s default executor
-    (one left by an earlier setup is taken off first); tasks are admitted under the sum of the
-    devices' limits (``device_memory_limit``, else the capacity) beside the bytes in use."""
-    remove_admission(worker)
-    devices = list(pressure.devices.values())
-
-    def limit() -> int:
-        return sum(dp.admission_limit() for dp in devices)
-
-    def held() -> int:
-        return sum(dp.current_bytes() for dp in devices)
-
-    def seceded(key: Hashable) -> bool:
-        # A task that called secede() (to wait for other tasks, worker_client) must not hold
-        # them back: it no longer counts as running.
-        ts = worker.state.tasks.get(key)  # type: ignore[call-overload]
-        return ts is not None and ts.state == "long-running"
-
-    gate = AdmissionGate(limit, held, accounts=pressure.task_accounts, ignore=seceded)
-    executor = AdmissionThreadPoolExecutor(worker.executors["default"], worker, gate, pressure)
-    worker.executors["default"] = executor
-    # Memory freed without a task finishing (outputs released or spilled), a task seceding:
-    # waiting tasks are looked at again every so often, not only when a task finishes.
-    add_periodic(worker, PUMP_KEY, gate.pump, PUMP_INTERVAL)
-    return executor
+    def metrics(self, top_n: int = 10) -> dict[str, Any]:
+        """The heartbeat's admission fields."""
+        now = time.monotonic()
+        waits = [now - t for t in self._since.values()]
+        return {
+            "admission_held_tasks": len(waits),
+            "admission_total_held": self.total_held + sum(w > _HELD for w in waits),
+            "admission_wait_seconds": self.wait_seconds + sum(waits),
+            "admission_longest_wait_seconds": max([self.longest_wait, *waits]),
+            "admission_expected_peaks": [
+                list(p) for p in self.peaks.top(top_n) if p[1] > NO_MEMORY
+            ],
+        }
 
 
-def admission_of(worker: Worker) -> AdmissionThreadPoolExecutor | None:
-    """The admission executor installed on ``worker``, or None."""
-    executor = getattr(worker, "executors", {}).get("default")
-    return executor if isinstance(executor, AdmissionThreadPoolExecutor) else None
+def _device_out_of_memory(ts: Any) -> int | None:
+    """The bytes asked for (0: unknown) if task ``ts`` failed with a device out-of-memory
+    error, else None: told from its exception as distributed keeps it (pickled), else (a type
+    that did not pickle) from the text of its repr."""
+    from distributed.protocol.pickle import loads
 
-
-def remove_admission(worker: Worker) -> None:
-    """Take the admission executor off ``worker`` (if it has one): waiting tasks start now (a
-    worker that is closing drops them instead), the pool is the default executor again."""
-    executor = worker.executors.get("default")
-    if not isinstance(executor, AdmissionThreadPoolExecutor):
-        return
-    worker.executors["default"] = executor.inner
-    remove_periodic(worker, PUMP_KEY)
-    if worker.status.name in ("closing", "closed", "failed"):
-        for outer in executor.gate.drop_waiting():
-            outer.cancel()
+    try:
+        error = loads(ts.exception.data)
+    except Exception:
+        error = None
+    text = str(ts.exception_text)
+    if isinstance(error, BaseException) and type(error) is not Exception:
+        device = is_device_out_of_memory(error)
     else:
-        executor.gate.close()
+        device = text.startswith("OutOfMemoryError(") or (
+            text.startswith("MemoryError(") and "out_of_memory" in text
+        )
+    return (
+        requested_bytes(error if isinstance(error, BaseException) else Exception(text))
+        if device
+        else None
+    )
+
+
+async def install_admission(worker: Worker, pressure: WorkerPressure) -> WorkerAdmission:
+    """Admission on ``worker`` under its devices' summed limits: the worker supplies its budget
+    as a resource, the scheduler gets the plugin that sets tasks' amounts."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm.scheduler.admission import AdmissionScheduler
+
+    old = installed.get(worker)
+    remove_admission(worker, tell=False)
+    admission = installed[worker] = WorkerAdmission(worker, pressure)
+    if old is not None:  # a re-registration keeps what was learned
+        admission.peaks = old.peaks
+    await worker.scheduler.register_scheduler_plugin(
+        plugin=dumps(AdmissionScheduler()), name=AdmissionScheduler.name, idempotent=True
+    )
+    await worker.set_resources(**{RESOURCE: admission.limit})
+    admission._report(force=True)
+    add_periodic(worker, TICK_KEY, admission.tick, TICK)
+    admission._poke()
+    return admission
+
+
+def remove_admission(worker: Worker, *, tell: bool = True) -> None:
+    """Take admission off ``worker``: it supplies an unlimited budget (waiting tasks start),
+    and the scheduler stops giving tasks amounts for it."""
+    admission = installed.pop(worker, None)
+    if admission is None:
+        return
+    remove_periodic(worker, TICK_KEY)
+    state = worker.state
+    if RESOURCE in state.total_resources:  # at once, as Worker.set_resources does
+        state.available_resources[RESOURCE] += UNLIMITED - state.total_resources[RESOURCE]
+        state.total_resources[RESOURCE] = UNLIMITED
+    if not tell or worker.status.name in ("closing", "closed", "failed"):
+        return
+    worker.log_event(TOPIC, {"limit": None})
+
+    async def tell_scheduler() -> None:
+        if worker not in installed:
+            await worker.set_resources(**{RESOURCE: UNLIMITED})
+
+    worker.loop.add_callback(tell_scheduler)
+    admission._poke()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dask_rmm import wire
 from dask_rmm.allocators import caches
 from dask_rmm.mr.statistics_adaptor import Statistics
+from dask_rmm.pressure.admission import admission_of
 from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
 
 if TYPE_CHECKING:
@@ -115,19 +116,8 @@ async def scheduler_reads_version(worker: Worker) -> int:
 def admission_fields(worker: Worker, top_n: int) -> dict[str, Any]:
     """The heartbeat's memory-admission fields of ``worker`` (none without admission): tasks
     held back now and since setup, their waits, and the ``top_n`` largest expected peaks."""
-    # The admission executor (dask_rmm.worker.admission, which imports this module) says it is
-    # one by having admission_metrics().
-    report = getattr(worker.executors.get("default"), "admission_metrics", None)
-    if report is None:
-        return {}
-    m = report()
-    return {
-        "admission_held_tasks": m.held_tasks,
-        "admission_total_held": m.total_held,
-        "admission_wait_seconds": m.wait_seconds,
-        "admission_longest_wait_seconds": m.longest_wait_seconds,
-        "admission_expected_peaks": [list(p) for p in m.expected_peaks[:top_n]],
-    }
+    admission = admission_of(worker)
+    return {} if admission is None else admission.metrics(top_n)
 
 
 class WorkerMetrics:

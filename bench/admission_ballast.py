@@ -1,0 +1,93 @@
+"""Make the device itself short: a separate process holds all of the device's free memory but
+``--free-gib`` GiB, until it is stopped (or its parent exits), so that workloads are sized to
+what is left and "out of memory" means the device, not a configured threshold.
+
+    python bench/admission_ballast.py --free-gib 24        # holds until Ctrl-C
+    python bench/admission_ballast.py --free-gib 24 --dry-run
+
+From a bench script: ``with ballast(24): ...`` (prints what it took and what is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+GiB = 1 << 30
+
+
+def hold(free_gib: float) -> None:
+    """In this process: take all but ``free_gib`` GiB of device 0, print ``ready <taken>``, wait
+    until stdin closes (the parent went away) or a signal."""
+    from dask_rmm import _cuda
+
+    free, _total = _cuda.mem_get_info()
+    take = max(int(free - free_gib * GiB), 0)
+    ptr = _cuda.malloc(take) if take else 0
+    print(f"ready {take}", flush=True)
+    try:
+        sys.stdin.read()  # returns when the parent closes the pipe
+    except KeyboardInterrupt:
+        pass
+    if ptr:
+        _cuda.free(ptr)
+
+
+@contextlib.contextmanager
+def ballast(free_gib: float | None, *, dry_run: bool = False) -> Iterator[int]:
+    """Run :func:`hold` in a child process for the ``with`` block; yields the bytes it took
+    (0 with ``free_gib`` None or ``dry_run``: nothing is taken)."""
+    if free_gib is None or dry_run:
+        yield 0
+        return
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--free-gib", str(free_gib), "--child"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdin is not None
+    line = child.stdout.readline().split()
+    if not line or line[0] != "ready":
+        child.kill()
+        raise RuntimeError(f"the ballast process did not start (it said {line!r})")
+    taken = int(line[1])
+    print(f"ballast: holding {taken / GiB:.1f} GiB, {free_gib} GiB left free", file=sys.stderr)
+    try:
+        yield taken
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--free-gib", type=float, required=True, help="GiB of the device left free")
+    p.add_argument("--dry-run", action="store_true", help="parse, take nothing, exit")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.dry_run:
+        print(f"would leave {args.free_gib} GiB of device 0 free")
+        return
+    if args.child:
+        hold(args.free_gib)
+        return
+    with ballast(args.free_gib):
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
