@@ -1,10 +1,6 @@
-"""The one module that imports ``cuda.bindings``: checked wrappers over the CUDA runtime.
-
-Every call takes and returns plain Python ints (pointers, stream/event/pool handles) or raises
-:class:`CUDAError`; no ``(err, value)`` tuple leaves this module. Importing it never touches the
-driver, and cuda-python itself is imported on first use. On a host without a usable driver or
-device every call raises :class:`CUDAUnavailableError`. Memory-resource policy (ownership,
-out-of-memory errors, device binding) lives in ``dask_rmm.mr``, not here.
+"""The one module that imports ``cuda.bindings`` (on first use): checked CUDA runtime calls
+taking and returning ints or raising :class:`CUDAError` (:class:`CUDAUnavailableError` without a
+usable GPU). Not here: memory-resource policy (``dask_rmm.mr``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""dask-rmm's debug logger with RMM's controls (``set_logging_level``, ``flush_on``,
-``should_log``...), built on Python's :mod:`logging`. The allocation event log (CSV) is
-:class:`~dask_rmm.mr.LoggingResourceAdaptor`'s job, not this module's.
-
-Messages go to stderr, or to the file named by ``RMM_DEBUG_LOG_FILE`` when it is set, in RMM's
-layout ``[thread][HH:MM:SS:micros][level ] message``. :func:`get_logger` returns the underlying
-:class:`logging.Logger` for adding handlers.
+"""dask-rmm's debug logger with RMM's controls (``set_logging_level``, ``flush_on``, ...) on
+:mod:`logging`: to stderr or ``RMM_DEBUG_LOG_FILE``, in RMM's layout. Not here: the allocation
+log (:class:`~dask_rmm.mr.LoggingResourceAdaptor`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""PyTorch allocators (docs/pytorch.md).
-
-The cache path (``set_torch_allocator()``, the default): PyTorch keeps its own caching
-allocator (:class:`TorchCache`), whose cap (``set_per_process_memory_fraction``) is the room the
-worker's pool leaves (:mod:`dask_rmm.mr.budget`); its bytes are reported beside the stack.
-
-The exact path (``set_torch_allocator(cache=False)``): ``rmm_torch_allocator``, a
-``CUDAPluggableAllocator`` whose alloc and free functions are ctypes callbacks into Python that
-allocate from the current device resource. They never raise into C: a failed allocation is
-retried once after a garbage collection, then returns NULL and makes the allocating Python call
-raise ``TorchAllocationError`` (a ``torch.OutOfMemoryError`` and a ``MemoryError``);
-:func:`last_allocation_error` keeps the original. ``rmm_torch_allocator`` is None without a
-CUDA-enabled torch, as RMM's.
-
->>> import torch  # doctest: +SKIP
->>> from dask_rmm.allocators.torch import rmm_torch_allocator  # doctest: +SKIP
->>> torch.cuda.memory.change_current_allocator(rmm_torch_allocator)  # doctest: +SKIP
+"""PyTorch allocators (docs/pytorch.md): its own caching allocator capped to the room the
+worker's pool leaves (:class:`TorchCache`, the default), or ``rmm_torch_allocator``, a
+``CUDAPluggableAllocator`` whose ctypes callbacks allocate every tensor from the current device
+resource (the exact path; None without a CUDA-enabled torch, as RMM's). The callbacks never
+raise into C: a failed allocation is retried once after a garbage collection, then returns NULL
+and makes the allocating Python call raise ``TorchAllocationError`` (a ``torch.OutOfMemoryError``
+and a ``MemoryError``; :func:`last_allocation_error` keeps the original).
 """
 
 from __future__ import annotations

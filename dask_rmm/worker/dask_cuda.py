@@ -1,11 +1,7 @@
-"""dask-cuda's RMM settings on a worker (``dask cuda worker --rmm-pool-size ...``,
-``LocalCUDACluster(rmm_pool_size=...)``), read as dask-rmm options and switched off before they
-build compiled RMM's pool. Not here: the flags and the worker's setup (:mod:`dask_rmm.preload`).
-
-dask-cuda hands every worker a ``dask_cuda.plugins.RMMSetup`` plugin holding the ``rmm_*``
-values as typed. distributed sets a worker's preloads up before the plugins it was started with,
-so ``dask_rmm.preload`` finds that plugin still waiting, takes its values, and clears them: its
-``setup`` then leaves compiled RMM alone, and no second pool is made on the GPU.
+"""dask-cuda's RMM settings on a worker (``dask cuda worker --rmm-pool-size ...``), taken by
+``dask_rmm.preload`` from the ``RMMSetup`` plugin still waiting (distributed sets preloads up
+first) as dask-rmm options, and switched off so that no second pool is made. Not here: the
+flags and the worker's setup (:mod:`dask_rmm.preload`).
 """
 
 from __future__ import annotations
