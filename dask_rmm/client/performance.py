@@ -7,8 +7,7 @@ Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.client.sa
 from __future__ import annotations
 
 import html
-import json
-import re
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +19,7 @@ from dask_rmm.plotting.svg import timeline_svg
 from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
 from dask_rmm.sizes import format_bytes
 
-__all__ = ["SECTION_ID", "gpu_section_html", "insert_section", "performance_report"]
+__all__ = ["SECTION_ID", "gpu_section_html", "performance_report"]
 
 #: The ``id`` of the GPU memory section's element in the report file.
 SECTION_ID = "dask-rmm-gpu-memory"
@@ -80,6 +79,7 @@ class performance_report(distributed.performance_report):
     ):
         # One frame more than distributed's: its __exit__/__aexit__ run under ours.
         super().__init__(filename, max(stacklevel, 1) + 1, mode, storage_options)
+        self._level = max(stacklevel, 1)
         self.interval = interval
         self.sampler = GPUMemorySampler()
         self._sampling: Any = None
@@ -136,28 +136,22 @@ class performance_report(distributed.performance_report):
         if not self._sync:
             from distributed import get_client
 
+            frame = inspect.currentframe()  # `async with`: the caller's code, as distributed's
+            for _ in range(self._level):
+                frame = frame.f_back if frame is not None else None
+            try:
+                code = inspect.getsource(frame) if frame is not None else None
+            except (OSError, TypeError):
+                code = None
             await self._sampling.__aexit__(exc_type, exc_value, traceback)
             self.block_peaks = await _close_windows(get_client(), self._window)
             self._end = await _fetch(get_client())
-        await super().__aexit__(exc_type, exc_value, traceback, code=code)
-        self._add_section()
-
-    def _add_section(self) -> None:
-        import fsspec
-
         samples = self.sampler.samples[self.LABEL]
         section = gpu_section_html(samples, self._begin, self._end, self.block_peaks)
-        with fsspec.open(self.filename, "r", compression="infer", **self.storage_options) as f:
-            page = f.read()
-        page = insert_section(page, section)
-        if "://" in str(self.filename):
-            with fsspec.open(self.filename, "w", compression="infer", **self.storage_options) as f:
-                f.write(page)
-        else:  # a local file: complete or the old one, never half written
-            from dask_rmm._output import atomic_output
-
-            with atomic_output(str(self.filename)) as tmp, open(tmp, "w") as f:
-                f.write(page)
+        # distributed's one door into the page: the Summary tab's HTML holds ``code`` as is, in
+        # a <pre>; the section follows it there.
+        code = html.escape(code or "<Code not available>") + f"</pre>{section}<pre>"
+        await super().__aexit__(exc_type, exc_value, traceback, code=code)
 
 
 async def _open_windows(client: Any, window: str) -> None:
@@ -187,60 +181,6 @@ async def _fetch(client: Any) -> ClusterMemoryReport:
 
 
 # -- the section --------------------------------------------------------------------------------
-
-
-def insert_section(page: str, section: str) -> str:
-    """``page`` (distributed's report) with ``section`` in its Summary tab, before "Calling
-    Code"; a page without that tab gets it right after ``<body>``. A section of ours already
-    there is replaced.
-
-    The Summary tab is a bokeh ``Div`` in the document JSON that the page embeds (escaped as
-    bokeh escapes it: ``&``, ``<`` and ``>``); bokeh renders its text as HTML when the page opens.
-    """
-    drop = re.compile(rf'<section id="{SECTION_ID}".*?</section><!-- /{SECTION_ID} -->', re.S)
-    for m in re.finditer(r'(<script type="application/json"[^>]*>)(.*?)(</script>)', page, re.S):
-        try:
-            docs = json.loads(html.unescape(m.group(2)))
-        except ValueError:
-            continue
-        div = _summary_div(docs)
-        if div is None:
-            continue
-        text = drop.sub("", div["attributes"]["text"])
-        at = text.find("<h2> Calling Code")
-        div["attributes"]["text"] = text[:at] + section + text[at:] if at >= 0 else text + section
-        embedded = html.escape(json.dumps(docs), quote=False)
-        return page[: m.start(2)] + embedded + page[m.end(2) :]
-    page = drop.sub("", page)
-    body = re.search(r"<body[^>]*>", page, flags=re.I)
-    if body is None:
-        return section + page
-    return page[: body.end()] + section + page[body.end() :]
-
-
-def _summary_div(node: Any) -> dict | None:
-    """The ``Div`` model of the report's "Summary" tab in bokeh's document JSON, or None."""
-    if isinstance(node, dict):
-        attributes = node.get("attributes")
-        if node.get("name") == "TabPanel" and isinstance(attributes, dict):
-            child = attributes.get("child")
-            if (
-                attributes.get("title") == "Summary"
-                and isinstance(child, dict)
-                and child.get("name") == "Div"
-                and isinstance(child.get("attributes", {}).get("text"), str)
-            ):
-                return child
-        nodes: Any = node.values()
-    elif isinstance(node, list):
-        nodes = node
-    else:
-        return None
-    for value in nodes:
-        found = _summary_div(value)
-        if found is not None:
-            return found
-    return None
 
 
 def gpu_section_html(
@@ -283,7 +223,7 @@ def gpu_section_html(
     )
     parts += _oom_events(samples, end)
     parts += _spills(begin, end)
-    parts.append(f"</section><!-- /{SECTION_ID} -->")
+    parts.append("</section>")
     return "".join(parts)
 
 
