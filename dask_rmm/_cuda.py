@@ -462,16 +462,9 @@ def device_get_default_managed_mem_pool(device: int | None = None) -> int:
     """
     rt = _rt()
     require_cuda("cudaMemGetDefaultMemPool")
-    device = get_device() if device is None else _check_device(device)
-    loc = rt.cudaMemLocation()
-    loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
-    loc.id = device
-    return int(
-        check(
-            rt.cudaMemGetDefaultMemPool(loc, rt.cudaMemAllocationType.cudaMemAllocationTypeManaged),
-            "cudaMemGetDefaultMemPool(managed)",
-        )
-    )
+    loc = _location(get_device() if device is None else _check_device(device))
+    managed = rt.cudaMemAllocationType.cudaMemAllocationTypeManaged
+    return int(check(rt.cudaMemGetDefaultMemPool(loc, managed), "cudaMemGetDefaultMemPool"))
 
 
 def device_get_default_mem_pool(device: int | None = None) -> int:

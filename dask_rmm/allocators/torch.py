@@ -352,14 +352,10 @@ class _TorchDeviceBudget:
 
 
 class TorchCache:
-    """PyTorch's own caching allocator as a library cache beside dask-rmm's stack.
-
-    Not a hook: PyTorch allocates exactly as it does without dask-rmm. This object reads what it
-    holds (``memory_allocated``/``memory_reserved``), makes it give free segments back
-    (``empty_cache``) and caps it (``set_per_process_memory_fraction``) to the room the
-    worker's pool leaves (:meth:`budget`). ``outside_stack``: its bytes are not in the stack's
-    statistics; the report shows them as PyTorch's, beside the stack.
-    """
+    """PyTorch's own caching allocator, unchanged, as a library cache beside dask-rmm's stack
+    (``outside_stack``): read (``memory_allocated``/``memory_reserved``), emptied
+    (``empty_cache``) and capped (``set_per_process_memory_fraction``) to the room the worker's
+    pool leaves (:meth:`budget`)."""
 
     name = "torch"
     outside_stack = True
@@ -368,7 +364,6 @@ class TorchCache:
         self.torch = _torch_cuda()
         self._budgets: dict[int, _TorchDeviceBudget] = {}
         self._totals: dict[int, int] = {}
-        self._lock = threading.Lock()
 
     def _initialized(self) -> bool:
         return bool(self.torch.cuda.is_initialized())
@@ -423,11 +418,8 @@ class TorchCache:
 
     def budget(self, device: int) -> _TorchDeviceBudget:
         """This cache on ``device`` as a pool's budget sharer (one object per device)."""
-        with self._lock:
-            budget = self._budgets.get(device)
-            if budget is None:
-                budget = self._budgets[device] = _TorchDeviceBudget(self, device)
-            return budget
+        budgets = self._budgets  # setdefault: one object per device, under the GIL
+        return budgets.get(device) or budgets.setdefault(device, _TorchDeviceBudget(self, device))
 
     def make_room(self, device: int, nbytes: int) -> int:
         """After PyTorch ran out of memory at its cap on ``device``: give the pool's fully free
