@@ -8,9 +8,10 @@ import asyncio
 import functools
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm import wire
@@ -48,6 +49,11 @@ class _DeviceSamples:
     samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     last_reserved: tuple[float, int] = (-1e9, 0)  # (monotonic time, reserved bytes)
     previous_batch: list = field(default_factory=list)
+
+
+#: Per worker: the devices' samples a removed :class:`WorkerMetrics` had not sent, which the
+#: next one installed there sends (a registration between two heartbeats loses no peak).
+_unsent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def retired_bytes(retired: Iterable[DeviceStack], device: int) -> int:
@@ -150,11 +156,21 @@ class WorkerMetrics:
         ``sampling`` and a positive ``sample_interval`` (seconds), start the sampler."""
         from dask_rmm.worker.stacks import worker_stack
 
+        installed = getattr(worker.metrics.get(METRICS_KEY), "__self__", None)
+        if isinstance(installed, WorkerMetrics):  # this one again, or a displaced plugin's
+            installed.remove(worker)
         self._previous_rmm_metric = worker.metrics.get("rmm")
         owner = worker_stack(worker)
         self._retired = lambda: owner.retired
         self._top_n = top_n
-        self._devices = [_DeviceSamples(stack) for stack in stacks]
+        # Samples the heartbeat has not sent yet go on (with the peaks in them).
+        unsent = _unsent.pop(worker, {})
+        self._devices = [
+            replace(unsent[s.device], stack=s, last_reserved=(-1e9, 0))
+            if s.device in unsent
+            else _DeviceSamples(s)
+            for s in stacks
+        ]
         # A new dict, never a change in place: a heartbeat suspended in Worker.get_metrics
         # (at an awaitable metric) is iterating the old one, and a dict that changes size under
         # it raises RuntimeError, which closes the worker.
@@ -172,6 +188,8 @@ class WorkerMetrics:
         sampler, self._sampler = self._sampler, None
         if sampler is not None:  # without one, the worker's SAMPLER_KEY is another's
             remove_periodic(worker, SAMPLER_KEY, sampler)
+        if self._devices:  # for the next install on this worker
+            _unsent[worker] = {d.stack.device: d for d in self._devices}
         metrics = dict(worker.metrics)  # a new dict, as in install
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]

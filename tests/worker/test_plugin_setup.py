@@ -421,3 +421,52 @@ def test_a_worker_killed_during_register_plugin_never_gives_a_comm_error():
             60,
             "every worker running the registered setup",
         )
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_peak_sampled_just_before_a_registration_reaches_the_report(c, s, a):
+    """Peaks were lost after concurrent registrations: a teardown dropped the samples the
+    heartbeat had not sent yet (the peak among them), a plugin put back published again over its
+    own, and one displaced by a later registration kept sampling, unsent. Here the teardown comes
+    between the sample of a peak and the next heartbeat."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm import DeviceBuffer, cluster_report
+
+    await c.register_plugin(RMMPlugin(base_resource="system"))
+    await a.heartbeat()
+    first = a.plugins["dask-rmm"]
+    DeviceBuffer(size=4 * MiB)  # allocated and freed: only a sample has this peak
+    first.worker_metrics.sample()
+    later = RMMPlugin(base_resource="system", pool_size="8MiB")  # a new stack, a new peak count
+    s.worker_plugins["dask-rmm"] = dumps(later)  # what the scheduler holds
+    await a.plugin_add(plugin=dumps(later), name="dask-rmm")  # tears `first` down at once
+    await a.heartbeat()
+    report = await cluster_report(c)
+    assert report.device(a.address).peak_bytes == report.totals.peak_bytes == 4 * MiB
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_plugin_displaced_by_a_concurrent_registration_stops_sampling(c, s, a, b):
+    """Put back by a superseded registration, the previous plugin published its metrics again;
+    the registration that won then displaced it without a teardown: its sampler ran on, its
+    samples never sent."""
+    from distributed.protocol.pickle import dumps
+
+    from dask_rmm.worker.metrics import METRICS_KEY, WorkerMetrics
+
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="6MiB"))
+    first, last = (RMMPlugin(base_resource="system", pool_size=f"{n}MiB") for n in (8, 12))
+    s.worker_plugins["dask-rmm"] = dumps(last)  # what the scheduler holds
+
+    async def deliver(worker, order):
+        tasks = []
+        for plugin in order:
+            message = dict(plugin=dumps(plugin), name="dask-rmm")
+            tasks.append(asyncio.ensure_future(worker.plugin_add(**message)))
+            await asyncio.sleep(0)  # the first message is handled (up to its vote) first
+        await asyncio.gather(*tasks)
+
+    await asyncio.gather(deliver(a, [last, first]), deliver(b, [first, last]))
+    sampling = {m for m in gc.get_objects() if isinstance(m, WorkerMetrics) and m._sampler}
+    assert sampling == {w.metrics[METRICS_KEY].__self__ for w in (a, b)}

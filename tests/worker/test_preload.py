@@ -606,3 +606,28 @@ def test_h_is_help_also_after_a_context_made_as_distributed_makes_it():
     assert "-h" in dask_setup.get_help_option(click.Context(dask_setup)).opts
     result = CliRunner().invoke(dask_setup, ["-h"])
     assert result.exit_code == 0 and "--rmm-pool-size" in result.output, result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nanny", [False, True], ids=["no-nanny", "nanny"])
+def test_a_preloaded_worker_exits_on_sigterm_after_tearing_dask_rmm_down(scheduler, nanny):
+    """dask-rmm's teardown waits on nothing (the scheduler least): SIGTERM ends the worker, its
+    plugin removed, without the nanny having to kill it."""
+    import signal
+
+    from distributed import Client
+
+    worker = _start_worker(scheduler, "--rmm-base-resource", BASE, name="sigterm", nanny=nanny)
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            assert list(
+                client.run(lambda dask_worker: "dask-rmm" in dask_worker.plugins).values()
+            ) == [True]
+        worker.send_signal(signal.SIGTERM)
+        out = worker.communicate(timeout=60)[0]  # a guard: it exits in about a second
+    finally:
+        if worker.poll() is None:  # pragma: no cover
+            worker.kill()
+    assert worker.returncode == 0, out
+    assert "Removing Worker plugin dask-rmm" in out and "killing" not in out, out
