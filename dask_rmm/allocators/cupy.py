@@ -17,17 +17,15 @@ import gc
 import logging
 import sys
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask_rmm.allocators import caches
 from dask_rmm.device_buffer import DeviceBuffer
+from dask_rmm.mr.registry import get_per_device_resource as _get_per_device_resource
+from dask_rmm.mr.registry import lookup_per_device_resource as _lookup_resource
 from dask_rmm.stream import PER_THREAD_HANDLE as _LAST_DEFAULT_HANDLE
 from dask_rmm.stream import cached_stream as _stream_for
 from dask_rmm.stream import handle_streams as _streams
-
-if TYPE_CHECKING:
-    from dask_rmm.mr.base import DeviceMemoryResource
 
 __all__ = [
     "CupyPoolCache",
@@ -48,26 +46,6 @@ except ImportError as _e:  # cupy is optional
     _library_import_error: ImportError | None = _e
 else:
     _library_import_error = None
-
-
-def _per_device_resource(device_id: int) -> DeviceMemoryResource:
-    # Imported on first use: the registry may import CUDA-touching modules. Afterwards the
-    # hot path reads the registry with one C call (its dict's get) and calls the registry's
-    # function only for a device with nothing set yet.
-    global _get_per_device_resource, _lookup_resource
-    from dask_rmm.mr.registry import get_per_device_resource, lookup_per_device_resource
-
-    _get_per_device_resource = get_per_device_resource
-    _lookup_resource = lookup_per_device_resource
-    return get_per_device_resource(device_id)
-
-
-def _unbound_lookup(device_id: int) -> DeviceMemoryResource | None:
-    return None  # until the registry is bound: the caller then calls _get_per_device_resource
-
-
-_get_per_device_resource: Callable[[int], DeviceMemoryResource] = _per_device_resource
-_lookup_resource: Callable[[int], DeviceMemoryResource | None] = _unbound_lookup
 
 
 def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:

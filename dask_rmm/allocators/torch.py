@@ -19,6 +19,7 @@ import threading
 from types import FrameType
 from typing import Any
 
+from dask_rmm.mr.registry import get_per_device_resource as _get_per_device_resource
 from dask_rmm.stream import Stream
 from dask_rmm.stream import cached_stream as _stream_for
 from dask_rmm.stream import handle_streams as _streams
@@ -48,18 +49,6 @@ _errors = threading.local()
 # Idents of the threads with a failure pending (armed); empty on every normal allocation, so the
 # callbacks' fast path reads one module global instead of thread-local state.
 _armed_threads: set[int] = set()
-
-
-def _per_device_resource(device: int):
-    # Imported on first use, like the CuPy hook: the registry may import CUDA-touching modules.
-    global _get_per_device_resource
-    from dask_rmm.mr.registry import get_per_device_resource
-
-    _get_per_device_resource = get_per_device_resource
-    return get_per_device_resource(device)
-
-
-_get_per_device_resource = _per_device_resource
 
 
 def allocate(size: int, device: int, stream: int | None) -> int | None:
