@@ -259,8 +259,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         stacks: list = []
         try:
             validate_config()
-            # a library the worker lacks fails here, before any stack is built or installed
-            allocators.check_allocators(self.options.allocators)
             for device in self.options.devices or [_current_device()]:
                 stacks.append(
                     build_stack(
@@ -271,6 +269,9 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
                         owner_name=task_prefix,
                     )
                 )
+            # a library the worker lacks fails here, before any stack is installed (after a
+            # missing GPU: installing torch would not help there)
+            allocators.check_allocators(self.options.allocators)
             from dask_rmm.pressure.worker import wrap_stacks
 
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)

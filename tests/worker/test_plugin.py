@@ -513,6 +513,10 @@ async def test_cuda_on_a_host_without_gpu_is_a_clear_error(c, s, a):
     # the hint names what the user typed, not another API
     assert 'give RMMPlugin(base_resource="system")' in str(info.value)
     assert "SystemMemoryResource()" not in str(info.value)
+    # allocators for a library: the missing GPU is the news, not how to install the library
+    with pytest.raises(RMMSetupError, match="needs a CUDA device") as info:
+        await c.register_plugin(RMMPlugin(allocators=["torch"]))
+    assert "install torch" not in str(info.value)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -44,3 +44,12 @@ async def test_release_unused_takes_one_address_as_one_worker(c, s, a, b):
     assert len(released[a.address]) == 1
     both = await dask_rmm.release_unused(c, 0, workers=(a.address, b.address))
     assert sorted(both) == sorted([a.address, b.address])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_release_unused_at_an_address_that_is_no_worker_says_so(c, s, a):
+    """It waited 30 s for a port where no worker listens; the scheduler's: a raw TypeError."""
+    await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
+    for address in ("tcp://127.0.0.1:9", s.address):
+        with pytest.raises(ValueError, match=rf"{address} is not a worker of the scheduler"):
+            await dask_rmm.release_unused(c, workers=[a.address, address])
