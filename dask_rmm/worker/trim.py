@@ -90,13 +90,14 @@ def release_unused(
 
     async def run() -> dict[str, list[TrimResult]]:
         if workers is not None:  # client.run waits 30 s for a non-worker, or raises TypeError
-            info = (await client.scheduler.identity())["workers"]
+            scheduler: Any = client.scheduler
+            info = (await scheduler.identity())["workers"]
             known = {*info, *(str(w.get("name")) for w in info.values())}
             unknown = [w for w in workers if w not in known and f"tcp://{w}" not in known]
             if unknown:
                 raise ValueError(
                     f"release_unused: {', '.join(unknown)} is not a worker of the scheduler at "
-                    f"{client.scheduler.address} (workers: {', '.join(sorted(info)) or 'none'})"
+                    f"{scheduler.address} (workers: {', '.join(sorted(info)) or 'none'})"
                 )
         raw = await client.run(
             trim_worker, size=size, library_caches=library_caches, workers=workers
