@@ -681,7 +681,7 @@ def test_gpu_a_second_stream_is_passed_through(real_rmm, gpu_stack):
     stream.synchronize()
     del buf
     assert top.streams == [("allocate", handle), ("deallocate", handle)]
-    assert rmm_interop._streams[handle]._owned is False  # wrapped, never destroyed by us
+    assert rmm_interop.handle_streams[handle]._owned is False  # wrapped, never destroyed by us
     stream.synchronize()  # still a valid stream
     assert stats.allocation_counts.current_bytes == 0
 

@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -182,14 +183,19 @@ def test_merge_into_a_fifo_writes_through_it_and_keeps_it(runner, two_logs, tmp_
     a, _, _, _ = two_logs
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
-    try:
-        result = runner.invoke(cli.main, ["log", "merge", str(a), "-o", str(fifo)])
-        assert result.exit_code == 0, result.output
-        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
-        out = reader.communicate(timeout=60)[0].decode()
-    finally:
-        reader.kill()
+    # The reader writes to an unnamed file, not a pipe: a pipe nobody reads until the merge ends
+    # fills at 64 KiB and blocks the reader, then the merge (seen with the GPU's longer handles).
+    with tempfile.TemporaryFile() as sink:
+        reader = subprocess.Popen(["cat", str(fifo)], stdout=sink)
+        try:
+            result = runner.invoke(cli.main, ["log", "merge", str(a), "-o", str(fifo)])
+            assert result.exit_code == 0, result.output
+            assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+            reader.wait(timeout=60)
+        finally:
+            reader.kill()
+        sink.seek(0)
+        out = sink.read().decode()
     assert out.startswith("Thread,Time,Action,Pointer,Size,Stream,Worker\n")
     assert out.count("\n") == 2001
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "worker-0.csv", "worker-1.csv"]
