@@ -19,6 +19,7 @@ __all__ = [
     "ANNOTATION",
     "NO_MEMORY",
     "RESOURCE",
+    "UNLIMITED",
     "PeakTable",
     "admission_of",
     "annotated_peak",
@@ -28,6 +29,8 @@ __all__ = [
 #: The worker resource admission holds: bytes of device memory. A worker supplies its limit
 #: (``device_memory_limit``, else the pool's maximum, else the device's memory).
 RESOURCE = "dask-rmm-device-bytes"
+#: What a worker supplies once admission is off there: more than any task asks for.
+UNLIMITED = 1 << 50
 #: The task annotation giving a task's expected peak: ``dask.annotate(gpu_memory="2GiB")``.
 ANNOTATION = "gpu_memory"
 #: An expected peak at most this many bytes needs no device memory: never held back.

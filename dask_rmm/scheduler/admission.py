@@ -16,6 +16,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from dask_rmm.pressure.admission import (
     NO_MEMORY,
     RESOURCE,
+    UNLIMITED,
     PeakTable,
     annotated_peak,
     task_prefix,
@@ -39,7 +40,6 @@ class AdmissionScheduler(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.peaks = PeakTable(history=1)  # the expected peak workers last sent, per prefix
-        self.limits: dict[str, int] = {}  # worker address -> its budget
         self.held: dict[str, int] = {}  # worker address -> bytes held beside running tasks
         self._on: dict[Hashable, tuple[str, int]] = {}  # processing: key -> (worker, amount)
         self._used: dict[str, int] = {}  # worker -> amounts of the tasks processing there
@@ -65,20 +65,22 @@ class AdmissionScheduler(SchedulerPlugin):
             self.peaks.observe(prefix, nbytes)
         if "limit" not in msg or worker is None:
             return
+        new = worker not in self.held
         if msg["limit"] is None:  # admission off on that worker
-            self.limits.pop(worker, None)
             self.held.pop(worker, None)
-            if not self.limits:
-                self._apply_to_waiting()
-            return
-        new = worker not in self.limits
-        self.limits[worker] = int(msg["limit"])
-        self.held[worker] = int(msg.get("held") or 0)
-        if new:  # tasks submitted before this worker had admission are guarded from now on
+        else:
+            self.held[worker] = int(msg.get("held") or 0)
+        if new or msg["limit"] is None:  # guard (or free) the tasks waiting for their inputs
             self._apply_to_waiting()
 
+    @property
+    def limits(self) -> dict[str, int]:
+        """Worker address -> the budget it supplies (workers with admission on): distributed's
+        own record, set before a worker's setup returns."""
+        supplied = self.scheduler.resources.get(RESOURCE, {}) if self.scheduler else {}
+        return {a: int(v) for a, v in supplied.items() if v < UNLIMITED}
+
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        self.limits.pop(worker, None)
         self.held.pop(worker, None)
         self._used.pop(worker, None)
 
@@ -127,12 +129,13 @@ class AdmissionScheduler(SchedulerPlugin):
         """Give ``ts`` its expected peak as an amount of the resource (none when it needs no
         memory, nothing is known, or no worker has admission); at most the largest budget, so
         that a task needing more than any runs alone rather than never."""
-        need = self._expected(ts) if self.limits else None
+        limits = self.limits
+        need = self._expected(ts) if limits else None
         restrictions = dict(ts.resource_restrictions or {})
         if need is None or need <= NO_MEMORY:
             restrictions.pop(RESOURCE, None)
         else:
-            restrictions[RESOURCE] = min(need, max(self.limits.values()))
+            restrictions[RESOURCE] = min(need, max(limits.values()))
         ts.resource_restrictions = restrictions or None
 
     def _place(self, ts: TaskState) -> None:
@@ -142,16 +145,17 @@ class AdmissionScheduler(SchedulerPlugin):
         if not need or ts.worker_restrictions or ts.host_restrictions or ts.loose_restrictions:
             return
         running = {ws.address for ws in self.scheduler.running}
-        able = [a for a, limit in self.limits.items() if a in running and limit >= need]
-        fits = {a for a in able if self.free(a) >= need}
+        limits = self.limits
+        able = [a for a, limit in limits.items() if a in running and limit >= need]
+        fits = {a for a in able if self.free(a, limits) >= need}
         if fits and len(fits) < len(able):
             ts.worker_restrictions, ts.loose_restrictions = fits, True
             self._placing.add(ts.key)
 
-    def free(self, address: str) -> int:
+    def free(self, address: str, limits: dict[str, int] | None = None) -> int:
         """A worker's free budget: its limit less the bytes it holds beside running tasks and the
         amounts of the tasks processing there."""
-        limit = self.limits.get(address, 0)
+        limit = (limits if limits is not None else self.limits).get(address, 0)
         return limit - self.held.get(address, 0) - self._used.get(address, 0)
 
     def _apply_to_waiting(self) -> None:

@@ -24,6 +24,7 @@ from dask_rmm.allocators.arbitration import is_device_out_of_memory, make_room, 
 from dask_rmm.pressure.admission import (
     NO_MEMORY,
     RESOURCE,
+    UNLIMITED,
     PeakTable,
     admission_of,
     installed,
@@ -53,8 +54,6 @@ TOPIC = "dask-rmm-admission"
 #: Seconds the first waiting task waits while no task starts or finishes before it is admitted
 #: anyway (a running task blocked on another task without seceding must not stall the worker).
 STALL_SECONDS = 30.0
-#: What a worker supplies once admission is off: more than any task asks for.
-UNLIMITED = 1 << 50
 #: Seconds between two looks (stalls, peaks to send) and its key in ``periodic_callbacks``.
 TICK = 0.02
 TICK_KEY = "dask-rmm-admission"
@@ -75,7 +74,7 @@ class WorkerAdmission:
         self.limit = sum(dp.admission_limit() for dp in pressure.devices.values())
         self.peaks = PeakTable()
         self._held_sent: int | None = None
-        # key -> (bytes in use when it started, largest growth seen, running tasks then)
+        # running tasks: key -> [bytes in use when it started, its largest sampled growth]
         self._growth: dict[Hashable, list[int]] = {}
         self._since: dict[Hashable, float] = {}  # waiting tasks: since when
         self._progress = time.monotonic()
@@ -198,11 +197,14 @@ class WorkerAdmission:
         self._progress = time.monotonic()
         self._poke()
 
-    def _report(self, force: bool = False) -> None:
+    def _report(self) -> None:
+        """Tell the scheduler the limit and the bytes held, once the worker runs (a preload's
+        setup comes before its registration) and whenever the held bytes moved."""
+        if self.worker.status.name != "running":
+            return
         held = max(0, self._in_use() - sum(a[0] for a in self.pressure.task_accounts.values()))
         step = self.limit * _HELD_STEP
-        moved = self._held_sent is None or abs(held - self._held_sent) > step
-        if force or moved:
+        if self._held_sent is None or abs(held - self._held_sent) > step:
             self._held_sent = held
             self.worker.log_event(TOPIC, {"limit": self.limit, "held": held})
 
@@ -270,11 +272,18 @@ async def install_admission(worker: Worker, pressure: WorkerPressure) -> WorkerA
     admission = installed[worker] = WorkerAdmission(worker, pressure)
     if old is not None:  # a re-registration keeps what was learned
         admission.peaks = old.peaks
-    await worker.scheduler.register_scheduler_plugin(
-        plugin=dumps(AdmissionScheduler()), name=AdmissionScheduler.name, idempotent=True
-    )
-    await worker.set_resources(**{RESOURCE: admission.limit})
-    admission._report(force=True)
+    try:
+        await worker.scheduler.register_scheduler_plugin(
+            plugin=dumps(AdmissionScheduler()), name=AdmissionScheduler.name, idempotent=True
+        )
+    except Exception as e:  # the worker runs on; tasks get no amounts until a worker installs it
+        logger.warning("dask-rmm: memory admission's scheduler plugin not installed: %r", e)
+    if worker.status.name == "running":
+        await worker.set_resources(**{RESOURCE: admission.limit})
+    else:  # a preload, before the worker registers: its registration carries the resource
+        worker.state.total_resources[RESOURCE] = admission.limit
+        worker.state.available_resources[RESOURCE] = admission.limit
+    admission._report()
     add_periodic(worker, TICK_KEY, admission.tick, TICK)
     admission._poke()
     return admission

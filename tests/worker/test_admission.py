@@ -23,6 +23,7 @@ from dask_rmm import RMMPlugin
 from dask_rmm.pressure.admission import RESOURCE
 from dask_rmm.worker import admission as worker_admission
 from dask_rmm.worker.admission import admission_of
+from tests.worker.test_preload import scheduler  # noqa: F401 (the fixture)
 
 MiB = 1 << 20
 POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
@@ -381,3 +382,37 @@ def test_the_option_means_the_same_everywhere():
         assert RMMPlugin().options.memory_admission
     with pytest.raises(TypeError, match="memory_admission"):
         RMMOptions(memory_admission="sometimes")
+
+
+@pytest.mark.slow
+def test_a_preloaded_worker_supplies_its_budget_and_holds_tasks_back(scheduler):  # noqa: F811
+    """``dask worker --preload dask_rmm.preload --rmm-memory-admission``: set up before the
+    worker registers, it supplies its budget with its registration."""
+    from distributed import Client
+
+    from tests.worker.test_preload import _start_worker, _stop
+
+    flags = ["--rmm-base-resource", "system", "--rmm-pool-size", "8MiB"]
+    flags += ["--rmm-maximum-pool-size", "8MiB", "--rmm-memory-admission", "--nthreads", "2"]
+    worker = _start_worker(scheduler, *flags, name="admission-1")
+    try:
+        with Client(scheduler, timeout="60s") as c:
+            c.wait_for_workers(1, timeout=60)
+            (resources,) = c.run(_total_resources).values()
+            assert resources == {RESOURCE: 8 * MiB}
+            with dask.annotate(gpu_memory="5MiB"):
+                naps = c.map(time.sleep, [0.2] * 2, key=["nap-0", "nap-1"])
+            wait(naps)
+            (spans,) = c.run(_compute_spans).values()  # while naps holds them on the worker
+            first, second = sorted(spans.values())
+            assert second[0] >= first[1]  # one after the other: 2 x 5 MiB do not fit in 8
+    finally:
+        _stop(worker)
+
+
+# Lambdas are pickled by value: this test module is not importable in the worker process.
+_total_resources = lambda dask_worker: dict(dask_worker.state.total_resources)  # noqa: E731
+_compute_spans = lambda dask_worker: {  # noqa: E731
+    k: next((s["start"], s["stop"]) for s in ts.startstops if s["action"] == "compute")
+    for k, ts in dask_worker.state.tasks.items()
+}
