@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm.report.memory_report import _worker_label, summed_series
 from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -46,10 +46,9 @@ class DeviceSeries:
 
     @property
     def label(self) -> str:
-        short = self.worker.rsplit("//", 1)[-1]
-        name = f" ({self.name})" if self.name and self.name not in (self.worker, short) else ""
-        gone = " (gone)" if self.status != "running" else ""
-        return f"{short}{name}/dev{self.device}{gone}"
+        return (
+            f"{_worker_label(self)}/dev{self.device}{' (gone)' if self.status != 'running' else ''}"
+        )
 
     def add_used(
         self, samples: Iterable[Sequence[float]], start: float, stop: float | None
@@ -150,35 +149,6 @@ class GPUSamples:
         }
 
 
-def summed_series(
-    series: Sequence[tuple[Sequence[tuple[float, int]], bool]],
-) -> list[tuple[float, int]]:
-    """Several devices' ``(time, bytes)`` series summed at every time any of them has a sample.
-
-    A device counts with its latest value from its first sample on; a device whose worker is
-    gone (the ``bool`` of its pair) counts 0 after its last sample, its memory went with it.
-    """
-    events: list[tuple[float, int, int]] = []
-    for i, (points, gone) in enumerate(series):
-        events += [(t, i, v) for t, v in points]
-        if gone and points:
-            # just after its last sample, so that the last value is shown at its time
-            last = points[-1][0]
-            events.append((last + 1e-6, i, 0))
-    events.sort()
-    latest: dict[int, int] = {}
-    total = 0
-    out: list[tuple[float, int]] = []
-    for t, i, v in events:
-        total += v - latest.get(i, 0)
-        latest[i] = v
-        if out and out[-1][0] == t:
-            out[-1] = (t, total)
-        else:
-            out.append((t, total))
-    return out
-
-
 def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) -> float:
     """The time-weighted mean of a step series (each value holds until the next sample, the
     last one until ``stop``); the plain mean when it spans no time, 0.0 when empty."""
@@ -254,31 +224,13 @@ class GPUMemorySampler:
 
     @contextlib.contextmanager
     def _sample_sync(self, label: str, client: Client, interval: float) -> Iterator[None]:
-        rec = _Recorder(label, client)
-        self.samples[label] = rec.samples
-        client.sync(rec.poll)
-        stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(interval):
-                try:
-                    client.sync(rec.poll)
-                except Exception as e:  # keep what was read, and try again at the next tick
-                    rec.error = e
-
-        thread = threading.Thread(target=loop, name=f"GPUMemorySampler-{label}", daemon=True)
-        thread.start()
+        # The polls run on the client's event loop (its own thread) while the block runs here.
+        sampling = self._sample_async(label, client, interval)
+        client.sync(sampling.__aenter__)
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
-            rec.samples.stop = time.time()
-            with contextlib.suppress(Exception):
-                client.run(_flush, on_error="ignore")
-            with contextlib.suppress(Exception):
-                client.sync(rec.poll)
-            self.samples[label] = rec.samples
+            client.sync(sampling.__aexit__, None, None, None)
 
     @contextlib.asynccontextmanager
     async def _sample_async(

@@ -33,6 +33,7 @@ __all__ = [
     "DeviceMemory",
     "peak_of_sum",
     "strict_json",
+    "summed_series",
     "visible",
 ]
 
@@ -184,17 +185,37 @@ class ClusterTotals:
 def peak_of_sum(timelines: Iterable[Sequence[Sequence[float]]]) -> int | None:
     """The largest sum over devices of each device's latest ``max_bytes_in_interval`` sample,
     taken at every sample time after every sample of that time (None when there are none)."""
-    events = sorted((s[0], i, s[2]) for i, tl in enumerate(timelines) for s in tl)
-    if not events:
-        return None
-    latest: dict[int, float] = {}
-    total = peak = 0.0
-    for k, (t, i, value) in enumerate(events):
-        total += value - latest.get(i, 0)
-        latest[i] = value
-        if k + 1 == len(events) or events[k + 1][0] != t:
-            peak = max(peak, total)
-    return int(peak)
+    summed = summed_series([([(s[0], int(s[2])) for s in tl], False) for tl in timelines])
+    return int(max(v for _, v in summed)) if summed else None
+
+
+def summed_series(
+    series: Sequence[tuple[Sequence[tuple[float, int]], bool]],
+) -> list[tuple[float, int]]:
+    """Several devices' ``(time, bytes)`` series summed at every time any of them has a sample.
+
+    A device counts with its latest value from its first sample on; a device whose worker is
+    gone (the ``bool`` of its pair) counts 0 after its last sample, its memory went with it.
+    """
+    events: list[tuple[float, int, int]] = []
+    for i, (points, gone) in enumerate(series):
+        events += [(t, i, v) for t, v in points]
+        if gone and points:
+            # just after its last sample, so that the last value is shown at its time
+            last = points[-1][0]
+            events.append((last + 1e-6, i, 0))
+    events.sort()
+    latest: dict[int, int] = {}
+    total = 0
+    out: list[tuple[float, int]] = []
+    for t, i, v in events:
+        total += v - latest.get(i, 0)
+        latest[i] = v
+        if out and out[-1][0] == t:
+            out[-1] = (t, total)
+        else:
+            out.append((t, total))
+    return out
 
 
 def _sort_key(address: str) -> tuple:
@@ -847,7 +868,7 @@ def _clock(t: Any, form: str) -> str:
         return "?"
 
 
-def _worker_label(d: DeviceMemory) -> str:
+def _worker_label(d: Any) -> str:
     """``host:port``, then the worker's name when it says more than the address."""
     short = d.worker.rsplit("//", 1)[-1]
     if d.name and d.name not in (d.worker, short):
