@@ -1,12 +1,5 @@
 """``reinitialize`` and its companions, as RMM's top-level functions: build each device's
-resource stack (base resource, optional pool, optional event log; built by
-:func:`dask_rmm.stack.build_stack`) and install it in the per-device registry; hooks that run
-before.
-
-The registry itself (get/set the current resource) is :mod:`dask_rmm.mr.registry`'s; per-device
-event logging (``enable_logging`` & co., re-exported here as RMM has them at the top level) is
-:mod:`dask_rmm.mr.logging_adaptor`'s.
-"""
+resource stack (:func:`dask_rmm.stack.build_stack`) and install it in :mod:`dask_rmm.mr.registry`."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The RMM allocation-log CSV format: rows read as typed events, written back, merged by time.
-Summaries are :mod:`dask_rmm.logs.summary`; the timeline and its plot :mod:`dask_rmm.logs.timeline`.
-
-A log is what RMM's ``logging_resource_adaptor`` (and our ``LoggingResourceAdaptor``) writes::
-
-    Thread,Time,Action,Pointer,Size,Stream
-    140298510948160,14:03:07.413285,allocate,0x7f9b4c000000,1048576,0
-    140298510948160,14:03:07.413301,free,0x7f9b4c000000,1048576,0
-    140298510948160,14:03:07.413320,allocate failure,(nil),68719476736,7f9b40001230
-
-Thread is the OS thread id (decimal), Time the wall-clock time of day ``HH:MM:SS.ffffff``
-(RMM's pattern ``%t,%H:%M:%S.%f,%v``; the older ``HH:MM:SS:ffffff`` is read too), Pointer
-``%p`` (``(nil)`` or ``0x0`` for a failure), Size the requested bytes, Stream the stream handle in
-hex (``format_stream`` writes it with ``std::hex``, with or without ``0x``). Files merged by
-:func:`merge_logs` carry an extra ``Worker`` column, read back as each event's ``source``.
-
-Replaying a log against a resource lives in :mod:`dask_rmm.logs.replay`; this module never touches a
-memory resource or CUDA.
-"""
+"""The RMM allocation-log CSV format (``Thread,Time,Action,Pointer,Size,Stream``, as RMM's
+``logging_resource_adaptor`` writes it; details in docs/internals.md, Logs): rows read as typed
+events, written back, merged by time. Summaries, timelines and replay live beside it."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Replaying an RMM allocation log against a freshly built memory resource.
-
-Re-issues every allocation and free of a log, in file order, on a new pool, arena, binning,
-fixed-size, async or plain CUDA resource and reports what the upstream had to provide (peak
-footprint), which rows failed and how long it took. Reading logs is :mod:`dask_rmm.logs`; this
-module does not plot or summarize.
-
-Replay runs in one thread, in the log's order, so a block freed by another thread than the one
-that allocated it is simply freed at its row. Streams are honoured: each distinct stream handle
-of the log becomes one :class:`~dask_rmm.stream.Stream` (a real CUDA stream on a GPU, a bare
-handle on host memory), and the per-thread default stream becomes one stream per logged thread.
-"""
+"""Replaying an RMM allocation log, in one thread and in file order, against a freshly built
+memory resource: the upstream footprint, failed rows and time. No plotting or summaries."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""ArenaMemoryResource: per-thread and per-stream arenas over one global arena, as RMM's.
-
-The global arena takes one block of ``arena_size`` from upstream and hands out superblocks
-(at least 1 MiB) to arenas; requests above 1 MiB are served by the global arena directly.
-The per-thread default stream gets one arena per thread, every other stream one arena per
-stream. Blocks are found by first fit within the arena's superblocks and coalesce on free;
-a superblock that becomes empty goes back to the global arena. When an arena cannot get a
-superblock, all empty superblocks of all arenas are returned (after synchronizing the device)
-and the request is retried once, as RMM's defragment step does.
-
-In front of that sits a per-stream cache, the fast path, as in :mod:`dask_rmm.mr.pool` (with
-the same size classes, :mod:`dask_rmm.mr.size_classes`): requests below 16 MiB are rounded up
-to their size class's floor (at most 1/16 more), and a freed block is kept, still counted as
-used by its superblock, in the freeing stream's cache for the next request of its class on that
-stream. Neither path takes
-the lock: ``list.pop``/``list.append`` and a dict store or pop are atomic, so each block goes
-to exactly one caller. Cached blocks go back to their arenas (after a device synchronization:
-they may move to another stream) when a request cannot be served otherwise, before the
-defragment step. One lock guards everything else.
-"""
+"""ArenaMemoryResource: per-thread and per-stream arenas over one global arena, as RMM's, with
+the pool's per-stream cache in front (design: docs/internals.md, Suballocators)."""
 
 from __future__ import annotations
 

@@ -131,8 +131,6 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._windows: dict[int, dict[str, int]] = {}
         self._folded: dict[str, int] = {}
         self._next_window = 0
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
         self._charging_pool: PoolMemoryResource | None = None
         # The pool calls would reach with no other layer in between (see pool_behind).
         pool = pool_behind(upstream_mr)

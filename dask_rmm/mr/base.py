@@ -205,10 +205,8 @@ class DeviceMemoryResource:
 
 
 class UpstreamResourceAdaptor(DeviceMemoryResource):
-    """A resource built on another one, its *upstream*.
-
-    ``upstream_mr`` is kept alive for as long as the adaptor lives; ``get_upstream()`` returns it.
-    """
+    """A resource built on another one, its *upstream*, to which it forwards what it does not
+    override. ``upstream_mr`` is kept alive for as long as the adaptor lives."""
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         if not isinstance(upstream_mr, DeviceMemoryResource):
@@ -217,6 +215,15 @@ class UpstreamResourceAdaptor(DeviceMemoryResource):
             )
         super().__init__(device_id=upstream_mr.device_id)
         self.upstream_mr = upstream_mr
+        # Bound once: the adaptors' hot paths call these without an attribute lookup chain.
+        self._upstream_allocate = upstream_mr.allocate
+        self._upstream_deallocate = upstream_mr.deallocate
+
+    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
+        return self._upstream_allocate(nbytes, stream)
+
+    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
+        self._upstream_deallocate(ptr, nbytes, stream)
 
     def get_upstream(self) -> DeviceMemoryResource:
         return self.upstream_mr

@@ -1,13 +1,5 @@
-"""One maximum for a pool and the library caches that take device memory beside it.
-
-A library whose own caching allocator gets its memory straight from the device (PyTorch's)
-cannot draw its blocks from a pool without Python under that library's lock. It shares the
-pool's maximum instead: a :class:`BudgetSharer` is told the room the pool leaves it (the maximum
-less what the pool holds) and keeps its reserved bytes within it; the pool, before it grows,
-lowers that room first and then counts the sharer's reserved bytes, so that neither side can go
-past the maximum. Both reads and the room change happen on the pool's slow path only (growth,
-trim), never per allocation. Not here: the PyTorch sharer (:mod:`dask_rmm.allocators.torch`).
-"""
+"""One maximum for a pool and the library caches that take device memory beside it (design:
+docs/internals.md, One budget). Not here: the PyTorch sharer (:mod:`dask_rmm.allocators.torch`)."""
 
 from __future__ import annotations
 

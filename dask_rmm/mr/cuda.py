@@ -1,9 +1,5 @@
-"""Base resources: the only layer that asks CUDA (or the host allocator) for memory.
-
-CudaMemoryResource, ManagedMemoryResource, CudaAsyncMemoryResource(+View), PinnedHostMemoryResource,
-SamHeadroomMemoryResource and SystemMemoryResource. Suballocation lives in pool/arena/binning;
-the CUDA calls themselves in ``dask_rmm._cuda``.
-"""
+"""Base resources: the only layer that asks CUDA (or the host allocator) for memory. Suballocation
+lives in pool/arena/binning; the CUDA calls themselves in ``dask_rmm._cuda``."""
 
 from __future__ import annotations
 

@@ -41,8 +41,6 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
                 f"callback must be callable as callback(nbytes) -> bool, got {callback!r}"
             )
         self._callback = callback
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
 
     @property
     def callback(self) -> Callable[[int], bool]:
@@ -55,6 +53,3 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
             except MemoryError:
                 if not self._callback(nbytes):
                     raise
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        self._upstream_deallocate(ptr, nbytes, stream)

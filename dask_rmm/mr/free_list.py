@@ -1,20 +1,6 @@
 """The free blocks of one stream in a pool: a cache of blocks by size class, and coalescing
-segregated-fit lists behind it. Not here: which stream's list serves a request, growth, locking
-(pool.py), the size classes (size_classes.py).
-
-Each class's blocks are a dict ``ptr -> size`` (``popitem`` is O(1) and LIFO, deleting any block
-is O(1)), and a ``bytearray`` flags the non-empty classes so that the first candidate class is
-one C-level ``find`` (an int bitmap was tried: its big-int shifts and masks cost more; figure in
-bench/README.md, "Design measurements").
-Two more dicts, ``start -> size`` and ``end -> start``, let a freed block merge with both
-neighbours in O(1); blocks never merge across the addresses in ``barriers`` (the starts of the
-pool's upstream chunks).
-
-The cache (``cache[c]``: blocks of exactly class ``c``'s floor size, not merged with their
-neighbours) is read and written without the pool's lock by the pool's fast paths with single
-atomic ``list.pop``/``list.append`` calls; every method here runs under the pool's lock and
-empties a cache list one ``pop`` at a time, so that no block is lost or handed out twice.
-"""
+segregated-fit lists behind it (design: docs/internals.md, Suballocators). Not here: which
+stream's list serves a request, growth, locking (pool.py), the size classes (size_classes.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """The pool's instrumentation interface: :class:`AllocationCounters` (what a statistics adaptor
 reads) and :class:`OwnerAccounts` (how an attribution adaptor charges owners). Not here: the pool
-that updates them (pool.py), the adaptors that read them.
-
-A pool counts into attached counters with one ``list.append`` per operation (a journal folded in
-by :meth:`AllocationCounters.settle`), so counting keeps the pool's fast path lock-free; charging
-owners updates accounts under the pool's lock.
-"""
+that updates them (pool.py), the adaptors that read them."""
 
 from __future__ import annotations
 

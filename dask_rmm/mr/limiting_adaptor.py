@@ -46,8 +46,6 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
         self._limit = check_nbytes(allocation_limit, "allocation_limit")
         self._lock = threading.Lock()
         self._allocated = 0
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
 
     def get_allocated_bytes(self) -> int:
         """Bytes allocated through this adaptor, each allocation rounded up to 256."""

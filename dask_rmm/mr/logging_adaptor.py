@@ -1,12 +1,5 @@
 """``LoggingResourceAdaptor``: writes every allocation, free and failed allocation to a CSV file
-in RMM's format, for replay and offline analysis. Reading the logs back is :mod:`dask_rmm.logs`'s
-job.
-
-The file starts with ``Thread,Time,Action,Pointer,Size,Stream``; each row is the OS thread id,
-the local time as ``HH:MM:SS.micros``, ``allocate`` / ``free`` / ``allocate failure``, the
-pointer as C's ``%p`` prints it (``0x7f...``, ``(nil)`` for null), the size in bytes and the
-stream handle as RMM prints it (``0`` for the default stream, else ``0x...``).
-"""
+in RMM's format (docs/internals.md, Logs). Reading the logs back is :mod:`dask_rmm.logs`'s job."""
 
 from __future__ import annotations
 
@@ -169,8 +162,6 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self._lock_fd: int | None = None
         self._file: TextIO | None = None
         self._closed = False
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
         if not open_on_first_row:
             self._open()
 

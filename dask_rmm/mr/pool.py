@@ -1,72 +1,6 @@
 """PoolMemoryResource: a stream-ordered, coalescing suballocator over one upstream resource,
-growing as RMM's pool does. Not here: the size classes (size_classes.py), one stream's free
-blocks (free_list.py), events between streams (stream_order.py), the lock (locks.py), the
-counters and owner accounts it updates (instrumentation.py).
-
-Pure bookkeeping on integer addresses; CUDA is only touched for cross-stream ordering (events)
-and through the upstream resource. Other suballocators (arena, binning, fixed size) live beside it.
-
-Allocation
-----------
-As RMM's ``get_block``, a request is served by the first of: the stream's own cache (the fast
-path, :meth:`PoolMemoryResource.allocate`); the stream's own coalescing lists
-(``_allocate_locked``); the same after merging every stream's cache; a block of another
-stream's lists; all other streams' lists merged into the own one; growth from upstream
-(``_allocate_slow``). When the pool is too full for a request's rounded size, the exact
-256-byte-aligned size is tried before giving up, so rounding never causes an out-of-memory.
-
-The fast path finds a stream's caches by its order key; the default stream's (handle 0, what
-``DEFAULT_STREAM`` and CuPy's null stream are) are kept at hand, without a dict lookup. Requests
-below 16 MiB are rounded up to the floor size of their search class (at most 1/16 more than asked,
-3% on average; below 8 KiB only to 256 bytes), so that a freed block can be handed back unchanged
-to any later request of the same class on the same stream. Freeing such a block only appends it to
-its class's cache list and allocating pops from it: no splitting and no merging (measured by
-bench/alloc.py). Cached blocks are merged into the coalescing lists when those cannot serve a
-request (before the pool grows), and by ``release()`` and ``reserved_memory_info()``.
-
-Threads
--------
-The fast path takes no lock. Its only shared-state operations are ``list.pop``/``list.append``
-on a cache list and a store or pop on the live-block dict, each atomic (under the GIL, and
-per object in free-threaded CPython): a cached block is popped by exactly one caller, and of
-two threads freeing one pointer only one pops it from the live table (the other is refused).
-Everything else (the coalescing lists, growth, merging the caches) happens under the pool's
-one lock; code there empties a cache list one ``pop`` at a time, so blocks appended or taken
-meanwhile by lock-free callers are never lost or handed out twice. A lock-free path makes no
-container objects, so a finalizer run by the garbage collector can free into the pool at any
-point.
-
-Instrumentation
----------------
-Observers count and attribute allocations through one documented interface, used by
-StatisticsResourceAdaptor and AttributionResourceAdaptor:
-:meth:`PoolMemoryResource.count_allocations` (an :class:`AllocationCounters` the pool updates)
-and :meth:`PoolMemoryResource.charge_owners` (an :class:`OwnerAccounts`: an owner getter called
-before the lock, an owner key -> account dict and an owner callback called under the lock for
-new owner keys). Counting alone keeps the fast path lock-free: each counted operation appends
-its size to the counters' journal, folded in by :meth:`AllocationCounters.settle` (under the
-lock, by readers, and by the pool every :data:`~dask_rmm.mr.instrumentation.JOURNAL_LIMIT`
-entries). While owners are charged, every
-allocation and free takes the lock. :attr:`PoolMemoryResource.instrumentation_lock` is the lock
-to read under. :meth:`PoolMemoryResource.live_allocations` (read-only: the table every
-deallocate is checked against) is what TrackingResourceAdaptor lists instead of keeping a table
-of its own, and :func:`pool_behind` finds the pool behind an adaptor that made the pool's
-methods its own. Nothing else reads or writes another object's private state.
-
-Stream order
-------------
-A block freed on stream A goes to A's free list and is reused on A at once. A block taken from
-another stream's list moves to the taking stream B together with the rest of the free block it
-was cut from, and B is made to wait for A: an event is recorded on A *at the time of the
-take* (this covers everything queued on A before the free, at the cost of maybe also waiting
-for later work; it keeps the hot path free of CUDA calls) and B waits on it. When B cannot be
-served from any single list, all other streams' free lists are merged into B's (one wait per
-stream), so adjacent blocks freed on different streams coalesce before the pool grows.
-Memory fresh from upstream at construction belongs to no stream and is taken without a wait.
-Without CUDA (host memory on a GPU-less host) there is no stream work to order and no event
-is used. A block from another thread's per-thread default stream cannot be recorded on from
-this thread, so that case synchronizes the device instead (rare: only under memory pressure).
-"""
+growing as RMM's pool does (allocation order, threads, instrumentation and stream order: the
+Suballocators section of docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -148,9 +82,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     with one, by ``max(request, half of the room left)``; a failed upstream allocation is
     retried with half the size, down to the request. :meth:`release` hands fully free upstream
     chunks back. Thread safe: the cached fast path takes no lock, everything else one lock held
-    for bookkeeping only (never across an upstream call); see Threads in the module docstring.
-    Free blocks are kept per stream; see the module docstring for stream ordering, and
-    Instrumentation for how the statistics and attribution adaptors count through the pool.
+    for bookkeeping only (never across an upstream call). Free blocks are kept per stream.
 
     Examples
     --------
@@ -229,7 +161,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         # caches (for any stream of handle 0) without a dict lookup.
         self._default_caches = self._free_list(DEFAULT_KEY, DEFAULT_STREAM).cache
         if initial:
-            ptr, _ = self._upstream_allocate(initial, initial, DEFAULT_STREAM)
+            ptr, _ = self._take_upstream(initial, initial, DEFAULT_STREAM)
             self._initial_chunk = ptr
             self._add_chunk(ptr, initial)
             self._free_list(FRESH_KEY, None).insert(ptr, initial)
@@ -300,7 +232,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             return self._allocate_locked(nbytes, stream, key)
         owners = self._owners
         if owners is None:
-            # Lock-free (see Threads in the module docstring). Counting (the statistics
+            # Lock-free (see Threads in docs/internals.md). Counting (the statistics
             # adaptor) adds one journal append, folded in by AllocationCounters.settle.
             try:
                 ptr = cached.pop()
@@ -801,7 +733,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if sharing:
             try_size = self._claim_from_sharers(nbytes, size, try_size, stream)
         try:
-            ptr, got = self._upstream_allocate(try_size, size, stream)
+            ptr, got = self._take_upstream(try_size, size, stream)
         except MemoryError as e:
             with gc_paused_lock(self._lock):
                 self._growing -= try_size
@@ -881,7 +813,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 f"{format_bytes(try_size)}",
             )
 
-    def _upstream_allocate(self, try_size: int, min_size: int, stream: Stream) -> tuple[int, int]:
+    def _take_upstream(self, try_size: int, min_size: int, stream: Stream) -> tuple[int, int]:
         """``(ptr, size)`` of ``try_size`` bytes from upstream, halving on failure down to
         ``min_size`` (RMM's back-off)."""
         while True:

@@ -25,8 +25,6 @@ class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
         self.prefetch_count = 0
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
@@ -41,6 +39,3 @@ class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
             else:
                 self.prefetch_count += 1
         return ptr
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        self._upstream_deallocate(ptr, nbytes, stream)

@@ -1,9 +1,5 @@
-"""Which memory resource each CUDA device allocates from: RMM's per-device resource registry.
-
-Keyed by device id, never by "whatever is current". A device with nothing set gets a
-:class:`~dask_rmm.mr.CudaMemoryResource` made lazily on first use. ``reinitialize`` (in
-``dask_rmm.initialize``) builds resources and installs them here; this module only stores them.
-"""
+"""Which memory resource each CUDA device allocates from: RMM's per-device resource registry, keyed
+by device id; a device with nothing set gets a ``CudaMemoryResource`` made on first use."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """The size classes of the pool and the arena: sizes in 256-byte units, their class formulas and
-the lookup tables the fast paths index. Not here: the free lists that use them (free_list.py).
-
-Sizes map to TLSF-style segregated-fit classes: 32 exact classes below 8 KiB (one per unit),
-then 16 classes per power of two. A free block is filed under its size's floor class
-(:func:`insert_class`); a request searches from the first class all of whose blocks fit it
-(:func:`search_class`). Sizes below 16 MiB are looked up in precomputed tables instead:
-:data:`INSERT_CLASS`, :data:`SEARCH_CLASS` and :data:`ROUNDED_BYTES`. Fast paths index those
-tables inline as ``SEARCH_CLASS[(nbytes + 255) >> 8]``; tests/mr/test_inlined_formulas.py pins
-every such copy to the functions here.
-"""
+the lookup tables the fast paths index. Not here: the free lists that use them (free_list.py)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ Module-level helpers (``enable_statistics``, ``profiler``...) live in :mod:`dask
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.mr.instrumentation import AllocationCounters
@@ -20,11 +20,11 @@ __all__ = ["Statistics", "StatisticsResourceAdaptor"]
 
 
 @dataclass(frozen=True)
-class Statistics:
+class Statistics(Mapping):
     """Allocation statistics of one counter frame.
 
-    Bytes are the sizes callers asked for (not rounded up). ``stats["peak_bytes"]`` works like
-    the dict older RMM versions returned.
+    Bytes are the sizes callers asked for (not rounded up). A read-only mapping too
+    (``stats["peak_bytes"]``, ``keys()``, ``get()``), like the dict older RMM versions returned.
 
     Attributes
     ----------
@@ -54,27 +54,11 @@ class Statistics:
             raise KeyError(key)
         return getattr(self, key)
 
-    def __contains__(self, key: object) -> bool:
-        return key in _FIELD_NAMES
-
     def __iter__(self):
         return iter(_FIELD_NAMES)
 
     def __len__(self) -> int:
         return len(_FIELD_NAMES)
-
-    def keys(self) -> tuple[str, ...]:
-        """The field names, as a dict's keys."""
-        return _FIELD_NAMES
-
-    def values(self) -> tuple[int, ...]:
-        return tuple(getattr(self, k) for k in _FIELD_NAMES)
-
-    def items(self) -> tuple[tuple[str, int], ...]:
-        return tuple((k, getattr(self, k)) for k in _FIELD_NAMES)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in _FIELD_NAMES else default
 
     def to_dict(self) -> dict[str, int]:
         """A plain dict (for wire formats)."""
@@ -96,17 +80,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     increments :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or
     size) leaves every counter as it was.
 
-    Over a :class:`PoolMemoryResource` (or an adaptor whose calls are the pool's own, such as
-    a TrackingResourceAdaptor reading the pool's table) the pool does the counting, through its
-    instrumentation interface (:meth:`PoolMemoryResource.count_allocations`): it journals every
-    operation in this adaptor's :class:`~dask_rmm.mr.instrumentation.AllocationCounters`, folded in when
-    they are read, and the adaptor, having nothing left to do per call, makes the pool's
-    ``allocate``/``deallocate`` its own. Counting then costs one list append per operation on the
-    pool's lock-free fast path instead of a second lock and call layer
-    (bench/stats_overhead.py). The numbers are the same, with one difference: allocations made
-    on that pool directly, bypassing the adaptor, are counted too (frees of blocks that were
-    already live when the adaptor was made are not). One adaptor counts through a pool at a
-    time; a second one counts on its own. :attr:`counting_pool` says which case applies.
+    Over a :class:`PoolMemoryResource` the pool counts, with no layer of the adaptor's per call
+    (docs/internals.md, Statistics): allocations made on the pool directly are then counted too.
+    :attr:`counting_pool` says which case applies.
 
     Parameters
     ----------
@@ -133,8 +109,6 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
         self._acquire = lock.acquire
         self._release = lock.release
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
         # Top frame's counters. Outer frames: (current_bytes, current_count, peak_bytes,
         # peak_count, total_bytes, total_count) at the time of the push.
         self._c = AllocationCounters()

@@ -1,11 +1,5 @@
-"""Stream order between stream-ordered suballocators' free lists: a stream that takes blocks
-freed on other streams waits for them (events), and memory going back upstream waits for every
-stream it was freed on. Not here: the free lists themselves (free_list.py), CUDA calls
-(``dask_rmm._cuda``).
-
-Call these only when CUDA is available (a resource over device memory), and outside any
-resource lock: they may synchronize the device.
-"""
+"""Stream order between stream-ordered suballocators' free lists (events between streams; a device
+sync before memory goes upstream). Call only with CUDA available and outside any resource lock."""
 
 from __future__ import annotations
 

@@ -20,14 +20,9 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     out, or with a size other than the allocated one, raises ``ValueError`` before the upstream is
     called, and nothing changes.
 
-    Directly over a :class:`PoolMemoryResource` that has no live allocations yet, and without
-    ``capture_stacks``, the adaptor keeps no table of its own: the pool already keeps one of
-    every live block (it checks each deallocate against it), and the adaptor reads it through
-    the pool's instrumentation interface (:meth:`PoolMemoryResource.live_allocations`), making
-    the pool's ``allocate``/``deallocate`` its own. Tracking then costs nothing per call
-    (bench/alloc.py). The lists are the same, with one difference: allocations made on that
-    pool directly, bypassing the adaptor, are listed too; a wrong deallocate raises the pool's
-    ``ValueError`` (also before anything changes). :attr:`tracking_pool` says which case applies.
+    Directly over a :class:`PoolMemoryResource` with no live allocations, and without
+    ``capture_stacks``, the adaptor reads the pool's own live table (costing nothing per call);
+    allocations made on the pool directly are then listed too. :attr:`tracking_pool` says which.
 
     Parameters
     ----------
@@ -57,8 +52,6 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         # is atomic, so of two threads freeing one pointer only one gets it.
         self._allocations: dict[int, int] = {}
         self._stacks: dict[int, str] = {}  # ptr -> formatted stack, when capturing
-        self._upstream_allocate = upstream_mr.allocate
-        self._upstream_deallocate = upstream_mr.deallocate
         self._tracking_pool: PoolMemoryResource | None = None
         if (
             not capture_stacks

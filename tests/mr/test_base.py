@@ -79,3 +79,17 @@ def test_gc_paused_lock_holds_the_lock_with_the_collector_off():
         assert not gc.isenabled()  # a collector the caller turned off stays off
     finally:
         gc.enable()
+
+
+def test_an_adaptor_forwards_what_it_does_not_override():
+    from dask_rmm.mr.base import UpstreamResourceAdaptor
+
+    class Bare(UpstreamResourceAdaptor):
+        pass
+
+    mr = Bare(SystemMemoryResource())
+    ptr = mr.allocate(100)
+    assert ptr and ptr % 256 == 0
+    with pytest.raises(ValueError, match="deallocate"):
+        mr.deallocate(ptr, 99)
+    mr.deallocate(ptr, 100)

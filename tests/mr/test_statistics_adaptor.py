@@ -291,3 +291,11 @@ def test_popping_the_last_counter_pair_is_refused_with_rmms_words():
     with pytest.raises(IndexError, match="cannot pop the last counter pair"):
         mr.pop_counters()
     assert mr.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)  # nothing changed
+
+
+def test_statistics_is_a_read_only_mapping():
+    from collections.abc import Mapping
+
+    s = Statistics(1, 2, 3, 4, 5, 6)
+    assert isinstance(s, Mapping) and dict(s) == s.to_dict()
+    assert list(s.values()) == [1, 2, 3, 4, 5, 6] and hash(s) == hash(Statistics(1, 2, 3, 4, 5, 6))
