@@ -17,6 +17,8 @@ from numba import cuda
 from numba.cuda import HostOnlyCUDAMemoryManager, IpcHandle, MemoryInfo, MemoryPointer
 from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
 
+from dask_rmm import _cuda
+from dask_rmm.mr.registry import get_per_device_resource
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
 
 __all__ = [
@@ -76,8 +78,6 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
     def memalloc(self, size: int) -> MemoryPointer:
         """``size`` bytes from the current device resource, freed to it by the pointer's
         finalizer."""
-        from dask_rmm.mr.registry import get_per_device_resource
-
         ctx = self.context
         if size == 0:
             return MemoryPointer(weakref.proxy(ctx), cu.CUdeviceptr(0), 0)
@@ -98,8 +98,6 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         """An IPC handle for ``memory``: the handle of the whole upstream allocation (a
         cudaMalloc chunk) holding it plus its offset there (not for cudaMallocAsync or managed
         memory)."""
-        from dask_rmm import _cuda
-
         ptr = int(memory.handle)
         base, _extent = _cuda.mem_get_address_range(ptr)
         handle = cu.CUipcMemHandle()
@@ -110,9 +108,6 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
     def get_memory_info(self) -> MemoryInfo:
         """``(free, total)`` bytes of the context's device: free device memory plus what a
         pooling resource holds free."""
-        from dask_rmm import _cuda
-        from dask_rmm.mr.registry import get_per_device_resource
-
         free, total = _cuda.mem_get_info()
         info = get_per_device_resource(self.context.device.id).reserved_memory_info()
         if info is not None:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from dask_rmm.allocators import arbitration, caches
+from dask_rmm.mr import registry
 from dask_rmm.sizes import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream, cached_stream, handle_streams
 
@@ -74,12 +75,10 @@ class RMMForwarder:
     dask-rmm resource that allocated it; ``failed_deallocations``: frees that failed (logged)."""
 
     def __init__(self, device: int):
-        from dask_rmm.mr.registry import get_per_device_resource
-
         self.device = device
         self.live: dict[int, Any] = {}
         self.failed_deallocations = 0
-        self._resource_of = get_per_device_resource
+        self._resource_of = registry.get_per_device_resource
         # The last resource found to be device memory, weakly: a forwarder outlives its stacks.
         self._checked: Any = _dead_ref
 
@@ -339,8 +338,6 @@ def _require_rmm(what: str):
 def _target_devices(devices: Iterable[int] | None) -> list[int]:
     """The devices to install on; their dask-rmm resources exist afterwards (a device that does
     not exist raises ValueError here, before anything changes)."""
-    from dask_rmm.mr import registry
-
     if devices is None:
         found = registry.registered_devices()
         if found:
@@ -372,12 +369,11 @@ def set_rmm_callback_resource(
     >>> reset_rmm_callback_resource()  # doctest: +SKIP
     """
     rmm = _require_rmm("set_rmm_callback_resource()")
-    from dask_rmm.mr.registry import get_per_device_resource
 
     with _lock:
         targets = _target_devices(devices)
         for device in targets:  # check every device before changing any
-            _require_device_memory(get_per_device_resource(device), device)
+            _require_device_memory(registry.get_per_device_resource(device), device)
         _start_free_thread()
         changed: list[tuple[int, _Installation | None]] = []
         try:
