@@ -355,6 +355,8 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             )
         # The heartbeat format the scheduler reads (an earlier dask-rmm reads version 2 only).
         self.worker_metrics.heartbeat_version = await scheduler_reads_version(worker)
+        if self.coordinated and worker.status.name == "running":
+            await worker.heartbeat()  # a report right after register_plugin shows this setup
 
     def _hint(self, e: Exception) -> str:
         """``e``'s message; a missing GPU names the form the user typed to use host memory."""
@@ -474,6 +476,8 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
                 worker.loop.add_callback(ws.restore_command_line, worker)
             else:
                 worker.loop.add_callback(ws.remove_released)
+        if worker.status.name == "running":  # a report right after no longer shows this setup
+            worker.loop.add_callback(worker.heartbeat)
         self._worker = None
 
     # -- introspection ---------------------------------------------------------------------

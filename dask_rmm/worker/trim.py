@@ -26,12 +26,13 @@ TRIM_INTERVAL = 1.0
 TRIMMER_KEY = "dask-rmm-trim"
 
 
-def trim_worker(
+async def trim_worker(
     dask_worker: Worker, size: int | str | float | None = None, library_caches: bool = True
 ) -> list[dict[str, Any]]:
     """On a worker (``client.run``): make the library caches in front of its dask-rmm stacks
     give their free blocks back (``library_caches``), then trim the stacks' pools (see
-    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool."""
+    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool. A heartbeat
+    then tells the scheduler, so that a report right after shows the pools trimmed."""
     from dask_rmm.allocators.caches import release_cached
     from dask_rmm.worker.stacks import worker_stack
 
@@ -42,6 +43,8 @@ def trim_worker(
         if results:  # the caches gave their blocks to the stack's outermost pool
             results[0] = dataclasses.replace(results[0], library_cache_bytes=from_caches)
         out += [r.to_dict() for r in results]
+    if out:
+        await dask_worker.heartbeat()
     return out
 
 

@@ -472,3 +472,26 @@ async def test_a_plugin_displaced_by_a_concurrent_registration_stops_sampling(c,
     # reduce_op) answer with a FutureWarning, an error under this suite's warning filter.
     sampling = {m for m in gc.get_objects() if type(m) is WorkerMetrics and m._sampler}
     assert sampling == {w.metrics[METRICS_KEY].__self__ for w in (a, b)}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_report_right_after_a_change_shows_it(c, s, a):
+    """The report lagged a heartbeat (0.4-0.5 s) behind register_plugin, release_unused and
+    unregistering, and did not say so."""
+    from dask_rmm import DeviceBuffer, cluster_report, release_unused
+
+    async def reserved():
+        return [d.reserved_bytes for d in (await cluster_report(c)).devices]
+
+    for n in (8, 12):
+        await c.register_plugin(
+            RMMPlugin(base_resource="system", pool_size=f"{n}MiB", maximum_pool_size="64MiB")
+        )
+        assert await reserved() == [n * MiB]
+    DeviceBuffer(size=30 * MiB)  # the pool grows, and keeps the chunk
+    await a.heartbeat()
+    assert (await reserved())[0] > 12 * MiB
+    await release_unused(c)
+    assert await reserved() == [12 * MiB]
+    await c.unregister_worker_plugin("dask-rmm")
+    assert await reserved() == []
