@@ -18,33 +18,13 @@ __all__ = [
     "set_allocators",
 ]
 
-#: Library name -> (module holding its hook, setter, resetter, pip requirement).
+#: Library name -> (its hook's module in dask_rmm.allocators, setter, resetter, what to install).
+#: "rmm": RAPIDS libraries (cuDF, cuML, ...) allocate through the compiled RMM's resource.
 _HOOKS = {
-    "cupy": (
-        "dask_rmm.allocators.cupy",
-        "set_cupy_allocator",
-        "reset_cupy_allocator",
-        "cupy-cuda13x",
-    ),
-    "numba": (
-        "dask_rmm.allocators.numba",
-        "set_numba_allocator",
-        "reset_numba_allocator",
-        "numba-cuda",
-    ),
-    # RAPIDS libraries (cuDF, cuML, ...) allocate through the compiled RMM's current resource.
-    "rmm": (
-        "dask_rmm.allocators.rmm_interop",
-        "set_rmm_callback_resource",
-        "reset_rmm_callback_resource",
-        "rmm-cu13",
-    ),
-    "torch": (
-        "dask_rmm.allocators.torch",
-        "set_torch_allocator",
-        "reset_torch_allocator",
-        "torch (a CUDA build)",
-    ),
+    "cupy": ("cupy", "set_cupy_allocator", "reset_cupy_allocator", "cupy-cuda13x"),
+    "numba": ("numba", "set_numba_allocator", "reset_numba_allocator", "numba-cuda"),
+    "rmm": ("rmm_interop", "set_rmm_callback_resource", "reset_rmm_callback_resource", "rmm-cu13"),
+    "torch": ("torch", "set_torch_allocator", "reset_torch_allocator", "torch (a CUDA build)"),
 }
 
 #: Names accepted by :func:`set_allocators`.
@@ -86,7 +66,7 @@ def _hook(name: str, which: int):
     library cannot be imported."""
     module_name, setter, resetter, requirement = _HOOKS[name]
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"dask_rmm.allocators.{module_name}")
         # a hook module that imports its library lazily records why that failed
         error = getattr(module, "_library_import_error", None)
     except ImportError as e:

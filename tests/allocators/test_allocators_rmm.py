@@ -46,7 +46,7 @@ MiB = 1 << 20
 def test_rmm_is_a_registered_allocator():
     assert "rmm" in SUPPORTED_ALLOCATORS
     module, setter, resetter, requirement = _HOOKS["rmm"]
-    assert module == rmm_interop.__name__
+    assert f"dask_rmm.allocators.{module}" == rmm_interop.__name__
     assert getattr(rmm_interop, setter) is rmm_interop.set_rmm_callback_resource
     assert getattr(rmm_interop, resetter) is rmm_interop.reset_rmm_callback_resource
     assert requirement == rmm_interop.RMM_REQUIREMENT == "rmm-cu13"
