@@ -284,6 +284,16 @@ def _finite_seconds(
     return value
 
 
+def _address_in(scheduler_file: str) -> str:
+    try:
+        with open(scheduler_file) as f:
+            return json.load(f)["address"]
+    except (OSError, ValueError, KeyError) as e:
+        raise click.ClickException(
+            f"cannot read a scheduler address from {scheduler_file}: {e!r}"
+        ) from e
+
+
 _SCHEDULER_FILE = click.option(
     "--scheduler-file",
     type=click.Path(exists=True, dir_okay=False),
@@ -382,13 +392,7 @@ def report(
             refuse_input(plot_path or "", [scheduler_file])
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--plot") from e
-        try:
-            with open(scheduler_file) as f:
-                scheduler_address = json.load(f)["address"]
-        except (OSError, ValueError, KeyError) as e:
-            raise click.ClickException(
-                f"cannot read a scheduler address from {scheduler_file}: {e!r}"
-            ) from e
+        scheduler_address = _address_in(scheduler_file)
     assert scheduler_address  # given, or read from the file (checked above)
     # The scheduler sends the totals (the cluster's peak included); the devices' own
     # timelines only for the plot or when asked.
@@ -507,13 +511,7 @@ def advise(
             )
         address = targets[0] if targets else ""
         if scheduler_file:
-            try:
-                with open(scheduler_file) as f:
-                    address = json.load(f)["address"]
-            except (OSError, ValueError, KeyError) as e:
-                raise click.ClickException(
-                    f"cannot read a scheduler address from {scheduler_file}: {e!r}"
-                ) from e
+            address = _address_in(scheduler_file)
         from dask_rmm.client.fetch import iter_reports
 
         async def fetch() -> Any:
