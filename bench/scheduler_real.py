@@ -91,13 +91,16 @@ class TickProbe:
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.blocks: list[float] = []  # every lateness, for percentiles
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(0.001)
-            self.worst = max(self.worst, time.perf_counter() - start - 0.001)
+            late = time.perf_counter() - start - 0.001
+            self.worst = max(self.worst, late)
+            self.blocks.append(late)
 
 
 class Cluster:
@@ -245,6 +248,12 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
                 spent["ticks"] += not every
 
         plugin.poll = timed_poll
+        young = [0]
+
+        def count_young(phase: str, info: dict) -> None:
+            young[0] += phase == "start" and info["generation"] == 0
+
+        gc.callbacks.append(count_young)
         probe = TickProbe()
         stop = asyncio.Event()
         driver = asyncio.get_running_loop().create_task(cluster.drive(stop))
@@ -252,9 +261,11 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         spent.update(tick=0.0, other=0.0, ticks=0)
         sent, wall = cluster.sent, time.perf_counter()
         probe.worst = 0.0
+        young[0] = 0
         await asyncio.sleep(args.seconds)
         wall = time.perf_counter() - wall
         beats = cluster.sent - sent
+        young_per_minute = young[0] / wall * 60
         rows.append(
             (
                 "heartbeats only",
@@ -271,6 +282,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
             )
         )
         rows.append(("poller share of the loop", f"{spent['tick'] / wall * 100:.2f} %"))
+        rows.append(("young-generation collections", f"{young_per_minute:.0f} a minute"))
 
         if not args.no_routes:
             url = f"http://127.0.0.1:{s.http_server.port}/"
@@ -281,9 +293,12 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
 
             async def fetch(path: str) -> tuple[int, float]:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE
-                )
+                    sys.executable, "-c", _FETCH, url + path, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL,
+                )  # fmt: skip
                 out, _ = await proc.communicate()
+                if proc.returncode:  # a route this version has not
+                    return 0, float("nan")
                 size, seconds = out.split()
                 return int(size), float(seconds)
 
@@ -301,20 +316,24 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
                 ("/dask-rmm (default page)", lambda: fetch("dask-rmm")),
                 ("/dask-rmm/report.json", lambda: fetch("dask-rmm/report.json")),
                 ("/metrics (Prometheus)", lambda: fetch("metrics")),
+                ("/dask-rmm/metrics (every device)", lambda: fetch("dask-rmm/metrics")),
                 ("dask rmm report (CLI)", cli),
             ):
                 worst = answer = 0.0
                 size = 0
+                blocks = []
                 for _ in range(args.repeat):
                     await asyncio.sleep(0.2)
-                    probe.worst = 0.0
+                    probe.worst, probe.blocks = 0.0, []
                     size, seconds = await run()
                     worst, answer = max(worst, probe.worst), max(answer, seconds)
+                    blocks += probe.blocks
+                p99 = float(np.percentile(blocks, 99)) if blocks else 0.0
                 rows.append(
                     (
                         label,
-                        f"worst loop block {worst * 1e3:.1f} ms (of {args.repeat}), "
-                        f"slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
+                        f"worst loop block {worst * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms (of "
+                        f"{args.repeat}), slowest answer {answer:.2f} s, {size / 1e6:.2f} MB",
                     )
                 )
             collector = plugin._collector
@@ -330,6 +349,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         stop.set()
         await driver
         probe.task.cancel()
+        gc.callbacks.remove(count_young)
         points = sum(len(tl) for r in plugin._records.values() for tl in r.timelines.values())
         n = workers * devices
         rows.append(

@@ -32,7 +32,6 @@ from dask_rmm.worker.metrics import (
     WorkerMetrics,
     add_periodic,
     remove_periodic,
-    scheduler_reads_version,
 )
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
@@ -353,8 +352,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
                 worker.address,
                 exc_info=True,
             )
-        # The heartbeat format the scheduler reads (an earlier dask-rmm reads version 2 only).
-        self.worker_metrics.heartbeat_version = await scheduler_reads_version(worker)
         if self.coordinated and worker.status.name == "running":
             await worker.heartbeat()  # a report right after register_plugin shows this setup
 

@@ -19,14 +19,12 @@ __all__ = [
     "METRICS_KEY",
     "METRICS_VERSION",
     "PLUGIN_NAME",
-    "READS_VERSION_KEYS",
     "REPORT_HANDLER",
     "REPORT_VERSION",
     "SAMPLE_FIELDS",
     "SAMPLE_STRUCT",
     "NOT_MEASURED_WITHOUT_A_POOL",
     "STATISTICS_ONLY",
-    "UNANNOUNCED_VERSION",
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
@@ -63,15 +61,9 @@ def fragmentation(reserved_bytes: int, free_bytes: int, largest_free_block: int)
 
 #: Key of the heartbeat metrics in ``worker.metrics`` (and so in ``WorkerState.metrics``).
 METRICS_KEY = "dask-rmm"
-#: Version of the heartbeat dict; readers ignore the fields they do not know. Version 3 sends
-#: ``samples`` packed (:func:`pack_samples`); readers still take version 2's list of lists.
+#: Version of the heartbeat dict: the scheduler reads this one only (another is one clear line
+#: in the report and the log); readers ignore the fields they do not know.
 METRICS_VERSION = 3
-#: The version a worker sends when the scheduler announces none (:data:`READS_VERSION_KEYS`):
-#: what the scheduler plugin of dask-rmm before the announcement reads (samples as lists).
-UNANNOUNCED_VERSION = 2
-#: Where the scheduler plugin announces the newest heartbeat version it reads: keys of
-#: distributed's scheduler metadata (``Scheduler.set_metadata`` / the ``get_metadata`` handler).
-READS_VERSION_KEYS = ("dask-rmm", "reads-heartbeat-version")
 #: Version of the report document (``ClusterMemoryReport.to_dict``, report.json, ``--json``).
 REPORT_VERSION = 2
 #: Name of the scheduler plugin that keeps the timelines (its key in ``Scheduler.plugins``).
@@ -300,14 +292,14 @@ class DeviceSample:
             if f.name in d and f.type in _READERS
         }
         groups = []
-        for g in d.get("task_groups") or ():
+        for g in _sequence(d.get("task_groups")):
             try:
                 groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
             except (IndexError, TypeError, KeyError):
                 continue
-        events = tuple(dict(e) for e in d.get("oom_events") or () if isinstance(e, Mapping))
+        events = tuple(dict(e) for e in _sequence(d.get("oom_events")) if isinstance(e, Mapping))
         libraries = []
-        for x in d.get("libraries") or ():
+        for x in _sequence(d.get("libraries")):
             if not isinstance(x, (list, tuple)) or len(x) != 4:
                 continue
             try:
@@ -317,7 +309,7 @@ class DeviceSample:
             except (IndexError, TypeError, KeyError):
                 continue
         peaks = []
-        for p in d.get("admission_expected_peaks") or ():
+        for p in _sequence(d.get("admission_expected_peaks")):
             try:
                 peaks.append((str(p[0]), to_int(p[1]), to_int(p[2])))
             except (IndexError, TypeError, KeyError):
@@ -328,7 +320,7 @@ class DeviceSample:
             libraries=tuple(libraries),
             oom_events=events,
             admission_expected_peaks=tuple(peaks),
-            error=d.get("error") or None,
+            error=str(d["error"]) if d.get("error") else None,
             **extra,
         )
 
@@ -372,28 +364,11 @@ def unmeasured_fields(measured: Any) -> tuple[str, ...]:
 COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
 
 
-def heartbeat(
-    worker: str | int,
-    time: float,
-    devices: Mapping[str, dict[str, Any]],
-    version: int = METRICS_VERSION,
-) -> dict[str, Any]:
+def heartbeat(worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]) -> dict:
     """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
     ``samples`` (the ``SAMPLE_FIELDS`` rows of the previous and this heartbeat, packed by
-    :func:`pack_samples`). With ``version=2`` (for a scheduler that reads no newer,
-    :data:`UNANNOUNCED_VERSION`) the samples are ``[time, current, max]`` lists instead."""
-    if version not in (UNANNOUNCED_VERSION, METRICS_VERSION):
-        raise ValueError(
-            f"heartbeat version must be {UNANNOUNCED_VERSION} or {METRICS_VERSION}, got {version!r}"
-        )
-    if version == UNANNOUNCED_VERSION:
-        devices = {
-            dev: {**d, "samples": unpack_samples(d["samples"])}
-            if isinstance(d.get("samples"), bytes)
-            else d
-            for dev, d in devices.items()
-        }
-    return {"version": version, "time": time, "worker": worker, "devices": dict(devices)}
+    :func:`pack_samples`)."""
+    return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
 
 
 def pack_samples(rows: Sequence[Sequence[float]]) -> bytes:
@@ -416,6 +391,11 @@ def unpack_samples(blob: bytes) -> list[list[float | int]]:
             f"packed samples are {len(blob)} bytes, not a multiple of {SAMPLE_STRUCT.size}"
         )
     return [list(r) for r in SAMPLE_STRUCT.iter_unpack(blob)]
+
+
+def _sequence(value: Any) -> Any:
+    """``value`` if it is a list or tuple, else ``()`` (a reader of the wire never raises)."""
+    return value if type(value) in (list, tuple) else ()
 
 
 def to_int(value: Any, kind: type = int) -> Any:

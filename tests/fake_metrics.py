@@ -1,9 +1,11 @@
-"""Synthetic ``worker.metrics["dask-rmm"]`` callables in the docs/internals.md format (version 1),
+"""Synthetic ``worker.metrics["dask-rmm"]`` callables in the heartbeat format (``dask_rmm.wire``),
 for driving the scheduler plugin without RMMPlugin or a GPU."""
 
 from __future__ import annotations
 
 import time
+
+from dask_rmm.wire import METRICS_VERSION, pack_samples
 
 
 class FakeDevice:
@@ -63,7 +65,7 @@ class FakeDevice:
             "task_groups": sorted(
                 ([k, v[0], v[1]] for k, v in self.task_groups.items()), key=lambda g: -g[2]
             ),
-            "samples": samples,
+            "samples": pack_samples(samples),
         }
         out.update(self.extra)
         if self.error:
@@ -84,7 +86,7 @@ class FakeRMMMetrics:
     def __call__(self, worker) -> dict:
         self.calls += 1
         return {
-            "version": 2,
+            "version": METRICS_VERSION,
             "time": time.time(),
             "worker": str(worker.name),
             "devices": {d: dev.snapshot() for d, dev in self.devices.items()},
@@ -96,11 +98,10 @@ class SimulatedCluster:
     SchedulerTimelinePlugin (no Worker objects), and every sample they sent: the full
     resolution the report is checked against."""
 
-    def __init__(self, workers: int, devices: int, seed: int = 0, packed: bool = True):
+    def __init__(self, workers: int, devices: int, seed: int = 0):
         import random
 
         self.rng = random.Random(seed)
-        self.packed = packed
         self.workers = [
             type("SimulatedWorker", (), {})() for _ in range(workers)
         ]  # what _ingest reads of a WorkerState: address, name, metrics
@@ -118,9 +119,6 @@ class SimulatedCluster:
     def beat(self, plugin, samples: int) -> None:
         """Every worker sends a heartbeat with ``samples`` new samples a device."""
         from dask_rmm.wire import heartbeat
-
-        if self.packed:
-            from dask_rmm.wire import pack_samples
 
         for ws in self.workers:
             devices = {}
@@ -142,7 +140,8 @@ class SimulatedCluster:
                     "pool_free_bytes": (2 << 30) - last[1],
                     "largest_free_block": (1 << 30) - last[1] // 2,
                     "gpu_name": "Simulated GPU",
-                    "samples": pack_samples(rows) if self.packed else rows,
+                    "samples": pack_samples(rows),
                 }
             ws.metrics = {"dask-rmm": heartbeat(ws.name, self._clock[key], devices)}
+            ws.last_seen = self._clock[key]  # as the scheduler sets it when a heartbeat arrives
             plugin._ingest(ws)

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
 
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
-__all__ = ["ReportJSON", "ReportPage", "ReportPageSlash", "install_routes", "routes"]
+__all__ = [
+    "DeviceMetrics",
+    "ReportJSON",
+    "ReportPage",
+    "ReportPageSlash",
+    "install_routes",
+    "routes",
+]
 
 #: Rows of the page when neither ``?top=`` nor the config says.
 DEFAULT_PAGE_ROWS = 50
@@ -129,6 +136,21 @@ class ReportJSON(_ReportHandler):
         self.write("".join(batch))
 
 
+class DeviceMetrics(_ReportHandler):
+    """``GET /dask-rmm/metrics``: every running device's series in the Prometheus text format,
+    at any cluster size (``/metrics`` has them up to ``prometheus-device-limit`` devices), made
+    off the event loop once per shared snapshot and served to every scrape of it."""
+
+    async def get(self) -> None:
+        plugin = self._plugin()
+        try:
+            from dask_rmm.scheduler.prometheus import device_text
+        except ImportError:
+            raise web.HTTPError(404, "prometheus_client is not installed") from None
+        self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.write(await plugin.exported("text", device_text))
+
+
 class ReportPageSlash(RequestHandler):
     """``GET /dask-rmm/``: a permanent redirect to ``/dask-rmm`` (query kept), so that the
     page's relative links resolve as they do from ``/dask-rmm``."""
@@ -141,6 +163,7 @@ class ReportPageSlash(RequestHandler):
 #: distributed's route list format: ``(path, handler, kwargs)``.
 routes: list[tuple[str, type, dict]] = [
     ("dask-rmm/report.json", ReportJSON, {}),
+    ("dask-rmm/metrics", DeviceMetrics, {}),
     ("dask-rmm/", ReportPageSlash, {}),
     ("dask-rmm", ReportPage, {}),
 ]

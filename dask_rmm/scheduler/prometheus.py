@@ -1,28 +1,34 @@
-"""Prometheus metrics for dask-rmm on the scheduler's /metrics: cluster totals
+"""Prometheus metrics for dask-rmm. On the scheduler's /metrics: cluster totals
 (``dask_rmm_cluster_*``, worker and device counts) always, and one series per running worker
-device for each :data:`dask_rmm.wire.GAUGES` field plus fragmentation while the cluster has at
-most ``dask-rmm.scheduler.prometheus-device-limit`` devices (a scrape formats every series on the
-event loop; its cost a series is in bench/README.md). Needs prometheus_client (an optional dependency).
+device for each :data:`dask_rmm.wire.GAUGES` field (plus fragmentation, libraries, memory outside
+dask-rmm) while the cluster has at most ``dask-rmm.scheduler.prometheus-device-limit`` devices
+(prometheus_client formats every series of /metrics on the event loop). On /dask-rmm/metrics
+(``http.py``): the per-device series of every device at any cluster size, made in the report
+thread once per shared snapshot and served as it is. Needs prometheus_client (optional).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import dask.config
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dask_rmm.scheduler.report_build import ReportRequest
-from dask_rmm.wire import GAUGES, DeviceSample, to_int, unmeasured_fields
+from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
+from dask_rmm.wire import GAUGES, DeviceSample
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
 
 __all__ = ["DEFAULT_DEVICE_LIMIT", "REGISTRY", "DaskRMMCollector"]
 
-LABELS = ["worker", "name", "device", "gpu"]
+#: A device's labels: the worker's address and name, the device id on the worker, ``gpu`` (its
+#: UUID, or its name without one), and DCGM exporter's ``UUID``, ``modelName``, ``pci_bus_id``
+#: and ``Hostname``, so that a query can join dask-rmm's series with DCGM's.
+LABELS = ["worker", "name", "device", "gpu", "UUID", "modelName", "pci_bus_id", "Hostname"]
 #: Per-device series up to this many devices when the config does not say.
 DEFAULT_DEVICE_LIMIT = 500
 #: Totals exported as ``dask_rmm_cluster_<field>`` (summed over running devices).
@@ -79,58 +85,91 @@ class DaskRMMCollector:
         )
         if sums["devices"] > limit:
             return
-        snap = plugin.snapshot(ReportRequest(timeline=False))
-        running = [x for x in snap.devices() if x.running]
-        kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
-        gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
-        frag = GaugeMetricFamily(
-            "dask_rmm_fragmentation_ratio",
-            "1 - largest free block / free bytes in the pool (absent while none of it is in use)",
-            labels=LABELS,
-        )
-        in_use = GaugeMetricFamily(
-            "dask_rmm_library_in_use_bytes",
-            "Bytes in a library's objects (arrays, tensors) on the device",
-            labels=[*LABELS, "library", "beside_stack"],
-        )
-        held_free = GaugeMetricFamily(
-            "dask_rmm_library_cache_free_bytes",
-            "Bytes a library's cache holds free on the device",
-            labels=[*LABELS, "library", "beside_stack"],
-        )
-        outside = GaugeMetricFamily(
-            "dask_rmm_outside_bytes",
-            "Device memory in use outside dask-rmm (used less what the stack and the libraries "
-            "beside it hold: CUDA contexts, workspaces, other processes)",
-            labels=LABELS,
-        )
-        for x in running:
-            d = x.d
-            labels = [
-                x.rec.address,
-                x.rec.name,
-                x.dev,
-                str(d.get("gpu_uuid") or d.get("gpu_name") or ""),
-            ]
-            skip = unmeasured_fields(d.get("measured"))  # statistics=False: not exported
-            for field, family in gauges:
-                if field in skip:
-                    continue
-                value = x.row_peak() if field == "peak_bytes" else to_int(d.get(field))
-                family.add_metric(labels, value)
-            if x.frag is not None:  # no figure while none of the pool is in use
-                frag.add_metric(labels, x.frag)
-            sample = DeviceSample.from_dict(d)
-            for share in sample.libraries:
-                where = [share.library, "1" if share.outside_stack else "0"]
-                in_use.add_metric(labels + where, share.in_use_bytes)
-                held_free.add_metric(labels + where, share.cached_bytes)
-            outside_bytes = sample.outside_dask_rmm_bytes
-            if outside_bytes is not None:
-                outside.add_metric(labels, outside_bytes)
-        for _, family in gauges:
-            yield family
-        yield frag
-        yield in_use
-        yield held_free
-        yield outside
+        yield from plugin_device_families(plugin)
+
+
+def plugin_device_families(plugin: SchedulerTimelinePlugin) -> list:
+    """The per-device families of ``plugin``'s devices: made now from a fresh snapshot for a
+    small cluster (below ``SHARE_ABOVE`` workers, or outside an event loop), else those made in
+    the report thread from the shared snapshot (at most ``SNAPSHOT_INTERVAL`` old; none until
+    the first is made)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        large = False
+    else:
+        large = plugin.large
+    if not large:
+        return device_families(plugin.snapshot(ReportRequest(timeline=False)))
+    return plugin.exported_now("families", device_families) or []
+
+
+def device_families(snap: Snapshot) -> list:
+    """One series per running device of ``snap`` for each :data:`dask_rmm.wire.GAUGES` field,
+    fragmentation, each library's bytes and the memory outside dask-rmm (any thread)."""
+    running = [x for x in snap.devices() if x.running]
+    kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+    gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
+    frag = GaugeMetricFamily(
+        "dask_rmm_fragmentation_ratio",
+        "1 - largest free block / free bytes in the pool (absent while none of it is in use)",
+        labels=LABELS,
+    )
+    in_use = GaugeMetricFamily(
+        "dask_rmm_library_in_use_bytes",
+        "Bytes in a library's objects (arrays, tensors) on the device",
+        labels=[*LABELS, "library", "beside_stack"],
+    )
+    held_free = GaugeMetricFamily(
+        "dask_rmm_library_cache_free_bytes",
+        "Bytes a library's cache holds free on the device",
+        labels=[*LABELS, "library", "beside_stack"],
+    )
+    outside = GaugeMetricFamily(
+        "dask_rmm_outside_bytes",
+        "Device memory in use outside dask-rmm (used less what the stack and the libraries "
+        "beside it hold: CUDA contexts, workspaces, other processes)",
+        labels=LABELS,
+    )
+    for x in running:
+        sample = DeviceSample.from_dict(x.d)
+        labels = [
+            x.rec.address,
+            x.rec.name,
+            x.dev,
+            sample.gpu_uuid or sample.gpu_name,
+            sample.gpu_uuid,
+            sample.gpu_name,
+            sample.pci_bus_id,
+            _host(x.rec.address),
+        ]
+        skip = sample.unmeasured  # statistics=False: not exported
+        for field, family in gauges:
+            if field in skip:
+                continue
+            value = x.row_peak() if field == "peak_bytes" else getattr(sample, field)
+            family.add_metric(labels, value)
+        if x.frag is not None:  # no figure while none of the pool is in use
+            frag.add_metric(labels, x.frag)
+        for share in sample.libraries:
+            where = [share.library, "1" if share.outside_stack else "0"]
+            in_use.add_metric(labels + where, share.in_use_bytes)
+            held_free.add_metric(labels + where, share.cached_bytes)
+        outside_bytes = sample.outside_dask_rmm_bytes
+        if outside_bytes is not None:
+            outside.add_metric(labels, outside_bytes)
+    return [family for _, family in gauges] + [frag, in_use, held_free, outside]
+
+
+def device_text(snap: Snapshot) -> bytes:
+    """:func:`device_families` in the Prometheus text format (what /dask-rmm/metrics serves)."""
+    registry = CollectorRegistry(auto_describe=False)
+    families = device_families(snap)
+    registry.register(type("_Families", (), {"collect": lambda self: iter(families)})())
+    return generate_latest(registry)
+
+
+def _host(address: str) -> str:
+    """The host of a worker address ("tcp://10.0.0.1:4000" -> "10.0.0.1")."""
+    rest = address.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0].strip("[]") if ":" in rest else rest

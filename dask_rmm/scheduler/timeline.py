@@ -14,7 +14,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -24,14 +24,7 @@ from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
 from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
-from dask_rmm.wire import (
-    METRICS_KEY,
-    METRICS_VERSION,
-    PLUGIN_NAME,
-    READS_VERSION_KEYS,
-    REPORT_HANDLER,
-    unmeasured_fields,
-)
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, to_int, unmeasured_fields
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -52,8 +45,13 @@ DEFAULT_KEEP_GONE = 32
 TOTAL_INTERVAL = 0.5
 #: Worker records a report's snapshot takes between two returns to the event loop.
 SNAPSHOT_CHUNK = 500
-#: Seconds between two log lines about the same worker's malformed metrics (a new reason is
-#: logged at once).
+#: Seconds every report, page and scrape shares one snapshot of a cluster of at least
+#: ``SHARE_ABOVE`` workers (a smaller one's is shared only while no heartbeat came since): the
+#: event loop's cost of a route is then the same whatever the scrape rate.
+SNAPSHOT_INTERVAL = 1.0
+SHARE_ABOVE = 100
+#: Seconds between two log lines about the same worker and kind of problem (``validate.py``'s
+#: kinds: "format", "bounds", "time", "clock", and "devices" for a device no longer reported).
 LOG_INTERVAL = 60.0
 
 
@@ -78,9 +76,10 @@ class _WorkerRecord:
     restarts: int = 0
     #: Per device: the largest ``peak_bytes`` the processes before this one reported.
     earlier_peaks: dict[str, int] = field(default_factory=dict)
-    #: The last problem logged, and when (one line a worker per ``LOG_INTERVAL``).
-    logged: str | None = None
-    logged_at: float = float("-inf")
+    #: When each kind of problem was last logged (one line a kind per ``LOG_INTERVAL``).
+    logged: dict[str, float] = field(default_factory=dict)
+    #: Devices the worker stopped reporting (out of the cluster total since), by id.
+    vanished: set[str] = field(default_factory=set)
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -152,6 +151,12 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._shares: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
+        # Heartbeats read and workers gone since start (a snapshot is current while unchanged),
+        # the snapshot every route shares, the one being taken, and what Prometheus reads of it.
+        self._changes = 0
+        self._shared: _Shared | None = None
+        self._taking: asyncio.Future | None = None
+        self._exports: dict[str, Any] = {}
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
 
@@ -181,9 +186,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return await plugin.report_async(request, "json-bytes")
 
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
-        # Workers send the newest heartbeat version this scheduler reads (an earlier dask-rmm
-        # announces none, and its workers then send the version it reads).
-        scheduler.set_metadata(keys=list(READS_VERSION_KEYS), value=METRICS_VERSION)
         http.install_routes(scheduler)
         try:  # on prometheus_client's default registry: what /metrics serves
             from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector
@@ -238,6 +240,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._order = None
+        self._changes += 1
         ws = scheduler.workers.get(worker)
         if ws is not None:
             self._ingest(ws)
@@ -249,6 +252,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         rec.status = "gone"
         self._dirty.add(worker)
+        self._changes += 1
         for row in rec.rows.values():
             self._total.stop(row)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
@@ -260,6 +264,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def _forget(self, rec: _WorkerRecord) -> None:
         self._dirty.add(rec.address)
+        self._changes += 1
         for row in rec.rows.values():
             self._total.release(row)
         rec.rows.clear()
@@ -316,26 +321,18 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if len(chosen) < share:
             chosen += order[: share - len(chosen)]
         self._cursor = start + share
-        now = time()
-        pending: list = []
-        for address in chosen:
-            ws = workers.get(address)
-            if ws is not None:
-                self._read(ws, now, pending)
-        self._take_samples(pending, now)
+        self._ingest(*filter(None, map(workers.get, chosen)))
 
     def _ingest_all(self) -> None:
         if self.scheduler is not None:
-            now = time()
-            pending: list = []
-            for ws in list(self.scheduler.workers.values()):
-                self._read(ws, now, pending)
-            self._take_samples(pending, now)
+            self._ingest(*self.scheduler.workers.values())
 
-    def _ingest(self, ws: WorkerState) -> None:
+    def _ingest(self, *workers: WorkerState) -> None:
+        """Read these workers' heartbeats, their samples checked in one batch."""
         now = time()
         pending: list = []
-        self._read(ws, now, pending)
+        for ws in workers:
+            self._read(ws, now, pending)
         self._take_samples(pending, now)
 
     def _read(self, ws: WorkerState, now: float, pending: list) -> None:
@@ -357,7 +354,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return  # this heartbeat was read already
         rec.raw = m
         self._dirty.add(rec.address)
-        checked = check_metrics(m, now)
+        self._changes += 1
+        checked = check_metrics(m, now, getattr(ws, "last_seen", None))
         rec.error = None
         if checked.metrics is None:
             # Nothing usable: the worker shows its error, and its old numbers stop counting.
@@ -368,32 +366,53 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             rec.metrics = checked.metrics
             rec.last_seen = checked.metrics["time"]
             pending.extend((rec, dev, blob) for dev, blob in checked.samples)
+            devices = checked.metrics["devices"]
+            if rec.vanished or not rec.rows.keys() <= devices.keys():
+                self._vanish(rec, devices, checked.problems)
             if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
-                self._drop_devices(rec, checked.metrics["devices"])
+                self._drop_devices(rec, devices)
         self._problem(rec, checked.problems, now)
+
+    def _vanish(self, rec: _WorkerRecord, devices: dict, problems: list) -> None:
+        """Devices the worker no longer reports leave the cluster total at once (their rows
+        stop; a device back later counts again), and the report says so."""
+        rec.vanished &= rec.rows.keys() - devices.keys()
+        for dev, row in rec.rows.items():
+            if dev not in devices and dev not in rec.vanished:
+                self._total.stop(row)
+                rec.vanished.add(dev)
+        if rec.vanished:
+            ids = ", ".join(map(repr, sorted(rec.vanished)))
+            problems.append(("devices", f"device {ids} no longer reported: not in the totals"))
 
     def _take_samples(self, pending: list, now: float) -> None:
         """Add the queued samples that are valid (one check for all of them)."""
         checked = check_samples([blob for _, _, blob in pending], now)
         for (rec, dev, _), (blob, problem) in zip(pending, checked, strict=True):
             if problem is not None:
-                self._problem(rec, [f"device {dev!r}: {problem}"], now)
+                kind, text = problem
+                self._problem(rec, [(kind, f"device {dev!r}: {text}")], now)
             if blob:
                 self._add_samples(rec, dev, blob)
 
-    def _problem(self, rec: _WorkerRecord, problems: list[str], now: float) -> None:
-        """Show ``problems`` as the worker's error; log them once per ``LOG_INTERVAL``."""
+    def _problem(self, rec: _WorkerRecord, problems: list[tuple[str, str]], now: float) -> None:
+        """Show ``problems`` (``(kind, text)``) as the worker's error; log each kind once per
+        worker and ``LOG_INTERVAL``, whatever its text (counts and times change every
+        heartbeat)."""
         if not problems:
             return
-        text = "malformed dask-rmm metrics: " + "; ".join(problems)
-        rec.error = text if rec.error is None else f"{rec.error}; {'; '.join(problems)}"
-        if text != rec.logged or now - rec.logged_at >= LOG_INTERVAL:
-            rec.logged, rec.logged_at = text, now
-            logger.warning("dask-rmm: worker %s: %s", rec.address, text[:2000])
+        text = "; ".join(t for _, t in problems)
+        rec.error = f"dask-rmm metrics: {text}" if rec.error is None else f"{rec.error}; {text}"
+        for kind in dict.fromkeys(k for k, _ in problems):
+            if now - rec.logged.get(kind, -math.inf) >= LOG_INTERVAL:
+                rec.logged[kind] = now
+                lines = "; ".join(t for k, t in problems if k == kind)
+                logger.warning("dask-rmm: worker %s: %s", rec.address, lines[:2000])
 
     def _drop_devices(self, rec: _WorkerRecord, keep: dict) -> None:
         for dev in [d for d in rec.timelines if d not in keep]:
             del rec.timelines[dev]
+            rec.vanished.discard(dev)
             row = rec.rows.pop(dev, None)
             if row is not None:
                 self._total.release(row)
@@ -411,6 +430,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
                 old.metrics = old.raw = None
+                old.vanished.clear()
                 stale = self._gone.pop(ws.address, None)  # another name that left from here
                 if stale is not None:
                     self._forget(self._records.pop(ws.address))
@@ -468,11 +488,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if self.scheduler is not None and self.active:
             self.poll()  # heartbeats that arrived since the last tick
         self._compact()
+        return self._take(request or ReportRequest(), list(self._records.values()))
+
+    def _take(self, request: ReportRequest, records: list) -> Snapshot:
         s = self.scheduler
-        request = request or ReportRequest()
         return Snapshot.take(
             request,
-            records=list(self._records.values()),
+            records=records,
             total=self._total.snapshot(),
             scheduler=s.address if s is not None else "",
             timeline_length=self.timeline_length or 0,
@@ -495,19 +517,44 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 await asyncio.sleep(0)
                 if not self.active:
                     return
-            now = time()
-            pending: list = []
-            for ws in workers[start : start + SNAPSHOT_CHUNK]:
-                if s.workers.get(ws.address) is ws:  # not removed while the loop was free
-                    self._read(ws, now, pending)
-            self._take_samples(pending, now)
+            chunk = workers[start : start + SNAPSHOT_CHUNK]
+            # Not those removed while the loop was free.
+            self._ingest(*(ws for ws in chunk if s.workers.get(ws.address) is ws))
             self._compact()
         self._advance_total_if_due()
 
     async def snapshot_async(self, request: ReportRequest) -> Snapshot:
-        """:meth:`snapshot`, the unread heartbeats read and the records taken
-        :data:`SNAPSHOT_CHUNK` at a time with the event loop free in between (each record is
-        taken whole; heartbeats read in between are in the records taken after them)."""
+        """:meth:`snapshot` for ``request``, from the snapshot every route shares
+        (:meth:`_shared_snapshot`)."""
+        shared = await self._shared_snapshot()
+        return Snapshot(request, shared.records, shared.total, shared.meta)
+
+    async def _shared_snapshot(self) -> _Shared:
+        """The snapshot all routes and scrapes share: the last one while no heartbeat came
+        since it (or, from ``SHARE_ABOVE`` workers, for ``SNAPSHOT_INTERVAL`` seconds), else a
+        new one, taken once for every caller waiting meanwhile."""
+        shared = self._shared
+        if shared is not None:
+            large = self.large
+            if large and time() - shared.taken < SNAPSHOT_INTERVAL:
+                return shared
+            if not large and self.active:
+                self._ingest_all()  # a few workers: what came since, read now
+            if shared.changes == self._changes:
+                return shared
+        if self._taking is None or self._taking.done():
+            self._taking = asyncio.ensure_future(self._take_shared())
+        return await asyncio.shield(self._taking)
+
+    @property
+    def large(self) -> bool:
+        """At least ``SHARE_ABOVE`` workers: routes share a snapshot for ``SNAPSHOT_INTERVAL``."""
+        return len(self._records) >= SHARE_ABOVE
+
+    async def _take_shared(self) -> _Shared:
+        """The unread heartbeats read and the records taken :data:`SNAPSHOT_CHUNK` at a time
+        with the event loop free in between (each record is taken whole; heartbeats read in
+        between are in the records taken after them)."""
         await self._catch_up()
         self._compact()
         records = list(self._records.values())
@@ -516,19 +563,36 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             if start:
                 await asyncio.sleep(0)
             rows += [Snapshot.record(r) for r in records[start : start + SNAPSHOT_CHUNK]]
-        s = self.scheduler
-        snap = Snapshot.take(
-            request,
-            records=[],
-            total=self._total.snapshot(),
-            scheduler=s.address if s is not None else "",
-            timeline_length=self.timeline_length or 0,
-            without=[
-                a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
-            ],
-        )
-        snap.records = rows
-        return snap
+        snap = self._take(ReportRequest(), [])
+        self._shared = _Shared(time(), self._changes, rows, snap.total, snap.meta)
+        return self._shared
+
+    async def exported(self, what: str, build: Any) -> Any:
+        """``build(snapshot)`` of the shared snapshot, made in the report thread once per
+        snapshot and kept for every scrape of it (``what`` names it)."""
+        shared = await self._shared_snapshot()
+        kept = self._exports.get(what)
+        if kept is not None and kept[0] is shared:
+            return kept[1]
+        snap = Snapshot(ReportRequest(timeline=False), shared.records, shared.total, shared.meta)
+        value = await self._in_thread(build, snap)
+        self._exports[what] = (shared, value)
+        return value
+
+    def exported_now(self, what: str, build: Any) -> Any:
+        """What :meth:`exported` last made (None: nothing yet), a newer one being made in the
+        background when the snapshot it came from is no longer the one to share."""
+        kept = self._exports.get(what)
+        shared = self._shared
+        stale = kept is None or kept[0] is not shared or shared.changes != self._changes
+        if stale and self.active:
+            asyncio.ensure_future(self.exported(what, build))
+        return None if kept is None else kept[1]
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def report_async(self, request: ReportRequest, form: str = "report") -> Any:
         """The report for ``request``, built in a thread so that the event loop only takes
@@ -537,10 +601,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         "json-pieces" a list of str, one worker a piece) or "html" (the page;
         ``request.refresh`` sets its reload)."""
         snap = await self.snapshot_async(request)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dask-rmm-report")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, snap.render, form)
+        return await self._in_thread(snap.render, form)
+
+
+class _Shared(NamedTuple):
+    """The snapshot every route shares: when it was taken, ``_changes`` then, its parts."""
+
+    taken: float
+    changes: int
+    records: list
+    total: Any
+    meta: dict
 
 
 #: Device fields :meth:`SchedulerTimelinePlugin.cluster_sums` keeps summed.
@@ -568,19 +639,17 @@ def _share(rec: _WorkerRecord) -> list[int] | None:
         for d in devices.values():
             v = d.get(k, 0)
             if k == "paused":  # a count of paused devices, as the report's totals
-                total += bool(v)
+                total += bool(to_int(v))
             elif k == "unmeasured_devices":
                 total += bool(unmeasured_fields(d.get("measured")))
-            else:
-                total += v if type(v) is int else 0
+            else:  # types are not checked at the door: read as the report reads them
+                total += v if type(v) is int else to_int(v)
         share.append(total)
     return share
 
 
 def _device_peaks(metrics: dict | None) -> dict[str, int]:
     """``peak_bytes`` per device of one heartbeat's metrics (0 where malformed)."""
-    from dask_rmm.wire import to_int
-
     devices = (metrics or {}).get("devices")
     if not isinstance(devices, dict):
         return {}

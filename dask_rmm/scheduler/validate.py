@@ -1,366 +1,348 @@
-"""What the scheduler keeps of a worker's dask-rmm heartbeat: each one checked against the wire
-format (:mod:`dask_rmm.wire`) when it arrives, so that no worker's data (another version, a bug,
-a wrong clock, a hand-made client) can make a page, the Prometheus collector, ``cluster_report``
-or the CLI fail, or grow the scheduler's memory or loop time without bound.
+"""The bounds on a worker's dask-rmm heartbeat, enforced when the scheduler reads it: counts,
+string lengths, nesting and times, so that no worker (a bug, a wrong clock, a hand-made client)
+can grow the scheduler's memory, a page's time or a chart's axis without bound.
 
-What is valid is kept; what is not is left out (a field takes its default, a device or sample is
-dropped) and named in the problems, which the plugin logs (rate-limited) and shows as the
-worker's error in the report. Fields this scheduler does not know are ignored, never rejected
-(newer workers add optional fields). Not here: keeping the records (``timeline.py``).
+Types are not checked: every reader takes a device's fields through ``DeviceSample.from_dict`` or
+:func:`dask_rmm.wire.to_int`, which never raise. What is beyond a bound is left out (an entry, a
+field, a device or a sample), counted, and named in the problems, which the plugin shows as the
+worker's error and logs once per worker and kind a minute. Not here: keeping the records
+(``timeline.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import reprlib
 from collections.abc import Mapping
-from itertools import chain
+from itertools import chain, compress, islice
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE
-from dask_rmm.wire import METRICS_VERSION, SAMPLE_STRUCT, DeviceSample, pack_samples
+from dask_rmm.wire import METRICS_VERSION, SAMPLE_STRUCT, DeviceSample
 
-__all__ = [
-    "MAX_AHEAD",
-    "MAX_BYTES",
-    "MAX_DEVICES",
-    "MAX_SAMPLES",
-    "Checked",
-    "check_metrics",
-    "check_samples",
-]
+__all__ = ["MAX_AHEAD", "MAX_DEVICES", "MAX_ENTRIES", "MAX_SAMPLES", "Checked", "check_metrics"]
 
 #: Devices kept of one worker (a host has at most 16 GPUs; dask-cuda gives a worker one).
 MAX_DEVICES = 64
+#: Fields kept of one device entry (``DeviceSample`` has about 55).
+MAX_FIELDS = 128
+#: Entries kept of each list a device carries (task groups, libraries, expected peaks), and
+#: values in one entry; OOM events kept a device (each plain data, nested at most 3 deep).
+MAX_ENTRIES = 64
+MAX_ENTRY = 8
+MAX_OOM_EVENTS = 16
+#: Characters kept of a string (a name, a resource, an error), and of a field name or device id.
+MAX_TEXT = 1024
+MAX_KEY = 64
 #: Samples kept of one device's heartbeat (a worker sends at most 2 x 1000).
 MAX_SAMPLES = 8192
-#: Largest byte count or count kept (1 PiB, in absolute value; a sample's bytes are at least 0):
-#: a sum over 8192 devices cannot wrap an int64.
+#: Largest byte count of a sample (1 PiB): a sum over 8192 devices cannot wrap an int64.
 MAX_BYTES = 1 << 50
-#: Seconds a sample time may be ahead of the scheduler's clock (heartbeat latency, small skew).
+#: Seconds a sample time may be ahead of the scheduler's clock (later ones are dropped: a worker
+#: whose clock is ahead would hold the cluster total back); a heartbeat whose time is off the
+#: scheduler's by more than this either way is logged as clock skew.
 MAX_AHEAD = 60.0
-#: Characters kept of a string field (a name, a resource, an error).
-MAX_TEXT = 1024
-#: Task groups kept a device; OOM events kept a device; items kept in one OOM event's lists.
-MAX_TASK_GROUPS = 64
-MAX_OOM_EVENTS = 16
-MAX_ITEMS = 256
+#: Times before 2000-01-01 or more than a day ahead are no times: dropped and counted.
+EARLIEST = 946684800.0
+LATEST_AHEAD = 86400.0
+_RECORD = SAMPLE_STRUCT.size
 #: OOM event fields that renderers read as numbers.
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
-
-_FIELDS = {f.name: f.type for f in dataclasses.fields(DeviceSample)}
-_INTS = tuple(k for k, t in _FIELDS.items() if t == "int")
-_FLOATS = tuple(k for k, t in _FIELDS.items() if t == "float")
-_STRS = tuple(k for k, t in _FIELDS.items() if t == "str")
-_ints_of = operator.itemgetter(*_INTS)
-_floats_of = operator.itemgetter(*_FLOATS, *_FLOATS)  # a tuple even for one field
-_strs_of = operator.itemgetter(*_STRS)
-_INT, _STR, _NUMBER = {int}, {str}, {int, float}
-_SEQUENCE, _THREE, _DICT = {list, tuple}, {3}, {dict}
-_BLOBS = {bytes, type(None)}
-_RECORD = SAMPLE_STRUCT.size
+_SCALARS = {int, float, bool, type(None)}
+_FLAT = {int, float, bool, type(None), str}
+_SEQUENCES = {list, tuple}
+_STR, _DICT = {str}, {dict}
+_is_str = str.__instancecheck__
+_CONTAINERS = {list, tuple, dict}
+_VALUES = _FLAT | _CONTAINERS | {bytes}
+_ENTRIES = _FLAT | _SEQUENCES
+#: Field names of this version (a device's; the heartbeat's own).
+_KNOWN = frozenset(
+    {f.name for f in dataclasses.fields(DeviceSample)} | {"samples", "fragmentation"}
+)
+_TOP = frozenset({"version", "time", "worker", "devices"})
 
 
 class Checked(NamedTuple):
-    """One heartbeat as checked: ``metrics`` the heartbeat with only valid data (None: nothing
-    usable), ``samples`` each device's packed samples still to check (:func:`check_samples`),
-    ``problems`` what was left out and why."""
+    """One heartbeat as bounded: ``metrics`` (None: nothing usable), ``samples`` each device's
+    packed samples still to check (:func:`check_samples`), ``problems`` as ``(kind, text)``."""
 
     metrics: dict | None
     samples: list[tuple[str, bytes]]
-    problems: list[str]
+    problems: list[tuple[str, str]]
 
 
-def check_metrics(m: Any, now: float) -> Checked:
-    """``m`` (a worker's ``metrics["dask-rmm"]``) with what is malformed left out; ``now`` is
-    the scheduler's clock. Never raises."""
+def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
+    """``m`` (a worker's ``metrics["dask-rmm"]``) within the bounds; ``now`` is the scheduler's
+    clock, ``arrived`` when the heartbeat came (``WorkerState.last_seen``). Never raises."""
     if not isinstance(m, Mapping):
-        return Checked(None, [], [f"metrics are {_kind(m)}, not a mapping"])
-    problems: list[str] = []
-    version = m.get("version", 1)
-    if type(version) is not int or version < 1:
-        return Checked(None, [], [f"unknown wire version {_short(version)}"])
-    if version > METRICS_VERSION:
-        problems.append(
-            f"wire version {version} is newer than this scheduler's {METRICS_VERSION}: "
-            "fields it does not know are ignored"
-        )
+        return Checked(None, [], [("format", f"metrics are {_kind(m)}, not a mapping")])
+    version = m.get("version")
+    if version != METRICS_VERSION or type(version) is not int:
+        return Checked(None, [], [("format", _version_line(version))])
     raw = m.get("devices")
     if not isinstance(raw, Mapping):
-        return Checked(None, [], [*problems, f"devices are {_kind(raw)}, not a mapping"])
-    sent: Any = m.get("time")
-    t = now
-    if _number(sent) and math.isfinite(sent) and sent <= now + MAX_AHEAD:
-        t = float(sent)
-    elif sent is not None:
-        problems.append(f"heartbeat time {_short(sent)} is not a time up to now; taken as now")
-    devices: dict[str, Mapping] = {}
+        return Checked(None, [], [("format", f"devices are {_kind(raw)}, not a mapping")])
+    problems: list[tuple[str, str]] = []
+    t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
+    devices: dict[str, Any] = {}
     samples: list[tuple[str, bytes]] = []
-    if _all_well_formed(raw):  # what a worker of this version sends: checked in bulk
-        blobs = [d.get("samples") for d in raw.values()]
-        if set(map(type, blobs)) <= _BLOBS and all(len(b) % _RECORD == 0 for b in blobs if b):
-            samples = [(dev, b) for dev, b in zip(raw, blobs, strict=True) if b]
-            if not samples or max(len(b) for _, b in samples) <= MAX_SAMPLES * _RECORD:
-                raw = {}
-                devices = dict(m["devices"])
-            else:
-                samples = []
-    for dev, d in raw.items():
-        if len(devices) == MAX_DEVICES:
-            problems.append(f"{len(raw)} devices: only the first {MAX_DEVICES} kept")
-            break
-        if type(dev) is int:
-            dev = str(dev)
-        if type(dev) is not str or not 0 < len(dev) <= 64:
-            problems.append(f"device id {_short(dev)} dropped (not a short str or int)")
-            continue
-        if dev in devices:
-            problems.append(f"device {dev!r} sent twice (as int and str); the second dropped")
-            continue
-        if not isinstance(d, Mapping):
-            problems.append(f"device {dev!r} is {_kind(d)}, not a mapping; dropped")
-            continue
-        d = _check_device(dev, d, now, problems)
+    fast = _all_within(raw)  # what a worker sends: bounded in a few C calls for every device
+    if len(raw) > MAX_DEVICES:
+        problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
+    for dev, d in islice(raw.items(), MAX_DEVICES):
+        if not fast:
+            dev = str(dev) if type(dev) is int else dev
+            if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
+                problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
+                continue
+            if dev in devices:
+                problems.append(("format", f"device {dev!r} sent twice (as int and str)"))
+                continue
+            if not isinstance(d, Mapping):
+                problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
+                continue
+            d = _bound(f"device {dev!r}", d, now, problems)
         blob = d.get("samples")
-        if blob:
-            blob = _packed(dev, blob, problems)
-            if blob:
-                samples.append((dev, blob))
+        if blob and (blob := _packed(dev, blob, problems)):
+            samples.append((dev, blob))
         devices[dev] = d
-    out = dict(m)
-    out["version"], out["time"], out["devices"] = version, t, devices
-    return Checked(out, samples, problems)
+    worker = m.get("worker")
+    if m.keys() <= _TOP and (type(worker) is not str or len(worker) <= MAX_TEXT):
+        top: Mapping = {"version": version, "worker": worker}
+    else:
+        top = _bound("the heartbeat", {k: v for k, v in m.items() if k != "devices"}, now, problems)
+    return Checked({**top, "time": t, "devices": devices}, samples, problems)
 
 
-def _all_well_formed(devices: Mapping) -> bool:
-    """:func:`_well_formed` for every device of a heartbeat at once (ids short str, entries
-    dicts), a few C calls for all of them."""
-    if not 0 < len(devices) <= MAX_DEVICES or set(map(type, devices)) != _STR:
+def _all_within(devices: Mapping) -> bool:
+    """Every device of a heartbeat within the bounds (ids, fields, strings, list and map
+    entries), checked a few C calls at a time for all of them; False sends the heartbeat
+    through the field-by-field path (also for OOM events, which :func:`_oom_events` reads)."""
+    if not 0 < len(devices) <= MAX_DEVICES or "" in devices:
         return False
-    if not 0 < min(map(len, devices)) or max(map(len, devices)) > 64:
+    if not _short_texts(devices, MAX_KEY, True):
         return False
     ds = list(devices.values())
     if set(map(type, ds)) != _DICT:
         return False
-    try:
-        ints = list(chain.from_iterable(map(_ints_of, ds)))
-        floats = list(chain.from_iterable(map(_floats_of, ds)))
-        strs = list(chain.from_iterable(map(_strs_of, ds)))
-    except KeyError:  # an older producer: some fields missing
+    if not all(map(_KNOWN.issuperset, ds)) and (
+        max(map(len, ds)) > MAX_FIELDS or not _short_texts(list(chain(*ds)), MAX_KEY, True)
+    ):
         return False
-    errors = [e for d in ds if (e := d.get("error")) is not None]
-    groups = [g for d in ds if (g := d.get("task_groups"))]
+    values = list(chain.from_iterable(map(dict.values, ds)))
+    types = list(map(type, values))
+    if not _VALUES.issuperset(types) or not _short_texts(values):
+        return False
+    if types.count(bytes) > sum(type(d.get("samples")) is bytes for d in ds):
+        return False
+    containers = list(compress(values, map(_CONTAINERS.__contains__, types)))
+    if not containers:
+        return True
+    if max(map(len, containers)) > MAX_ENTRIES:
+        return False
+    maps = [c for c in containers if type(c) is dict]
+    if maps and not _flat_ok(chain.from_iterable(maps)):
+        return False
+    entries = list(chain.from_iterable(c.values() if type(c) is dict else c for c in containers))
+    types = list(map(type, entries))
+    if not _ENTRIES.issuperset(types) or not _short_texts(entries):
+        return False
+    seqs = list(compress(entries, map(_SEQUENCES.__contains__, types)))
+    return not seqs or (max(map(len, seqs)) <= MAX_ENTRY and _flat_ok(chain(*seqs)))
+
+
+def _short_texts(values: Any, most: int = MAX_TEXT, only: bool = False) -> bool:
+    """The strings of ``values`` at most ``most`` characters (``only``: all of them strings)."""
+    if only:
+        return _STR.issuperset(map(type, values)) and max(map(len, values)) <= most
+    return max(map(len, filter(_is_str, values)), default=0) <= most
+
+
+def _version_line(version: Any) -> str:
     return (
-        _scalars_ok(ints, floats, strs)
-        and (not errors or (set(map(type, errors)) == _STR and max(map(len, errors)) <= MAX_TEXT))
-        and (
-            not groups
-            or (
-                set(map(type, groups)) <= _SEQUENCE
-                and max(map(len, groups)) <= MAX_TASK_GROUPS
-                and _groups_ok(list(chain.from_iterable(groups)), len(ds) * MAX_TASK_GROUPS)
-            )
+        f"heartbeat version {_short(version)}; this scheduler reads version {METRICS_VERSION} "
+        "only: run the same dask-rmm on the workers and the scheduler"
+    )
+
+
+def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> float:
+    """The heartbeat's time: taken as now when it is no time (counted) or ahead of the
+    scheduler's clock (a skew either way is logged)."""
+    if type(sent) not in (int, float) or not EARLIEST <= sent <= now + LATEST_AHEAD:
+        if sent is not None:
+            problems.append(("time", f"heartbeat time {_short(sent)} is no time; taken as now"))
+        return now
+    skew = sent - arrived
+    if abs(skew) > MAX_AHEAD:
+        where = "ahead of" if skew > 0 else "behind"
+        problems.append(("clock", f"clock {abs(skew):.0f} s {where} the scheduler's"))
+    return float(sent) if sent <= now + MAX_AHEAD else now
+
+
+def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
+    """A device entry (or the heartbeat's own fields) within the bounds: the same dict when it
+    already is. Fields are numbers, short strings, packed ``samples``, lists or maps of flat
+    entries (:func:`_entries`), and ``oom_events``."""
+    src, out = d, None
+    if len(d) > MAX_FIELDS:
+        problems.append(("bounds", f"{where}: {len(d)} fields, the first {MAX_FIELDS} kept"))
+        src = dict(islice(d.items(), MAX_FIELDS))
+        out = dict(src)
+    if not (set(map(type, src)) <= _STR and max(map(len, src), default=0) <= MAX_KEY):
+        keys = [k for k in src if type(k) is str and len(k) <= MAX_KEY]
+        problems.append(("bounds", f"{where}: {len(src) - len(keys)} field names dropped"))
+        out = {k: src[k] for k in keys}
+        src = dict(out)
+    for k, v in src.items():
+        t = type(v)
+        if t in _SCALARS:
+            continue
+        new: Any = v
+        if t is str:
+            if len(v) > MAX_TEXT:
+                new = v[:MAX_TEXT] + "..."
+                problems.append(("bounds", f"{where}: {k} of {len(v)} characters cut"))
+        elif t is bytes:
+            if k != "samples" and len(v) > MAX_TEXT:
+                new = _DROP
+                problems.append(("bounds", f"{where}: {k} of {len(v)} bytes dropped"))
+        elif t in _SEQUENCES and k == "oom_events":
+            new = _oom_events(where, v, now, problems)
+        elif t in _SEQUENCES or t is dict:
+            new = _entries(where, k, v, problems)
+        else:
+            new = _DROP
+            problems.append(("bounds", f"{where}: {k} is {_kind(v)}; dropped"))
+        if new is not v:
+            if out is None:
+                out = dict(d)
+            if new is _DROP:
+                del out[k]
+            else:
+                out[k] = new
+    return d if out is None else out
+
+
+_DROP = object()
+
+
+def _entries(where: str, name: str, v: Any, problems: list) -> Any:
+    """A list (or map) field: at most :data:`MAX_ENTRIES` entries (keys short strings), each a
+    number, a short string or a flat sequence of at most :data:`MAX_ENTRY` of them (a few C
+    calls when it already is)."""
+    n = len(v)
+    if n > MAX_ENTRIES:
+        problems.append(("bounds", f"{where}: {name} of {n} entries, {MAX_ENTRIES} kept"))
+        v = dict(islice(v.items(), MAX_ENTRIES)) if type(v) is dict else v[:MAX_ENTRIES]
+    if not v:
+        return v
+    values = list(v.values()) if type(v) is dict else v
+    if (type(v) is not dict or _flat_ok(v)) and (
+        _flat_ok(values)
+        or (
+            set(map(type, values)) <= _SEQUENCES
+            and max(map(len, values)) <= MAX_ENTRY
+            and _flat_ok(list(chain.from_iterable(values)))
         )
-        and not any(d.get("oom_events") for d in ds)
-    )
-
-
-def _scalars_ok(ints: list, floats: list, strs: list) -> bool:
-    """Byte counts are ints within bounds, figures finite non-negative numbers, texts short
-    strings: a few C calls for all of them."""
-    return (
-        set(map(type, ints)) == _INT
-        and -MAX_BYTES <= min(ints)
-        and max(ints) <= MAX_BYTES
-        and set(map(type, floats)) <= _NUMBER
-        and 0 <= min(floats)
-        and math.isfinite(sum(floats))
-        and set(map(type, strs)) == _STR
-        and max(map(len, strs)) <= MAX_TEXT
-    )
-
-
-def _well_formed(d: Mapping) -> bool:
-    """Every known field there and well formed (what a worker of this version sends): checked
-    a few C calls at a time."""
-    try:
-        ints, floats, strs = _ints_of(d), _floats_of(d), _strs_of(d)
-    except KeyError:  # an older producer: some fields missing
-        return False
-    error, groups, events = d.get("error"), d.get("task_groups"), d.get("oom_events")
-    return (
-        _scalars_ok(ints, floats, strs)
-        and (error is None or (type(error) is str and len(error) <= MAX_TEXT))
-        and (not groups or _groups_ok(groups))
-        and not events
-    )
-
-
-def _check_device(dev: str, d: Mapping, now: float, problems: list[str]) -> Mapping:
-    """The device entry with malformed known fields left out (they read as their default).
-    Task groups are only bounded here: their readers take each one apart safely."""
-    if _well_formed(d):
-        return d
-    fast = False
-    out = dict(d)
-    bad = []
-    if not fast:
-        for k in _INTS:
-            if k in out:
-                v = out[k]
-                if type(v) is bool:
-                    out[k] = int(v)
-                elif type(v) is not int or not -MAX_BYTES <= v <= MAX_BYTES:
-                    bad.append(k)
-    for k in _FLOATS:
-        if k in out:
-            v = out[k]
-            if not _number(v) or not (math.isfinite(v) and v >= 0):
-                bad.append(k)
-    for k in _STRS:
-        if k in out:
-            v = out[k]
-            if type(v) is not str:
-                bad.append(k)
-            elif len(v) > MAX_TEXT:
-                out[k] = v[:MAX_TEXT] + "..."
-                problems.append(f"device {dev!r}: {k} of {len(v)} characters cut")
-    error = out.get("error")
-    if error is not None and type(error) is not str:
-        out["error"] = f"(an error of type {type(error).__name__}, not text)"
-        problems.append(f"device {dev!r}: error={_short(error)} is not text")
-    elif error is not None and len(error) > MAX_TEXT:
-        out["error"] = error[:MAX_TEXT] + "..."
-        problems.append(f"device {dev!r}: error of {len(error)} characters cut")
-    for k in bad:
-        problems.append(f"device {dev!r}: {k}={_short(out.pop(k))} dropped (wrong type or range)")
-    groups = out.get("task_groups")
-    if groups:
-        out["task_groups"] = _task_groups(dev, groups, problems)
-    events = out.get("oom_events")
-    if events:
-        out["oom_events"] = _oom_events(dev, events, now, problems)
-    return out
-
-
-def _groups_ok(groups: Any, most: int = MAX_TASK_GROUPS) -> bool:
-    """Task groups all ``[str, int, int]`` in bounds, at most ``most`` (a few C calls, not a
-    loop)."""
-    if type(groups) not in _SEQUENCE or len(groups) > most:
-        return False
-    if not set(map(type, groups)) <= _SEQUENCE or set(map(len, groups)) != _THREE:
-        return False
-    prefixes, current, peak = zip(*groups, strict=True)
-    numbers = current + peak
-    return (
-        set(map(type, prefixes)) == _STR
-        and max(map(len, prefixes)) <= MAX_TEXT
-        and set(map(type, numbers)) == _INT
-        and min(numbers) >= 0
-        and max(numbers) <= MAX_BYTES
-    )
-
-
-def _task_groups(dev: str, groups: Any, problems: list[str]) -> list:
-    if _groups_ok(groups):
-        return groups
-    if not isinstance(groups, (list, tuple)):
-        problems.append(f"device {dev!r}: task_groups are {_kind(groups)}; dropped")
-        return []
-    kept = [g for g in groups[:MAX_TASK_GROUPS] if _groups_ok([g])]
-    if len(kept) < len(groups):
-        problems.append(f"device {dev!r}: {len(groups) - len(kept)} task groups dropped")
+    ):
+        return v
+    if type(v) is dict:
+        kept: Any = {k: e for k, e in v.items() if _flat_ok([k]) and _entry_ok(e)}
+    else:
+        kept = [e for e in v if _entry_ok(e)]
+    problems.append(("bounds", f"{where}: {n - len(kept)} {name} entries nested or long; dropped"))
     return kept
 
 
-def _oom_events(dev: str, events: Any, now: float, problems: list[str]) -> list:
-    if not isinstance(events, (list, tuple)):
-        problems.append(f"device {dev!r}: oom_events are {_kind(events)}; dropped")
-        return []
+def _entry_ok(e: Any) -> bool:
+    if type(e) in _SEQUENCES:
+        return len(e) <= MAX_ENTRY and _flat_ok(e)
+    return _flat_ok([e])
+
+
+def _flat_ok(values: Any) -> bool:
+    """Every one of ``values`` a number or a string of at most :data:`MAX_TEXT` characters."""
+    values = list(values)
+    return _FLAT.issuperset(map(type, values)) and _short_texts(values)
+
+
+def _oom_events(where: str, events: list | tuple, now: float, problems: list) -> list:
+    """The last :data:`MAX_OOM_EVENTS` events of plain data, nested at most 3 deep, whose
+    figures the renderers read are numbers and whose time is a time."""
     kept = []
     for e in events[-MAX_OOM_EVENTS:]:
-        if not isinstance(e, Mapping):
-            continue
         try:
             event = _plain(e, 3)
         except ValueError:
             continue
-        when = event.get("time")
-        if all(event.get(k) is None or _number(event[k]) for k in _OOM_NUMBERS) and (
-            when is None or -1e12 < when <= now + MAX_AHEAD
+        if type(event) is not dict or not all(
+            event.get(k) is None or type(event[k]) in (int, float) for k in _OOM_NUMBERS
         ):
+            continue
+        if event.get("time") is None or EARLIEST <= event["time"] <= now + MAX_AHEAD:
             kept.append(event)
     if len(kept) < len(events):
-        problems.append(f"device {dev!r}: {len(events) - len(kept)} OOM events dropped")
+        problems.append(
+            ("bounds", f"{where}: {len(events) - len(kept)} of {len(events)} OOM events dropped "
+             f"(kept: the last {MAX_OOM_EVENTS} of plain data with a time)")
+        )  # fmt: skip
     return kept
 
 
 def _plain(value: Any, depth: int) -> Any:
     """``value`` as plain JSON data (str keys, finite numbers, bounded sizes) or ValueError."""
     t = type(value)
-    if value is None or t is bool or t is int:
-        if t is int and abs(value) >= 1 << 63:
-            raise ValueError("integer out of range")
-        return value
-    if t is float:
-        if not math.isfinite(value):
-            raise ValueError("not finite")
+    if t in _SCALARS:
+        if (t is int and abs(value) >= 1 << 63) or (t is float and not math.isfinite(value)):
+            raise ValueError("out of range")
         return value
     if t is str:
         return value if len(value) <= MAX_TEXT else value[:MAX_TEXT] + "..."
-    if depth > 0 and isinstance(value, Mapping) and len(value) <= MAX_ITEMS:
+    if depth > 0 and t is dict and len(value) <= MAX_ENTRIES:
         if not all(type(k) is str for k in value):
             raise ValueError("a key that is no str")
         return {k: _plain(v, depth - 1) for k, v in value.items()}
-    if depth > 0 and isinstance(value, (list, tuple)):
-        return [_plain(v, depth - 1) for v in value[:MAX_ITEMS]]
+    if depth > 0 and t in _SEQUENCES:
+        return [_plain(v, depth - 1) for v in value[:MAX_ENTRIES]]
     raise ValueError(f"{t.__name__} is no plain data")
 
 
-def _packed(dev: str, samples: Any, problems: list[str]) -> bytes | None:
-    """The device's samples packed (version 3 sends bytes, version 2 lists), or None."""
-    if type(samples) is bytes:
-        if len(samples) % _RECORD:
-            problems.append(f"device {dev!r}: {len(samples)} bytes of samples are no whole records")
-            return None
-    elif isinstance(samples, (list, tuple)) and len(samples) <= MAX_SAMPLES:
-        try:
-            samples = pack_samples(samples)
-        except (TypeError, IndexError, KeyError, ValueError):
-            problems.append(f"device {dev!r}: samples are not [time, int, int] rows; dropped")
-            return None
-    else:
-        problems.append(f"device {dev!r}: samples are {_kind(samples)}; dropped")
-        return None
-    if len(samples) > MAX_SAMPLES * _RECORD:
+def _packed(dev: str, samples: Any, problems: list) -> bytes | None:
+    """The device's packed samples, or None (and why)."""
+    if type(samples) is not bytes:
+        problems.append(("format", f"device {dev!r}: samples are {_kind(samples)}, not packed"))
+    elif len(samples) % _RECORD:
+        problems.append(("format", f"device {dev!r}: {len(samples)} bytes of samples"))
+    elif len(samples) > MAX_SAMPLES * _RECORD:
         problems.append(
-            f"device {dev!r}: {len(samples) // _RECORD} samples in one heartbeat, more than "
-            f"{MAX_SAMPLES}; dropped"
-        )
-        return None
-    return samples
+            ("bounds", f"device {dev!r}: {len(samples) // _RECORD} samples, more than "
+             f"{MAX_SAMPLES}; dropped")
+        )  # fmt: skip
+    else:
+        return samples
+    return None
 
 
-def check_samples(blobs: list[bytes], now: float) -> list[tuple[bytes, str | None]]:
-    """Each packed blob's valid samples (finite times up to ``MAX_AHEAD`` past ``now``, bytes in
+def check_samples(blobs: list[bytes], now: float) -> list[tuple[bytes, tuple[str, str] | None]]:
+    """Each packed blob's valid samples (times from 2000 to ``MAX_AHEAD`` past ``now``, bytes in
     ``[0, MAX_BYTES]``, in time order) and what was wrong (None: nothing). One numpy pass over
     all of them: the poller checks every heartbeat it reads at once."""
     if not blobs:
         return []
     a = np.frombuffer(b"".join(blobs), SAMPLE_DTYPE)
     t, c, m = a["t"], a["c"], a["m"]
-    good = (t > -np.inf) & (t <= now + MAX_AHEAD) & (c >= 0) & (c <= MAX_BYTES)
+    good = (t >= EARLIEST) & (t <= now + MAX_AHEAD) & (c >= 0) & (c <= MAX_BYTES)
     good &= (m >= 0) & (m <= MAX_BYTES)
     back = t[1:] < t[:-1]
     ends = np.cumsum([len(b) // _RECORD for b in blobs])
     back[ends[:-1] - 1] = False  # one blob's last sample and the next one's first
     if good.all() and not back.any():
         return [(b, None) for b in blobs]
-    out: list[tuple[bytes, str | None]] = []
+    out: list[tuple[bytes, tuple[str, str] | None]] = []
     start = 0
     for b, end in zip(blobs, ends.tolist(), strict=True):
         if good[start:end].all() and not back[start : end - 1].any():
@@ -371,32 +353,28 @@ def check_samples(blobs: list[bytes], now: float) -> list[tuple[bytes, str | Non
     return out
 
 
-def _fix(a: np.ndarray, now: float) -> tuple[bytes, str]:
+def _fix(a: np.ndarray, now: float) -> tuple[bytes, tuple[str, str]]:
     t = a["t"]
     reasons = []
     with np.errstate(invalid="ignore"):
-        nan = ~np.isfinite(t)
-        ahead = ~nan & (t > now + MAX_AHEAD)
+        absurd = ~(t >= EARLIEST) | (t > now + LATEST_AHEAD)
+        ahead = ~absurd & (t > now + MAX_AHEAD)
     out_of_range = (a["c"] < 0) | (a["c"] > MAX_BYTES) | (a["m"] < 0) | (a["m"] > MAX_BYTES)
-    if nan.any():
-        reasons.append(f"{int(nan.sum())} with a time that is no finite number")
+    if absurd.any():
+        reasons.append(f"{int(absurd.sum())} at no time (before 2000 or a day ahead)")
     if ahead.any():
         reasons.append(
             f"{int(ahead.sum())} up to {float(t[ahead].max()) - now:.0f} s ahead of the "
-            "scheduler's clock (is the worker's clock right?)"
+            "scheduler's clock"
         )
     if out_of_range.any():
         reasons.append(f"{int(out_of_range.sum())} with bytes outside [0, 2**50]")
-    kept = a[~(nan | ahead | out_of_range)]
+    kept = a[~(absurd | ahead | out_of_range)]
     text = f"{len(a) - len(kept)} of {len(a)} samples dropped: " + "; ".join(reasons)
     if len(kept) > 1 and (kept["t"][1:] < kept["t"][:-1]).any():
         kept = kept[np.argsort(kept["t"], kind="stable")]
         text = "samples out of time order, sorted" + ("" if len(kept) == len(a) else "; " + text)
-    return kept.tobytes(), text
-
-
-def _number(v: Any) -> bool:
-    return type(v) is float or type(v) is int
+    return kept.tobytes(), ("clock" if ahead.any() else "time", text)
 
 
 def _kind(v: Any) -> str:

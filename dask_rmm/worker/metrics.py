@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -97,28 +96,6 @@ def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
             del worker.periodic_callbacks[key]
 
 
-#: Seconds a worker's setup waits for the scheduler to say which heartbeat version it reads.
-ASK_VERSION_TIMEOUT = 10.0
-
-
-async def scheduler_reads_version(worker: Worker) -> int:
-    """The newest heartbeat version the scheduler's dask-rmm plugin reads, as it announces it
-    (:data:`dask_rmm.wire.READS_VERSION_KEYS`), at most this worker's; a scheduler that
-    announces none (an earlier dask-rmm) or cannot be asked reads
-    :data:`~dask_rmm.wire.UNANNOUNCED_VERSION`."""
-    try:  # bounded: a scheduler slow to answer must not hold the worker's setup
-        reads = await asyncio.wait_for(
-            worker.scheduler.get_metadata(keys=list(wire.READS_VERSION_KEYS), default=None),
-            ASK_VERSION_TIMEOUT,
-        )
-    except Exception:
-        logger.debug("dask-rmm: could not ask the scheduler what it reads", exc_info=True)
-        reads = None
-    if type(reads) is not int or reads < wire.UNANNOUNCED_VERSION:
-        return wire.UNANNOUNCED_VERSION
-    return min(reads, METRICS_VERSION)
-
-
 def admission_fields(worker: Worker, top_n: int) -> dict[str, Any]:
     """The heartbeat's memory-admission fields of ``worker`` (none without admission): tasks
     held back now and since setup, their waits, and the ``top_n`` largest expected peaks."""
@@ -139,9 +116,6 @@ class WorkerMetrics:
         self._sampler: Any = None  # tornado PeriodicCallback while sampling
         self._previous_rmm_metric: Any = None
         self._retired: Callable[[], list[DeviceStack]] = list
-        #: The heartbeat version sent: what every dask-rmm scheduler reads until the scheduler
-        #: announces a newer one (:func:`scheduler_reads_version`).
-        self.heartbeat_version = wire.UNANNOUNCED_VERSION
 
     def install(
         self,
@@ -238,7 +212,6 @@ class WorkerMetrics:
             name if isinstance(name, (str, int)) else str(name),
             time.time(),
             devices,
-            self.heartbeat_version,
         )
 
     @staticmethod

@@ -48,7 +48,7 @@ async def test_pages_hold_the_event_loop_to_the_bound_and_keep_exact_numbers(c, 
     await install_scheduler_plugin(c)
     plugin = s.plugins[PLUGIN_NAME]
     plugin._poller.stop()  # the simulated workers are fed below, not polled
-    sim = SimulatedCluster(workers=250, devices=8, packed=False)  # lists: every format reads
+    sim = SimulatedCluster(workers=250, devices=8)
     for _ in range(12):
         sim.beat(plugin, samples=25)
         plugin.poll()  # as the poller does between heartbeats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from distributed.utils_test import gen_cluster
 
@@ -11,6 +13,7 @@ from fake_metrics import FakeRMMMetrics  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tornado.httpclient import AsyncHTTPClient  # noqa: E402
 
+from dask_rmm.client.fetch import cluster_report  # noqa: E402
 from dask_rmm.scheduler import install_scheduler_plugin  # noqa: E402
 from dask_rmm.wire import PLUGIN_NAME  # noqa: E402
 
@@ -81,3 +84,45 @@ async def test_fragmentation_ratio_is_absent_for_a_pool_with_nothing_in_use(c, s
     frag = _by_worker((await _families(s))["dask_rmm_fragmentation_ratio"])
     assert set(frag) == {(a.address, "0")}  # b's pool is idle: no figure, not 50 %
     assert 0.0 < frag[a.address, "0"] < 1.0
+
+
+@gen_cluster(client=True, config={"dask-rmm.scheduler.prometheus-device-limit": 1})
+async def test_every_device_is_on_dask_rmm_metrics_above_the_limit_with_dcgm_labels(c, s, a, b):
+    fa, fb = FakeRMMMetrics(), FakeRMMMetrics(("0", "1"))
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = fa, fb
+    fa["0"].extra.update(gpu_uuid="GPU-1234", gpu_name="NVIDIA H100", pci_bus_id="0000:3B:00.0")
+    fa["0"].allocate(1000)
+    fb["1"].allocate(4096)
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    assert "dask_rmm_used_bytes" not in await _families(s)  # 3 devices > the limit of 1
+    r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/dask-rmm/metrics")
+    fams = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+    used = _by_worker(fams["dask_rmm_used_bytes"])
+    assert used == {(a.address, "0"): 1000, (b.address, "0"): 0, (b.address, "1"): 4096}
+    (labels,) = [
+        x.labels for x in fams["dask_rmm_used_bytes"].samples if x.labels["worker"] == a.address
+    ]
+    assert labels["UUID"] == "GPU-1234" and labels["modelName"] == "NVIDIA H100"
+    assert labels["pci_bus_id"] == "0000:3B:00.0" and labels["Hostname"] == "127.0.0.1"
+    assert "dask_rmm_cluster_current_bytes" not in fams  # the totals stay on /metrics
+
+
+@gen_cluster(client=True)
+async def test_every_route_asked_at_once_shares_one_snapshot(c, s, a, b):
+    a.metrics["dask-rmm"] = FakeRMMMetrics()
+    await install_scheduler_plugin(c)
+    await a.heartbeat()
+    plugin = s.plugins[PLUGIN_NAME]
+    taken = []
+    take = plugin._take_shared
+    plugin._take_shared = lambda: (taken.append(1), take())[1]
+    http = AsyncHTTPClient()
+    base = f"http://127.0.0.1:{s.http_server.port}/"
+    paths = ["dask-rmm", "dask-rmm/report.json", "dask-rmm/metrics", "dask-rmm?top=1"]
+    answers = await asyncio.gather(*(http.fetch(base + p) for p in paths), cluster_report(c))
+    assert all(x.code == 200 for x in answers[:-1]) and answers[-1].device(a.address)
+    assert len(taken) == 1
+    await a.heartbeat()  # a heartbeat read since: the next route takes a new one
+    await cluster_report(c)
+    assert len(taken) == 2

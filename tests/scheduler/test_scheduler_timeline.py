@@ -244,13 +244,13 @@ async def test_no_dask_rmm_workers(c, s, a, b):
 
 @gen_cluster(client=True)
 async def test_malformed_metrics_never_break_heartbeats(c, s, a, b):
-    a.metrics["dask-rmm"] = lambda w: {"version": 1, "devices": {"0": {"samples": [[1.0]]}}}
+    a.metrics["dask-rmm"] = lambda w: {"version": 3, "devices": {"0": {"samples": [[1.0]]}}}
     await install_scheduler_plugin(c)
     await a.heartbeat()
     await a.heartbeat()
     assert a.address in s.workers and a.status.name == "running"
     report = await cluster_report(c)
-    assert any("malformed" in e for e in report.errors)
+    assert any("not packed" in e for e in report.errors)
     assert len(s.plugins[PLUGIN_NAME]._records[a.address].timelines.get("0") or ()) == 0
     str(report)
     report.to_html()

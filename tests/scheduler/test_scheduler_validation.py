@@ -115,7 +115,12 @@ MALFORMED = {
     "more samples than a heartbeat holds": lambda: _packed_samples(
         [[NOW - 1 + i * 1e-5, i, i] for i in range(MAX_SAMPLES + 1)]
     ),
+    "samples as lists (no longer read)": lambda: _samples([[NOW, 1, 1]]),
+    "a sample at -1e300": lambda: _samples([[-1e300, 1, 1], [NOW, 1, 1]]),
+    "a sample in 1970": lambda: _samples([[1.0, 1, 1], [NOW, 1, 1]]),
+    "a heartbeat time of -1e300": lambda: _one() | {"time": -1e300},
     "wire version 999": lambda: _one() | {"version": 999},
+    "wire version 2": lambda: _one() | {"version": 2},
     "wire version a str": lambda: _one() | {"version": "3"},
     "wire version 0": lambda: _one() | {"version": 0},
     "device ids 0 and '0'": lambda: _beat({0: _device(NOW), "0": _device(NOW)}),
@@ -126,6 +131,15 @@ MALFORMED = {
     "a heartbeat time of NaN": lambda: _one() | {"time": math.nan},
     "a heartbeat time a str": lambda: _one() | {"time": "now"},
 }
+
+
+#: Cases within every bound whose wrong types the readers take as they can (a number that is no
+#: int as 0, a list of one name as its text): nothing is left out, so no error.
+READ_LENIENTLY = {
+    "bytes in a device's error", "OOM events a str", "current_bytes near 2**63",
+    "current_bytes -(2**63)", "a float where an int goes", "a str where an int goes",
+    "NaN seconds", "a list where a str goes", "task groups a str", "malformed task groups",
+}  # fmt: skip
 
 
 async def _readers(c, s, good) -> tuple[ClusterMemoryReport, str]:
@@ -171,8 +185,9 @@ async def test_a_malformed_heartbeat_breaks_no_reader_and_is_that_workers_error(
     for _ in range(2):
         await asyncio.gather(a.heartbeat(), b.heartbeat())
     report, text = await _readers(c, s, b)
-    assert any(e.startswith(a.address) for e in report.errors), report.errors
-    assert a.address in text
+    if case not in READ_LENIENTLY:
+        assert any(e.startswith(a.address) for e in report.errors), report.errors
+        assert a.address in text
     # Nothing unbounded was kept: a worker's devices and timelines stay within their limits.
     rec = plugin._records[a.address]
     assert len(rec.timelines) <= MAX_DEVICES
@@ -200,7 +215,7 @@ async def test_an_error_is_logged_once_per_worker_not_every_heartbeat(c, s, a, b
 
 
 @gen_cluster(client=True)
-async def test_unknown_fields_and_a_newer_minor_addition_are_read_without_error(c, s, a, b):
+async def test_unknown_fields_within_the_bounds_are_read_without_error(c, s, a, b):
     now = time.time()
     device = _device(now, admission={"queued": 3}, library_bytes={"cupy": 5}, future=[1, 2])
     beat = _beat({"0": device}, admission_policy="fifo", extra={"x": 1})
@@ -225,12 +240,12 @@ async def test_valid_devices_are_kept_beside_a_malformed_one(c, s, a, b):
     await a.heartbeat()
     report = await cluster_report(c)
     assert report.device(a.address, 0).current_bytes == MiB
-    assert report.device(a.address, 2).current_bytes == 0  # the field left out, the rest kept
+    assert report.device(a.address, 2).current_bytes == 0  # read as 0, the rest kept
     assert report.device(a.address, 2).reserved_bytes == 4 * MiB
     with pytest.raises(KeyError):
         report.device(a.address, 1)
     (error,) = report.errors
-    assert "device '1' is a str" in error and "device '2': current_bytes='x'" in error
+    assert "device '1' is a str" in error
 
 
 # -- text that cannot be spoofed ----------------------------------------------------------------
@@ -432,7 +447,7 @@ def test_a_skewed_worker_for_a_simulated_hour_keeps_the_cluster_total_drained(mo
     assert report.total_timeline[-1][1] == 7199 * (2 if accepted else 1)
     assert report.totals.current_bytes == 2 * MiB
     if not accepted:
-        assert any(f"{skewed.address}: malformed" in e for e in report.errors), report.errors
+        assert any(skewed.address in e for e in report.errors), report.errors
 
 
 def test_the_cluster_total_merges_what_waits_for_a_device_ahead():
@@ -513,3 +528,157 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     assert checked.problems == []
     assert all(checked.metrics["devices"][d] is beat["devices"][d] for d in ("0", "1"))
     assert checked.samples == [(d, device["samples"]) for d in ("0", "1")]
+
+
+# -- every field bounded at the door --------------------------------------------------------------
+
+HUGE = 100_000
+
+
+def _huge(now: float) -> dict:
+    """A heartbeat with 100,000 entries in each list and map: devices, fields of a device, task
+    groups, libraries, expected peaks, OOM events, a map no reader knows, the heartbeat's own
+    fields; and a string of 100,000 characters, lists nested 4 deep."""
+    device = _device(
+        now,
+        task_groups=[[f"g{i}", i, i] for i in range(HUGE)],
+        libraries=[[f"lib{i}", i, 0, 0] for i in range(HUGE)],
+        admission_expected_peaks=[[f"p{i}", i, 1] for i in range(HUGE)],
+        oom_events=[{"time": now, "verdict": "demand"} for _ in range(HUGE)],
+        future_map={f"k{i}": i for i in range(HUGE)},
+        gpu_name="x" * HUGE,
+        nested=[[[[i]]] for i in range(10)],
+    )
+    crowded = _device(now, **{f"extra_{i}": i for i in range(HUGE)})
+    devices = {"0": device, "1": crowded} | {f"d{i}": _device(now) for i in range(HUGE)}
+    return _beat(devices, extra={f"k{i}": i for i in range(HUGE)})
+
+
+@gen_cluster(client=True, timeout=120)
+async def test_100000_entries_in_every_list_and_map_are_cut_counted_and_every_route_answers(
+    c, s, a, b
+):
+    from dask_rmm.scheduler.validate import MAX_ENTRIES, MAX_FIELDS, MAX_OOM_EVENTS, MAX_TEXT
+
+    fb = FakeRMMMetrics()
+    b.metrics["dask-rmm"] = fb
+    fb["0"].allocate(3 * MiB)
+    beat = _huge(time.time())
+    a.metrics["dask-rmm"] = lambda worker: beat
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    report, _ = await _readers(c, s, b)
+    kept = s.plugins[PLUGIN_NAME]._records[a.address].metrics
+    assert len(kept["devices"]) == MAX_DEVICES and len(kept) <= 5
+    d0, d1 = kept["devices"]["0"], kept["devices"]["1"]
+    for name in ("task_groups", "libraries", "admission_expected_peaks", "future_map"):
+        assert len(d0[name]) == MAX_ENTRIES, name
+    assert len(d0["oom_events"]) == MAX_OOM_EVENTS and d0["nested"] == []
+    assert len(d0["gpu_name"]) <= MAX_TEXT + 3 and len(d1) == MAX_FIELDS
+    (error,) = [e for e in report.errors if e.startswith(a.address)]
+    for named in (
+        f"{HUGE + 2} devices: the first {MAX_DEVICES} kept",
+        f"libraries of {HUGE} entries, {MAX_ENTRIES} kept",
+        f"admission_expected_peaks of {HUGE} entries",
+        f"task_groups of {HUGE} entries",
+        f"future_map of {HUGE} entries",
+        f"{HUGE} OOM events dropped",
+        f"gpu_name of {HUGE} characters cut",
+        f"device '1': {HUGE + 4} fields, the first {MAX_FIELDS} kept",
+        f"the heartbeat: extra of {HUGE} entries",
+    ):
+        assert named in error, (named, error[:3000])
+    assert report.device(a.address, 0).current_bytes == MiB  # what is within bounds is kept
+
+
+# -- clocks and times -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skew", [3600.0, -3600.0])
+@gen_cluster(client=True)
+async def test_a_skewed_clock_is_logged_once_per_interval_either_way(c, s, a, b, skew):
+    from distributed.utils_test import captured_logger
+
+    def beat(worker: object) -> dict:
+        now = time.time() + skew
+        return _beat({"0": _device(now)}) | {"time": now}
+
+    a.metrics["dask-rmm"] = beat
+    with captured_logger("dask_rmm.scheduler.timeline") as log:
+        await install_scheduler_plugin(c)
+        for _ in range(5):
+            await a.heartbeat()
+            s.plugins[PLUGIN_NAME].poll()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert ("ahead of" if skew > 0 else "behind") in lines[0] and a.address in lines[0]
+    report = await cluster_report(c)
+    assert any(e.startswith(a.address) and "clock 3600 s" in e for e in report.errors)
+
+
+def test_absurd_times_are_dropped_counted_and_stretch_no_chart():
+    plugin = SchedulerTimelinePlugin(timeline_length=16)
+    plugin._configure()
+    now = time.time()
+    rows = [
+        [-1e300, 1, 1],
+        [1.0, 2, 2],
+        [now + 10 * 86400, 3, 3],
+        [now - 1, MiB, MiB],
+        [now, MiB, MiB],
+    ]
+    w = _worker(
+        0, {"dask-rmm": _beat({"0": _device(now, samples=pack_samples(rows))}, time=-1e300)}
+    )
+    _fake_scheduler(plugin, [w])
+    plugin.poll()
+    report = _every_reader(plugin)
+    (error,) = report.errors
+    assert "3 of 5 samples dropped: 3 at no time" in error and "heartbeat time -1e+300" in error
+    times = [p[0] for p in report.device(w.address).timeline + report.total_timeline]
+    assert times and min(times) >= now - 1 and max(times) <= now
+    assert report.device(w.address).last_seen >= now
+    plugin._stop()
+
+
+# -- devices that vanish ------------------------------------------------------------------------------
+
+
+def test_a_vanished_device_leaves_the_cluster_total_at_once_and_the_report_says_so(monkeypatch):
+    clock = _Clock(time.time())
+    monkeypatch.setattr(timeline_module, "time", clock)
+    plugin = SchedulerTimelinePlugin(timeline_length=64)
+    plugin._configure()
+    w = _worker(0, {})
+    _fake_scheduler(plugin, [w])
+    for beat in range(6):
+        clock.now += 0.5
+        t = clock.now
+        ids = ("0", "1") if beat < 3 else ("0",)
+        samples = pack_samples([[t - 0.25, MiB, MiB], [t, MiB, MiB]])
+        w.metrics = {"dask-rmm": _beat({d: _device(t, samples=samples) for d in ids}, time=t)}
+        plugin.poll()
+    report = plugin.snapshot(ReportRequest()).build()
+    last = report.total_timeline[-1]
+    assert last[0] > clock.now - 1 and last[1] == MiB, report.total_timeline[-4:]
+    (error,) = report.errors
+    assert "device '1' no longer reported: not in the totals" in error
+    assert report.totals.devices == 1 and report.totals.current_bytes == MiB
+    plugin._stop()
+
+
+@gen_cluster(client=True)
+async def test_another_heartbeat_version_is_one_clear_line(c, s, a, b):
+    from distributed.utils_test import captured_logger
+
+    a.metrics["dask-rmm"] = lambda worker: _one() | {"version": METRICS_VERSION - 1}
+    with captured_logger("dask_rmm.scheduler.timeline") as log:
+        await install_scheduler_plugin(c)
+        for _ in range(3):
+            await a.heartbeat()
+            s.plugins[PLUGIN_NAME].poll()
+    (line,) = log.getvalue().splitlines()
+    assert f"heartbeat version {METRICS_VERSION - 1}; this scheduler reads version " in line
+    assert "run the same dask-rmm on the workers and the scheduler" in line
+    report = await cluster_report(c)
+    assert [e.split(": ", 1)[0] for e in report.errors] == [a.address]
