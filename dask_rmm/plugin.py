@@ -163,6 +163,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         spill_on_oom: bool = _UNSET,
         device_pause_fraction: float | None = _UNSET,
         memory_admission: bool = _UNSET,
+        oom_retry: bool = _UNSET,
     ):
         given = dict(
             pool_size=pool_size,
@@ -181,6 +182,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             spill_on_oom=spill_on_oom,
             device_pause_fraction=device_pause_fraction,
             memory_admission=memory_admission,
+            oom_retry=oom_retry,
         )
         #: The checked options (:class:`~dask_rmm.stack.RMMOptions`); those not given (``_UNSET``)
         #: come from the config.
@@ -338,7 +340,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         from dask_rmm.worker.admission import install_admission, remove_admission
 
         if self.options.memory_admission and pressure is not None:
-            await install_admission(worker, pressure)
+            await install_admission(worker, pressure, self.options.oom_retry)
         else:
             remove_admission(worker)
         await self._warn_if_host_overcommitted(worker, stacks)

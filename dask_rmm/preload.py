@@ -220,6 +220,8 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--rmm-memory-admission/--no-rmm-memory-admission", "memory_admission",
         dict(help="Start a task only when its expected peak (learned per task prefix) fits "
         "under the worker's limit beside the running tasks'.")),
+    ("--rmm-oom-retry/--no-rmm-oom-retry", "oom_retry", dict(help="Run a task once more after "
+        "PyTorch's own allocator ran out of device memory (with memory admission; on by default).")),
     ("--rmm-statistics/--no-rmm-statistics", "statistics", dict(help="Count allocations per "
         "worker and task prefix for the heartbeat metrics (on by default).")),
 ]  # fmt: skip

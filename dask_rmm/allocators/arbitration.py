@@ -5,7 +5,8 @@ allocation fails in any library drawing from its stack (CuPy, compiled RMM, Numb
 recorded (:class:`RoomMade`: bytes given back per library, bytes spilled).
 
 Also: :func:`is_device_out_of_memory`, which tells a device out-of-memory error of those
-libraries from a host ``MemoryError`` (no library is imported). Not here: the caches (:mod:`.caches`), spilling
+libraries from a host ``MemoryError`` (no library is imported), and :func:`runs_again`, which
+tells the one such error whose allocation could not be retried in place (PyTorch's own). Not here: the caches (:mod:`.caches`), spilling
 (:mod:`dask_rmm.pressure`, which sets the spill handler), retrying a task (the worker side).
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "make_room",
     "recent_rooms",
     "requested_bytes",
+    "runs_again",
 ]
 
 #: Records kept per process (the newest).
@@ -94,6 +96,17 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
             # Spilled arrays of a library free into that library's cache: give those back too.
             for name, n in caches.release_cached_by_library(device).items():
                 released[name] = released.get(name, 0) + n
+    for cache in caches.library_caches():
+        # A library beside the stack (PyTorch's cap): the pool's free chunks make its room.
+        give = getattr(cache, "make_room", None) if cache.name == library else None
+        if give is not None:
+            try:
+                n = int(give(device, int(nbytes)) or 0)
+            except Exception:
+                caches.logger.warning("dask-rmm: making room for %s failed", library, exc_info=True)
+                n = 0
+            if n:
+                released["pool"] = released.get("pool", 0) + n
     record = RoomMade(device, int(nbytes), str(library), released, spilled, time.time())
     with _lock:
         _records.append(record)
@@ -152,6 +165,15 @@ def is_device_out_of_memory(error: BaseException) -> bool:
         if t.__name__ == "CudaAPIError":
             return getattr(error, "code", None) == _CUDA_OUT_OF_MEMORY
     return type(error) is MemoryError and "out_of_memory" in str(error)
+
+
+def runs_again(error: BaseException) -> bool:
+    """Whether the task that raised ``error`` is worth running again after room is made: a
+    device out-of-memory error of PyTorch's own caching allocator, the one library whose
+    allocation dask-rmm cannot retry in place. Every allocation through dask-rmm's stack
+    (``DeviceBuffer``, CuPy, Numba, compiled RMM, PyTorch through ``rmm_torch_allocator``) has
+    already made room and retried where it failed, so its error is final."""
+    return is_device_out_of_memory(error) and type(error).__module__.partition(".")[0] == "torch"
 
 
 def _reset_for_tests() -> None:

@@ -144,11 +144,14 @@ def release_cached(device: int) -> int:
     return sum(release_cached_by_library(device).values())
 
 
-def release_cached_by_library(device: int) -> dict[str, int]:
-    """:func:`release_cached` by library name (those that gave some back). Never raises: a
-    cache that fails to release counts 0 (logged)."""
+def release_cached_by_library(device: int, *, outside: bool = True) -> dict[str, int]:
+    """:func:`release_cached` by library name (those that gave some back); ``outside=False``
+    leaves the caches outside the stack (PyTorch's: ``empty_cache`` synchronizes the device, so
+    not on the event loop) alone. Never raises: a cache that fails to release counts 0 (logged)."""
     released: dict[str, int] = {}
     for cache in library_caches():
+        if not outside and _is_outside(cache):
+            continue
         try:
             n = int(cache.release(device))
         except Exception:

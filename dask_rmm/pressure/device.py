@@ -163,7 +163,9 @@ class DevicePressure:
             full = self.statistics.current_bytes > self.limit
         if not full or self.cached_bytes() == 0:
             return 0
-        return sum(caches.release_cached_by_library(self.device).values())
+        # On the event loop: PyTorch's cache (outside the stack, its blocks not carved by other
+        # libraries) gives back at the failing allocation instead, on the allocating thread.
+        return sum(caches.release_cached_by_library(self.device, outside=False).values())
 
     def start_arbitration(self) -> None:
         """An allocation on this thread failed: count what caches give back for it from now."""

@@ -163,6 +163,10 @@ class RMMOptions:
     #: ``dask.annotate(gpu_memory=...)``) fits under the limit beside the running tasks'
     #: (:mod:`dask_rmm.pressure.admission`)
     memory_admission: bool = False
+    #: a task that failed with PyTorch's own device out-of-memory error (an allocation
+    #: dask-rmm cannot retry in place) runs once more after room is made, unless annotated
+    #: ``dask.annotate(gpu_retry=False)``; only with ``memory_admission``
+    oom_retry: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -176,7 +180,13 @@ class RMMOptions:
         put("base_resource", base.strip().lower())
         for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
             put(name, parse_size(getattr(self, name), name))
-        switches = ("track_allocations", "statistics", "spill_on_oom", "memory_admission")
+        switches = (
+            "track_allocations",
+            "statistics",
+            "spill_on_oom",
+            "memory_admission",
+            "oom_retry",
+        )
         for name in ("pool_allocator", *switches):
             put(name, _bool(name, getattr(self, name)))
         put("pool_allocator", self.pool_allocator or self.pool_size is not None)

@@ -7,8 +7,10 @@ supplies its device budget as the resource :data:`~dask_rmm.pressure.admission.R
 Here, on the worker: peaks are learned as tasks finish (growth in bytes in use across every
 library, :meth:`WorkerAdmission.transition`) and sent to the scheduler; a task that secedes gives
 its budget back; a task left waiting while nothing finishes (one blocked on another without
-seceding) is admitted after :data:`STALL_SECONDS`; a task that failed with a *device*
-out-of-memory error makes room and is run once more (distributed's ``retries``).
+seceding) is admitted after :data:`STALL_SECONDS`; a task that failed with PyTorch's own device
+out-of-memory error (every other allocation made room and retried in place) makes room and is
+run once more (distributed's ``retries``), unless ``oom_retry`` is off or the task is annotated
+``gpu_retry=False``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.allocators.arbitration import is_device_out_of_memory, make_room, requested_bytes
+from dask_rmm.allocators.arbitration import make_room, requested_bytes, runs_again
 from dask_rmm.pressure.admission import (
     NO_MEMORY,
     RESOURCE,
@@ -68,9 +70,11 @@ class WorkerAdmission:
     """Admission on one worker (see the module doc); ``transition`` is called by the worker's
     :class:`~dask_rmm.plugin.RMMPlugin` for each task it moves."""
 
-    def __init__(self, worker: Worker, pressure: WorkerPressure):
+    def __init__(self, worker: Worker, pressure: WorkerPressure, retry: bool = True):
         self.worker = worker
         self.pressure = pressure
+        #: Whether a task PyTorch's own allocator failed runs once more (``oom_retry``).
+        self.retry = retry
         self.limit = sum(dp.admission_limit() for dp in pressure.devices.values())
         self.peaks = PeakTable()
         self._held_sent: int | None = None
@@ -108,8 +112,7 @@ class WorkerAdmission:
             growth = self._growth.pop(key)
             if finish == "memory" and key in self._retried:
                 self._retried.discard(key)
-                for device in self.pressure.devices:
-                    self.pressure.counters.add(device, "task_retries_succeeded")
+                self._count("task_retries_succeeded")
             if finish == "memory" and account is not None:  # a failed task teaches nothing
                 share = len(self._growth) + 1  # tasks running beside it grew too
                 peak = max(account[1], growth[1], (self._in_use() - growth[0]) // share)
@@ -139,12 +142,21 @@ class WorkerAdmission:
         state.available_resources[RESOURCE] += held
         self.worker.loop.add_callback(self._poke)
 
+    def _count(self, name: str) -> None:
+        """Count once per worker: on its first device, as its admission figures are."""
+        for device in self.pressure.devices:
+            self.pressure.counters.add(device, name)
+            return
+
     def _after_error(self, key: Hashable, account: list[int] | None) -> None:
-        """A device out-of-memory error (not a host one): room is made and the task runs once
-        more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the error
-        reaches it)."""
+        """PyTorch's own device out-of-memory error (not a host one, nor one of an allocation
+        through the stack, which made room and retried in place): room is made and the task
+        runs once more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the
+        error reaches it)."""
         ts = self.worker.state.tasks.get(key)  # type: ignore[call-overload]
-        requested = _device_out_of_memory(ts) if ts is not None else None
+        if ts is None or not self.retry or (ts.annotations or {}).get("gpu_retry", True) is False:
+            return
+        requested = _device_out_of_memory(ts)
         if requested is None:
             return
         if key in self._retried:
@@ -155,11 +167,15 @@ class WorkerAdmission:
         self._retried.add(key)
         need = max(requested, account[1] if account else 0)
         self.worker.log_event(TOPIC, {"retry": key})
-        for device in self.pressure.devices:
-            self.pressure.counters.add(device, "task_retries")
+        self._count("task_retries")
+        logger.warning(
+            "dask-rmm: task %r ran out of device memory in PyTorch's allocator: making room and "
+            "running it once more (dask.annotate(gpu_retry=False) or oom_retry=False: not)",
+            key,
+        )
         loop = asyncio.get_running_loop()
-        for device in list(self.pressure.devices):  # spilling: not on the event loop
-            loop.run_in_executor(None, functools.partial(make_room, device, need, library="task"))
+        for device in list(self.pressure.devices):  # spilling, empty_cache: not on the loop
+            loop.run_in_executor(None, functools.partial(make_room, device, need, library="torch"))
 
     # -- every TICK -----------------------------------------------------------------------------
 
@@ -237,9 +253,10 @@ class WorkerAdmission:
 
 
 def _device_out_of_memory(ts: Any) -> int | None:
-    """The bytes asked for (0: unknown) if task ``ts`` failed with a device out-of-memory
-    error, else None: told from its exception as distributed keeps it (pickled), else (a type
-    that did not pickle) from the text of its repr."""
+    """The bytes asked for (0: unknown) if task ``ts`` failed with PyTorch's own device
+    out-of-memory error (:func:`~dask_rmm.allocators.arbitration.runs_again`), else None: told
+    from its exception as distributed keeps it (pickled), else (a type that did not pickle)
+    from the text of its repr (PyTorch's "CUDA out of memory")."""
     from distributed.protocol.pickle import loads
 
     try:
@@ -248,11 +265,9 @@ def _device_out_of_memory(ts: Any) -> int | None:
         error = None
     text = str(ts.exception_text)
     if isinstance(error, BaseException) and type(error) is not Exception:
-        device = is_device_out_of_memory(error)
+        device = runs_again(error)
     else:
-        device = text.startswith("OutOfMemoryError(") or (
-            text.startswith("MemoryError(") and "out_of_memory" in text
-        )
+        device = text.startswith("OutOfMemoryError(") and "CUDA out of memory" in text
     return (
         requested_bytes(error if isinstance(error, BaseException) else Exception(text))
         if device
@@ -260,16 +275,19 @@ def _device_out_of_memory(ts: Any) -> int | None:
     )
 
 
-async def install_admission(worker: Worker, pressure: WorkerPressure) -> WorkerAdmission:
+async def install_admission(
+    worker: Worker, pressure: WorkerPressure, retry: bool = True
+) -> WorkerAdmission:
     """Admission on ``worker`` under its devices' summed limits: the worker supplies its budget
-    as a resource, the scheduler gets the plugin that sets tasks' amounts."""
+    as a resource, the scheduler gets the plugin that sets tasks' amounts; ``retry``: a task
+    PyTorch's own allocator failed runs once more (``oom_retry``)."""
     from distributed.protocol.pickle import dumps
 
     from dask_rmm.scheduler.admission import AdmissionScheduler
 
     old = installed.get(worker)
     remove_admission(worker, tell=False)
-    admission = installed[worker] = WorkerAdmission(worker, pressure)
+    admission = installed[worker] = WorkerAdmission(worker, pressure, retry)
     if old is not None:  # a re-registration keeps what was learned
         admission.peaks = old.peaks
     try:

@@ -124,3 +124,57 @@ def test_arrays_a_spill_frees_into_a_cache_are_given_back_too():
         room = arbitration.make_room(0, 2 * MiB, library="torch")
         assert room.spilled == 2 * MiB and room.released == {"cupy": 2 * MiB}
         assert cache.cached_bytes(0) == 0
+
+
+def _error(name: str, module: str, *bases: type) -> BaseException:
+    return type(name, bases or (Exception,), {"__module__": module})("CUDA out of memory")
+
+
+_TORCHS = _error("OutOfMemoryError", "torch", RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "error, again",
+    [
+        (_TORCHS, True),  # PyTorch's own caching allocator: nothing retried it in place
+        # PyTorch through rmm_torch_allocator: the stack made room and retried already
+        (_error("TorchAllocationError", "dask_rmm.allocators.torch", type(_TORCHS), MemoryError), False),
+        (OutOfMemoryError("pool out of memory"), False),
+        (_error("OutOfMemoryError", "cupy.cuda.memory", MemoryError), False),
+        (MemoryError("std::bad_alloc: out_of_memory: CUDA error"), False),
+        (MemoryError("Unable to allocate 8.00 GiB for an array"), False),
+    ],
+    ids=["torch", "torch-through-the-stack", "dask-rmm", "cupy", "rmm", "host"],
+)  # fmt: skip
+def test_only_pytorchs_own_out_of_memory_runs_a_task_again(error, again):
+    assert arbitration.runs_again(error) is again
+
+
+class _BesideTheStack:
+    """PyTorch's cache as the pool's budget sharer: its room grows when the pool gives back."""
+
+    name = "torch"
+    outside_stack = True
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    def cached_bytes(self, device: int) -> int:
+        return 0
+
+    def release(self, device: int) -> int:
+        return 0
+
+    def make_room(self, device: int, nbytes: int) -> int:
+        self.asked.append((device, nbytes))
+        return 3 * MiB
+
+
+def test_room_for_pytorch_includes_the_pools_free_chunks_given_back():
+    pressure_stack(8 * MiB, spill_on_oom=True)
+    torch_like = _BesideTheStack()
+    caches.register_cache(torch_like)
+    room = arbitration.make_room(0, 2 * MiB, library="torch")
+    assert torch_like.asked == [(0, 2 * MiB)] and room.released == {"pool": 3 * MiB}
+    assert arbitration.make_room(0, MiB, library="cupy").released == {}  # not for others
+    assert torch_like.asked == [(0, 2 * MiB)]

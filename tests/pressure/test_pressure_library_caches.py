@@ -83,6 +83,39 @@ def test_at_the_pools_maximum_a_stored_output_has_the_caches_give_free_blocks_ba
     check_buffer(wp.store["a"], 1)
 
 
+class _OutsideCache:
+    """A cache beside the stack, as PyTorch's: its ``release`` is ``empty_cache``."""
+
+    name = "torch"
+    outside_stack = True
+
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def cached_bytes(self, device: int) -> int:
+        return 4 * MiB
+
+    def in_use_bytes(self, device: int) -> int:
+        return 0
+
+    def release(self, device: int) -> int:
+        self.releases += 1
+        return 0
+
+
+def test_a_stored_output_leaves_pytorchs_cache_alone(cache):
+    """Outputs are stored on the event loop, where PyTorch's ``empty_cache`` (which synchronizes
+    the device) must not run: only the caches inside the stack give back there."""
+    outside = _OutsideCache()
+    caches.register_cache(outside)
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    _cached_free(cache, [MiB, 2 * MiB])
+    wp.store["a"] = patterned_buffer(256 << 10, 1)
+    assert cache.releases == 1 and outside.releases == 0
+    assert caches.release_cached_by_library(0) == {}  # and it is released where asked
+    assert outside.releases == 1
+
+
 def test_with_room_to_grow_the_caches_keep_their_free_blocks(cache):
     """No pressure: a stored output leaves the caches alone (their blocks make them fast)."""
     wp, top = pressure_stack(4 * MiB, maximum=64 * MiB)

@@ -251,26 +251,54 @@ def _torch_oom() -> BaseException:
 
 
 @pytest.mark.parametrize(
-    "make_error, runs_again",
+    "make_error, runs_again, options, annotations",
     [
-        (lambda: __import__("dask_rmm.mr.base").mr.base.OutOfMemoryError("out of memory"), True),
-        (_torch_oom, True),
-        (lambda: MemoryError("Unable to allocate 8.00 GiB for an array"), False),  # NumPy's
+        # through the stack: room was made and the allocation retried in place already
+        (
+            lambda: __import__("dask_rmm.mr.base").mr.base.OutOfMemoryError("out of memory"),
+            False,
+            {},
+            {},
+        ),
+        (_torch_oom, True, {}, {}),
+        (_torch_oom, False, {}, {"gpu_retry": False}),
+        (_torch_oom, False, {"oom_retry": False}, {}),
+        (lambda: MemoryError("Unable to allocate 8.00 GiB for an array"), False, {}, {}),  # NumPy's
     ],
-    ids=["dask-rmm", "torch", "host"],
+    ids=["dask-rmm", "torch", "torch-annotated-off", "torch-option-off", "host"],
 )
-def test_only_a_device_out_of_memory_error_runs_the_task_again(make_error, runs_again):
+def test_only_pytorchs_own_device_out_of_memory_error_runs_the_task_again(
+    make_error, runs_again, options, annotations, caplog
+):
     @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
     async def run(c, s, a):
-        await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
-        future = c.submit(fails_once, make_error(), key="once-0")
+        await c.register_plugin(RMMPlugin(**POOL, memory_admission=True, **options))
+        with dask.annotate(**annotations):
+            future = c.submit(fails_once, make_error(), key="once-0")
         await wait(future)
         assert RUNS["once-0"] == (2 if runs_again else 1)
         assert future.status == ("finished" if runs_again else "error")
         m = admission_of(a).pressure.metrics()[0]
         assert (m.task_retries, m.task_retries_succeeded) == (int(runs_again),) * 2
+        logged = [r.getMessage() for r in caplog.records if "once more" in r.getMessage()]
+        assert len(logged) == int(runs_again) and all("'once-0'" in m for m in logged)
 
-    run()
+    with caplog.at_level(logging.WARNING, logger="dask_rmm.worker.admission"):
+        run()
+
+
+def test_the_oom_retry_option_means_the_same_everywhere():
+    from dask_rmm.preload import PROG, dask_setup, plugin_from_flags
+    from dask_rmm.stack.options import RMMOptions
+
+    assert RMMOptions().oom_retry and not RMMPlugin(oom_retry=False).options.oom_retry
+    assert not plugin_from_flags(rmm_oom_retry=False).options.oom_retry
+    with dask_setup.make_context(PROG, ["--no-rmm-oom-retry"]) as ctx:
+        assert ctx.params["rmm_oom_retry"] is False
+    with dask.config.set({"dask-rmm.oom-retry": False}):
+        assert not RMMPlugin().options.oom_retry
+    with pytest.raises(TypeError, match="oom_retry"):
+        RMMOptions(oom_retry="sometimes")
 
 
 def fails(nbytes: int) -> None:
