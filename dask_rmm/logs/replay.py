@@ -12,13 +12,12 @@ from typing import Any
 
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
 from dask_rmm.logs.summary import format_size
-from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.base import DeviceMemoryResource
 from dask_rmm.sizes import format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
 
 __all__ = [
     "RESOURCES",
-    "CountingResource",
     "ReplayFailure",
     "ReplayResult",
     "build_resource",
@@ -41,32 +40,6 @@ def _has_gpu() -> bool:
     return _cuda.is_available()
 
 
-class CountingResource(UpstreamResourceAdaptor):
-    """Passes allocations through to ``upstream_mr`` and counts the bytes outstanding there.
-
-    Put under a suballocator it measures the suballocator's footprint: ``peak_bytes`` is the
-    most it ever held from upstream. Not locked: replay calls it from one thread.
-    """
-
-    def __init__(self, upstream_mr):
-        super().__init__(upstream_mr)
-        self.current_bytes = 0  #: bytes held from upstream now ...
-        self.peak_bytes = 0  #: ... and at most
-        self.allocations = 0  #: upstream allocations made
-
-    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        ptr = self.upstream_mr.allocate(nbytes, stream)
-        self.allocations += 1
-        self.current_bytes += nbytes
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
-        return ptr
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        self.upstream_mr.deallocate(ptr, nbytes, stream)
-        self.current_bytes -= nbytes
-
-
 def build_resource(
     name: str,
     *,
@@ -74,9 +47,10 @@ def build_resource(
     initial_pool_size: int | None = None,
     maximum_pool_size: int | None = None,
     block_size: int | None = None,
-) -> tuple[Any, CountingResource, str]:
+) -> tuple[Any, Any, str]:
     """A fresh resource of kind ``name`` (one of :data:`RESOURCES`) over a counting upstream:
-    ``(resource to allocate from, its CountingResource, a one-line description)``.
+    ``(resource to allocate from, the StatisticsResourceAdaptor over its upstream, a one-line
+    description)``: the adaptor's peak is the most the resource held from upstream.
 
     ``cuda`` is the base resource alone: CudaMemoryResource on a GPU (``gpu``, default when a
     CUDA device is present), else SystemMemoryResource; ``async`` needs a GPU.
@@ -97,11 +71,13 @@ def build_resource(
                 "resource 'async' (cudaMallocAsync) needs a CUDA device and this host has none; "
                 "replay with pool, arena, binning, fixed_size or cuda on host memory instead"
             )
-        counter = CountingResource(mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size))
+        counter = mr.StatisticsResourceAdaptor(
+            mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size)
+        )
         return counter, counter, "CudaAsyncMemoryResource"
     base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
     base_name = type(base).__name__
-    counter = CountingResource(base)
+    counter = mr.StatisticsResourceAdaptor(base)
     if name == "cuda":
         return counter, counter, base_name
     resource: DeviceMemoryResource
@@ -377,9 +353,9 @@ def replay(
         failures=tuple(failures),
         skipped_frees=skipped,
         peak_bytes=peak,
-        peak_upstream_bytes=counter.peak_bytes,
+        peak_upstream_bytes=counter.allocation_counts.peak_bytes,
         final_upstream_bytes=final_upstream,
-        upstream_allocations=counter.allocations,
+        upstream_allocations=counter.allocation_counts.total_count,
         streams=len(streams),
         seconds=seconds,
         call_seconds=call_seconds,

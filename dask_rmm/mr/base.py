@@ -55,7 +55,11 @@ def deallocate_refused(
         return
     if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
         return resource.deallocate(ptr.__index__(), nbytes, stream)
-    call = f"{name}.deallocate({ptr!r}, {nbytes!r})"
+    call = (
+        f"{name}.deallocate({ptr:#x}, {nbytes!r})"
+        if type(ptr) is int
+        else f"{name}.deallocate({ptr!r}, {nbytes!r})"
+    )
     if allocated is not None:
         raise ValueError(f"{call}: wrong size, the pointer was allocated with {allocated} bytes")
     raise ValueError(

@@ -14,6 +14,7 @@ from dask_rmm.mr.base import (
     DeviceMemoryResource,
     OutOfMemoryError,
     check_size,
+    deallocate_refused,
 )
 from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, host_total_memory, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
@@ -32,44 +33,18 @@ __all__ = [
 _OOM_ERRORS = frozenset({"cudaErrorMemoryAllocation"})
 
 
-class _OwnedPointers:
-    """The live pointers of a base resource and their sizes, so that foreign pointers,
-    double frees and wrong sizes are refused before anything is handed back.
-
-    No lock: ``sizes`` is changed only by single dict stores and pops, which are atomic, so of
-    two threads freeing one pointer only one pops it (the async resource's fast path uses
-    ``sizes`` directly, the same way)."""
-
-    __slots__ = ("sizes",)
-
-    def __init__(self) -> None:
-        self.sizes: dict[int, int] = {}
-
-    def add(self, ptr: int, nbytes: int) -> None:
-        self.sizes[ptr] = nbytes
-
-    def remove(self, owner: object, ptr: int, nbytes: int) -> None:
-        """Forget ``ptr`` or raise ValueError (leaving it recorded) when the call is wrong."""
-        size = self.sizes.pop(ptr, None)
-        if size is not None and size == nbytes:
-            return
-        if size is None:
-            raise ValueError(
-                f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): pointer not owned by "
-                "this resource (foreign pointer or double free)"
-            )
-        self.sizes[ptr] = size
-        raise ValueError(
-            f"{type(owner).__name__}.deallocate({ptr:#x}, {nbytes}): wrong size, the "
-            f"pointer was allocated with {size} bytes"
-        )
-
-    def restore(self, ptr: int, nbytes: int) -> None:
-        """Record ``ptr`` again after the free itself failed, so nothing is lost."""
-        self.sizes[ptr] = nbytes
-
-    def __len__(self) -> int:
-        return len(self.sizes)
+def _disown(resource: DeviceMemoryResource, ptr: Any, nbytes: Any, stream: Any) -> bool:
+    """Take ``ptr`` out of ``resource._owned`` (pointer -> size; single dict pops and stores,
+    atomic, so no lock). False for the no-op ``deallocate(0, 0)``; a wrong call raises
+    ValueError first, leaving the table unchanged."""
+    owned = resource._owned  # type: ignore[attr-defined]
+    size = owned.pop(ptr, None)
+    if size is not None and size == nbytes:
+        return True
+    if size is not None:
+        owned[ptr] = size
+    deallocate_refused(resource, type(resource).__name__, ptr, nbytes, size, stream)
+    return False
 
 
 def _handle(stream: Any) -> int:
@@ -97,12 +72,14 @@ class _CudaResource(DeviceMemoryResource):
         _cuda.require_cuda(type(self).__name__)
         super().__init__(device_id=_cuda.get_device())
         self._multi_device = _cuda.get_device_count() > 1
-        self._owned = _OwnedPointers()
+        self._owned: dict[int, int] = {}
 
     def _alloc(self, nbytes: int, stream_handle: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _free(self, ptr: int, stream_handle: int) -> None:  # pragma: no cover - abstract
+    def _free(
+        self, ptr: int, nbytes: int, stream_handle: int
+    ) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
@@ -119,7 +96,7 @@ class _CudaResource(DeviceMemoryResource):
                 ptr = self._alloc(nbytes, handle)
         except _cuda.CUDAError as e:
             raise self._allocation_error(e, nbytes, handle) from e
-        self._owned.add(ptr, nbytes)
+        self._owned[ptr] = nbytes
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -127,14 +104,15 @@ class _CudaResource(DeviceMemoryResource):
         if ptr == 0 and nbytes == 0:
             return
         handle = _handle(stream)
-        self._owned.remove(self, ptr, nbytes)
+        if not _disown(self, ptr, nbytes, stream):
+            return
         try:
             if self._multi_device:
-                self._on_device(self._free, ptr, handle)
+                self._on_device(self._free, ptr, nbytes, handle)
             else:
-                self._free(ptr, handle)
+                self._free(ptr, nbytes, handle)
         except BaseException:
-            self._owned.restore(ptr, nbytes)
+            self._owned[ptr] = nbytes
             raise
 
     def _on_device(self, fn, *args):
@@ -200,7 +178,7 @@ class CudaMemoryResource(_CudaResource):
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc(nbytes)
 
-    def _free(self, ptr: int, stream_handle: int) -> None:
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         _cuda.free(ptr)
 
 
@@ -210,7 +188,7 @@ class ManagedMemoryResource(_CudaResource):
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc_managed(nbytes)
 
-    def _free(self, ptr: int, stream_handle: int) -> None:
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         _cuda.free(ptr)
 
 
@@ -225,7 +203,7 @@ class PinnedHostMemoryResource(_CudaResource):
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc_host(nbytes)
 
-    def _free(self, ptr: int, stream_handle: int) -> None:
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         _cuda.free_host(ptr)
 
 
@@ -262,7 +240,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         self._stream_objects = _cuda.stream_objects
         self._malloc_call = _cuda.runtime_function("cudaMallocFromPoolAsync")
         self._free_call = _cuda.runtime_function("cudaFreeAsync")
-        self._sizes = self._owned.sizes  # the owned-pointer table, one attribute away
+        self._sizes = self._owned  # the owned-pointer table, one attribute away
         # With several devices visible (dask-cuda's rotated CUDA_VISIBLE_DEVICES) the fast
         # paths still apply when this resource's device is current: one cudaGetDevice call.
         self._get_device_call = _cuda.runtime_function("cudaGetDevice")
@@ -274,7 +252,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc_from_pool_async(nbytes, self._pool, stream_handle)
 
-    def _free(self, ptr: int, stream_handle: int) -> None:
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         _cuda.free_async(ptr, stream_handle)
 
     # Set by an owning subclass once it is finalized: the last free destroys the pool.
@@ -536,25 +514,7 @@ class SamHeadroomMemoryResource(_CudaResource):
             raise
         return ptr
 
-    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = check_size(nbytes)
-        if nbytes == 0:
-            return 0
-        handle = _handle(stream)
-        try:
-            if self._multi_device:
-                ptr = self._on_device(self._alloc, nbytes, handle)
-            else:
-                ptr = self._alloc(nbytes, handle)
-        except _cuda.CUDAError as e:
-            raise self._allocation_error(e, nbytes, handle) from e
-        self._owned.add(ptr, nbytes)
-        return ptr
-
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        if ptr == 0 and nbytes == 0:
-            return
-        self._owned.remove(self, ptr, nbytes)
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         self._system.deallocate(ptr, nbytes)
 
     def __repr__(self) -> str:
@@ -591,7 +551,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be a device id (an int >= 0), got {device_id!r}")
         super().__init__(device_id=device_id)
-        self._owned = _OwnedPointers()
+        self._owned: dict[int, int] = {}
         self._host_total = host_total_memory()
 
     @property
@@ -620,11 +580,11 @@ class SystemMemoryResource(DeviceMemoryResource):
                 requested=nbytes,
                 resource="SystemMemoryResource",
             )
-        self._owned.add(ptr, nbytes)
+        self._owned[ptr] = nbytes
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         if ptr == 0 and nbytes == 0:
             return
-        self._owned.remove(self, ptr, nbytes)
-        self._libc.free(ptr)
+        if _disown(self, ptr, nbytes, stream):
+            self._libc.free(ptr.__index__())  # a NumPy integer is not a c_void_p

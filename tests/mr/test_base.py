@@ -52,7 +52,7 @@ def test_system_resource_roundtrip_and_bad_frees():
     ctypes.memset(p, 7, 1000)
     with pytest.raises(ValueError, match="wrong size"):
         mr.deallocate(p, 999)
-    with pytest.raises(ValueError, match="not owned"):
+    with pytest.raises(ValueError, match="foreign pointer"):
         mr.deallocate(p + 256, 1000)
     mr.deallocate(p, 1000)
     with pytest.raises(ValueError, match="double free"):
@@ -93,3 +93,14 @@ def test_an_adaptor_forwards_what_it_does_not_override():
     with pytest.raises(ValueError, match="deallocate"):
         mr.deallocate(ptr, 99)
     mr.deallocate(ptr, 100)
+
+
+def test_a_base_resource_names_the_call_for_a_pointer_of_the_wrong_type():
+    import numpy as np
+
+    mr = SystemMemoryResource()
+    ptr = mr.allocate(100)
+    with pytest.raises(ValueError, match=r"SystemMemoryResource\.deallocate\(1\.5, 100\)"):
+        mr.deallocate(1.5, 100)
+    mr.deallocate(np.int64(ptr), 100)
+    assert mr.live_allocations == 0
