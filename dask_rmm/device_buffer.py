@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dask_rmm import _cuda
-from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes
+from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes, stream_arg
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -53,29 +53,8 @@ def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
     )
 
 
-def _stream_arg(stream: Any) -> Stream:
-    """``stream`` as a Stream; None is refused as RMM refuses it (pass ``DEFAULT_STREAM``)."""
-    if stream is None:
-        raise TypeError(
-            "stream argument cannot be None: pass a Stream (dask_rmm.DEFAULT_STREAM for the "
-            "default stream)"
-        )
-    return as_stream(stream)
-
-
 def _address(arr: np.ndarray) -> int:
     return arr.ctypes.data if arr.size else 0
-
-
-def _check_ptr(ptr: Any, what: str) -> int:
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        if hasattr(ptr, "__index__") and not isinstance(ptr, bool):
-            ptr = ptr.__index__()
-        else:
-            raise TypeError(f"{what} must be an int pointer, got {ptr!r} ({type(ptr).__name__})")
-    if ptr < 0:
-        raise ValueError(f"{what} must be a non-negative pointer, got {ptr}")
-    return ptr
 
 
 def _copy(dst: int, src: int, nbytes: int, stream: Stream, host: bool) -> None:
@@ -105,23 +84,23 @@ def copy_ptr_to_host(db: int, hb: Any, stream: Stream = DEFAULT_STREAM) -> None:
     >>> hb
     bytearray(b'abc')
     """
-    stream = _stream_arg(stream)
+    stream = stream_arg(stream)
     arr = _host_bytes(hb, True, "hb")
-    _copy(_address(arr), _check_ptr(db, "db"), arr.nbytes, stream, False)
+    _copy(_address(arr), check_nbytes(db, "db"), arr.nbytes, stream, False)
 
 
 def copy_host_to_ptr(hb: Any, db: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy all of the host buffer ``hb`` to the pointer ``db``."""
-    stream = _stream_arg(stream)
+    stream = stream_arg(stream)
     arr = _host_bytes(hb, False, "hb")
-    _copy(_check_ptr(db, "db"), _address(arr), arr.nbytes, stream, False)
+    _copy(check_nbytes(db, "db"), _address(arr), arr.nbytes, stream, False)
 
 
 def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFAULT_STREAM) -> None:
     """Copy ``count`` bytes from pointer ``d_src`` to pointer ``d_dst``."""
-    stream = _stream_arg(stream)
+    stream = stream_arg(stream)
     count = check_nbytes(count, "count")
-    _copy(_check_ptr(d_dst, "d_dst"), _check_ptr(d_src, "d_src"), count, stream, False)
+    _copy(check_nbytes(d_dst, "d_dst"), check_nbytes(d_src, "d_src"), count, stream, False)
 
 
 def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
@@ -182,9 +161,9 @@ class DeviceBuffer:
         self._ptr = 0  # what __del__ reads if the allocation below fails
         if type(size) is not int or size < 0:
             size = check_nbytes(size, "size")
-        src = 0 if ptr is None else _check_ptr(ptr, "ptr")
+        src = 0 if ptr is None else check_nbytes(ptr, "ptr")
         if type(stream) is not Stream:
-            stream = _stream_arg(stream)
+            stream = stream_arg(stream)
         if mr is None:
             mr = _current_resource()
         elif not isinstance(mr, DeviceMemoryResource):
@@ -298,7 +277,7 @@ class DeviceBuffer:
     def copy_to_host(self, ary: Any = None, stream: Stream = DEFAULT_STREAM) -> Any:
         """Copy the buffer into ``ary`` (a writable bytes-like of at least :attr:`size` bytes),
         or into a new ``numpy.uint8`` array when ``ary`` is None, and return it."""
-        stream = _stream_arg(stream)
+        stream = stream_arg(stream)
         if ary is None:
             ary = np.empty(self._size, dtype=np.uint8)
         arr = _host_bytes(ary, True, "ary")
@@ -312,7 +291,7 @@ class DeviceBuffer:
 
     def copy_from_host(self, ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
         """Copy the bytes-like ``ary`` into the start of the buffer."""
-        stream = _stream_arg(stream)
+        stream = stream_arg(stream)
         arr = _host_bytes(ary, False, "ary")
         if arr.nbytes > self._size:
             raise ValueError(
@@ -326,7 +305,7 @@ class DeviceBuffer:
 
         When the source names a stream (interface version 3), ``stream`` first waits for it.
         """
-        stream = _stream_arg(stream)
+        stream = stream_arg(stream)
         cai = getattr(cuda_ary, "__cuda_array_interface__", None)
         if cai is None:
             raise ValueError(
@@ -416,7 +395,7 @@ class DeviceBuffer:
         """Grow the allocation to at least ``new_capacity`` bytes, keeping :attr:`size` and the
         contents. Does nothing when the capacity is already enough. The buffer moves to ``stream``."""
         new_capacity = check_nbytes(new_capacity, "new_capacity")
-        stream = _stream_arg(stream)
+        stream = stream_arg(stream)
         if new_capacity > self._capacity:
             self._reallocate(new_capacity, stream)
         else:
@@ -429,7 +408,7 @@ class DeviceBuffer:
         exactly ``new_size`` bytes and the contents copied. The buffer moves to ``stream``.
         """
         new_size = check_nbytes(new_size, "new_size")
-        stream = _stream_arg(stream)
+        stream = stream_arg(stream)
         if new_size > self._capacity:
             self._reallocate(new_size, stream)
         else:

@@ -26,7 +26,6 @@ __all__ = [
     "SummaryReport",
     "Totals",
     "format_size",
-    "binary_unit",
     "format_summary",
     "summarize",
 ]
@@ -405,20 +404,12 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         width = max(s.histogram.values())
         for bucket, count in s.histogram.items():
             bar = "#" * max(1, round(30 * count / width))
-            unit, scale = binary_unit(bucket)
-            label = f"{bucket / scale:g} {unit}"
+            shift = min(bucket.bit_length() - 1, 30) // 10 * 10  # B, KiB, MiB or GiB
+            label = f"{bucket / (1 << shift):g} {('B', 'KiB', 'MiB', 'GiB')[shift // 10]}"
             lines.append(f"                {label:>12} {count:>14,}  {bar}")
     lines.extend(_totals_table("thread", s.threads, str, top_rows))
     lines.extend(_totals_table("stream", s.streams, hex, top_rows))
     return "\n".join(lines)
-
-
-def binary_unit(n: float) -> tuple[str, int]:
-    """The largest of GiB, MiB, KiB and B that ``n`` reaches, and its size in bytes."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return unit, 1 << shift
-    return "B", 1
 
 
 def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_rmm._cuda import CUDAError
-from dask_rmm.stream import DEFAULT_STREAM, Stream
+from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
     "CUDAAllocationError",
@@ -40,6 +40,16 @@ def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:
     if nbytes < 0:
         raise ValueError(f"{what} must be >= 0, got {nbytes}")
     return nbytes
+
+
+def stream_arg(stream: Any) -> Stream:
+    """``stream`` as a Stream; None is refused as RMM refuses it (pass ``DEFAULT_STREAM``)."""
+    if stream is None:
+        raise TypeError(
+            "stream argument cannot be None: pass a Stream (dask_rmm.DEFAULT_STREAM for the "
+            "default stream)"
+        )
+    return as_stream(stream)
 
 
 def deallocate_refused(

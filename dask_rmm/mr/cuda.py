@@ -15,9 +15,10 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     check_size,
     deallocate_refused,
+    stream_arg,
 )
 from dask_rmm.sizes import ALIGNMENT, align_up, format_bytes, host_total_memory, parse_device_bytes
-from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = [
     "CudaAsyncMemoryResource",
@@ -51,12 +52,7 @@ def _handle(stream: Any) -> int:
     try:
         return stream.handle
     except AttributeError:
-        if stream is None:
-            raise TypeError(
-                "stream argument cannot be None: pass a Stream (DEFAULT_STREAM for the default "
-                "stream)"
-            ) from None
-        return as_stream(stream).handle
+        return stream_arg(stream).handle
 
 
 class _CudaResource(DeviceMemoryResource):

@@ -1,11 +1,5 @@
-"""The one options model of a worker's memory setup.
-
-:class:`RMMOptions` is built from ``RMMPlugin(...)`` arguments, the preload's flags, the
-``dask-rmm.*`` config and ``reinitialize(...)`` arguments, and owns their validation;
-:func:`~dask_rmm.stack.build.build_stack` turns options into one device's resource stack;
-installing stacks is :mod:`dask_rmm.worker.stacks`'s job. Imports neither distributed nor CUDA (Dask's
-config only when asked for it).
-"""
+"""The one options model of a worker's memory setup: :class:`RMMOptions`, built from every
+place options are given and owning their validation. Imports neither distributed nor CUDA."""
 
 from __future__ import annotations
 
