@@ -411,15 +411,23 @@ class TorchCache:
         return budgets.get(device) or budgets.setdefault(device, _TorchDeviceBudget(self, device))
 
     def make_room(self, device: int, nbytes: int) -> int:
-        """After PyTorch ran out of memory at its cap on ``device``: give the pool's fully free
-        chunks back until PyTorch's room grew by ``nbytes`` (PyTorch gives its own free
-        segments back before it raises); the bytes the pool gave back. What a task-level retry
-        of a ``torch.OutOfMemoryError`` calls before trying again."""
+        """After PyTorch ran out of memory on ``device``: the pool it shares a maximum with
+        gives fully free chunks back until PyTorch's room grew by ``nbytes``; without one (the
+        async resource, a pool PyTorch does not share), every pool of the device's resource
+        gives its free memory back to the device, where PyTorch allocates. The bytes given
+        back. What a task-level retry of a ``torch.OutOfMemoryError`` calls first (PyTorch
+        gives its own free segments back before it raises)."""
         budget = self._budgets.get(device)
         pool = budget.pool() if budget is not None and budget.pool is not None else None
-        if pool is None:
+        if pool is not None:
+            return int(pool.give_room(nbytes))
+        from dask_rmm.mr.registry import lookup_per_device_resource
+        from dask_rmm.mr.trim import trim_resource
+
+        resource = lookup_per_device_resource(device)
+        if resource is None:
             return 0
-        return int(pool.give_room(nbytes))
+        return sum(r.released_bytes for r in trim_resource(resource, 0, device=device))
 
     def __repr__(self) -> str:
         return f"<TorchCache devices={sorted(self._budgets)}>"

@@ -178,3 +178,19 @@ def test_room_for_pytorch_includes_the_pools_free_chunks_given_back():
     assert torch_like.asked == [(0, 2 * MiB)] and room.released == {"pool": 3 * MiB}
     assert arbitration.make_room(0, MiB, library="cupy").released == {}  # not for others
     assert torch_like.asked == [(0, 2 * MiB)]
+
+
+def test_without_a_pool_it_shares_pytorchs_room_comes_from_the_devices_pools_trimmed():
+    """The async resource, or a pool PyTorch shares no maximum with: after the pool grew and
+    its arrays were freed, PyTorch's out-of-memory has the pool give that memory back to the
+    device, where PyTorch allocates (its own allocator is not touched on this path)."""
+    import dask_rmm
+    from dask_rmm.allocators.torch import TorchCache
+
+    dask_rmm.reinitialize(pool_allocator=True, initial_pool_size="1MiB", base_resource="system")
+    buf = dask_rmm.DeviceBuffer(size=8 * MiB)  # the pool grows
+    del buf
+    cache = TorchCache.__new__(TorchCache)  # no torch here; no budget shared with a pool
+    cache._budgets, cache._totals = {}, {}
+    assert cache.make_room(0, 4 * MiB) >= 8 * MiB
+    assert dask_rmm.mr.get_current_device_resource().reserved_memory_info().reserved_bytes <= MiB

@@ -1,0 +1,64 @@
+"""PyTorch inside the worker's budget at every pool kind, on a GPU with a CUDA build of torch:
+after the stack's pool grew and its arrays were freed, the room made for PyTorch's
+out-of-memory (``make_room(library="torch")``, what a task's re-run calls first) gives that
+memory back where PyTorch allocates: to PyTorch's cap (a pool with a maximum) or to the device
+(the async resource, a pool without a maximum). Each kind runs in its own process."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.allocators.test_torch_cache_gpu import _run
+
+pytestmark = pytest.mark.gpu
+
+_SCENARIO = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from dask_rmm import DeviceBuffer, _cuda
+    from dask_rmm.allocators import arbitration, set_allocators
+    from dask_rmm.allocators.torch import get_torch_cache
+    from dask_rmm.stack.build import build_stack
+    from dask_rmm.stack.options import RMMOptions
+    from dask_rmm.worker.stacks import install_stack
+
+    MiB = 1 << 20
+    kinds = {
+        "async": dict(base_resource="async", release_threshold=4096 * MiB),
+        "pool": dict(pool_size=256 * MiB),
+        "pool-max": dict(pool_size=256 * MiB, maximum_pool_size=4096 * MiB),
+    }
+    stack = build_stack(RMMOptions(allocators=["torch"], **kinds[sys.argv[1]]), 0)
+    install_stack(stack)
+    set_allocators(["torch"])
+    cache = get_torch_cache()
+    torch.empty(MiB, dtype=torch.uint8, device="cuda")  # PyTorch's context
+    buf = DeviceBuffer(size=2048 * MiB)  # the stack grows ...
+    del buf  # ... and its arrays are freed: the pool or the async pool keeps the memory
+    _cuda.device_synchronize()
+    out = {"free_before": _cuda.mem_get_info()[0], "cap_before": cache.cap(0)}
+    room = arbitration.make_room(0, 1024 * MiB, library="torch")
+    _cuda.device_synchronize()
+    out["free_after"] = _cuda.mem_get_info()[0]
+    out["cap_after"] = cache.cap(0)
+    out["released"] = room.released
+    x = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda")  # PyTorch uses it
+    out["torch_in_use"] = cache.in_use_bytes(0)
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["async", "pool", "pool-max"])
+def test_after_the_pool_grew_and_shrank_pytorch_gets_the_memory_given_back(kind):
+    MiB = 1 << 20
+    out = _run(_SCENARIO, kind)
+    assert out["released"].get("pool", 0) >= 1024 * MiB, out
+    if kind == "pool-max":  # PyTorch's cap follows the room the pool leaves
+        assert out["cap_after"] - out["cap_before"] >= 1024 * MiB, out
+    else:  # the device got it back
+        assert out["free_after"] - out["free_before"] >= 1024 * MiB, out
+    assert out["torch_in_use"] >= 1024 * MiB
