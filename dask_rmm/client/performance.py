@@ -77,13 +77,11 @@ class performance_report(distributed.performance_report):
         *,
         interval: float = 0.5,
     ):
-        # One frame more than distributed's: its __exit__/__aexit__ run under ours.
-        super().__init__(filename, max(stacklevel, 1) + 1, mode, storage_options)
+        super().__init__(filename, max(stacklevel, 1), mode, storage_options)
         self._level = max(stacklevel, 1)
         self.interval = interval
         self.sampler = GPUMemorySampler()
         self._sampling: Any = None
-        self._sync = False
         self._begin: ClusterMemoryReport | None = None
         self._end: ClusterMemoryReport | None = None
         #: ``{worker: {device: {task group: peak bytes in the block} or None}}`` (None before
@@ -91,61 +89,35 @@ class performance_report(distributed.performance_report):
         self.block_peaks: dict[str, dict[str, dict[str, int] | None]] | None = None
         self._window = f"performance-report-{id(self):x}-{time.time_ns()}"
 
-    # -- synchronous client -------------------------------------------------------------------
-
     def __enter__(self):
-        from distributed import get_client
-
-        client = get_client()
-        self._sync = True
-        self._begin = client.sync(_fetch, client)
-        client.sync(_open_windows, client, self._window)
-        self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
-        self._sampling.__enter__()
-        try:
-            super().__enter__()  # runs our __aenter__ on the client's loop
-        except BaseException:
-            self._sampling.__exit__(None, None, None)
-            raise
+        super().__enter__()  # our __aenter__ on the client's loop; __exit__ is distributed's
         return self
 
-    def __exit__(self, exc_type, exc_value, traceback):
+    async def __aenter__(self):
         from distributed import get_client
 
-        client = get_client()
-        self._sampling.__exit__(exc_type, exc_value, traceback)
-        self.block_peaks = client.sync(_close_windows, client, self._window)
-        self._end = client.sync(_fetch, client)
-        super().__exit__(exc_type, exc_value, traceback)  # runs our __aexit__: writes the file
-
-    # -- asynchronous client ------------------------------------------------------------------
-
-    async def __aenter__(self):
-        if not self._sync:
-            from distributed import get_client
-
-            client = get_client()
-            self._begin = await _fetch(client)
-            await _open_windows(client, self._window)
-            self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
-            await self._sampling.__aenter__()
+        client = get_client()  # asynchronous here also for a synchronous client (its loop)
+        self._begin = await _fetch(client)
+        await _open_windows(client, self._window)
+        self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
+        await self._sampling.__aenter__()
         await super().__aenter__()
         return self
 
     async def __aexit__(self, exc_type, exc_value, traceback, code=None):
-        if not self._sync:
-            from distributed import get_client
+        from distributed import get_client
 
-            frame = inspect.currentframe()  # `async with`: the caller's code, as distributed's
+        if code is None:  # `async with` (distributed's __exit__ passes it): the caller's code
+            frame = inspect.currentframe()
             for _ in range(self._level):
                 frame = frame.f_back if frame is not None else None
             try:
                 code = inspect.getsource(frame) if frame is not None else None
             except (OSError, TypeError):
                 code = None
-            await self._sampling.__aexit__(exc_type, exc_value, traceback)
-            self.block_peaks = await _close_windows(get_client(), self._window)
-            self._end = await _fetch(get_client())
+        await self._sampling.__aexit__(exc_type, exc_value, traceback)
+        self.block_peaks = await _close_windows(get_client(), self._window)
+        self._end = await _fetch(get_client())
         samples = self.sampler.samples[self.LABEL]
         section = gpu_section_html(samples, self._begin, self._end, self.block_peaks)
         # distributed's one door into the page: the Summary tab's HTML holds ``code`` as is, in

@@ -183,6 +183,7 @@ def test_the_report_file_is_distributeds_report_with_the_gpu_section_and_needs_n
     samples = pr.sampler.samples["performance report"]
     assert samples.peak_used >= 20 * MiB + 8 * MiB
     assert "<td>burst</td><td>20.00 MiB</td>" in summary  # the block's own peak
+    assert "wait(client.map(burst, [20 * MiB] * 4" in summary  # the calling code: the fixture's
     # bokeh's JavaScript is inline: no script or style sheet is loaded from elsewhere (only
     # distributed's favicon link is)
     assert not re.search(r'<script[^>]+src="', page)
