@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dask_rmm import _cuda
 from dask_rmm.mr import registry
 from dask_rmm.mr.logging_adaptor import (
     _log_file_name,
@@ -59,13 +58,11 @@ def _check_devices(devices: Any) -> list[int]:
     devices = [devices] if isinstance(devices, int) else list(devices)
     if not devices:
         raise ValueError("devices must name at least one device")
-    count = _cuda.get_device_count()
     for d in devices:
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"devices must hold int device ids, got {d!r}")
-        if d < 0 or d >= max(count, 1):
-            where = f"{count} CUDA device(s)" if count else "no CUDA device (only device 0)"
-            raise ValueError(f"devices: device {d} does not exist, this host has {where}")
+        try:
+            registry._check_device(d)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"devices: {e}") from None
     return list(dict.fromkeys(devices))
 
 

@@ -139,16 +139,9 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
             opener = functools.partial(_open_account, owner_name, self._by_name, self._by_owner_key)
             owners = OwnerAccounts(get_owner, self._by_owner_key, opener)
             if pool.charge_owners(owners):
-                # The pool charges owners under its own lock, and calls go straight to it (see
-                # the class notes); readers take the pool's lock.
-                self._charging_pool = pool
+                self._charging_pool = pool  # charges under its own lock (see the class notes)
                 self._owners = owners
-                self._lock = pool.instrumentation_lock
-                self._acquire = self._lock.acquire
-                self._release = self._lock.release
-                # Instance attributes shadow the methods: calls skip this adaptor's layer.
-                self.allocate = pool.allocate  # type: ignore[method-assign]
-                self.deallocate = pool.deallocate  # type: ignore[method-assign]
+                self._fuse(pool, pool.instrumentation_lock)
 
     def __del__(self):
         try:

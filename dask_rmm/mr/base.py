@@ -233,6 +233,15 @@ class UpstreamResourceAdaptor(DeviceMemoryResource):
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
 
+    def _fuse(self, pool: Any, lock: Any = None) -> None:
+        """Make ``pool``'s ``allocate``/``deallocate`` this adaptor's own (instance attributes
+        shadow the methods: calls skip this layer); readers then take ``lock``, if given."""
+        self.allocate = pool.allocate  # type: ignore[method-assign]
+        self.deallocate = pool.deallocate  # type: ignore[method-assign]
+        if lock is not None:
+            self._lock = lock
+            self._acquire, self._release = lock.acquire, lock.release
+
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         return self._upstream_allocate(nbytes, stream)
 

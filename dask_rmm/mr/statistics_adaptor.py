@@ -120,15 +120,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             upstream_mr if isinstance(upstream_mr, PoolMemoryResource) else pool_behind(upstream_mr)
         )
         if pool is not None and pool.count_allocations(self._c):
-            # The pool counts under its own lock (see the class notes): calls go straight to
-            # it, and readers take its lock.
-            self._counting_pool = pool
-            self._lock = lock = pool.instrumentation_lock
-            self._acquire = lock.acquire
-            self._release = lock.release
-            # Instance attributes shadow the methods: calls skip this adaptor's layer.
-            self.allocate = pool.allocate  # type: ignore[method-assign]
-            self.deallocate = pool.deallocate  # type: ignore[method-assign]
+            self._counting_pool = pool  # counts under its own lock (see the class notes)
+            self._fuse(pool, pool.instrumentation_lock)
 
     def __del__(self):
         try:

@@ -58,11 +58,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
             and type(upstream_mr) is PoolMemoryResource
             and not upstream_mr.live_allocations()
         ):
-            # The pool's live table is this adaptor's (see the class notes).
-            self._tracking_pool = upstream_mr
-            # Instance attributes shadow the methods: calls skip this adaptor's layer.
-            self.allocate = upstream_mr.allocate  # type: ignore[method-assign]
-            self.deallocate = upstream_mr.deallocate  # type: ignore[method-assign]
+            self._tracking_pool = upstream_mr  # its live table is this adaptor's
+            self._fuse(upstream_mr)
 
     @property
     def capture_stacks(self) -> bool:
