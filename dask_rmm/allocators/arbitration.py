@@ -1,7 +1,8 @@
 """Arbitration across libraries: the one order in which room is made on a device when an
 allocation fails in any library drawing from its stack (CuPy, compiled RMM, Numba, PyTorch,
-``DeviceBuffer``): first every library cache gives its free blocks back, then (with
-``spill_on_oom``) task outputs move to host memory; the caller then retries. Each time is
+``DeviceBuffer``): first every library cache gives its free blocks back, then cuDF spills its
+spillable buffers (when its spilling is on), then (with ``spill_on_oom``) task outputs move to
+host memory; the caller then retries. Each time is
 recorded (:class:`RoomMade`: bytes given back per library, bytes spilled).
 
 Also: :func:`is_device_out_of_memory`, which tells a device out-of-memory error of those
@@ -86,10 +87,14 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
     released = caches.release_cached_by_library(device)
     spilled = 0
     if spill:
+        # Then libraries that spill their own objects (cuDF's spillable buffers), then outputs.
+        by_libraries = caches.spill_libraries(nbytes)
+        released.update(by_libraries)
         handler = caches.oom_handler(device)
-        if handler is not None:
+        need = int(nbytes) - sum(by_libraries.values())
+        if handler is not None and need > 0:
             try:
-                spilled = int(handler(int(nbytes)) or 0)
+                spilled = int(handler(need) or 0)
             except Exception:
                 caches.logger.warning("dask-rmm: spilling for %s failed", library, exc_info=True)
         if spilled:

@@ -2,12 +2,15 @@
 compiled RMM's pool: blocks drawn from the stack, whose free bytes are reported beside it) and
 beside them (``outside_stack = True``: PyTorch's caching allocator, sharing the pool's maximum
 through :mod:`dask_rmm.mr.budget`): what they hold and how to make them give free blocks back.
+Also the libraries that spill their own objects when room is needed (cuDF's spill manager,
+:func:`spill_libraries`), after the caches gave back and before task outputs spill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
@@ -24,6 +27,8 @@ __all__ = [
     "release_cached",
     "release_cached_by_library",
     "set_oom_handler",
+    "spill_libraries",
+    "spilled_by_libraries",
     "unregister_cache",
 ]
 
@@ -192,6 +197,79 @@ def set_oom_handler(device: int, handler: Callable[[int], int] | None) -> None:
 def oom_handler(device: int) -> Callable[[int], int] | None:
     """The handler :func:`set_oom_handler` set for ``device``, or None."""
     return _oom_handlers.get(device)
+
+
+class CudfSpilling:
+    """cuDF's spill manager (``cudf.core.buffer.spill_manager.get_global_manager()``, set when
+    cuDF's spilling is on), if cuDF was imported: nothing is imported here."""
+
+    name = "cudf"
+
+    def manager(self) -> Any:
+        if "cudf" not in sys.modules:
+            return None
+        try:
+            from cudf.core.buffer.spill_manager import get_global_manager
+        except ImportError:
+            return None
+        return get_global_manager()
+
+    def spill(self, nbytes: int) -> int:
+        """Have cuDF spill its least recently used spillable buffers adding up to ``nbytes``;
+        the bytes spilled."""
+        manager = self.manager()
+        return 0 if manager is None else int(manager.spill_device_memory(nbytes=int(nbytes)))
+
+    def spilled_and_spillable(self) -> tuple[int, int]:
+        """Bytes of cuDF's buffers on host now, and of those on the device it could spill."""
+        manager = self.manager()
+        if manager is None:
+            return 0, 0
+        spilled = spillable = 0
+        for buf in manager.buffers():
+            if buf.is_spilled:
+                spilled += int(buf.size)
+            elif buf.spillable:
+                spillable += int(buf.size)
+        return spilled, spillable
+
+
+#: The libraries that spill their own objects (cuDF's); replaced by tests.
+spilling_libraries: list[Any] = [CudfSpilling()]
+
+
+def spill_libraries(nbytes: int) -> dict[str, int]:
+    """Have the libraries that spill their own objects (cuDF, when its spilling is on) spill
+    ``nbytes``, one after the other until that many are spilled; the bytes each spilled (those
+    that spilled some). Never raises: a library that fails counts 0 (logged)."""
+    spilled: dict[str, int] = {}
+    for library in spilling_libraries:
+        left = int(nbytes) - sum(spilled.values())
+        if left <= 0:
+            break
+        try:
+            n = int(library.spill(left))
+        except Exception:
+            logger.warning("dask-rmm: %s's spilling failed", library.name, exc_info=True)
+            n = 0
+        if n > 0:
+            spilled[library.name] = n
+    return spilled
+
+
+def spilled_by_libraries() -> dict[str, tuple[int, int]]:
+    """Per library that spills its own objects and has any: ``(bytes spilled, bytes it could
+    spill)``. Never raises (a library that cannot tell is left out, logged at debug level)."""
+    out: dict[str, tuple[int, int]] = {}
+    for library in spilling_libraries:
+        try:
+            figures = library.spilled_and_spillable()
+        except Exception:
+            logger.debug("dask-rmm: %s could not tell its bytes", library.name, exc_info=True)
+            continue
+        if any(figures):
+            out[library.name] = (int(figures[0]), int(figures[1]))
+    return out
 
 
 def _reset_for_tests() -> None:

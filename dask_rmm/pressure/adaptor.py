@@ -43,6 +43,7 @@ class PressureHandler(Protocol):
         self, error: MemoryError, nbytes: int, spilled: int, events: list
     ) -> object: ...  # the result is not used
     def release_cached(self) -> int: ...
+    def spill_libraries(self, nbytes: int) -> int: ...
 
 
 class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
@@ -168,8 +169,12 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             self._record_failure(error, nbytes, 0)
             raise error
         release = getattr(h, "release_cached", None)
-        if release is not None and release() > 0:
-            # Free blocks of library caches went back to the stack: no spilling needed yet.
+        libraries = getattr(h, "spill_libraries", None)
+        # Free blocks of library caches go back to the stack, then cuDF spills its buffers:
+        # no outputs spilled while either made room.
+        for free in (release, None if libraries is None else lambda: libraries(nbytes)):
+            if free is None or free() <= 0:
+                continue
             try:
                 return self._retry(nbytes, stream)
             except CUDAAllocationError:

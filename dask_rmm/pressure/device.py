@@ -142,6 +142,16 @@ class DevicePressure:
                 mine[name] = mine.get(name, 0) + n
         return sum(released.values())
 
+    def spill_libraries(self, nbytes: int) -> int:
+        """Have the libraries that spill their own objects (cuDF) spill ``nbytes``: after the
+        caches gave back, before outputs spill; the bytes spilled (recorded per library for
+        this thread's OOM snapshot)."""
+        spilled = caches.spill_libraries(nbytes)
+        mine = getattr(self._local, "released", None)
+        if mine is not None:
+            mine.update(spilled)
+        return sum(spilled.values())
+
     def release_cached_when_full(self) -> int:
         """Under pressure, have the library caches give their free blocks back now, not at the
         next out-of-memory; the bytes given back.
