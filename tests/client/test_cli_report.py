@@ -293,8 +293,10 @@ def test_an_http_port_gets_a_hint():
         server.server_close()
 
 
-def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:
-    """A TCP server on localhost that writes ``payload`` to every connection and closes it."""
+def _peer(answer: bytes | None, *, greets: bool = True) -> tuple[int, Callable[[], None]]:
+    """A TCP server on localhost that writes ``answer`` to every connection and closes it: at
+    once (``greets``), or once the client spoke (a proxy, an HTTP server, a Redis-style
+    service; None: nothing)."""
     import socket
     import threading
 
@@ -302,14 +304,18 @@ def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
 
+    def answer_one(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            if (greets or conn.recv(4096)) and answer is not None:
+                conn.sendall(answer)
+
     def serve() -> None:
         while True:
             try:
                 conn, _ = sock.accept()
             except OSError:  # closed: the test is over
                 return
-            with conn, contextlib.suppress(OSError):
-                conn.sendall(payload)
+            threading.Thread(target=answer_one, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return sock.getsockname()[1], sock.close
@@ -339,7 +345,7 @@ def _one_shot_server(payload: bytes) -> tuple[int, Callable[[], None]]:
     ],
 )
 def test_an_address_that_does_not_speak_dask_is_one_line_and_exit_2(payload):
-    port, close = _one_shot_server(payload)
+    port, close = _peer(payload)
     try:
         r = CliRunner().invoke(main, ["report", f"tcp://127.0.0.1:{port}", "--timeout", "5"])
     finally:
@@ -374,33 +380,6 @@ def test_a_scheduler_is_recognised_as_dask_and_logs_no_error():
     assert tornado_log.getvalue() == "" and distributed_log.getvalue() == ""
 
 
-def _answering_server(answer: bytes | None) -> tuple[int, Callable[[], None]]:
-    """A TCP server on localhost that waits for the client to speak, then writes ``answer``
-    (None: nothing) and closes: a proxy, an HTTP server, a Redis-style service."""
-    import socket
-    import threading
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-
-    def answer_one(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            if conn.recv(4096) and answer is not None:
-                conn.sendall(answer)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:  # closed: the test is over
-                return
-            threading.Thread(target=answer_one, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return sock.getsockname()[1], sock.close
-
-
 def _one_line_error(r, status: int) -> str:
     assert r.exit_code == status, (r.output, r.exception)
     assert "Traceback" not in r.output and "EiB" not in r.output, r.output
@@ -424,7 +403,7 @@ def _one_line_error(r, status: int) -> str:
     ids=["http-400", "http-404", "redis-err", "redis-ok", "short", "huge-length", "silent-close"],
 )
 def test_a_peer_that_waits_for_the_client_is_not_dask_in_one_line(command, answer):
-    port, close = _answering_server(answer)
+    port, close = _peer(answer, greets=False)
     try:
         r = CliRunner().invoke(main, [command, f"tcp://127.0.0.1:{port}", "--timeout", "10"])
     finally:
@@ -435,7 +414,7 @@ def test_a_peer_that_waits_for_the_client_is_not_dask_in_one_line(command, answe
 
 @pytest.mark.parametrize("command", ["report", "advise"])
 def test_a_peer_that_greets_first_is_not_dask_in_one_line_in_advise_too(command):
-    port, close = _one_shot_server(b"-ERR greeting\r\n")
+    port, close = _peer(b"-ERR greeting\r\n")
     try:
         r = CliRunner().invoke(main, [command, f"tcp://127.0.0.1:{port}", "--timeout", "10"])
     finally:
