@@ -329,8 +329,12 @@ class Snapshot:
 
     def render(self, form: str) -> Any:
         """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
+        return self.export(lambda snap: snap._render(form))
+
+    def export(self, build: Any) -> Any:
+        """``build(self)`` with the garbage collector paused (see :func:`_collector_paused`)."""
         with _collector_paused():
-            return self._render(form)
+            return build(self)
 
     def _render(self, form: str) -> Any:
         if form in ("json", "json-pieces", "json-bytes"):

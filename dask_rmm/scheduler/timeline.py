@@ -575,7 +575,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if kept is not None and kept[0] is shared:
             return kept[1]
         snap = Snapshot(ReportRequest(timeline=False), shared.records, shared.total, shared.meta)
-        value = await self._in_thread(build, snap)
+        value = await self._in_thread(snap.export, build)
         self._exports[what] = (shared, value)
         return value
 
