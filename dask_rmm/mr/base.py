@@ -127,25 +127,13 @@ class OutOfMemoryError(MemoryError):
         self.largest_free_block = largest_free_block
 
     def __reduce__(self):
-        return (
-            _rebuild_oom,
-            (
-                self.args[0] if self.args else "",
-                {
-                    "requested": self.requested,
-                    "resource": self.resource,
-                    "stream": self.stream,
-                    "pool_size": self.pool_size,
-                    "maximum_pool_size": self.maximum_pool_size,
-                    "free_bytes": self.free_bytes,
-                    "largest_free_block": self.largest_free_block,
-                },
-            ),
-        )
+        return (_rebuild_oom, (self.args[0] if self.args else "", vars(self)))
 
 
 def _rebuild_oom(message, fields):
-    return OutOfMemoryError(message, **fields)
+    error = OutOfMemoryError(message)
+    error.__dict__.update(fields)  # every attribute, the notes and any set after construction
+    return error
 
 
 class CUDAAllocationError(CUDAError, MemoryError):

@@ -109,10 +109,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
         self._acquire = lock.acquire
         self._release = lock.release
-        # Top frame's counters. Outer frames: (current_bytes, current_count, peak_bytes,
-        # peak_count, total_bytes, total_count) at the time of the push.
+        # Top frame's counters; the outer frames as they were at the time of the push.
         self._c = AllocationCounters()
-        self._frames: list[tuple[int, int, int, int, int, int]] = []
+        self._frames: list[Statistics] = []
         # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
         self._base_bytes = 0
         self._counting_pool: PoolMemoryResource | None = None
@@ -247,16 +246,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         self._acquire()
         try:
             before = self._top_locked()
-            self._frames.append(
-                (
-                    before.current_bytes,
-                    before.current_count,
-                    before.peak_bytes,
-                    before.peak_count,
-                    before.total_bytes,
-                    before.total_count,
-                )
-            )
+            self._frames.append(before)
             self._base_bytes += before.current_bytes
             self._c.interval_peak -= before.current_bytes
             self._c.total_bytes = self._c.total_count = 0
@@ -290,7 +280,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
                     "(call push_counters() first)"
                 )
             inner = self._top_locked()  # settles the journal
-            cb, cc, pb, pc, tb, tc = self._frames.pop()
+            outer = self._frames.pop()
+            cb, cc, pb, pc, tb, tc = (outer[k] for k in _FIELD_NAMES)
             self._base_bytes -= cb
             self._c.interval_peak += cb
             self._c.peak_bytes = max(pb, cb + inner.peak_bytes)

@@ -104,3 +104,11 @@ def test_a_base_resource_names_the_call_for_a_pointer_of_the_wrong_type():
         mr.deallocate(1.5, 100)
     mr.deallocate(np.int64(ptr), 100)
     assert mr.live_allocations == 0
+
+
+def test_oom_pickles_with_its_notes_and_attributes_set_later():
+    e = OutOfMemoryError("x", requested=5)
+    e.add_note("while spilling")
+    e.retried = 3  # set after construction, as an adaptor might
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.requested, e2.retried, e2.__notes__) == (5, 3, ["while spilling"])
