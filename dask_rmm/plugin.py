@@ -1,12 +1,6 @@
-"""RMMPlugin: options -> one stack builder -> install, on every worker, all or nothing.
-
-Each worker builds its new stacks completely while the old ones stay installed; the workers then
-vote through :class:`~dask_rmm.scheduler.setup_vote.SetupCoordinator` (a scheduler plugin with
-one handler), and either every worker installs its new stacks or every worker keeps its previous ones and the scheduler forgets
-the failed registration. Not here: the options and the builder (:mod:`dask_rmm.stack`), installing and retiring stacks
-(:mod:`dask_rmm.worker.stacks`), heartbeat metrics (:mod:`dask_rmm.worker.metrics`), the vote's
-scheduler side (:mod:`dask_rmm.scheduler.setup_vote`), CLI flags (:mod:`dask_rmm.preload`).
-"""
+"""RMMPlugin: options -> one stack builder -> install, on every worker, all or nothing (each
+worker builds while its old stacks stay installed, then the workers vote through
+:mod:`dask_rmm.scheduler.setup_vote`; docs/internals.md draws the walk)."""
 
 from __future__ import annotations
 
@@ -97,44 +91,25 @@ class _Unset:
 
 _UNSET: Any = _Unset()
 
-#: The key of the Dask task running on the calling thread, or None (distributed sets
-#: ``thread_state.key`` while a task runs). A partial of the builtin getattr: no Python frame
-#: on the allocation path.
+#: The key of the Dask task running on the calling thread, or None: a partial of the builtin
+#: getattr, so no Python frame on the allocation path.
 current_task_key = functools.partial(getattr, thread_state, "key", None)
-
-
-def task_prefix(key: Any) -> str:
-    """The task prefix a key is charged to: ``key_split(("sum-chunk-abc", 1, 2)) == "sum-chunk"``."""
-    return key_split(key)
+#: The task prefix a key is charged to (``"sum-chunk"`` for ``("sum-chunk-abc", 1, 2)``).
+task_prefix = key_split
 
 
 class RMMPlugin(SchedulerPlugin, WorkerPlugin):
     """Give every worker an RMM memory-resource stack, per-task-group statistics and metrics.
 
-    Options mean what they mean in dask-cuda (``LocalCUDACluster(rmm_pool_size=...)``), plus
-    ``base_resource``, ``devices`` and the memory-pressure options; each is documented once, on
-    :class:`~dask_rmm.stack.RMMOptions` (and in docs/workers.md). Those not given come from
-    the ``dask-rmm.*`` config (``DASK_DASK_RMM__POOL_SIZE=4GiB``), read and validated where the
-    plugin is made.
-
-    Notes
-    -----
-    Registering again (say with a bigger pool) replaces the setup on every worker, all or
-    nothing: if any worker fails, every worker keeps its previous stacks, the scheduler keeps
-    the previous registration (or none), and ``register_plugin`` raises :class:`RMMSetupError`
-    naming each failed worker and its reason. Buffers still held from a replaced stack stay
-    counted (``WorkerStack.retired``) until freed.
-
-    Examples
-    --------
-    Options are checked where the plugin is made:
+    Options are documented once, on :class:`~dask_rmm.stack.RMMOptions` (and in
+    docs/workers.md); those not given come from the ``dask-rmm.*`` config. Registering again
+    replaces the setup on every worker, all or nothing: if any worker fails, every worker keeps
+    its previous stacks and ``register_plugin`` raises :class:`RMMSetupError`.
 
     >>> from dask_rmm import RMMPlugin
     >>> plugin = RMMPlugin(pool_size="4GiB", allocators=["cupy"])
     >>> plugin.options.pool_size
     4294967296
-
-    With ``client`` a Client of a running cluster (the doctest run skips these lines):
 
     >>> client.register_plugin(plugin)  # doctest: +SKIP
     """
@@ -165,28 +140,9 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         memory_admission: bool = _UNSET,
         oom_retry: bool = _UNSET,
     ):
-        given = dict(
-            pool_size=pool_size,
-            maximum_pool_size=maximum_pool_size,
-            managed_memory=managed_memory,
-            async_alloc=async_alloc,
-            release_threshold=release_threshold,
-            log_directory=log_directory,
-            track_allocations=track_allocations,
-            allocators=allocators,
-            exact_allocators=exact_allocators,
-            statistics=statistics,
-            base_resource=base_resource,
-            devices=devices,
-            device_memory_limit=device_memory_limit,
-            spill_on_oom=spill_on_oom,
-            device_pause_fraction=device_pause_fraction,
-            memory_admission=memory_admission,
-            oom_retry=oom_retry,
-        )
-        #: The checked options (:class:`~dask_rmm.stack.RMMOptions`); those not given (``_UNSET``)
-        #: come from the config.
-        self.options = RMMOptions.from_config(**{k: v for k, v in given.items() if v is not _UNSET})
+        given = {k: v for k, v in locals().items() if k != "self" and v is not _UNSET}
+        #: The checked options (:class:`~dask_rmm.stack.RMMOptions`); the rest from the config.
+        self.options = RMMOptions.from_config(**given)
         #: Identifies this registration in the setup vote.
         self.token = uuid.uuid4().hex
         #: False for a plugin one worker sets up alone (the preload): no vote.
@@ -205,24 +161,14 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "worker_metrics": WorkerMetrics(), "_worker": None}
 
-    # -- registration, on the scheduler -----------------------------------------------------
-
     async def start(self, scheduler: Scheduler) -> None:
-        """Register this plugin on every worker, run on the scheduler.
-
-        ``client.register_plugin(plugin)`` sends a SchedulerPlugin (this class is one first, a
-        WorkerPlugin second) to the scheduler, which calls ``start``: the registration runs
-        there (:func:`~dask_rmm.scheduler.setup_vote.register_on_every_worker`), so a worker
-        dying meanwhile is named in the scheduler's log and its ``dask-rmm`` events instead of
-        failing ``register_plugin`` with a comm error. Once ``start`` returns, the scheduler
-        holds this object as a scheduler plugin too; it removes it on the next loop iteration
-        (it has nothing to do there).
-        """
+        """On the scheduler (``register_plugin`` sends a SchedulerPlugin there first): register
+        on every worker from there, so a worker dying meanwhile is named in the scheduler's log
+        instead of failing ``register_plugin`` with a comm error."""
         logging.getLogger("distributed.core").addFilter(_ONE_LINE)  # its handler logs errors
         await register_on_every_worker(scheduler, self)
-        # The scheduler adds this object to its plugins right after this returns, without
-        # yielding to the loop: drop it on the loop's next iteration, and drop now one that an
-        # earlier registration finishing in the same iteration left (adding over it would warn).
+        # The scheduler adds this object to its plugins right after this returns: drop it on
+        # the next iteration, and now one an earlier registration left (adding over it warns).
         _forget_scheduler_plugins(scheduler)
         asyncio.get_running_loop().call_soon(_forget_scheduler_plugins, scheduler)
 
@@ -235,8 +181,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             admission = admission_of(self._worker)
             if admission is not None:
                 admission.transition(key, start, finish)
-
-    # -- setup -----------------------------------------------------------------------------
 
     async def setup(self, worker: Worker) -> None:
         """Build this worker's stacks, vote, then roll back (keep the previous ones) or commit."""
@@ -285,9 +229,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
     ) -> None:
         """Discard the new stacks and keep the previous setup; raise :class:`RMMSetupError`
         when any worker failed (a worker that joined a set-up cluster and failed also stops)."""
-        # The error's traceback keeps the callers' frames: leave no discarded stack in them (no
-        # loop variable either, the list emptied), so that the memory their pools took is given
-        # back at once.
+        # The error's traceback keeps our frames: no discarded stack may stay in them.
         while stacks:
             stacks.pop().close_log()
         owner = ws.plugin
@@ -298,9 +240,8 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             and owner.token == ws.token
             and worker.plugins.get(self.name) is self
         ):
-            # Superseded, and the later registration reached this worker first: arriving
-            # after it, this one replaced it in worker.plugins and tore it down, while its
-            # stacks stay installed. Put it back, so the plugin and the stacks agree.
+            # Superseded by a registration that reached this worker first and that this one
+            # tore down in worker.plugins; its stacks stay installed, so put it back.
             worker.plugins[self.name] = owner
             owner._worker = worker
             owner._publish(worker, ws)
@@ -309,13 +250,11 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         if failures:
             setup_error = RMMSetupError.from_failures(failures, kept_previous=bool(ws.active))
             if joining and worker.address in failures:
-                # A worker (re)started into a cluster whose workers all run this setup: it must
-                # not run on without it (distributed would log the error and go on).
+                # joined a cluster set up this way: it must not run on without the setup
                 reason = f"dask-rmm setup failed: {failures[worker.address]}"
                 await stop_worker(worker, reason, close_later=True)
             raise setup_error
-        # A registration that reached the scheduler after this one (two clients at once)
-        # is the one every worker installs; this one changes nothing.
+        # a later registration (two clients at once) is the one every worker installs
         WORKER_LOGGER.info(
             "dask-rmm: worker %s: a later registration replaced this one", worker.name
         )
@@ -324,8 +263,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         """Install the new stacks (the previous ones retire), publish their metrics and make
         sure the scheduler has the cluster report's plugin."""
         if worker.plugins.get(self.name) is not self:
-            # That later registration reached this worker first, and this one, arriving after
-            # it, tore it down; the scheduler keeps it, so it is this worker's plugin again.
+            # a later registration that reached us first tore this one down; the scheduler keeps it
             worker.plugins[self.name] = self
             self._worker = worker
         ws.install(stacks, self.options, self.token)
@@ -454,8 +392,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         else:
             remove_periodic(worker, TRIMMER_KEY)
 
-    # -- teardown --------------------------------------------------------------------------
-
     def teardown(self, worker: Worker) -> None:
         """Take the metrics back and hand the stacks back: a plugin replacing this one keeps
         them until its own are ready; otherwise they are removed on the next loop iteration
@@ -478,8 +414,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         if worker.status.name == "running":  # a report right after no longer shows this setup
             worker.loop.add_callback(worker.heartbeat)
         self._worker = None
-
-    # -- introspection ---------------------------------------------------------------------
 
     @property
     def worker_pressure(self) -> Any:

@@ -1,13 +1,7 @@
-"""Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``.
-
-The flags carry dask-cuda's names and become an :class:`~dask_rmm.plugin.RMMPlugin` set up when
-the worker starts (a failing setup stops the worker with the reason on one line, and ``dask
-worker`` exits with status 1: :mod:`dask_rmm.worker.fatal`). Flags not given fall back to the
-worker's ``dask-rmm.*`` config, validated with them. Under ``dask cuda worker`` and
-``LocalCUDACluster`` dask-cuda's own ``--rmm-*`` settings configure dask-rmm instead of compiled
-RMM (:mod:`dask_rmm.worker.dask_cuda`). A flag ``dask worker`` took as its SCHEDULER address is
-recovered when it can be (see :func:`_check_scheduler_argument`). Run ``python -m
-dask_rmm.preload --help`` for the flags.
+"""Worker CLI flags: ``dask worker SCHED --preload dask_rmm.preload --rmm-pool-size 4GiB ...``
+become one :class:`~dask_rmm.plugin.RMMPlugin` set up when the worker starts (flags not given
+fall back to the config); a failing setup stops the worker (:mod:`dask_rmm.worker.fatal`).
+docs/workers.md describes the flags; docs/internals.md dask-cuda's and a recovered SCHEDULER.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
 def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    """A memory size: bytes, a size string such as ``4GiB``, or a fraction of device memory."""
     from dask_rmm.sizes import parse_size
 
     try:
@@ -46,7 +39,6 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
 
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    """A comma-separated list of libraries to point at the worker's resource."""
     from dask_rmm.stack.options import _allocators
 
     try:
@@ -60,14 +52,11 @@ PROG = "dask worker SCHEDULER --preload dask_rmm.preload"
 
 
 class _PreloadCommand(click.Command):
-    """Checks the flags together right after parsing, so that incompatible flags are a usage
-    error of ``dask worker`` itself (distributed parses preload flags before starting), and
-    recovers a flag that ``dask worker`` took as its scheduler address (see the module doc)."""
+    """Checks the flags together right after parsing (a usage error of ``dask worker`` itself),
+    and recovers a flag that ``dask worker`` took as its scheduler address."""
 
     def get_help_option_names(self, ctx: click.Context) -> list[str]:
-        # -h too, however the context was made: distributed makes the preload's context itself
-        # (without this command's context_settings), and click keeps the first help option it
-        # builds for a command
+        # -h too: distributed makes the preload's context without our context_settings
         names = dict.fromkeys(["-h", "--help", *ctx.help_option_names])
         for param in self.params:
             for name in (*param.opts, *param.secondary_opts):
@@ -75,8 +64,7 @@ class _PreloadCommand(click.Command):
         return list(names)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        # distributed parses the flags again when the worker starts, with this name; an error
-        # there it would log and then start the worker without dask-rmm
+        # parsed again at worker start: an error there distributed would log and go on
         at_worker_start = ctx.info_name == "dask_setup"
         # distributed checks the flags with a context that has no name ("Usage:  [OPTIONS]")
         ctx.info_name = ctx.info_name or PROG
@@ -90,8 +78,7 @@ class _PreloadCommand(click.Command):
             return []
 
     def _parse(self, ctx: click.Context, args: list[str]) -> list[str]:
-        # distributed checks --preload flags in a callback of its own `worker` command, with a
-        # fresh context for the preload; at worker start the preload's context is the current one
+        # `dask worker` checks preload flags in its own command's callback, with a fresh context
         outer = click.get_current_context(silent=True)
         worker_params = {p.name for p in outer.command.params} if outer is not None else set()
         checking_for_dask_worker = (
@@ -105,8 +92,7 @@ class _PreloadCommand(click.Command):
         else:
             args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
-        # Checked again where the worker starts (often another process): an unknown config
-        # key is reported there, once.
+        # an unknown config key is reported once, where the worker starts
         quiet = unknown_keys_unreported() if checking_for_dask_worker else contextlib.nullcontext()
         try:
             with quiet:
@@ -120,17 +106,9 @@ class _PreloadCommand(click.Command):
 def _check_scheduler_argument(
     command: click.Command, worker_ctx: click.Context, args: list[str]
 ) -> list[str]:
-    """The flags as typed, given what ``dask worker`` parsed; a UsageError if a flag it took as
-    the scheduler address cannot be put back.
-
-    ``dask worker`` takes the first argument it does not know as its SCHEDULER address (an
-    address never starts with ``-``) and hands the preload the rest, so without an address before
-    the flags it took ``--rmm-pool-size`` of ``--rmm-pool-size 4GiB``, or all of
-    ``--rmm-pool-size=4GiB``. With ``--scheduler-file`` (the worker connects through it, ignoring
-    SCHEDULER) the flag is put back, logged, and recorded for the worker processes in the
-    ``_DASK_RMM_PRELOAD_RECOVERED`` environment variable; otherwise it is a usage error naming
-    the flag. Either way no worker starts with fewer flags than were typed.
-    """
+    """The flags as typed: ``dask worker`` takes the first flag as its SCHEDULER address when
+    none came before; with ``--scheduler-file`` that flag is put back (logged, and recorded for
+    the worker processes), otherwise it is a UsageError naming it."""
     swallowed = worker_ctx.params.get("scheduler")
     if not (isinstance(swallowed, str) and swallowed.startswith("-")):
         os.environ.pop(_RECOVERED_ENV, None)  # a stale record inherited from elsewhere
@@ -158,8 +136,7 @@ def _check_scheduler_argument(
 
 
 def _recovered_argv(args: list[str]) -> list[str]:
-    """In a worker started by ``dask worker``: the flags as typed, if that command recovered a
-    flag from these ``args`` (:func:`_check_scheduler_argument`); otherwise ``args``."""
+    """The flags as typed if ``dask worker`` recovered one from ``args``; otherwise ``args``."""
     record = os.environ.get(_RECOVERED_ENV)
     if not record:
         return args
@@ -184,10 +161,10 @@ def _log_recovered(typed: list[str]) -> None:
     )
 
 
-#: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
 #: Parameters of distributed's `dask worker` command: the context the preload runs in.
 _WORKER_PARAMS = {"scheduler", "scheduler_file", "preload_argv"}
 
+#: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
 _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--rmm-pool-size", "pool_size", dict(callback=_size, help="Initial pool size: bytes, '4GiB' "
         "or a fraction of device memory ('0.8'). No pool when not given.")),
@@ -266,16 +243,7 @@ starting anything.
 
 @_with_flags
 async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags: Any) -> None:
-    """Set the worker's memory resources up from the ``--rmm-*`` flags.
-
-    distributed calls this with the worker when it starts (``--preload dask_rmm.preload``).
-    Give the scheduler address before these flags (``dask worker tcp://HOST:8786 --preload
-    dask_rmm.preload --rmm-...``): dask worker takes the first flag as its address otherwise.
-    With --scheduler-file that flag is recovered (and logged); without any address it is a
-    usage error. Under dask-cuda, its ``--rmm-*`` settings configure dask-rmm (see
-    :func:`plugin_for_worker`). A setup that fails stops the worker
-    (:func:`dask_rmm.worker.fatal.stop_worker`).
-    """
+    """Set the worker's memory resources up from the ``--rmm-*`` flags (or stop it)."""
     from dask_rmm.plugin import RMMSetupError
     from dask_rmm.worker.fatal import stop_worker
 
@@ -291,14 +259,12 @@ async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags
         raise WorkerSetupFailed(_reason(e)) from e
     plugin.coordinated = False  # this worker alone: no vote with the others
     plugin.host_memory_form = "--rmm-base-resource system"
-    # What distributed's plugin_add does, without its traceback in the log: the reason is
-    # logged once, by stop_worker.
+    # distributed's plugin_add, without its traceback: stop_worker logs the reason once
     worker.plugins[plugin.name] = plugin
     try:
         await plugin.setup(worker)
         from dask_rmm.worker.stacks import worker_stack
 
-        # what unregistering a client's RMMPlugin on this worker brings back
         worker_stack(worker).command_line = plugin
     except Exception as e:
         worker.plugins.pop(plugin.name, None)
@@ -331,14 +297,9 @@ def _reason(e: BaseException) -> str:
 
 
 def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
-    """The RMMPlugin for ``worker``: from the preload's ``flags`` and, on a dask-cuda worker,
-    from dask-cuda's ``rmm_*`` settings, which are then switched off (no compiled RMM pool).
-
-    dask-cuda's values keep dask-cuda's meaning (sizes in bytes, ``"4GiB"`` or fractions of
-    the worker's GPU); the compiled ``rmm`` package, when installed, is served from dask-rmm's
-    stack (``allocators=["rmm"]``), so cuDF and cuML allocate through it as they did through
-    dask-cuda's pool. A setting given both ways with different values is a usage error.
-    """
+    """The RMMPlugin for ``worker`` from ``flags`` and, on a dask-cuda worker, dask-cuda's
+    ``rmm_*`` settings (then switched off; compiled ``rmm`` served from dask-rmm's stack). A
+    setting given both ways with different values is a usage error."""
     from dask_rmm.config import config_value
     from dask_rmm.worker import dask_cuda
 
@@ -378,9 +339,8 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
 
 
 def _hide_own_flags_from_other_preloads(worker: Any) -> None:
-    """distributed hands every preload the same argv: take dask-rmm's flags out of the other
-    click preloads' argv (``dask_cuda.initialize``, which dask-cuda adds after ours, would reject
-    ``--rmm-base-resource``), so that they start as they would without dask-rmm."""
+    """Take dask-rmm's flags out of the other click preloads' argv (distributed hands every
+    preload the same one; ``dask_cuda.initialize`` would reject ``--rmm-base-resource``)."""
     ours: dict[str, bool] = {}  # option string -> takes a value
     for param in dask_setup.params:
         if isinstance(param, click.Option) and param.name != "dask_cuda_context":
@@ -403,12 +363,8 @@ def _hide_own_flags_from_other_preloads(worker: Any) -> None:
 
 
 class WorkerSetupFailed(BaseException):
-    """The preload's worker could not be set up (in a process of its own, that process exits
-    first: :func:`dask_rmm.worker.fatal.stop_worker`); fails the worker's start.
-
-    A BaseException on purpose: distributed logs and ignores an ``Exception`` from a preload,
-    after which the closed worker would run on, or end with exit status 0.
-    """
+    """The preload's worker could not be set up; fails the worker's start. A BaseException:
+    distributed logs and ignores an ``Exception`` from a preload."""
 
 
 def plugin_from_flags(**flags: Any):
@@ -428,7 +384,6 @@ def plugin_from_flags(**flags: Any):
     try:
         return RMMPlugin(**options)
     except (TypeError, ValueError) as e:
-        # Incompatible flags: a usage error naming the flags, not a traceback.
         flags_by_option = {o: "--" + f.replace("_", "-") for f, o in _FLAG_TO_OPTION.items()}
 
         def as_flag(match: re.Match) -> str:
@@ -440,8 +395,7 @@ def plugin_from_flags(**flags: Any):
 
 
 def _main(argv: list[str] | None = None) -> None:
-    """``python -m dask_rmm.preload [--help] [FLAGS]``: list the flags, or check flags and
-    print the RMMPlugin they make (without starting anything)."""
+    """``python -m dask_rmm.preload [--help] [FLAGS]``: print the RMMPlugin FLAGS make."""
     try:
         with dask_setup.make_context(PROG, list(sys.argv[1:] if argv is None else argv)) as ctx:
             click.echo(repr(plugin_from_flags(**_without_dask_cuda_flag(ctx.params))))

@@ -1,12 +1,6 @@
-"""Memory sizes in one place: the one parser (bytes, ``"4GiB"`` strings, fractions of device
-memory), the formatter and the 256-byte CUDA alignment (``ALIGNMENT``, ``align_up``).
-
-:func:`parse_size` reads what the user gave, once, where it is given (an option, a flag, a config
-key, a resource's argument) into bytes or a fraction; :func:`parse_device_bytes` (dask-cuda's
-forms and name) also takes a fraction of a device's memory and rounds down to 256 bytes (the
-CUDA allocation alignment; dask-cuda's ``alignment_size`` defaults to 1, and its RMM setup passes
-256). Units are ``dask.utils.parse_bytes``'s and sizes print with ``dask.utils.format_bytes``,
-both imported on first use: ``import dask_rmm`` imports neither Dask nor CUDA.
+"""Memory sizes: the one parser (:func:`parse_size`, read once where a size is given), a fraction
+of a device's memory resolved to bytes (:func:`parse_device_bytes`, dask-cuda's name and forms),
+and the 256-byte CUDA alignment. Units are ``dask.utils.parse_bytes``'s, imported on first use.
 """
 
 from __future__ import annotations
@@ -26,12 +20,10 @@ __all__ = [
     "parse_size",
 ]
 
-#: Every allocation is aligned to (and every size rounded up to) this many bytes,
-#: the alignment cudaMalloc guarantees.
+#: Every allocation is aligned to (every size rounded up to) cudaMalloc's alignment.
 ALIGNMENT = 256
 
-#: No memory, on any device or host, is 16 EiB (a 64-bit address space) or more: a size at or
-#: above it is refused where it is given.
+#: No memory is 16 EiB (a 64-bit address space) or more: a size at or above it is refused.
 MAX_SIZE = 1 << 64
 
 _FORMS = "bytes (an int or '4GiB') or a fraction of device memory in (0, 1]"
@@ -72,17 +64,10 @@ def _number(value: float, what: str) -> int | float | None:
 def parse_size(
     value: Any, option: str | None = None, alignment: int = ALIGNMENT
 ) -> int | float | None:
-    """What a user gave as a size: bytes (an int), a fraction of memory (a float in (0, 1]), or
-    None for "none" (``None``, ``0``, ``"0"``).
+    """A size as bytes (an int: ints, digit strings, ``dask.utils.parse_bytes`` strings, whole
+    floats above 1), a fraction of memory (a float in (0, 1]), or None (``None``, ``0``,
+    ``"0"``). Errors name ``option`` and the value.
 
-    An int, or a string of digits, is bytes; a string with a unit is ``dask.utils.parse_bytes``'s
-    (``"4GiB"``, ``"500 MB"``; ``k`` is 1000, ``Ki`` 1024); a float, or a unitless string, in
-    (0, 1] is a fraction; a whole float above 1 (``4e9``) is bytes. Errors (TypeError,
-    ValueError) name ``option`` and the value: a bare unit, a negative size, a fraction above 1,
-    a non-zero byte count below ``alignment``, or 16 EiB and more (``"1e300GiB"``).
-
-    Examples
-    --------
     >>> parse_size("4GiB"), parse_size("0.8"), parse_size(0)
     (4294967296, 0.8, None)
     """
@@ -159,27 +144,11 @@ def parse_device_bytes(
     total_memory: int | Callable[[], int] | None = None,
     option: str | None = None,
 ) -> int | None:
-    """A memory size in bytes, or None for "none": :func:`parse_size`, a fraction taken of the
-    total memory of ``device`` (or of ``total_memory``), rounded *down* to a multiple of
-    ``alignment`` so that a maximum is never exceeded.
+    """:func:`parse_size` in bytes (or None), a fraction taken of the memory of ``device`` (the
+    current one, or a resource's: the host's for host memory) or of ``total_memory`` (an int, or
+    a callable called only for a fraction), rounded *down* to a multiple of ``alignment``.
+    ``option`` is named in errors.
 
-    Parameters
-    ----------
-    value : int, str, float or None
-        The size (:func:`parse_size`'s forms), or what it returned.
-    device : int or memory resource, optional
-        What a fraction refers to: a device (default the current one), or a resource's memory
-        (the host's for a host-memory resource).
-    alignment : int
-        Round down to a multiple of this (a positive int; 1 for exact bytes).
-    total_memory : int or callable, optional
-        What a fraction is taken of, instead of the device's memory (a callable is called only
-        when a fraction is given).
-    option : str, optional
-        The option being parsed, named in error messages (``"pool_size"``).
-
-    Examples
-    --------
     >>> parse_device_bytes("4GiB")
     4294967296
     >>> parse_device_bytes(1000)

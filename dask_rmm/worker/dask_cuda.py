@@ -1,7 +1,5 @@
-"""dask-cuda's RMM settings on a worker (``dask cuda worker --rmm-pool-size ...``), taken by
-``dask_rmm.preload`` from the ``RMMSetup`` plugin still waiting (distributed sets preloads up
-first) as dask-rmm options, and switched off so that no second pool is made. Not here: the
-flags and the worker's setup (:mod:`dask_rmm.preload`).
+"""dask-cuda's RMM settings on a worker (``dask cuda worker --rmm-pool-size ...``), taken from its
+waiting ``RMMSetup`` plugin as dask-rmm options, and switched off so that no second pool is made.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ DASK_CUDA_OPTIONS = {
     "external_lib_list": ("allocators", "--set-rmm-allocator-for-libs"),
 }
 
-#: What each attribute holds once switched off: the values with which ``RMMSetup.setup`` does
-#: nothing (no ``rmm.reinitialize``, no adaptor, no library pointed at compiled RMM).
+#: The values with which ``RMMSetup.setup`` does nothing.
 _OFF = {
     "initial_pool_size": None,
     "maximum_pool_size": None,
@@ -54,11 +51,8 @@ def _is_rmm_setup(plugin: Any) -> bool:
 
 
 def find_rmm_setup(worker: Any) -> Any | None:
-    """dask-cuda's ``RMMSetup`` plugin given to ``worker``, or None (not a dask-cuda worker).
-
-    Raises :class:`DaskCudaSetupError` when it was set up already: compiled RMM's pool then
-    exists, and dask-rmm would make a second one beside it.
-    """
+    """dask-cuda's ``RMMSetup`` plugin given to ``worker``, or None; :class:`DaskCudaSetupError`
+    when it ran already (compiled RMM's pool exists)."""
     for plugin in worker.plugins.values():
         if _is_rmm_setup(plugin) and any(getattr(plugin, a, None) for a in DASK_CUDA_OPTIONS):
             raise DaskCudaSetupError(
@@ -67,20 +61,15 @@ def find_rmm_setup(worker: Any) -> Any | None:
                 "LocalCUDACluster(preload=['dask_rmm.preload'])) so that dask-rmm sets the "
                 "worker up first"
             )
-    # The plugins a worker was started with wait in this attribute until its preloads ran;
-    # distributed has no public accessor for them.
+    # a worker's start plugins wait here until its preloads ran (no public accessor)
     pending = getattr(worker, "_pending_plugins", None) or ()
     found = [p for p in pending if _is_rmm_setup(p)]
     return found[0] if found else None
 
 
 def options_from_rmm_setup(setup: Any) -> dict[str, tuple[Any, str]]:
-    """``{RMMPlugin option: (value, dask-cuda flag)}`` for the settings dask-cuda was given.
-
-    Sizes are passed on as typed, so they keep dask-cuda's meaning (bytes, ``"4GiB"``, or a
-    fraction of each worker's GPU). dask-cuda's switches default to False, which cannot be told
-    from "not given": only those turned on are passed.
-    """
+    """``{RMMPlugin option: (value, dask-cuda flag)}`` for the settings dask-cuda was given,
+    sizes as typed; switches only when on (False cannot be told from "not given")."""
     out: dict[str, tuple[Any, str]] = {}
     for attr, (option, flag) in DASK_CUDA_OPTIONS.items():
         value = getattr(setup, attr, None)

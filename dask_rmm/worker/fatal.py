@@ -15,13 +15,11 @@ from typing import Any
 
 __all__ = ["WORKER_LOGGER", "arm_worker_command", "stop_worker"]
 
-#: The logger of what dask-rmm did on a worker (its stack, a failed setup). A child of
-#: ``distributed.worker``, so that distributed's default logging configuration shows it on the
-#: worker's stderr at INFO and ``Client.get_worker_logs()`` returns it.
+#: What dask-rmm did on a worker: a child of ``distributed.worker``, so that distributed's
+#: logging shows it at INFO and ``Client.get_worker_logs()`` returns it.
 WORKER_LOGGER = logging.getLogger("distributed.worker.dask_rmm")
 
-#: Set by the ``dask worker`` command (inherited by its worker processes): a file where a worker
-#: process writes why it stopped, so that the command exits with status 1.
+#: Set by ``dask worker`` for its worker processes: the file where one writes why it stopped.
 FAILURE_FILE_ENV = "_DASK_RMM_FAILURE_FILE"
 
 _armed: str | None = None  # the failure file, in the process that made it
@@ -36,9 +34,8 @@ def _reasons(path: str) -> list[str]:
 
 
 def arm_worker_command() -> None:
-    """In a ``dask worker`` or ``dask cuda worker`` process (the preload's flags are checked
-    there before any worker starts): exit with status 1 and no traceback once one of its
-    workers stopped because its dask-rmm setup failed. Idempotent."""
+    """In a ``dask (cuda) worker`` process: exit with status 1 and no traceback once one of
+    its workers stopped because its dask-rmm setup failed. Idempotent."""
     global _armed
     if _armed is not None:
         return
@@ -60,9 +57,7 @@ def arm_worker_command() -> None:
         except OSError:
             pass
         if failed:
-            # A nanny closed after its worker failed ends the command with status 0; only an
-            # immediate exit can change that, once the other exit handlers (multiprocessing's
-            # clean-up, logging's) have run.
+            # the command would end with status 0: exit now, after the other exit handlers
             atexit.unregister(exit_status)
             atexit._run_exitfuncs()
             sys.stdout.flush()
@@ -70,8 +65,7 @@ def arm_worker_command() -> None:
             os._exit(1)
 
     class Quiet(logging.Filter):
-        # Once a worker stopped for dask-rmm, the nanny's own shutdown (a restart it was in
-        # the middle of, cancelled) adds tracebacks that say nothing more.
+        # the nanny's own shutdown after that adds tracebacks that say nothing more
         def filter(self, record: logging.LogRecord) -> bool:
             return not (record.exc_info and _reasons(path))
 
@@ -97,14 +91,9 @@ def one_line(text: str) -> str:
 
 
 async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) -> None:
-    """Log ``reason`` on one line and stop ``worker``.
-
-    In a process of its own (started by a nanny or by ``dask worker --no-nanny``) the process
-    exits with status 1 and this never returns; the nanny is told first not to restart it.
-    Otherwise (a worker inside a test or ``LocalCluster(processes=False)``) the worker is closed
-    (``close_later``: on the next loop iteration, for a caller inside the worker's own
-    registration) and this returns.
-    """
+    """Log ``reason`` on one line and stop ``worker``: a process of its own exits with status 1
+    (its nanny told first not to restart it); otherwise the worker is closed (``close_later``:
+    on the next loop iteration) and this returns."""
     reason = one_line(reason)
     WORKER_LOGGER.error("dask-rmm: stopping worker %s: %s", worker.name, reason)
     own_process = bool(getattr(worker, "nanny", None)) or _armed is not None
@@ -117,8 +106,6 @@ async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) ->
         return
     _record(f"{worker.name}: {reason}")
     if worker.nanny:
-        # A nanny still starting answers only once started, which this worker's exit ends: the
-        # short wait is lost then; a nanny restarting its worker answers at once.
         try:
             async with worker.rpc(worker.nanny) as nanny:
                 await asyncio.wait_for(

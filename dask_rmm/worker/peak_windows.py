@@ -1,9 +1,5 @@
-"""Task-group peaks over a block of work (what a performance report shows): on a worker, open a
-peak window on each active stack's attribution adaptor, later close it and read each task
-group's peak since it opened. Costs nothing per allocation (see
-:meth:`~dask_rmm.mr.attribution_adaptor.AttributionResourceAdaptor.open_window`). Not here: the
-accounts (:mod:`dask_rmm.mr.attribution_adaptor`), the report (:mod:`dask_rmm.client.performance`).
-"""
+"""Task-group peaks over a block of work (a performance report's): open a peak window on each
+active stack's attribution adaptor, later close it and read each task group's peak."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ def open_peak_windows(dask_worker: Any, window: str) -> int:
 
 
 def close_peak_windows(dask_worker: Any, window: str) -> dict[str, dict[str, int] | None]:
-    """On a worker (``client.run``): close ``window`` and return ``{device: {task group: peak
-    bytes in the window}}``; None for a device whose stack was replaced during the window (its
-    task groups were not measured over all of it). Devices the window did not cover (no
-    statistics, a setup made during the window) are left out."""
+    """On a worker (``client.run``): close ``window``; ``{device: {task group: peak bytes}}``,
+    None for a device whose stack was replaced during the window."""
     from dask_rmm.worker.stacks import worker_stack
 
     active = [s.attribution for s in worker_stack(dask_worker).active]

@@ -1,8 +1,5 @@
-"""What dask-rmm installed on a worker: one worker's stacks with the retired ones still holding
-memory (:class:`WorkerStack`), and the per-process registry that installs stacks and restores
-what was there. Not here: building a stack and its log file (:mod:`dask_rmm.stack`),
-distributed (:mod:`dask_rmm.plugin`).
-"""
+"""What dask-rmm installed on a worker (:class:`WorkerStack`, with retired stacks still holding
+memory) and the per-process registry that installs stacks and restores what was there."""
 
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# Worker objects of one process share the per-device registry (gen_cluster, LocalCluster with
-# processes=False): the stacks installed per device, newest last, and what was there before the
-# first, so that tearing down in any order restores the right resource.
+# The workers of one process share it: stacks per device, newest last, and what was there
+# before the first, so that tearing down in any order restores the right resource.
 _installed: dict[int, list[DeviceStack]] = {}
 _original: dict[int, Any] = {}
 
@@ -64,18 +60,15 @@ def uninstall_stack(stack: DeviceStack) -> None:
             current = get_per_device_resource(stack.device)
         except Exception:
             current = None
-        # Someone replaced our resource after us (set_current_device_resource, reinitialize):
-        # theirs stays.
-        if current is stack.top:
+        if current is stack.top:  # else someone replaced ours after us: theirs stays
             set_per_device_resource(stack.device, previous)
     elif was_newest:
         set_per_device_resource(stack.device, active[-1].top)
 
 
 def replaced_resource_note(device: int) -> str | None:
-    """Why allocations on ``device`` may go uncounted, or None: its current resource neither is
-    nor wraps a stack dask-rmm installed there (code on the worker called ``reinitialize`` or
-    ``set_current_device_resource``), so what is allocated through it is not counted."""
+    """Why allocations on ``device`` go uncounted (its current resource neither is nor wraps a
+    stack dask-rmm installed there), or None."""
     from dask_rmm.mr.registry import get_per_device_resource, registered_devices
 
     current = get_per_device_resource(device) if device in registered_devices() else None
@@ -92,8 +85,7 @@ def replaced_resource_note(device: int) -> str | None:
 
 
 def cupy_allocator_note() -> str | None:
-    """Which allocator CuPy uses now, in words (dask-rmm's, compiled RMM's, or CuPy's own);
-    None when CuPy is not imported."""
+    """Which allocator CuPy uses now, in words; None when CuPy is not imported."""
     try:
         allocator = sys.modules["cupy"].cuda.get_allocator()
     except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
@@ -117,35 +109,30 @@ def cupy_allocator_note() -> str | None:
     return f"CuPy allocates through {module}.{name} ({owner})"
 
 
-# -- one worker's stacks -----------------------------------------------------------------------
-
-
 @dataclass(eq=False)
 class WorkerStack:
-    """The stacks dask-rmm installed on one worker: ``active`` (one per device, made from
-    ``options`` by registration ``token``) and ``retired`` (replaced while their buffers were
-    alive: listed until those are freed, so that re-registering never hides memory in use).
+    """One worker's stacks: ``active`` (one per device, from ``options`` of registration
+    ``token``) and ``retired`` (replaced while their buffers were alive, listed until freed).
     Teardown hands the active ones back (:meth:`release`); a registration replacing them may
-    :meth:`take_released` and keep them installed until its own are ready."""
+    :meth:`take_released` them and keep them installed until its own are ready."""
 
     active: list[DeviceStack] = field(default_factory=list)
     options: RMMOptions | None = None
     token: str | None = None
-    #: The plugin object that installed ``active`` (an ``RMMPlugin``): what ``worker.plugins``
-    #: must hold while they are installed.
+    #: The RMMPlugin that installed ``active`` (what ``worker.plugins`` must hold).
     plugin: Any = None
-    #: The memory-pressure layer over ``active`` (``dask_rmm.pressure.WorkerPressure``) or None.
+    #: The memory-pressure layer over ``active`` (``WorkerPressure``) or None.
     pressure: Any = None
-    #: The plugin the worker's command line set up (``--preload dask_rmm.preload``), or None:
-    #: unregistering a plugin that replaced it sets it up again (:meth:`restore_command_line`).
+    #: The plugin ``--preload dask_rmm.preload`` set up, or None: restored when a plugin that
+    #: replaced it is unregistered (:meth:`restore_command_line`).
     command_line: Any = None
     _retired: list[tuple[weakref.ref, DeviceStack]] = field(default_factory=list)
     _released: bool = False
 
     @property
     def retired(self) -> list[DeviceStack]:
-        """Retired stacks with live bytes, oldest first. They hold their resources weakly (the
-        live buffers keep them alive), so a retired pool goes once its last buffer is freed."""
+        """Retired stacks with live bytes, oldest first (held weakly: a retired pool goes once
+        its last buffer is freed)."""
         kept = []
         for alive, stack in self._retired:
             if alive() is not None and stack.live_bytes > 0:
@@ -173,13 +160,12 @@ class WorkerStack:
         from dask_rmm.allocators import caches
 
         for stack in stacks:
-            # Free blocks a library cache drew from the replaced stacks go back to them, so that
-            # new arrays draw from (and are counted by) the new ones.
+            # a library cache's free blocks from the replaced stacks go back to them
             caches.release_cached(stack.device)
 
     def set_pressure(self, worker: Any, pressure: Any) -> None:
-        """Detach the memory-pressure layer in place (its spilled outputs come back to the
-        device) and attach ``pressure`` (or none) to ``worker``'s data."""
+        """Detach the memory-pressure layer (its spilled outputs come back) and attach
+        ``pressure`` (or none) to ``worker``'s data."""
         previous, self.pressure = self.pressure, None
         if previous is not None:
             previous.detach(worker)
@@ -190,8 +176,8 @@ class WorkerStack:
             self.pressure = pressure
 
     def retire(self, stacks: list[DeviceStack]) -> None:
-        """Uninstall ``stacks`` and keep the ones still holding memory, with their log files
-        open until their last buffer is freed (so those frees are logged); close the others'."""
+        """Uninstall ``stacks``; keep those still holding memory (log open until their last
+        buffer is freed), close the others' logs."""
         for stack in reversed(stacks):
             uninstall_stack(stack)
             if stack.live_bytes <= 0:
@@ -229,9 +215,8 @@ class WorkerStack:
         self.retire(stacks)
 
     async def restore_command_line(self, worker: Any) -> None:
-        """After a plugin that replaced the command line's setup was torn down, and unless another
-        registration took the stacks meanwhile: set the command line's plugin up again on
-        ``worker`` (the stacks handed back stay installed until then; removed if it fails)."""
+        """Set the command line's plugin up again after a plugin that replaced it was torn down
+        (unless another registration took the stacks); remove the stacks if that fails."""
         plugin = self.command_line
         if plugin is None or not self._released or worker.plugins.get(plugin.name) is not None:
             self.remove_released()
@@ -246,8 +231,7 @@ class WorkerStack:
             self.remove_released()
 
     def flush_logs(self) -> None:
-        """Write the buffered log rows of every active stack, and of every retired stack
-        still holding memory, to their files."""
+        """Write the buffered log rows of the active and retired stacks."""
         for stack in [*self.active, *self.retired]:
             stack.flush_log()
 
