@@ -77,3 +77,6 @@ _.local_address
 # distributed's SpecCluster reads scheduler_comm when it closes (a test of the tests' patient
 # close clears it: tests/test_conftest_helpers.py).
 _.scheduler_comm
+
+# RMMPlugin.__init__'s arguments reach RMMOptions through locals().
+async_alloc

@@ -589,6 +589,7 @@ def test_every_argument_of_the_plugin_reaches_its_options(tmp_path):
         "spill_on_oom": True,
         "device_pause_fraction": 0.5,
         "memory_admission": True,
+        "oom_retry": False,
     }
     params = set(inspect.signature(RMMPlugin.__init__).parameters) - {"self"}
     assert params == set(given), "every argument needs a case here"
@@ -596,7 +597,7 @@ def test_every_argument_of_the_plugin_reaches_its_options(tmp_path):
         if name in ("managed_memory", "async_alloc", "release_threshold"):
             continue  # these select base_resource / pool settings checked below
         base = {"pool_size": "8MiB"} if name != "pool_size" else {}
-        if name in ("device_pause_fraction", "memory_admission"):
+        if name in ("device_pause_fraction", "memory_admission", "oom_retry"):
             base["device_memory_limit"] = "24MiB"
         if name == "exact_allocators":
             base["allocators"] = ["cupy"]
