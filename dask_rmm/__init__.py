@@ -1,9 +1,7 @@
 """dask-rmm: RMM's Python API in pure Python on cuda-python, and the Dask layer around it.
 
 ``import dask_rmm`` never imports distributed and never touches CUDA: the names that need
-distributed (``RMMPlugin``, ``RMMSetupError``, ``cluster_report``, ``ClusterMemoryReport``, ``GPUMemorySampler``,
-``performance_report``, ``release_unused``) or numpy
-(``DeviceBuffer`` and the copy functions) are imported on first use.
+distributed or numpy (``_LAZY``) are imported on first use.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ def _read_git_commit() -> str:
 
 __git_commit__ = _read_git_commit()
 
-# Names whose modules import something heavy (distributed; numpy for device_buffer): module
-# holding each, imported on first use.
+# name -> its module, which imports distributed or numpy
 _LAZY = {
     "DeviceBuffer": "dask_rmm.device_buffer",
     "copy_device_to_ptr": "dask_rmm.device_buffer",
@@ -75,23 +72,15 @@ _LAZY = {
 }
 
 __all__ = [
+    *_LAZY,
     "CUDAError",
-    "ClusterMemoryReport",
     "CudaStreamPool",
     "DEFAULT_STREAM",
-    "DeviceBuffer",
-    "GPUMemorySampler",
     "LEGACY_DEFAULT_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
     "RMMError",
-    "RMMPlugin",
-    "RMMSetupError",
     "Stream",
     "allocators",
-    "cluster_report",
-    "copy_device_to_ptr",
-    "copy_host_to_ptr",
-    "copy_ptr_to_host",
     "disable_logging",
     "enable_logging",
     "flush_logger",
@@ -103,15 +92,12 @@ __all__ = [
     "level_enum",
     "mr",
     "parse_device_bytes",
-    "performance_report",
     "register_reinitialize_hook",
     "reinitialize",
-    "release_unused",
     "set_flush_level",
     "set_logging_level",
     "should_log",
     "statistics",
-    "to_device",
     "unregister_reinitialize_hook",
 ]
 

@@ -349,28 +349,24 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         it is still the scheduler's registration of the plugin, and whether this worker joined
         after the registration succeeded on the others. An uncoordinated plugin (the preload)
         decides alone."""
-        if not self.coordinated:
-            return ({worker.address: error} if error else {}), True, False
         from distributed.protocol.pickle import dumps
 
         try:
-            await worker.scheduler.register_scheduler_plugin(
-                plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
-            )
-            answer = await worker.scheduler.dask_rmm_setup_vote(
-                token=self.token, name=self.name, worker=worker.address, error=error,
-                previous=previous,
-            )  # fmt: skip
-            return answer["failures"], answer["current"], bool(answer.get("joined"))
+            if self.coordinated:
+                await worker.scheduler.register_scheduler_plugin(
+                    plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
+                )
+                answer = await worker.scheduler.dask_rmm_setup_vote(
+                    token=self.token, name=self.name, worker=worker.address, error=error,
+                    previous=previous,
+                )  # fmt: skip
+                return answer["failures"], answer["current"], bool(answer.get("joined"))
         except Exception as e:
             logger.warning(
                 "dask-rmm: cannot agree the setup with the other workers (%s: %s); worker %s "
-                "decides alone",
-                type(e).__name__,
-                e,
-                worker.address,
-            )
-            return ({worker.address: error} if error else {}), True, False
+                "decides alone", type(e).__name__, e, worker.address,
+            )  # fmt: skip
+        return ({worker.address: error} if error else {}), True, False
 
     def _publish(self, worker: Worker, ws: Any) -> None:
         """Heartbeat metrics, the log flusher and the pool trimmer for the worker's active stacks."""
