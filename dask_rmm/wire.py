@@ -166,6 +166,19 @@ class DeviceSample:
     device_total_bytes: int = _exported(
         "dask_rmm_device_total_bytes", "Total device memory (0 on host memory)"
     )
+    #: The device memory the worker's process uses, per the driver (NVML's running compute
+    #: processes; 0 where it cannot tell: host memory, MIG, a container hiding PIDs).
+    process_used_bytes: int = _exported(
+        "dask_rmm_process_device_bytes", "Device memory the worker's process uses (NVML)"
+    )
+    #: cuDF's buffers on host now, and those on the device it could spill (its spill manager;
+    #: 0 without cuDF's spilling).
+    cudf_spilled_bytes: int = _exported(
+        "dask_rmm_cudf_spilled_bytes", "Bytes of cuDF's buffers spilled to host now"
+    )
+    cudf_spillable_bytes: int = _exported(
+        "dask_rmm_cudf_spillable_bytes", "Bytes of cuDF's buffers on the device it could spill"
+    )
     gpu_name: str = ""
     gpu_uuid: str = ""
     pci_bus_id: str = ""
@@ -233,14 +246,22 @@ class DeviceSample:
 
     @property
     def outside_dask_rmm_bytes(self) -> int | None:
-        """Device memory that neither the stack nor the libraries beside it hold (CUDA contexts,
-        cuBLAS/cuDNN workspaces, NCCL buffers, other processes): the device's used memory less
-        the stack's reserved bytes, the libraries' outside the stack, and retired stacks'. None
-        without a device figure (host memory, or an old worker)."""
+        """Device memory of the worker's process that neither the stack nor the libraries beside
+        it hold (CUDA contexts, cuBLAS/cuDNN workspaces, unknown libraries), measured: the
+        process's device memory per the driver less the stack's reserved bytes, the libraries'
+        outside the stack, and retired stacks'. Where the driver cannot tell the process's
+        (:attr:`outside_measured` False), the device's used memory less those: other processes
+        included. None without a device figure (host memory, or an old worker)."""
         if self.device_total_bytes <= 0:
             return None
         held = self.reserved_bytes + self.library_outside_bytes + self.retired_bytes
-        return max(0, self.device_used_bytes - held)
+        used = self.process_used_bytes if self.outside_measured else self.device_used_bytes
+        return max(0, used - held)
+
+    @property
+    def outside_measured(self) -> bool:
+        """Whether :attr:`outside_dask_rmm_bytes` is measured per process (the driver told)."""
+        return self.device_total_bytes > 0 and self.process_used_bytes > 0
 
     def breakdown(self) -> list[tuple[str, int]]:
         """Where this device's bytes are, as ``(part, bytes)``: each library's in use and held
@@ -258,7 +279,12 @@ class DeviceSample:
         if self.retired_bytes:
             parts.append(("retired stacks", self.retired_bytes))
         outside = self.outside_dask_rmm_bytes
-        if outside is not None:
+        if outside is not None and self.outside_measured:
+            parts.append(("outside dask-rmm (measured)", outside))
+            parts.append(
+                ("other processes", max(0, self.device_used_bytes - self.process_used_bytes))
+            )
+        elif outside is not None:
             parts.append(("outside dask-rmm", outside))
         return parts
 

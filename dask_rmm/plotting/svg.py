@@ -183,6 +183,8 @@ _PART_COLORS = {
     "pool free": "#d7d7d7",
     "retired stacks": "#bab0ac",
     "outside dask-rmm": "#555555",
+    "outside dask-rmm (measured)": "#555555",
+    "other processes": "#2f2f2f",
 }
 
 Bar = tuple[str, Sequence[tuple[str, int]], int]

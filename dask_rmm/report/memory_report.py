@@ -550,6 +550,11 @@ class ClusterMemoryReport:
                 end = f" = {format_bytes(d.device_used_bytes)} used of the device"
             else:
                 end = " (host memory: no device figure)"
+            if d.cudf_spilled_bytes or d.cudf_spillable_bytes:
+                end += (
+                    f"; cuDF: {format_bytes(d.cudf_spilled_bytes)} spilled, "
+                    f"{format_bytes(d.cudf_spillable_bytes)} spillable"
+                )
             lines.append(f"{_worker_label(d)}/dev{d.device}: {parts}{end}")
         if lines:
             lines.insert(

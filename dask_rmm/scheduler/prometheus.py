@@ -130,8 +130,9 @@ def device_families(snap: Snapshot) -> list:
     )
     outside = GaugeMetricFamily(
         "dask_rmm_outside_bytes",
-        "Device memory in use outside dask-rmm (used less what the stack and the libraries "
-        "beside it hold: CUDA contexts, workspaces, other processes)",
+        "Device memory of the worker's process outside dask-rmm (its use per NVML less what "
+        "the stack and the libraries beside it hold: CUDA contexts, workspaces; without NVML's "
+        "figure, the device's use less those: other processes included)",
         labels=LABELS,
     )
     for x in running:

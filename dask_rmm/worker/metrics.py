@@ -73,6 +73,41 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
 
+def process_used_bytes(pci_bus_id: str) -> int:
+    """Device memory this process uses on the device at ``pci_bus_id``, per the driver (NVML's
+    running compute processes); 0 where it cannot tell (no NVML, MIG, a container that hides
+    the process's PID, NVML's "not available")."""
+    import os
+
+    nvml = _nvml()
+    if nvml is None:
+        return 0
+    try:
+        import numpy as np
+
+        procs = nvml.device_get_compute_running_processes_v3(
+            nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
+        )
+        pids = np.atleast_1d(np.asarray(procs.pid, dtype=np.int64))
+        used = np.atleast_1d(np.asarray(procs.used_gpu_memory, dtype=np.uint64))
+    except Exception:
+        return 0
+    mine = used[(pids == os.getpid()) & (used < np.uint64(1 << 62))]
+    return int(mine.sum())
+
+
+@functools.cache
+def _nvml() -> Any:
+    """cuda-python's NVML, initialised once; None where it cannot be (tried once)."""
+    try:
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+    except Exception:
+        return None
+    return nvml
+
+
 def add_periodic(
     worker: Worker, key: str, callback: Callable[[], Any], seconds: float
 ) -> PeriodicCallback:
@@ -255,6 +290,9 @@ class WorkerMetrics:
                 [name, v.in_use_bytes, v.cached_bytes, int(v.outside_stack)]
                 for name, v in sorted(shares.items())
             ]
+            cudf = caches.spilled_by_libraries().get("cudf")
+            if cudf is not None:
+                d["cudf_spilled_bytes"], d["cudf_spillable_bytes"] = cudf
 
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
@@ -265,6 +303,7 @@ class WorkerMetrics:
                 with on_device(stack.device):
                     free, total = _cuda.mem_get_info()
                 d["device_used_bytes"], d["device_total_bytes"] = total - free, total
+                d["process_used_bytes"] = process_used_bytes(d["pci_bus_id"])
 
         def current_resource() -> None:
             from dask_rmm.worker.stacks import replaced_resource_note

@@ -62,3 +62,42 @@ def test_after_the_pool_grew_and_shrank_pytorch_gets_the_memory_given_back(kind)
     else:  # the device got it back
         assert out["free_after"] - out["free_before"] >= 1024 * MiB, out
     assert out["torch_in_use"] >= 1024 * MiB
+
+
+_HEARTBEAT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from dask_rmm import DeviceBuffer
+    from dask_rmm.allocators import set_allocators
+    from dask_rmm.stack.build import build_stack
+    from dask_rmm.stack.options import RMMOptions
+    from dask_rmm.wire import DeviceSample
+    from dask_rmm.worker.metrics import WorkerMetrics, _DeviceSamples
+    from dask_rmm.worker.stacks import install_stack
+
+    MiB = 1 << 20
+    stack = build_stack(RMMOptions(pool_size=512 * MiB, allocators=["torch"]), 0)
+    install_stack(stack)
+    set_allocators(["torch"])
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    buf = DeviceBuffer(size=128 * MiB)
+    s = DeviceSample.from_dict(WorkerMetrics._device_metrics(_DeviceSamples(stack), 10, []))
+    out = {
+        "process": s.process_used_bytes, "measured": s.outside_measured,
+        "outside": s.outside_dask_rmm_bytes, "used": s.device_used_bytes,
+        "held": s.reserved_bytes + s.library_outside_bytes, "breakdown": s.breakdown(),
+    }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_outside_dask_rmm_is_measured_from_the_drivers_figure_for_this_process():
+    out = _run(_HEARTBEAT)
+    assert out["measured"], out  # NVML told this process's device memory
+    assert out["process"] >= out["held"] >= 768 << 20  # the pool's 512 MiB + PyTorch's 256
+    assert out["outside"] == out["process"] - out["held"] > 0  # the CUDA context at least
+    assert out["process"] <= out["used"]
+    parts = dict((k, v) for k, v in out["breakdown"])
+    assert "outside dask-rmm (measured)" in parts and sum(parts.values()) == out["used"]
