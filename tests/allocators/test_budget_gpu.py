@@ -101,3 +101,51 @@ def test_outside_dask_rmm_is_measured_from_the_drivers_figure_for_this_process()
     assert out["process"] <= out["used"]
     parts = dict((k, v) for k, v in out["breakdown"])
     assert "outside dask-rmm (measured)" in parts and sum(parts.values()) == out["used"]
+
+
+_OUT_OF_MEMORY = textwrap.dedent(
+    """
+    import importlib.util, json
+    import numpy as np
+    from dask_rmm import _cuda
+    from dask_rmm.allocators.arbitration import is_device_out_of_memory, runs_again
+
+    too_much = 2 * _cuda.mem_get_info()[1]  # twice the device: out of memory in every library
+    tries = {"numpy (host)": lambda: np.empty(1 << 60, dtype=np.uint8)}
+
+    def dask_rmm_buffer():
+        from dask_rmm import DeviceBuffer, mr
+        DeviceBuffer(size=too_much, mr=mr.CudaMemoryResource())
+
+    tries["DeviceBuffer"] = dask_rmm_buffer
+    if importlib.util.find_spec("cupy"):
+        tries["cupy"] = lambda: __import__("cupy").empty(too_much, dtype="uint8")
+    if importlib.util.find_spec("numba"):
+        tries["numba"] = lambda: __import__("numba.cuda").cuda.device_array(too_much, dtype="uint8")
+    if importlib.util.find_spec("torch"):
+        import torch
+        tries["torch"] = lambda: torch.empty(too_much, dtype=torch.uint8, device="cuda")
+    if importlib.util.find_spec("rmm"):
+        tries["rmm"] = lambda: __import__("rmm").DeviceBuffer(size=too_much)
+    out = {}
+    for name, attempt in tries.items():
+        try:
+            attempt()
+            out[name] = "no error"
+        except BaseException as e:
+            out[name] = [type(e).__module__ + "." + type(e).__name__, is_device_out_of_memory(e), runs_again(e)]
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_each_librarys_device_out_of_memory_is_one_and_only_pytorchs_runs_a_task_again():
+    """Issue 43 item 1 on the real libraries: a device out-of-memory error of each, told apart
+    from NumPy's host one; only PyTorch's own allocator's re-runs a task (every other was
+    retried in place by the stack, or never drew from it)."""
+    out = _run(_OUT_OF_MEMORY)
+    assert out["numpy (host)"][1:] == [False, False], out
+    for name, got in out.items():
+        if name != "numpy (host)":
+            assert got != "no error" and got[1] is True, (name, got)
+            assert got[2] is (name == "torch"), (name, got)
