@@ -27,19 +27,6 @@ DASK_CUDA_OPTIONS = {
     "external_lib_list": ("allocators", "--set-rmm-allocator-for-libs"),
 }
 
-#: The values with which ``RMMSetup.setup`` does nothing.
-_OFF = {
-    "initial_pool_size": None,
-    "maximum_pool_size": None,
-    "managed_memory": False,
-    "async_alloc": False,
-    "release_threshold": None,
-    "logging": False,
-    "log_directory": None,
-    "rmm_track_allocations": False,
-    "external_lib_list": None,
-}
-
 
 class DaskCudaSetupError(RuntimeError):
     """dask-cuda's RMM settings cannot become dask-rmm's (already applied, or unreadable)."""
@@ -84,9 +71,10 @@ def options_from_rmm_setup(setup: Any) -> dict[str, tuple[Any, str]]:
 
 
 def switch_off(setup: Any) -> None:
-    """Clear ``setup``'s settings so that its ``setup`` changes nothing in compiled RMM."""
-    for attr, value in _OFF.items():
-        setattr(setup, attr, value)
+    """Clear ``setup``'s settings (False or None) so that its ``setup`` changes nothing in
+    compiled RMM (no ``rmm.reinitialize``, no adaptor, no library pointed at it)."""
+    for attr in [*DASK_CUDA_OPTIONS, "logging"]:
+        setattr(setup, attr, False if isinstance(getattr(setup, attr, None), bool) else None)
 
 
 def compiled_rmm_installed() -> bool:
