@@ -29,16 +29,9 @@ def refuse_input(path: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -
 def atomic_output(
     path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()
 ) -> Iterator[str]:
-    """Yield a temporary path beside ``path`` (same extension) to write; on success it is
-    renamed to ``path``, on an error removed, so ``path`` is either the old file or complete.
-    A link is followed to its target; an existing target that is not a regular file (a device
-    such as ``/dev/null``, a FIFO) is never replaced: its own path is yielded, written directly.
-
-    Raises
-    ------
-    ValueError
-        ``path`` is one of ``inputs`` (:func:`refuse_input`).
-    """
+    """Yield a temporary path beside ``path`` (same extension) to write, renamed to ``path`` on
+    success, removed on an error. A link is followed; a target that is not a regular file (a
+    device, a FIFO) is written in place. ValueError if ``path`` is one of ``inputs``."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"the output must be a file path, got {path!r}")
     if os.path.isdir(path):

@@ -1,11 +1,5 @@
-"""The ``dask rmm ...`` command line: argument parsing and output only.
-
-Each command calls a function of the module that implements it (logs, replay, ...), imported
-when the command runs so that ``dask --help`` stays fast. Add a command by decorating a
-function with ``@main.command()`` (or ``@log.command()`` for log tools).
-
-Also runnable as ``python -m dask_rmm.cli``.
-"""
+"""The ``dask rmm ...`` command line (also ``python -m dask_rmm.cli``): argument parsing and
+output only; each command imports the module that implements it when it runs."""
 
 from __future__ import annotations
 
@@ -394,8 +388,6 @@ def report(
             raise click.BadParameter(str(e), param_hint="--plot") from e
         scheduler_address = _address_in(scheduler_file)
     assert scheduler_address  # given, or read from the file (checked above)
-    # The scheduler sends the totals (the cluster's peak included); the devices' own
-    # timelines only for the plot or when asked.
     timeline = timelines or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
     # More devices than any cluster has is all of them (msgpack refuses ints >= 2**64).
@@ -426,15 +418,13 @@ def report(
 
 
 class _WrongAddress(click.ClickException):
-    """An address that is not a scheduler's, or answers but not as a Dask scheduler: a usage
-    error (exit 2)."""
+    """An address that is not a Dask scheduler's: a usage error (exit 2)."""
 
     exit_code = 2
 
 
 def _run_at_scheduler(coroutine: Any) -> Any:
-    """Run ``coroutine`` (it talks to a scheduler) with the errors of ``report`` and ``advise``
-    worded alike: a wrong address exits 2, an unreachable one 1, each in one line."""
+    """Run ``coroutine``: a wrong scheduler address exits 2, an unreachable one 1, in one line."""
     import asyncio
 
     from dask_rmm.client.fetch import BadAddressError, NotDaskAddressError
