@@ -316,10 +316,7 @@ def advise_from_report(report: ClusterMemoryReport) -> list[Advice]:
     is seen in out-of-memory errors with the verdict "fragmentation", or in a pool whose free
     memory is mostly in pieces (fragmentation >= 0.5 with a quarter of the pool free).
     """
-    out = []
-    for d in report.running:
-        out.append(_advise_device(d))
-    return out
+    return [_advise_device(d) for d in report.running]
 
 
 def _advise_device(d: DeviceMemory) -> Advice:
@@ -434,9 +431,7 @@ def combine(advices: Iterable[Advice]) -> Advice | None:
 def format_advice(advices: Sequence[Advice], *, combined: bool = True) -> str:
     """The advice as text: per worker device, each number with its reason and the arguments to
     paste; then one setting for all of them."""
-    blocks = []
-    for a in advices:
-        blocks.append(_format_one(a))
+    blocks = [_format_one(a) for a in advices]
     if combined and len(advices) > 1:
         c = combine(advices)
         if c is not None:

@@ -709,14 +709,12 @@ class ClusterMemoryReport:
             ][:_SVG_SERIES]
             items = "".join(f"<li>{esc(line)}</li>" for line in breakdown[1:])
             parts.append(f"<h4>Where the bytes are</h4>{breakdown_svg(bars)}<ul>{items}</ul>")
-        pressure = self.pressure_lines()
-        if pressure:
-            items = "".join(f"<li>{esc(line)}</li>" for line in pressure[1:])
-            parts.append(f"<h4>Memory pressure</h4><ul>{items}</ul>")
-        admission = self.admission_lines()
-        if admission:
-            items = "".join(f"<li>{esc(line)}</li>" for line in admission[1:])
-            parts.append(f"<h4>Memory admission</h4><ul>{items}</ul>")
+        for title, lines in (
+            ("Memory pressure", self.pressure_lines()),
+            ("Memory admission", self.admission_lines()),
+        ):
+            items = "".join(f"<li>{esc(line)}</li>" for line in lines[1:])
+            parts += [f"<h4>{title}</h4><ul>{items}</ul>"] if lines else []
         parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
         if timeline and (self.total_timeline or any(d.timeline for d in self.devices)):
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]

@@ -167,6 +167,17 @@ def test_html_escapes_and_draws_svg():
     assert page.startswith("<!DOCTYPE html>") and 'href="dask-rmm/report.json"' in page
 
 
+def test_html_has_a_pressure_and_an_admission_section_only_when_something_happened():
+    quiet = ClusterMemoryReport.from_dict(_data()).to_html()
+    assert "<h4>Memory pressure</h4>" not in quiet and "<h4>Memory admission</h4>" not in quiet
+    device = {"pauses": 2, "admission_total_held": 3, "admission_held_tasks": 1}
+    busy = ClusterMemoryReport.from_dict(
+        {"workers": [{"address": "tcp://w:1", "devices": {"0": device}}]}
+    ).to_html()
+    assert "<h4>Memory pressure</h4><ul><li>w:1/dev0: " in busy and "2 pauses" in busy
+    assert "<h4>Memory admission</h4><ul><li>w:1: 1 held back now, 3 waited" in busy
+
+
 def test_a_page_saved_elsewhere_names_the_json_command_instead_of_a_missing_file():
     """A standalone page linked to dask-rmm/report.json, which exists only on the scheduler."""
     report = ClusterMemoryReport.from_dict(_data())
