@@ -15,7 +15,10 @@ Reported per size (workers x devices), the worst over every repetition (never th
   process's resident memory per device.
 
     python bench/scheduler_real.py [--sizes 2000x8,10000x1] [--length 3600] [--seconds 20]
-        [--repeat 3] [--no-routes]
+        [--repeat 3] [--no-routes] [--hostile 100000]
+
+``--hostile N``: worker 0 sends N entries in each list and map of its first device (libraries,
+expected peaks, task groups, a map no reader knows), every heartbeat.
 
 Numbers vary with the machine and its load (tests never assert on time).
 """
@@ -124,6 +127,7 @@ class Cluster:
         self.sent = 0
         self.comms: list[IdleComm] = []
         self.handlers: list[asyncio.Task] = []  # asyncio keeps only weak references
+        self.hostile = 0
 
     async def add_all(self) -> None:
         from distributed.versions import get_versions
@@ -164,8 +168,23 @@ class Cluster:
         metrics[METRICS_KEY] = msgpack.unpackb(
             msgpack.packb(heartbeat(f"w{i}", now, devices), use_bin_type=True), use_list=False
         )
+        if i == 0 and self.hostile:  # made once, as msgpack delivers it: the bench's own
+            metrics[METRICS_KEY]["devices"]["0"].update(self.hostile_fields())  # time stays out
         self.s.handlers["heartbeat_worker"](address=self.addresses[i], metrics=metrics)
         self.sent += 1
+
+    def hostile_fields(self) -> dict:
+        """``hostile`` entries in each list and map of a device (libraries, expected peaks, task
+        groups, a map no reader knows), made once."""
+        if not hasattr(self, "_hostile"):
+            n = self.hostile
+            self._hostile = {
+                "libraries": tuple((f"lib{k}", k, 0, 0) for k in range(n)),
+                "admission_expected_peaks": tuple((f"p{k}", k, 1) for k in range(n)),
+                "task_groups": tuple((f"g{k}", k, k) for k in range(n)),
+                "future_map": {f"k{k}": k for k in range(n)},
+            }
+        return self._hostile
 
     async def drive(self, stop: asyncio.Event) -> None:
         """Heartbeats at distributed's rate (every worker once per interval), in 10 ms steps."""
@@ -214,6 +233,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         )
         plugin = s.plugins[PLUGIN_NAME]
         cluster = Cluster(s, workers, devices, base)
+        cluster.hostile = args.hostile
         t0 = time.perf_counter()
         await cluster.add_all()
         added = time.perf_counter() - t0
@@ -380,6 +400,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats timed")
     ap.add_argument("--repeat", type=int, default=3, help="fetches of each route")
     ap.add_argument("--no-routes", action="store_true", help="heartbeats only: fetch no route")
+    ap.add_argument(
+        "--hostile", type=int, default=0, help="entries in each list of one worker's heartbeat"
+    )
     args = ap.parse_args()
     import logging
 

@@ -156,7 +156,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._changes = 0
         self._shared: _Shared | None = None
         self._taking: asyncio.Future | None = None
-        self._exports: dict[str, Any] = {}
+        self._exports: dict[str, Any] = {}  # per export: (its snapshot, the future making it)
+        self._made: dict[str, Any] = {}  # per export: the last one made
+        self._refresh: asyncio.Future | None = None
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
 
@@ -569,25 +571,29 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     async def exported(self, what: str, build: Any) -> Any:
         """``build(snapshot)`` of the shared snapshot, made in the report thread once per
-        snapshot and kept for every scrape of it (``what`` names it)."""
+        snapshot (callers meanwhile wait for the same one) and kept for every scrape of it
+        (``what`` names it)."""
         shared = await self._shared_snapshot()
         kept = self._exports.get(what)
-        if kept is not None and kept[0] is shared:
-            return kept[1]
-        snap = Snapshot(ReportRequest(timeline=False), shared.records, shared.total, shared.meta)
-        value = await self._in_thread(snap.export, build)
-        self._exports[what] = (shared, value)
+        if kept is None or kept[0] is not shared:
+            snap = Snapshot(
+                ReportRequest(timeline=False), shared.records, shared.total, shared.meta
+            )
+            made = asyncio.ensure_future(self._in_thread(snap.export, build))
+            kept = self._exports[what] = (shared, made)
+        value = self._made[what] = await asyncio.shield(kept[1])
         return value
 
     def exported_now(self, what: str, build: Any) -> Any:
-        """What :meth:`exported` last made (None: nothing yet), a newer one being made in the
-        background when the snapshot it came from is no longer the one to share."""
-        kept = self._exports.get(what)
-        shared = self._shared
-        stale = kept is None or kept[0] is not shared or shared.changes != self._changes
-        if stale and self.active:
-            asyncio.ensure_future(self.exported(what, build))
-        return None if kept is None else kept[1]
+        """What :meth:`exported` last made (None: nothing yet); a newer one is made in the
+        background when none is being made and the snapshot it came from is not current."""
+        kept, shared = self._exports.get(what), self._shared
+        if self.active and (
+            kept is None
+            or (kept[1].done() and (kept[0] is not shared or shared.changes != self._changes))
+        ):
+            self._refresh = asyncio.ensure_future(self.exported(what, build))  # a reference kept
+        return self._made.get(what)
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:

@@ -126,3 +126,23 @@ async def test_every_route_asked_at_once_shares_one_snapshot(c, s, a, b):
     await a.heartbeat()  # a heartbeat read since: the next route takes a new one
     await cluster_report(c)
     assert len(taken) == 2
+
+
+@gen_cluster(client=True)
+async def test_a_large_clusters_scrape_serves_device_series_made_in_the_report_thread(c, s, a, b):
+    from dask_rmm.scheduler import timeline
+
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = FakeRMMMetrics(), FakeRMMMetrics()
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    plugin = s.plugins[PLUGIN_NAME]
+    old, timeline.SHARE_ABOVE = timeline.SHARE_ABOVE, 0  # two workers count as many
+    try:
+        first = await _families(s)  # nothing made yet: the totals, and a build started
+        assert "dask_rmm_used_bytes" not in first and first["dask_rmm_devices"].samples
+        while plugin._made.get("families") is None:
+            await asyncio.sleep(0.01)
+        used = _by_worker((await _families(s))["dask_rmm_used_bytes"])
+        assert set(used) == {(a.address, "0"), (b.address, "0")}
+    finally:
+        timeline.SHARE_ABOVE = old
