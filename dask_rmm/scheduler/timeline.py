@@ -158,7 +158,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._taking: asyncio.Future | None = None
         self._exports: dict[str, Any] = {}  # per export: (its snapshot, the future making it)
         self._made: dict[str, Any] = {}  # per export: the last one made
-        self._refresh: asyncio.Future | None = None
+        self._refreshing: set[asyncio.Future] = set()
 
     _OPTIONS = ("timeline_length", "keep_gone", "poll_interval", "timeline_levels")
 
@@ -592,7 +592,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             kept is None
             or (kept[1].done() and (kept[0] is not shared or shared.changes != self._changes))
         ):
-            self._refresh = asyncio.ensure_future(self.exported(what, build))  # a reference kept
+            task = asyncio.ensure_future(self.exported(what, build))
+            self._refreshing.add(task)  # asyncio keeps only a weak reference
+            task.add_done_callback(self._refreshing.discard)
         return self._made.get(what)
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
