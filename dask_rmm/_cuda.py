@@ -297,6 +297,18 @@ def device_identity(device: int) -> tuple[str, str, str]:
     return name, uuid, pci
 
 
+@functools.cache
+def nvml() -> Any:
+    """cuda-python's NVML, initialised once; None where it cannot be (tried once)."""
+    try:
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+    except Exception:
+        return None
+    return nvml
+
+
 def _device_attr(name_or_enum: Any):
     rt = _rt()
     if isinstance(name_or_enum, str):

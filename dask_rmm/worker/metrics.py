@@ -79,6 +79,8 @@ def process_used_bytes(pci_bus_id: str) -> int:
     the process's PID, NVML's "not available")."""
     import os
 
+    from dask_rmm._cuda import nvml as _nvml
+
     nvml = _nvml()
     if nvml is None:
         return 0
@@ -94,18 +96,6 @@ def process_used_bytes(pci_bus_id: str) -> int:
         return 0
     mine = used[(pids == os.getpid()) & (used < np.uint64(1 << 62))]
     return int(mine.sum())
-
-
-@functools.cache
-def _nvml() -> Any:
-    """cuda-python's NVML, initialised once; None where it cannot be (tried once)."""
-    try:
-        from cuda.bindings import nvml
-
-        nvml.init_v2()
-    except Exception:
-        return None
-    return nvml
 
 
 def add_periodic(
