@@ -60,14 +60,10 @@ class RMMSetupError(RuntimeError):
 
     @classmethod
     def from_failures(cls, failures: dict[str, str], kept_previous: bool) -> RMMSetupError:
-        """The error for ``failures`` (address -> reason): every failed worker, with its reason."""
         kept = "every worker keeps its previous setup" if kept_previous else "no worker changed"
-        n = len(failures)
+        n, s = len(failures), "s" if len(failures) != 1 else ""
         reasons = "; ".join(f"worker {w}: {r}" for w, r in sorted(failures.items()))
-        return cls(
-            f"dask-rmm setup failed on {n} worker{'s' if n != 1 else ''}, so {kept}: {reasons}",
-            failures,
-        )
+        return cls(f"dask-rmm setup failed on {n} worker{s}, so {kept}: {reasons}", failures)
 
 
 class _SetupErrorInOneLine(logging.Filter):
@@ -320,12 +316,10 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         try:
             host = get_address_host(worker.address)
             info = await worker.scheduler.identity()
-            others = {a for a, w in info.get("workers", {}).items() if w.get("host") == host} - {
-                worker.address
-            }
+            workers = info.get("workers", {}).items()
+            n = len({a for a, w in workers if w.get("host") == host} | {worker.address})
         except Exception:  # only a warning: never fail the setup for it
             return
-        n = len(others) + 1
         total = host_total_memory()
         pools = sum(s.pool_size or 0 for s in stacks) * n
         if n > 1 and pools > total:

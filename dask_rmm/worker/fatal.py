@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -52,10 +53,8 @@ def arm_worker_command() -> None:
 
     def exit_status() -> None:
         failed = _reasons(path)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         if failed:
             # the command would end with status 0: exit now, after the other exit handlers
             atexit.unregister(exit_status)
@@ -78,11 +77,8 @@ def arm_worker_command() -> None:
 def _record(reason: str) -> None:
     path = os.environ.get(FAILURE_FILE_ENV)
     if path:
-        try:
-            with open(path, "a") as f:
-                f.write(reason + "\n")
-        except OSError:  # the exit status still says it
-            pass
+        with contextlib.suppress(OSError), open(path, "a") as f:  # else the exit status says it
+            f.write(reason + "\n")
 
 
 def one_line(text: str) -> str:
@@ -114,15 +110,11 @@ async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) ->
         except Exception:  # the exit below still stops the worker; a restart fails the same way
             pass
     for handler in logging.getLogger().handlers + logging.getLogger("distributed").handlers:
-        try:
+        with contextlib.suppress(Exception):
             handler.flush()
-        except Exception:
-            pass
     sys.stdout.flush()
     sys.stderr.flush()
     if _armed is not None:  # the command itself (--no-nanny): its exit handlers do not run
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(_armed)
-        except OSError:
-            pass
     os._exit(1)
