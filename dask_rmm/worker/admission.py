@@ -243,7 +243,7 @@ class WorkerAdmission:
         waits = [now - t for t in self._since.values()]
         return {
             "admission_held_tasks": len(waits),
-            "admission_total_held": self.total_held + sum(w > _HELD for w in waits),
+            "admission_total_held": self.total_held + len(waits),  # waiting now: held back
             "admission_wait_seconds": self.wait_seconds + sum(waits),
             "admission_longest_wait_seconds": max([self.longest_wait, *waits]),
             "admission_expected_peaks": [

@@ -88,8 +88,10 @@ async def test_tasks_wait_constrained_until_their_learned_peak_fits(c, s, a):
     futures = c.map(hold, [3 * MiB] * 6, range(6), key=[f"hold-{i}" for i in range(6)])
     # 8 MiB: two tasks of 3 MiB fit; the others wait where distributed keeps tasks waiting
     # for resources, without a thread and without having run.
-    await until(lambda: _states(a)["constrained"] == 4, "4 constrained")
-    assert _states(a)["executing"] == 2 and sum(RUNS.values()) == 3
+    await until(
+        lambda: _states(a)["constrained"] == 4 and sum(RUNS.values()) == 3, "2 running, 4 waiting"
+    )
+    assert _states(a)["executing"] == 2
     assert s.tasks["hold-5"].resource_restrictions == {RESOURCE: 3 * MiB}
     HOLD.set()
     assert await c.gather(futures) == list(range(6))
