@@ -206,6 +206,11 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             f"{address!r} is not a scheduler address for this command: an inproc:// address "
             "is reachable only inside its own process; give the scheduler's tcp:// address"
         )
+    if scheme != "tls" and connection_args.get("require_encryption"):
+        raise BadAddressError(
+            f"cannot connect to {address}: the Dask config requires encryption "
+            "(distributed.comm.require-encryption): give the scheduler's tls:// address"
+        )
     if scheme == "tls" and not connection_args.get("ssl_context"):
         raise BadAddressError(
             f"cannot connect to {address}: a tls:// address needs a TLS client configuration "

@@ -491,6 +491,16 @@ def test_an_address_this_process_cannot_use_says_why_in_one_line(command, addres
     assert address in line and says in line and "scheduler?" not in line, line
 
 
+def test_a_plain_address_under_required_encryption_says_so_in_one_line():
+    """distributed's connect raised a RuntimeError, worded "not in Dask's framing"."""
+    import dask
+
+    with dask.config.set({"distributed.comm.require-encryption": True}):
+        r = CliRunner().invoke(main, ["report", "tcp://127.0.0.1:8786", "--timeout", "5"])
+    line = _one_line_error(r, 2)
+    assert "tcp://127.0.0.1:8786" in line and "requires encryption" in line, line
+
+
 def test_the_timeout_is_the_whole_wait():
     """A peer that accepts and never answers: the command gives up after --timeout seconds in
     all, as its line says (it waited N + min(N, 0.5) + min(N, 2) s)."""
