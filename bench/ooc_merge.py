@@ -14,9 +14,11 @@ With cuDF and dask_cudf importable, the tables are dask_cudf DataFrames merged b
 and joined per partition by sort and search (the script says which ran). Every round checks the
 join's row count and checksum against the expected ones. Per configuration: rounds completed,
 median and range of their times, failed rounds, out-of-memory errors seen, bytes spilled (where
-the setup reports them).
+the setup reports them). dask-cuda's clusters start fresh for each turn (their RMM pool is held
+for good); dask-rmm's stay up across rounds, so that admission keeps what it learned in an
+untimed warm-up merge, and give their free memory back to the device after each turn.
 
-    python bench/ooc_merge.py --rounds 5 --free-gib 6 [--json out.json]
+    python bench/ooc_merge.py --rounds 5 --free-gib 4 [--json out.json]
     python bench/ooc_merge.py --host-memory --rounds 2     # a CPU check of the script
     python bench/ooc_merge.py --dry-run
 """
@@ -235,6 +237,16 @@ def cudf_merge(client, nparts: int, rows: int, keys: int, skew: float, tag: str)
     return int(rows_out), float(total)
 
 
+def release(c: Setup) -> None:
+    """The worker's free memory back to the device (for the next setup's turn)."""
+    from dask_rmm import release_unused
+
+    try:
+        release_unused(c.client)
+    except Exception as e:
+        print(f"{c.name}: release_unused: {type(e).__name__}: {e}", file=sys.stderr)
+
+
 # -- rounds ---------------------------------------------------------------------------------------
 
 
@@ -289,7 +301,7 @@ def setups(args, free: int, use_cudf: bool) -> list[Setup]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--free-gib", type=float, default=6.0, help="device GiB the ballast leaves")
+    p.add_argument("--free-gib", type=float, default=4.0, help="device GiB the ballast leaves")
     p.add_argument("--parts", type=int, default=16, help="partitions of each table")
     p.add_argument("--skew", type=float, default=0.2, help="share of left rows on one key")
     p.add_argument("--threads", type=int, default=8)
@@ -321,19 +333,32 @@ def main() -> None:
             print(f"  {c.name}: {c.kind} {c.options}")
         return
     want = expected_arrays(args.parts, rows, keys, args.skew)
+
+    def merge(c: Setup, tag: str) -> tuple[int, float]:
+        if use_cudf:
+            return cudf_merge(c.client, args.parts, rows, keys, args.skew, tag)
+        return arrays_merge(c.client, args.parts, rows, keys, args.skew, host, tag)
+
     with ballast(None if host else args.free_gib):
+        # dask-rmm's clusters stay up (admission keeps what it learned in an untimed warm-up;
+        # their free memory goes back to the device after each turn); dask-cuda's hold their
+        # pool for good, so theirs start fresh for each turn.
+        kept = [c for c in configs if c.kind == "dask-rmm"]
+        for c in kept:
+            c.start(args.threads, host)
+            try:
+                merge(c, "warm")
+            except Exception as e:
+                print(f"{c.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
+            release(c)
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
-                c.start(args.threads, host)  # a fresh cluster: nothing carries over
+                if c not in kept:
+                    c.start(args.threads, host)
                 before = c.spilled_bytes()
                 start = time.perf_counter()
                 try:
-                    if use_cudf:
-                        got = cudf_merge(c.client, args.parts, rows, keys, args.skew, f"r{r}")
-                    else:
-                        got = arrays_merge(
-                            c.client, args.parts, rows, keys, args.skew, host, f"r{r}"
-                        )
+                    got = merge(c, f"r{r}")
                     ok = got[0] == want and abs(got[1] - want) < 1e-6 * max(want, 1)
                     if not ok:
                         c.error = f"wrong result {got}, expected {want} rows"
@@ -351,7 +376,10 @@ def main() -> None:
                     f"round {r} {c.name}: {took:.2f} s {'ok' if ok else 'FAILED ' + c.error}",
                     file=sys.stderr,
                 )
-                c.stop()
+                if c in kept:
+                    release(c)
+                else:
+                    c.stop()
             if args.json:
                 keys_ = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
                 Path(args.json).write_text(
@@ -363,6 +391,8 @@ def main() -> None:
                         indent=1,
                     )
                 )
+        for c in kept:
+            c.stop()
     print(
         f"{'setup':26} {'completed':>9} {'median s':>9} {'range':>15} {'OOM rounds':>10} {'spilled':>9}"
     )
