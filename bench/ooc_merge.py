@@ -347,7 +347,7 @@ def main() -> None:
         for c in kept:
             c.start(args.threads, host)
             try:
-                merge(c, "warm")
+                merge(c, "w0")  # key_split drops "w0" as it does "r0": the same prefixes
             except Exception as e:
                 print(f"{c.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
             release(c)
