@@ -206,13 +206,12 @@ class CudfSpilling:
     name = "cudf"
 
     def manager(self) -> Any:
-        if "cudf" not in sys.modules:
-            return None
-        try:
-            from cudf.core.buffer.spill_manager import get_global_manager
-        except ImportError:
-            return None
-        return get_global_manager()
+        # Looked up, never imported: an import from here (a heartbeat, or an allocation made
+        # while another thread is importing cuDF) met that thread's import lock and raised
+        # _DeadlockError in a task (H100, bench/ooc_merge.py). cuDF imports this module itself.
+        module = sys.modules.get("cudf.core.buffer.spill_manager")
+        get_global_manager = getattr(module, "get_global_manager", None)
+        return None if get_global_manager is None else get_global_manager()
 
     def spill(self, nbytes: int) -> int:
         """Have cuDF spill its least recently used spillable buffers adding up to ``nbytes``;

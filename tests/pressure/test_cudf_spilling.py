@@ -97,3 +97,27 @@ def test_make_room_spills_cudfs_buffers_before_outputs(cudf):
 def test_without_cudf_imported_nothing_is_asked_of_it():
     assert "cudf" not in sys.modules
     assert caches.spill_libraries(MiB) == {} and caches.spilled_by_libraries() == {}
+
+
+def test_cudf_is_never_imported_from_here_while_it_is_being_imported(monkeypatch):
+    """cuDF half imported (by another thread, whose allocation may be the one failing): its spill
+    manager is looked up, never imported. Importing it from here met the importing thread's
+    module lock and raised _DeadlockError in a task on the GPU."""
+    attempts: list[str] = []
+
+    class _Recorder:
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith("cudf"):
+                attempts.append(name)
+            return None
+
+    package = types.ModuleType("cudf")
+    package.__path__ = []  # a package: its submodules would be looked for
+    monkeypatch.setitem(sys.modules, "cudf", package)
+    monkeypatch.setattr(sys, "meta_path", [_Recorder(), *sys.meta_path])
+    assert caches.spill_libraries(MiB) == {} and caches.spilled_by_libraries() == {}
+    # Half initialised: the module is there, its function not yet.
+    half = types.ModuleType("cudf.core.buffer.spill_manager")
+    monkeypatch.setitem(sys.modules, half.__name__, half)
+    assert caches.spill_libraries(MiB) == {} and caches.spilled_by_libraries() == {}
+    assert attempts == []
