@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 GiB = 1 << 30
 
@@ -91,3 +92,28 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None = None) -> Any:
+    """(cluster, client) of one worker with ``threads`` threads: dask-cuda's LocalCUDACluster
+    with ``options`` (kind "dask-cuda" or "cudf-spill"), or a LocalCluster with
+    ``RMMPlugin(**options)`` registered (kind "dask-rmm")."""
+    from distributed import Client, LocalCluster
+
+    if kind == "dask-rmm":
+        from dask_rmm import RMMPlugin
+
+        cluster = LocalCluster(
+            n_workers=1, threads_per_worker=threads, processes=True, host="127.0.0.1",
+            dashboard_address=":0", worker_dashboard_address=None, env=env or {},
+        )  # fmt: skip
+        client = Client(cluster)
+        client.register_plugin(RMMPlugin(**options))
+        return cluster, client
+    from dask_cuda import LocalCUDACluster
+
+    cluster = LocalCUDACluster(
+        n_workers=1, threads_per_worker=threads, host="127.0.0.1", dashboard_address=":0",
+        **options,
+    )  # fmt: skip
+    return cluster, Client(cluster)

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast  # noqa: E402
+from bench.admission_ballast import ballast, one_worker_cluster  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 ROW = 16  # bytes a table row: int64 key + two float32 values
@@ -60,25 +60,7 @@ class Setup:
     client: Any = None
 
     def start(self) -> None:
-        from distributed import Client, LocalCluster
-
-        if self.kind == "dask-rmm":
-            from dask_rmm import RMMPlugin
-
-            self.cluster = LocalCluster(
-                n_workers=1, threads_per_worker=THREADS, processes=True, host="127.0.0.1",
-                dashboard_address=":0", worker_dashboard_address=None, env=self.env,
-            )  # fmt: skip
-            self.client = Client(self.cluster)
-            self.client.register_plugin(RMMPlugin(**self.options))
-            return
-        from dask_cuda import LocalCUDACluster
-
-        self.cluster = LocalCUDACluster(
-            n_workers=1, threads_per_worker=THREADS, host="127.0.0.1", dashboard_address=":0",
-            **self.options,
-        )  # fmt: skip
-        self.client = Client(self.cluster)
+        self.cluster, self.client = one_worker_cluster(self.kind, THREADS, self.options, self.env)
 
     def stop(self) -> None:
         if self.client is not None:

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast  # noqa: E402
+from bench.admission_ballast import ballast, one_worker_cluster  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 ROW = 16  # bytes a row: int64 key + float64 payload
@@ -57,25 +57,7 @@ class Setup:
     error: str = ""
 
     def start(self, threads: int, host: bool) -> None:
-        from distributed import Client, LocalCluster
-
-        if self.kind == "dask-rmm":
-            from dask_rmm import RMMPlugin
-
-            self.cluster = LocalCluster(
-                n_workers=1, threads_per_worker=threads, processes=True, host="127.0.0.1",
-                dashboard_address=":0", worker_dashboard_address=None,
-            )  # fmt: skip
-            self.client = Client(self.cluster)
-            self.client.register_plugin(RMMPlugin(**self.options))
-            return
-        from dask_cuda import LocalCUDACluster
-
-        self.cluster = LocalCUDACluster(
-            n_workers=1, threads_per_worker=threads, host="127.0.0.1", dashboard_address=":0",
-            **self.options,
-        )  # fmt: skip
-        self.client = Client(self.cluster)
+        self.cluster, self.client = one_worker_cluster(self.kind, threads, self.options)
 
     def stop(self) -> None:
         if self.client is not None:
