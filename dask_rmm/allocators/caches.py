@@ -149,6 +149,16 @@ def release_cached(device: int) -> int:
     return sum(release_cached_by_library(device).values())
 
 
+def _bytes_or_zero(call: Callable[[int], Any], arg: int, *, failed: str) -> int:
+    """``int(call(arg))``: bytes a cache gave back or a library spilled; 0 (logged with
+    ``failed``) when it raises, so that making room never fails on one library."""
+    try:
+        return int(call(arg))
+    except Exception:
+        logger.warning("dask-rmm: %s failed", failed, exc_info=True)
+        return 0
+
+
 def release_cached_by_library(device: int, *, outside: bool = True) -> dict[str, int]:
     """:func:`release_cached` by library name (those that gave some back); ``outside=False``
     leaves the caches outside the stack (PyTorch's: ``empty_cache`` synchronizes the device, so
@@ -157,11 +167,7 @@ def release_cached_by_library(device: int, *, outside: bool = True) -> dict[str,
     for cache in library_caches():
         if not outside and _is_outside(cache):
             continue
-        try:
-            n = int(cache.release(device))
-        except Exception:
-            logger.warning("dask-rmm: releasing the %s cache failed", cache.name, exc_info=True)
-            n = 0
+        n = _bytes_or_zero(cache.release, device, failed=f"releasing the {cache.name} cache")
         if n > 0:
             released[cache.name] = released.get(cache.name, 0) + n
     return released
@@ -246,11 +252,7 @@ def spill_libraries(nbytes: int) -> dict[str, int]:
         left = int(nbytes) - sum(spilled.values())
         if left <= 0:
             break
-        try:
-            n = int(library.spill(left))
-        except Exception:
-            logger.warning("dask-rmm: %s's spilling failed", library.name, exc_info=True)
-            n = 0
+        n = _bytes_or_zero(library.spill, left, failed=f"{library.name}'s spilling")
         if n > 0:
             spilled[library.name] = n
     return spilled

@@ -142,15 +142,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         claim: Callable[[str], tuple[str, int | None]] | None = None,
     ):
         super().__init__(upstream_mr)
-        if log_file_name is None:
-            log_file_name = os.environ.get("RMM_LOG_FILE") or None
-            if log_file_name is None:
-                raise ValueError(
-                    "LoggingResourceAdaptor needs a log file: pass log_file_name=... or set the "
-                    "RMM_LOG_FILE environment variable"
-                )
-        if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
-            raise TypeError(f"log_file_name must be a non-empty path, got {log_file_name!r}")
+        log_file_name = _log_file_name(log_file_name, "LoggingResourceAdaptor")
         self._file_name = log_file_name_for_device(log_file_name, self.device_id)
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
@@ -292,12 +284,14 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         )
 
 
-def _log_file_name(log_file_name: Any) -> str:
+def _log_file_name(log_file_name: Any, needed_by: str = "logging=True") -> str:
+    """``log_file_name``, or ``$RMM_LOG_FILE`` when it is None, as a path; errors name
+    ``needed_by``."""
     if log_file_name is None:
         log_file_name = os.environ.get("RMM_LOG_FILE") or None
     if log_file_name is None:
         raise ValueError(
-            "logging=True needs a log file: pass log_file_name=... or set the RMM_LOG_FILE "
+            f"{needed_by} needs a log file: pass log_file_name=... or set the RMM_LOG_FILE "
             "environment variable"
         )
     if not isinstance(log_file_name, (str, os.PathLike)) or not os.fspath(log_file_name):
