@@ -6,7 +6,6 @@ usable GPU). Not here: memory-resource policy (``dask_rmm.mr``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 #: ``cudaCpuDeviceId``: pass as ``device`` to :func:`mem_prefetch_async` to move pages to the host.
@@ -122,39 +121,11 @@ def require_cuda(what: str) -> None:
         )
 
 
-# --- hot calls ---------------------------------------------------------------------------------
-# The runtime functions on allocation and stream-ordering paths are bound to module globals on
-# first use, so that afterwards a wrapper is one global lookup and the binding call.
-
-_HOT = (
-    "cudaGetDevice",
-    "cudaSetDevice",
-    "cudaMalloc",
-    "cudaFree",
-    "cudaMallocManaged",
-    "cudaHostAlloc",
-    "cudaFreeHost",
-    "cudaFreeAsync",
-    "cudaMallocFromPoolAsync",
-    "cudaMemcpyAsync",
-    "cudaEventRecord",
-    "cudaStreamWaitEvent",
-    "cudaStreamSynchronize",
-)
-
-
 def runtime_function(name: str):
-    """The cuda-python runtime function ``name`` itself (one of the allocation and
-    stream-ordering calls this module binds), for a memory resource's hot path: one call, no
-    wrapper frame. It returns ``(err, *values)``; pass :data:`stream_objects` /
+    """The cuda-python runtime function ``name`` itself, for a memory resource's hot path: one
+    call, no wrapper frame. It returns ``(err, *values)``; pass :data:`stream_objects` /
     :data:`mem_pool_objects` entries as handles, and raise with :func:`fail`."""
-    if name not in _HOT:
-        raise ValueError(f"runtime_function({name!r}): not one of the bound hot calls {_HOT}")
-    fn = globals()["_" + name]
-    if getattr(fn, "__module__", None) == __name__:  # still the stand-in _lazy made
-        _bind_hot()
-        fn = globals()["_" + name]
-    return fn
+    return getattr(_rt(), name)
 
 
 class HandleObjects(dict):
@@ -183,37 +154,6 @@ stream_objects = HandleObjects("cudaStream_t")
 mem_pool_objects = HandleObjects("cudaMemPool_t")
 
 
-def _bind_hot() -> None:
-    rt = _rt()
-    g = globals()
-    for name in _HOT:
-        g["_" + name] = getattr(rt, name)
-
-
-def _lazy(name: str) -> Callable[..., Any]:
-    def first_call(*args: Any) -> Any:
-        _bind_hot()
-        return globals()["_" + name](*args)
-
-    first_call.__name__ = name
-    return first_call
-
-
-_cudaGetDevice = _lazy("cudaGetDevice")
-_cudaSetDevice = _lazy("cudaSetDevice")
-_cudaMalloc = _lazy("cudaMalloc")
-_cudaFree = _lazy("cudaFree")
-_cudaMallocManaged = _lazy("cudaMallocManaged")
-_cudaHostAlloc = _lazy("cudaHostAlloc")
-_cudaFreeHost = _lazy("cudaFreeHost")
-_cudaFreeAsync = _lazy("cudaFreeAsync")
-_cudaMallocFromPoolAsync = _lazy("cudaMallocFromPoolAsync")
-_cudaMemcpyAsync = _lazy("cudaMemcpyAsync")
-_cudaEventRecord = _lazy("cudaEventRecord")
-_cudaStreamWaitEvent = _lazy("cudaStreamWaitEvent")
-_cudaStreamSynchronize = _lazy("cudaStreamSynchronize")
-
-
 # --- devices -----------------------------------------------------------------------------------
 
 
@@ -226,10 +166,7 @@ def get_device_count() -> int:
 
 def get_device() -> int:
     """The calling thread's current CUDA device."""
-    err, device = _cudaGetDevice()
-    if err:
-        fail(err, "cudaGetDevice")
-    return device
+    return check(_rt().cudaGetDevice(), "cudaGetDevice")
 
 
 def _check_device(device: Any) -> int:
@@ -244,7 +181,7 @@ def _check_device(device: Any) -> int:
 
 def set_device(device: int) -> None:
     """Make ``device`` the calling thread's current device (``cudaSetDevice``)."""
-    (err,) = _cudaSetDevice(device)
+    (err,) = _rt().cudaSetDevice(device)
     if err:
         _check_device(device)
         fail(err, f"cudaSetDevice({device})")
@@ -341,57 +278,40 @@ def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
 
 def malloc(nbytes: int) -> int:
     """``cudaMalloc``: device memory on the current device."""
-    err, ptr = _cudaMalloc(nbytes)
-    if err:
-        fail(err, "cudaMalloc")
-    return ptr
+    return check(_rt().cudaMalloc(nbytes), "cudaMalloc")
 
 
 def free(ptr: int) -> None:
     """``cudaFree`` (synchronizes the device)."""
-    (err,) = _cudaFree(ptr)
-    if err:
-        fail(err, "cudaFree")
+    check(_rt().cudaFree(ptr), "cudaFree")
 
 
 def malloc_managed(nbytes: int) -> int:
     """``cudaMallocManaged(cudaMemAttachGlobal)``: unified memory; free with :func:`free`."""
-    err, ptr = _cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL)
-    if err:
-        fail(err, "cudaMallocManaged")
-    return ptr
+    return check(_rt().cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL), "cudaMallocManaged")
 
 
 def malloc_host(nbytes: int, flags: int = 0) -> int:
     """``cudaHostAlloc``: page-locked host memory; free with :func:`free_host`."""
-    err, ptr = _cudaHostAlloc(nbytes, flags)
-    if err:
-        fail(err, "cudaHostAlloc")
-    return ptr
+    return check(_rt().cudaHostAlloc(nbytes, flags), "cudaHostAlloc")
 
 
 def free_host(ptr: int) -> None:
     """``cudaFreeHost``."""
-    (err,) = _cudaFreeHost(ptr)
-    if err:
-        fail(err, "cudaFreeHost")
+    check(_rt().cudaFreeHost(ptr), "cudaFreeHost")
 
 
 def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
     """``cudaMallocFromPoolAsync`` from an explicit memory pool."""
-    err, ptr = _cudaMallocFromPoolAsync(
+    result = _rt().cudaMallocFromPoolAsync(
         nbytes, mem_pool_objects[pool], stream_objects[stream_handle]
     )
-    if err:
-        fail(err, "cudaMallocFromPoolAsync")
-    return ptr
+    return check(result, "cudaMallocFromPoolAsync")
 
 
 def free_async(ptr: int, stream_handle: int) -> None:
     """``cudaFreeAsync``: return ``ptr`` to its pool in stream order."""
-    (err,) = _cudaFreeAsync(ptr, stream_objects[stream_handle])
-    if err:
-        fail(err, "cudaFreeAsync")
+    check(_rt().cudaFreeAsync(ptr, stream_objects[stream_handle]), "cudaFreeAsync")
 
 
 # --- memory pools (stream-ordered allocator) ---------------------------------------------------
@@ -537,9 +457,8 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
-    (err,) = _cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
-    if err:
-        fail(err, "cudaMemcpyAsync")
+    result = _rt().cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
+    check(result, "cudaMemcpyAsync")
 
 
 def memset(ptr: int, value: int, nbytes: int) -> None:
@@ -628,16 +547,12 @@ def stream_destroy(handle: int) -> None:
 
 def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
-    (err,) = _cudaStreamSynchronize(stream_objects[handle])
-    if err:
-        fail(err, "cudaStreamSynchronize")
+    check(_rt().cudaStreamSynchronize(stream_objects[handle]), "cudaStreamSynchronize")
 
 
 def stream_wait_event(stream_handle: int, event: int) -> None:
     """Make future work on ``stream_handle`` wait for ``event`` (``cudaStreamWaitEvent``)."""
-    (err,) = _cudaStreamWaitEvent(stream_handle, event, 0)
-    if err:
-        fail(err, "cudaStreamWaitEvent")
+    check(_rt().cudaStreamWaitEvent(stream_handle, event, 0), "cudaStreamWaitEvent")
 
 
 def event_create(disable_timing: bool = True) -> int:
@@ -648,14 +563,23 @@ def event_create(disable_timing: bool = True) -> int:
 
 def event_record(event: int, stream_handle: int) -> None:
     """``cudaEventRecord`` on ``stream_handle``."""
-    (err,) = _cudaEventRecord(event, stream_handle)
-    if err:
-        fail(err, "cudaEventRecord")
+    check(_rt().cudaEventRecord(event, stream_handle), "cudaEventRecord")
 
 
 def event_destroy(event: int) -> None:
     """``cudaEventDestroy``."""
     check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
+
+
+def stream_wait_stream(stream_handle: int, other_handle: int) -> None:
+    """Make future work on ``stream_handle`` wait for the work queued so far on
+    ``other_handle`` (an event recorded there, waited on, destroyed)."""
+    event = event_create(disable_timing=True)
+    try:
+        event_record(event, other_handle)
+        stream_wait_event(stream_handle, event)
+    finally:
+        event_destroy(event)
 
 
 # --- IPC (used by the Numba EMM plugin's get_ipc_handle) ----------------------------------------

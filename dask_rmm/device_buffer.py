@@ -325,12 +325,7 @@ class DeviceBuffer:
             )
         src_stream = cai.get("stream")
         if src_stream and src_stream != stream.handle and _cuda.is_available():
-            event = _cuda.event_create(disable_timing=True)
-            try:
-                _cuda.event_record(event, src_stream)
-                _cuda.stream_wait_event(stream.handle, event)
-            finally:
-                _cuda.event_destroy(event)
+            _cuda.stream_wait_stream(stream.handle, src_stream)
         self._order_before(stream)
         _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self._host)
 
@@ -369,12 +364,7 @@ class DeviceBuffer:
         if stream.is_default() and not stream.is_per_thread_default():
             own.synchronize()
             return
-        event = _cuda.event_create(disable_timing=True)
-        try:
-            _cuda.event_record(event, own.handle)
-            _cuda.stream_wait_event(stream.handle, event)
-        finally:
-            _cuda.event_destroy(event)
+        _cuda.stream_wait_stream(stream.handle, own.handle)
 
     # --- size changes ------------------------------------------------------------------------
 

@@ -62,18 +62,13 @@ _logger: logging.Logger | None = None
 _flush_level = level_enum.warn
 
 
-class LoggingLevelError(TypeError, ValueError):
-    """Not a logging level. A TypeError, as RMM raises for anything but a ``level_enum``, and
-    a ValueError, as earlier dask-rmm releases raised for an unknown name."""
-
-
 def _as_level(level: level_enum | str) -> level_enum:
     """``level`` as a ``level_enum``: a member, or a member's exact (lower-case) name."""
     if isinstance(level, level_enum):
         return level
     if isinstance(level, str) and level in level_enum.__members__:
         return level_enum[level]
-    raise LoggingLevelError(
+    raise TypeError(
         f"level must be a dask_rmm.level_enum or one of the names "
         f"{', '.join(repr(m.name) for m in level_enum)}; got {level!r} ({type(level).__name__})"
     )

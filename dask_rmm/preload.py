@@ -39,10 +39,10 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
 
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    from dask_rmm.stack.options import _allocators
+    from dask_rmm.allocators import allocator_names
 
     try:
-        return value if value is None else list(_allocators(value))
+        return value if value is None else allocator_names(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 

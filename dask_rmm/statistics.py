@@ -154,9 +154,6 @@ class ProfilerRecords:
             self.memory_total += memory_total
             self.memory_peak = max(self.memory_peak, memory_peak)
 
-    #: The name dask-rmm used before RMM's ``MemoryRecord``.
-    Data = MemoryRecord
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, ProfilerRecords.MemoryRecord] = {}
@@ -172,7 +169,7 @@ class ProfilerRecords:
 
     @property
     def records(self) -> dict[str, ProfilerRecords.MemoryRecord]:
-        """``{name: Data}`` (a copy)."""
+        """``{name: MemoryRecord}`` (a copy)."""
         with self._lock:
             return {k: dataclasses.replace(v) for k, v in self._records.items()}
 
@@ -231,14 +228,6 @@ def _get_descriptive_name_of_object(func: Callable) -> str:
 default_profiler_records = ProfilerRecords()
 
 
-class _Names(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[str] = []
-
-
-_names = _Names()
-
-
 class ProfilerContext:
     """Record the memory statistics of a function or ``with`` block in ``records`` (default
     :data:`default_profiler_records`) under ``name`` (required for a block; a function's
@@ -285,11 +274,9 @@ class ProfilerContext:
         if mr is not None:
             mr.push_counters()
         self._pushed.append(mr)
-        _names.stack.append(self.name)
         return self
 
     def __exit__(self, *exc) -> Literal[False]:
-        _names.stack.pop()
         mr = self._pushed.pop()
         if mr is not None:
             self.records.add(self.name, mr.pop_counters())
@@ -299,8 +286,3 @@ class ProfilerContext:
 def profiler(*, records: ProfilerRecords | None = None, name: str = "") -> ProfilerContext:
     """Decorator and context manager: a :class:`ProfilerContext`."""
     return ProfilerContext(records, name)
-
-
-def current_profiler_names() -> tuple[str, ...]:
-    """Names of the profilers active in this thread, outermost first."""
-    return tuple(_names.stack)

@@ -60,7 +60,6 @@ def test_rmm_mr_logging_names():
 
 
 def test_profiler_names_follow_rmm(host_mr):
-    assert statistics.ProfilerRecords.MemoryRecord is statistics.ProfilerRecords.Data
     records = statistics.ProfilerRecords()
     with statistics.statistics():
         ctx = statistics.profiler(records=records, name="block")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "CACHED_ALLOCATORS",
@@ -34,30 +35,27 @@ SUPPORTED_ALLOCATORS: tuple[str, ...] = tuple(sorted(_HOOKS))
 CACHED_ALLOCATORS: tuple[str, ...] = ("cupy", "rmm", "torch")
 
 
-def _normalize(names: str | Iterable[str] | None) -> list[str]:
-    """``names`` as a list of known library names (a string may be comma-separated)."""
-    if names is None:
-        return []
-    if isinstance(names, str):
-        names = names.split(",")
+def allocator_names(names: Any, option: str = "allocators") -> list[str]:
+    """``names`` as known library names, each once (a string may be comma-separated, names are
+    case insensitive); the errors name ``option``."""
+    try:
+        given: list[Any] = names.split(",") if isinstance(names, str) else list(names or ())
+    except TypeError:
+        given = [names]
     result: list[str] = []
-    unknown: list[str] = []
-    for name in names:
+    for name in given:
         if not isinstance(name, str):
             raise TypeError(
-                f"allocator names must be strings, got {name!r} ({type(name).__name__})"
+                f"`{option}` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
+                f"got {names!r}"
             )
         key = name.strip().lower()
-        if not key:
-            continue
-        if key not in _HOOKS:
-            unknown.append(name)
-        elif key not in result:
+        if key and key not in _HOOKS:
+            raise ValueError(
+                f"unknown library {name!r} in `{option}`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
+            )
+        if key and key not in result:
             result.append(key)
-    if unknown:
-        raise ValueError(
-            f"unknown allocator name(s) {unknown}: supported are {list(SUPPORTED_ALLOCATORS)}"
-        )
     return result
 
 
@@ -83,7 +81,7 @@ def _hook(name: str, which: int):
 def check_allocators(names: str | Iterable[str] | None) -> list[str]:
     """Raise what :func:`set_allocators` would raise for ``names`` (an unknown name, a library
     that is not installed) without changing any library; the normalized names otherwise."""
-    selected = _normalize(names)
+    selected = allocator_names(names)
     for name in selected:
         _hook(name, 0)
     return selected
@@ -117,8 +115,8 @@ def set_allocators(
     >>> libs = set_allocators(["cupy", "numba"])
     >>> reset_allocators(libs)
     """
-    selected = _normalize(names)
-    exact_names = set(CACHED_ALLOCATORS) if exact is True else set(_normalize(exact or None))
+    selected = allocator_names(names)
+    exact_names = set(CACHED_ALLOCATORS) if exact is True else set(allocator_names(exact, "exact"))
     setters = [_hook(name, 0) for name in selected]  # import all before changing any
     for name, setter in zip(selected, setters, strict=True):
         if name in CACHED_ALLOCATORS:
@@ -131,7 +129,7 @@ def set_allocators(
 def reset_allocators(names: str | Iterable[str] | None) -> None:
     """Give the named libraries (as for :func:`set_allocators`; those not installed are
     skipped) back the allocators they had before :func:`set_allocators`."""
-    for name in _normalize(names):
+    for name in allocator_names(names):
         try:
             resetter = _hook(name, 1)
         except ImportError:

@@ -445,16 +445,12 @@ def get_torch_cache() -> TorchCache | None:
 def share_torch_budget(device: int, resource: Any) -> None:
     """Make PyTorch's cache on ``device`` share the maximum of the pool in ``resource``'s chain
     (and leave the pool it shared before); no cap without such a pool."""
+    from dask_rmm.mr.base import upstreams
     from dask_rmm.mr.pool import pool_behind
 
-    if _cache is None:
-        return
-    pool = None
-    mr = resource
-    while mr is not None and pool is None:
-        pool = pool_behind(mr)
-        mr = getattr(mr, "upstream_mr", None)
-    _move_budget(_cache.budget(device), pool)
+    if _cache is not None:
+        pools = (pool_behind(mr) for mr in upstreams(resource))
+        _move_budget(_cache.budget(device), next((p for p in pools if p is not None), None))
 
 
 def _move_budget(budget: _TorchDeviceBudget, pool: Any) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Hashable
 from itertools import compress
 from typing import Any
 
+from dask_rmm import _cuda
 from dask_rmm.mr.base import (
     DeviceMemoryResource,
     OutOfMemoryError,
@@ -19,7 +20,7 @@ from dask_rmm.mr.base import (
     deallocate_refused,
 )
 from dask_rmm.mr.locks import gc_paused_lock
-from dask_rmm.mr.pool import DEFAULT_HOST_POOL_SIZE
+from dask_rmm.mr.pool import default_pool_size
 from dask_rmm.mr.size_classes import (
     CACHED_LIMIT,
     CLASS_INDEXES,
@@ -29,7 +30,8 @@ from dask_rmm.mr.size_classes import (
     UNIT_SHIFT,
     class_floor,
 )
-from dask_rmm.sizes import align_up, format_bytes, parse_device_bytes
+from dask_rmm.mr.stream_order import stream_ordered
+from dask_rmm.sizes import format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["ArenaMemoryResource"]
@@ -132,16 +134,9 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         dump_log_on_failure: bool = False,
     ):
         super().__init__(upstream_mr)
-        from dask_rmm import _cuda
-
-        # Stream order only matters for device memory: host memory has no queued stream work
-        # (and the streams of a host-memory replay or test may be made-up handles).
-        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
+        self._ordered = stream_ordered(upstream_mr)
         if arena_size is None:
-            if upstream_mr.is_host_memory:
-                arena_size = DEFAULT_HOST_POOL_SIZE
-            else:
-                arena_size = align_up(_cuda.mem_get_info()[0] // 2)
+            arena_size = default_pool_size(upstream_mr)
         else:
             arena_size = parse_device_bytes(arena_size, upstream_mr, option="arena_size") or 0
         if arena_size < SUPERBLOCK_SIZE:
@@ -209,8 +204,6 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         with gc_paused_lock(self._lock):
             stolen = self._steal_caches()
         if self._ordered:
-            from dask_rmm import _cuda
-
             _cuda.device_synchronize()
         with gc_paused_lock(self._lock):
             for ptr, csize in stolen:

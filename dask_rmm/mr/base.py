@@ -4,6 +4,7 @@ resources (beside it)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,15 @@ class CUDAAllocationError(CUDAError, MemoryError):
     def from_error(cls, error: CUDAError, what: str) -> CUDAAllocationError:
         """Wrap ``error`` with ``what`` was asked (resource, size, stream) in the message."""
         return cls(error.error_name, error.call, f"{what} failed: {error}")
+
+
+def upstreams(mr: Any) -> Iterator[Any]:
+    """``mr`` and its upstreams (``upstream_mr``), outermost first; each once."""
+    seen: set[int] = set()
+    while mr is not None and id(mr) not in seen:
+        seen.add(id(mr))
+        yield mr
+        mr = getattr(mr, "upstream_mr", None)
 
 
 class DeviceMemoryResource:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from typing import Any
 
 from dask_rmm import _cuda
@@ -29,9 +30,6 @@ __all__ = [
     "SamHeadroomMemoryResource",
     "SystemMemoryResource",
 ]
-
-#: The largest size a C ``size_t`` holds; anything above it cannot be asked of any allocator.
-_OOM_ERRORS = frozenset({"cudaErrorMemoryAllocation"})
 
 
 def _disown(resource: DeviceMemoryResource, ptr: Any, nbytes: Any, stream: Any) -> bool:
@@ -123,7 +121,7 @@ class _CudaResource(DeviceMemoryResource):
 
     def _allocation_error(self, error: _cuda.CUDAError, nbytes: int, stream_handle: int):
         """The MemoryError an allocation that failed with ``error`` raises."""
-        if error.error_name in _OOM_ERRORS:
+        if error.error_name == "cudaErrorMemoryAllocation":
             return self._out_of_memory(nbytes, stream_handle)
         if isinstance(error, MemoryError):
             return error
@@ -517,16 +515,14 @@ class SamHeadroomMemoryResource(_CudaResource):
         return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
 
 
-def _load_libc() -> ctypes.CDLL:
+@functools.cache
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.aligned_alloc.restype = ctypes.c_void_p
     libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
     libc.free.restype = None
     libc.free.argtypes = [ctypes.c_void_p]
     return libc
-
-
-_libc: ctypes.CDLL | None = None
 
 
 class SystemMemoryResource(DeviceMemoryResource):
@@ -538,10 +534,7 @@ class SystemMemoryResource(DeviceMemoryResource):
     """
 
     def __init__(self, device_id: int | None = None):
-        global _libc
-        if _libc is None:
-            _libc = _load_libc()
-        self._libc = _libc
+        self._libc = _libc()
         if device_id is None:
             device_id = _cuda.get_device() if _cuda.is_available() else 0
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
+from dask_rmm import _cuda
 from dask_rmm.mr.base import (
     DeviceMemoryResource,
     OutOfMemoryError,
@@ -21,7 +22,7 @@ from dask_rmm.mr.base import (
     deallocate_refused,
 )
 from dask_rmm.mr.locks import gc_paused_lock
-from dask_rmm.mr.stream_order import order_after
+from dask_rmm.mr.stream_order import order_after, stream_ordered
 from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
@@ -61,11 +62,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         blocks_to_preallocate = check_nbytes(blocks_to_preallocate, "blocks_to_preallocate")
         if block_size == 0 or blocks_to_preallocate == 0:
             raise ValueError("block_size and blocks_to_preallocate must be positive")
-        from dask_rmm import _cuda
-
-        # Stream order only matters for device memory: host memory has no queued stream work
-        # (and the streams of a host-memory replay or test may be made-up handles).
-        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
+        self._ordered = stream_ordered(upstream_mr)
         self._block_size = align_up(block_size)
         self._per_chunk = blocks_to_preallocate
         self._lock = threading.Lock()
@@ -174,8 +171,6 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
                 blocks.extend(reversed(kept))
             sizes = [(c, self._chunks.pop(c)) for c in released]
         if self._ordered and keys:
-            from dask_rmm import _cuda
-
             _cuda.device_synchronize()
         for c, size in sizes:
             self.upstream_mr.deallocate(c, size, DEFAULT_STREAM)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any, Final
 
+from dask_rmm import _cuda
 from dask_rmm.mr.base import (
     SIZE_MAX,
     DeviceMemoryResource,
@@ -29,7 +30,7 @@ from dask_rmm.mr.size_classes import (
     UNIT_SHIFT,
     search_class,
 )
-from dask_rmm.mr.stream_order import FRESH_KEY, order_after, synchronize_streams
+from dask_rmm.mr.stream_order import FRESH_KEY, order_after, stream_ordered, synchronize_streams
 from dask_rmm.sizes import align_up, format_bytes, parse_device_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
@@ -60,6 +61,14 @@ def pool_behind(resource: Any) -> PoolMemoryResource | None:
         if type(pool) is PoolMemoryResource:
             return pool
     return None
+
+
+def default_pool_size(upstream: DeviceMemoryResource) -> int:
+    """RMM's default initial pool size: half of the device's free memory (256 MiB of host
+    memory over a host-memory upstream)."""
+    if upstream.is_host_memory:
+        return DEFAULT_HOST_POOL_SIZE
+    return align_up(_cuda.mem_get_info()[0] // 2)
 
 
 class PoolMemoryResource(UpstreamResourceAdaptor):
@@ -101,21 +110,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         maximum_pool_size: int | str | float | None = None,
     ) -> None:
         super().__init__(upstream_mr)
-        from dask_rmm import _cuda
-
-        # Stream order only matters for device memory: host memory has no queued stream work
-        # (and the streams of a host-memory replay or test may be made-up handles).
-        self._ordered = _cuda.is_available() and not upstream_mr.is_host_memory
+        self._ordered = stream_ordered(upstream_mr)
         maximum: int | None = None
         if maximum_pool_size is not None:
             maximum = parse_device_bytes(maximum_pool_size, upstream_mr, option="maximum_pool_size")
         initial: int
         if initial_pool_size is None:
-            if upstream_mr.is_host_memory:
-                initial = DEFAULT_HOST_POOL_SIZE
-            else:
-                free, _total = _cuda.mem_get_info()
-                initial = align_up(free // 2)
+            initial = default_pool_size(upstream_mr)
             if maximum is not None:
                 initial = min(initial, maximum)
         else:
@@ -454,8 +455,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         try:
             if self._ordered:
                 # Blocks freed on other streams may still be in use by queued work.
-                from dask_rmm import _cuda
-
                 _cuda.device_synchronize()
             chunks = list(self._chunks.items())
             self._chunks.clear()

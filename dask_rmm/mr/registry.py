@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from dask_rmm import _cuda
-from dask_rmm.mr.base import DeviceMemoryResource
+from dask_rmm.mr.base import DeviceMemoryResource, upstreams
 
 __all__ = [
     "available_device_memory",
@@ -175,12 +175,9 @@ def _flush_logs() -> None:
     ``flush``, anywhere in a device's stack)."""
     with _lock:
         resources = list(_resources.values())
-    for top in resources:
-        mr: DeviceMemoryResource | None = top
-        while mr is not None:
-            if callable(flush := getattr(mr, "flush", None)):
-                flush()
-            mr = getattr(mr, "upstream_mr", None)
+    for mr in (mr for top in resources for mr in upstreams(top)):
+        if callable(flush := getattr(mr, "flush", None)):
+            flush()
 
 
 def _reset_for_tests() -> None:

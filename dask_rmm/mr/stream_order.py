@@ -4,14 +4,23 @@ sync before memory goes upstream). Call only with CUDA available and outside any
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from typing import Final
+from typing import Any, Final
 
 from dask_rmm.stream import Stream, own_per_thread_key
 
-__all__ = ["FRESH_KEY", "order_after", "synchronize_streams"]
+__all__ = ["FRESH_KEY", "order_after", "stream_ordered", "synchronize_streams"]
 
 #: The order key of memory no stream has used yet (fresh from upstream): taken without a wait.
 FRESH_KEY: Final = "fresh"
+
+
+def stream_ordered(upstream: Any) -> bool:
+    """Whether a suballocator over ``upstream`` orders its frees between streams: only device
+    memory with CUDA (host memory has no queued stream work, and the streams of a host-memory
+    replay or test may be made-up handles)."""
+    from dask_rmm import _cuda
+
+    return _cuda.is_available() and not upstream.is_host_memory
 
 
 def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Stream) -> None:
@@ -32,12 +41,7 @@ def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Strea
             _cuda.device_synchronize()
             continue
         try:
-            ev = _cuda.event_create(disable_timing=True)
-            try:
-                _cuda.event_record(ev, victim.handle)
-                _cuda.stream_wait_event(stream.handle, ev)
-            finally:
-                _cuda.event_destroy(ev)
+            _cuda.stream_wait_stream(stream.handle, victim.handle)
         except _cuda.CUDAError:
             _cuda.device_synchronize()
 

@@ -58,15 +58,13 @@ class TrimResult:
 def pools_in(resource: Any) -> Iterator[Any]:
     """The pools in ``resource``'s chain (it and its upstreams, outermost first): every
     :class:`PoolMemoryResource` and :class:`CudaAsyncMemoryResource`."""
+    from dask_rmm.mr.base import upstreams
     from dask_rmm.mr.cuda import CudaAsyncMemoryResource
     from dask_rmm.mr.pool import PoolMemoryResource
 
-    seen = set()
-    while resource is not None and id(resource) not in seen:
-        seen.add(id(resource))
-        if isinstance(resource, (PoolMemoryResource, CudaAsyncMemoryResource)):
-            yield resource
-        resource = getattr(resource, "upstream_mr", None)
+    for mr in upstreams(resource):
+        if isinstance(mr, (PoolMemoryResource, CudaAsyncMemoryResource)):
+            yield mr
 
 
 def _reserved(pool: Any) -> tuple[int, int]:

@@ -219,16 +219,11 @@ def on_device(device: int) -> Iterator[None]:
             _cuda.set_device(current)
 
 
-def _upstreams(mr: Any) -> Iterator[Any]:
-    """``mr`` and its upstreams, outermost first."""
-    while mr is not None:
-        yield mr
-        mr = getattr(mr, "upstream_mr", None)
-
-
 def resource_chain(mr: Any) -> str:
     """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
-    return ">".join(type(m).__name__ for m in _upstreams(mr))
+    from dask_rmm.mr.base import upstreams
+
+    return ">".join(type(m).__name__ for m in upstreams(mr))
 
 
 def make_base_resource(name: str, device: int, options: RMMOptions | None = None, total: int = 0):

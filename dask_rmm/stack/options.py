@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dask_rmm.allocators import CACHED_ALLOCATORS, allocator_names
 from dask_rmm.sizes import parse_size
 
 __all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
@@ -33,28 +34,6 @@ def _bool(option: str, value: Any) -> bool:
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"`{option}` must be True or False, got {value!r}")
-
-
-def _allocators(value: Any, option: str = "allocators") -> tuple[str, ...]:
-    from dask_rmm.allocators import SUPPORTED_ALLOCATORS
-
-    try:
-        names = value.split(",") if isinstance(value, str) else list(value or ())
-    except TypeError:
-        raise TypeError(
-            f"`{option}` must be library names such as ['cupy', 'numba'] or 'cupy,numba', "
-            f"got {value!r}"
-        ) from None
-    out: list[str] = []
-    for name in names:
-        name = str(name).strip().lower()
-        if name and name not in SUPPORTED_ALLOCATORS:
-            raise ValueError(
-                f"unknown library {name!r} in `{option}`; supported: {', '.join(SUPPORTED_ALLOCATORS)}"
-            )
-        if name and name not in out:
-            out.append(name)
-    return tuple(out)
 
 
 def _devices(value: Any) -> tuple[int, ...] | None:
@@ -184,15 +163,13 @@ class RMMOptions:
         for name in ("pool_allocator", *switches):
             put(name, _bool(name, getattr(self, name)))
         put("pool_allocator", self.pool_allocator or self.pool_size is not None)
-        put("allocators", _allocators(self.allocators))
+        put("allocators", tuple(allocator_names(self.allocators)))
         exact = self.exact_allocators
         if exact is True or (isinstance(exact, str) and exact.strip().lower() in ("true", "all")):
-            from dask_rmm.allocators import CACHED_ALLOCATORS
-
             exact = CACHED_ALLOCATORS
         elif exact is False or exact is None:
             exact = ()
-        put("exact_allocators", _allocators(exact, "exact_allocators"))
+        put("exact_allocators", tuple(allocator_names(exact, "exact_allocators")))
         if self.exact_allocators and not self.allocators:
             raise OptionError(
                 f"`exact_allocators` {list(self.exact_allocators)} need `allocators` naming "

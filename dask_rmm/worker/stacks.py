@@ -9,7 +9,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.stack.build import DeviceStack, _upstreams
+from dask_rmm.mr.base import upstreams
+from dask_rmm.stack.build import DeviceStack
 
 if TYPE_CHECKING:
     from dask_rmm.stack.options import RMMOptions
@@ -74,7 +75,7 @@ def replaced_resource_note(device: int) -> str | None:
     current = get_per_device_resource(device) if device in registered_devices() else None
     tops = [s.top for s in _installed.get(device, ())]
     # an adaptor over our stack (enable_statistics()) still reaches it
-    if any(mr is top for mr in _upstreams(current) for top in tops):
+    if any(mr is top for mr in upstreams(current) for top in tops):
         return None
     what = "the default resource" if current is None else type(current).__name__
     return (
