@@ -224,14 +224,13 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             f"({'install distributed-ucxx; ' if scheme == 'ucx' else ''}{e})"
         ) from e
     # distributed's connect retries these until the timeout, and a peer that hangs up at once
+    http = (
+        "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler address "
+        "usually ends in :8786, the dashboard's in :8787)"
+    )
     if scheme in ("tcp", "tls"):
         try:
-            reader, writer = await asyncio.open_connection(host, port)
-            try:  # a Dask server greets first; one that waits for the client is looked at below
-                hung_up = scheme == "tcp" and not await asyncio.wait_for(reader.read(1), 0.3)
-            except asyncio.TimeoutError:
-                hung_up = False
-            writer.close()
+            what = await _probe(scheme, host, port)
         except socket.gaierror as e:
             raise _not_reachable(address, f"cannot resolve host {host!r} ({e.strerror})") from e
         except ConnectionRefusedError as e:
@@ -240,31 +239,17 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             ) from e
         except OSError as e:
             raise _not_reachable(address, e.strerror or str(e) or type(e).__name__) from e
-        if hung_up:
-            raise _not_dask(address, "it closed the connection without a word")
-    http = (
-        "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler address "
-        "usually ends in :8786, the dashboard's in :8787)"
-    )
-    connecting = asyncio.ensure_future(connect(address, timeout=timeout, **connection_args))
-    try:  # an HTTP server waits for the end of a request line that Dask's handshake lacks
-        if not (await asyncio.wait({connecting}, timeout=0.5))[0] and await _answers_http(
-            scheme, host, port
-        ):
-            raise _not_dask(address, http)
-        comm = await connecting
+        if what is not None:
+            raise _not_dask(address, http if what == "http" else what)
+    try:
+        comm = await connect(address, timeout=timeout, **connection_args)
     except CommClosedError:
-        what = "it closed the connection during Dask's handshake"
-    except OSError:  # not reached, no answer in time (TimeoutError), or the hint above
+        raise _not_dask(address, "it closed the connection during Dask's handshake") from None
+    except OSError:  # not reached, or no answer in time (TimeoutError)
         raise
     except Exception:  # a length of exabytes, a short frame, ...: not Dask's framing
-        what = "its answer is not in Dask's framing"
-    else:
-        await comm.close()
-        return
-    finally:
-        connecting.cancel()
-    raise _not_dask(address, http if await _answers_http(scheme, host, port) else what)
+        raise _not_dask(address, "its answer is not in Dask's framing") from None
+    await comm.close()
 
 
 def _not_dask(address: str, what: str) -> NotDaskAddressError:
@@ -274,22 +259,25 @@ def _not_dask(address: str, what: str) -> NotDaskAddressError:
     )
 
 
-async def _answers_http(scheme: str, host: str, port: int) -> bool:
-    """Whether the server at ``host:port`` (plain TCP) does not greet first, as Dask's servers
-    do, and answers an HTTP request."""
-    if scheme != "tcp":
-        return False
-    writer = None
+async def _probe(scheme: str, host: str, port: int) -> str | None:
+    """One plain connection to ``host:port``: "it closed ..." when a tcp peer hangs up without a
+    word, "http" when it does not greet first, as Dask's servers do, and answers an HTTP request
+    (or greets with an HTTP answer); None otherwise (Dask's handshake then decides)."""
+    reader, writer = await asyncio.open_connection(host, port)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-        try:
-            await asyncio.wait_for(reader.read(1), 0.3)
-            return False  # it greeted, or hung up
+        try:  # a Dask server greets first
+            greeting = await asyncio.wait_for(reader.read(5), 0.3)
         except asyncio.TimeoutError:
+            if scheme != "tcp":
+                return None
             writer.write(b"HEAD / HTTP/1.0\r\n\r\n")
-            return await asyncio.wait_for(reader.read(5), 1.0) == b"HTTP/"
-    except (OSError, asyncio.TimeoutError):
-        return False
+            try:
+                greeting = await asyncio.wait_for(reader.read(5), 1.0)
+            except asyncio.TimeoutError:
+                return None
+        else:
+            if not greeting and scheme == "tcp":
+                return "it closed the connection without a word"
+        return "http" if greeting == b"HTTP/" and scheme == "tcp" else None
     finally:
-        if writer is not None:
-            writer.close()
+        writer.close()

@@ -9,15 +9,16 @@ from __future__ import annotations
 import html
 import inspect
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import distributed
 
 from dask_rmm.client.sampler import GPUMemorySampler, GPUSamples
 from dask_rmm.plotting.svg import timeline_svg
-from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
+from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.sizes import format_bytes
+from dask_rmm.wire import to_int
 
 __all__ = ["SECTION_ID", "gpu_section_html", "performance_report"]
 
@@ -225,10 +226,31 @@ def _timeline(samples: GPUSamples) -> str:
     return timeline_svg(series)
 
 
+def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """An HTML table of ``rows`` (cells escaped) under the header ``head``."""
+
+    def cells(tag: str, row: Sequence[Any]) -> str:
+        return "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in row)
+
+    body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
+    return f"<table><thead><tr>{cells('th', head)}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _group_rows(peaks: Iterable[tuple[str, str, int]], top: int) -> list[tuple[str, int, str]]:
+    """``(task group, largest peak, "label peak; ...")`` from ``(label, group, peak)``, largest
+    first, the first ``top``."""
+    rows: dict[str, tuple[int, list[str]]] = {}
+    for label, prefix, peak in peaks:
+        most, where = rows.setdefault(prefix, (0, []))
+        where.append(f"{label} {format_bytes(peak)}")
+        rows[prefix] = (max(most, peak), where)
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(prefix, peak, "; ".join(where)) for prefix, (peak, where) in ranked]
+
+
 def _task_groups(
     begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None, top: int = 15
 ) -> list[str]:
-    esc = html.escape
     out = ["<h3>Task groups: peak bytes held</h3>"]
     if end is None:
         return out + ["<p>No report at the end of the block.</p>"]
@@ -237,24 +259,22 @@ def _task_groups(
         for d in (begin.devices if begin is not None else ())
         for prefix, _, peak in d.task_groups
     }
-    rows: dict[str, dict[str, Any]] = {}
-    for d in end.devices:
-        for prefix, _current, peak in d.task_groups:
-            row = rows.setdefault(prefix, {"peak": 0, "where": [], "block": False})
-            row["peak"] = max(row["peak"], peak)
-            row["where"].append(f"{d.label} {format_bytes(peak)}")
-            row["block"] |= before.get((d.worker, d.device, prefix)) != peak
-    if not rows:
+    in_block = {  # a group whose peak on some device changed during the block
+        prefix
+        for d in end.devices
+        for prefix, _, peak in d.task_groups
+        if before.get((d.worker, d.device, prefix)) != peak
+    }
+    peaks = [(d.label, prefix, peak) for d in end.devices for prefix, _, peak in d.task_groups]
+    if not peaks:
         return out + ["<p>No task-group attribution (statistics off, or no tasks ran).</p>"]
-    body = "".join(
-        f"<tr><td>{esc(prefix)}</td><td>{esc(format_bytes(r['peak']))}</td>"
-        f"<td>{'yes' if r['block'] else 'before it'}</td><td>{esc('; '.join(r['where']))}</td></tr>"
-        for prefix, r in sorted(rows.items(), key=lambda kv: -kv[1]["peak"])[:top]
-    )
+    rows = [
+        (prefix, format_bytes(peak), "yes" if prefix in in_block else "before it", where)
+        for prefix, peak, where in _group_rows(peaks, top)
+    ]
+    head = ("task group", "largest peak on one device", "peak reached in this block")
     return out + [
-        "<table><thead><tr><th>task group</th><th>largest peak on one device</th>"
-        "<th>peak reached in this block</th><th>per worker device</th></tr></thead>"
-        f"<tbody>{body}</tbody></table>",
+        _table((*head, "per worker device"), rows),
         '<p class="note">Peaks are counted since each worker\'s dask-rmm setup; "before it": '
         "the peak did not change during this block.</p>",
     ]
@@ -266,31 +286,19 @@ def _block_task_groups(
     top: int = 15,
 ) -> list[str]:
     """The task groups' peaks over the block, measured on the workers from its start."""
-    esc = html.escape
     out = ["<h3>Task groups: peak bytes held during the block</h3>"]
     labels = {(d.worker, d.device): d.label for d in (end.devices if end is not None else ())}
-    rows: dict[str, dict[str, Any]] = {}
-    unmeasured = []
+    peaks, unmeasured = [], []
     for worker, devices in sorted(block_peaks.items()):
-        for device, peaks in sorted(devices.items()):
+        for device, groups in sorted(devices.items()):
             label = labels.get((worker, device), f"{worker}/dev{device}")
-            if peaks is None:
+            if groups is None:
                 unmeasured.append(label)
-                continue
-            for prefix, peak in peaks.items():
-                row = rows.setdefault(prefix, {"peak": 0, "where": []})
-                row["peak"] = max(row["peak"], peak)
-                row["where"].append(f"{label} {format_bytes(peak)}")
-    if rows:
-        body = "".join(
-            f"<tr><td>{esc(prefix)}</td><td>{esc(format_bytes(r['peak']))}</td>"
-            f"<td>{esc('; '.join(r['where']))}</td></tr>"
-            for prefix, r in sorted(rows.items(), key=lambda kv: -kv[1]["peak"])[:top]
-        )
-        out.append(
-            "<table><thead><tr><th>task group</th><th>largest peak on one device</th>"
-            f"<th>per worker device</th></tr></thead><tbody>{body}</tbody></table>"
-        )
+            peaks += [(label, prefix, peak) for prefix, peak in (groups or {}).items()]
+    if peaks:
+        rows = [(p, format_bytes(peak), where) for p, peak, where in _group_rows(peaks, top)]
+        head = ("task group", "largest peak on one device", "per worker device")
+        out.append(_table(head, rows))
     else:
         out.append("<p>No task group held memory during the block (or statistics off).</p>")
     note = "Peaks over this block only, measured on each worker from the block's start."
@@ -300,48 +308,38 @@ def _block_task_groups(
             + ", ".join(unmeasured)
             + "."
         )
-    return out + [f'<p class="note">{esc(note)}</p>']
+    return out + [f'<p class="note">{html.escape(note)}</p>']
 
 
 def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[str]:
-    esc = html.escape
     out = ["<h3>Out-of-memory errors that reached a task</h3>"]
-    events = [e for e in (end.oom_events if end is not None else ()) if _in_block(e, samples)]
+    stop = samples.stop if samples.stop is not None else time.time()
+    events = [
+        e
+        for e in (end.oom_events if end is not None else ())
+        if samples.start <= to_int(e.get("time"), float) <= stop + 1.0
+    ]
     if not events:
         return out + ["<p>None during the block.</p>"]
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{esc(str(c))}</td>"
-            for c in (
-                time.strftime("%H:%M:%S", time.localtime(float(e.get("time") or 0))),
-                f"{e.get('worker')}/dev{e.get('device')}",
-                e.get("task_key") or "(none)",
-                e.get("verdict"),
-                format_bytes(_int(e.get("requested"))),
-                format_bytes(_int(e.get("free_bytes"))),
-                format_bytes(_int(e.get("largest_free_block"))),
-            )
+    rows = [
+        (
+            time.strftime("%H:%M:%S", time.localtime(to_int(e.get("time"), float))),
+            f"{e.get('worker')}/dev{e.get('device')}",
+            e.get("task_key") or "(none)",
+            e.get("verdict"),
+            *(
+                format_bytes(to_int(e.get(k)))
+                for k in ("requested", "free_bytes", "largest_free_block")
+            ),
         )
-        + "</tr>"
         for e in events
-    )
+    ]
+    head = ("time", "worker device", "task", "verdict", "requested", "free in pool")
     return out + [
-        "<table><thead><tr><th>time</th><th>worker device</th><th>task</th><th>verdict</th>"
-        "<th>requested</th><th>free in pool</th><th>largest free block</th></tr></thead>"
-        f"<tbody>{body}</tbody></table>",
+        _table((*head, "largest free block"), rows),
         '<p class="note">Verdict "fragmentation": enough memory was free, in pieces too small; '
         '"demand": not enough was free.</p>',
     ]
-
-
-def _in_block(event: Mapping[str, Any], samples: GPUSamples) -> bool:
-    try:
-        t = float(event.get("time") or 0)
-    except (TypeError, ValueError):
-        return False
-    stop = samples.stop if samples.stop is not None else time.time()
-    return samples.start <= t <= stop + 1.0
 
 
 def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> list[str]:
@@ -353,10 +351,24 @@ def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) 
     rows = []
     totals = dict.fromkeys(SPILL_COUNTERS, 0)
     for d in end.devices:
-        delta = _delta(start.get((d.worker, d.device)), d)
+        before = start.get((d.worker, d.device))
+        # the block's share: all of it for a device new since the start, or one whose counters
+        # went down (a restarted worker)
+        delta = {}
         for k in SPILL_COUNTERS:
+            a, b = int(getattr(d, k)), int(getattr(before, k)) if before is not None else 0
+            delta[k] = a - b if a >= b else a
             totals[k] += delta[k]
-        rows.append((d.label, delta, d.spilled_bytes))
+        spilled, back, *counts = delta.values()
+        rows.append(
+            (
+                d.label,
+                format_bytes(spilled),
+                format_bytes(back),
+                format_bytes(d.spilled_bytes),
+                *counts,
+            )
+        )
     totals_line = (
         f"<p>Spilled {esc(format_bytes(totals['total_spilled_bytes']))} to host and brought "
         f"{esc(format_bytes(totals['total_unspilled_bytes']))} back; "
@@ -365,37 +377,8 @@ def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) 
     )
     if not any(totals.values()):
         return out + [totals_line]
-    body = "".join(
-        f"<tr><td>{esc(label)}</td><td>{esc(format_bytes(delta['total_spilled_bytes']))}</td>"
-        f"<td>{esc(format_bytes(delta['total_unspilled_bytes']))}</td>"
-        f"<td>{esc(format_bytes(now))}</td><td>{delta['ooms_avoided']}</td>"
-        f"<td>{delta['oom_count']}</td><td>{delta['pauses']}</td></tr>"
-        for label, delta, now in rows
-    )
-    return out + [
-        totals_line,
-        "<table><thead><tr><th>worker device</th><th>spilled</th><th>brought back</th>"
-        "<th>on host at the end</th><th>OOMs avoided</th><th>OOMs</th><th>pauses</th></tr>"
-        f"</thead><tbody>{body}</tbody></table>",
-    ]
-
-
-def _delta(before: DeviceMemory | None, after: DeviceMemory) -> dict[str, int]:
-    """The block's share of each spill counter (all of it for a device new since the start,
-    or one whose counters went down: a restarted worker)."""
-    out = {}
-    for k in SPILL_COUNTERS:
-        a = int(getattr(after, k))
-        b = int(getattr(before, k)) if before is not None else 0
-        out[k] = a - b if a >= b else a
-    return out
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
+    head = ("worker device", "spilled", "brought back", "on host at the end", "OOMs avoided")
+    return out + [totals_line, _table((*head, "OOMs", "pauses"), rows)]
 
 
 _CSS = (

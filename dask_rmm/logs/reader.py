@@ -375,7 +375,18 @@ def read_logs(
     is given (an empty list) it receives the :class:`LogReader` of each path, for their
     ``truncated``, ``rows`` and progress attributes. ``progress`` (a label) draws click's
     progress bar over the bytes read on stderr (click draws the bar only on a terminal).
+    ValueError when one file is among ``paths`` twice (by any name: a link, ``./``): merged
+    with itself, every row would appear twice and each worker's memory double.
     """
+    seen: dict[tuple[int, int], str] = {}
+    for path in paths:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) in seen:
+            raise ValueError(
+                f"{os.fspath(path)} is given twice (also as {seen[st.st_dev, st.st_ino]}); a log "
+                "merged with itself would count every allocation twice"
+            )
+        seen[st.st_dev, st.st_ino] = os.fspath(path)
     made = [LogReader(p, s) for p, s in zip(paths, _unique_sources(paths), strict=True)]
     if readers is not None:
         readers.extend(made)
@@ -501,26 +512,11 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
     >>> sorted({e.source for e in read_log(os.path.join(folder, "merged.csv"))})
     ['w0.dev0', 'w1.dev0']
     """
-    _refuse_repeated_inputs(paths)
+    events = read_logs(list(paths))
     n = 0
     with atomic_output(output, inputs=paths) as tmp, open(tmp, "w", newline="\n") as f:
         f.write(",".join(HEADER) + "," + WORKER_COLUMN + "\n")
-        for e in read_logs(list(paths)):
+        for e in events:
             f.write(f"{format_event(e)},{e.source}\n")
             n += 1
     return n
-
-
-def _refuse_repeated_inputs(paths: Sequence[str | os.PathLike]) -> None:
-    """ValueError when one file is among ``paths`` twice (by any name: a link, ``./``): merged
-    with itself, every row would appear twice and each worker's memory double."""
-    seen: dict[tuple[int, int], str] = {}
-    for path in paths:
-        st = os.stat(path)
-        key = (st.st_dev, st.st_ino)
-        if key in seen:
-            raise ValueError(
-                f"{os.fspath(path)} is given twice (also as {seen[key]}); a log merged with "
-                "itself would count every allocation twice"
-            )
-        seen[key] = os.fspath(path)

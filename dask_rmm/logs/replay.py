@@ -4,13 +4,12 @@ memory resource: the upstream footprint, failed rows and time. No plotting or su
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time
+from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time, read_logs
 from dask_rmm.logs.summary import format_size
 from dask_rmm.mr.base import DeviceMemoryResource
 from dask_rmm.sizes import format_bytes
@@ -206,7 +205,6 @@ def replay(
     block_size: int | None = None,
     retry_failures: bool = False,
     progress: bool = False,
-    progress_every: int = 8192,
 ) -> ReplayResult:
     """Replay the log at ``path`` against a freshly built ``resource``.
 
@@ -245,18 +243,12 @@ def replay(
         raise RuntimeError(
             f"cannot build the {resource!r} resource to replay on: {reason}"
         ) from oom
-    reader = LogReader(path)
-    bar = None
-    if progress:
-        import click
-
-        bar = click.progressbar(
-            length=max(reader.total_bytes, 1), label=f"replay {resource}", file=sys.stderr
-        )
+    readers: list[LogReader] = []
+    events = read_logs([path], readers, progress=f"replay {resource}" if progress else None)
+    reader = readers[0]
     streams = _StreamMap(gpu)
     get_stream = streams.get
     table = LiveAllocations()
-    live: dict[tuple[str, int], tuple[int, int, Any]] = table.live
     late_free = LiveAllocations.LATE_FREE
     failures: list[ReplayFailure] = []
     allocate, deallocate = mr.allocate, mr.deallocate
@@ -268,76 +260,68 @@ def replay(
     clock = time.perf_counter
     ALLOCATE, FREE, RESTART = Action.ALLOCATE, Action.FREE, Action.RESTART
     start = clock()
-    try:
-        for e in reader:
-            if bar is not None and reader.rows % progress_every == 0:
-                bar.update(reader.bytes_read - bar.pos)
-            action = e.action
-            if action is FREE:
-                entry = table.free((e.source, e.pointer))
-                if entry is None:
-                    skipped += 1
-                    continue
-                if entry is late_free:
-                    continue
-                ptr, size, _ = entry
-                t0 = clock()
-                deallocate(ptr, size, get_stream(e.stream, e.thread))
-                call_seconds += clock() - t0
-                frees += 1
-                current -= size
+    for e in events:
+        action = e.action
+        if action is FREE:
+            entry = table.free((e.source, e.pointer))
+            if entry is None:
+                skipped += 1
                 continue
-            if action is RESTART:  # the writer's process ended: so did its allocations
-                for ptr, size, stream in table.end_source(e.source):
-                    deallocate(ptr, size, stream)
-                    current -= size
+            if entry is late_free:
                 continue
-            original_ok = action is ALLOCATE
-            if not original_ok and not retry_failures:
-                original_failures += 1
-                continue
-            size = e.size
-            stream = get_stream(e.stream, e.thread)
+            ptr, size, _ = entry
             t0 = clock()
-            try:
-                ptr = allocate(size, stream)
-            except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
-                call_seconds += clock() - t0
-                new_failures += original_ok
-                unservable += original_ok and not isinstance(err, MemoryError)
-                original_failures += not original_ok
-                n_failed += 1
-                if len(failures) < _MAX_LISTED_FAILURES:
-                    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-                    row = (e.line, e.source, size, e.stream, e.thread, e.time, not original_ok)
-                    failures.append(ReplayFailure(*row, reason))
-                continue
+            deallocate(ptr, size, get_stream(e.stream, e.thread))
             call_seconds += clock() - t0
-            if not original_ok:
-                # The original program never got this block: give it back at once.
-                original_failures += 1
-                recovered += 1
+            frees += 1
+            current -= size
+            continue
+        if action is RESTART:  # the writer's process ended: so did its allocations
+            for ptr, size, stream in table.end_source(e.source):
                 deallocate(ptr, size, stream)
-                continue
-            allocations += 1
-            old = table.allocate((e.source, e.pointer), (ptr, size, stream))
-            if old is not None:  # its free row comes later (threads' rows out of order)
-                deallocate(old[0], old[1], old[2])
-                current -= old[1]
-            current += size
-            if current > peak:
-                peak = current
-        final_upstream = counter.current_bytes
-        for ptr, size, stream in live.values():
+                current -= size
+            continue
+        original_ok = action is ALLOCATE
+        if not original_ok and not retry_failures:
+            original_failures += 1
+            continue
+        size = e.size
+        stream = get_stream(e.stream, e.thread)
+        t0 = clock()
+        try:
+            ptr = allocate(size, stream)
+        except (MemoryError, ValueError) as err:  # ValueError: fixed_size, too large
+            call_seconds += clock() - t0
+            new_failures += original_ok
+            unservable += original_ok and not isinstance(err, MemoryError)
+            original_failures += not original_ok
+            n_failed += 1
+            if len(failures) < _MAX_LISTED_FAILURES:
+                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                row = (e.line, e.source, size, e.stream, e.thread, e.time, not original_ok)
+                failures.append(ReplayFailure(*row, reason))
+            continue
+        call_seconds += clock() - t0
+        if not original_ok:
+            # The original program never got this block: give it back at once.
+            original_failures += 1
+            recovered += 1
             deallocate(ptr, size, stream)
-        live.clear()
-        streams.synchronize()
-    finally:
-        if bar is not None:
-            bar.update(reader.bytes_read - bar.pos)
-            bar.render_finish()
+            continue
+        allocations += 1
+        old = table.allocate((e.source, e.pointer), (ptr, size, stream))
+        if old is not None:  # its free row comes later (threads' rows out of order)
+            deallocate(old[0], old[1], old[2])
+            current -= old[1]
+        current += size
+        if current > peak:
+            peak = current
+    final_upstream = counter.current_bytes
+    for ptr, size, stream in table.live.values():
+        deallocate(ptr, size, stream)
+    table.live.clear()
+    streams.synchronize()
     seconds = clock() - start
-    notes: list[str] = []
     return ReplayResult(
         resource=resource,
         description=description,
@@ -360,7 +344,6 @@ def replay(
         seconds=seconds,
         call_seconds=call_seconds,
         truncated=f"{reader.path}:{reader.truncated[0]}" if reader.truncated else None,
-        notes=tuple(notes),
         failed_rows=n_failed,
         unservable=unservable,
     )

@@ -325,8 +325,6 @@ def summarize(
     readers: list[LogReader] = []
     events = read_logs(paths, readers, progress="reading logs" if progress else None)
     per_file = {r.path: Summarizer(r.source, top) for r in readers}
-    if len(per_file) != len(readers):
-        raise ValueError("the same log file was given twice")
     combined = Summarizer("combined", top) if len(readers) > 1 else None
     for e in events:
         per_file[e.path].add(e)
