@@ -21,13 +21,6 @@ __all__ = ["main"]
 EXIT_NEW_FAILURES = 3
 
 
-def _strict_json(data: Any, **kwargs: Any) -> str:
-    """JSON that strict parsers read (a number that is not finite is written as null)."""
-    from dask_rmm.report.memory_report import strict_json
-
-    return strict_json(data, **kwargs)
-
-
 @click.group(name="rmm", context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """dask-rmm: RMM memory resources for Dask; cluster reports and allocation logs."""
@@ -118,7 +111,9 @@ def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | No
     with _user_errors():
         report = log_summary.summarize(files, top=top, progress=_progress(progress))
     if as_json:
-        click.echo(_strict_json(report.to_dict(), indent=2))
+        from dask_rmm.report.memory_report import strict_json
+
+        click.echo(strict_json(report.to_dict(), indent=2))
         return
     summaries = [s for s in (*report.files, report.combined) if s is not None]
     click.echo("\n\n".join(map(log_summary.format_summary, summaries)))
@@ -252,8 +247,10 @@ def replay(
             for name in names
         ]
     if as_json:
+        from dask_rmm.report.memory_report import strict_json
+
         out = [r.to_dict() for r in results]
-        click.echo(_strict_json(out if compare else out[0], indent=2))
+        click.echo(strict_json(out if compare else out[0], indent=2))
     elif compare:
         for r in results:
             if r.failed and r.can_serve:
@@ -516,16 +513,11 @@ def advise(
             )
         advices = advice_mod.advise_from_report(report)
     if as_json:
+        from dask_rmm.report.memory_report import strict_json
+
         combined = advice_mod.combine(advices)
-        click.echo(
-            _strict_json(
-                {
-                    "devices": [a.to_dict() for a in advices],
-                    "all": combined.to_dict() if combined is not None else None,
-                },
-                indent=2,
-            )
-        )
+        doc = {"devices": [a.to_dict() for a in advices], "all": combined and combined.to_dict()}
+        click.echo(strict_json(doc, indent=2))
     else:
         click.echo(advice_mod.format_advice(advices))
 

@@ -27,6 +27,13 @@ __all__ = [
     "size_text",
 ]
 
+#: The worker flag of each of :meth:`Advice.plugin_args` (dask_rmm.preload's, dask-cuda's names).
+_FLAGS = {
+    "pool_size": "--rmm-pool-size",
+    "base_resource": "--rmm-base-resource",
+    "maximum_pool_size": "--rmm-maximum-pool-size",
+    "async_alloc": "--rmm-async",
+}
 #: Pool sizes replayed, as multiples of the log's peak in use; the first that serves every
 #: allocation is the pool the workload needs.
 CANDIDATE_FACTORS = (1.0625, 1.125, 1.25, 1.5, 2.0, 3.0, 4.0)
@@ -80,14 +87,8 @@ class Advice:
 
     def worker_flags(self) -> str:
         """The ``dask worker --preload dask_rmm.preload`` flags to paste (dask-cuda's names)."""
-        flags = [f"--rmm-pool-size {size_text(self.pool_size)}"]
-        if self.base_resource is not None:
-            flags.append(f"--rmm-base-resource {self.base_resource}")
-        if self.maximum_pool_size is not None:
-            flags.append(f"--rmm-maximum-pool-size {size_text(self.maximum_pool_size)}")
-        if self.allocator == "async":
-            flags.append("--rmm-async")
-        return " ".join(flags)
+        flags = [(_FLAGS[k], v) for k, v in self.plugin_args().items()]
+        return " ".join(flag if v is True else f"{flag} {v}" for flag, v in flags)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm.report.memory_report import _worker_label, summed_series
+from dask_rmm.report.memory_report import _device_label, summed_series
 from dask_rmm.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -46,9 +46,7 @@ class DeviceSeries:
 
     @property
     def label(self) -> str:
-        return (
-            f"{_worker_label(self)}/dev{self.device}{' (gone)' if self.status != 'running' else ''}"
-        )
+        return _device_label(self)
 
     def add_used(
         self, samples: Iterable[Sequence[float]], start: float, stop: float | None
@@ -124,29 +122,6 @@ class GPUSamples:
     def workers_lost(self) -> list[str]:
         """Workers that left while (or before the end of) the block."""
         return sorted({d.worker for d in self.devices.values() if d.status != "running"})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "start": self.start,
-            "stop": self.stop,
-            "peak_used_bytes": self.peak_used,
-            "mean_used_bytes": self.mean_used,
-            "peak_reserved_bytes": self.peak_reserved,
-            "mean_reserved_bytes": self.mean_reserved,
-            "workers_lost": self.workers_lost,
-            "devices": [
-                {
-                    "worker": d.worker,
-                    "name": d.name,
-                    "device": d.device,
-                    "status": d.status,
-                    "used": [list(s) for s in d.used],
-                    "reserved": [list(s) for s in d.reserved],
-                }
-                for d in self.devices.values()
-            ],
-        }
 
 
 def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) -> float:

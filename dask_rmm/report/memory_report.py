@@ -76,8 +76,7 @@ class DeviceMemory(DeviceSample):
     @property
     def label(self) -> str:
         """``host:port (name)/dev0`` for legends, with ``(gone)`` for departed workers."""
-        gone = " (gone)" if self.status != "running" else ""
-        return f"{_worker_label(self)}/dev{self.device}{gone}"
+        return _device_label(self)
 
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
         """This device's entry in the report document (the wire fields plus ``timeline``)."""
@@ -520,22 +519,17 @@ class ClusterMemoryReport:
         """One line per device whose memory passes through a library cache: how much of what
         it allocated is in arrays and how much the caches hold free, and what its statistics
         and task groups count then (none without caches)."""
-        lines = []
-        for d in self.devices:
-            if not d.library_caches:
-                continue
-            lines.append(
-                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.in_array_bytes)} in arrays, "
+        return _titled(
+            "library caches (allocated = in arrays + held free in the caches; counts and task "
+            "groups are the caches' blocks, charged to the task that drew them):",
+            [
+                f"{_place(d)}: {format_bytes(d.in_array_bytes)} in arrays, "
                 f"{format_bytes(d.library_cached_bytes)} held free in the {d.library_caches} "
                 "cache(s)"
-            )
-        if lines:
-            lines.insert(
-                0,
-                "library caches (allocated = in arrays + held free in the caches; counts and "
-                "task groups are the caches' blocks, charged to the task that drew them):",
-            )
-        return lines
+                for d in self.devices
+                if d.library_caches
+            ],
+        )
 
     def breakdown_lines(self) -> list[str]:
         """Where each running device's bytes are (:meth:`DeviceSample.breakdown`): one line per
@@ -555,18 +549,14 @@ class ClusterMemoryReport:
                     f"; cuDF: {format_bytes(d.cudf_spilled_bytes)} spilled, "
                     f"{format_bytes(d.cudf_spillable_bytes)} spillable"
                 )
-            lines.append(f"{_worker_label(d)}/dev{d.device}: {parts}{end}")
-        if lines:
-            lines.insert(
-                0,
-                "where the bytes are (libraries in use and cache free, the pool, outside dask-rmm):",
-            )
-        return lines
+            lines.append(f"{_place(d)}: {parts}{end}")
+        title = "where the bytes are (libraries in use and cache free, the pool, outside dask-rmm):"
+        return _titled(title, lines)
 
     def _notes(self) -> list[str]:
         """Workers without dask-rmm, and the errors, one line each."""
         lines = [
-            f"{_worker_label(d)}/dev{d.device}: statistics off (statistics=False): "
+            f"{_place(d)}: statistics off (statistics=False): "
             + (
                 "current is the pool's reserved minus its free bytes (~); "
                 if d.measured == "pool"
@@ -592,31 +582,25 @@ class ClusterMemoryReport:
     def pressure_lines(self) -> list[str]:
         """Memory pressure, one line per device that spilled, paused or ran out of memory,
         then one per OOM event (none when nothing happened)."""
-        lines = []
-        for d in self.devices:
-            if not (d.total_spilled_count or d.pauses or d.oom_count or d.ooms_avoided):
-                continue
-            limit = format_bytes(d.device_memory_limit) if d.device_memory_limit else "none"
-            lines.append(
-                f"{_worker_label(d)}/dev{d.device}: {format_bytes(d.spilled_bytes)} spilled now "
-                f"({d.spilled_count}), {format_bytes(d.total_spilled_bytes)} spilled and "
-                f"{format_bytes(d.total_unspilled_bytes)} back in "
-                f"{d.spill_seconds + d.unspill_seconds:.2f} s, {d.ooms_avoided} OOMs avoided, "
-                f"{d.oom_count} OOMs, {d.pauses} pauses{' (paused)' if d.paused else ''}, "
-                f"limit {limit}"
-            )
-        for e in self.oom_events:
-            when = _clock(e.get("time") or 0, "%H:%M:%S")
-            lines.append(
-                f"OOM {when} {e.get('worker')}/dev{e.get('device')} task "
-                f"{e.get('task_key') or '(none)'}: {e.get('verdict')}, requested "
-                f"{format_bytes(to_int(e.get('requested')))}, free "
-                f"{format_bytes(e.get('free_bytes'))}, largest free block "
-                f"{format_bytes(e.get('largest_free_block'))}"
-            )
-        if lines:
-            lines.insert(0, "memory pressure:")
-        return lines
+        lines = [
+            f"{_place(d)}: {format_bytes(d.spilled_bytes)} spilled now "
+            f"({d.spilled_count}), {format_bytes(d.total_spilled_bytes)} spilled and "
+            f"{format_bytes(d.total_unspilled_bytes)} back in "
+            f"{d.spill_seconds + d.unspill_seconds:.2f} s, {d.ooms_avoided} OOMs avoided, "
+            f"{d.oom_count} OOMs, {d.pauses} pauses{' (paused)' if d.paused else ''}, limit "
+            + (format_bytes(d.device_memory_limit) if d.device_memory_limit else "none")
+            for d in self.devices
+            if d.total_spilled_count or d.pauses or d.oom_count or d.ooms_avoided
+        ]
+        lines += [
+            f"OOM {_clock(e.get('time') or 0, '%H:%M:%S')} {e.get('worker')}/dev{e.get('device')} "
+            f"task {e.get('task_key') or '(none)'}: {e.get('verdict')}, requested "
+            f"{format_bytes(to_int(e.get('requested')))}, free "
+            f"{format_bytes(e.get('free_bytes'))}, largest free block "
+            f"{format_bytes(e.get('largest_free_block'))}"
+            for e in self.oom_events
+        ]
+        return _titled("memory pressure:", lines)
 
     def admission_lines(self) -> list[str]:
         """Memory admission, one line per worker that has held tasks back or learned a peak:
@@ -624,20 +608,17 @@ class ClusterMemoryReport:
         without admission)."""
         lines = []
         for d in self.devices:
-            if not (d.admission_total_held or d.admission_expected_peaks):
-                continue
-            peaks = ", ".join(
-                f"{p} {format_bytes(n)} ({k})" for p, n, k in d.admission_expected_peaks[:5]
-            )
-            lines.append(
-                f"{_worker_label(d)}: {d.admission_held_tasks} held back now, "
-                f"{d.admission_total_held} waited in all for {d.admission_wait_seconds:.2f} s "
-                f"(longest {d.admission_longest_wait_seconds:.2f} s), {d.task_retries} tasks run "
-                f"again after OOM; expected peaks (tasks seen): {peaks or 'none yet'}"
-            )
-        if lines:
-            lines.insert(0, "memory admission:")
-        return lines
+            if d.admission_total_held or d.admission_expected_peaks:
+                peaks = ", ".join(
+                    f"{p} {format_bytes(n)} ({k})" for p, n, k in d.admission_expected_peaks[:5]
+                )
+                lines.append(
+                    f"{_worker_label(d)}: {d.admission_held_tasks} held back now, "
+                    f"{d.admission_total_held} waited in all for {d.admission_wait_seconds:.2f} s "
+                    f"(longest {d.admission_longest_wait_seconds:.2f} s), {d.task_retries} tasks "
+                    f"run again after OOM; expected peaks (tasks seen): {peaks or 'none yet'}"
+                )
+        return _titled("memory admission:", lines)
 
     def __repr__(self) -> str:
         t = self.totals
@@ -720,7 +701,9 @@ class ClusterMemoryReport:
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
             series = series[:_SVG_SERIES]
             if self.total_timeline:
-                series.insert(0, (self.totals_devices_label(), "total", self.total_timeline))
+                n = self.totals.devices
+                label = f"total ({n} device{'s' if n != 1 else ''})"
+                series.insert(0, (label, "total", self.total_timeline))
             parts.append("<h4>Memory over time (max per sample interval)</h4>")
             parts.append(timeline_svg(series))
         parts.append("</div>")
@@ -738,11 +721,6 @@ class ClusterMemoryReport:
             f'<body style="font-family:system-ui,sans-serif;font-size:13px">{nav}{fragment}'
             f'<p class="foot">JSON: {json_foot}</p></body></html>'
         )
-
-    def totals_devices_label(self) -> str:
-        """The legend of the summed timeline."""
-        t = self.totals
-        return f"total ({t.devices} device{'s' if t.devices != 1 else ''})"
 
     def _peak_notes(self) -> list[str]:
         if self.totals.peak_bytes is None:
@@ -869,6 +847,21 @@ def _clock(t: Any, form: str) -> str:
         return _time.strftime(form, _time.localtime(float(t)))
     except (TypeError, ValueError, OverflowError, OSError):
         return "?"
+
+
+def _titled(title: str, lines: list[str]) -> list[str]:
+    """``lines`` under ``title``; none without lines."""
+    return [title, *lines] if lines else []
+
+
+def _place(d: Any) -> str:
+    """``host:port (name)/dev0``: one device, gone or not."""
+    return f"{_worker_label(d)}/dev{d.device}"
+
+
+def _device_label(d: Any) -> str:
+    """:func:`_place`, with ``(gone)`` for departed workers."""
+    return _place(d) + (" (gone)" if d.status != "running" else "")
 
 
 def _worker_label(d: Any) -> str:

@@ -96,7 +96,16 @@ async def test_after_a_re_registration_the_info_line_names_the_file_the_rows_go_
             await c.register_plugin(RMMPlugin(base_resource="system", log_directory=d))
             (line,) = [r.getMessage() for r in records if "installed" in r.getMessage()]
             assert line.endswith(f"log {first}"), line
-            assert worker_stack(a).active[0].log_path == first
+            ws = worker_stack(a)
+            # on the H100 (-n 16) ``active`` was empty here once: say what the worker held
+            state = (
+                ws.token,
+                ws._released,
+                ws.plugin,
+                a.plugins,
+                [r.getMessage() for r in records],
+            )
+            assert ws.active and ws.active[0].log_path == first, state
             held = c.submit(hold, 3000, pure=False)
             await wait(held)
             worker_stack(a).flush_logs()
