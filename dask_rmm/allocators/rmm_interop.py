@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from dask_rmm.allocators import arbitration, caches
 from dask_rmm.mr import registry
+from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.sizes import ALIGNMENT
 from dask_rmm.stream import Stream, as_stream, cached_stream, handle_streams
 
@@ -236,16 +237,6 @@ _installed: dict[int, _Installation] = {}
 _retired: list[_Installation] = []
 
 
-#: The counters of RMM's ``Statistics``, in its order.
-_RMM_STATISTICS = (
-    "current_bytes",
-    "current_count",
-    "peak_bytes",
-    "peak_count",
-    "total_bytes",
-    "total_count",
-)
-
 #: The compiled pool's first block, when the stack has room for it (else the pool starts
 #: empty); it doubles from there as the library needs more.
 RMM_CACHE_INITIAL_SIZE = 64 << 20
@@ -300,8 +291,8 @@ class RMMPoolCache:
     def statistics(self) -> dict[str, int]:
         """RMM's exact counts of the allocations the pool served: current, peak and total
         bytes and counts."""
-        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics
-        return {k: int(getattr(counts, k)) for k in _RMM_STATISTICS}
+        counts: Any = self.top.allocation_counts  # rmm.statistics.Statistics: our field names
+        return {k: int(getattr(counts, k)) for k in Statistics.__dataclass_fields__}
 
     def pool_size(self) -> int:
         """Bytes the pool drew from the stack."""

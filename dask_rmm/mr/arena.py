@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 from itertools import compress
 from typing import Any
 
@@ -47,10 +47,10 @@ class _Regions:
 
     __slots__ = ("starts", "ends", "barriers")
 
-    def __init__(self, barriers: set[int] | None = None):
+    def __init__(self, barriers: Container[int] = ()):
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
-        self.barriers = barriers if barriers is not None else set()
+        self.barriers = barriers
 
     def add(self, ptr: int, size: int) -> tuple[int, int]:
         """Insert a free region, merging with neighbours; returns the merged region."""
@@ -96,12 +96,12 @@ class _Regions:
 class _Arena:
     """One thread's or stream's superblocks and their free blocks."""
 
-    __slots__ = ("free", "used", "superblocks", "order")
+    __slots__ = ("free", "used", "order")
 
     def __init__(self) -> None:
-        self.free = _Regions()  # its barriers are the superblock starts
-        self.used: dict[int, int] = {}  # superblock start -> bytes handed out from it
-        self.superblocks: dict[int, int] = {}  # start -> size
+        # superblock start -> bytes handed out from it (every superblock is SUPERBLOCK_SIZE)
+        self.used: dict[int, int] = {}
+        self.free = _Regions(self.used)  # never merged across superblock starts
         self.order: list[int] = []  # superblock starts, ascending
 
 
@@ -304,10 +304,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             sb = self._global.take(SUPERBLOCK_SIZE)
             if not sb:
                 return 0
-            arena.superblocks[sb] = SUPERBLOCK_SIZE
             bisect.insort(arena.order, sb)
             arena.used[sb] = 0
-            arena.free.barriers.add(sb)
             arena.free.add(sb, SUPERBLOCK_SIZE)
             ptr = arena.free.take(size)
         sb = self._superblock_of(arena, ptr)
@@ -325,7 +323,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         arena.free.add(ptr, size)
         used = arena.used[sb] - size
         arena.used[sb] = used
-        if used == 0 and len(arena.superblocks) > 1:
+        if used == 0 and len(arena.used) > 1:
             self._return_superblock(arena, sb)
 
     def _steal_caches(self) -> list[tuple[int, int]]:
@@ -359,12 +357,10 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         return arena.order[bisect.bisect_right(arena.order, ptr) - 1]
 
     def _return_superblock(self, arena: _Arena, sb: int) -> None:
-        size = arena.superblocks.pop(sb)
         arena.order.remove(sb)
         del arena.used[sb]
-        arena.free.remove(sb, size)
-        arena.free.barriers.discard(sb)
-        self._global.add(sb, size)
+        arena.free.remove(sb, SUPERBLOCK_SIZE)
+        self._global.add(sb, SUPERBLOCK_SIZE)
 
     def _defragment(self) -> None:
         for arena in self._arenas.values():
@@ -394,5 +390,5 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             format_bytes(self._global.total()),
             format_bytes(self._global.largest()),
             len(self._arenas),
-            sum(len(a.superblocks) for a in self._arenas.values()),
+            sum(len(a.used) for a in self._arenas.values()),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
@@ -27,6 +28,17 @@ from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["FixedSizeMemoryResource"]
+
+
+def _pop_all(blocks: list[int]) -> list[int]:
+    """Every block of ``blocks``, taken one ``pop`` at a time (lock-free callers may pop too)."""
+    taken = []
+    while blocks:
+        try:
+            taken.append(blocks.pop())
+        except IndexError:
+            break
+    return taken
 
 
 class FixedSizeMemoryResource(UpstreamResourceAdaptor):
@@ -145,31 +157,24 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     def release(self) -> int:
         """Give chunks whose blocks are all free back to upstream; return the bytes released."""
         with self._lock:
-            owner = {}
             starts = sorted(self._chunks)
-            count: dict[int, int] = {}
-            for key, blocks in self._free.items():
-                for p in blocks:
-                    c = starts[bisect.bisect_right(starts, p) - 1]
-                    owner[p] = key
-                    count[c] = count.get(c, 0) + 1
-            released = [c for c in starts if count.get(c, 0) == self._per_chunk]
-            gone = set(released)
+
+            def chunk(p: int) -> int:
+                return starts[bisect.bisect_right(starts, p) - 1]
+
+            # The free blocks are taken out first, one pop at a time, and counted as taken:
+            # lock-free callers may pop or append meanwhile, and a block they take is never in
+            # a chunk given back. The blocks of chunks that stay are put back.
+            taken = {key: _pop_all(blocks) for key, blocks in self._free.items()}
+            free = Counter(chunk(p) for ps in taken.values() for p in ps)
+            gone = {c for c in starts if free[c] == self._per_chunk}
             keys = set()
-            for key, blocks in self._free.items():
-                # One pop at a time (lock-free callers may pop or append meanwhile); the blocks
-                # of chunks that stay are put back.
-                taken = []
-                while blocks:
-                    try:
-                        taken.append(blocks.pop())
-                    except IndexError:
-                        break
-                kept = [p for p in taken if starts[bisect.bisect_right(starts, p) - 1] not in gone]
-                if len(kept) != len(taken):
+            for key, ps in taken.items():
+                kept = [p for p in ps if chunk(p) not in gone]
+                if len(kept) != len(ps):
                     keys.add(key)
-                blocks.extend(reversed(kept))
-            sizes = [(c, self._chunks.pop(c)) for c in released]
+                self._free[key].extend(reversed(kept))
+            sizes = [(c, self._chunks.pop(c)) for c in sorted(gone)]
         if self._ordered and keys:
             _cuda.device_synchronize()
         for c, size in sizes:

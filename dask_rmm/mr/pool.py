@@ -733,19 +733,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             try_size = self._claim_from_sharers(nbytes, size, try_size, stream)
         try:
             ptr, got = self._take_upstream(try_size, size, stream)
-        except MemoryError as e:
+        except BaseException as e:
             with gc_paused_lock(self._lock):
                 self._growing -= try_size
             if sharing:
                 self._refresh_room()
+            if not isinstance(e, MemoryError):
+                raise
             with gc_paused_lock(self._lock):
                 raise self._oom(nbytes, stream, f"upstream could not supply it: {e}") from e
-        except BaseException:
-            with gc_paused_lock(self._lock):
-                self._growing -= try_size
-            if sharing:
-                self._refresh_room()
-            raise
         with gc_paused_lock(self._lock):
             self._growing -= try_size
             self._add_chunk(ptr, got)

@@ -60,3 +60,24 @@ def test_bad_construction(base_resource):
         FixedSizeMemoryResource(base_resource, block_size=0)
     with pytest.raises(TypeError):
         FixedSizeMemoryResource(base_resource, block_size=1.5)
+
+
+def test_release_keeps_the_chunk_of_a_block_taken_lock_free_meanwhile(base_resource):
+    # A lock-free allocation while release() takes the free blocks (made to happen at its first
+    # pop from the default stream's list) must keep that block's chunk held.
+    fixed = FixedSizeMemoryResource(base_resource, block_size=4096, blocks_to_preallocate=4)
+    fixed.deallocate(fixed.allocate(100), 100)  # the default stream gets a list of its own
+    taken: list[int] = []
+
+    class Racing(list):
+        def pop(self, *args):
+            if not taken:
+                taken.append(0)
+                taken[0] = fixed.allocate(100)  # another thread's fast path
+            return super().pop(*args)
+
+    fixed._free[0] = Racing(fixed._free[0])
+    assert fixed.release() == 0
+    assert fixed.reserved_memory_info().reserved_bytes == 4 * 4096
+    fixed.deallocate(taken[0], 100)
+    assert fixed.release() == 4 * 4096
