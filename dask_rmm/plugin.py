@@ -288,8 +288,10 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
                 worker.address,
                 exc_info=True,
             )
-        if self.coordinated and worker.status.name == "running":
-            await worker.heartbeat()  # a report right after register_plugin shows this setup
+        if self.coordinated:  # a report right after register_plugin shows this setup
+            from dask_rmm.worker.metrics import send_metrics
+
+            await send_metrics(worker)
 
     def _hint(self, e: Exception) -> str:
         """``e``'s message; a missing GPU names the form the user typed to use host memory."""

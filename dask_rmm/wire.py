@@ -19,6 +19,7 @@ __all__ = [
     "METRICS_KEY",
     "METRICS_VERSION",
     "PLUGIN_NAME",
+    "METRICS_HANDLER",
     "REPORT_HANDLER",
     "REPORT_VERSION",
     "SAMPLE_FIELDS",
@@ -70,6 +71,8 @@ REPORT_VERSION = 2
 PLUGIN_NAME = "dask-rmm-timeline"
 #: Scheduler RPC handler that returns the report document.
 REPORT_HANDLER = "dask_rmm_report"
+#: The scheduler handler a worker sends its ``METRICS_KEY`` entry to at once (``send_metrics``).
+METRICS_HANDLER = "dask_rmm_metrics"
 #: One timeline sample: ``[time, current_bytes, max_bytes_in_interval]``.
 SAMPLE_FIELDS = ("time", "current_bytes", "max_bytes_in_interval")
 #: One packed sample: little-endian float64 time, int64 current bytes, int64 max bytes.

@@ -439,12 +439,14 @@ class _Recorder:
 
 
 async def _flush(dask_worker: Any = None) -> None:
-    """On a worker: take a sample now (it holds the most used since the last one) and send a
-    heartbeat, which returns once the scheduler handled it: the block's end is on the scheduler."""
+    """On a worker: take a sample now (it holds the most used since the last one) and send
+    its metrics at once, returning once the scheduler read them: the block's end is on the scheduler."""
+    from dask_rmm.worker.metrics import send_metrics
+
     metrics = getattr(dask_worker.plugins.get("dask-rmm"), "worker_metrics", None)
     if metrics is not None:
         metrics.sample()
-    await dask_worker.heartbeat()
+    await send_metrics(dask_worker)
 
 
 def _pandas(what: str) -> Any:

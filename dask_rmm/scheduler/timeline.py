@@ -24,7 +24,14 @@ from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.scheduler.resolution import Timeline, compact_all
 from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, REPORT_HANDLER, to_int, unmeasured_fields
+from dask_rmm.wire import (
+    METRICS_HANDLER,
+    METRICS_KEY,
+    PLUGIN_NAME,
+    REPORT_HANDLER,
+    to_int,
+    unmeasured_fields,
+)
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -187,7 +194,20 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             request = ReportRequest.from_query(query)
             return await plugin.report_async(request, "json-bytes")
 
+        def dask_rmm_metrics(address: Any = None, metrics: Any = None) -> bool:
+            """A worker's dask-rmm heartbeat entry, sent at once after a change (a setup, a
+            trim, a flush) by :func:`dask_rmm.worker.metrics.send_metrics`: read as its next
+            heartbeat would be (the same checks). False when it was not taken."""
+            plugin = scheduler.plugins.get(PLUGIN_NAME)
+            ws = scheduler.workers.get(address) if isinstance(address, str) else None
+            if not isinstance(plugin, SchedulerTimelinePlugin) or ws is None:
+                return False
+            ws.metrics = {**ws.metrics, METRICS_KEY: metrics}  # a heartbeat replaces it whole
+            plugin._ingest(ws)
+            return True
+
         scheduler.handlers.setdefault(REPORT_HANDLER, dask_rmm_report)
+        scheduler.handlers.setdefault(METRICS_HANDLER, dask_rmm_metrics)
         http.install_routes(scheduler)
         try:  # on prometheus_client's default registry: what /metrics serves
             from dask_rmm.scheduler.prometheus import REGISTRY, DaskRMMCollector

@@ -25,7 +25,14 @@ if TYPE_CHECKING:
 
     from dask_rmm.stack.build import DeviceStack
 
-__all__ = ["MAX_SAMPLES", "METRICS_KEY", "METRICS_VERSION", "SAMPLER_KEY", "WorkerMetrics"]
+__all__ = [
+    "MAX_SAMPLES",
+    "METRICS_KEY",
+    "METRICS_VERSION",
+    "SAMPLER_KEY",
+    "WorkerMetrics",
+    "send_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,23 @@ class _DeviceSamples:
 #: Per worker: the devices' samples a removed :class:`WorkerMetrics` had not sent, which the
 #: next one installed there sends (a registration between two heartbeats loses no peak).
 _unsent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def send_metrics(worker: Worker) -> bool:
+    """Send ``worker``'s dask-rmm heartbeat entry to the scheduler now and return once it was
+    read there (False: not sent, the next heartbeat brings it), so that a report right after
+    a change shows it. Never calls ``Worker.heartbeat``: one beside the periodic heartbeat,
+    while that one waits on an awaitable metric (distributed's ``gpu`` one, with NVML),
+    fails distributed's spans check and closes the worker. Never raises."""
+    metric = worker.metrics.get(METRICS_KEY)
+    if metric is None or worker.status.name != "running":
+        return False
+    try:
+        handler = getattr(worker.scheduler, wire.METRICS_HANDLER)
+        return bool(await handler(address=worker.contact_address, metrics=metric(worker)))
+    except Exception as e:  # a scheduler without dask-rmm's plugin, a closed comm
+        logger.debug("dask-rmm: metrics not sent at once (%s); the next heartbeat brings them", e)
+        return False
 
 
 def retired_bytes(retired: Iterable[DeviceStack], device: int) -> int:

@@ -31,8 +31,8 @@ async def trim_worker(
 ) -> list[dict[str, Any]]:
     """On a worker (``client.run``): make the library caches in front of its dask-rmm stacks
     give their free blocks back (``library_caches``), then trim the stacks' pools (see
-    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool. A heartbeat
-    then tells the scheduler, so that a report right after shows the pools trimmed."""
+    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool. Its metrics
+    then go to the scheduler at once, so that a report right after shows the pools trimmed."""
     from dask_rmm.allocators.caches import release_cached
     from dask_rmm.worker.stacks import worker_stack
 
@@ -44,7 +44,9 @@ async def trim_worker(
             results[0] = dataclasses.replace(results[0], library_cache_bytes=from_caches)
         out += [r.to_dict() for r in results]
     if out:
-        await dask_worker.heartbeat()
+        from dask_rmm.worker.metrics import send_metrics
+
+        await send_metrics(dask_worker)
     return out
 
 
