@@ -6,6 +6,7 @@ Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.client.sa
 
 from __future__ import annotations
 
+import contextlib
 import html
 import inspect
 import time
@@ -99,7 +100,11 @@ class performance_report(distributed.performance_report):
 
         client = get_client()  # asynchronous here also for a synchronous client (its loop)
         self._begin = await _fetch(client)
-        await _open_windows(client, self._window)
+        from dask_rmm.worker.peak_windows import open_peak_windows
+
+        # never fails the block: the report then shows the peaks since setup, and says so
+        with contextlib.suppress(Exception):
+            await client.run(open_peak_windows, window=self._window, on_error="ignore")
         self._sampling = self.sampler.sample(self.LABEL, client=client, interval=self.interval)
         await self._sampling.__aenter__()
         await super().__aenter__()
@@ -125,16 +130,6 @@ class performance_report(distributed.performance_report):
         # a <pre>; the section follows it there.
         code = html.escape(code or "<Code not available>") + f"</pre>{section}<pre>"
         await super().__aexit__(exc_type, exc_value, traceback, code=code)
-
-
-async def _open_windows(client: Any, window: str) -> None:
-    """Open the block's task-group peak window on every worker (never fails the block)."""
-    from dask_rmm.worker.peak_windows import open_peak_windows
-
-    try:
-        await client.run(open_peak_windows, window=window, on_error="ignore")
-    except Exception:  # the report then shows the peaks since setup, and says so
-        pass
 
 
 async def _close_windows(client: Any, window: str) -> dict | None:

@@ -218,15 +218,11 @@ class GPUMemorySampler:
 
         async def loop() -> None:
             while True:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(done.wait(), interval)
                     return
-                except asyncio.TimeoutError:
-                    pass
-                try:
+                with contextlib.suppress(Exception):  # keep what was read; again at the next tick
                     await rec.poll()
-                except Exception as e:  # keep what was read, and try again at the next tick
-                    rec.error = e
 
         task = asyncio.ensure_future(loop())
         try:
@@ -353,9 +349,8 @@ class GPUMemorySampler:
             "used_max": "in use (max per sample interval)",
             "reserved": "reserved",
         }
-        if len(df.columns):
-            df.plot(ax=ax, drawstyle="steps-post", **kwargs)
-            byte_axis(ax.yaxis, float(df.max().max()))
+        df.plot(ax=ax, drawstyle="steps-post", **kwargs)
+        byte_axis(ax.yaxis, float(df.max().max()))
         ax.set_ylim(bottom=0)
         ax.set_ylabel(f"RMM bytes {words[measure]}")
         ax.set_xlabel("seconds since each label's start" if align else "time")
@@ -381,7 +376,6 @@ class _Recorder:
         self.samples = GPUSamples(label, start=time.time())
         self.last: int | None = _FIRST_LAST
         self.installed = False
-        self.error: Exception | None = None
 
     async def poll(self) -> None:
         from dask_rmm.client.fetch import fetch_report_data
