@@ -96,7 +96,7 @@ class _PreloadCommand(click.Command):
         quiet = unknown_keys_unreported() if checking_for_dask_worker else contextlib.nullcontext()
         try:
             with quiet:
-                plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
+                plugin_from_flags(**ctx.params)
         except click.UsageError as e:
             e.ctx = ctx  # the usage shown is this command's
             raise
@@ -215,7 +215,9 @@ def _with_flags(command: Any) -> Any:
     for flag, _, settings in reversed(_FLAGS):
         settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
         command = click.option(flag, default=None, **settings)(command)
-    command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", default=None, hidden=True)(command)
+    command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", hidden=True, expose_value=False)(
+        command
+    )
     return click.command(
         name="dask_rmm.preload",
         cls=_PreloadCommand,
@@ -242,7 +244,7 @@ starting anything.
 
 
 @_with_flags
-async def dask_setup(worker: Any, dask_cuda_context: bool | None = None, **flags: Any) -> None:
+async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags (or stop it)."""
     from dask_rmm.plugin import RMMSetupError
     from dask_rmm.worker.fatal import stop_worker
@@ -285,10 +287,6 @@ def _same(option: str, a: Any, b: Any) -> bool:
         return parse_size(a, option) == parse_size(b, option)
     except (TypeError, ValueError):
         return False
-
-
-def _without_dask_cuda_flag(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if k != "dask_cuda_context"}
 
 
 def _reason(e: BaseException) -> str:
@@ -398,7 +396,7 @@ def _main(argv: list[str] | None = None) -> None:
     """``python -m dask_rmm.preload [--help] [FLAGS]``: print the RMMPlugin FLAGS make."""
     try:
         with dask_setup.make_context(PROG, list(sys.argv[1:] if argv is None else argv)) as ctx:
-            click.echo(repr(plugin_from_flags(**_without_dask_cuda_flag(ctx.params))))
+            click.echo(repr(plugin_from_flags(**ctx.params)))
     except click.exceptions.Exit as e:
         raise SystemExit(e.exit_code) from None
     except click.ClickException as e:

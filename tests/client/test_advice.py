@@ -263,7 +263,7 @@ def _host_advices(kind: str, tmp_path):
 def test_host_memory_advice_pastes_a_setup_that_builds_on_host_memory(kind, tmp_path):
     import shlex
 
-    from dask_rmm.preload import _without_dask_cuda_flag, dask_setup, plugin_from_flags
+    from dask_rmm.preload import dask_setup, plugin_from_flags
     from dask_rmm.stack.build import build_stack
 
     for a in _host_advices(kind, tmp_path):
@@ -271,7 +271,7 @@ def test_host_memory_advice_pastes_a_setup_that_builds_on_host_memory(kind, tmp_
         assert "--rmm-base-resource system" in a.worker_flags()
         pasted = eval(a.plugin_call(), {"RMMPlugin": RMMPlugin})
         with dask_setup.make_context("preload", shlex.split(a.worker_flags())) as ctx:
-            flagged = plugin_from_flags(**_without_dask_cuda_flag(ctx.params))
+            flagged = plugin_from_flags(**ctx.params)
         for plugin in (pasted, flagged):
             assert plugin.options.base_resource == "system"
             assert plugin.options.pool_size == a.pool_size
