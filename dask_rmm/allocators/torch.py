@@ -143,17 +143,14 @@ def _raise_when_back_in_python(message: str) -> None:
     _disarm()
     _errors.pending = message
 
-    def fire(frame, event, arg):
+    def fire(frame, event, arg):  # also the caller frame's f_trace: every opcode, line, return
         if frame.f_code.co_filename == __file__ or _inside_callback(frame):
-            return local
+            return fire
         pending = getattr(_errors, "pending", None)
         _disarm()
         if pending is not None:
             raise exc_type(pending)
         return None
-
-    def local(frame, event, arg):  # the caller frame's f_trace: every opcode, line, return
-        return fire(frame, event, arg)
 
     def global_trace(frame, event, arg):  # new frames are not traced
         return None
@@ -177,7 +174,7 @@ def _raise_when_back_in_python(message: str) -> None:
     )
     if caller is not None:
         try:
-            caller.f_trace = local
+            caller.f_trace = fire
             caller.f_trace_opcodes = True
             sys.settrace(global_trace)
         except (AttributeError, TypeError, ValueError):  # not a real frame (tests) or no tracing

@@ -4,29 +4,11 @@ convoy, and holding a lock with the garbage collector paused. Not here: what the
 
 from __future__ import annotations
 
+import _thread
 import gc
 import time
-from types import TracebackType
-from typing import Protocol
 
 __all__ = ["ListLock", "Mutex", "acquire_contended", "gc_paused_lock"]
-
-
-class Mutex(Protocol):
-    """What the helpers here need of a lock: ``threading.Lock`` and :class:`ListLock` are both."""
-
-    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
-
-    def release(self) -> None: ...
-
-    def __enter__(self) -> bool: ...
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None: ...
 
 
 class ListLock:
@@ -81,6 +63,10 @@ class ListLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: What the helpers here take: a ``threading.Lock`` or a :class:`ListLock`.
+Mutex = _thread.LockType | ListLock
 
 
 def acquire_contended(lock: Mutex) -> None:

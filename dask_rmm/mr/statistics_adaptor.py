@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
-from dask_rmm.mr.instrumentation import AllocationCounters
+from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters
 from dask_rmm.mr.locks import Mutex, acquire_contended
 from dask_rmm.mr.pool import PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -138,6 +138,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     # -- hot path -------------------------------------------------------------------------
 
+    # Counting on its own, the adaptor journals as the pool does (see AllocationCounters): one
+    # atomic append per call, folded in under the lock by readers and every JOURNAL_LIMIT entries.
+
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate from upstream and count it (after the upstream succeeded)."""
         try:
@@ -148,38 +151,28 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self._release()
             raise
         if nbytes:
-            if not self._acquire(False):
-                acquire_contended(self._lock)
-            try:
-                c = self._c
-                t = c.total_bytes + nbytes
-                c.total_bytes = t
-                t -= c.freed_bytes
-                if t > c.peak_bytes:
-                    c.peak_bytes = t
-                if t > c.interval_peak:
-                    c.interval_peak = t
-                t = c.total_count + 1
-                c.total_count = t
-                t -= c.freed_count
-                if t > c.peak_count:
-                    c.peak_count = t
-            finally:
-                self._release()
+            journal = self._c.journal
+            journal.append(nbytes if type(nbytes) is int else int(nbytes))
+            if len(journal) >= JOURNAL_LIMIT:
+                self._settle()
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         """Free through upstream; counters change only if the upstream accepted the free."""
         self._upstream_deallocate(ptr, nbytes, stream)
         if nbytes:
-            if not self._acquire(False):
-                acquire_contended(self._lock)
-            try:
-                c = self._c
-                c.freed_bytes += nbytes
-                c.freed_count += 1
-            finally:
-                self._release()
+            journal = self._c.journal
+            journal.append(-nbytes if type(nbytes) is int else -int(nbytes))
+            if len(journal) >= JOURNAL_LIMIT:
+                self._settle()
+
+    def _settle(self) -> None:
+        if not self._acquire(False):
+            acquire_contended(self._lock)
+        try:
+            self._c.settle()
+        finally:
+            self._release()
 
     # -- reading --------------------------------------------------------------------------
 
