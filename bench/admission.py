@@ -9,11 +9,12 @@
 (c) fits: the CuPy chain of bench/dask_workload.py (12000^2 in 500^2 chunks) at 4 and 8 threads,
     admission off and on, no ballast. Target: <= 2 % or inside noise.
 
-Each configuration is one LocalCluster (one worker process) alive for the whole part; every
-round runs every configuration once, the order reversed every other round; the table gives per
-configuration the median and range of the rounds that completed, the failed rounds, the failed
-tasks, the out-of-memory events and the bytes spilled. A warm-up round (admission learns its
-peaks there) is not timed. ``--host-memory`` runs the same shapes on host memory
+Every round runs every configuration once, the order reversed every other round; the table
+gives per configuration the median and range of the rounds that completed, the failed rounds,
+the failed tasks, the out-of-memory events and the bytes spilled. In (b) each configuration's
+turn starts its own LocalCluster (one worker process), runs an untimed warm-up (admission learns
+its peaks there), the timed run, and stops it: the configuration has the short device alone. In
+(c) each configuration's cluster stays up for the part and is warmed up once. ``--host-memory`` runs the same shapes on host memory
 (``base_resource="system"``, NumPy and DeviceBuffers, tiny sizes) to check the script on a CPU
 host: its figures say nothing of a GPU. ``--dry-run`` prints the configurations and exits.
 
@@ -177,37 +178,58 @@ def round_c(config: Config, n: int, chunk: int, host: bool, seed: int) -> bool:
 # -- rounds and the table -------------------------------------------------------------------------
 
 
-def rounds(configs: list[Config], rounds: int, one, save=None) -> None:
-    """A warm-up, then ``rounds`` interleaved rounds of ``one(config, tag) -> ok``."""
-    for config in configs:
-        try:
-            one(config, "w0")  # a tag key_split drops, as r0, r1, ...: the same prefixes
-        except Exception as e:
-            print(f"{config.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
-        release(config.client)
-        # the warm-up's failures and OOMs (admission learning) are not the rounds'
-        config.ooms = config.spilled = config.failed_tasks = 0
+def _warm(config: Config, one) -> None:
+    """One untimed run (admission learns its peaks there); its failures and OOMs are not the
+    rounds'."""
+    failed_tasks = config.failed_tasks
+    try:
+        one(config, "w0")  # a tag key_split drops, as r0, r1, ...: the same prefixes
+    except Exception as e:
+        print(f"{config.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
+    config.failed_tasks = failed_tasks
+    release(config.client)
+
+
+def _timed(config: Config, one, r: int) -> None:
+    before = config.counters()
+    start = time.perf_counter()
+    try:
+        ok = one(config, f"r{r}")
+    except Exception as e:  # a task failing, a timeout
+        print(f"{config.name}: round {r}: {type(e).__name__}: {e}", file=sys.stderr)
+        ok = False
+    took = time.perf_counter() - start
+    after = config.counters()
+    if ok:
+        config.times.append(took)
+    else:
+        config.failed_rounds += 1
+    config.ooms += after[0] - before[0]
+    config.spilled += after[1] - before[1]
+    print(f"round {r} {config.name}: {took:.3f} s {'ok' if ok else 'FAILED'}", file=sys.stderr)
+    release(config.client)
+
+
+def rounds(configs: list[Config], rounds: int, one, save=None, fresh: bool = False) -> None:
+    """``rounds`` interleaved rounds of ``one(config, tag) -> ok``, the order reversed every
+    other round. ``fresh``: each configuration's turn starts its own cluster, warms it up and
+    stops it after its timed run, so that it has the device alone (the caches of a cluster
+    kept alive hold device memory the next configuration then lacks); otherwise every cluster
+    stays up and is warmed up once before the first round."""
+    if not fresh:
+        for config in configs:
+            _warm(config, one)
     for r in range(rounds):
         for config in configs if r % 2 == 0 else configs[::-1]:
-            before = config.counters()
-            start = time.perf_counter()
-            try:
-                ok = one(config, f"r{r}")
-            except Exception as e:  # a task failing, a timeout
-                print(f"{config.name}: round {r}: {type(e).__name__}: {e}", file=sys.stderr)
-                ok = False
-            took = time.perf_counter() - start
-            after = config.counters()
-            if ok:
-                config.times.append(took)
+            if fresh:
+                config.start()
+                try:
+                    _warm(config, one)
+                    _timed(config, one, r)
+                finally:
+                    config.stop()
             else:
-                config.failed_rounds += 1
-            config.ooms += after[0] - before[0]
-            config.spilled += after[1] - before[1]
-            print(
-                f"round {r} {config.name}: {took:.3f} s {'ok' if ok else 'FAILED'}", file=sys.stderr
-            )
-            release(config.client)
+                _timed(config, one, r)
         if save:
             save(configs)
 
@@ -247,26 +269,24 @@ def part_b(args) -> list[Config]:
         base.update(base_resource="system", pool_size=free, maximum_pool_size=free)
     names = [("8 threads", 8, False), ("8 threads + admission", 8, True)]
     names += [(f"{n} threads", n, False) for n in (1, 2, 3, 4)]
-    if not host:  # the budget: what the ballast leaves, less the six CUDA contexts (~0.75 GiB)
-        base.update(device_memory_limit=int(free - len(names) * 0.75 * GiB))
+    if not host:  # the budget: what the ballast leaves, less the worker's CUDA context
+        base.update(device_memory_limit=int(free - 0.75 * GiB))
     nbytes = int(free * 0.3)
     configs = [Config(n, t, {**base, "memory_admission": a}) for n, t, a in names]
     if args.dry_run:
         return configs
     tasks, work = (12, 3) if host else (args.tasks, args.work)
     with ballast(None if host else args.free_gib):
-        for c in configs:
-            c.start()
-        try:
-            rounds(
-                configs,
-                args.rounds,
-                lambda c, tag: round_b(c, tasks, nbytes, work, host, tag),
-                args.save,
-            )
-        finally:
-            for c in configs:
-                c.stop()
+        rounds(
+            configs,
+            args.rounds,
+            # the warm-up runs one task a thread: enough to learn, compile and draw
+            lambda c, tag: round_b(
+                c, min(tasks, c.threads) if tag == "w0" else tasks, nbytes, work, host, tag
+            ),
+            args.save,
+            fresh=True,
+        )
     return configs
 
 
@@ -301,7 +321,7 @@ def main() -> None:
     p.add_argument("--parts", default="bc", help="which parts: b, c or bc")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--free-gib", type=float, default=24.0, help="(b) device GiB the ballast leaves")
-    p.add_argument("--tasks", type=int, default=12, help="(b) tasks per round")
+    p.add_argument("--tasks", type=int, default=8, help="(b) tasks per round")
     p.add_argument("--work", type=int, default=40, help="(b) compute passes per task")
     p.add_argument("--host-memory", action="store_true", help="host memory, tiny sizes (CPU)")
     p.add_argument("--dry-run", action="store_true", help="print the configurations and exit")

@@ -269,9 +269,20 @@ def test_pool_over_a_pool(base_resource):
 def test_default_initial_size_is_half_the_free_device_memory():
     from dask_rmm import _cuda
 
-    free, _ = _cuda.mem_get_info()
-    p = PoolMemoryResource(make_base_resource("cuda"))
-    assert abs(p.pool_size() - free // 2) < 64 * MiB
+    # Other processes (pytest -n 16 on one GPU) allocate and free while this runs: the free
+    # memory the pool saw lies between the readings before and after it drew its initial size
+    # (the after reading plus what it drew); a device that moved more than 256 MiB meanwhile is
+    # measured again.
+    for _ in range(5):
+        before, _ = _cuda.mem_get_info()
+        p = PoolMemoryResource(make_base_resource("cuda"))
+        size = p.pool_size()
+        after = _cuda.mem_get_info()[0] + size
+        p.release()
+        if abs(after - before) < 256 * MiB:
+            break
+    low, high = sorted((before, after))
+    assert low // 2 - 64 * MiB < size < high // 2 + 64 * MiB, (size, before, after)
 
 
 def test_rounded_request_falls_back_to_exact_size_when_full():
