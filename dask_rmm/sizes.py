@@ -108,7 +108,7 @@ def parse_size(
         nbytes = value or None
     if isinstance(nbytes, int) and nbytes >= MAX_SIZE:
         raise ValueError(
-            f"{what}: {format_bytes(nbytes)} is more memory than any device or host can have "
+            f"{what}: more memory than any device or host can have "
             f"(a 64-bit address space holds less than {format_bytes(MAX_SIZE)})"
         )
     if isinstance(nbytes, int) and nbytes < alignment:

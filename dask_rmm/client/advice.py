@@ -441,7 +441,7 @@ def format_advice(advices: Sequence[Advice], *, combined: bool = True) -> str:
 
 
 def _format_one(a: Advice) -> str:
-    head = f"{visible(a.source)}: peak {format_bytes(a.peak_bytes)} in use"  # a worker's name
+    head = f"{a.source}: peak {format_bytes(a.peak_bytes)} in use"
     if a.device_total_bytes:
         head += f", device {format_bytes(a.device_total_bytes)}"
     maximum = "-" if a.maximum_pool_size is None else size_text(a.maximum_pool_size)
@@ -462,4 +462,4 @@ def _format_one(a: Advice) -> str:
     lines += [f"  note: {n}" for n in a.notes]
     lines.append(f"  paste: {a.plugin_call()}")
     lines.append(f"         dask worker ... --preload dask_rmm.preload {a.worker_flags()}")
-    return "\n".join(lines)
+    return "\n".join(visible(line) for line in lines)  # worker names: in the head, reasons, notes

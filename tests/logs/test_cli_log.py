@@ -636,10 +636,14 @@ def test_advise_shows_control_characters_in_a_name_escaped(runner, tmp_path):
     # A worker's (here a log's) name with a newline forged an "allocator" line; an escape
     # sequence reached the terminal.
     log = tmp_path / "w\n  allocator          FAKE\x1b]0;title\x07.csv"
-    write_synthetic(log, 200, seed=5, failure_rate=0.0)
-    result = runner.invoke(cli.main, ["advise", "--logs", "--host-memory", str(log)])
+    write_synthetic(log, 400, seed=5, failure_rate=0.0)
+    # a second, smaller log: the combined advice names the first as the largest device
+    write_synthetic(tmp_path / "plain.csv", 100, seed=6, failure_rate=0.0)
+    args = ["advise", "--logs", "--host-memory", str(log), str(tmp_path / "plain.csv")]
+    result = runner.invoke(cli.main, args)
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout
-    assert [line for line in result.stdout.splitlines() if "allocator" in line][0].startswith(
-        "w\\n  allocator          FAKE\\x1b]0;title\\x07"
-    )
+    forged = [line for line in result.stdout.splitlines() if "allocator          FAKE" in line]
+    assert len(forged) == 2, forged
+    assert forged[0].startswith("w\\n  allocator          FAKE\\x1b]0;title\\x07"), forged
+    assert "the largest device's advice (w\\n  allocator          FAKE" in forged[1], forged
