@@ -5,7 +5,9 @@ usable GPU). Not here: memory-resource policy (``dask_rmm.mr``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 #: ``cudaCpuDeviceId``: pass as ``device`` to :func:`mem_prefetch_async` to move pages to the host.
@@ -212,13 +214,21 @@ def device_total_memory(device: int | None = None) -> int:
     """Total memory of ``device`` (default: the current device) in bytes."""
     if device is None:
         return mem_get_info()[1]
-    device = _check_device(device)
-    current = get_device()
-    set_device(device)
-    try:
+    with on_device(_check_device(device)):
         return mem_get_info()[1]
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` the calling thread's current device for the block (no-op without CUDA)."""
+    current = get_device() if is_available() else device
+    if current != device:
+        set_device(device)
+    try:
+        yield
     finally:
-        set_device(current)
+        if current != device:
+            set_device(current)
 
 
 def device_identity(device: int) -> tuple[str, str, str]:

@@ -110,14 +110,8 @@ class _CudaResource(DeviceMemoryResource):
             raise
 
     def _on_device(self, fn, *args):
-        current = _cuda.get_device()
-        if current == self.device_id:
+        with _cuda.on_device(self.device_id):
             return fn(*args)
-        _cuda.set_device(self.device_id)
-        try:
-            return fn(*args)
-        finally:
-            _cuda.set_device(current)
 
     def _allocation_error(self, error: _cuda.CUDAError, nbytes: int, stream_handle: int):
         """The MemoryError an allocation that failed with ``error`` raises."""

@@ -60,16 +60,9 @@ def _check_device(device: Any) -> int:
 def _make_default(device: int) -> DeviceMemoryResource:
     from dask_rmm.mr.cuda import CudaMemoryResource
 
-    if not _cuda.is_available():
-        _cuda.require_cuda(f"the default memory resource of device {device} (a CudaMemoryResource)")
-    current = _cuda.get_device()
-    if current == device:
+    _cuda.require_cuda(f"the default memory resource of device {device} (a CudaMemoryResource)")
+    with _cuda.on_device(device):
         return CudaMemoryResource()
-    _cuda.set_device(device)
-    try:
-        return CudaMemoryResource()
-    finally:
-        _cuda.set_device(current)
 
 
 def get_per_device_resource(device: int) -> DeviceMemoryResource:

@@ -6,14 +6,14 @@ Not here: the options model (``options.py``), installing stacks on a worker
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm._cuda import on_device
 from dask_rmm.sizes import host_total_memory
 from dask_rmm.stack.options import RMMOptions, _check_pool_sizes
 
@@ -202,21 +202,6 @@ class DeviceStack:
 
     def close_log(self) -> None:
         self.flush_log(close=True)
-
-
-@contextlib.contextmanager
-def on_device(device: int) -> Iterator[None]:
-    """Make ``device`` the current CUDA device for the block (no-op without CUDA)."""
-    from dask_rmm import _cuda
-
-    current = _cuda.get_device() if _cuda.is_available() else device
-    if current != device:
-        _cuda.set_device(device)
-    try:
-        yield
-    finally:
-        if current != device:
-            _cuda.set_device(current)
 
 
 def resource_chain(mr: Any) -> str:
