@@ -124,7 +124,7 @@ def recent_rooms() -> list[RoomMade]:
         return list(_records)
 
 
-_TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+)\s*([KMGTP]i?B|bytes|B)?")
+_TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+\s*(?:[KMGTP]i?B|B)?)")
 
 
 def requested_bytes(error: BaseException) -> int:
@@ -133,17 +133,12 @@ def requested_bytes(error: BaseException) -> int:
     requested = getattr(error, "requested", None)
     if isinstance(requested, int) and requested > 0:
         return requested
-    match = _TRIED.search(str(error))
-    if match is None:
-        return 0
-    number, unit = match.group(1), match.group(2) or "B"
-    from dask_rmm.sizes import parse_device_bytes
+    from dask.utils import parse_bytes
 
+    match = _TRIED.search(str(error))
     try:
-        if unit in ("B", "bytes"):
-            return int(float(number))
-        return int(parse_device_bytes(f"{number}{unit}", alignment=1, total_memory=1) or 0)
-    except (TypeError, ValueError):
+        return parse_bytes(match.group(1)) if match else 0
+    except ValueError:  # "1.2.3 GiB"
         return 0
 
 
