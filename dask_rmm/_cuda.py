@@ -256,28 +256,20 @@ def nvml() -> Any:
     return nvml
 
 
-def _device_attr(name_or_enum: Any):
-    rt = _rt()
-    if isinstance(name_or_enum, str):
-        name = (
-            name_or_enum if name_or_enum.startswith("cudaDevAttr") else "cudaDevAttr" + name_or_enum
-        )
-        attr = getattr(rt.cudaDeviceAttr, name, None)
-        if attr is None:
-            raise ValueError(
-                f"unknown device attribute {name_or_enum!r}: expected a cudaDeviceAttr name such as "
-                "'PageableMemoryAccess' or 'cudaDevAttrMemoryPoolsSupported'"
-            )
-        return attr
-    if isinstance(name_or_enum, bool):
-        raise TypeError(f"device attribute must be a name or cudaDeviceAttr, got {name_or_enum!r}")
-    return name_or_enum
+def _member(enum: str, name: str):
+    """cuda-python's ``enum`` member ``name`` (``"PageableMemoryAccess"`` for
+    ``cudaDeviceAttr.cudaDevAttrPageableMemoryAccess``)."""
+    prefix = {"cudaDeviceAttr": "cudaDevAttr"}.get(enum, enum)
+    member = getattr(getattr(_rt(), enum), prefix + name, None)
+    if member is None:
+        raise ValueError(f"unknown {enum} {name!r}: see cuda-python's {enum} for the names")
+    return member
 
 
-def get_device_attribute(name_or_enum: Any, device: int | None = None) -> int:
-    """Attribute ``name_or_enum`` (``"PageableMemoryAccess"``, with or without the
-    ``cudaDevAttr`` prefix, or the enum member) of ``device`` (default: the current one)."""
-    attr = _device_attr(name_or_enum)
+def get_device_attribute(name: str, device: int | None = None) -> int:
+    """Attribute ``name`` (``"PageableMemoryAccess"``: ``cudaDevAttr`` left out) of ``device``
+    (default: the current one)."""
+    attr = _member("cudaDeviceAttr", name)
     require_cuda("cudaDeviceGetAttribute")
     device = get_device() if device is None else _check_device(device)
     return int(check(_rt().cudaDeviceGetAttribute(attr, device), "cudaDeviceGetAttribute"))
@@ -326,37 +318,12 @@ def free_async(ptr: int, stream_handle: int) -> None:
 
 # --- memory pools (stream-ordered allocator) ---------------------------------------------------
 
-_HANDLE_TYPES = {"none": 0, "posix_file_descriptor": 1, "win32": 2, "win32_kmt": 4, "fabric": 8}
-
-
-def _handle_type(value: int | str) -> int:
-    if isinstance(value, str):
-        if value not in _HANDLE_TYPES:
-            raise ValueError(
-                f"unknown IPC handle type {value!r}; expected one of {sorted(_HANDLE_TYPES)}"
-            )
-        return _HANDLE_TYPES[value]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"IPC handle type must be a name or an int, got {value!r}")
-    return value
-
-
-def _pool_attr(name: str):
-    rt = _rt()
-    attr = getattr(rt.cudaMemPoolAttr, "cudaMemPoolAttr" + name, None)
-    if attr is None:
-        raise ValueError(
-            f"unknown memory pool attribute {name!r}: expected one of ReleaseThreshold, "
-            "ReservedMemCurrent, ReservedMemHigh, UsedMemCurrent, UsedMemHigh"
-        )
-    return attr
-
 
 def mem_pool_create(
     device: int | None = None,
     *,
     release_threshold: int | None = None,
-    handle_types: int | str = 0,
+    handle_types: int = 0,
     max_size: int = 0,
 ) -> int:
     """Create an explicit device memory pool (``cudaMemPoolCreate``) and return its handle.
@@ -368,12 +335,12 @@ def mem_pool_create(
     release_threshold : int, optional
         Bytes the pool keeps reserved across synchronizations (``cudaMemPoolAttrReleaseThreshold``);
         default CUDA's (0: release everything unused at each synchronization).
-    handle_types : int or str
-        IPC export handle types: ``0``/``"none"``, ``"posix_file_descriptor"`` (1), ``"fabric"`` (8)...
+    handle_types : int
+        IPC export handle types (``cudaMemAllocationHandleType``): 0, 1 (POSIX file descriptor),
+        8 (fabric)...
     max_size : int
         Maximum pool size in bytes; 0 lets CUDA choose.
     """
-    handle_types = _handle_type(handle_types)
     rt = _rt()
     require_cuda("cudaMemPoolCreate")
     device = get_device() if device is None else _check_device(device)
@@ -422,7 +389,9 @@ def mem_pool_set_release_threshold(pool: int, nbytes: int) -> None:
 
     rt = _rt()
     check(
-        rt.cudaMemPoolSetAttribute(pool, _pool_attr("ReleaseThreshold"), driver.cuuint64_t(nbytes)),
+        rt.cudaMemPoolSetAttribute(
+            pool, _member("cudaMemPoolAttr", "ReleaseThreshold"), driver.cuuint64_t(nbytes)
+        ),
         "cudaMemPoolSetAttribute(ReleaseThreshold)",
     )
 
@@ -431,7 +400,8 @@ def mem_pool_get_attribute(pool: int, name: str) -> int:
     """A 64-bit pool attribute by short name: ``"ReleaseThreshold"``, ``"ReservedMemCurrent"``,
     ``"ReservedMemHigh"``, ``"UsedMemCurrent"`` or ``"UsedMemHigh"``."""
     value = check(
-        _rt().cudaMemPoolGetAttribute(pool, _pool_attr(name)), f"cudaMemPoolGetAttribute({name})"
+        _rt().cudaMemPoolGetAttribute(pool, _member("cudaMemPoolAttr", name)),
+        f"cudaMemPoolGetAttribute({name})",
     )
     return int(value)
 
@@ -446,9 +416,8 @@ def mem_pool_trim_to(pool: int, min_bytes_to_keep: int) -> None:
     check(_rt().cudaMemPoolTrimTo(pool, min_bytes_to_keep), "cudaMemPoolTrimTo")
 
 
-def mem_pool_export_to_shareable_handle(pool: int, handle_type: int | str = 1) -> int:
-    """Export an IPC-capable pool; for ``posix_file_descriptor`` (1) the result is a file descriptor."""
-    handle_type = _handle_type(handle_type)
+def mem_pool_export_to_shareable_handle(pool: int, handle_type: int = 1) -> int:
+    """Export an IPC-capable pool; for a POSIX file descriptor (1) the result is one."""
     rt = _rt()
     handle = check(
         rt.cudaMemPoolExportToShareableHandle(pool, rt.cudaMemAllocationHandleType(handle_type), 0),

@@ -436,7 +436,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
                 "this CudaAsyncMemoryResource was made with enable_ipc=False; make it with "
                 "enable_ipc=True to export its pool"
             )
-        return _cuda.mem_pool_export_to_shareable_handle(self._pool, "posix_file_descriptor")
+        return _cuda.mem_pool_export_to_shareable_handle(self._pool, _HANDLE_POSIX_FD)
 
     def __del__(self):
         # In cyclic garbage the finalizers run in any order: a pool suballocating from this

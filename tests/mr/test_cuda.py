@@ -56,8 +56,6 @@ def test_cuda_error_pickles():
 def test_bad_arguments_refused_before_cuda():
     with pytest.raises(ValueError, match="NoSuchAttribute"):
         _cuda.get_device_attribute("NoSuchAttribute")
-    with pytest.raises(ValueError, match="carrier-pigeon"):
-        _cuda.mem_pool_create(handle_types="carrier-pigeon")
     with pytest.raises(TypeError, match="device"):
         _cuda.device_total_memory("0")
     with pytest.raises(ValueError, match="Bogus"):
@@ -125,10 +123,8 @@ def test_device_queries():
     _cuda.set_device(d)
     free_bytes, total = _cuda.mem_get_info()
     assert 0 < free_bytes <= total == _cuda.device_total_memory(d)
-    assert _cuda.get_device_attribute("cudaDevAttrManagedMemory") in (0, 1)
-    from cuda.bindings import runtime
-
-    assert _cuda.get_device_attribute(runtime.cudaDeviceAttr.cudaDevAttrMultiProcessorCount) > 0
+    assert _cuda.get_device_attribute("ManagedMemory") in (0, 1)
+    assert _cuda.get_device_attribute("MultiProcessorCount") > 0
 
 
 @pytest.mark.gpu
