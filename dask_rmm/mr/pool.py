@@ -559,14 +559,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 (p, s, fl.key) for fl in self._lists.values() for p, s in fl.starts.items()
             )
 
-    def _chunk_list(self) -> list[tuple[int, int]]:
-        """The upstream chunks as ``(ptr, size)``, by address."""
-        with gc_paused_lock(self._lock):
-            return sorted(self._chunks.items())
-
-    def _live_count(self) -> int:
-        return len(self._live)
-
     # -- allocation behind the fast path ---------------------------------------------------
 
     def _allocate_locked(self, nbytes: Any, stream: Stream, key: Hashable) -> int:

@@ -47,7 +47,7 @@ def test_initial_above_maximum_refused(base_resource):
 def test_zero_size(pool):
     assert pool.allocate(0) == 0
     pool.deallocate(0, 0)
-    assert pool._live_count() == 0
+    assert len(pool.live_allocations()) == 0
 
 
 def test_reuse_and_coalesce(pool):
@@ -58,7 +58,7 @@ def test_reuse_and_coalesce(pool):
     assert pool.allocate(1000) == a  # freed on the same stream: reused at once
     pool.deallocate(a, 1000)
     pool.deallocate(b, 1000)
-    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool.memory_layout()[0]
 
 
 def test_growth_follows_rmm(base_resource):
@@ -116,19 +116,23 @@ def test_out_of_memory_fields(pool):
 def test_bad_deallocate_leaves_state_intact(pool, case):
     a = pool.allocate(5000)
     b = pool.allocate(700)
-    before = (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info())
+    before = (pool._free_blocks(), len(pool.live_allocations()), pool.reserved_memory_info())
     ptr, n = {"double": (a, 5000), "foreign": (0xDEAD00, 5000), "wrong_size": (a, 4999),
               "interior": (a + 256, 256)}[case]  # fmt: skip
     if case == "double":
         pool.deallocate(a, 5000)
-        before = (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info())
+        before = (pool._free_blocks(), len(pool.live_allocations()), pool.reserved_memory_info())
     with pytest.raises(ValueError, match="PoolMemoryResource.deallocate"):
         pool.deallocate(ptr, n)
-    assert (pool._free_blocks(), pool._live_count(), pool.reserved_memory_info()) == before
+    assert (
+        pool._free_blocks(),
+        len(pool.live_allocations()),
+        pool.reserved_memory_info(),
+    ) == before
     if case != "double":
         pool.deallocate(a, 5000)
     pool.deallocate(b, 700)
-    assert pool._live_count() == 0
+    assert len(pool.live_allocations()) == 0
 
 
 def test_bad_arguments(pool):
@@ -150,7 +154,7 @@ def test_numpy_style_ints_are_accepted(pool):
     ptr = pool.allocate(Index(1000))
     assert type(ptr) is int
     pool.deallocate(Index(ptr), 1000)
-    assert pool._live_count() == 0
+    assert len(pool.live_allocations()) == 0
 
 
 def test_streams_keep_their_own_free_lists(pool):
@@ -237,10 +241,10 @@ def test_release_keeps_chunks_in_use(base_resource):
     p = PoolMemoryResource(base_resource, initial_pool_size=MiB)
     a = p.allocate(1000)
     b = p.allocate(2 * MiB)  # a second chunk
-    assert len(p._chunk_list()) == 2
+    assert len(p.memory_layout()[0]) == 2
     p.deallocate(b, 2 * MiB)
     assert p.release() == 2 * MiB and p.pool_size() == MiB
-    assert len(p._chunk_list()) == 1
+    assert len(p.memory_layout()[0]) == 1
     p.deallocate(a, 1000)
     assert p.release() == MiB and p.pool_size() == 0
     c = p.allocate(4096)  # an empty pool grows again
@@ -300,8 +304,8 @@ def test_rounded_request_falls_back_to_exact_size_when_full():
     with pytest.raises(ValueError, match="double free"):
         pool.deallocate(big, (1 << 20) - 512)
     pool.deallocate(small, 256)
-    assert pool._live_count() == 0
-    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+    assert len(pool.live_allocations()) == 0
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool.memory_layout()[0]
 
 
 @pytest.mark.parametrize("stream", [None, "other"])
@@ -325,7 +329,7 @@ def test_an_exact_size_block_freed_with_a_made_up_size_is_refused(stream):
     assert pool.live_allocations() == {small: 256, big: n}
     pool.deallocate(big, numpy.int64(n), s)  # the right size as another int type frees it
     pool.deallocate(small, 256, s)
-    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool._chunk_list()
+    assert [(p, s) for p, s, _ in pool._free_blocks()] == pool.memory_layout()[0]
 
 
 def test_cached_blocks_are_reused_on_their_stream_and_merged_before_growing():
@@ -387,7 +391,7 @@ def test_every_huge_size_is_a_clear_error_that_changes_nothing(n, counted, other
     stream = Stream(0x77) if other_stream else DEFAULT_STREAM
 
     def state():
-        return [b[:2] for b in pool._free_blocks()], pool.pool_size(), pool._live_count()
+        return [b[:2] for b in pool._free_blocks()], pool.pool_size(), len(pool.live_allocations())
 
     before = state()
     if n > 2**64 - 1:
@@ -405,4 +409,4 @@ def test_a_size_no_allocation_can_have_is_a_value_error_on_an_unbounded_pool(n):
     pool = PoolMemoryResource(mr.SystemMemoryResource(), 1 << 20)
     with pytest.raises(ValueError, match="larger than any allocation can be"):
         pool.allocate(n)
-    assert pool.pool_size() == 1 << 20 and pool._live_count() == 0
+    assert pool.pool_size() == 1 << 20 and len(pool.live_allocations()) == 0

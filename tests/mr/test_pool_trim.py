@@ -17,7 +17,7 @@ def _grown(base_resource) -> tuple[PoolMemoryResource, int, int]:
     p = PoolMemoryResource(base_resource, initial_pool_size=MiB)
     a = p.allocate(4 * MiB)
     b = p.allocate(8 * MiB)
-    assert sorted(s for _, s in p._chunk_list()) == [MiB, 4 * MiB, 8 * MiB]
+    assert sorted(s for _, s in p.memory_layout()[0]) == [MiB, 4 * MiB, 8 * MiB]
     return p, a, b
 
 
@@ -27,7 +27,7 @@ def test_trim_gives_a_grown_pool_back_down_to_its_initial_size(base_resource):
     p.deallocate(b, 8 * MiB)
     assert p.initial_pool_size == MiB
     assert p.trim() == 12 * MiB
-    assert p.pool_size() == MiB and [s for _, s in p._chunk_list()] == [MiB]
+    assert p.pool_size() == MiB and [s for _, s in p.memory_layout()[0]] == [MiB]
     assert p.trim() == 0  # idempotent
     c = p.allocate(2 * MiB)  # and it grows again when asked
     p.deallocate(c, 2 * MiB)

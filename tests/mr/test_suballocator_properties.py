@@ -198,11 +198,11 @@ def run_sequence(name, base_name, ops):
     if info is not None:
         assert info.free_bytes == info.reserved_bytes
     if isinstance(res, mr.PoolMemoryResource):
-        assert res._live_count() == 0
+        assert len(res.live_allocations()) == 0
         assert res.pool_size() == sum(rec.ranges.values())
         if len(used_streams) <= 1:
             # one stream: everything coalesced back into exactly the chunks
-            assert [(p, s) for p, s, _ in res._free_blocks()] == res._chunk_list()
+            assert [(p, s) for p, s, _ in res._free_blocks()] == res.memory_layout()[0]
         assert res.release() == sum(start_chunks.values()) or res.pool_size() == 0
         assert res.pool_size() == 0 and rec.ranges == {}
     elif isinstance(res, mr.FixedSizeMemoryResource):
@@ -281,7 +281,7 @@ def test_eight_threads(name, base_resource_name):
     if info is not None:
         assert info.free_bytes == info.reserved_bytes, "accounting drift"
     if isinstance(res, mr.PoolMemoryResource):
-        assert res._live_count() == 0
+        assert len(res.live_allocations()) == 0
         assert res.pool_size() == sum(rec.ranges.values())
         res.release()
         assert res.pool_size() == 0 and rec.ranges == {}

@@ -369,10 +369,10 @@ def test_a_growing_pool_whose_upstream_is_full_gets_chunks_back():
     mr.set_per_device_resource(0, top)
     for i in range(3):
         wp.store[f"x-{i}"] = patterned_buffer(MiB, i)
-    assert [size for _, size in pool._chunk_list()] == [MiB] * 3
+    assert [size for _, size in pool.memory_layout()[0]] == [MiB] * 3
     big = DeviceBuffer(size=2 * MiB)  # no chunk is 2 MiB: spill, release chunks, grow
     assert wp.store.spilled_keys() == ["x-0", "x-1"] and wp.metrics()[0].ooms_avoided == 1
-    assert sorted(size for _, size in pool._chunk_list()) == [MiB, 2 * MiB]
+    assert sorted(size for _, size in pool.memory_layout()[0]) == [MiB, 2 * MiB]
     del big
     for i in range(3):
         check_buffer(wp.store[f"x-{i}"], i)
