@@ -33,24 +33,15 @@ logger = logging.getLogger(__name__)
 
 
 def _host_bytes(obj: Any, writable: bool, what: str) -> np.ndarray:
-    """A contiguous host buffer as a flat uint8 array sharing its memory."""
-    if obj is None:
-        raise TypeError(f"{what} must be a bytes-like object, got None")
+    """A C-contiguous host buffer as a flat uint8 array sharing its memory (as RMM's
+    ``unsigned char[::1]``)."""
     try:
-        view = memoryview(obj)
-    except TypeError:
-        raise TypeError(
-            f"{what} must be a bytes-like object (buffer protocol), got {type(obj).__name__}"
-        ) from None
-    if not view.contiguous:
-        raise ValueError(f"{what} must be a contiguous buffer")
-    if writable and view.readonly:
+        arr = np.frombuffer(obj, dtype=np.uint8)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what} must be a C-contiguous bytes-like object: {e}") from None
+    if writable and not arr.flags.writeable:
         raise ValueError(f"{what} is read-only; copying into it needs a writable buffer")
-    if view.nbytes == 0:
-        return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(
-        view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8
-    )
+    return arr
 
 
 def _address(arr: np.ndarray) -> int:

@@ -263,6 +263,8 @@ def test_bad_host_buffers():
         to_device("a str")
     with pytest.raises(ValueError, match="contiguous"):
         buf.copy_from_host(np.zeros(8, dtype=np.uint8)[::2])
+    with pytest.raises(ValueError, match="C-contiguous"):  # as RMM's unsigned char[::1]
+        buf.copy_from_host(np.zeros((2, 2), dtype=np.uint8).T)
     with pytest.raises(ValueError, match="1-D"):
         buf.copy_from_device(_FakeCAI((2, 2)))
     with pytest.raises(TypeError, match="bytes-like"):
