@@ -88,8 +88,7 @@ def _handle_of(obj: Any) -> int:
 
 
 _this_thread = threading.local()
-_ptds_serials = itertools.count(1)
-_ptds_lock = threading.Lock()
+_ptds_serials = itertools.count(1)  # next() is one C call: atomic
 
 
 class _DrainAtThreadExit:
@@ -118,10 +117,8 @@ def _per_thread_key() -> tuple[str, int]:
         return _this_thread.ptds_key
     except AttributeError:
         pass
-    with _ptds_lock:
-        serial = next(_ptds_serials)
     _this_thread.drain_at_exit = _DrainAtThreadExit()
-    key = _this_thread.ptds_key = ("ptds", serial)
+    key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
     return key
 
 
@@ -141,7 +138,6 @@ class Stream:
             from dask_rmm import _cuda
 
             flags = CudaStreamFlags.SYNC_DEFAULT if flags is None else _check_flags(flags)
-            self._owned = False
             self.handle = _cuda.stream_create(flags=int(flags))
             self._owner = None
             self._owned = True
@@ -263,17 +259,13 @@ class CudaStreamPool:
             raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
         flags = _check_flags(flags)
         self._streams = [Stream(flags=flags) for _ in range(pool_size)]
-        self._next = 0
-        self._lock = threading.Lock()
+        self._turns = itertools.count()
 
     def get_stream(self, stream_id: int | None = None) -> Stream:
         """The next stream round-robin, or stream ``stream_id`` (wrapping around the pool size)."""
-        if stream_id is not None:
-            return self._streams[stream_id % len(self._streams)]
-        with self._lock:
-            s = self._streams[self._next]
-            self._next = (self._next + 1) % len(self._streams)
-        return s
+        if stream_id is None:
+            stream_id = next(self._turns)
+        return self._streams[stream_id % len(self._streams)]
 
     def get_pool_size(self) -> int:
         return len(self._streams)
