@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.mr.instrumentation import OwnerAccounts
-from dask_rmm.mr.locks import Mutex
+from dask_rmm.mr.locks import Mutex, gc_paused_lock
 from dask_rmm.mr.pool import PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
@@ -43,8 +43,8 @@ def _open_account(
     by_owner_key: dict[Hashable, list[int]],
     owner_key: Hashable,
 ) -> list[int]:
-    """The owner callback a pool calls under its lock (collector paused): the account of an
-    owner key not in ``by_owner_key``. Never raises: an owner that cannot be named is
+    """The account of an owner key not in ``by_owner_key``, opened under the lock of the pool
+    or adaptor that charges it (collector paused). Never raises: an owner that cannot be named is
     UNATTRIBUTED."""
     try:
         name = UNATTRIBUTED if owner_key is None else str(owner_name(owner_key))
@@ -158,31 +158,15 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         return self._charging_pool
 
     def _counts_for_current_owner(self) -> list[int]:
-        """The slow path: name the current owner and find (or make) its counts.
-
-        Never raises (an owner that cannot be named is charged to UNATTRIBUTED rather than
-        failing an allocation that succeeded). Naming and the new list are made before the lock
-        is taken: making objects may run the garbage collector, whose finalizers may free
-        through this adaptor on this thread, which would then wait on the lock forever.
-        """
+        """The slow path: the current owner's counts, its account opened as a charging pool
+        opens one (the collector paused under the lock: its finalizers may free through this
+        adaptor on this thread). Never raises."""
         try:
             owner_key = self._get_owner()
-            name = UNATTRIBUTED if owner_key is None else str(self._owner_name(owner_key))
         except Exception:
-            owner_key, name = None, UNATTRIBUTED
-        fresh = [0, 0]
-        self._acquire()
-        try:
-            counts = self._by_name.setdefault(name, fresh)
-            if len(self._by_owner_key) >= _OWNER_CACHE_SIZE:
-                self._by_owner_key.clear()
-            try:
-                self._by_owner_key[owner_key] = counts
-            except TypeError:  # an unhashable owner key is named every time
-                pass
-        finally:
-            self._release()
-        return counts
+            owner_key = None
+        with gc_paused_lock(self._lock):
+            return _open_account(self._owner_name, self._by_name, self._by_owner_key, owner_key)
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         ptr = self._upstream_allocate(nbytes, stream)
