@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import traceback
 
-from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, deallocate_refused
 from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
@@ -85,8 +85,9 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         # Taken out before the upstream call so that a concurrent double free is refused.
         n = allocations.pop(ptr, None)
         if n != nbytes:
-            self._refuse(ptr, nbytes, n, stream)
-            return
+            if n is not None:
+                allocations[ptr] = n
+            return deallocate_refused(self, "TrackingResourceAdaptor", ptr, nbytes, n, stream)
         # Its stack goes too, before the address can be handed out again.
         stack = self._stacks.pop(ptr, None) if self._stacks else None
         try:
@@ -96,21 +97,6 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
             if stack is not None:
                 self._stacks[ptr] = stack
             raise
-
-    def _refuse(self, ptr, nbytes, n, stream) -> None:
-        if n is not None:
-            self._allocations[ptr] = n
-            raise ValueError(
-                f"TrackingResourceAdaptor.deallocate({ptr:#x}, {nbytes}): wrong size, the "
-                f"pointer was allocated with {n} bytes"
-            )
-        if not nbytes and not ptr:
-            self._upstream_deallocate(ptr, nbytes, stream)
-            return
-        raise ValueError(
-            f"TrackingResourceAdaptor.deallocate({ptr!r}, {nbytes!r}): pointer not "
-            "allocated through this adaptor (foreign pointer or double free)"
-        )
 
     def _snapshot(self) -> dict[int, int]:
         if self._tracking_pool is not None:
