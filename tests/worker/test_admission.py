@@ -15,6 +15,7 @@ from collections import Counter
 
 import dask
 import pytest
+from conftest import HAS_GPU
 from distributed import Worker, wait
 from distributed.utils_test import gen_cluster
 from distributed.worker import thread_state
@@ -349,10 +350,20 @@ def _free_budgets(dask_scheduler) -> dict:
     return {} if plugin is None else {w: plugin.free(w) for w in plugin.limits}
 
 
-@pytest.mark.parametrize("admission", [True, False])
-def test_a_task_goes_to_the_worker_whose_free_budget_fits_it(admission):
-    """Two worker processes (each its own stack): a holds 5 of its 8 MiB; a task needing 4 MiB
-    whose input is on a goes to b, where distributed alone picks a (the input's worker)."""
+#: The stacks placement runs on: a pool of 8 MiB, and no pool under a device_memory_limit of
+#: 8 MiB (two workers sharing one device, each with its own limit).
+PLACEMENT_STACKS = {
+    "pool": dict(pool_size="8MiB", maximum_pool_size="8MiB"),
+    "limit": dict(device_memory_limit="8MiB"),
+}
+
+
+@pytest.mark.parametrize("base", ["system"] + (["cuda"] if HAS_GPU else []))
+@pytest.mark.parametrize("stack, admission", [("pool", True), ("limit", True), ("limit", False)])
+def test_a_task_goes_to_the_worker_whose_free_budget_fits_it(base, stack, admission):
+    """Two worker processes (each its own stack; on a GPU host, sharing the device): a holds 5 of
+    its 8 MiB in an output; a task needing 4 MiB whose input is on a goes to b, where
+    distributed alone picks a (the input's worker)."""
     from distributed import Client, LocalCluster
 
     with (
@@ -363,8 +374,10 @@ def test_a_task_goes_to_the_worker_whose_free_budget_fits_it(admission):
         ) as cluster,
         Client(cluster) as c,
     ):  # fmt: skip
-        c.register_plugin(RMMPlugin(**POOL, memory_admission=admission))
+        options = PLACEMENT_STACKS[stack]
+        c.register_plugin(RMMPlugin(base_resource=base, **options, memory_admission=admission))
         a, b = sorted(c.scheduler_info()["workers"])
+        # Kept: a future dropped here releases the output, and a's 5 MiB with it.
         held = c.submit(make, 5 * MiB, key="held-0", workers=[a])
         wait(held)
         deadline = time.monotonic() + 20
@@ -375,7 +388,7 @@ def test_a_task_goes_to_the_worker_whose_free_budget_fits_it(admission):
         with dask.annotate(gpu_memory="4MiB"):
             task = c.submit(use, small, MiB, key="use-0")
         wait(task)
-        assert task.status == "finished"
+        assert task.status == "finished" and held.status == "finished"
         assert c.who_has(task)["use-0"] == ((b,) if admission else (a,))
 
 

@@ -104,35 +104,3 @@ async def test_cupy_tasks_served_by_its_cache_wait_until_their_peak_fits_the_poo
     from dask_rmm.worker.admission import admission_of
 
     assert admission_of(a).pressure.metrics()[0].oom_count == 0
-
-
-@pytest.mark.parametrize("admission", [True, False])
-def test_two_workers_sharing_the_device_a_task_goes_where_its_peak_fits(admission):
-    """Two worker processes on one device, each with its own ``device_memory_limit``: a holds 5
-    of its 8 MiB; a task needing 4 MiB whose input is on a goes to b with admission."""
-    import dask
-    from distributed import Client, LocalCluster, wait
-
-    from dask_rmm import RMMPlugin
-    from tests.worker.test_admission import _free_budgets, make, use
-
-    with (
-        dask.config.set(CONFIG),
-        LocalCluster(
-            n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
-            dashboard_address=":0", worker_dashboard_address=None,
-        ) as cluster,
-        Client(cluster) as c,
-    ):  # fmt: skip
-        c.register_plugin(RMMPlugin(device_memory_limit="8MiB", memory_admission=admission))
-        a, b = sorted(c.scheduler_info()["workers"])
-        wait(c.submit(make, 5 * MiB, key="held-0", workers=[a]))
-        deadline = time.monotonic() + 20
-        while admission and c.run_on_scheduler(_free_budgets).get(a, 8 * MiB) > 3 * MiB:
-            assert time.monotonic() < deadline, c.run_on_scheduler(_free_budgets)
-            time.sleep(0.05)
-        small = c.submit(int, 1, key="small-0", workers=[a])
-        with dask.annotate(gpu_memory="4MiB"):
-            task = c.submit(use, small, MiB, key="use-0")
-        wait(task)
-        assert c.who_has(task)["use-0"] == ((b,) if admission else (a,))
