@@ -171,6 +171,11 @@ def get_device() -> int:
     return check(_rt().cudaGetDevice(), "cudaGetDevice")
 
 
+def current_device() -> int:
+    """:func:`get_device`, or 0 (where host memory is) on a host without CUDA."""
+    return get_device() if is_available() else 0
+
+
 def _check_device(device: Any) -> int:
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"device must be an int, got {device!r} ({type(device).__name__})")

@@ -16,7 +16,7 @@ from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
-from dask_rmm import allocators
+from dask_rmm import _cuda, allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.scheduler.setup_vote import SetupCoordinator, register_on_every_worker
 from dask_rmm.stack.build import build_stack
@@ -200,7 +200,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         stacks: list = []
         try:
             validate_config()
-            for device in self.options.devices or [_current_device()]:
+            for device in self.options.devices or [_cuda.current_device()]:
                 stacks.append(
                     build_stack(
                         self.options,
@@ -295,10 +295,8 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
 
     def _hint(self, e: Exception) -> str:
         """``e``'s message; a missing GPU names the form the user typed to use host memory."""
-        from dask_rmm._cuda import CUDAUnavailableError
-
         message = str(e)
-        if isinstance(e, CUDAUnavailableError) and "Use host memory explicitly" in message:
+        if isinstance(e, _cuda.CUDAUnavailableError) and "Use host memory explicitly" in message:
             message = message.split("Use host memory explicitly")[0].rstrip()
             message += (
                 f" For host memory instead give {self.host_memory_form} "
@@ -424,9 +422,3 @@ def _forget_scheduler_plugins(scheduler: Scheduler) -> None:
     for name, plugin in list(scheduler.plugins.items()):
         if isinstance(plugin, RMMPlugin):
             scheduler.remove_plugin(name)
-
-
-def _current_device() -> int:
-    from dask_rmm import _cuda
-
-    return _cuda.get_device() if _cuda.is_available() else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
+from dask_rmm import _cuda
 from dask_rmm.mr.base import DeviceMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
@@ -53,11 +54,7 @@ class CallbackMemoryResource(DeviceMemoryResource):
             raise TypeError(f"allocate_func must be callable, got {allocate_func!r}")
         if not callable(deallocate_func):
             raise TypeError(f"deallocate_func must be callable, got {deallocate_func!r}")
-        if device_id is None:
-            from dask_rmm import _cuda
-
-            device_id = _cuda.get_device() if _cuda.is_available() else 0
-        super().__init__(device_id=device_id)
+        super().__init__(device_id=_cuda.current_device() if device_id is None else device_id)
         self._allocate_func = allocate_func
         self._deallocate_func = deallocate_func
 

@@ -530,7 +530,7 @@ class SystemMemoryResource(DeviceMemoryResource):
     def __init__(self, device_id: int | None = None):
         self._libc = _libc()
         if device_id is None:
-            device_id = _cuda.get_device() if _cuda.is_available() else 0
+            device_id = _cuda.current_device()
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be a device id (an int >= 0), got {device_id!r}")
         super().__init__(device_id=device_id)
