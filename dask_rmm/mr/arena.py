@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Container, Hashable
+from collections.abc import Hashable
 from itertools import compress
 from typing import Any
 
@@ -19,6 +19,7 @@ from dask_rmm.mr.base import (
     check_nbytes,
     deallocate_refused,
 )
+from dask_rmm.mr.free_list import FreeList
 from dask_rmm.mr.locks import gc_paused_lock
 from dask_rmm.mr.pool import default_pool_size
 from dask_rmm.mr.size_classes import (
@@ -41,58 +42,6 @@ logger = logging.getLogger("dask_rmm.arena")
 SUPERBLOCK_SIZE = 1 << 20  # RMM's minimum superblock; larger requests go to the global arena
 
 
-class _Regions:
-    """Address-ordered free regions with O(1) coalescing (start -> size, end -> start) and a
-    first-fit search. Regions never merge across the addresses in ``barriers``."""
-
-    __slots__ = ("starts", "ends", "barriers")
-
-    def __init__(self, barriers: Container[int] = ()):
-        self.starts: dict[int, int] = {}
-        self.ends: dict[int, int] = {}
-        self.barriers = barriers
-
-    def add(self, ptr: int, size: int) -> tuple[int, int]:
-        """Insert a free region, merging with neighbours; returns the merged region."""
-        starts, ends = self.starts, self.ends
-        ns = starts.pop(ptr + size, None)
-        if ns is not None:
-            if ptr + size in self.barriers:
-                starts[ptr + size] = ns
-            else:
-                del ends[ptr + size + ns]
-                size += ns
-        prev = ends.get(ptr)
-        if prev is not None and ptr not in self.barriers:
-            del ends[ptr]
-            size += starts.pop(prev)
-            ptr = prev
-        starts[ptr] = size
-        ends[ptr + size] = ptr
-        return ptr, size
-
-    def remove(self, ptr: int, size: int) -> None:
-        del self.starts[ptr]
-        del self.ends[ptr + size]
-
-    def take(self, size: int, lo: int = 0, hi: int | None = None) -> int:
-        """First fit of ``size`` bytes (within ``[lo, hi)`` if given); 0 when none fits."""
-        for ptr, bsize in self.starts.items():
-            if bsize >= size and (hi is None or lo <= ptr < hi):
-                self.remove(ptr, bsize)
-                if bsize > size:
-                    self.starts[ptr + size] = bsize - size
-                    self.ends[ptr + bsize] = ptr + size
-                return ptr
-        return 0
-
-    def total(self) -> int:
-        return sum(self.starts.values())
-
-    def largest(self) -> int:
-        return max(self.starts.values(), default=0)
-
-
 class _Arena:
     """One thread's or stream's superblocks and their free blocks."""
 
@@ -101,7 +50,7 @@ class _Arena:
     def __init__(self) -> None:
         # superblock start -> bytes handed out from it (every superblock is SUPERBLOCK_SIZE)
         self.used: dict[int, int] = {}
-        self.free = _Regions(self.used)  # never merged across superblock starts
+        self.free = FreeList(None, None, self.used)  # never merged across superblock starts
         self.order: list[int] = []  # superblock starts, ascending
 
 
@@ -147,8 +96,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         self._size = arena_size
         self._base = upstream_mr.allocate(arena_size, DEFAULT_STREAM)
         self._lock = threading.Lock()
-        self._global = _Regions()
-        self._global.add(self._base, arena_size)
+        self._global = FreeList(None, None)
+        self._global.insert(self._base, arena_size)
         self._arenas: dict[Any, _Arena] = {}
         # stream key -> per-class lists of cached free blocks (class floor size each)
         self._caches: dict[Any, list[list[int]]] = {}
@@ -220,8 +169,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             raise OutOfMemoryError(
                 f"ArenaMemoryResource out of memory: requested {format_bytes(nbytes)} "
                 f"({nbytes} bytes) on stream {stream.handle:#x}; arena {format_bytes(self._size)}, "
-                f"{format_bytes(self._global.total())} free in the global arena, largest free "
-                f"region {format_bytes(self._global.largest())}",
+                f"{format_bytes(self._global.free_bytes()[0])} free in the global arena, largest free "
+                f"region {format_bytes(self._global.free_bytes()[1])}",
                 requested=nbytes,
                 resource="ArenaMemoryResource",
                 stream=stream.handle,
@@ -291,7 +240,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     def _try_allocate(self, size: int, key: Any, tag: int) -> int:
         if size > SUPERBLOCK_SIZE:
-            ptr = self._global.take(size)
+            ptr = self._global.take_fit(size)
             if ptr:
                 self._home[ptr] = (None, ptr, size)
                 self._live[ptr] = tag
@@ -299,15 +248,15 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         arena = self._arenas.get(key)
         if arena is None:
             arena = self._arenas[key] = _Arena()
-        ptr = arena.free.take(size)
+        ptr = arena.free.take_fit(size)
         if not ptr:
-            sb = self._global.take(SUPERBLOCK_SIZE)
+            sb = self._global.take_fit(SUPERBLOCK_SIZE)
             if not sb:
                 return 0
             bisect.insort(arena.order, sb)
             arena.used[sb] = 0
-            arena.free.add(sb, SUPERBLOCK_SIZE)
-            ptr = arena.free.take(size)
+            arena.free.insert(sb, SUPERBLOCK_SIZE)
+            ptr = arena.free.take_fit(size)
         sb = self._superblock_of(arena, ptr)
         arena.used[sb] += size
         self._home[ptr] = (arena, sb, size)
@@ -318,9 +267,9 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         """Return a block (no longer live nor cached) to its arena or the global arena."""
         arena, sb, size = self._home.pop(ptr)
         if arena is None:
-            self._global.add(ptr, size)
+            self._global.insert(ptr, size)
             return
-        arena.free.add(ptr, size)
+        arena.free.insert(ptr, size)
         used = arena.used[sb] - size
         arena.used[sb] = used
         if used == 0 and len(arena.used) > 1:
@@ -360,7 +309,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         arena.order.remove(sb)
         del arena.used[sb]
         arena.free.remove(sb, SUPERBLOCK_SIZE)
-        self._global.add(sb, SUPERBLOCK_SIZE)
+        self._global.insert(sb, SUPERBLOCK_SIZE)
 
     def _defragment(self) -> None:
         for arena in self._arenas.values():
@@ -369,15 +318,15 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     def _free_bytes(self) -> int:
         return (
-            self._global.total()
-            + sum(a.free.total() for a in self._arenas.values())
+            self._global.free_bytes()[0]
+            + sum(a.free.free_bytes()[0] for a in self._arenas.values())
             + self._cached_bytes()[0]
         )
 
     def _largest_free(self) -> int:
         return max(
-            [self._global.largest(), self._cached_bytes()[1]]
-            + [a.free.largest() for a in self._arenas.values()]
+            [self._global.free_bytes()[1], self._cached_bytes()[1]]
+            + [a.free.free_bytes()[1] for a in self._arenas.values()]
         )
 
     def _dump_memory_log(self, size: int) -> None:
@@ -387,8 +336,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             format_bytes(size),
             format_bytes(self._size),
             len(self._global.starts),
-            format_bytes(self._global.total()),
-            format_bytes(self._global.largest()),
+            format_bytes(self._global.free_bytes()[0]),
+            format_bytes(self._global.free_bytes()[1]),
             len(self._arenas),
             sum(len(a.used) for a in self._arenas.values()),
         )

@@ -4,7 +4,7 @@ stream's list serves a request, growth, locking (pool.py), the size classes (siz
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 from itertools import compress
 
 from dask_rmm.mr.size_classes import (
@@ -31,13 +31,14 @@ class FreeList:
         The stream's order key (:meth:`~dask_rmm.stream.Stream.order_key`).
     stream : Stream or None
         Kept alive so that an event can be recorded on it later (None for fresh memory).
-    barriers : set of int
-        Addresses blocks never merge across; the pool's set, shared (not copied).
+    barriers : container of int
+        Addresses blocks never merge across; the pool's set (the arena's superblock table),
+        shared (not copied).
     """
 
     __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key", "cache", "barriers")
 
-    def __init__(self, key: Hashable, stream: Stream | None, barriers: set[int]) -> None:
+    def __init__(self, key: Hashable, stream: Stream | None, barriers: Container[int] = ()) -> None:
         # A LIFO list per class: pop/append are the cheapest operations.
         self.cache: list[list[int]] = [[] for _ in range(N_CLASSES)]
         # Every class dict exists from the start: creating a dict under the pool's lock could
@@ -135,6 +136,18 @@ class FreeList:
                 if bsize >= size:
                     return ptr, bsize
         return None
+
+    def take_fit(self, size: int) -> int:
+        """The front ``size`` bytes of the block :meth:`find` finds, the rest staying free; 0
+        when none fits."""
+        found = self.find(size)
+        if found is None:
+            return 0
+        ptr, bsize = found
+        self.remove(ptr, bsize)
+        if bsize > size:
+            self.insert(ptr + size, bsize - size)
+        return ptr
 
     def move_all_to(self, dst: FreeList) -> None:
         """Move every coalesced block to ``dst``, merging there."""
