@@ -9,6 +9,8 @@ stream and the resource of the device CuPy is on (pinned host memory is not cove
 - ``rmm_cupy_allocator``, RMM's: the same, with a :class:`~dask_rmm.DeviceBuffer` as the
   ``UnownedMemory``'s ``_owner`` (where RMM's tests and some user code look); one object and one
   Python call more per allocation (bench/cupy_churn.py).
+- :func:`watch_cupy_allocations`: whatever CuPy's allocator is, a watcher told the size of each
+  allocation, served from a cache or not (memory admission samples the bytes in use by it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import gc
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dask_rmm.allocators import caches
@@ -35,6 +38,8 @@ __all__ = [
     "reset_cupy_allocator",
     "rmm_cupy_allocator",
     "set_cupy_allocator",
+    "unwatch_cupy_allocations",
+    "watch_cupy_allocations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -256,20 +261,20 @@ def set_cupy_allocator(cache: bool = True) -> None:
     >>> reset_cupy_allocator()
     """
     global _cache
-    cupy = _require_cupy()
-    current = cupy.cuda.get_allocator()
+    _require_cupy()
+    current = _current_allocator()
     if cache:
         if _cache is None:
             _cache = CupyPoolCache()
         wanted = _cache.pool.malloc
         if current == wanted:
             return
-        cupy.cuda.set_allocator(wanted)
+        _set_allocator(wanted)
         caches.register_cache(_cache)
     else:
         if current is lean_cupy_allocator or current is rmm_cupy_allocator:
             return
-        cupy.cuda.set_allocator(lean_cupy_allocator)
+        _set_allocator(lean_cupy_allocator)
     if _ours(current) and _previous_allocators:  # switched between our two ways
         _drop_cache(keep_allocator=True)
         return
@@ -280,7 +285,7 @@ def _drop_cache(keep_allocator: bool = False) -> None:
     """Give the cache's free blocks back; unlist it once it holds none. Arrays still holding
     blocks give them back to the cache when CuPy frees them: until then it stays listed, so
     its free bytes are still reported and still given back under memory pressure."""
-    if _cache is None or (keep_allocator and _cupy.cuda.get_allocator() == _cache.pool.malloc):
+    if _cache is None or (keep_allocator and _current_allocator() == _cache.pool.malloc):
         return
     try:
         _cache.pool.free_all_blocks()
@@ -300,8 +305,96 @@ def reset_cupy_allocator() -> None:
     """
     if _cupy is None or not _previous_allocators:
         return
-    if not _ours(_cupy.cuda.get_allocator()):
+    if not _ours(_current_allocator()):
         _previous_allocators.clear()
         return
-    _cupy.cuda.set_allocator(_previous_allocators.pop())
+    _set_allocator(_previous_allocators.pop())
     _drop_cache()
+
+
+# -- watching CuPy's allocations -----------------------------------------------------------------
+
+#: Owner -> watcher: called with each allocation's size after CuPy's allocator returned.
+_watchers: dict[Any, Callable[[int], object]] = {}
+_watching: tuple[Callable[[int], object], ...] = ()
+#: The wrapper installed as CuPy's allocator while some owner watches (its ``__wrapped__``: the
+#: allocator it calls), else None.
+_wrapper: Any = None
+
+
+def _current_allocator() -> Any:
+    """CuPy's allocator (global, not a ``using_allocator`` block's), seen through the watch."""
+    allocator = _cupy.cuda.get_allocator()
+    return allocator.__wrapped__ if allocator is _wrapper and _wrapper is not None else allocator
+
+
+def _set_allocator(allocator: Any) -> None:
+    """Make ``allocator`` CuPy's, still watched while some owner watches."""
+    global _wrapper
+    if _watchers:
+        _wrapper = _watched(allocator)
+        allocator = _wrapper
+    _cupy.cuda.set_allocator(allocator)
+
+
+def _watched(allocate: Callable[[int], Any]) -> Callable[[int], Any]:
+    # CuPy calls its allocator for every allocation (``cupy.cuda.memory.alloc``): a MemoryPool's
+    # ``malloc`` is that allocator, and serves from its cache inside it. One Python frame and
+    # one call per watcher here, on every CuPy allocation while watched.
+    def _watched_malloc(nbytes: int) -> Any:
+        memptr = allocate(nbytes)
+        for watcher in _watching:
+            try:
+                watcher(nbytes)
+            except Exception:  # an allocation that succeeded never fails here
+                _watch_failed(watcher)
+        return memptr
+
+    _watched_malloc.__wrapped__ = allocate  # type: ignore[attr-defined]
+    return _watched_malloc
+
+
+_failed_watchers: set[int] = set()
+
+
+def _watch_failed(watcher: Callable[[int], object]) -> None:
+    if id(watcher) not in _failed_watchers:  # once per watcher: this is every allocation
+        _failed_watchers.add(id(watcher))
+        logger.warning("dask-rmm: watching a CuPy allocation failed (%r)", watcher, exc_info=True)
+
+
+def watch_cupy_allocations(owner: Any, watcher: Callable[[int], object]) -> None:
+    """Call ``watcher(nbytes)`` after each allocation CuPy makes through its allocator, whichever
+    it is (a ``MemoryPool`` serving from its cache included), until
+    :func:`unwatch_cupy_allocations` with the same ``owner``; watching again replaces the
+    watcher. :func:`set_cupy_allocator` and :func:`reset_cupy_allocator` keep the watch. Not
+    seen: allocations inside ``cupy.cuda.using_allocator`` blocks (their own allocator), and
+    frees. A watcher that raises is logged once, never fails the allocation. ImportError
+    without CuPy.
+
+    >>> from dask_rmm.allocators.cupy import unwatch_cupy_allocations, watch_cupy_allocations
+    >>> sizes = []
+    >>> watch_cupy_allocations("me", sizes.append)
+    >>> unwatch_cupy_allocations("me")
+    """
+    global _watching
+    _require_cupy()
+    current = _current_allocator()
+    _watchers[owner] = watcher
+    _watching = tuple(_watchers.values())
+    if _wrapper is None or _cupy.cuda.get_allocator() is not _wrapper:
+        _set_allocator(current)
+
+
+def unwatch_cupy_allocations(owner: Any) -> None:
+    """Stop ``owner``'s watch; the last one gives CuPy back the allocator the watch wrapped
+    (one set since outside dask-rmm stays). Nothing when ``owner`` does not watch."""
+    global _watching, _wrapper
+    if _watchers.pop(owner, None) is None:
+        return
+    _watching = tuple(_watchers.values())
+    if _watchers:
+        return
+    wrapper, _wrapper = _wrapper, None
+    if wrapper is not None and _cupy.cuda.get_allocator() is wrapper:
+        _cupy.cuda.set_allocator(wrapper.__wrapped__)

@@ -91,6 +91,7 @@ def cupy_allocator_note() -> str | None:
         allocator = sys.modules["cupy"].cuda.get_allocator()
     except (KeyError, AttributeError):  # CuPy not imported, or too old to tell
         return None
+    allocator = getattr(allocator, "__wrapped__", allocator)  # memory admission's watch
     ours = sys.modules.get("dask_rmm.allocators.cupy")
     cache = ours.get_cupy_cache() if ours is not None else None
     if cache is not None and allocator == cache.pool.malloc:

@@ -434,3 +434,78 @@ def test_lean_allocator_free_failure_is_logged_not_raised(host_cupy, caplog):
     assert f"freeing {ptr:#x} (128 bytes) failed" in caplog.text
     assert "refused on purpose" in caplog.text
     SystemMemoryResource.deallocate(mr, ptr, 128)
+
+
+# -- watching CuPy's allocations (memory admission) ----------------------------------------------
+
+
+@pytest.fixture
+def unwatched():
+    """Every watch a test leaves is taken off, and CuPy's allocator given back."""
+    original = cupy.cuda.get_allocator()
+    yield original
+    for owner in list(cupy_hook._watchers):
+        cupy_hook.unwatch_cupy_allocations(owner)
+    cupy_hook.reset_cupy_allocator()
+    cupy.cuda.set_allocator(original)
+
+
+def test_a_watch_sees_each_allocation_and_gives_cupy_its_allocator_back(
+    host_cupy, host_stats, unwatched
+):
+    cupy_hook.set_cupy_allocator(cache=False)
+    first, second = [], []
+    cupy_hook.watch_cupy_allocations("first", first.append)
+    assert cupy.cuda.get_allocator() is not cupy_hook.lean_cupy_allocator
+    a = cupy.empty(1000, dtype="uint8")  # through cupy.cuda.memory.alloc, as every array
+    cupy_hook.watch_cupy_allocations("second", second.append)
+    b = cupy.empty(300, dtype="float64")
+    assert first == [1000, 2400] and second == [2400]
+    assert host_stats.allocation_counts.current_bytes == 3400  # still the lean allocator's
+    cupy_hook.unwatch_cupy_allocations("first")
+    c = cupy.empty(10, dtype="uint8")
+    assert first == [1000, 2400] and second == [2400, 10]
+    cupy_hook.unwatch_cupy_allocations("second")
+    assert cupy.cuda.get_allocator() is cupy_hook.lean_cupy_allocator
+    cupy_hook.unwatch_cupy_allocations("second")  # not watching: nothing
+    del a, b, c
+    cupy_hook.reset_cupy_allocator()
+    assert cupy.cuda.get_allocator() is unwatched
+
+
+def test_setting_and_resetting_the_allocator_keeps_the_watch(host_cupy, host_stats, unwatched):
+    sizes = []
+    cupy_hook.watch_cupy_allocations("me", sizes.append)
+    cupy_hook.set_cupy_allocator(cache=False)  # switched under the watch
+    x = cupy.empty(512, dtype="uint8")
+    assert sizes == [512] and host_stats.allocation_counts.current_bytes == 512
+    cupy_hook.set_cupy_allocator()  # the cache: what it wraps is the pool's malloc
+    assert cupy.cuda.get_allocator().__wrapped__ == cupy_hook.get_cupy_cache().pool.malloc
+    cupy_hook.reset_cupy_allocator()
+    assert cupy.cuda.get_allocator().__wrapped__ is unwatched
+    cupy_hook.unwatch_cupy_allocations("me")
+    assert cupy.cuda.get_allocator() is unwatched
+    del x
+
+
+def test_a_failing_watcher_never_fails_an_allocation(host_cupy, host_stats, unwatched, caplog):
+    def broken(nbytes):
+        raise RuntimeError("watcher broke")
+
+    cupy_hook.set_cupy_allocator(cache=False)
+    cupy_hook.watch_cupy_allocations("broken", broken)
+    with caplog.at_level("WARNING", logger="dask_rmm.allocators.cupy"):
+        arrays = [cupy.empty(256, dtype="uint8") for _ in range(3)]
+    assert len(arrays) == 3 and host_stats.allocation_counts.current_bytes == 768
+    assert [r.getMessage() for r in caplog.records].count(
+        f"dask-rmm: watching a CuPy allocation failed ({broken!r})"
+    ) == 1
+
+
+def test_an_allocator_set_outside_dask_rmm_while_watched_is_left_in_place(unwatched):
+    sizes = []
+    cupy_hook.watch_cupy_allocations("me", sizes.append)
+    cupy.cuda.set_allocator(None)  # the user's choice (CuPy's raw cudaMalloc)
+    theirs = cupy.cuda.get_allocator()
+    cupy_hook.unwatch_cupy_allocations("me")
+    assert cupy.cuda.get_allocator() is theirs

@@ -8,6 +8,7 @@ nothing; a device out-of-memory error (not a host one) runs the task once more."
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -348,6 +349,83 @@ def use(x, nbytes: int) -> int:
 def _free_budgets(dask_scheduler) -> dict:
     plugin = dask_scheduler.plugins.get("dask-rmm-admission")
     return {} if plugin is None else {w: plugin.free(w) for w in plugin.limits}
+
+
+class HostBlockCache:
+    """A library cache on host memory, in the place of CuPy's ``MemoryPool``: blocks drawn from
+    the worker's stack, kept when their arrays go, handed out again without the stack seeing
+    it; CuPy allocates through :meth:`malloc`."""
+
+    name = "host-blocks"
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (ptr, nbytes)
+
+    def draw(self, nbytes: int) -> None:
+        from dask_rmm.mr import get_current_device_resource
+
+        self.free.append((get_current_device_resource().allocate(nbytes), nbytes))
+
+    def malloc(self, nbytes: int):
+        import cupy
+
+        (block,) = [b for b in self.free if b[1] == nbytes][:1]
+        self.free.remove(block)
+        back = functools.partial(self.free.append, block)  # when CuPy drops the memory
+        memory = cupy.cuda.memory.UnownedMemory(block[0], nbytes, _Owner(back), 0)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    def cached_bytes(self, device: int) -> int:
+        return sum(n for _, n in self.free)
+
+    def release(self, device: int) -> int:
+        from dask_rmm.mr import get_current_device_resource
+
+        mr, free = get_current_device_resource(), list(self.free)
+        for block in free:
+            self.free.remove(block)
+            mr.deallocate(*block)
+        return sum(n for _, n in free)
+
+
+class _Owner:
+    def __init__(self, on_drop) -> None:
+        self.on_drop = on_drop
+
+    def __del__(self) -> None:
+        self.on_drop()
+
+
+def brief_cupy(nbytes: int) -> int:
+    """An array served by the cache, gone long before the next tick."""
+    import cupy
+
+    x = cupy.empty(nbytes, dtype="uint8")
+    del x
+    return nbytes
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
+async def test_a_brief_cupy_task_served_by_a_cache_is_learned_at_its_peak(c, s, a):
+    cupy = pytest.importorskip("cupy")
+    from dask_rmm.allocators import caches
+
+    cache, original = HostBlockCache(), cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(cache.malloc)  # CuPy's choice before the worker's setup
+    try:
+        await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+        caches.register_cache(cache)
+        cache.draw(3 * MiB)  # drawn before: the tasks' arrays come from the cache alone
+        stack = admission_of(a).pressure.devices[0].statistics
+        for i in range(5):
+            assert await c.submit(brief_cupy, 3 * MiB, key=f"brief-{i}") == 3 * MiB
+            assert admission_of(a).peaks.expected("brief") >= 3 * MiB, i
+        assert stack.allocation_counts.total_count == 1  # the one draw
+        assert cache.release(0) == 3 * MiB
+        await c.unregister_worker_plugin("dask-rmm")
+        assert cupy.cuda.get_allocator() == cache.malloc  # the watch is off
+    finally:
+        cupy.cuda.set_allocator(original)
 
 
 #: The stacks placement runs on: a pool of 8 MiB, and no pool under a device_memory_limit of
