@@ -78,7 +78,8 @@ class ClusterTotal:
         self._running = np.zeros(16, bool)
         self._n = 0  # rows ever made
         self._free: list[int] = []
-        self._chunks: list[tuple[int, bytes]] = []  # (row, packed samples) not yet changes
+        self._rows: list[int] = []  # rows and their packed samples not yet changes
+        self._blobs: list[bytes] = []
         self._waiting: list[np.ndarray] = []  # of _CHANGE, each in time order
         self._sum = np.zeros(2, np.int64)  # the final sum (current, max)
         self._final_time = float("-inf")
@@ -110,12 +111,13 @@ class ClusterTotal:
         """Rows in use (running or stopped, not yet released)."""
         return self._n - len(self._free)
 
-    def add(self, row: int, blob: bytes, newest: float) -> None:
-        """Packed samples of ``row`` (oldest first, all newer than its previous ones), the
-        newest at time ``newest``. O(1): the work is done a batch at a time."""
-        self._chunks.append((row, blob))
-        self._newest[row] = newest
-        self._running[row] = True
+    def add(self, rows: list[int], blobs: list[bytes], newest: list[float]) -> None:
+        """Packed samples of each of ``rows`` (oldest first, all newer than the row's previous
+        ones), the newest at time ``newest``: the work is done a batch at a time."""
+        self._rows += rows
+        self._blobs += blobs
+        self._newest[rows] = newest
+        self._running[rows] = True
 
     def stop(self, row: int) -> None:
         """The row's device is gone: it counts 0 from just after its newest sample."""
@@ -141,16 +143,14 @@ class ClusterTotal:
     def _take_chunks(self) -> None:
         """The samples added since the last call, as changes (one more waiting array, in time
         order)."""
-        chunks, self._chunks = self._chunks, []
+        chunks, blobs, self._rows, self._blobs = self._rows, self._blobs, [], []
         if not chunks:
             return
-        rows = np.fromiter((r for r, _ in chunks), np.int64, len(chunks))
+        rows = np.array(chunks, np.int64)
+        raw = np.frombuffer(b"".join(blobs), SAMPLE_DTYPE)
+        counts = np.fromiter(map(len, blobs), np.int64, len(blobs)) // SAMPLE_STRUCT.size
         if self.rows > self.exact_rows:
-            raw, counts = _coarsen(chunks, self.coarse)
-        else:
-            raw = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
-            counts = np.fromiter((len(b) for _, b in chunks), np.int64, len(chunks))
-            counts //= SAMPLE_STRUCT.size
+            raw, counts = _coarsen(raw, counts, self.coarse)
         ends = np.cumsum(counts)
         starts = ends - counts
         ends -= 1
@@ -185,7 +185,7 @@ class ClusterTotal:
 
     def advance(self, now: float) -> None:
         """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""
-        if not self._chunks and not self._waiting:
+        if not self._rows and not self._waiting:
             return
         self._take_chunks()
         newest = self._newest[: self._n][self._running[: self._n]]
@@ -229,7 +229,7 @@ class ClusterTotal:
     @property
     def waiting(self) -> int:
         """Samples held back until every running device has caught up."""
-        chunks = sum(len(b) for _, b in self._chunks) // SAMPLE_DTYPE.itemsize
+        chunks = sum(map(len, self._blobs)) // SAMPLE_DTYPE.itemsize
         return sum(len(w) for w in self._waiting) + chunks
 
 
@@ -253,13 +253,12 @@ def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> n
     return points
 
 
-def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> tuple[np.ndarray, np.ndarray]:
-    """Each chunk's samples a ``seconds`` bucket at a time: the bucket's last time and current
-    bytes, its largest ``max_bytes_in_interval`` (one numpy pass over all chunks). Returns the
-    samples, chunk after chunk, and how many each chunk has."""
-    a = np.frombuffer(b"".join(b for _, b in chunks), SAMPLE_DTYPE)
-    counts = np.fromiter((len(b) // SAMPLE_STRUCT.size for _, b in chunks), np.int64, len(chunks))
-    chunk = np.repeat(np.arange(len(chunks)), counts)
+def _coarsen(a: np.ndarray, counts: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``a`` of chunks of ``counts`` samples, each chunk's a ``seconds`` bucket at a
+    time: the bucket's last time and current bytes, its largest ``max_bytes_in_interval`` (one
+    numpy pass over all chunks). Returns the samples, chunk after chunk, and how many each
+    chunk has."""
+    chunk = np.repeat(np.arange(len(counts)), counts)
     bucket = np.floor(a["t"] / seconds)
     first = np.ones(len(a), bool)
     first[1:] = (bucket[1:] != bucket[:-1]) | (chunk[1:] != chunk[:-1])
@@ -268,7 +267,7 @@ def _coarsen(chunks: list[tuple[int, bytes]], seconds: float) -> tuple[np.ndarra
     out = np.empty(len(starts), SAMPLE_DTYPE)
     out["t"], out["c"] = a["t"][ends], a["c"][ends]
     out["m"] = np.maximum.reduceat(a["m"], starts)
-    return out, np.bincount(chunk[starts], minlength=len(chunks))
+    return out, np.bincount(chunk[starts], minlength=len(counts))
 
 
 def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:

@@ -408,14 +408,38 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             problems.append(("devices", f"device {ids} no longer reported: not in the totals"))
 
     def _take_samples(self, pending: list, now: float) -> None:
-        """Add the queued samples that are valid (one check for all of them)."""
-        checked = check_samples([blob for _, _, blob in pending], now)
-        for (rec, dev, _), (blob, problem) in zip(pending, checked, strict=True):
+        """Add the queued samples that are valid and new (one check for all of them) to their
+        devices' timelines and the cluster total."""
+        old = [
+            -math.inf if (tl := rec.timelines.get(dev)) is None else tl.newest
+            for rec, dev, _ in pending
+        ]
+        checked = check_samples([blob for _, _, blob in pending], now, old)
+        rows, news, lasts = [], [], []
+        for (rec, dev, _), newest, (new, last, problem) in zip(pending, old, checked, strict=True):
             if problem is not None:
                 kind, text = problem
                 self._problem(rec, [(kind, f"device {dev!r}: {text}")], now)
-            if blob:
-                self._add_samples(rec, dev, blob)
+            if not new:
+                continue
+            tl = rec.timelines.get(dev)
+            if tl is None:
+                tl = rec.timelines[dev] = self._new_timeline()
+            if tl.newest == newest:  # as checked: appended as it is (merged by the poller)
+                tl.levels[0] += new
+                tl.newest = last
+            elif not (new := tl.extend_packed(new)):  # the same device twice in the batch
+                continue
+            if tl.overflowing:
+                self._full.append(tl)
+            row = rec.rows.get(dev)
+            if row is None:
+                row = rec.rows[dev] = self._total.add_row()
+            rows.append(row)
+            news.append(new)
+            lasts.append(tl.newest)
+        if rows:
+            self._total.add(rows, news, lasts)
 
     def _problem(self, rec: _WorkerRecord, problems: list[tuple[str, str]], now: float) -> None:
         """Show ``problems`` (``(kind, text)``) as the worker's error; log each kind once per
@@ -460,20 +484,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
         return rec
-
-    def _add_samples(self, rec: _WorkerRecord, dev: str, samples: bytes) -> None:
-        """Packed samples, checked (``validate.check_samples``)."""
-        tl = rec.timelines.get(dev)
-        if tl is None:
-            tl = rec.timelines[dev] = self._new_timeline()
-        new = tl.extend_packed(samples)
-        if tl.overflowing:
-            self._full.append(tl)  # merged by the poller, a batch of devices at a time
-        if new:
-            row = rec.rows.get(dev)
-            if row is None:
-                row = rec.rows[dev] = self._total.add_row()
-            self._total.add(row, new, tl.newest)
 
     # -- queries ------------------------------------------------------------------------------
 

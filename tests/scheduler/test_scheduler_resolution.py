@@ -147,7 +147,7 @@ def test_cluster_total_equals_the_peak_of_the_summed_full_resolution_timelines(s
         sent[d] += 1
         first = timelines[d].extend(beat)
         if first * 24 < len(beat):
-            total.add(rows[d], beat[first * 24 :], timelines[d].newest)
+            total.add([rows[d]], [beat[first * 24 :]], [timelines[d].newest])
         if step % 7 == 0:
             total.advance(now=0.0)
     raw = [s[1] for s in streams]
@@ -165,10 +165,10 @@ def test_cluster_total_equals_the_peak_of_the_summed_full_resolution_timelines(s
 def test_cluster_total_counts_a_stopped_device_as_zero_after_its_last_sample():
     total = ClusterTotal(Timeline(64), max_lag=1e9)
     a, b = total.add_row(), total.add_row()
-    total.add(a, pack_samples([[1.0, 100, 100]]), 1.0)
-    total.add(b, pack_samples([[0.5, 50, 50]]), 0.5)
+    total.add([a], [pack_samples([[1.0, 100, 100]])], [1.0])
+    total.add([b], [pack_samples([[0.5, 50, 50]])], [0.5])
     total.stop(a)
-    total.add(b, pack_samples([[3.0, 70, 70]]), 3.0)
+    total.add([b], [pack_samples([[3.0, 70, 70]])], [3.0])
     total.advance(now=0.0)
     pts = total.snapshot().points()[1]
     assert pts["m"].tolist() == [50, 150, 50, 70] and total.peak == 150
@@ -181,7 +181,7 @@ def test_cluster_total_rows_are_reused_so_memory_stays_bounded_as_workers_come_a
         rows = [total.add_row() for _ in range(4)]
         for r in rows:
             t += 1.0
-            total.add(r, pack_samples([[t, 10, 10]]), t)
+            total.add([r], [pack_samples([[t, 10, 10]])], [t])
         for r in rows:
             total.stop(r)
             total.release(r)
@@ -210,8 +210,8 @@ def test_above_exact_rows_the_sum_takes_a_bucket_a_device_and_never_lowers_the_p
                 current = rng.randrange(1 << 20)
                 batch.append([clock[i], current, current + rng.randrange(1 << 16)])
             raw[i] += batch
-            exact.add(e, pack_samples(batch), clock[i])
-            coarse.add(c, pack_samples(batch), clock[i])
+            exact.add([e], [pack_samples(batch)], [clock[i]])
+            coarse.add([c], [pack_samples(batch)], [clock[i]])
         exact.advance(1e9 + beat)
         coarse.advance(1e9 + beat)
     (peak_e, pts_e), (peak_c, pts_c) = exact.snapshot().points(), coarse.snapshot().points()

@@ -457,8 +457,8 @@ def test_the_cluster_total_merges_what_waits_for_a_device_ahead():
     now = 1e9
     for i in range(1000):
         now += 0.5
-        total.add(ahead, pack_samples([[now + 1000, i, i]]), now + 1000)
-        total.add(behind, pack_samples([[now, i, i]]), now)
+        total.add([ahead], [pack_samples([[now + 1000, i, i]])], [now + 1000])
+        total.add([behind], [pack_samples([[now, i, i]])], [now])
         total.advance(now)
         assert len(total._waiting) <= MAX_WAITING_ARRAYS + 1
     assert total.waiting == 1000
@@ -469,7 +469,7 @@ def test_an_int64_cluster_sum_saturates_instead_of_wrapping():
     rows = [total.add_row() for _ in range(4)]
     big = 2**62
     for r in rows:
-        total.add(r, pack_samples([[1e9, big, big]]), 1e9)
+        total.add([r], [pack_samples([[1e9, big, big]])], [1e9])
     total.advance(1e9 + 100)
     peak, points = total.snapshot().points()
     assert points["c"][-1] > 0 and peak > 0
@@ -528,6 +528,37 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     assert checked.problems == []
     assert all(checked.metrics["devices"][d] is beat["devices"][d] for d in ("0", "1"))
     assert checked.samples == [(d, device["samples"]) for d in ("0", "1")]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("current_bytes", "x" * 100_000),
+        ("gpu_name", list(range(100_000))),
+        ("task_groups", [["g", 1, 2]] * 100_000),
+        ("task_groups", [["g" * 100_000, 1, 2]]),
+        ("libraries", [[["nested"], 1, 0, 0]]),
+        ("paused", {f"k{i}": i for i in range(100_000)}),
+        ("samples", "0" * 48),
+    ],
+)
+def test_a_heartbeat_of_known_field_names_is_still_bounded_value_by_value(field, value):
+    """Heartbeats with the field names of one already within the bounds are checked a few C
+    calls at a time: a value of another kind or size under the same names is still bounded."""
+    from dask_rmm.scheduler.validate import check_metrics
+    from dask_rmm.wire import DeviceSample
+
+    now = time.time()
+    device = DeviceSample(current_bytes=MiB, error=None).to_dict() | {"error": None, "x": None}
+    device["samples"] = pack_samples([[now, MiB, MiB]])
+    for _ in range(2):  # the second time, by the names learnt from the first
+        checked = check_metrics(_beat({"0": dict(device), "1": dict(device)}), now)
+        assert checked.problems == [] and len(checked.samples) == 2
+    bad = _beat({"0": dict(device), "1": device | {field: value}})
+    checked = check_metrics(bad, now)
+    assert any("device '1'" in text for _, text in checked.problems), checked.problems
+    kept = checked.metrics["devices"]["1"].get(field)
+    assert kept is None or len(kept) <= 1024 + 3, (field, len(kept))
 
 
 # -- every field bounded at the door --------------------------------------------------------------
