@@ -30,6 +30,7 @@ from dask_rmm.mr.size_classes import (
     SEARCH_CLASS,
     UNIT_SHIFT,
     class_floor,
+    drain_cache,
 )
 from dask_rmm.mr.stream_order import stream_ordered
 from dask_rmm.sizes import format_bytes, parse_device_bytes
@@ -276,20 +277,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             self._return_superblock(arena, sb)
 
     def _steal_caches(self) -> list[tuple[int, int]]:
-        """Take every cached block out of the caches: ``(ptr, size)`` pairs (lock held).
-
-        One pop at a time: lock-free callers may pop or append meanwhile."""
-        stolen = []
-        for caches in self._caches.values():
-            for c in compress(CLASS_INDEXES, caches):
-                cached = caches[c]
-                size = class_floor(c) << UNIT_SHIFT
-                while cached:
-                    try:
-                        stolen.append((cached.pop(), size))
-                    except IndexError:
-                        break
-        return stolen
+        """Take every cached block out of the caches: ``(ptr, size)`` pairs (lock held)."""
+        return [block for caches in self._caches.values() for block in drain_cache(caches)]
 
     def _cached_bytes(self) -> tuple[int, int]:
         """Bytes in the caches and the largest cached block (lock held)."""

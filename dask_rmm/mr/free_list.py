@@ -5,15 +5,13 @@ stream's list serves a request, growth, locking (pool.py), the size classes (siz
 from __future__ import annotations
 
 from collections.abc import Container, Hashable
-from itertools import compress
 
 from dask_rmm.mr.size_classes import (
-    CLASS_INDEXES,
     INSERT_CLASS,
     N_CLASSES,
     TABLE_UNITS,
     UNIT_SHIFT,
-    class_floor,
+    drain_cache,
     insert_class,
     search_class,
 )
@@ -158,19 +156,9 @@ class FreeList:
     def flush_cache(self) -> bool:
         """Merge every cached block into the coalescing lists; True when any was cached."""
         flushed = False
-        cache = self.cache
-        for c in compress(CLASS_INDEXES, cache):  # the non-empty classes, found in C
-            size = class_floor(c) << UNIT_SHIFT
-            cached = cache[c]
-            # One pop at a time: lock-free callers may pop or append meanwhile, and each block
-            # must end up in exactly one place.
-            while cached:
-                try:
-                    ptr = cached.pop()
-                except IndexError:
-                    break
-                self.insert(ptr, size)
-                flushed = True
+        for ptr, size in drain_cache(self.cache):
+            self.insert(ptr, size)
+            flushed = True
         return flushed
 
     def holds(self, ptr: int) -> bool:

@@ -3,6 +3,9 @@ the lookup tables the fast paths index. Not here: the free lists that use them (
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import compress
+
 from dask_rmm.sizes import ALIGNMENT
 
 __all__ = [
@@ -17,6 +20,7 @@ __all__ = [
     "TABLE_UNITS",
     "UNIT_SHIFT",
     "class_floor",
+    "drain_cache",
     "insert_class",
     "search_class",
     "units",
@@ -68,6 +72,21 @@ def class_floor(c: int) -> int:
     if c < _EXACT:
         return c
     return ((c & ((1 << SUBCLASS_BITS) - 1)) + (1 << SUBCLASS_BITS)) << ((c >> SUBCLASS_BITS) - 1)
+
+
+def drain_cache(cache: list[list[int]]) -> Iterator[tuple[int, int]]:
+    """Take every block out of a per-class cache (the pool's and the arena's): ``(ptr, its
+    class floor in bytes)``, one ``pop`` at a time (lock-free callers may pop or append
+    meanwhile, and each block must end up in exactly one place)."""
+    for c in compress(CLASS_INDEXES, cache):  # the non-empty classes, found in C
+        size = class_floor(c) << UNIT_SHIFT
+        cached = cache[c]
+        while cached:
+            try:
+                ptr = cached.pop()
+            except IndexError:
+                break
+            yield ptr, size
 
 
 def _class_tables() -> tuple[list[int], list[int], list[int]]:
