@@ -238,14 +238,14 @@ class DeviceSample:
     @property
     def in_array_bytes(self) -> int:
         """``current_bytes`` less what library caches hold free: bytes in arrays."""
-        return max(0, self.current_bytes - self.library_cached_bytes)
+        return max(0, (self.current_bytes or 0) - self.library_cached_bytes)
 
     @property
     def direct_bytes(self) -> int:
         """Of ``current_bytes``, what no library cache in front of the stack drew: DeviceBuffers,
         Numba arrays and the exact per-allocation paths."""
         drawn = sum(x.held_bytes for x in self.libraries if not x.outside_stack)
-        return max(0, self.current_bytes - drawn)
+        return max(0, (self.current_bytes or 0) - drawn)
 
     @property
     def outside_dask_rmm_bytes(self) -> int | None:
@@ -257,7 +257,7 @@ class DeviceSample:
         included. None without a device figure (host memory, or an old worker)."""
         if self.device_total_bytes <= 0:
             return None
-        held = self.reserved_bytes + self.library_outside_bytes + self.retired_bytes
+        held = (self.reserved_bytes or 0) + self.library_outside_bytes + self.retired_bytes
         used = self.process_used_bytes if self.outside_measured else self.device_used_bytes
         return max(0, used - held)
 
@@ -278,7 +278,7 @@ class DeviceSample:
             parts.append((f"{x.library} in use", x.in_use_bytes))
             parts.append((f"{x.library} cache free", x.cached_bytes))
         parts.append(("other allocations", self.direct_bytes))
-        parts.append(("pool free", max(0, self.reserved_bytes - self.current_bytes)))
+        parts.append(("pool free", max(0, (self.reserved_bytes or 0) - (self.current_bytes or 0))))
         if self.retired_bytes:
             parts.append(("retired stacks", self.retired_bytes))
         outside = self.outside_dask_rmm_bytes
@@ -294,12 +294,13 @@ class DeviceSample:
     @property
     def fragmentation(self) -> float | None:
         """:func:`fragmentation` of this device's pool (None: nothing of it in use)."""
-        return fragmentation(self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
+        sizes = (self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
+        return fragmentation(*(n or 0 for n in sizes))  # None (not measured) as 0: None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (``fragmentation`` included for readers without this class)."""
         out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
-        out["task_groups"] = [list(g) for g in self.task_groups]
+        out["task_groups"] = [list(g) for g in self.task_groups or ()]
         out["libraries"] = [
             [x.library, x.in_use_bytes, x.cached_bytes, int(x.outside_stack)]
             for x in self.libraries

@@ -321,7 +321,7 @@ def advise_from_report(report: ClusterMemoryReport) -> list[Advice]:
 
 
 def _advise_device(d: DeviceMemory) -> Advice:
-    peak = max(d.peak_bytes, d.timeline_peak)
+    peak = max(d.peak_bytes or 0, d.timeline_peak)
     verdicts = [e.get("verdict") for e in d.oom_events]
     notes: list[str] = []
     if d.unmeasured:  # statistics=False: the peak in use is not measured
@@ -364,7 +364,7 @@ def _advise_device(d: DeviceMemory) -> Advice:
             "needed more than the pool could get; consider device_memory_limit= and "
             "spill_on_oom=True"
         )
-    required = max(d.reserved_bytes, peak) if fragmenting else None
+    required = max(d.reserved_bytes or 0, peak) if fragmenting else None
     on_device = d.gpu_name != "host" and d.device_total_bytes > 0
     if d.status != "running":
         notes.append("this worker has left")

@@ -252,15 +252,17 @@ def _task_groups(
     before = {
         (d.worker, d.device, prefix): peak
         for d in (begin.devices if begin is not None else ())
-        for prefix, _, peak in d.task_groups
+        for prefix, _, peak in d.task_groups or ()
     }
     in_block = {  # a group whose peak on some device changed during the block
         prefix
         for d in end.devices
-        for prefix, _, peak in d.task_groups
+        for prefix, _, peak in d.task_groups or ()
         if before.get((d.worker, d.device, prefix)) != peak
     }
-    peaks = [(d.label, prefix, peak) for d in end.devices for prefix, _, peak in d.task_groups]
+    peaks = [
+        (d.label, prefix, peak) for d in end.devices for prefix, _, peak in d.task_groups or ()
+    ]
     if not peaks:
         return out + ["<p>No task-group attribution (statistics off, or no tasks ran).</p>"]
     rows = [

@@ -48,6 +48,9 @@ class DeviceMemory(DeviceSample):
     the scheduler first saw the worker's name: across re-registrations (each makes a new
     resource, whose own peak starts at 0) and restarts (``restarts`` counts the processes
     before this one).
+
+    What the device did not measure (``statistics=False``: :attr:`unmeasured`, and then
+    ``task_groups``) reads None, as in the JSON, never 0.
     """
 
     worker: str = ""
@@ -57,6 +60,12 @@ class DeviceMemory(DeviceSample):
     timeline: tuple[tuple[float, int, int], ...] = ()
     last_seen: float | None = None
     restarts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.unmeasured:
+            object.__setattr__(self, name, None)
+        if self.unmeasured:
+            object.__setattr__(self, "task_groups", None)
 
     def with_peak(self, peak_bytes: int) -> DeviceMemory:
         """This entry with ``peak_bytes`` replaced."""
@@ -81,8 +90,6 @@ class DeviceMemory(DeviceSample):
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
         """This device's entry in the report document (the wire fields plus ``timeline``)."""
         out = super().to_dict()
-        for name in self.unmeasured:  # statistics=False: not measured, not 0
-            out[name] = None
         if self.unmeasured:
             out["task_groups"] = None
         if timeline:
@@ -149,6 +156,10 @@ class ClusterTotals:
     #: sums of in use and reserved bytes leave them out, so they are "n/a" too.
     unmeasured_current_devices: int = 0
 
+    def __post_init__(self) -> None:  # what leaves devices out reads None, as in the JSON
+        for name in self.unmeasured:
+            object.__setattr__(self, name, None)
+
     @property
     def unmeasured(self) -> tuple[str, ...]:
         """The totals that leave devices out (``statistics=False``): "n/a"."""
@@ -160,10 +171,7 @@ class ClusterTotals:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        for name in self.unmeasured:
-            out[name] = None
-        return out
+        return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterTotals | None:
@@ -329,12 +337,12 @@ class ClusterMemoryReport:
             gone_workers=len({d.worker for d in self.gone}),
             devices=len(run),
             peak_bytes=peak_of_sum(d.timeline for d in run),
-            sum_of_device_peaks=sum(d.peak_bytes for d in run),
-            largest_free_block=max((d.largest_free_block for d in run), default=0),
+            sum_of_device_peaks=sum(d.peak_bytes or 0 for d in run),
+            largest_free_block=max((d.largest_free_block or 0 for d in run), default=0),
             paused_devices=sum(1 for d in run if d.paused),
             unmeasured_devices=sum(1 for d in run if d.unmeasured),
             unmeasured_current_devices=sum(1 for d in run if "current_bytes" in d.unmeasured),
-            **{k: sum(getattr(d, k) for d in run) for k in SUMMED_FIELDS},
+            **{k: sum(getattr(d, k) or 0 for d in run) for k in SUMMED_FIELDS},
         )
 
     @property
@@ -351,7 +359,7 @@ class ClusterMemoryReport:
         """``{prefix: {worker/device label: peak bytes}}``, prefixes by their largest sum first."""
         out: dict[str, dict[str, int]] = {}
         for d in self.devices:
-            for prefix, _current, peak in d.task_groups:
+            for prefix, _current, peak in d.task_groups or ():
                 out.setdefault(prefix, {})[d.label] = peak
         return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
 
@@ -408,10 +416,7 @@ class ClusterMemoryReport:
                 "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
                 "(or pip install 'dask-rmm[report]')"
             ) from e
-        rows = [
-            {k: None if k in d.unmeasured else getattr(d, k) for k in _FRAME_COLUMNS}
-            for d in self.devices
-        ]
+        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
         libraries = sorted({x.library for d in self.devices for x in d.libraries})
         for row, d in zip(rows, self.devices, strict=True):
             row["direct_bytes"] = d.direct_bytes
@@ -624,7 +629,7 @@ class ClusterMemoryReport:
         t = self.totals
         return (
             f"<ClusterMemoryReport: {t.workers} workers ({t.gone_workers} gone), {t.devices} devices, "
-            f"{format_bytes(t.current_bytes)} used, {format_bytes(t.reserved_bytes)} reserved>"
+            f"{_bytes(t.current_bytes)} used, {_bytes(t.reserved_bytes)} reserved>"
         )
 
     def to_html(
@@ -870,6 +875,11 @@ def _worker_label(d: Any) -> str:
     if d.name and d.name not in (d.worker, short):
         return f"{short} ({d.name})"
     return short
+
+
+def _bytes(n: int | None) -> str:
+    """:func:`format_bytes`, "n/a" for a figure not measured (None)."""
+    return "n/a" if n is None else format_bytes(n)
 
 
 def _top_groups(d: DeviceMemory, n: int = 3) -> str:

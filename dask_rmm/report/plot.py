@@ -61,9 +61,13 @@ def plot_report(report: ClusterMemoryReport, path: str | None = None, *, top_tas
         ax_g.text(0.5, 0.5, "no task-group attribution", ha="center", transform=ax_g.transAxes)
 
     t = report.totals
+    # statistics=False leaves figures out of the totals (None): not measured
+    used = "n/a" if t.current_bytes is None else format_bytes(t.current_bytes)
+    reserved = "n/a" if t.reserved_bytes is None else format_bytes(t.reserved_bytes)
+    failed = "n/a" if t.failed_allocations is None else t.failed_allocations
     fig.suptitle(
-        f"dask-rmm cluster memory: {t.workers} workers, {format_bytes(t.current_bytes)} used, "
-        f"{format_bytes(t.reserved_bytes)} reserved, {t.failed_allocations} failed allocations"
+        f"dask-rmm cluster memory: {t.workers} workers, {used} used, {reserved} reserved, "
+        f"{failed} failed allocations"
     )
     if path is not None:
         save_figure(fig, path, dpi=100)

@@ -43,6 +43,13 @@ def test_statistics_off_says_what_is_not_measured_everywhere(measured):
         report = await cluster_report(c)
         (d,) = report.devices
         assert d.measured == measured and set(STATISTICS_ONLY) <= set(d.unmeasured)
+        # the Python objects read None where the JSON has null (they read 0, and no groups)
+        assert d.task_groups is None and all(getattr(d, n) is None for n in d.unmeasured)
+        t = report.totals
+        assert t.peak_bytes is None and t.failed_allocations is None and t.total_bytes is None
+        assert all(getattr(t, n) is None for n in t.unmeasured)
+        assert (t.current_bytes is None) == (measured == "none")
+        assert ("n/a used" in repr(report)) == (measured == "none"), repr(report)
 
         text = str(report)
         row = next(line for line in text.splitlines() if " running " in line)
@@ -65,6 +72,10 @@ def test_statistics_off_says_what_is_not_measured_everywhere(measured):
             assert (entry[name] is None) == (measured == "none"), name
         again = ClusterMemoryReport.from_dict(document)
         assert again.devices[0].unmeasured == d.unmeasured and "n/a" in str(again)
+        assert again.devices[0] == d and again.totals == t
+        if pytest.importorskip("matplotlib"):
+            title = report.plot().get_suptitle()
+            assert "n/a failed allocations" in title, title
 
         frame = pytest.importorskip("pandas") and report.to_frame()
         assert frame["measured"].tolist() == [measured]
