@@ -13,20 +13,10 @@ __all__ = ["JOURNAL_LIMIT", "AllocationCounters", "OwnerAccounts"]
 
 
 class AllocationCounters:
-    """Allocation counters a :class:`~dask_rmm.mr.pool.PoolMemoryResource` keeps for an observer.
-
-    Part of the pool's instrumentation interface
-    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.count_allocations`). Sizes are the sizes
-    callers asked for. Current values are derived: ``current_bytes = total_bytes -
-    freed_bytes``.
-
-    The pool does not update the numbers on every call: it appends each counted allocation's
-    size, and each counted free's negated size, to :attr:`journal` (one atomic ``list.append``,
-    so the pool's cached fast path stays lock-free while counting), and :meth:`settle` folds the
-    journal into the numbers in order, peaks included (with NumPy for long journals). Readers
-    hold :attr:`~dask_rmm.mr.pool.PoolMemoryResource.instrumentation_lock` and call
-    :meth:`settle` before reading; the pool settles on its own when the journal reaches
-    :data:`JOURNAL_LIMIT` entries.
+    """Allocation counters a :class:`~dask_rmm.mr.pool.PoolMemoryResource` (or a statistics
+    adaptor on its own) keeps for an observer, journaled (docs/internals.md, Statistics): readers
+    hold the instrumentation lock and call :meth:`settle` first. Sizes are those callers asked
+    for; ``current_bytes = total_bytes - freed_bytes``.
 
     Attributes
     ----------
