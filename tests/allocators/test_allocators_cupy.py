@@ -496,10 +496,13 @@ def test_a_failing_watcher_never_fails_an_allocation(host_cupy, host_stats, unwa
     cupy_hook.watch_cupy_allocations("broken", broken)
     with caplog.at_level("WARNING", logger="dask_rmm.allocators.cupy"):
         arrays = [cupy.empty(256, dtype="uint8") for _ in range(3)]
-    assert len(arrays) == 3 and host_stats.allocation_counts.current_bytes == 768
-    assert [r.getMessage() for r in caplog.records].count(
-        f"dask-rmm: watching a CuPy allocation failed ({broken!r})"
-    ) == 1
+        sizes = []
+        cupy_hook.watch_cupy_allocations("other", sizes.append)  # still told
+        arrays += [cupy.empty(256, dtype="uint8") for _ in range(2)]
+    assert len(arrays) == 5 and host_stats.allocation_counts.current_bytes == 5 * 256
+    assert sizes == [256, 256]
+    failed = f"dask-rmm: watching a CuPy allocation failed ({broken!r})"
+    assert [r.getMessage() for r in caplog.records].count(failed) == 1
 
 
 def test_an_allocator_set_outside_dask_rmm_while_watched_is_left_in_place(unwatched):
