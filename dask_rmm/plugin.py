@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import os
+import pickle
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -343,12 +344,12 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         it is still the scheduler's registration of the plugin, and whether this worker joined
         after the registration succeeded on the others. An uncoordinated plugin (the preload)
         decides alone."""
-        from distributed.protocol.pickle import dumps
-
         try:
             if self.coordinated:
                 await worker.scheduler.register_scheduler_plugin(
-                    plugin=dumps(SetupCoordinator()), name=SetupCoordinator.name, idempotent=True
+                    plugin=pickle.dumps(SetupCoordinator()),
+                    name=SetupCoordinator.name,
+                    idempotent=True,
                 )
                 answer = await worker.scheduler.dask_rmm_setup_vote(
                     token=self.token, name=self.name, worker=worker.address, error=error,
