@@ -481,6 +481,9 @@ def test_setting_and_resetting_the_allocator_keeps_the_watch(host_cupy, host_sta
     assert sizes == [512] and host_stats.allocation_counts.current_bytes == 512
     cupy_hook.set_cupy_allocator()  # the cache: what it wraps is the pool's malloc
     assert cupy.cuda.get_allocator().__wrapped__ == cupy_hook.get_cupy_cache().pool.malloc
+    from dask_rmm.worker.stacks import cupy_allocator_note
+
+    assert cupy_allocator_note().startswith("CuPy allocates through its own MemoryPool over")
     cupy_hook.reset_cupy_allocator()
     assert cupy.cuda.get_allocator().__wrapped__ is unwatched
     cupy_hook.unwatch_cupy_allocations("me")
