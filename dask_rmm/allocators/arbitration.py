@@ -13,11 +13,12 @@ tells the one such error whose allocation could not be retried in place (PyTorch
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dask_rmm.allocators import caches
@@ -58,14 +59,7 @@ class RoomMade:
         return sum(self.released.values()) + self.spilled
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "requested": self.requested,
-            "library": self.library,
-            "released": dict(self.released),
-            "spilled": self.spilled,
-            "time": self.time,
-        }
+        return asdict(self)
 
 
 def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> RoomMade:
@@ -93,10 +87,7 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
         handler = caches.oom_handler(device)
         need = int(nbytes) - sum(by_libraries.values())
         if handler is not None and need > 0:
-            try:
-                spilled = int(handler(need) or 0)
-            except Exception:
-                caches.logger.warning("dask-rmm: spilling for %s failed", library, exc_info=True)
+            spilled = caches.bytes_or_zero(handler, need, failed=f"spilling for {library}")
         if spilled:
             # Spilled arrays of a library free into that library's cache: give those back too.
             for name, n in caches.release_cached_by_library(device).items():
@@ -105,11 +96,9 @@ def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> 
         # A library beside the stack (PyTorch's cap): the pool's free chunks make its room.
         give = getattr(cache, "make_room", None) if cache.name == library else None
         if give is not None:
-            try:
-                n = int(give(device, int(nbytes)) or 0)
-            except Exception:
-                caches.logger.warning("dask-rmm: making room for %s failed", library, exc_info=True)
-                n = 0
+            n = caches.bytes_or_zero(
+                functools.partial(give, device), int(nbytes), failed=f"making room for {library}"
+            )
             if n:
                 released["pool"] = released.get("pool", 0) + n
     record = RoomMade(device, int(nbytes), str(library), released, spilled, time.time())

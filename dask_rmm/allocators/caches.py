@@ -149,11 +149,11 @@ def release_cached(device: int) -> int:
     return sum(release_cached_by_library(device).values())
 
 
-def _bytes_or_zero(call: Callable[[int], Any], arg: int, *, failed: str) -> int:
-    """``int(call(arg))``: bytes a cache gave back or a library spilled; 0 (logged with
-    ``failed``) when it raises, so that making room never fails on one library."""
+def bytes_or_zero(call: Callable[[int], Any], arg: int, *, failed: str) -> int:
+    """``int(call(arg))``: bytes a cache gave back or a library spilled (None: 0); 0 (logged
+    with ``failed``) when it raises, so that making room never fails on one library."""
     try:
-        return int(call(arg))
+        return int(call(arg) or 0)
     except Exception:
         logger.warning("dask-rmm: %s failed", failed, exc_info=True)
         return 0
@@ -167,7 +167,7 @@ def release_cached_by_library(device: int, *, outside: bool = True) -> dict[str,
     for cache in library_caches():
         if not outside and _is_outside(cache):
             continue
-        n = _bytes_or_zero(cache.release, device, failed=f"releasing the {cache.name} cache")
+        n = bytes_or_zero(cache.release, device, failed=f"releasing the {cache.name} cache")
         if n > 0:
             released[cache.name] = released.get(cache.name, 0) + n
     return released
@@ -252,7 +252,7 @@ def spill_libraries(nbytes: int) -> dict[str, int]:
         left = int(nbytes) - sum(spilled.values())
         if left <= 0:
             break
-        n = _bytes_or_zero(library.spill, left, failed=f"{library.name}'s spilling")
+        n = bytes_or_zero(library.spill, left, failed=f"{library.name}'s spilling")
         if n > 0:
             spilled[library.name] = n
     return spilled
