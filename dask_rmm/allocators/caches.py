@@ -88,19 +88,23 @@ def library_caches() -> list[LibraryCache]:
         return list(_caches)
 
 
+def _told(cache: Any, method: str, device: int) -> int:
+    """``cache.<method>(device)`` as an int; 0 when the cache cannot tell (logged at debug
+    level): reading the caches never raises."""
+    try:
+        return int(getattr(cache, method)(device))
+    except Exception:
+        logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
+        return 0
+
+
 def cached_bytes(device: int) -> dict[str, int]:
     """Free bytes each library's cache inside the stack holds from ``device``'s stack, by
-    library name. Never raises: a cache that cannot tell counts 0 (logged at debug level)."""
+    library name."""
     out: dict[str, int] = {}
     for cache in library_caches():
-        if _is_outside(cache):
-            continue
-        try:
-            n = int(cache.cached_bytes(device))
-        except Exception:
-            logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
-            n = 0
-        out[cache.name] = out.get(cache.name, 0) + n
+        if not _is_outside(cache):
+            out[cache.name] = out.get(cache.name, 0) + _told(cache, "cached_bytes", device)
     return out
 
 
@@ -130,17 +134,8 @@ def library_bytes(device: int) -> dict[str, LibraryBytes]:
 
 def outside_in_use_bytes(device: int) -> int:
     """Bytes in the objects of caches outside the stack on ``device`` (PyTorch's tensors): what
-    a device memory limit counts beside the stack's own. Never raises."""
-    total = 0
-    for cache in library_caches():
-        if _is_outside(cache):
-            try:
-                total += int(cache.in_use_bytes(device))  # type: ignore[attr-defined]
-            except Exception:
-                logger.debug(
-                    "dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True
-                )
-    return total
+    a device memory limit counts beside the stack's own."""
+    return sum(_told(c, "in_use_bytes", device) for c in library_caches() if _is_outside(c))
 
 
 def release_cached(device: int) -> int:
