@@ -271,10 +271,12 @@ def _member(enum: str, name: str):
     return member
 
 
-def get_device_attribute(name: str, device: int | None = None) -> int:
-    """Attribute ``name`` (``"PageableMemoryAccess"``: ``cudaDevAttr`` left out) of ``device``
-    (default: the current one)."""
-    attr = _member("cudaDeviceAttr", name)
+def get_device_attribute(attr: Any, device: int | None = None) -> int:
+    """Attribute ``attr`` of ``device`` (default: the current one): a ``cudaDeviceAttr`` member,
+    as RMM's ``getDeviceAttribute`` takes it, or its name without ``cudaDevAttr``
+    (``"PageableMemoryAccess"``)."""
+    if isinstance(attr, str):
+        attr = _member("cudaDeviceAttr", attr)
     require_cuda("cudaDeviceGetAttribute")
     device = get_device() if device is None else _check_device(device)
     return int(check(_rt().cudaDeviceGetAttribute(attr, device), "cudaDeviceGetAttribute"))

@@ -62,6 +62,17 @@ def test_bad_arguments_refused_before_cuda():
         _cuda.mem_pool_get_attribute(0, "Bogus")
 
 
+def test_a_device_attribute_is_also_taken_as_rmms_enum():
+    from cuda.bindings import runtime
+
+    attr = runtime.cudaDeviceAttr.cudaDevAttrManagedMemory  # tools/rmm_compat passes these
+    if _cuda.is_available():
+        assert _cuda.get_device_attribute(attr) in (0, 1)
+    else:
+        with pytest.raises(CUDAUnavailableError):
+            _cuda.get_device_attribute(attr)
+
+
 # Every wrapper, called the way a caller would; without a GPU each must raise the one clear error.
 CALLS = {
     "get_device": lambda: _cuda.get_device(),
@@ -124,7 +135,10 @@ def test_device_queries():
     free_bytes, total = _cuda.mem_get_info()
     assert 0 < free_bytes <= total == _cuda.device_total_memory(d)
     assert _cuda.get_device_attribute("ManagedMemory") in (0, 1)
-    assert _cuda.get_device_attribute("MultiProcessorCount") > 0
+    from cuda.bindings import runtime
+
+    # RMM's getDeviceAttribute takes the enum (tools/rmm_compat maps it to this function)
+    assert _cuda.get_device_attribute(runtime.cudaDeviceAttr.cudaDevAttrMultiProcessorCount) > 0
 
 
 @pytest.mark.gpu
