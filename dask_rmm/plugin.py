@@ -27,6 +27,7 @@ from dask_rmm.worker.metrics import (
     WorkerMetrics,
     add_periodic,
     remove_periodic,
+    send_metrics,
 )
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
@@ -290,8 +291,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
                 exc_info=True,
             )
         if self.coordinated:  # a report right after register_plugin shows this setup
-            from dask_rmm.worker.metrics import send_metrics
-
             await send_metrics(worker)
 
     def _hint(self, e: Exception) -> str:
@@ -403,7 +402,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             else:
                 worker.loop.add_callback(ws.remove_released)
         if worker.status.name == "running":  # a report right after no longer shows this setup
-            worker.loop.add_callback(worker.heartbeat)
+            worker.loop.add_callback(send_metrics, worker)
         self._worker = None
 
     @property

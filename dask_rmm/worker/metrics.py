@@ -65,15 +65,17 @@ _unsent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 async def send_metrics(worker: Worker) -> bool:
     """Send ``worker``'s dask-rmm heartbeat entry to the scheduler now and return once it was
     read there (False: not sent, the next heartbeat brings it), so that a report right after
-    a change shows it. Never calls ``Worker.heartbeat``: one beside the periodic heartbeat,
-    while that one waits on an awaitable metric (distributed's ``gpu`` one, with NVML),
-    fails distributed's spans check and closes the worker. Never raises."""
+    a change shows it; without one (torn down) the scheduler forgets the worker's numbers.
+    Never calls ``Worker.heartbeat``: one beside the periodic heartbeat, while that one
+    waits on an awaitable metric (distributed's ``gpu`` one, with NVML), fails distributed's
+    spans check and closes the worker. Never raises."""
     metric = worker.metrics.get(METRICS_KEY)
-    if metric is None or worker.status.name != "running":
+    if worker.status.name != "running":
         return False
     try:
         handler = getattr(worker.scheduler, wire.METRICS_HANDLER)
-        return bool(await handler(address=worker.contact_address, metrics=metric(worker)))
+        entry = None if metric is None else metric(worker)
+        return bool(await handler(address=worker.contact_address, metrics=entry))
     except Exception as e:  # a scheduler without dask-rmm's plugin, a closed comm
         logger.debug("dask-rmm: metrics not sent at once (%s); the next heartbeat brings them", e)
         return False

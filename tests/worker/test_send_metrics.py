@@ -23,7 +23,7 @@ async def _reserved(c) -> list[int]:
 async def test_a_change_while_a_heartbeat_waits_on_an_awaitable_metric_keeps_the_worker(c, s, a):
     """distributed's ``gpu`` metric (NVML) is awaitable: a heartbeat waits there after taking
     the spans' digests. A second heartbeat started then (dask-rmm sent one after a setup, a
-    trim and a flush) failed distributed's spans check and closed the worker."""
+    trim and a flush, and a teardown) failed distributed's spans check and closed the worker."""
     from dask_rmm import release_unused
 
     a.periodic_callbacks["heartbeat"].stop()  # the one heartbeat below is the periodic one
@@ -40,6 +40,8 @@ async def test_a_change_while_a_heartbeat_waits_on_an_awaitable_metric_keeps_the
     await c.register_plugin(RMMPlugin(base_resource="system", pool_size="8MiB"))
     assert await _reserved(c) == [8 * MiB]  # shown at once, the heartbeat still waiting
     await release_unused(c)
+    await c.unregister_worker_plugin("dask-rmm")
+    assert await _reserved(c) == []  # gone at once too
     gate.set()
     await beat
     assert a.status.name == "running"
