@@ -94,51 +94,29 @@ def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
 class RMMOptions:
     """What a worker's (or ``reinitialize``'s) memory setup is made of, checked once.
 
-    Sizes are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
+    The fields are the options of docs/workers.md's table (the config keys of
+    dask-rmm-schema.yaml, ``_`` written ``-``), plus ``pool_allocator`` (true whenever
+    ``pool_size`` is given) and ``log_file_name`` (``reinitialize(logging=True)``'s file). Sizes
+    are bytes (an int), or fractions of each device's memory (a float in (0, 1]) that
     :func:`build_stack` resolves on the device; both aligned down to 256 bytes there.
     """
 
-    #: Where memory comes from (:data:`BASE_RESOURCES`). With ``"async"`` the pool sizes size
-    #: cudaMallocAsync's own pool (``maximum_pool_size`` is a ``LimitingResourceAdaptor``);
-    #: otherwise a pool is a ``PoolMemoryResource`` over the base.
-    base_resource: str = "cuda"
-    pool_allocator: bool = False  #: suballocate from a pool; true whenever ``pool_size`` is given
-    pool_size: int | float | None = None  #: initial pool size (None: the pool's default)
-    maximum_pool_size: int | float | None = None  #: the largest pool size (None: no limit)
-    #: bytes a pool keeps: with ``"async"`` cudaMallocAsync's release threshold; with a pool,
-    #: free chunks above it go back upstream (on a worker, checked every second)
+    base_resource: str = "cuda"  # one of BASE_RESOURCES
+    pool_allocator: bool = False
+    pool_size: int | float | None = None
+    maximum_pool_size: int | float | None = None
     release_threshold: int | float | None = None
-    #: one CSV allocation log per worker and device in this directory, appended to
     log_directory: str | None = None
-    #: ``reinitialize(logging=True)``'s file (``.dev<id>`` added), instead of a directory
     log_file_name: str | None = None
-    track_allocations: bool = False  #: add a ``TrackingResourceAdaptor``
-    #: a ``StatisticsResourceAdaptor`` (and, on a worker, per-task-prefix attribution) feeding
-    #: the heartbeat metrics
+    track_allocations: bool = False
     statistics: bool = True
-    allocators: tuple[
-        str, ...
-    ] = ()  #: libraries pointed at the resource (:mod:`dask_rmm.allocators`)
-    #: libraries of ``allocators`` whose every allocation goes through the stack (exact
-    #: per-allocation statistics and attribution) rather than through their own compiled cache
-    #: drawing blocks from it (the default for "cupy", "rmm" and "torch"); True: all of them
+    allocators: tuple[str, ...] = ()
     exact_allocators: tuple[str, ...] = ()
-    devices: tuple[int, ...] | None = None  #: devices to set up; None: the current one
-    #: above this many bytes in use (measured by the resource), a worker spills its least
-    #: recently used task outputs to host memory (:mod:`dask_rmm.pressure`)
+    devices: tuple[int, ...] | None = None
     device_memory_limit: int | float | None = None
-    spill_on_oom: bool = False  #: an allocation that fails spills task outputs and is retried
-    #: pause a worker whose bytes in use pass this fraction of the device's capacity (the pool's
-    #: maximum, else the device's memory), like distributed's host ``pause``; only active with
-    #: ``device_memory_limit`` or ``spill_on_oom``
+    spill_on_oom: bool = False
     device_pause_fraction: float | None = 0.8
-    #: a task starts only when its expected peak (learned per task prefix, or given with
-    #: ``dask.annotate(gpu_memory=...)``) fits under the limit beside the running tasks'
-    #: (:mod:`dask_rmm.pressure.admission`)
     memory_admission: bool = False
-    #: a task that failed with PyTorch's own device out-of-memory error (an allocation
-    #: dask-rmm cannot retry in place) runs once more after room is made, unless annotated
-    #: ``dask.annotate(gpu_retry=False)``; only with ``memory_admission``
     oom_retry: bool = True
 
     def __post_init__(self) -> None:
