@@ -1,18 +1,8 @@
-"""RAPIDS interop: serve the compiled RMM library's allocations (cuDF, cuML, ...) from dask-rmm
-(docs/rapids.md); the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`.
-
-:func:`set_rmm_callback_resource` sets each device's resource in the compiled ``rmm`` to
-:class:`RMMPoolCache` (default: RMM's compiled pool drawing its blocks through an
-``rmm.mr.CallbackMemoryResource`` from the device's dask-rmm resource; only its growth runs
-Python) or, with ``cache=False``, to the callback resource alone (two Python calls per
-allocation, each counted, attributed and logged by dask-rmm).
-
-The callbacks (:class:`RMMForwarder`; RMM calls them with the GIL, from any thread) look the
-dask-rmm resource up at every allocation and free each pointer to the resource that allocated
-it. A ``MemoryError`` reaches C++ as ``rmm::out_of_memory`` (cuDF's spilling catches it). A free
-never raises (RMM's deallocate is ``noexcept``): a failure is logged and counted; at interpreter
-shutdown it does nothing; during a garbage collection it is handed to a daemon thread, as the
-collection may have started inside a resource's locked bookkeeping on this very thread.
+"""RAPIDS interop: serve the compiled RMM library's allocations (cuDF, cuML, ...) from dask-rmm,
+the ``"rmm"`` entry of :func:`dask_rmm.allocators.set_allocators`: RMM's compiled pool drawing
+blocks through :class:`RMMForwarder`'s callbacks (:class:`RMMPoolCache`), or the callbacks
+alone (``cache=False``). Streams, out-of-memory errors, frees that never raise and frees during
+a garbage collection: docs/rapids.md, "How it behaves".
 """
 
 from __future__ import annotations
@@ -171,13 +161,8 @@ class RMMForwarder:
         return f"<RMMForwarder device={self.device} live={len(self.live)}>"
 
 
-# -- frees during a garbage collection ----------------------------------------------------------
-#
-# The collector can start in any thread at (almost) any allocation, also while that thread holds
-# a dask-rmm resource's lock for bookkeeping; an RMM buffer it collects then calls deallocate,
-# which would wait for the lock its own thread holds. So frees that arrive while the calling
-# thread is collecting are queued (SimpleQueue.put is safe there) and done by one daemon thread,
-# which simply waits for the lock like any other thread.
+# -- frees during a garbage collection (docs/rapids.md, "Locks"): queued (SimpleQueue.put is
+# safe there) and done by one daemon thread, which waits for the resource's lock like any other.
 
 _gc_state = threading.local()
 _deferred_frees: queue.SimpleQueue = queue.SimpleQueue()
