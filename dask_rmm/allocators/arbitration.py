@@ -1,14 +1,8 @@
-"""Arbitration across libraries: the one order in which room is made on a device when an
-allocation fails in any library drawing from its stack (CuPy, compiled RMM, Numba, PyTorch,
-``DeviceBuffer``): first every library cache gives its free blocks back, then cuDF spills its
-spillable buffers (when its spilling is on), then (with ``spill_on_oom``) task outputs move to
-host memory; the caller then retries. Each time is
-recorded (:class:`RoomMade`: bytes given back per library, bytes spilled).
-
-Also: :func:`is_device_out_of_memory`, which tells a device out-of-memory error of those
-libraries from a host ``MemoryError`` (no library is imported), and :func:`runs_again`, which
-tells the one such error whose allocation could not be retried in place (PyTorch's own). Not here: the caches (:mod:`.caches`), spilling
-(:mod:`dask_rmm.pressure`, which sets the spill handler), retrying a task (the worker side).
+"""Arbitration across libraries (docs/memory-pressure.md): :func:`make_room`, the one order in
+which room is made on a device after an allocation failed in any library drawing from its
+stack, recorded as :class:`RoomMade`; :func:`is_device_out_of_memory` and :func:`runs_again`,
+which tell such errors apart (no library imported). Not here: the caches (:mod:`.caches`),
+spilling (:mod:`dask_rmm.pressure`), retrying a task (the worker side).
 """
 
 from __future__ import annotations

@@ -67,12 +67,8 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
     Only successful allocations are charged; sizes are the sizes the caller asked for.
 
     Over a :class:`PoolMemoryResource` (directly, or through a StatisticsResourceAdaptor the pool
-    counts for) the pool does the charging, through its instrumentation interface
-    (:meth:`PoolMemoryResource.charge_owners` with an :class:`~dask_rmm.mr.pool.OwnerAccounts`
-    holding this adaptor's getter and accounts): the owner is read before the pool's lock is
-    taken and charged inside it, and ``allocate``/``deallocate`` are the pool's own.
-    Allocations made on the pool directly are then charged too; blocks live before the adaptor
-    was made are never charged back. :attr:`charging_pool` says which case applies.
+    counts for) the pool does the charging (docs/internals.md, Statistics): allocations made on
+    the pool directly are then charged too. :attr:`charging_pool` says which case applies.
 
     Parameters
     ----------
