@@ -176,13 +176,23 @@ def current_device() -> int:
     return get_device() if is_available() else 0
 
 
-def _check_device(device: Any) -> int:
+def check_device(device: Any, host_memory: bool = False) -> int:
+    """``device`` if this host has it; with ``host_memory``, device 0 also without CUDA (where
+    host memory is)."""
     if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"device must be an int, got {device!r} ({type(device).__name__})")
-    require_cuda(f"device {device}")
+        raise TypeError(
+            f"device must be an int device id, got {device!r} ({type(device).__name__})"
+        )
+    if not host_memory:
+        require_cuda(f"device {device}")
     count = get_device_count()
-    if not 0 <= device < count:
-        raise ValueError(f"device {device} does not exist: this host has {count} CUDA device(s)")
+    if not 0 <= device < max(count, 1):
+        where = (
+            f"{count} CUDA device(s)"
+            if count
+            else "no CUDA device (only device 0, for host memory)"
+        )
+        raise ValueError(f"device {device} does not exist: this host has {where}")
     return device
 
 
@@ -190,7 +200,7 @@ def set_device(device: int) -> None:
     """Make ``device`` the calling thread's current device (``cudaSetDevice``)."""
     (err,) = _rt().cudaSetDevice(device)
     if err:
-        _check_device(device)
+        check_device(device)
         fail(err, f"cudaSetDevice({device})")
 
 
@@ -219,7 +229,7 @@ def device_total_memory(device: int | None = None) -> int:
     """Total memory of ``device`` (default: the current device) in bytes."""
     if device is None:
         return mem_get_info()[1]
-    with on_device(_check_device(device)):
+    with on_device(check_device(device)):
         return mem_get_info()[1]
 
 
@@ -240,7 +250,7 @@ def device_identity(device: int) -> tuple[str, str, str]:
     """``(name, uuid, pci_bus_id)`` of ``device``: its marketing name, ``GPU-xxxxxxxx-...`` as
     nvidia-smi prints it, and ``DDDDDDDD:BB:DD.0``. Names the physical GPU whatever the index
     (under CUDA_VISIBLE_DEVICES every worker's device is 0)."""
-    props = check(_rt().cudaGetDeviceProperties(_check_device(device)), "cudaGetDeviceProperties")
+    props = check(_rt().cudaGetDeviceProperties(check_device(device)), "cudaGetDeviceProperties")
     name = props.name
     name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
     u = bytes(props.uuid.bytes).hex()
@@ -278,7 +288,7 @@ def get_device_attribute(attr: Any, device: int | None = None) -> int:
     if isinstance(attr, str):
         attr = _member("cudaDeviceAttr", attr)
     require_cuda("cudaDeviceGetAttribute")
-    device = get_device() if device is None else _check_device(device)
+    device = get_device() if device is None else check_device(device)
     return int(check(_rt().cudaDeviceGetAttribute(attr, device), "cudaDeviceGetAttribute"))
 
 
@@ -350,7 +360,7 @@ def mem_pool_create(
     """
     rt = _rt()
     require_cuda("cudaMemPoolCreate")
-    device = get_device() if device is None else _check_device(device)
+    device = get_device() if device is None else check_device(device)
     props = rt.cudaMemPoolProps()
     props.allocType = rt.cudaMemAllocationType.cudaMemAllocationTypePinned
     props.handleTypes = rt.cudaMemAllocationHandleType(handle_types)
@@ -378,7 +388,7 @@ def device_get_default_managed_mem_pool(device: int | None = None) -> int:
     """
     rt = _rt()
     require_cuda("cudaMemGetDefaultMemPool")
-    loc = _location(get_device() if device is None else _check_device(device))
+    loc = _location(get_device() if device is None else check_device(device))
     managed = rt.cudaMemAllocationType.cudaMemAllocationTypeManaged
     return int(check(rt.cudaMemGetDefaultMemPool(loc, managed), "cudaMemGetDefaultMemPool"))
 
@@ -386,7 +396,7 @@ def device_get_default_managed_mem_pool(device: int | None = None) -> int:
 def device_get_default_mem_pool(device: int | None = None) -> int:
     """The handle of ``device``'s default memory pool (what ``cudaMallocAsync`` uses)."""
     require_cuda("cudaDeviceGetDefaultMemPool")
-    device = get_device() if device is None else _check_device(device)
+    device = get_device() if device is None else check_device(device)
     return int(check(_rt().cudaDeviceGetDefaultMemPool(device), "cudaDeviceGetDefaultMemPool"))
 
 

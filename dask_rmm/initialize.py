@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dask_rmm import _cuda
 from dask_rmm.mr import registry
 from dask_rmm.mr.logging_adaptor import (
     _log_file_name,
@@ -60,7 +61,7 @@ def _check_devices(devices: Any) -> list[int]:
         raise ValueError("devices must name at least one device")
     for d in devices:
         try:
-            registry._check_device(d)
+            _cuda.check_device(d, host_memory=True)
         except (TypeError, ValueError) as e:
             raise type(e)(f"devices: {e}") from None
     return list(dict.fromkeys(devices))

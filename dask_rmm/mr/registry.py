@@ -3,8 +3,8 @@ by device id; a device with nothing set gets a ``CudaMemoryResource`` made on fi
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
 
 from dask_rmm import _cuda
 from dask_rmm.mr.base import DeviceMemoryResource, upstreams
@@ -41,20 +41,8 @@ def _current_device() -> int:
     return _cuda.get_device()
 
 
-def _check_device(device: Any) -> int:
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(
-            f"device must be an int device id, got {device!r} ({type(device).__name__})"
-        )
-    count = _cuda.get_device_count()
-    if device < 0 or device >= max(count, 1):
-        where = (
-            f"{count} CUDA device(s)"
-            if count
-            else "no CUDA device (only device 0, for host memory)"
-        )
-        raise ValueError(f"device {device} does not exist: this host has {where}")
-    return device
+#: A device id that exists, or 0 on a host without CUDA (host memory's).
+_check_device = functools.partial(_cuda.check_device, host_memory=True)
 
 
 def _make_default(device: int) -> DeviceMemoryResource:

@@ -256,11 +256,10 @@ def build_stack(
     ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
     """
     from dask_rmm import _cuda, mr
-    from dask_rmm.mr.registry import _check_device
 
     # A device this host lacks fails here, while building (so the vote hears it), not when the
     # built stack is installed after every worker agreed.
-    _check_device(device)
+    _cuda.check_device(device, host_memory=True)
     with on_device(device):
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
