@@ -140,6 +140,7 @@ class DeviceStack:
     statistics: Any = None  # StatisticsResourceAdaptor or None
     attribution: Any = None  # AttributionResourceAdaptor or None
     logging: Any = None  # LoggingResourceAdaptor or None
+    pool: Any = None  # the PoolMemoryResource the stack's options made, or None
     log_path: str | None = None
     #: with ``log_directory``: the name the log file is claimed under at its first row
     log_claim_path: str | None = None
@@ -272,6 +273,8 @@ def build_stack(
         elif options.pool_allocator:
             top = mr.PoolMemoryResource(top, initial_pool_size=pool_size, maximum_pool_size=maximum)
     stack = DeviceStack(device=device, top=top, host_memory=top.is_host_memory, options=options)
+    if isinstance(top, mr.PoolMemoryResource):
+        stack.pool = top
     try:
         if options.track_allocations:
             top = mr.TrackingResourceAdaptor(top)

@@ -187,7 +187,7 @@ class WorkerStack:
             else:
                 stack.flush_log()
                 alive = weakref.ref(stack.top)
-                for name in ("top", "statistics", "attribution", "logging"):
+                for name in ("top", "statistics", "attribution", "logging", "pool"):
                     if getattr(stack, name) is not None:
                         setattr(stack, name, weakref.proxy(getattr(stack, name)))
                 self._retired.append((alive, stack))

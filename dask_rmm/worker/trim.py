@@ -154,17 +154,12 @@ class PoolTrimmer:
         return bool(self.stacks)
 
     def __call__(self) -> None:
-        from dask_rmm.mr.pool import PoolMemoryResource
-        from dask_rmm.mr.trim import pools_in
-
         for stack in self.stacks:
-            threshold = stack.release_threshold or 0
+            pool, threshold = stack.pool, stack.release_threshold or 0
             try:
-                for pool in pools_in(stack.top):
-                    if isinstance(pool, PoolMemoryResource) and pool.pool_size() > threshold:
-                        n = pool.trim(threshold)
-                        if n:
-                            self.released[stack.device] = self.released.get(stack.device, 0) + n
+                n = pool.trim(threshold) if pool is not None and pool.pool_size() > threshold else 0
+                if n:
+                    self.released[stack.device] = self.released.get(stack.device, 0) + n
             except Exception:  # a periodic callback must go on; say why once per device
                 if stack.device not in self._failed:
                     self._failed.add(stack.device)
