@@ -12,6 +12,8 @@ import itertools
 import threading
 from typing import Any
 
+from dask_rmm import _cuda
+
 __all__ = [
     "DEFAULT_STREAM",
     "LEGACY_DEFAULT_STREAM",
@@ -135,8 +137,6 @@ class Stream:
 
     def __init__(self, obj: Any = None, flags: CudaStreamFlags | None = None):
         if obj is None:
-            from dask_rmm import _cuda
-
             flags = CudaStreamFlags.SYNC_DEFAULT if flags is None else _check_flags(flags)
             self.handle = _cuda.stream_create(flags=int(flags))
             self._owner = None
@@ -179,8 +179,6 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait for all work on this stream (a default stream without CUDA: nothing to wait for)."""
-        from dask_rmm import _cuda
-
         if self.handle <= PER_THREAD_HANDLE and not _cuda.is_available():
             return
         _cuda.stream_synchronize(self.handle)
@@ -212,8 +210,6 @@ class Stream:
     def __del__(self):
         if getattr(self, "_owned", False):
             try:
-                from dask_rmm import _cuda
-
                 _cuda.stream_destroy(self.handle)
             except Exception:
                 pass

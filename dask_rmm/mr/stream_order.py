@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from typing import Any, Final
 
+from dask_rmm import _cuda
 from dask_rmm.stream import Stream, own_per_thread_key
 
 __all__ = ["FRESH_KEY", "order_after", "stream_ordered", "synchronize_streams"]
@@ -18,8 +19,6 @@ def stream_ordered(upstream: Any) -> bool:
     """Whether a suballocator over ``upstream`` orders its frees between streams: only device
     memory with CUDA (host memory has no queued stream work, and the streams of a host-memory
     replay or test may be made-up handles)."""
-    from dask_rmm import _cuda
-
     return _cuda.is_available() and not upstream.is_host_memory
 
 
@@ -31,8 +30,6 @@ def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Strea
     is another thread's per-thread default stream (not addressable from here), or whose handle
     is no longer valid, is covered by a device synchronization instead.
     """
-    from dask_rmm import _cuda
-
     mine = own_per_thread_key()  # None: every per-thread key is another thread's
     for key, victim in victims:
         if key == FRESH_KEY or victim is None or key == stream.order_key():
@@ -55,8 +52,6 @@ def synchronize_streams(victims: list[tuple[Hashable, Stream | None]]) -> None:
     """
     if not victims:
         return
-    from dask_rmm import _cuda
-
     if any(isinstance(key, tuple) for key, _ in victims):
         _cuda.device_synchronize()
         return

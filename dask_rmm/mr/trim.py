@@ -10,6 +10,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dask_rmm import _cuda
+from dask_rmm.mr.base import upstreams
+from dask_rmm.mr.cuda import CudaAsyncMemoryResource
+from dask_rmm.mr.pool import PoolMemoryResource
+from dask_rmm.mr.registry import get_per_device_resource, registered_devices
 from dask_rmm.sizes import format_bytes, parse_device_bytes
 
 __all__ = ["TrimResult", "pools_in", "trim_pools", "trim_resource"]
@@ -58,10 +63,6 @@ class TrimResult:
 def pools_in(resource: Any) -> Iterator[Any]:
     """The pools in ``resource``'s chain (it and its upstreams, outermost first): every
     :class:`PoolMemoryResource` and :class:`CudaAsyncMemoryResource`."""
-    from dask_rmm.mr.base import upstreams
-    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
-    from dask_rmm.mr.pool import PoolMemoryResource
-
     for mr in upstreams(resource):
         if isinstance(mr, (PoolMemoryResource, CudaAsyncMemoryResource)):
             yield mr
@@ -69,8 +70,6 @@ def pools_in(resource: Any) -> Iterator[Any]:
 
 def _reserved(pool: Any) -> tuple[int, int]:
     """``(bytes held from upstream, bytes handed out)`` of a pool."""
-    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
-
     if isinstance(pool, CudaAsyncMemoryResource):
         return pool.reserved_bytes(), pool.used_bytes()
     info = pool.reserved_memory_info()
@@ -88,14 +87,10 @@ def trim_resource(
     :meth:`PoolMemoryResource.trim`); a :class:`CudaAsyncMemoryResource` to ``size`` (default:
     its release threshold) with ``cudaMemPoolTrimTo``. Live blocks are never touched.
     """
-    from dask_rmm.mr.cuda import CudaAsyncMemoryResource
-
     results = []
     for pool in pools_in(resource):
         before, _ = _reserved(pool)
         if isinstance(pool, CudaAsyncMemoryResource):
-            from dask_rmm import _cuda
-
             keep = (
                 pool.release_threshold
                 if size is None
@@ -130,7 +125,5 @@ def trim_pools(
     >>> [r.released_bytes for r in dask_rmm.mr.trim_pools()[0]]
     [8388608]
     """
-    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
-
     wanted = registered_devices() if devices is None else list(devices)
     return {d: trim_resource(get_per_device_resource(d), size, device=d) for d in wanted}

@@ -9,7 +9,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm import allocators
+from dask_rmm.allocators import caches
 from dask_rmm.mr.base import upstreams
+from dask_rmm.mr.registry import (
+    get_per_device_resource,
+    registered_devices,
+    set_per_device_resource,
+)
 from dask_rmm.stack.build import DeviceStack
 
 if TYPE_CHECKING:
@@ -35,8 +42,6 @@ _original: dict[int, Any] = {}
 
 def install_stack(stack: DeviceStack) -> None:
     """Make ``stack`` its device's resource, remembering what it replaced."""
-    from dask_rmm.mr.registry import set_per_device_resource
-
     active = _installed.setdefault(stack.device, [])
     previous = set_per_device_resource(stack.device, stack.top)
     if not active:
@@ -47,8 +52,6 @@ def install_stack(stack: DeviceStack) -> None:
 def uninstall_stack(stack: DeviceStack) -> None:
     """Undo :func:`install_stack`: the newest stack still installed, or else the original, is
     the device's resource again (unless someone else replaced ours). Unknown stacks: no-op."""
-    from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
-
     active = _installed.get(stack.device, [])
     if stack not in active:
         return
@@ -70,8 +73,6 @@ def uninstall_stack(stack: DeviceStack) -> None:
 def replaced_resource_note(device: int) -> str | None:
     """Why allocations on ``device`` go uncounted (its current resource neither is nor wraps a
     stack dask-rmm installed there), or None."""
-    from dask_rmm.mr.registry import get_per_device_resource, registered_devices
-
     current = get_per_device_resource(device) if device in registered_devices() else None
     tops = [s.top for s in _installed.get(device, ())]
     # an adaptor over our stack (enable_statistics()) still reaches it
@@ -146,8 +147,6 @@ class WorkerStack:
 
     def install(self, stacks: list[DeviceStack], options: RMMOptions, token: str | None) -> None:
         """Install ``stacks`` and retire the active ones (call after every stack is built)."""
-        from dask_rmm import allocators
-
         previous, previous_options = self.active, self.options
         for stack in stacks:
             install_stack(stack)
@@ -159,8 +158,6 @@ class WorkerStack:
         for stack in stacks:  # a retired stack may have let its log file name go
             stack.plan_log_path()
         allocators.set_allocators(list(options.allocators), exact=options.exact_allocators)
-        from dask_rmm.allocators import caches
-
         for stack in stacks:
             # a library cache's free blocks from the replaced stacks go back to them
             caches.release_cached(stack.device)
@@ -206,8 +203,6 @@ class WorkerStack:
         """Remove the active stacks if they were released and nobody took them."""
         if not self._released:
             return
-        from dask_rmm import allocators
-
         stacks, options = self.active, self.options
         self.active, self.options, self.token, self._released = [], None, None, False
         self.plugin = None

@@ -9,7 +9,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm.allocators.caches import release_cached
 from dask_rmm.mr.trim import TrimResult, trim_resource
+from dask_rmm.sizes import parse_size
+from dask_rmm.worker.stacks import worker_stack
 
 if TYPE_CHECKING:
     from distributed import Client, Worker
@@ -33,9 +36,6 @@ async def trim_worker(
     give their free blocks back (``library_caches``), then trim the stacks' pools (see
     :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool. Its metrics
     then go to the scheduler at once, so that a report right after shows the pools trimmed."""
-    from dask_rmm.allocators.caches import release_cached
-    from dask_rmm.worker.stacks import worker_stack
-
     out = []
     for stack in worker_stack(dask_worker).active:
         from_caches = release_cached(stack.device) if library_caches else 0
@@ -117,8 +117,6 @@ def _check_release_arguments(
 ) -> tuple[Any, list[str] | None]:
     """``release_unused``'s arguments checked on the client (a bad size raised on every worker;
     one address string was taken as a list of its characters); one address becomes a list."""
-    from dask_rmm.sizes import parse_size
-
     parse_size(size, "size")
     if isinstance(workers, str):
         workers = [workers]
