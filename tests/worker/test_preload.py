@@ -33,8 +33,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def scheduler(tmp_path):
-    """A real ``dask scheduler`` process; yields its address."""
+def scheduler_process(tmp_path):
+    """A real ``dask scheduler`` process; yields it and its address."""
     file = tmp_path / "scheduler.json"
     proc = subprocess.Popen(
         [
@@ -56,10 +56,16 @@ def scheduler(tmp_path):
         wait_until(
             lambda: file.exists() and file.stat().st_size, 60, "the scheduler file", interval=0.1
         )
-        yield json.loads(file.read_text())["address"]
+        yield proc, json.loads(file.read_text())["address"]
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture
+def scheduler(scheduler_process):
+    """A real ``dask scheduler`` process; yields its address."""
+    return scheduler_process[1]
 
 
 def _start_worker(
@@ -631,3 +637,31 @@ def test_a_preloaded_worker_exits_on_sigterm_after_tearing_dask_rmm_down(schedul
             worker.kill()
     assert worker.returncode == 0, out
     assert "Removing Worker plugin dask-rmm" in out and "killing" not in out, out
+
+
+@pytest.mark.slow
+def test_a_preloaded_worker_sigtermed_with_its_scheduler_exits(scheduler_process):
+    """``dask worker --preload dask_rmm.preload`` SIGTERMed together with its scheduler stayed
+    alive (issue 46 item 22). With the nanny (the default) it exits: its worker process, stuck
+    in ``Worker.close`` asking the closing nanny to close before dask-rmm's teardown is
+    reached, is killed by the nanny after 8 s, as a plain worker's is. Without a nanny it is
+    distributed's race, dask-rmm or not: the signal ends ``asyncio.run`` while the scheduler's
+    close runs ``Worker.close``; the cancel stops it in ``rpc.close`` (closing the pooled comm
+    to the scheduler) and ``handle_scheduler``'s ``finally`` awaits ``Worker.finished()`` for
+    ever (a plain ``dask worker --no-nanny`` stuck so 4 times in 5, 3 s after its start)."""
+    import signal
+
+    proc, address = scheduler_process
+    worker = _start_worker(address, "--rmm-base-resource", BASE, name="together", nanny=True)
+    try:
+        from distributed import Client
+
+        with Client(address, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        worker.send_signal(signal.SIGTERM)
+        out = worker.communicate(timeout=60)[0]  # a guard: it exits in about 8 s
+    finally:
+        if worker.poll() is None:  # pragma: no cover
+            worker.kill()
+    assert worker.returncode == 0 and "End worker" in out, out
