@@ -322,7 +322,8 @@ _wrapper: Any = None
 
 
 def _current_allocator() -> Any:
-    """CuPy's allocator (global, not a ``using_allocator`` block's), seen through the watch."""
+    """CuPy's allocator (on this thread: inside ``using_allocator``, that block's, and CuPy's
+    ``set_allocator`` then refuses), seen through the watch."""
     allocator = _cupy.cuda.get_allocator()
     return allocator.__wrapped__ if allocator is _wrapper and _wrapper is not None else allocator
 
@@ -330,8 +331,9 @@ def _current_allocator() -> Any:
 def _set_allocator(allocator: Any) -> None:
     """Make ``allocator`` CuPy's, wrapped for the watchers there are now."""
     global _wrapper
-    _wrapper = _watched(allocator) if _watchers else None
-    _cupy.cuda.set_allocator(_wrapper or allocator)
+    wrapper = _watched(allocator) if _watchers else None
+    _cupy.cuda.set_allocator(wrapper or allocator)  # raises inside using_allocator: unchanged
+    _wrapper = wrapper
 
 
 def _watched(allocate: Callable[[int], Any]) -> Callable[[int], Any]:
@@ -387,9 +389,16 @@ def watch_cupy_allocations(owner: Any, watcher: Callable[[int], object]) -> None
     >>> unwatch_cupy_allocations("me")
     """
     _require_cupy()
-    current = _current_allocator()
+    current, before = _current_allocator(), _watchers.get(owner)
     _watchers[owner] = watcher
-    _set_allocator(current)
+    try:
+        _set_allocator(current)
+    except BaseException:
+        if before is None:
+            del _watchers[owner]
+        else:
+            _watchers[owner] = before
+        raise
 
 
 def unwatch_cupy_allocations(owner: Any) -> None:

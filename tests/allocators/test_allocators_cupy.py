@@ -515,3 +515,15 @@ def test_an_allocator_set_outside_dask_rmm_while_watched_is_left_in_place(unwatc
     theirs = cupy.cuda.get_allocator()
     cupy_hook.unwatch_cupy_allocations("me")
     assert cupy.cuda.get_allocator() is theirs
+
+
+def test_a_watch_refused_inside_using_allocator_changes_nothing(unwatched):
+    with cupy.cuda.using_allocator(cupy_hook.lean_cupy_allocator):
+        with pytest.raises(ValueError, match="using_allocator"):  # CuPy's own refusal
+            cupy_hook.watch_cupy_allocations("me", print)
+    assert not cupy_hook._watchers and cupy.cuda.get_allocator() is unwatched
+    cupy_hook.watch_cupy_allocations("me", print)
+    with cupy.cuda.using_allocator(cupy_hook.lean_cupy_allocator):
+        with pytest.raises(ValueError, match="using_allocator"):
+            cupy_hook.watch_cupy_allocations("me", len)
+    assert cupy_hook._watchers == {"me": print}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -71,6 +72,12 @@ def _reset():
     _running[:] = [0, 0]
     yield
     HOLD.set()
+    # Every way a worker's admission ends (teardown, close, re-registration) ends its CuPy watch.
+    cupy_hook = sys.modules.get("dask_rmm.allocators.cupy")
+    left = list(cupy_hook._watchers) if cupy_hook is not None else []
+    for owner in left:  # (then only the test that left it fails)
+        cupy_hook.unwatch_cupy_allocations(owner)
+    assert not left, "admission still watches CuPy"
 
 
 def _states(worker: Worker) -> Counter:
