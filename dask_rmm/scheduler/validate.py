@@ -12,7 +12,7 @@ worker's error and logs once per worker and kind a minute. Not here: keeping the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import chain, compress, islice
+from itertools import chain, islice
 from operator import itemgetter
 from reprlib import repr as _short
 from typing import Any, NamedTuple
@@ -119,32 +119,50 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
 
 
 def _learn(d: dict) -> dict:
-    """Remember the field names of ``d`` (within the bounds) by the kind of each value, so
-    that entries of these names are checked a few C calls at a time (:func:`_known`)."""
-    kinds: dict[Any, list[str]] = {None: [], str: [], list: [], bytes: []}
+    """Remember the field names of ``d`` (within the bounds) by the kind of each value, and
+    the columns of each list's entries, so that entries of these names are checked a few C
+    calls at a time (:func:`_known`)."""
+    old = _PLANS.get(names := tuple(d))
+    kinds: dict[Any, list[str]] = {None: [], str: [], bytes: [], list: []}
+    columns = {}
     for k, v in d.items():
         t = type(v)
-        kind = None if t in _NUMBERS else list if t in _SEQUENCES else t
-        if kind not in kinds or (t is bytes) != (k == "samples"):
+        if t in _SEQUENCES:  # columns of strings and of numbers, as these entries have them
+            kinds[list].append(k)
+            columns[k] = _columns(v) if v else old and old[6].get(k)
+        elif (kind := None if t in _NUMBERS else t) in kinds and (t is bytes) == (k == "samples"):
+            kinds[kind].append(k)
+        else:
             return d  # a map, or bytes beside the samples: checked field by field
-        kinds[kind].append(k)
     if len(_PLANS) >= 64:  # names that change every heartbeat must not grow this
         _PLANS.clear()
-    _PLANS[tuple(d)] = (
-        len(d),
-        *(itemgetter(*k) if len(k) > 1 else _one(k) for k in kinds.values()),
-    )
+    _PLANS[names] = (len(d), *map(_getter, kinds.values()), tuple(columns.values()), columns)
     return d
 
 
-def _one(keys: list[str]) -> Any:
-    return lambda d: tuple(d[k] for k in keys)
+def _getter(keys: list[str]) -> Any:
+    """The tuple of the values at ``keys`` of a dict."""
+    return itemgetter(*keys) if len(keys) > 1 else lambda d: tuple(d[k] for k in keys)
+
+
+def _columns(entries: Any) -> tuple | None:
+    """``(length, strings, numbers)`` of flat entries of one length whose every column holds
+    only strings or only numbers (the getters of either), or None."""
+    if not _SEQUENCES.issuperset(map(type, entries)) or len(set(map(len, entries))) != 1:
+        return None
+    cols = list(zip(*entries, strict=True))
+    texts = [i for i, c in enumerate(cols) if {str}.issuperset(map(type, c))]
+    numbers = [i for i, c in enumerate(cols) if _NUMBERS.issuperset(map(type, c))]
+    if len(texts) + len(numbers) != len(cols):
+        return None
+    return len(cols), [itemgetter(i) for i in texts], [itemgetter(i) for i in numbers]
 
 
 def _known(devices: Mapping) -> bool:
     """Every device entry within the bounds, of field names seen before (:func:`_learn`) and
-    values of the kinds they were (numbers, short strings, lists of flat entries, packed
-    samples), checked a few C calls at a time for all devices. False: field by field."""
+    values of the kinds they were (numbers, short strings, lists of entries of the columns
+    seen, packed samples), checked a few C calls at a time for all devices. False: field by
+    field."""
     ds = list(devices.values())
     plan = _PLANS.get(tuple(ds[0])) if 0 < len(ds) <= MAX_DEVICES and type(ds[0]) is dict else None
     if plan is None or set(map(type, ds)) != {dict} or set(map(len, ds)) != {plan[0]}:
@@ -157,25 +175,28 @@ def _known(devices: Mapping) -> bool:
         # (falsy values, None among them, are within the bounds whatever they are).
         sum(filter(None, chain.from_iterable(map(plan[1], ds))))
         texts = list(chain.from_iterable(map(plan[2], ds)))
-        lists = list(chain.from_iterable(map(plan[3], ds)))
-        blobs = list(chain.from_iterable(map(plan[4], ds)))
+        blobs = list(chain.from_iterable(map(plan[3], ds)))
+        lists = list(chain.from_iterable(map(plan[4], ds)))
+        if (
+            not _SEQUENCES.issuperset(map(type, lists))
+            or max(map(len, lists), default=0) > MAX_ENTRIES
+        ):
+            return False
+        for i, cols in enumerate(plan[5]):  # each list field's entries, of every device
+            if not (entries := list(chain.from_iterable(lists[i :: len(plan[5])]))):
+                continue
+            # Entries of the learnt length whose every item is of its column's kind: all they
+            # hold (a map's keys then are the columns' indexes: KeyError if not).
+            if cols is None or set(map(len, entries)) != {cols[0]}:
+                return False  # a list of new columns: learnt on the way through _bound
+            for column in cols[1]:
+                texts += map(column, entries)
+            for column in cols[2]:
+                sum(filter(None, map(column, entries)))
         "".join(texts), b"".join(blobs)  # TypeError unless strings and bytes
     except (TypeError, KeyError):
         return False
-    if max(map(len, texts), default=0) > MAX_TEXT or max(map(len, blobs), default=0) > _BLOB:
-        return False
-    if not _SEQUENCES.issuperset(map(type, lists)) or max(map(len, lists), default=0) > MAX_ENTRIES:
-        return False
-    entries = list(chain.from_iterable(lists))
-    if not _SEQUENCES.issuperset(map(type, entries)):
-        return False
-    if max(map(len, entries), default=0) > MAX_ENTRIES:
-        return False
-    values = list(chain.from_iterable(entries))
-    types = list(map(type, values))
-    if not _FLAT.issuperset(types):
-        return False
-    return max(map(len, compress(values, map({str}.__contains__, types))), default=0) <= MAX_TEXT
+    return max(map(len, texts), default=0) <= MAX_TEXT and max(map(len, blobs), default=0) <= _BLOB
 
 
 def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> float:

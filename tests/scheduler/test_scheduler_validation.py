@@ -538,6 +538,9 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
         ("task_groups", [["g", 1, 2]] * 100_000),
         ("task_groups", [["g" * 100_000, 1, 2]]),
         ("libraries", [[["nested"], 1, 0, 0]]),
+        ("task_groups", [["g", list(range(100_000)), 2]]),
+        ("task_groups", [["g", 1, 2, "x" * 100_000]]),
+        ("task_groups", [{0: "g", 1: 1, 2: list(range(100_000))}]),
         ("paused", {f"k{i}": i for i in range(100_000)}),
         ("samples", "0" * 48),
     ],
@@ -546,10 +549,12 @@ def test_a_heartbeat_of_known_field_names_is_still_bounded_value_by_value(field,
     """Heartbeats with the field names of one already within the bounds are checked a few C
     calls at a time: a value of another kind or size under the same names is still bounded."""
     from dask_rmm.scheduler.validate import check_metrics
-    from dask_rmm.wire import DeviceSample
+    from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup
 
     now = time.time()
-    device = DeviceSample(current_bytes=MiB, error=None).to_dict() | {"error": None, "x": None}
+    device = DeviceSample(
+        current_bytes=MiB, task_groups=(TaskGroup("a", 1, 2),), libraries=(LibraryShare("b", 1, 0),)
+    ).to_dict() | {"error": None, "x": None}
     device["samples"] = pack_samples([[now, MiB, MiB]])
     for _ in range(2):  # the second time, by the names learnt from the first
         checked = check_metrics(_beat({"0": dict(device), "1": dict(device)}), now)
