@@ -155,7 +155,7 @@ def _columns(entries: Any) -> tuple | None:
     numbers = [i for i, c in enumerate(cols) if _NUMBERS.issuperset(map(type, c))]
     if len(texts) + len(numbers) != len(cols):
         return None
-    return len(cols), [itemgetter(i) for i in texts], [itemgetter(i) for i in numbers]
+    return len(cols), texts, numbers
 
 
 def _known(devices: Mapping) -> bool:
@@ -185,16 +185,17 @@ def _known(devices: Mapping) -> bool:
         for i, cols in enumerate(plan[5]):  # each list field's entries, of every device
             if not (entries := list(chain.from_iterable(lists[i :: len(plan[5])]))):
                 continue
-            # Entries of the learnt length whose every item is of its column's kind: all they
-            # hold (a map's keys then are the columns' indexes: KeyError if not).
-            if cols is None or set(map(len, entries)) != {cols[0]}:
+            # Entries of the learnt length (ValueError if not all one) whose every item is of
+            # its column's kind: all they hold.
+            columns = list(zip(*entries, strict=True))
+            if cols is None or len(columns) != cols[0]:
                 return False  # a list of new columns: learnt on the way through _bound
-            for column in cols[1]:
-                texts += map(column, entries)
-            for column in cols[2]:
-                sum(filter(None, map(column, entries)))
+            for i in cols[1]:
+                texts += columns[i]
+            for i in cols[2]:
+                sum(filter(None, columns[i]))
         "".join(texts), b"".join(blobs)  # TypeError unless strings and bytes
-    except (TypeError, KeyError):
+    except (TypeError, KeyError, ValueError):
         return False
     return max(map(len, texts), default=0) <= MAX_TEXT and max(map(len, blobs), default=0) <= _BLOB
 
