@@ -142,7 +142,9 @@ def _learn(d: dict) -> dict:
 
 def _getter(keys: list[str]) -> Any:
     """The tuple of the values at ``keys`` of a dict."""
-    return itemgetter(*keys) if len(keys) > 1 else lambda d: tuple(d[k] for k in keys)
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return (lambda d, k=keys[0]: (d[k],)) if keys else lambda d: ()
 
 
 def _columns(entries: Any) -> tuple | None:
