@@ -337,7 +337,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         from distributed.scheduler import heartbeat_interval
 
-        share = min(n, math.ceil(n * self.poll_interval * 2 / heartbeat_interval(n)))
+        # A tick every tenth of a heartbeat interval, from poll_interval up to TOTAL_INTERVAL:
+        # a tick's fixed cost (a few numpy passes) is then shared by more heartbeats.
+        interval = heartbeat_interval(n)
+        period = max(self.poll_interval, min(interval / 10, TOTAL_INTERVAL))
+        if self._poller is not None and self._poller.callback_time != period * 1000:
+            self._poller.callback_time = period * 1000
+        share = min(n, math.ceil(n * period * 2 / interval))
         start = self._cursor % n
         chosen = order[start : start + share]
         if len(chosen) < share:

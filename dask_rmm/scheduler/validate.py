@@ -12,7 +12,7 @@ worker's error and logs once per worker and kind a minute. Not here: keeping the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import chain, islice
+from itertools import chain, compress, islice
 from operator import itemgetter
 from reprlib import repr as _short
 from typing import Any, NamedTuple
@@ -50,12 +50,25 @@ _BLOB = MAX_SAMPLES * _RECORD
 #: OOM event fields that renderers read as numbers.
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
 _NUMBERS = {int, float, bool, type(None)}
-_FLAT = _NUMBERS | {str}
 _SEQUENCES = {list, tuple}
 _TOP = frozenset({"version", "time", "worker", "devices"})
-#: By a device entry's field names (those of one version of dask-rmm: a few), what an entry
-#: within the bounds had: its size and getters of its numbers, strings, lists and samples.
-_PLANS: dict[tuple, tuple] = {}
+
+
+class _Plan(NamedTuple):
+    """What a device entry within the bounds had: its size, getters of its numbers, strings,
+    packed samples and lists, and the columns of each list's entries (:func:`_columns`)."""
+
+    size: int
+    numbers: Any
+    texts: Any
+    blobs: Any
+    lists: Any
+    names: list[str]  # of the lists
+    columns: dict[str, tuple | None]
+
+
+#: Plans by a device entry's field names (those of one version of dask-rmm: a few).
+_PLANS: dict[tuple, _Plan] = {}
 
 
 class Checked(NamedTuple):
@@ -129,14 +142,15 @@ def _learn(d: dict) -> dict:
         t = type(v)
         if t in _SEQUENCES:  # columns of strings and of numbers, as these entries have them
             kinds[list].append(k)
-            columns[k] = _columns(v) if v else old and old[6].get(k)
+            columns[k] = _columns(v) if v else old and old.columns.get(k)
         elif (kind := None if t in _NUMBERS else t) in kinds and (t is bytes) == (k == "samples"):
             kinds[kind].append(k)
         else:
             return d  # a map, or bytes beside the samples: checked field by field
     if len(_PLANS) >= 64:  # names that change every heartbeat must not grow this
         _PLANS.clear()
-    _PLANS[names] = (len(d), *map(_getter, kinds.values()), tuple(columns.values()), columns)
+    numbers, texts, blobs, lists = map(_getter, kinds.values())
+    _PLANS[names] = _Plan(len(d), numbers, texts, blobs, lists, kinds[list], columns)
     return d
 
 
@@ -167,7 +181,7 @@ def _known(devices: Mapping) -> bool:
     field."""
     ds = list(devices.values())
     plan = _PLANS.get(tuple(ds[0])) if 0 < len(ds) <= MAX_DEVICES and type(ds[0]) is dict else None
-    if plan is None or set(map(type, ds)) != {dict} or set(map(len, ds)) != {plan[0]}:
+    if plan is None or set(map(type, ds)) != {dict} or set(map(len, ds)) != {plan.size}:
         return False
     try:
         "".join(devices)  # TypeError unless every id is a str
@@ -175,27 +189,28 @@ def _known(devices: Mapping) -> bool:
             return False
         # KeyError unless each device has the plan's names; TypeError unless these are numbers
         # (falsy values, None among them, are within the bounds whatever they are).
-        sum(filter(None, chain.from_iterable(map(plan[1], ds))))
-        texts = list(chain.from_iterable(map(plan[2], ds)))
-        blobs = list(chain.from_iterable(map(plan[3], ds)))
-        lists = list(chain.from_iterable(map(plan[4], ds)))
+        sum(filter(None, chain.from_iterable(map(plan.numbers, ds))))
+        texts = list(chain.from_iterable(map(plan.texts, ds)))
+        blobs = list(chain.from_iterable(map(plan.blobs, ds)))
+        lists = list(chain.from_iterable(map(plan.lists, ds)))
         if (
             not _SEQUENCES.issuperset(map(type, lists))
             or max(map(len, lists), default=0) > MAX_ENTRIES
         ):
             return False
-        for i, cols in enumerate(plan[5]):  # each list field's entries, of every device
-            if not (entries := list(chain.from_iterable(lists[i :: len(plan[5])]))):
-                continue
+        n = len(plan.columns)
+        for i in {i % n for i in compress(range(len(lists)), lists)}:  # fields not all empty
+            entries = list(chain.from_iterable(lists[i::n]))  # of every device
+            cols = plan.columns[plan.names[i]]
             # Entries of the learnt length (ValueError if not all one) whose every item is of
             # its column's kind: all they hold.
             columns = list(zip(*entries, strict=True))
             if cols is None or len(columns) != cols[0]:
                 return False  # a list of new columns: learnt on the way through _bound
-            for i in cols[1]:
-                texts += columns[i]
-            for i in cols[2]:
-                sum(filter(None, columns[i]))
+            for j in cols[1]:
+                texts += columns[j]
+            for j in cols[2]:
+                sum(filter(None, columns[j]))
         "".join(texts), b"".join(blobs)  # TypeError unless strings and bytes
     except (TypeError, KeyError, ValueError):
         return False

@@ -17,6 +17,7 @@ from distributed import Worker
 from distributed.utils_test import gen_cluster
 from fake_metrics import FakeRMMMetrics
 from tornado.httpclient import AsyncHTTPClient
+from tornado.ioloop import PeriodicCallback
 
 from dask_rmm.cli import main
 from dask_rmm.client.fetch import cluster_report
@@ -485,9 +486,13 @@ def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbe
     read: list[str] = []
     original = plugin._read
     plugin._read = lambda ws, now, pending: (read.append(ws.address), original(ws, now, pending))
-    ticks = heartbeat_interval(1000) / 2 / plugin.poll_interval  # ticks in half an interval
+    # A tick a tenth of a heartbeat interval, at most TOTAL_INTERVAL: fewer, larger batches.
+    plugin._poller = PeriodicCallback(lambda: None, plugin.poll_interval * 1000)  # not started
+    period = min(heartbeat_interval(1000) / 10, timeline_module.TOTAL_INTERVAL)
+    ticks = heartbeat_interval(1000) / 2 / period  # ticks in half an interval
     for _ in range(int(ticks)):
         plugin._tick()
+    assert plugin._poller.callback_time == period * 1000 > plugin.poll_interval * 1000
     assert len(read) <= 1000 * 1.1 and set(read) == {w.address for w in workers}
     read.clear()
     plugin._tick()
