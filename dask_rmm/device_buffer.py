@@ -18,6 +18,7 @@ import numpy as np
 
 from dask_rmm import _cuda
 from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes, stream_arg
+from dask_rmm.mr.registry import get_current_device_resource
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -102,15 +103,6 @@ def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
         pass
 
 
-def _current_resource() -> DeviceMemoryResource:
-    # Bound on first use (the registry may import CUDA-touching modules); then one call.
-    global _current_resource
-    from dask_rmm.mr.registry import get_current_device_resource
-
-    _current_resource = get_current_device_resource
-    return get_current_device_resource()
-
-
 class DeviceBuffer:
     """An untyped allocation of ``size`` bytes from a memory resource, as RMM's ``DeviceBuffer``.
 
@@ -156,7 +148,7 @@ class DeviceBuffer:
         if type(stream) is not Stream:
             stream = stream_arg(stream)
         if mr is None:
-            mr = _current_resource()
+            mr = get_current_device_resource()
         elif not isinstance(mr, DeviceMemoryResource):
             raise TypeError(f"mr must be a DeviceMemoryResource, got {type(mr).__name__}")
         self.mr = mr
@@ -439,8 +431,6 @@ def _received(header: dict, frame: Any) -> DeviceBuffer:
     nbytes = header["size"]
     if not isinstance(frame, DeviceBuffer):
         from dask.utils import format_bytes
-
-        from dask_rmm.mr.registry import get_current_device_resource
 
         try:
             mr = get_current_device_resource()

@@ -20,6 +20,7 @@ from distributed.utils import thread_state
 from dask_rmm import _cuda, allocators
 from dask_rmm.config import config_value, validate_config
 from dask_rmm.scheduler.setup_vote import SetupCoordinator, register_on_every_worker
+from dask_rmm.sizes import format_bytes, host_total_memory
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
 from dask_rmm.worker.fatal import WORKER_LOGGER, stop_worker
@@ -310,8 +311,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         if not stacks or not stacks[0].host_memory or not isinstance(self.options.pool_size, float):
             return
         from distributed.comm.addressing import get_address_host
-
-        from dask_rmm.sizes import format_bytes, host_total_memory
 
         try:
             host = get_address_host(worker.address)

@@ -19,7 +19,12 @@ import threading
 from types import FrameType
 from typing import Any
 
+from dask_rmm.allocators import caches
+from dask_rmm.mr.base import upstreams
+from dask_rmm.mr.pool import pool_behind
 from dask_rmm.mr.registry import get_per_device_resource as _get_per_device_resource
+from dask_rmm.mr.registry import lookup_per_device_resource, registered_devices
+from dask_rmm.mr.trim import trim_resource
 from dask_rmm.stream import Stream
 from dask_rmm.stream import cached_stream as _stream_for
 from dask_rmm.stream import handle_streams as _streams
@@ -418,9 +423,6 @@ class TorchCache:
         pool = budget.pool() if budget is not None and budget.pool is not None else None
         if pool is not None:
             return int(pool.give_room(nbytes))
-        from dask_rmm.mr.registry import lookup_per_device_resource
-        from dask_rmm.mr.trim import trim_resource
-
         resource = lookup_per_device_resource(device)
         if resource is None:
             return 0
@@ -442,9 +444,6 @@ def get_torch_cache() -> TorchCache | None:
 def share_torch_budget(device: int, resource: Any) -> None:
     """Make PyTorch's cache on ``device`` share the maximum of the pool in ``resource``'s chain
     (and leave the pool it shared before); no cap without such a pool."""
-    from dask_rmm.mr.base import upstreams
-    from dask_rmm.mr.pool import pool_behind
-
     if _cache is not None:
         pools = (pool_behind(mr) for mr in upstreams(resource))
         _move_budget(_cache.budget(device), next((p for p in pools if p is not None), None))
@@ -466,8 +465,6 @@ def _move_budget(budget: _TorchDeviceBudget, pool: Any) -> None:
 
 
 def _share_with_current_resources() -> None:
-    from dask_rmm.mr.registry import lookup_per_device_resource, registered_devices
-
     for device in registered_devices():
         resource = lookup_per_device_resource(device)
         if resource is not None:
@@ -494,8 +491,6 @@ def set_torch_allocator(cache: bool = True) -> None:
         for the exact path, when PyTorch already allocated CUDA memory with its own allocator.
     """
     global _installed, _cache, _warned_exact_fallback
-    from dask_rmm.allocators import caches
-
     if cache:
         if _installed:
             raise RuntimeError(
@@ -550,8 +545,6 @@ def set_torch_allocator(cache: bool = True) -> None:
 
 def _drop_cache() -> None:
     """Unregister the cache and lift PyTorch's caps (the pools stop counting it)."""
-    from dask_rmm.allocators import caches
-
     if _cache is None:
         return
     caches.unregister_cache(_cache)

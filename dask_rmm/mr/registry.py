@@ -8,6 +8,7 @@ import threading
 
 from dask_rmm import _cuda
 from dask_rmm.mr.base import DeviceMemoryResource, upstreams
+from dask_rmm.mr.cuda import CudaMemoryResource
 
 __all__ = [
     "available_device_memory",
@@ -46,8 +47,6 @@ _check_device = functools.partial(_cuda.check_device, host_memory=True)
 
 
 def _make_default(device: int) -> DeviceMemoryResource:
-    from dask_rmm.mr.cuda import CudaMemoryResource
-
     _cuda.require_cuda(f"the default memory resource of device {device} (a CudaMemoryResource)")
     with _cuda.on_device(device):
         return CudaMemoryResource()

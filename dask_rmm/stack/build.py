@@ -13,8 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm import _cuda, mr
 from dask_rmm._cuda import on_device
-from dask_rmm.sizes import host_total_memory
+from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
+from dask_rmm.mr.base import upstreams
+from dask_rmm.mr.logging_adaptor import CSV_HEADER
+from dask_rmm.sizes import format_bytes, host_total_memory
 from dask_rmm.stack.options import RMMOptions, _check_pool_sizes
 
 if TYPE_CHECKING:
@@ -113,8 +117,6 @@ def check_log_file_keeps_rows(path: str) -> None:
             "would not be kept"
         )
     directory = os.path.dirname(path) or "."
-    from dask_rmm.mr.logging_adaptor import CSV_HEADER
-
     row = (CSV_HEADER + "\n").encode()
     # A file without a name (O_TMPFILE, else unlinked at once): a worker killed here leaves none.
     with tempfile.TemporaryFile(dir=directory, prefix=".rmm_log_probe-", buffering=0) as f:
@@ -163,8 +165,6 @@ class DeviceStack:
 
     def describe(self) -> str:
         """One line: resources, pool size and maximum, base resource, log file."""
-        from dask_rmm.sizes import format_bytes
-
         pool, maximum = (
             "none" if n is None else format_bytes(n)
             for n in (self.pool_size, self.maximum_pool_size)
@@ -207,15 +207,11 @@ class DeviceStack:
 
 def resource_chain(mr: Any) -> str:
     """The class names of a resource and its upstreams, outermost first, joined by ``>``."""
-    from dask_rmm.mr.base import upstreams
-
     return ">".join(type(m).__name__ for m in upstreams(mr))
 
 
 def make_base_resource(name: str, device: int, options: RMMOptions | None = None, total: int = 0):
     """The base resource ``name`` on ``device`` (the current CUDA device must be ``device``)."""
-    from dask_rmm import _cuda, mr
-
     if name == "system":
         return mr.SystemMemoryResource(device_id=device)
     _cuda.require_cuda(
@@ -256,8 +252,6 @@ def build_stack(
     growth. A log file is ``options.log_file_name`` (``reinitialize``) or, with
     ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
     """
-    from dask_rmm import _cuda, mr
-
     # A device this host lacks fails here, while building (so the vote hears it), not when the
     # built stack is installed after every worker agreed.
     _cuda.check_device(device, host_memory=True)
@@ -315,8 +309,6 @@ def build_stack(
         if options.statistics:
             top = stack.statistics = mr.StatisticsResourceAdaptor(top)
             if task_key is not None:
-                from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
-
                 top = stack.attribution = AttributionResourceAdaptor(
                     top, task_key, owner_name=str if owner_name is None else owner_name
                 )

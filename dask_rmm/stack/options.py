@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_rmm.allocators import CACHED_ALLOCATORS, allocator_names
-from dask_rmm.sizes import parse_size
+from dask_rmm.sizes import ALIGNMENT, format_bytes, parse_size
 
 __all__ = ["BASE_RESOURCES", "OptionError", "RMMOptions"]
 
@@ -78,7 +78,6 @@ def _pause_fraction(value: Any) -> float | None:
 def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
     """RMM's error when the maximum pool size is below the initial one (both bytes, or both
     fractions)."""
-    from dask_rmm.sizes import format_bytes
 
     def describe(value: int | float) -> str:
         return f"{value:.0%} of device memory" if isinstance(value, float) else format_bytes(value)
@@ -229,8 +228,6 @@ class RMMOptions:
     def resolve_size(self, option: str, device: int, total: int) -> int | None:
         """Option ``option`` (parsed already: bytes or a fraction) in bytes on a device of
         ``total`` bytes, aligned down to 256."""
-        from dask_rmm.sizes import ALIGNMENT, format_bytes
-
         value = getattr(self, option)
         if value is None:
             return None
