@@ -665,3 +665,24 @@ def test_a_preloaded_worker_sigtermed_with_its_scheduler_exits(scheduler_process
         if worker.poll() is None:  # pragma: no cover
             worker.kill()
     assert worker.returncode == 0 and "End worker" in out, out
+
+
+@pytest.mark.slow
+def test_a_rejected_registration_is_one_line_in_a_nanny_workers_log(scheduler):
+    """Issue 46 item 23: with the nanny, a rejected registration wrote 4-5 tracebacks per
+    worker; it is one line, as in-process (tests/worker/test_plugin.py)."""
+    from distributed import Client
+
+    from dask_rmm import RMMPlugin, RMMSetupError
+
+    worker = _start_worker(scheduler, "--rmm-base-resource", BASE, name="rejected", nanny=True)
+    try:
+        with Client(scheduler, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+            with pytest.raises(RMMSetupError, match="failed on 1 worker"):
+                client.register_plugin(RMMPlugin(base_resource="system", pool_size="1PiB"))
+            assert client.submit(int, 1).result() == 1  # the worker kept its setup
+    finally:
+        out = _stop(worker)
+    assert "Traceback" not in out, out
+    assert len([line for line in out.splitlines() if "setup failed on 1 worker" in line]) == 1, out
