@@ -209,7 +209,7 @@ class LogReader:
         with _open_text(self.path) as f:
             try:
                 yield from self._events(f)
-            except (EOFError, zlib.error) as e:  # gzip's: a .gz cut short or corrupt
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a bad .gz (or none)
                 raise LogFormatError(
                     self.path,
                     self.lines + 1,

@@ -249,6 +249,15 @@ def test_a_truncated_gz_log_names_the_file_and_what_was_read(runner, tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.csv", "w.csv.gz"]
 
 
+def test_a_gz_log_that_is_no_gzip_file_names_the_file(runner, tmp_path):
+    log = tmp_path / "w.csv.gz"
+    log.write_text("Thread,Time,Action,Pointer,Size,Stream\n")  # named .gz, never compressed
+    result = runner.invoke(cli.main, ["log", "summary", str(log)])
+    assert result.exit_code == 1, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {log}:") and "Not a gzipped file" in line, line
+
+
 def test_plot_refuses_to_overwrite_an_input(runner, two_logs):
     a, b, _, _ = two_logs
     before = a.read_bytes()
