@@ -16,8 +16,13 @@ from typing import Any
 
 import click
 
-from dask_rmm.config import unknown_keys_unreported
+from dask_rmm.allocators import allocator_names
+from dask_rmm.config import config_value, unknown_keys_unreported
+from dask_rmm.plugin import RMMPlugin, RMMSetupError
+from dask_rmm.sizes import parse_size
 from dask_rmm.stack.options import BASE_RESOURCES
+from dask_rmm.worker import dask_cuda, fatal
+from dask_rmm.worker.stacks import worker_stack
 
 __all__ = ["WorkerSetupFailed", "dask_setup", "plugin_from_flags"]
 
@@ -29,8 +34,6 @@ _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
 def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    from dask_rmm.sizes import parse_size
-
     try:
         return parse_size(value, "size")
     except (TypeError, ValueError) as e:
@@ -39,8 +42,6 @@ def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
 
 
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    from dask_rmm.allocators import allocator_names
-
     try:
         return value if value is None else allocator_names(value)
     except ValueError as e:
@@ -86,9 +87,7 @@ class _PreloadCommand(click.Command):
         )
         if checking_for_dask_worker and outer is not None:
             args = _check_scheduler_argument(self, outer, list(args))
-            from dask_rmm.worker.fatal import arm_worker_command
-
-            arm_worker_command()
+            fatal.arm_worker_command()
         else:
             args = _recovered_argv(list(args))
         rest = super().parse_args(ctx, args)
@@ -246,18 +245,15 @@ starting anything.
 @_with_flags
 async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags (or stop it)."""
-    from dask_rmm.plugin import RMMSetupError
-    from dask_rmm.worker.fatal import stop_worker
-
     _hide_own_flags_from_other_preloads(worker)
     flags_error = flags.pop("flags_error", None)
     if flags_error is not None:
-        await stop_worker(worker, flags_error)
+        await fatal.stop_worker(worker, flags_error)
         raise WorkerSetupFailed(flags_error)
     try:
         plugin = plugin_for_worker(worker, flags)
     except Exception as e:
-        await stop_worker(worker, _reason(e))
+        await fatal.stop_worker(worker, _reason(e))
         raise WorkerSetupFailed(_reason(e)) from e
     plugin.coordinated = False  # this worker alone: no vote with the others
     plugin.host_memory_form = "--rmm-base-resource system"
@@ -265,22 +261,18 @@ async def dask_setup(worker: Any, **flags: Any) -> None:
     worker.plugins[plugin.name] = plugin
     try:
         await plugin.setup(worker)
-        from dask_rmm.worker.stacks import worker_stack
-
         worker_stack(worker).command_line = plugin
     except Exception as e:
         worker.plugins.pop(plugin.name, None)
         reason = _reason(e)
         if isinstance(e, RMMSetupError) and e.failures:
             reason = "; ".join(e.failures.values())
-        await stop_worker(worker, f"dask-rmm setup failed: {reason}")
+        await fatal.stop_worker(worker, f"dask-rmm setup failed: {reason}")
         raise WorkerSetupFailed(f"dask-rmm setup failed: {reason}") from e
 
 
 def _same(option: str, a: Any, b: Any) -> bool:
     """Whether two spellings of an option mean the same (``"32MiB"`` and ``33554432``)."""
-    from dask_rmm.sizes import parse_size
-
     if a == b:
         return True
     try:
@@ -298,9 +290,6 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
     """The RMMPlugin for ``worker`` from ``flags`` and, on a dask-cuda worker, dask-cuda's
     ``rmm_*`` settings (then switched off; compiled ``rmm`` served from dask-rmm's stack). A
     setting given both ways with different values is a usage error."""
-    from dask_rmm.config import config_value
-    from dask_rmm.worker import dask_cuda
-
     setup = dask_cuda.find_rmm_setup(worker)
     if setup is None:
         return plugin_from_flags(**flags)
@@ -325,9 +314,7 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
         flags["set_rmm_allocator_for_libs"] = [*dict.fromkeys([*libs, "rmm"])]
     plugin = plugin_from_flags(**flags)
     dask_cuda.switch_off(setup)
-    from dask_rmm.worker.fatal import WORKER_LOGGER
-
-    WORKER_LOGGER.info(
+    fatal.WORKER_LOGGER.info(
         "dask-rmm: worker %s: dask-cuda's RMM settings (%s) configure dask-rmm; compiled "
         "RMM's own pool is not made",
         worker.name,
@@ -373,8 +360,6 @@ def plugin_from_flags(**flags: Any):
     >>> plugin_from_flags(rmm_pool_size="1GiB", rmm_base_resource="system").options.pool_size
     1073741824
     """
-    from dask_rmm.plugin import RMMPlugin
-
     unknown = set(flags) - set(_FLAG_TO_OPTION)
     if unknown:
         raise TypeError(f"unknown flags: {sorted(unknown)}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from dask_rmm.worker.stacks import worker_stack
+
 __all__ = ["close_peak_windows", "open_peak_windows"]
 
 # worker -> window id -> [(attribution adaptor, device, token)]
@@ -15,8 +17,6 @@ _open: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def open_peak_windows(dask_worker: Any, window: str) -> int:
     """On a worker (``client.run``): open the window ``window`` on every active stack that
     attributes memory to task groups; the number of devices it covers."""
-    from dask_rmm.worker.stacks import worker_stack
-
     entries = []
     for stack in worker_stack(dask_worker).active:
         attribution = stack.attribution
@@ -29,8 +29,6 @@ def open_peak_windows(dask_worker: Any, window: str) -> int:
 def close_peak_windows(dask_worker: Any, window: str) -> dict[str, dict[str, int] | None]:
     """On a worker (``client.run``): close ``window``; ``{device: {task group: peak bytes}}``,
     None for a device whose stack was replaced during the window."""
-    from dask_rmm.worker.stacks import worker_stack
-
     active = [s.attribution for s in worker_stack(dask_worker).active]
     out: dict[str, dict[str, int] | None] = {}
     for ref, device, token in _open.get(dask_worker, {}).pop(window, []):
