@@ -99,9 +99,14 @@ class Timed:
         self.cpu = dict.fromkeys(self.cpu, 0.0)
         self.timing, self.profile = True, profile
         young = [0]
+        collecting = [0.0, 0.0]  # when the collection in progress started, collections' time
 
         def count(phase: str, info: dict) -> None:
             young[0] += phase == "start" and info["generation"] == 0
+            if phase == "start":
+                collecting[0] = time.thread_time()
+            else:
+                collecting[1] += time.thread_time() - collecting[0]
 
         gc.callbacks.append(count)
         steps = max(1, round(c.interval / 0.01))
@@ -118,6 +123,7 @@ class Timed:
         self.timing, self.profile = False, None
         out = {k: v / n * 1e6 for k, v in self.cpu.items()}
         out["young"] = young[0]
+        out["gc"] = collecting[1] / n * 1e6
         return out
 
 
@@ -168,6 +174,7 @@ async def run_size(workers: int, devices: int, args) -> None:
         ("dask-rmm's polls", "poll"),
         ("msgpack decode of the message", "decode"),
         ("young collections per round", "young"),
+        ("garbage collection (in the above)", "gc"),
     ]
     print(f"  {'us per heartbeat':<32}{'with dask-rmm':>24}{'without':>24}")
     for label, key in rows:
@@ -178,6 +185,9 @@ async def run_size(workers: int, devices: int, args) -> None:
     print(f"  {'handler + polls':<32}{_cell(totals[True]):>24}{_cell(totals[False]):>24}")
     target = 20 + 10 * (devices - 1)
     print(f"  dask-rmm's cost (with - without, per round): {_cell(extra)} us; target {target} us")
+    every = {w: [x["handler"] + x["poll"] + x["decode"] for x in results[w]] for w in (True, False)}
+    extra = [a - b for a, b in zip(every[True], every[False], strict=True)]
+    print(f"  the same with the decode: {_cell(extra)} us")
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
