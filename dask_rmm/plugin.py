@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split, parse_timedelta
+from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
@@ -310,8 +311,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         is more than the host has (every worker takes its fraction of the whole host)."""
         if not stacks or not stacks[0].host_memory or not isinstance(self.options.pool_size, float):
             return
-        from distributed.comm.addressing import get_address_host
-
         try:
             host = get_address_host(worker.address)
             info = await worker.scheduler.identity()

@@ -16,6 +16,7 @@ import inspect
 import logging
 import sys
 import threading
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -452,8 +453,6 @@ def share_torch_budget(device: int, resource: Any) -> None:
 def _move_budget(budget: _TorchDeviceBudget, pool: Any) -> None:
     """Make ``budget`` share ``pool``'s maximum, leaving the pool it shared before (None: no
     pool, no cap)."""
-    import weakref
-
     previous = budget.pool() if budget.pool is not None else None
     if previous is not None and previous is not pool:
         previous.stop_sharing(budget)

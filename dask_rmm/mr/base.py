@@ -10,6 +10,7 @@ from typing import Any
 
 from dask_rmm._cuda import CUDAError
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
+from dask_rmm.wire import fragmentation
 
 __all__ = [
     "CUDAAllocationError",
@@ -94,8 +95,6 @@ class ReservedMemoryInfo:
     def fragmentation(self) -> float | None:
         """:func:`dask_rmm.wire.fragmentation`: ``1 - largest_free_block / free_bytes``, None
         when none of the pool is in use, 0.0 when nothing is free."""
-        from dask_rmm.wire import fragmentation
-
         return fragmentation(self.reserved_bytes, self.free_bytes, self.largest_free_block)
 
 

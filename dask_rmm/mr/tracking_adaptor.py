@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import traceback
 
+from dask_rmm import logger
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor, deallocate_refused
 from dask_rmm.mr.pool import PoolMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
@@ -131,8 +132,6 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
 
     def log_outstanding_allocations(self) -> None:
         """Write :meth:`get_outstanding_allocations_str` to the debug logger at debug level."""
-        from dask_rmm import logger
-
         log = logger.get_logger()
         if log.isEnabledFor(logger.DEBUG):
             log.debug("Outstanding Allocations: %s", self.get_outstanding_allocations_str())

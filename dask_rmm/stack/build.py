@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -108,9 +110,6 @@ def check_log_file_keeps_rows(path: str) -> None:
     was written (a pseudo-filesystem such as ``/proc`` or ``/sys`` refuses it, or keeps none).
     Done when the stack is built, so that a registration fails on the client instead of each
     worker warning at its first allocation that every row is lost."""
-    import stat
-    import tempfile
-
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise OSError(
             f"{path} is not a regular file ({os.path.realpath(path)}): rows written to it "
