@@ -104,11 +104,8 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
         if len(raw) > MAX_DEVICES:
             problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
         for dev, d in islice(raw.items(), MAX_DEVICES):
-            dev = str(dev) if type(dev) is int else dev
             if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
                 problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
-            elif dev in devices:
-                problems.append(("format", f"device {dev!r} sent twice (as int and str)"))
             elif not isinstance(d, Mapping):
                 problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
             elif (new := _bound(f"device {dev!r}", d, now, problems)) is d and type(d) is dict:
@@ -258,20 +255,17 @@ def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
             n = len(v)
             if n > MAX_ENTRIES:
                 problems.append(("bounds", f"{where}: {k} of {n} entries, {MAX_ENTRIES} kept"))
-            if t is dict:
-                kept: Any = {
-                    key: x
-                    for key, x in islice(v.items(), MAX_ENTRIES)
-                    if type(key) is str and len(key) <= MAX_KEY and _within(x, 1)
-                }
-            else:
-                kept = [x for x in v[:MAX_ENTRIES] if _within(x, 1)]
-            if len(kept) < min(n, MAX_ENTRIES):
-                dropped = min(n, MAX_ENTRIES) - len(kept)
+            items = islice(v.items(), MAX_ENTRIES) if t is dict else enumerate(v[:MAX_ENTRIES])
+            kept = {
+                i: x
+                for i, x in items
+                if (t is not dict or (type(i) is str and len(i) <= MAX_KEY)) and _within(x, 1)
+            }
+            if dropped := min(n, MAX_ENTRIES) - len(kept):
                 problems.append(
                     ("bounds", f"{where}: {dropped} {k} entries nested or long; dropped")
                 )
-            out[k] = v if len(kept) == n else kept
+            out[k] = v if len(kept) == n else kept if t is dict else list(kept.values())
         else:
             problems.append(("bounds", f"{where}: {k} is {_kind(v)}; dropped"))
     if names:
@@ -352,23 +346,19 @@ def check_samples(
 
 
 def _fix(a: np.ndarray, now: float) -> tuple[np.ndarray, tuple[str, str]]:
-    t = a["t"]
-    reasons = []
+    t, c, m = a["t"], a["c"], a["m"]
     with np.errstate(invalid="ignore"):
         absurd = ~(t >= EARLIEST) | (t > now + LATEST_AHEAD)
-        ahead = ~absurd & (t > now + MAX_AHEAD)
-    out_of_range = (a["c"] < 0) | (a["c"] > MAX_BYTES) | (a["m"] < 0) | (a["m"] > MAX_BYTES)
-    if absurd.any():
-        reasons.append(f"{int(absurd.sum())} at no time (before 2000 or a day ahead)")
-    if ahead.any():
-        reasons.append(
-            f"{int(ahead.sum())} up to {float(t[ahead].max()) - now:.0f} s ahead of the "
-            "scheduler's clock"
-        )
-    if out_of_range.any():
-        reasons.append(f"{int(out_of_range.sum())} with bytes outside [0, 2**50]")
-    kept = a[~(absurd | ahead | out_of_range)]
-    text = f"{len(a) - len(kept)} of {len(a)} samples dropped: " + "; ".join(reasons)
+    ahead = ~absurd & (t > now + MAX_AHEAD)
+    why = {
+        "at no time (before 2000 or a day ahead)": absurd,
+        f"up to {np.max(t[ahead], initial=now) - now:.0f} s ahead of the scheduler's clock": ahead,
+        "with bytes outside [0, 2**50]": (c < 0) | (c > MAX_BYTES) | (m < 0) | (m > MAX_BYTES),
+    }
+    kept = a[~np.logical_or.reduce(list(why.values()))]
+    text = f"{len(a) - len(kept)} of {len(a)} samples dropped: " + "; ".join(
+        f"{int(x.sum())} {reason}" for reason, x in why.items() if x.any()
+    )
     if len(kept) > 1 and (kept["t"][1:] < kept["t"][:-1]).any():
         kept = kept[np.argsort(kept["t"], kind="stable")]
         text = "samples out of time order, sorted" + ("" if len(kept) == len(a) else "; " + text)
