@@ -111,8 +111,9 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         Departed workers kept in reports (marked "gone"); older ones are forgotten. Default
         config ``dask-rmm.scheduler.keep-gone`` (32).
     poll_interval : float
-        Seconds between two reads of the workers' metrics (a worker heartbeats every 0.5 s at
-        the most often, so 0.1 s misses none).
+        Least seconds between two reads of the workers' metrics (a worker heartbeats every
+        0.5 s at the most often, so 0.1 s misses none); the poller waits a tenth of
+        distributed's heartbeat interval when that is longer, up to 0.5 s.
     timeline_levels : int, optional
         Resolutions of each timeline; default config ``dask-rmm.scheduler.timeline-levels``.
     """
