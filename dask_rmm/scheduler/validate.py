@@ -199,11 +199,13 @@ def _known(devices: Mapping) -> bool:
         for i in {i % n for i in compress(range(len(lists)), lists)}:  # fields not all empty
             entries = list(chain.from_iterable(lists[i::n]))  # of every device
             cols = plan.columns[plan.names[i]]
-            # Entries of the learnt length (ValueError if not all one) whose every item is of
-            # its column's kind: all they hold.
-            columns = list(zip(*entries, strict=True))
-            if cols is None or len(columns) != cols[0]:
+            # Lists or tuples (zip would take a map's keys) of the learnt length (ValueError if
+            # not all one) whose every item is of its column's kind: all they hold.
+            if cols is None or not _SEQUENCES.issuperset(map(type, entries)):
                 return False  # a list of new columns: learnt on the way through _bound
+            columns = list(zip(*entries, strict=True))
+            if len(columns) != cols[0]:
+                return False
             for j in cols[1]:
                 texts += columns[j]
             for j in cols[2]:

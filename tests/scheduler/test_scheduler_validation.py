@@ -546,6 +546,7 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
         ("task_groups", [["g", list(range(100_000)), 2]]),
         ("task_groups", [["g", 1, 2, "x" * 100_000]]),
         ("task_groups", [{0: "g", 1: 1, 2: list(range(100_000))}]),
+        ("task_groups", [{"g": list(range(100_000)), 1: 1, 2: 2}]),  # columns of its keys
         ("paused", {f"k{i}": i for i in range(100_000)}),
         ("samples", "0" * 48),
     ],
