@@ -26,7 +26,7 @@ from dask_rmm import RMMPlugin
 from dask_rmm.pressure.admission import RESOURCE
 from dask_rmm.worker import admission as worker_admission
 from dask_rmm.worker.admission import admission_of
-from tests.worker.test_preload import scheduler  # noqa: F401 (the fixture)
+from tests.worker.test_preload import scheduler, scheduler_process  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
 POOL = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB")
