@@ -12,8 +12,12 @@ _.teardown
 _.transition
 _.idempotent
 
-# tornado calls RequestHandler.write_error for an HTTPError.
+# tornado calls RequestHandler.write_error for an HTTPError, compute_etag for a whole answer.
 _.write_error
+_.compute_etag
+
+# asyncio's debug mode reads it (bench/scrape_cost.py --why).
+_.slow_callback_duration
 
 # Fields of cuda-python's cudaMemPoolProps, read by cudaMemPoolCreate.
 _.allocType

@@ -10,7 +10,7 @@ thread once per shared snapshot and served as it is. Needs prometheus_client (op
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import dask.config
@@ -50,67 +50,98 @@ class DaskRMMCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         plugin = self.plugin
-        # Stops a plugin that was unregistered. From SHARE_ABOVE workers, the sums as of the
-        # poller's last tick (0.1 s): reading every unread heartbeat would cost the loop a read
-        # per worker a scrape.
-        if not plugin.poll(every=not plugin.large):
+        if plugin.large and _in_loop():
+            # The families of the shared snapshot (at most SNAPSHOT_INTERVAL old), made in the
+            # report thread: a scrape costs the loop the same at any size and scrape rate.
+            if not plugin.active:
+                plugin.poll()  # stops it
+                return
+            made = plugin.exported_now("families", snapshot_families)
+            if made is not None:
+                yield from made
+                return
+            # None made yet: the totals as of the poller's last tick, no devices (reading every
+            # unread heartbeat would cost the loop a read per worker).
+            if not plugin.poll(every=False):
+                return
+            yield from total_families(plugin.cluster_sums(), plugin.cluster_peak)
+            return
+        if not plugin.poll():
             return
         # The totals are kept up to date as heartbeats arrive: no pass over every device on
         # the event loop (the final peak: the not-yet-final samples would take a sort of every
         # waiting sample; the next scrape has them).
         sums = plugin.cluster_sums()
-        workers = GaugeMetricFamily(
-            "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
-        )
-        workers.add_metric(["running"], sums["workers"])
-        workers.add_metric(["gone"], sums["gone_workers"])
-        yield workers
-        count = GaugeMetricFamily("dask_rmm_devices", "Devices of running dask-rmm workers")
-        count.add_metric([], sums["devices"])
-        yield count
-        for field in _CLUSTER:
-            family = GaugeMetricFamily(
-                f"dask_rmm_cluster_{field}", f"Sum of {field} over the running devices"
-            )
-            family.add_metric([], sums[field])
-            yield family
-        # A device with statistics=False has no timeline: a cluster peak without it is no peak.
-        if not sums["unmeasured_devices"]:
-            peak = GaugeMetricFamily(
-                "dask_rmm_cluster_peak_bytes",
-                "Most bytes all devices held at once (peak of the summed timelines)",
-            )
-            peak.add_metric([], plugin.cluster_peak)
-            yield peak
-
-        limit = dask.config.get(
-            "dask-rmm.scheduler.prometheus-device-limit", default=DEFAULT_DEVICE_LIMIT
-        )
-        if sums["devices"] > limit:
-            return
-        yield from plugin_device_families(plugin)
+        yield from total_families(sums, plugin.cluster_peak)
+        if sums["devices"] <= _device_limit():
+            yield from device_families(plugin.snapshot(ReportRequest(timeline=False)))
 
 
-def plugin_device_families(plugin: SchedulerTimelinePlugin) -> list:
-    """The per-device families of ``plugin``'s devices: made now from a fresh snapshot for a
-    small cluster (below ``SHARE_ABOVE`` workers, or outside an event loop), else those made in
-    the report thread from the shared snapshot (at most ``SNAPSHOT_INTERVAL`` old; none until
-    the first is made)."""
+def _in_loop() -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        large = False
-    else:
-        large = plugin.large
-    if not large:
-        return device_families(plugin.snapshot(ReportRequest(timeline=False)))
-    return plugin.exported_now("families", device_families) or []
+        return False
+    return True
 
 
-def device_families(snap: Snapshot) -> list:
-    """One series per running device of ``snap`` for each :data:`dask_rmm.wire.GAUGES` field,
-    fragmentation, each library's bytes and the memory outside dask-rmm (any thread)."""
-    running = [x for x in snap.devices() if x.running]
+def _device_limit() -> int:
+    return dask.config.get(
+        "dask-rmm.scheduler.prometheus-device-limit", default=DEFAULT_DEVICE_LIMIT
+    )
+
+
+def total_families(sums: Mapping[str, int], peak: int) -> Iterator[GaugeMetricFamily]:
+    """The workers, devices and cluster totals of ``sums`` (the keys of
+    ``SchedulerTimelinePlugin.cluster_sums``) and the cluster's ``peak``."""
+    workers = GaugeMetricFamily(
+        "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
+    )
+    workers.add_metric(["running"], sums["workers"])
+    workers.add_metric(["gone"], sums["gone_workers"])
+    yield workers
+    count = GaugeMetricFamily("dask_rmm_devices", "Devices of running dask-rmm workers")
+    count.add_metric([], sums["devices"])
+    yield count
+    for field in _CLUSTER:
+        family = GaugeMetricFamily(
+            f"dask_rmm_cluster_{field}", f"Sum of {field} over the running devices"
+        )
+        family.add_metric([], sums[field])
+        yield family
+    # A device with statistics=False has no timeline: a cluster peak without it is no peak.
+    if not sums["unmeasured_devices"]:
+        family = GaugeMetricFamily(
+            "dask_rmm_cluster_peak_bytes",
+            "Most bytes all devices held at once (peak of the summed timelines)",
+        )
+        family.add_metric([], peak)
+        yield family
+
+
+def snapshot_families(snap: Snapshot) -> list:
+    """Every family of ``/metrics`` made from ``snap`` (any thread): the totals, and the
+    per-device families up to ``prometheus-device-limit`` devices."""
+    devices = snap.devices()
+    totals = snap.totals(devices, None)
+    sums = {
+        "workers": totals.workers,
+        "gone_workers": totals.gone_workers,
+        "devices": totals.devices,
+        "unmeasured_devices": totals.unmeasured_devices,
+        **{field: getattr(totals, field) for field in _CLUSTER},
+    }
+    made = list(total_families(sums, snap.total.peak if snap.total is not None else 0))
+    if totals.devices <= _device_limit():
+        made += device_families(snap, devices)
+    return made
+
+
+def device_families(snap: Snapshot, devices: list | None = None) -> list:
+    """One series per running device of ``snap`` (of ``devices``, its devices, when given) for
+    each :data:`dask_rmm.wire.GAUGES` field, fragmentation, each library's bytes and the memory
+    outside dask-rmm (any thread)."""
+    running = [x for x in (snap.devices() if devices is None else devices) if x.running]
     kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
     gauges = [(f, kinds[kind](name, text, labels=LABELS)) for f, name, text, kind in GAUGES]
     frag = GaugeMetricFamily(
@@ -165,12 +196,26 @@ def device_families(snap: Snapshot) -> list:
     return [family for _, family in gauges] + [frag, in_use, held_free, outside]
 
 
-def device_text(snap: Snapshot) -> bytes:
-    """:func:`device_families` in the Prometheus text format (what /dask-rmm/metrics serves)."""
-    registry = CollectorRegistry(auto_describe=False)
-    families = device_families(snap)
-    registry.register(type("_Families", (), {"collect": lambda self: iter(families)})())
-    return generate_latest(registry)
+def device_text(snap: Snapshot) -> list[bytes]:
+    """:func:`device_families` in the Prometheus text format (what /dask-rmm/metrics serves),
+    one piece a family: each piece is joined and encoded in one C call that holds the GIL, a
+    family of 16,000 devices a few MB, the whole text a hundred."""
+    pieces = []
+    for family in device_families(snap):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families([family]))
+        pieces.append(generate_latest(registry))
+    return pieces
+
+
+class _Families:
+    """A collector of families already made."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator:
+        return iter(self.families)
 
 
 def _host(address: str) -> str:

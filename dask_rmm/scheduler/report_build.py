@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import html
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from time import time
@@ -332,8 +333,9 @@ class Snapshot:
         return self.export(lambda snap: snap._render(form))
 
     def export(self, build: Any) -> Any:
-        """``build(self)`` with the garbage collector paused (see :func:`_collector_paused`)."""
-        with _collector_paused():
+        """``build(self)`` with the garbage collector paused (see :func:`_collector_paused`) and
+        the interpreter switching threads more often (see :func:`_switching_often`)."""
+        with _collector_paused(), _switching_often():
             return build(self)
 
     def _render(self, form: str) -> Any:
@@ -388,6 +390,26 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+#: ``sys.setswitchinterval`` while a report is built (Python's default is 5 ms).
+SWITCH_INTERVAL = 0.0005
+
+
+@contextlib.contextmanager
+def _switching_often() -> Iterator[None]:
+    """The interpreter switching threads every :data:`SWITCH_INTERVAL` while a report is built
+    in its thread: each time the event loop's thread gives up the GIL (a select, a socket
+    write, a read of /proc by distributed's system monitor) it waits for the building thread to
+    give it back, up to the switch interval, so a callback making 20 such calls was late by
+    100 ms at the default 5 ms (bench/README.md). Restored after (reports are built one at a
+    time, in one thread)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[str]:

@@ -196,3 +196,15 @@ async def test_the_page_links_back_to_the_dask_dashboard(c, s, a, b):
     # relative: the dashboard's status page under the same prefix (its Bokeh pages are not
     # served in this test cluster)
     assert urljoin(r.effective_url, "status").endswith(f":{s.http_server.port}/prefixed/status")
+
+
+def test_a_report_is_built_with_the_interpreter_switching_threads_often():
+    import sys
+
+    from dask_rmm.scheduler.report_build import SWITCH_INTERVAL, ReportRequest, Snapshot
+
+    before = sys.getswitchinterval()
+    snap = Snapshot(ReportRequest(), [], None, {})
+    seen = snap.export(lambda _: sys.getswitchinterval())
+    assert seen == pytest.approx(min(before, SWITCH_INTERVAL))
+    assert sys.getswitchinterval() == before

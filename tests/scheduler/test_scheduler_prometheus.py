@@ -146,3 +146,50 @@ async def test_a_large_clusters_scrape_serves_device_series_made_in_the_report_t
         assert set(used) == {(a.address, "0"), (b.address, "0")}
     finally:
         timeline.SHARE_ABOVE = old
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 8)
+async def test_every_device_of_a_cluster_above_500_devices_has_its_series(c, s, *workers):
+    devices = tuple(str(d) for d in range(64))  # 8 x 64 = 512, above the default limit of 500
+    fakes = {}
+    for w in workers:
+        fakes[w.address] = w.metrics["dask-rmm"] = FakeRMMMetrics(devices)
+        for d in devices:
+            fakes[w.address][d].allocate(1024 * (1 + int(d)))
+    await install_scheduler_plugin(c)
+    await asyncio.gather(*(w.heartbeat() for w in workers))
+    on_metrics = await _families(s)
+    assert on_metrics["dask_rmm_devices"].samples[0].value == 512
+    assert "dask_rmm_used_bytes" not in on_metrics  # /metrics: the totals above the limit
+    r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/dask-rmm/metrics")
+    assert "Etag" not in r.headers  # no hash of the whole body on the event loop
+    fams = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+    used = _by_worker(fams["dask_rmm_used_bytes"])
+    assert used == {(w.address, d): 1024 * (1 + int(d)) for w in workers for d in devices}
+    assert len(_by_worker(fams["dask_rmm_reserved_bytes"])) == 512
+
+
+@gen_cluster(client=True)
+async def test_a_large_clusters_scrape_serves_the_totals_of_the_shared_snapshot(c, s, a, b):
+    from dask_rmm.scheduler import timeline
+
+    a.metrics["dask-rmm"], b.metrics["dask-rmm"] = FakeRMMMetrics(), FakeRMMMetrics(("0", "1"))
+    a.metrics["dask-rmm"]["0"].allocate(1000)
+    b.metrics["dask-rmm"]["1"].allocate(4096)
+    await install_scheduler_plugin(c)
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    plugin = s.plugins[PLUGIN_NAME]
+    small = await _families(s)
+    old, timeline.SHARE_ABOVE = timeline.SHARE_ABOVE, 0  # two workers count as many
+    try:
+        await _families(s)  # starts the build
+        while plugin._made.get("families") is None:
+            await asyncio.sleep(0.01)
+        large = await _families(s)
+    finally:
+        timeline.SHARE_ABOVE = old
+    assert large["dask_rmm_cluster_current_bytes"].samples[0].value == 5096
+    assert set(large) == set(small)  # the device series too (3 devices, below the limit)
+    for name in small:
+        if name.startswith("dask_rmm_cluster_") or name in ("dask_rmm_workers", "dask_rmm_devices"):
+            assert large[name].samples == small[name].samples, name
