@@ -58,16 +58,10 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     from dask_rmm.sizes import parse_device_bytes
 
     try:
-        return parse_device_bytes(value)
+        size = parse_device_bytes(value)
     except (ValueError, TypeError) as e:
         raise click.BadParameter(f"{value!r} is not a size such as 4GiB or 1073741824 ({e})") from e
-
-
-def _parse_positive_size(
-    ctx: click.Context, param: click.Parameter, value: str | None
-) -> int | None:
-    size = _parse_size(ctx, param, value)
-    if value is not None and (size is None or size <= 0):  # parse_device_bytes: 0 is "unset"
+    if size is None and param.name == "block_size":  # parse_device_bytes: 0 is "unset"
         raise click.BadParameter(f"{value!r} is not a positive size such as 1MiB")
     return size
 
@@ -77,12 +71,9 @@ def _progress_option(what: str) -> Callable[[Any], Any]:
     return click.option(
         "--progress/--no-progress",
         default=None,
+        callback=lambda ctx, param, flag: sys.stderr.isatty() if flag is None else flag,
         help=f"Progress bar on stderr while {what} (default: when stderr is a terminal).",
     )
-
-
-def _progress(flag: bool | None) -> bool:
-    return sys.stderr.isatty() if flag is None else flag
 
 
 _FILES = click.argument(
@@ -101,7 +92,7 @@ _FILES = click.argument(
     help="Largest outstanding allocations to list.",
 )
 @_progress_option("reading the logs")
-def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | None) -> None:
+def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool) -> None:
     """Duration, counts, peak, leaks, size histogram and per-thread/stream totals of FILES.
 
     With several files (one per worker), also their combination merged by time.
@@ -109,7 +100,7 @@ def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | No
     from dask_rmm.logs import summary as log_summary
 
     with _user_errors():
-        report = log_summary.summarize(files, top=top, progress=_progress(progress))
+        report = log_summary.summarize(files, top=top, progress=progress)
     if as_json:
         from dask_rmm.report.memory_report import strict_json
 
@@ -126,7 +117,7 @@ def summary(files: tuple[str, ...], as_json: bool, top: int, progress: bool | No
 )
 @click.option("--title", default=None, help="Plot title.")
 @_progress_option("reading the logs")
-def plot(files: tuple[str, ...], output: str, title: str | None, progress: bool | None) -> None:
+def plot(files: tuple[str, ...], output: str, title: str | None, progress: bool) -> None:
     """Plot bytes in use over time, one line per file (worker), each peak marked.
 
     Writes PNG, SVG or PDF by OUTPUT's extension; needs matplotlib.
@@ -134,7 +125,7 @@ def plot(files: tuple[str, ...], output: str, title: str | None, progress: bool 
     from dask_rmm.logs import timeline as log_timeline
 
     with _user_errors():
-        timelines = log_timeline.plot_logs(files, output, title=title, progress=_progress(progress))
+        timelines = log_timeline.plot_logs(files, output, title=title, progress=progress)
     peaks = ", ".join(f"{t.source} {t.peak_bytes:,} B" for t in timelines)
     click.echo(f"wrote {output} (peaks: {peaks})")
 
@@ -178,9 +169,7 @@ _RESOURCE_NAMES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
 )
 @click.option("--initial-pool-size", callback=_parse_size, help="Pool size (arena size for arena).")
 @click.option("--maximum-pool-size", callback=_parse_size, help="Largest the pool may grow.")
-@click.option(
-    "--block-size", callback=_parse_positive_size, help="Block size of fixed_size (1MiB)."
-)
+@click.option("--block-size", callback=_parse_size, help="Block size of fixed_size (1MiB).")
 @click.option(
     "--host-memory", is_flag=True, help="Replay on host memory even when a GPU is present."
 )
@@ -200,7 +189,7 @@ def replay(
     block_size: int | None,
     host_memory: bool,
     retry_failures: bool,
-    progress: bool | None,
+    progress: bool,
     as_json: bool,
 ) -> None:
     """Re-issue FILE's allocations and frees, in order, on a fresh resource.
@@ -240,7 +229,7 @@ def replay(
                 gpu=gpu,
                 block_size=block_size,
                 retry_failures=retry_failures,
-                progress=_progress(progress),
+                progress=progress,
                 initial_pool_size=initial_pool_size,
                 maximum_pool_size=maximum_pool_size,
             )
@@ -275,7 +264,12 @@ def _finite_seconds(
     return value
 
 
-def _address_in(scheduler_file: str) -> str:
+def _address(targets: tuple[str, ...], scheduler_file: str | None, other: str = "") -> str:
+    """The one scheduler address given, or the one in ``scheduler_file``."""
+    if len(targets) + bool(scheduler_file) != 1:
+        raise click.UsageError(f"give one SCHEDULER_ADDRESS or --scheduler-file{other}")
+    if not scheduler_file:
+        return targets[0]
     try:
         with open(scheduler_file) as f:
             return json.load(f)["address"]
@@ -372,8 +366,7 @@ def report(
     from dask_rmm._output import refuse_input
     from dask_rmm.client.fetch import iter_reports
 
-    if bool(scheduler_address) == bool(scheduler_file):
-        raise click.UsageError("give either SCHEDULER_ADDRESS or --scheduler-file")
+    address = _address((scheduler_address,) if scheduler_address else (), scheduler_file)
     if timelines and not as_json:
         raise click.UsageError(
             "--timelines goes with --json (the table shows no timelines; --plot draws them)"
@@ -383,8 +376,6 @@ def report(
             refuse_input(plot_path or "", [scheduler_file])
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--plot") from e
-        scheduler_address = _address_in(scheduler_file)
-    assert scheduler_address  # given, or read from the file (checked above)
     timeline = timelines or plot_path is not None
     clear = watch is not None and not as_json and sys.stdout.isatty()
     # More devices than any cluster has is all of them (msgpack refuses ints >= 2**64).
@@ -393,11 +384,11 @@ def report(
 
     async def run() -> None:
         async for r in iter_reports(
-            scheduler_address, interval=watch, timeout=timeout, timeline=timeline, **request
+            address, interval=watch, timeout=timeout, timeline=timeline, **request
         ):
             if not r.devices and not r.totals.devices and watch is None:
                 raise click.ClickException(
-                    f"no dask-rmm workers on the scheduler at {scheduler_address} "
+                    f"no dask-rmm workers on the scheduler at {address} "
                     f"({len(r.workers_without_dask_rmm)} workers without dask-rmm metrics); "
                     "register dask_rmm.RMMPlugin on the workers"
                 )
@@ -463,7 +454,7 @@ def advise(
     device_memory: int | None,
     host_memory: bool,
     as_json: bool,
-    progress: bool | None,
+    progress: bool,
     timeout: float,
 ) -> None:
     """Recommend pool_size, maximum_pool_size and the allocator per worker device.
@@ -487,18 +478,12 @@ def advise(
                 list(targets),
                 device_memory=device_memory or 0,
                 on_device=not host_memory,
-                progress=_progress(progress),
+                progress=progress,
             )
     else:
         if device_memory is not None or host_memory:
             raise click.UsageError("--device-memory and --host-memory go with --logs")
-        if len(targets) + bool(scheduler_file) != 1:
-            raise click.UsageError(
-                "give one SCHEDULER_ADDRESS, --scheduler-file, or --logs FILE..."
-            )
-        address = targets[0] if targets else ""
-        if scheduler_file:
-            address = _address_in(scheduler_file)
+        address = _address(targets, scheduler_file, " or --logs FILE...")
         from dask_rmm.client.fetch import iter_reports
 
         async def fetch() -> Any:
