@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dask_rmm.report.memory_report import _device_label, summed_series
 from dask_rmm.sizes import format_bytes
 
@@ -129,14 +131,9 @@ def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) 
     last one until ``stop``); the plain mean when it spans no time, 0.0 when empty."""
     if not points:
         return 0.0
-    end = max(points[-1][0], stop or points[-1][0])
-    span = end - points[0][0]
-    if span <= 0:
-        return float(sum(v for _, v in points) / len(points))
-    area = 0.0
-    for (t, v), (t_next, _) in zip(points, [*points[1:], (end, 0)], strict=True):
-        area += v * (t_next - t)
-    return area / span
+    t, v = np.asarray(points, dtype=float).T
+    span = max(t[-1], stop or t[-1]) - t[0]
+    return float(v.mean() if span <= 0 else v @ np.diff(t, append=t[0] + span) / span)
 
 
 class GPUMemorySampler:
