@@ -116,8 +116,6 @@ def cluster_report(
             f"client must be a distributed.Client, got {client!r}; for a scheduler address use "
             "cluster_report(Client(address)) or `dask rmm report ADDRESS`"
         )
-    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
-        raise ValueError(f"last must be a number of samples (an int >= 0) or None, got {last!r}")
     from dask_rmm.scheduler.report_build import ReportRequest
 
     ReportRequest(timeline=timeline, last=last, top=top, sort=sort, worker=worker)  # checks

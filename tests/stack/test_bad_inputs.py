@@ -60,7 +60,7 @@ def test_cluster_report_names_a_bad_client_or_last():
     with pytest.raises(TypeError, match="client must be a distributed.Client, got 'tcp://"):
         cluster_report("tcp://127.0.0.1:8786")
     for last in ("x", 1.5, -1, True):
-        with pytest.raises(ValueError, match="last must be a number of samples"):
+        with pytest.raises(ValueError, match="last must be an int >= 0 or None"):
             cluster_report(_NotAClientYet(), last=last)
 
 
