@@ -351,21 +351,13 @@ def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) 
         before = start.get((d.worker, d.device))
         # the block's share: all of it for a device new since the start, or one whose counters
         # went down (a restarted worker)
-        delta = {}
-        for k in SPILL_COUNTERS:
-            a, b = int(getattr(d, k)), int(getattr(before, k)) if before is not None else 0
-            delta[k] = a - b if a >= b else a
-            totals[k] += delta[k]
-        spilled, back, *counts = delta.values()
-        rows.append(
-            (
-                d.label,
-                format_bytes(spilled),
-                format_bytes(back),
-                format_bytes(d.spilled_bytes),
-                *counts,
-            )
-        )
+        now = [int(getattr(d, k)) for k in SPILL_COUNTERS]
+        then = [int(getattr(before, k)) if before is not None else 0 for k in SPILL_COUNTERS]
+        delta = [a - b if a >= b else a for a, b in zip(now, then, strict=True)]
+        for k, n in zip(SPILL_COUNTERS, delta, strict=True):
+            totals[k] += n
+        spilled, back, *counts = delta
+        rows.append((d.label, *map(format_bytes, (spilled, back, d.spilled_bytes)), *counts))
     totals_line = (
         f"<p>Spilled {esc(format_bytes(totals['total_spilled_bytes']))} to host and brought "
         f"{esc(format_bytes(totals['total_unspilled_bytes']))} back; "
