@@ -50,8 +50,10 @@ DEFAULT_TIMELINE_LEVELS = 3
 DEFAULT_KEEP_GONE = 32
 #: Seconds between two passes that add what every device has sent to the cluster's total.
 TOTAL_INTERVAL = 0.5
-#: Worker records a report's snapshot takes between two returns to the event loop.
-SNAPSHOT_CHUNK = 500
+#: Worker records a report's snapshot takes (and reads unread heartbeats of) between two
+#: returns to the event loop: at 8 devices a worker, 500 held the loop 40 ms and more
+#: (bench/README.md, "Scrapes and pages").
+SNAPSHOT_CHUNK = 100
 #: Seconds every report, page and scrape shares one snapshot of a cluster of at least
 #: ``SHARE_ABOVE`` workers (a smaller one's is shared only while no heartbeat came since): the
 #: event loop's cost of a route is then the same whatever the scrape rate.
