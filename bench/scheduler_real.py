@@ -201,6 +201,25 @@ class Cluster:
                 due -= 1
             await asyncio.sleep(0.01)
 
+    async def fill_history(self, plugin, length: float) -> None:
+        """One heartbeat from every worker, then ``length`` seconds of samples in every
+        timeline (what a scheduler holds after an hour), put in place directly: an hour of
+        samples of every device summed at once would be no steady state."""
+        now = time.time()
+        for i in range(len(self.addresses)):
+            self.beat(i, now - self.interval)
+            if i % 200 == 199:
+                await asyncio.sleep(0)
+        plugin.poll()
+        for rec in plugin._records.values():
+            for dev, tl in rec.timelines.items():
+                full = plugin._new_timeline()
+                full.extend(self.samples(tl.points()["t"][0] - 1, length))
+                full.extend(tl.points().tobytes())
+                rec.timelines[dev] = full
+        plugin._compact()
+        gc.collect()
+
 
 async def base_metrics() -> dict:
     """A real worker's heartbeat metrics (distributed's part), dask-rmm's added per beat."""
@@ -237,22 +256,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
         t0 = time.perf_counter()
         await cluster.add_all()
         added = time.perf_counter() - t0
-        now = time.time()
-        for i in range(workers):
-            cluster.beat(i, now - cluster.interval)
-            if i % 200 == 199:
-                await asyncio.sleep(0)
-        plugin.poll()
-        # Full timelines (what a scheduler holds after an hour), put in place directly: an
-        # hour of samples of every device summed at once would be no steady state.
-        for rec in plugin._records.values():
-            for dev, tl in rec.timelines.items():
-                full = plugin._new_timeline()
-                full.extend(cluster.samples(tl.points()["t"][0] - 1, args.length))
-                full.extend(tl.points().tobytes())
-                rec.timelines[dev] = full
-        plugin._compact()
-        gc.collect()
+        await cluster.fill_history(plugin, args.length)
 
         # dask-rmm's time on the loop: every call of the plugin's poll (the poller's reads,
         # checks, timelines and cluster total), on the loop's own thread.

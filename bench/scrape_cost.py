@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -103,20 +102,7 @@ async def run_size(workers: int, devices: int, args) -> dict:
         plugin = s.plugins[PLUGIN_NAME]
         cluster = Cluster(s, workers, devices, base)
         await cluster.add_all()
-        now = time.time()
-        for i in range(workers):
-            cluster.beat(i, now - cluster.interval)
-            if i % 200 == 199:
-                await asyncio.sleep(0)
-        plugin.poll()
-        for rec in plugin._records.values():  # an hour of history, put in place directly
-            for dev, tl in rec.timelines.items():
-                full = plugin._new_timeline()
-                full.extend(cluster.samples(tl.points()["t"][0] - 1, args.length))
-                full.extend(tl.points().tobytes())
-                rec.timelines[dev] = full
-        plugin._compact()
-        gc.collect()
+        await cluster.fill_history(plugin, args.length)
         probe = TickProbe()
         sampler = BlockSampler(probe) if args.profile else None
 
