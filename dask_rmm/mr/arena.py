@@ -167,11 +167,12 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
                 return ptr
             if self.dump_log_on_failure:
                 self._dump_memory_log(size)
+            free, largest = self._global.free_bytes()
             raise OutOfMemoryError(
                 f"ArenaMemoryResource out of memory: requested {format_bytes(nbytes)} "
                 f"({nbytes} bytes) on stream {stream.handle:#x}; arena {format_bytes(self._size)}, "
-                f"{format_bytes(self._global.free_bytes()[0])} free in the global arena, largest free "
-                f"region {format_bytes(self._global.free_bytes()[1])}",
+                f"{format_bytes(free)} free in the global arena, largest free "
+                f"region {format_bytes(largest)}",
                 requested=nbytes,
                 resource="ArenaMemoryResource",
                 stream=stream.handle,
@@ -319,14 +320,15 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         )
 
     def _dump_memory_log(self, size: int) -> None:
+        free, largest = self._global.free_bytes()
         logger.warning(
             "ArenaMemoryResource ran out of memory trying to allocate %s. Global arena: size %s, "
             "%d free regions, %s free, largest free region %s; %d arenas holding %d superblocks",
             format_bytes(size),
             format_bytes(self._size),
             len(self._global.starts),
-            format_bytes(self._global.free_bytes()[0]),
-            format_bytes(self._global.free_bytes()[1]),
+            format_bytes(free),
+            format_bytes(largest),
             len(self._arenas),
             sum(len(a.used) for a in self._arenas.values()),
         )
