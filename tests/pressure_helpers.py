@@ -25,6 +25,7 @@ def pressure_stack(
     from dask_rmm import mr
     from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
     from dask_rmm.pressure.worker import WorkerPressure
+    from dask_rmm.stack.build import DeviceStack
     from tests.conftest import make_base_resource
 
     pool = mr.PoolMemoryResource(
@@ -36,7 +37,8 @@ def pressure_stack(
     owner = task_key or (lambda: None)
     attrib = AttributionResourceAdaptor(stats, owner, owner_name=lambda k: str(k).split("-")[0])
     wp = WorkerPressure(spill_on_oom=spill_on_oom, pause_fraction=pause_fraction, task_key=task_key)
-    top = wp.wrap(0, attrib, capacity=pool_bytes if maximum is None else maximum, limit=limit)
+    stack = DeviceStack(0, attrib, statistics=stats, attribution=attrib, pool=pool)
+    top = wp.wrap(stack, capacity=pool_bytes if maximum is None else maximum, limit=limit)
     mr.set_per_device_resource(0, top)
     return wp, top
 

@@ -17,22 +17,12 @@ from dask_rmm.pressure.metrics import PressureCounters
 from dask_rmm.pressure.store import DeviceSpillStore
 from dask_rmm.sizes import align_up
 
-__all__ = ["DevicePressure", "find_layer"]
+__all__ = ["DevicePressure"]
 
 #: OOM snapshots kept per device.
 MAX_OOM_EVENTS = 32
 #: Task prefixes listed in a snapshot's live bytes.
 TOP_PREFIXES = 20
-
-
-def find_layer(top: DeviceMemoryResource | None, cls: type) -> Any:
-    """The first resource of type ``cls`` in ``top``'s upstream chain (``top`` included)."""
-    mr = top
-    while mr is not None:
-        if isinstance(mr, cls):
-            return mr
-        mr = getattr(mr, "upstream_mr", None)
-    return None
 
 
 class DevicePressure:
@@ -45,9 +35,11 @@ class DevicePressure:
     store : DeviceSpillStore
         The worker's data store (spills values of this device).
     resource : DeviceMemoryResource
-        The worker's stack for this device, below the spill adaptor. A pool in it is used for
-        free-block layouts, a StatisticsResourceAdaptor for the bytes in use, an
-        AttributionResourceAdaptor for live bytes by task prefix.
+        The worker's stack for this device, below the spill adaptor.
+    pool, statistics, attribution : optional
+        Layers of that stack: a ``PoolMemoryResource`` (free-block layouts), a
+        ``StatisticsResourceAdaptor`` (the bytes in use), an ``AttributionResourceAdaptor``
+        (live bytes by task prefix).
     capacity : int
         What the pause fraction is a fraction of: the pool's maximum, else the device's memory.
     limit : int, optional
@@ -69,16 +61,15 @@ class DevicePressure:
         resource: DeviceMemoryResource,
         capacity: int,
         *,
+        pool: Any = None,
+        statistics: Any = None,
+        attribution: Any = None,
         limit: int | None = None,
         spill_on_oom: bool = False,
         pause_fraction: float | None = None,
         task_key: Callable[[], Any] | None = None,
         on_oom: Callable[[OOMEvent], Any] | None = None,
     ):
-        from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
-        from dask_rmm.mr.pool import PoolMemoryResource
-        from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
-
         self.device = device
         self.store = store
         self.resource = resource
@@ -88,9 +79,9 @@ class DevicePressure:
         self.pause_fraction = pause_fraction
         self.task_key = task_key
         self.on_oom = on_oom
-        self.pool = find_layer(resource, PoolMemoryResource)
-        self.statistics = find_layer(resource, StatisticsResourceAdaptor)
-        self.attribution = find_layer(resource, AttributionResourceAdaptor)
+        self.pool = pool
+        self.statistics = statistics
+        self.attribution = attribution
         self.oom_events: deque[OOMEvent] = deque(maxlen=MAX_OOM_EVENTS)
         #: The SpillOnDemandResourceAdaptor this policy serves (set by WorkerPressure.wrap).
         self.adaptor: Any = None

@@ -20,7 +20,7 @@ from dask_rmm.pressure.store import DeviceSpillStore
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_rmm.mr.base import DeviceMemoryResource
+    from dask_rmm.stack.build import DeviceStack
 
 __all__ = ["MONITOR_KEY", "WorkerPressure", "wrap_stacks"]
 
@@ -55,7 +55,7 @@ class WorkerPressure:
     How a worker's setup wires it (inside the worker process, with its device stacks)::
 
         wp = WorkerPressure(spill_on_oom=True)
-        stack.top = wp.wrap(0, stack.top, capacity=pool_max, limit=limit)
+        wp.wrap(stack, capacity=pool_max, limit=limit)  # stack.top is the adaptor now
         wp.attach(worker)
     """
 
@@ -85,39 +85,37 @@ class WorkerPressure:
     # -- building -------------------------------------------------------------------------------
 
     def wrap(
-        self,
-        device: int,
-        top: DeviceMemoryResource,
-        *,
-        capacity: int,
-        limit: int | None = None,
+        self, stack: DeviceStack, *, capacity: int, limit: int | None = None
     ) -> SpillOnDemandResourceAdaptor:
-        """The adaptor to install on top of ``top`` for ``device``.
-
-        Without a StatisticsResourceAdaptor in ``top``'s chain one is added under the adaptor:
-        the bytes in use are measured, never estimated.
+        """Put the spill adaptor on top of ``stack`` (its ``top`` and ``pressure`` set) and
+        return it. The stack hands over its pool, statistics and attribution layers; without
+        statistics one is added under the adaptor: the bytes in use are measured, never
+        estimated.
         """
         from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
-        from dask_rmm.pressure.device import find_layer
 
-        if find_layer(top, StatisticsResourceAdaptor) is None:
-            top = StatisticsResourceAdaptor(top)
+        top, statistics = stack.top, stack.statistics
+        if statistics is None:
+            top = statistics = StatisticsResourceAdaptor(top)
         dp = DevicePressure(
-            device,
+            stack.device,
             self.store,
             top,
             capacity,
+            pool=stack.pool,
+            statistics=statistics,
+            attribution=stack.attribution,
             limit=limit,
             spill_on_oom=self.spill_on_oom,
             pause_fraction=self.pause_fraction,
             task_key=self.task_key,
             on_oom=self._on_oom,
         )
-        self.devices[device] = dp
+        self.devices[stack.device] = stack.pressure = dp
         # A value brought back keeps its host copy (spilling it again then copies nothing):
         # at most what this device may hold, so host memory grows by no more than that.
         self.store.keep_host_copies += limit if limit is not None else capacity
-        dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
+        stack.top = dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
         dp.adaptor.task_accounts = self.task_accounts
         return dp.adaptor
 
@@ -309,30 +307,6 @@ class WorkerPressure:
         return sorted(events, key=lambda e: e.time)
 
 
-def _total_memory(device: int, host_memory: bool) -> int:
-    if host_memory:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from dask_rmm import _cuda
-
-    return _cuda.device_total_memory(device)
-
-
-def _capacity(top: Any, maximum: int | None, total: int) -> int:
-    """What a pause fraction is a fraction of: the pool's maximum, a limiting adaptor's limit,
-    else the device's memory."""
-    from dask_rmm.mr.limiting_adaptor import LimitingResourceAdaptor
-    from dask_rmm.mr.pool import PoolMemoryResource
-    from dask_rmm.pressure.device import find_layer
-
-    if maximum is None:
-        pool = find_layer(top, PoolMemoryResource)
-        maximum = pool.maximum_pool_size if pool is not None else None
-    if maximum is None:
-        limiting = find_layer(top, LimitingResourceAdaptor)
-        maximum = limiting.get_allocation_limit() if limiting is not None else None
-    return min(maximum, total) if maximum is not None else total
-
-
 def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | None = None):
     """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack's
     ``top`` wrapped, or None when none of ``device_memory_limit``, ``spill_on_oom`` and
@@ -342,6 +316,9 @@ def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | Non
     """
     import dask.config
     from dask.utils import parse_timedelta
+
+    from dask_rmm import _cuda
+    from dask_rmm.sizes import host_total_memory
 
     spilling = options.device_memory_limit is not None or options.spill_on_oom
     if not spilling and not getattr(options, "memory_admission", False):
@@ -356,10 +333,9 @@ def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | Non
         task_key=task_key,
     )
     for stack in stacks:
-        host = bool(getattr(stack, "host_memory", False))
-        total = _total_memory(stack.device, host)
+        host = stack.host_memory
+        total = host_total_memory() if host else _cuda.device_total_memory(stack.device)
         limit = options.resolve_size("device_memory_limit", stack.device, total)
-        capacity = _capacity(stack.top, getattr(stack, "maximum_pool_size", None), total)
-        stack.top = wp.wrap(stack.device, stack.top, capacity=capacity, limit=limit)
-        stack.pressure = wp.devices[stack.device]
+        maximum = stack.maximum_pool_size  # the pool's, or the async resource's limit
+        wp.wrap(stack, capacity=total if maximum is None else min(maximum, total), limit=limit)
     return wp

@@ -14,6 +14,7 @@ from dask_rmm import DeviceBuffer
 from dask_rmm.mr.base import OutOfMemoryError
 from dask_rmm.pressure import HostCopy
 from dask_rmm.pressure.forensics import DEMAND, FRAGMENTATION, OOMEvent
+from dask_rmm.stack.build import DeviceStack
 from tests.pressure_helpers import MiB, check_buffer, patterned_buffer, pressure_stack
 
 
@@ -336,7 +337,7 @@ def test_statistics_are_added_when_the_stack_has_none():
 
     pool = mr.PoolMemoryResource(mr.SystemMemoryResource(), 4 * MiB, 4 * MiB)
     wp = WorkerPressure()
-    top = wp.wrap(0, pool, capacity=4 * MiB, limit=2 * MiB)
+    top = wp.wrap(DeviceStack(0, pool, pool=pool), capacity=4 * MiB, limit=2 * MiB)
     mr.set_per_device_resource(0, top)
     assert isinstance(top.upstream_mr, mr.StatisticsResourceAdaptor)
     for i in range(4):
@@ -365,7 +366,7 @@ def test_a_growing_pool_whose_upstream_is_full_gets_chunks_back():
     device = mr.LimitingResourceAdaptor(mr.SystemMemoryResource(), allocation_limit=3 * MiB)
     pool = mr.PoolMemoryResource(device, initial_pool_size=MiB)
     wp = WorkerPressure(spill_on_oom=True)
-    top = wp.wrap(0, pool, capacity=3 * MiB)
+    top = wp.wrap(DeviceStack(0, pool, pool=pool), capacity=3 * MiB)
     mr.set_per_device_resource(0, top)
     for i in range(3):
         wp.store[f"x-{i}"] = patterned_buffer(MiB, i)
@@ -401,7 +402,7 @@ def test_allocation_errors_that_are_not_oom_pass_straight_through():
             raise CUDAAllocationError("cudaErrorInvalidValue", "cudaMallocFromPoolAsync")
 
     wp = WorkerPressure(spill_on_oom=True)
-    top = wp.wrap(0, Broken(), capacity=MiB)
+    top = wp.wrap(DeviceStack(0, Broken()), capacity=MiB)
     with pytest.raises(CUDAAllocationError):
         top.allocate(256)
     assert wp.oom_events() == [] and wp.metrics()[0].oom_count == 0
