@@ -16,9 +16,9 @@ Mechanisms (each switched off here only, by the bench, never by a flag of the po
   ``count_allocations``/``charge_owners``), so no journal either.
 - ``inlined``: the fast paths' inlined ``SEARCH_CLASS[(n + 255) >> 8]`` (pinned by
   tests/mr/test_inlined_formulas.py) made a function call, as it would be without inlining.
-- ``charged``: the fast paths' second branch, serving a cached block under the lock while owners
-  are charged (the worker stack), turned off: those pairs go to the locked path
-  (``_allocate_locked``/``_deallocate_locked``), as one fast path per operation would have it.
+- ``charged``: the fast paths serving a cached block under the lock while owners are charged
+  (the worker stack), turned off: those pairs go to the locked path
+  (``_allocate_locked``/``_deallocate_locked``).
 
 Rows: the pool alone, statistics over the pool, the worker stack (attribution over statistics
 over the pool, owners charged), each at 1 and ``--threads`` threads, and ``DeviceBuffer(size=n)``
@@ -154,22 +154,14 @@ REWRITES = {
         for name in ("allocate", "deallocate")
     },
     "charged": {
-        "allocate": [
+        name: [
             (
-                "    owners = self._owners\n    if owners is None:\n",
+                "    owners = self._owners\n    if owners is not None:\n",
                 "    owners = self._owners\n    if owners is not None:\n"
-                "        return self._allocate_locked(nbytes, stream, key)\n"
-                "    if owners is None:\n",
+                f"        return self._{name}_locked({args}, stream, key)\n",
             )
-        ],
-        "deallocate": [
-            (
-                "    if self._owners is None:\n",
-                "    if self._owners is not None:\n"
-                "        return self._deallocate_locked(ptr, nbytes, stream, key)\n"
-                "    if self._owners is None:\n",
-            )
-        ],
+        ]
+        for name, args in (("allocate", "nbytes"), ("deallocate", "ptr, nbytes"))
     },
 }
 

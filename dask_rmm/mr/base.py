@@ -25,22 +25,16 @@ __all__ = [
 SIZE_MAX = (1 << 64) - 1
 
 
-def check_size(nbytes: Any, what: str = "nbytes") -> int:
-    """:func:`check_nbytes`, and at most :data:`SIZE_MAX` (a ValueError naming the limit)."""
-    nbytes = check_nbytes(nbytes, what)
-    if nbytes > SIZE_MAX:
-        raise ValueError(f"{what} {nbytes} is larger than any allocation can be (2**64 - 1 bytes)")
-    return nbytes
-
-
 def check_nbytes(nbytes: Any, what: str = "nbytes") -> int:
-    """Validate an allocation size: a non-negative int (bools and floats refused)."""
+    """Validate an allocation size: an int (bools and floats refused) in ``[0, SIZE_MAX]``."""
     if type(nbytes) is not int:
         if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
             raise TypeError(f"{what} must be an int, got {nbytes!r} ({type(nbytes).__name__})")
         nbytes = nbytes.__index__()
     if nbytes < 0:
         raise ValueError(f"{what} must be >= 0, got {nbytes}")
+    if nbytes > SIZE_MAX:
+        raise ValueError(f"{what} {nbytes} is larger than any allocation can be (2**64 - 1 bytes)")
     return nbytes
 
 
@@ -55,25 +49,35 @@ def stream_arg(stream: Any) -> Stream:
 
 
 def deallocate_refused(
-    resource: Any, name: str, ptr: Any, nbytes: Any, allocated: int | None, stream: Any
+    resource: Any,
+    name: str,
+    ptr: Any,
+    nbytes: Any,
+    allocated: int | None,
+    stream: Any,
+    freed: bool = False,
 ) -> None:
-    """The end of a suballocator's ``deallocate`` when its fast path did not free ``ptr``.
+    """The end of a resource's ``deallocate`` when its fast path did not free ``ptr``.
 
-    ``allocated`` is the size ``ptr`` is live with (None if it is not live). Freeing 0 bytes at
-    0 does nothing; a pointer of another integer type is freed again as its int through
-    ``resource.deallocate``; anything else raises ValueError naming ``name``'s deallocate.
+    ``allocated`` is the size ``ptr`` is live with (None if it is not live), ``freed`` whether it
+    is a free block of ``resource``. Freeing 0 bytes at 0 does nothing; a pointer of another
+    integer type is freed again as its int through ``resource.deallocate``; any other pointer
+    raises TypeError, anything else ValueError, both naming ``name``'s deallocate.
     """
     if ptr == 0 and nbytes == 0:
         return
-    if type(ptr) is not int and hasattr(ptr, "__index__") and not isinstance(ptr, bool):
+    if type(ptr) is not int:
+        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+            raise TypeError(f"{name}.deallocate({ptr!r}, {nbytes!r}): the pointer must be an int")
         return resource.deallocate(ptr.__index__(), nbytes, stream)
-    call = (
-        f"{name}.deallocate({ptr:#x}, {nbytes!r})"
-        if type(ptr) is int
-        else f"{name}.deallocate({ptr!r}, {nbytes!r})"
-    )
+    call = f"{name}.deallocate({ptr:#x}, {nbytes!r})"
     if allocated is not None:
-        raise ValueError(f"{call}: wrong size, the pointer was allocated with {allocated} bytes")
+        raise ValueError(
+            f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
+            "deallocate takes the size passed to allocate"
+        )
+    if freed:
+        raise ValueError(f"{call}: {ptr:#x} is a free block of this resource (double free)")
     raise ValueError(
         f"{call}: not a live allocation of this resource (foreign pointer or double free)"
     )

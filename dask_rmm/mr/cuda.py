@@ -14,7 +14,7 @@ from dask_rmm.mr.base import (
     CUDAAllocationError,
     DeviceMemoryResource,
     OutOfMemoryError,
-    check_size,
+    check_nbytes,
     deallocate_refused,
     stream_arg,
 )
@@ -79,7 +79,7 @@ class _CudaResource(DeviceMemoryResource):
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate ``nbytes`` (256-byte aligned) and return the pointer as an int."""
         if type(nbytes) is not int or nbytes < 0 or nbytes > SIZE_MAX:
-            nbytes = check_size(nbytes)
+            nbytes = check_nbytes(nbytes)
         if nbytes == 0:
             return 0
         handle = _handle(stream)
@@ -419,7 +419,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
     def trim_to(self, min_bytes_to_keep: int = 0) -> None:
         """Hand unused pool memory back to the driver, keeping at least ``min_bytes_to_keep``."""
-        _cuda.mem_pool_trim_to(self._pool, check_size(min_bytes_to_keep, "min_bytes_to_keep"))
+        _cuda.mem_pool_trim_to(self._pool, check_nbytes(min_bytes_to_keep, "min_bytes_to_keep"))
 
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the driver (``cudaMemPoolAttrReservedMemCurrent``)."""
@@ -547,7 +547,7 @@ class SystemMemoryResource(DeviceMemoryResource):
         return len(self._owned)
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = check_size(nbytes)
+        nbytes = check_nbytes(nbytes)
         if nbytes == 0:
             return 0
         size = align_up(nbytes)

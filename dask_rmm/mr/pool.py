@@ -17,7 +17,8 @@ from dask_rmm.mr.base import (
     OutOfMemoryError,
     ReservedMemoryInfo,
     UpstreamResourceAdaptor,
-    check_size,
+    check_nbytes,
+    deallocate_refused,
 )
 from dask_rmm.mr.budget import BudgetSharer
 from dask_rmm.mr.free_list import FreeList
@@ -210,8 +211,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._initial_pool_size
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        # The fast path: a block of the request's class cached on this stream. Everything else
-        # goes to _allocate_locked.
+        # The one fast path: a block of the request's class cached on this stream, taken
+        # lock-free (Threads in docs/internals.md), under the lock while owners are charged.
+        # Everything else goes to _allocate_locked.
         try:
             key: Hashable = stream.handle
         except AttributeError:
@@ -232,50 +234,39 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         if not cached:
             return self._allocate_locked(nbytes, stream, key)
         owners = self._owners
-        if owners is None:
-            # Lock-free (see Threads in docs/internals.md). Counting (the statistics
-            # adaptor) adds one journal append, folded in by AllocationCounters.settle.
+        if owners is not None:
+            try:  # outside the lock: a first read of a thread-local may allocate and run the GC
+                owner_key = owners.get_owner()
+            except Exception:
+                owner_key = None
             try:
-                ptr = cached.pop()
-            except IndexError:  # another thread took the last one
-                return self._allocate_locked(nbytes, stream, key)
+                self._unlocked.pop()
+            except IndexError:
+                acquire_contended(self._lock)
+        try:
+            ptr = cached.pop()
+        except IndexError:  # another thread took the last one
+            ptr = 0
+        else:
             self._live[ptr] = nbytes
             journal = self._journal  # read after the block is live: see count_allocations
             if journal is not None:
                 journal.append(nbytes)
-                if len(journal) >= self._settle_at:
-                    self._after_journaled_allocation(ptr)
-            return ptr
-        # Charging owners (the attribution adaptor): the same under the lock, without the
-        # locked path's search (worth +26 % on charged pairs: bench/README.md, `charged`).
-        try:  # outside the lock: a first read of a thread-local may allocate and so run the GC
-            owner_key = owners.get_owner()
-        except Exception:
-            owner_key = None
-        unlocked = self._unlocked
-        try:
-            unlocked.pop()
-        except IndexError:
-            acquire_contended(self._lock)
-        try:
-            try:
-                ptr = cached.pop()
-            except IndexError:  # taken by a lock-free caller that started before
-                ptr = 0
-            if ptr:
-                self._live[ptr] = nbytes
-                if self._counters is not None:
-                    self._count_allocation(ptr, nbytes)
-                if self._owners is owners:
-                    self._charge_owner(owners, owner_key, ptr, nbytes)
+            if owners is not None and self._owners is owners:
+                self._charge_owner(owners, owner_key, ptr, nbytes)
         finally:
-            unlocked.append(True)
-        return ptr if ptr else self._allocate_locked(nbytes, stream, key)
+            if owners is not None:
+                self._unlocked.append(True)
+        if not ptr:
+            return self._allocate_locked(nbytes, stream, key)
+        if journal is not None and len(journal) >= self._settle_at:
+            self._after_journaled_allocation(ptr)
+        return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        # The fast path: a block freed with its size goes back to this stream's cache. Anything
-        # else (a first free on this stream, a block of 16 MiB or more, an error) goes to
-        # _deallocate_locked.
+        # The one fast path: a block freed with its size goes back to this stream's cache,
+        # lock-free unless owners are charged (see allocate). Anything else (a first free on
+        # this stream, a block of 16 MiB or more, an error) goes to _deallocate_locked.
         try:
             key: Hashable = stream.handle
         except AttributeError:
@@ -291,45 +282,33 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 self._deallocate_locked(ptr, nbytes, stream, key)
                 return
             caches = found
-        if self._owners is None:
-            # Lock-free: the pop from the live table is atomic, so of two threads freeing one
-            # pointer only one gets it. Counting journals the free before the block is handed
-            # back, so that its next allocation is journaled after it. The journal is read
-            # before the pop: counting that attaches after the read finds the block still live
-            # (so it does not count its free), see count_allocations.
+        owners = self._owners
+        if owners is not None:
+            try:
+                self._unlocked.pop()
+            except IndexError:
+                acquire_contended(self._lock)
+        try:
+            # The pop from the live table is atomic: of two threads freeing one pointer only one
+            # gets it. The journal is read before the pop and the free journaled before the block
+            # is handed back (see count_allocations).
             journal = self._journal
             n = self._live.pop(ptr, None)
-            if n is None:  # not live: the locked path says what is wrong
-                self._deallocate_locked(ptr, nbytes, stream, key)
-                return
-            if n != nbytes or n > CACHED_LIMIT or type(ptr) is not int:
-                self._live[ptr] = n  # the locked path takes it again under the lock
-                self._deallocate_locked(ptr, nbytes, stream, key)
-                return
-            if journal is not None:
-                if self._uncounted and ptr in self._uncounted:
-                    self._uncounted.discard(ptr)
-                else:
-                    journal.append(-n)
-            caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
-            return
-        # Charging owners (the attribution adaptor): the same under the lock (see allocate).
-        live = self._live
-        unlocked = self._unlocked
-        try:
-            unlocked.pop()
-        except IndexError:
-            acquire_contended(self._lock)
-        try:
-            n = live.pop(ptr, None)
             if n is not None and n == nbytes and n <= CACHED_LIMIT and type(ptr) is int:
-                self._uncount(ptr, n)
+                if journal is not None:
+                    if self._uncounted and ptr in self._uncounted:
+                        self._uncounted.discard(ptr)
+                    else:
+                        journal.append(-n)
+                if owners is not None and (account := self._owner_of.pop(ptr, None)):
+                    account[0] -= n
                 caches[SEARCH_CLASS[(n + 255) >> 8]].append(ptr)
                 return
             if n is not None:
-                live[ptr] = n
+                self._live[ptr] = n  # the locked path takes it again under the lock
         finally:
-            unlocked.append(True)
+            if owners is not None:
+                self._unlocked.append(True)
         self._deallocate_locked(ptr, nbytes, stream, key)
 
     def release(self) -> int:
@@ -568,7 +547,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         Instrumented: counted and charged to the owner key read before the lock is taken.
         """
         if type(nbytes) is not int or nbytes <= 0 or nbytes > SIZE_MAX:
-            nbytes = check_size(nbytes)
+            nbytes = check_nbytes(nbytes)
             if nbytes == 0:
                 return 0
         if nbytes <= CACHED_LIMIT:
@@ -864,34 +843,17 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def _deallocate_slow(
         self, ptr: Any, nbytes: Any, allocated: int | None, stream: Stream
     ) -> None:
-        """Zero-size frees, pointers of other int types, blocks of exact size, and the errors."""
-        if ptr == 0 and nbytes == 0:
-            return
-        if type(ptr) is not int:
-            if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-                raise TypeError(
-                    f"PoolMemoryResource.deallocate({ptr!r}, {nbytes!r}): the pointer must be an int"
-                )
-            return self.deallocate(ptr.__index__(), nbytes, stream)
-        call = f"PoolMemoryResource.deallocate({ptr:#x}, {nbytes!r})"
+        """Blocks of exact size, and what :func:`deallocate_refused` takes."""
         if allocated is not None and allocated >= EXACT_TAG:
             allocated -= EXACT_TAG
-            if allocated == nbytes:  # (nbytes may be another int type: pass the int on)
+            if allocated == nbytes and type(ptr) is int:  # (nbytes may be another int type)
                 self._deallocate_exact(ptr, allocated, stream)
                 return
-        if allocated is not None:
-            raise ValueError(
-                f"{call}: wrong size, the pointer was allocated with {allocated} bytes; "
-                "deallocate takes the size passed to allocate"
-            )
-        with gc_paused_lock(self._lock):
-            freed = any(fl.holds(ptr) for fl in self._lists.values())
-        where = (
-            "a free block of this pool (double free)"
-            if freed
-            else "not a live allocation of this pool (foreign pointer or double free)"
-        )
-        raise ValueError(f"{call}: {ptr:#x} is {where}")
+        freed = False
+        if allocated is None and type(ptr) is int:
+            with gc_paused_lock(self._lock):
+                freed = any(fl.holds(ptr) for fl in self._lists.values())
+        deallocate_refused(self, "PoolMemoryResource", ptr, nbytes, allocated, stream, freed)
 
     def _deallocate_exact(self, ptr: int, nbytes: int, stream: Stream) -> None:
         """Free a block allocated at its exact size (the pool was too full to round it up)."""

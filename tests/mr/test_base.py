@@ -100,7 +100,7 @@ def test_a_base_resource_names_the_call_for_a_pointer_of_the_wrong_type():
 
     mr = SystemMemoryResource()
     ptr = mr.allocate(100)
-    with pytest.raises(ValueError, match=r"SystemMemoryResource\.deallocate\(1\.5, 100\)"):
+    with pytest.raises(TypeError, match=r"SystemMemoryResource\.deallocate\(1\.5, 100\)"):
         mr.deallocate(1.5, 100)
     mr.deallocate(np.int64(ptr), 100)
     assert mr.live_allocations == 0
