@@ -1,6 +1,5 @@
-"""PoolMemoryResource: a stream-ordered, coalescing suballocator over one upstream resource,
-growing as RMM's pool does (allocation order, threads, instrumentation and stream order: the
-Suballocators section of docs/internals.md)."""
+"""PoolMemoryResource: a stream-ordered, coalescing suballocator growing as RMM's pool does
+(design: docs/internals.md, Suballocators)."""
 
 from __future__ import annotations
 
@@ -40,21 +39,17 @@ __all__ = ["AllocationCounters", "OwnerAccounts", "PoolMemoryResource", "pool_be
 #: The default stream's order key (``DEFAULT_STREAM.order_key()``), used by the fast paths.
 DEFAULT_KEY: Final = 0
 
-#: Added to the size of a block allocated at its exact size (the pool was too full to round it
-#: up) in the live table: above every cached size, so the fast paths leave such a free to the
-#: slow one, and above every size that can be allocated, so no caller's size equals it.
+#: Added in the live table to the size of a block given at its exact size (the pool too full to
+#: round it up): above every cached or allocatable size, so only the slow path frees it.
 EXACT_TAG: Final = 1 << 64
 
-#: Initial pool size when the upstream is host memory and none is given (no device to take
-#: half of): 256 MiB.
+#: Initial pool size when none is given over host memory (no device to take half of).
 DEFAULT_HOST_POOL_SIZE = 256 << 20
 
 
 def pool_behind(resource: Any) -> PoolMemoryResource | None:
-    """The :class:`PoolMemoryResource` whose own ``allocate``/``deallocate`` ``resource``'s
-    are: the pool itself, or an adaptor that made the pool's methods its own (a
-    StatisticsResourceAdaptor's ``counting_pool``, a TrackingResourceAdaptor's
-    ``tracking_pool``); None otherwise. Adaptors above use it to fuse with the pool too."""
+    """The pool whose ``allocate``/``deallocate`` ``resource``'s are: itself, or the
+    ``counting_pool``/``tracking_pool`` of an adaptor fused with it; None otherwise."""
     if type(resource) is PoolMemoryResource:
         return resource
     for name in ("counting_pool", "tracking_pool"):
@@ -89,10 +84,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     Notes
     -----
     The pool grows as RMM's does: without a maximum, by ``max(request, current pool size)``;
-    with one, by ``max(request, half of the room left)``; a failed upstream allocation is
-    retried with half the size, down to the request. :meth:`release` hands fully free upstream
-    chunks back. Thread safe: the cached fast path takes no lock, everything else one lock held
-    for bookkeeping only (never across an upstream call). Free blocks are kept per stream.
+    with one, by ``max(request, half of the room left)``, halving a failed upstream request
+    down to the request. Thread safe; free blocks are kept per stream.
 
     Examples
     --------
@@ -133,20 +126,16 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._initial_pool_size = initial
         self._initial_chunk: int | None = None  # what trim() keeps down to the initial size
         self._lock = ListLock()
-        self._unlocked = self._lock.unlocked  # the hot paths take and give back the lock directly
+        self._unlocked = self._lock.unlocked  # the hot paths take and give it back directly
         self._live: dict[int, int] = {}  # ptr -> nbytes as asked (+ EXACT_TAG: an exact block)
         self._lists: dict[Hashable, FreeList] = {}
         self._chunks: dict[int, int] = {}  # upstream chunk start -> size
         self._chunk_starts: set[int] = set()  # blocks never merge across these
         self._pool_size = 0
         self._growing = 0  # bytes being asked of upstream right now (outside the lock)
-        # bytes trimmed off the pool and not yet given back upstream: still the device's
-        self._releasing = 0
-        # stream key -> that stream's FreeList.cache, read by the lock-free fast paths
-        self._caches: dict[Hashable, list[list[int]]] = {}
-        # Instrumentation (see count_allocations / charge_owners). The fast paths test _owners
-        # (charging takes the lock) and _journal (counting appends to it); the locked paths test
-        # _instrumented, True when either is attached.
+        self._releasing = 0  # bytes trimmed off and not yet given back upstream
+        self._caches: dict[Hashable, list[list[int]]] = {}  # stream key -> its FreeList.cache
+        # Instrumentation (count_allocations / charge_owners); _instrumented: either attached.
         self._counters: AllocationCounters | None = None
         self._journal: list[int] | None = None  # self._counters.journal, for the fast paths
         self._uncounted: set[int] = set()  # live when counting began: their frees not counted
@@ -156,11 +145,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._owners: OwnerAccounts | None = None
         self._owner_of: dict[int, list[int]] = {}  # ptr -> the account it was charged to
         self._instrumented = False
-        # Library caches sharing the maximum (share_budget); the lock orders their room changes.
-        self._sharers: tuple[BudgetSharer, ...] = ()
+        self._sharers: tuple[BudgetSharer, ...] = ()  # share_budget; the lock orders rooms
         self._budget_lock = threading.Lock()
-        # The default stream's free list exists from the start, so that the fast paths reach its
-        # caches (for any stream of handle 0) without a dict lookup.
+        # Made now: the fast paths reach the default stream's caches without a dict lookup.
         self._default_caches = self._free_list(DEFAULT_KEY, DEFAULT_STREAM).cache
         if initial:
             ptr, _ = self._take_upstream(initial, initial, DEFAULT_STREAM)
@@ -179,10 +166,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._maximum
 
     def share_budget(self, sharer: BudgetSharer) -> None:
-        """Let ``sharer`` (a library cache taking device memory beside the pool, e.g. PyTorch's)
-        share the maximum pool size: it gets the room the pool leaves now, and the pool counts
-        its reserved bytes whenever it grows (see :mod:`dask_rmm.mr.budget`). Idempotent;
-        without a maximum the sharer gets no limit."""
+        """Let ``sharer`` (a library cache beside the pool, e.g. PyTorch's) share the maximum
+        pool size (:mod:`dask_rmm.mr.budget`); idempotent. Without a maximum it gets no limit."""
         with self._budget_lock:
             if not any(s is sharer for s in self._sharers):
                 self._sharers = (*self._sharers, sharer)
@@ -198,9 +183,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._sharers
 
     def give_room(self, nbytes: int) -> int:
-        """Give fully free chunks back to upstream until the room left to the budget's sharers
-        grew by ``nbytes`` (or nothing more is free), and tell them; the bytes given back.
-        What a sharer's out-of-memory handling calls before it retries."""
+        """Give free chunks back until the sharers' room grew by ``nbytes`` (or nothing more is
+        free) and tell them; the bytes given back. A sharer's out-of-memory handler calls it."""
         released = self.trim(max(0, self._pool_size - max(0, int(nbytes))))
         self._refresh_room()
         return released
@@ -211,9 +195,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._initial_pool_size
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        # The one fast path: a block of the request's class cached on this stream, taken
-        # lock-free (Threads in docs/internals.md), under the lock while owners are charged.
-        # Everything else goes to _allocate_locked.
+        # The one fast path: a block cached on this stream (docs/internals.md, Threads).
         try:
             key: Hashable = stream.handle
         except AttributeError:
@@ -264,9 +246,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        # The one fast path: a block freed with its size goes back to this stream's cache,
-        # lock-free unless owners are charged (see allocate). Anything else (a first free on
-        # this stream, a block of 16 MiB or more, an error) goes to _deallocate_locked.
+        # The one fast path: a block below 16 MiB freed with its size, back to this stream's cache.
         try:
             key: Hashable = stream.handle
         except AttributeError:
@@ -289,9 +269,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             except IndexError:
                 acquire_contended(self._lock)
         try:
-            # The pop from the live table is atomic: of two threads freeing one pointer only one
-            # gets it. The journal is read before the pop and the free journaled before the block
-            # is handed back (see count_allocations).
+            # One of two threads freeing a pointer pops it; journal read first (count_allocations).
             journal = self._journal
             n = self._live.pop(ptr, None)
             if n is not None and n == nbytes and n <= CACHED_LIMIT and type(ptr) is int:
@@ -312,23 +290,17 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         self._deallocate_locked(ptr, nbytes, stream, key)
 
     def release(self) -> int:
-        """Give every fully free upstream chunk back to upstream; return the bytes released.
-
-        A chunk counts as free when its free blocks, on whatever streams they were freed,
-        cover it; the streams they were freed on are synchronized before it goes back.
-        """
+        """Give every fully free upstream chunk back to upstream; return the bytes released."""
         return self.trim(0)
 
     def trim(self, size: int | str | float | None = None) -> int:
         """Give fully free upstream chunks back while the pool holds more than ``size`` bytes;
         return the bytes released.
 
-        ``size`` defaults to the initial pool size (a pool grown for a peak shrinks back to
-        what it took when it was made); ``0`` releases every free chunk, as :meth:`release`.
-        Memory goes back whole chunks at a time (one upstream allocation each: the initial one,
-        then one per growth), the largest free one first, so the pool can end below ``size`` by
-        less than a chunk; the initial chunk only goes when ``size`` is below the initial pool
-        size. Live blocks are never touched: a chunk holding one stays.
+        ``size`` defaults to the initial pool size; ``0`` releases every free chunk, as
+        :meth:`release`. Memory goes back whole upstream chunks at a time, the largest first,
+        so the pool can end below ``size`` by less than a chunk; the initial chunk only goes
+        when ``size`` is below the initial pool size. Live blocks are never touched.
 
         Examples
         --------
@@ -373,9 +345,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 if chunk == self._initial_chunk:
                     self._initial_chunk = None
             total = sum(csize for _, csize in released)
-            # Until upstream has them back, the maximum still counts them (growth meanwhile
-            # must not take their room).
-            self._releasing += total
+            self._releasing += total  # the maximum counts them until upstream has them
         if not released:
             return 0
         try:
@@ -398,20 +368,15 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     def memory_layout(
         self,
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
-        """The pool's address space, read-only: ``(chunks, free blocks, live blocks)``, each a
-        list of ``(ptr, size)`` sorted by address.
-
-        Live sizes are what a block occupies (its rounded size), so that within a chunk the
-        free and live blocks tile it. Blocks never coalesce across a chunk boundary. For callers
-        that decide which live blocks, once freed, would merge into a large enough free block
-        (``dask_rmm.pressure``); cached blocks are merged first, as ``reserved_memory_info`` does.
-        """
+        """The pool's address space: ``(chunks, free blocks, live blocks)``, each a list of
+        ``(ptr, size)`` by address, live sizes rounded so that free and live blocks tile each
+        chunk (blocks never coalesce across chunks); cached blocks are merged first."""
         with gc_paused_lock(self._lock):
             self._flush_caches()
             free: list[tuple[int, int]] = []
             for fl in list(self._lists.values()):
-                free.extend(fl.starts.items())  # copied in one C call (the GIL is held)
-            live_tags = list(self._live.items())  # likewise, lock-free paths may change it
+                free.extend(fl.starts.items())
+            live_tags = list(self._live.items())  # one C call: lock-free paths may change it
             chunks = list(self._chunks.items())
         live = []
         for ptr, tag in live_tags:
@@ -429,11 +394,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         )
 
     def __del__(self) -> None:
-        # Like RMM's destructor: everything goes back to upstream. Live DeviceBuffers keep the
-        # pool alive, so only raw pointers a caller forgot can be outstanding here.
+        # As RMM's destructor: everything goes back (live DeviceBuffers keep the pool alive).
         try:
-            if self._ordered:
-                # Blocks freed on other streams may still be in use by queued work.
+            if self._ordered:  # blocks freed on other streams may still be in use
                 _cuda.device_synchronize()
             chunks = list(self._chunks.items())
             self._chunks.clear()
@@ -451,12 +414,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self._lock
 
     def count_allocations(self, counters: AllocationCounters) -> bool:
-        """Count every allocation and free made on this pool into ``counters``.
-
-        Blocks live now are not counted when they are freed. One set of counters at a time:
-        returns False (and changes nothing) when others are attached already. Counting is
-        journaled (see :class:`AllocationCounters`): read the counters under
-        :attr:`instrumentation_lock` after calling their ``settle()``.
+        """Count every allocation and free made on this pool into ``counters`` (journaled: read
+        them under :attr:`instrumentation_lock` after their ``settle()``). Blocks live now are
+        not counted when freed. False, and nothing changed, when others are attached already.
         """
         if not isinstance(counters, AllocationCounters):
             raise TypeError(f"counters must be AllocationCounters, got {type(counters).__name__}")
@@ -466,13 +426,10 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         with gc_paused_lock(self._lock):
             if self._counters is not None:
                 return False
-            # The lock-free paths read the journal after an allocation made its block live and
-            # before a free takes its block out of the live table. So a block live here either
-            # has its allocation journaled (and is then taken out of _uncounted) or neither its
-            # allocation nor its free; one freed unjournaled is dropped when next allocated.
+            # The fast paths read the journal after an allocation made its block live and before
+            # a free pops it: a block live here has both or neither journaled; one freed
+            # unjournaled is dropped from _uncounted when next allocated (_settle_at set first).
             self._uncounted = set(self._live)
-            # Before the journal is attached: a fast path that sees the journal also sees this
-            # (and so takes its block out of _uncounted if it was live here).
             self._settle_at = 0 if self._uncounted else JOURNAL_LIMIT
             self._counters = counters
             self._journal = counters.journal
@@ -492,11 +449,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                     self._instrumented = self._owners is not None
 
     def charge_owners(self, owners: OwnerAccounts) -> bool:
-        """Charge every allocation made on this pool to an owner (see :class:`OwnerAccounts`).
-
-        Blocks live now are never charged back. Returns False (and changes nothing) when
-        another :class:`OwnerAccounts` is attached already.
-        """
+        """Charge every allocation made on this pool to an owner (:class:`OwnerAccounts`);
+        blocks live now are never charged back. False, and nothing changed, when others are
+        attached already."""
         if not isinstance(owners, OwnerAccounts):
             raise TypeError(f"owners must be OwnerAccounts, got {type(owners).__name__}")
         with gc_paused_lock(self._lock):
@@ -515,12 +470,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 self._instrumented = self._counters is not None
 
     def live_allocations(self) -> dict[int, int]:
-        """``{ptr: nbytes}`` of every block allocated from this pool and not yet freed, sizes as
-        the callers asked: a snapshot of the table every deallocate is checked against.
-
-        Part of the instrumentation interface (read-only): TrackingResourceAdaptor lists a
-        pool's outstanding allocations from it instead of keeping a second table.
-        """
+        """``{ptr: nbytes}`` of every live block, sizes as asked: a snapshot of the table every
+        deallocate is checked against (what a TrackingResourceAdaptor lists)."""
         while True:
             try:
                 tags = dict(self._live)  # one C-level copy; lock-free callers may change it
@@ -541,11 +492,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     # -- allocation behind the fast path ---------------------------------------------------
 
     def _allocate_locked(self, nbytes: Any, stream: Stream, key: Hashable) -> int:
-        """Every allocation the lock-free fast path does not serve: validation, then (under the
-        lock) the stream's own cache and coalescing lists, then :meth:`_allocate_slow`.
-
-        Instrumented: counted and charged to the owner key read before the lock is taken.
-        """
+        """Every allocation the fast path does not serve: validation, then (under the lock) the
+        stream's own cache and coalescing lists, then :meth:`_allocate_slow`."""
         if type(nbytes) is not int or nbytes <= 0 or nbytes > SIZE_MAX:
             nbytes = check_nbytes(nbytes)
             if nbytes == 0:
@@ -559,8 +507,7 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         owners = self._owners
         owner_key = None
         if owners is not None:
-            # Outside the lock: a first read of a thread-local may allocate and so run the GC.
-            try:
+            try:  # outside the lock, as in allocate
                 owner_key = owners.get_owner()
             except Exception:
                 owner_key = None
@@ -574,38 +521,31 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             ptr = own.take(search, size) if own is not None else 0
             if ptr:
                 self._live[ptr] = nbytes
-                if self._counters is not None:
-                    self._count_allocation(ptr, nbytes)
-                if owners is not None and self._owners is owners:
-                    self._charge_owner(owners, owner_key, ptr, nbytes)
+                if self._instrumented:
+                    self._account(ptr, nbytes, owners, owner_key)
                 return ptr
         finally:
             unlocked.append(True)
         try:
             ptr = self._allocate_slow(nbytes, size, key, stream)
         except MemoryError:
-            self._count_failure()
+            if self._counters is not None:
+                with gc_paused_lock(self._lock):
+                    if self._counters is not None:
+                        self._counters.failed += 1
             raise
         if self._instrumented:
             with gc_paused_lock(self._lock):
-                if self._counters is not None:
-                    self._count_allocation(ptr, nbytes)
-                if owners is not None and self._owners is owners:
-                    self._charge_owner(owners, owner_key, ptr, nbytes)
+                self._account(ptr, nbytes, owners, owner_key)
         return ptr
 
     def _allocate_slow(
         self, nbytes: int, size: int, key: Hashable, stream: Stream, tag: int | None = None
     ) -> int:
         """Serve a request the stream's own lists could not, as RMM's ``get_block`` goes on:
-        the own lists again after merging every stream's cache, a block of another stream,
-        all other streams' blocks merged into the own lists, growth; as a last resort a
-        rounded-up request is retried at its exact 256-byte size.
-
-        ``tag`` is what the live table records: ``nbytes`` for a rounded block, ``nbytes +
-        EXACT_TAG`` for one of exact size (deallocate's fast path then falls through to the slow
-        one).
-        """
+        the own lists after merging every cache, another stream's block, all streams' blocks
+        merged, growth; last, a rounded-up request at its exact size (``tag`` ``nbytes +
+        EXACT_TAG`` in the live table instead of ``nbytes``)."""
         if tag is None:
             tag = nbytes
         with gc_paused_lock(self._lock):
@@ -923,43 +863,35 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 if counters is not None:
                     counters.settle()
 
-    def _count_allocation(self, ptr: int, nbytes: int) -> None:
-        """Count one allocation into the attached counters (lock held)."""
+    def _account(self, ptr: int, nbytes: int, owners: OwnerAccounts | None, owner_key: Any) -> None:
+        """Count one allocation and charge it to ``owner_key``'s account (lock held)."""
         counters = self._counters
-        if counters is None:
-            return
-        journal = counters.journal
-        journal.append(nbytes)
-        if len(journal) >= JOURNAL_LIMIT:
-            counters.settle()
-        if self._uncounted:
-            # Allocated lock-free while counting began: its free is counted after all.
-            self._uncounted.discard(ptr)
+        if counters is not None:
+            counters.journal.append(nbytes)
+            if len(counters.journal) >= JOURNAL_LIMIT:
+                counters.settle()
+            self._uncounted.discard(ptr)  # live when counting began: its free counts after all
+        if owners is not None and self._owners is owners:
+            self._charge_owner(owners, owner_key, ptr, nbytes)
 
     def _charge_owner(self, owners: OwnerAccounts, owner_key: Any, ptr: int, nbytes: int) -> None:
         """Charge one allocation to the account of ``owner_key`` (lock held)."""
         try:
             account = owners.accounts[owner_key]
         except (KeyError, TypeError):
-            account = self._open_account(owners, owner_key)
+            paused = gc.isenabled()  # the owner callback makes objects: keep the collector out
+            if paused:
+                gc.disable()
+            try:
+                account = owners.open_account(owner_key)
+            finally:
+                if paused:
+                    gc.enable()
         t = account[0] + nbytes
         account[0] = t
         if t > account[1]:
             account[1] = t
         self._owner_of[ptr] = account
-
-    @staticmethod
-    def _open_account(owners: OwnerAccounts, owner_key: Any) -> list[int]:
-        """The owner callback, for an owner key not in ``owners.accounts``."""
-        # The callback makes objects: keep the collector out while the lock is held.
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            return owners.open_account(owner_key)
-        finally:
-            if paused:
-                gc.enable()
 
     def _uncount(self, ptr: int, nbytes: int) -> None:
         """Take a freed block out of the counters and its owner's account."""
@@ -973,10 +905,3 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             account = self._owner_of.pop(ptr, None)
             if account is not None:
                 account[0] -= nbytes
-
-    def _count_failure(self) -> None:
-        """Count an allocation that raised MemoryError (takes the lock)."""
-        if self._counters is not None:
-            with gc_paused_lock(self._lock):
-                if self._counters is not None:
-                    self._counters.failed += 1
