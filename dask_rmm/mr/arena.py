@@ -235,8 +235,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         except Exception:
             pass
 
-    def __repr__(self) -> str:
-        return f"<ArenaMemoryResource arena_size={format_bytes(self._size)} upstream={self.upstream_mr!r}>"
+    def _repr_fields(self) -> str:
+        return f"arena_size={format_bytes(self._size)}"
 
     # -- internals (called with the lock held) -------------------------------------------------
 

@@ -43,9 +43,8 @@ def _open_account(
     by_owner_key: dict[Hashable, list[int]],
     owner_key: Hashable,
 ) -> list[int]:
-    """The account of an owner key not in ``by_owner_key``, opened under the lock of the pool
-    or adaptor that charges it (collector paused). Never raises: an owner that cannot be named is
-    UNATTRIBUTED."""
+    """The account of an owner key not in ``by_owner_key`` (under the charging lock, collector
+    paused). Never raises: an owner that cannot be named is UNATTRIBUTED."""
     try:
         name = UNATTRIBUTED if owner_key is None else str(owner_name(owner_key))
     except Exception:
@@ -63,26 +62,21 @@ def _open_account(
 class AttributionResourceAdaptor(UpstreamResourceAdaptor):
     """Charge every allocation to the owner that ``get_owner()`` names at allocation time.
 
-    A free is charged back to the owner that made the allocation, whichever thread frees it.
-    Only successful allocations are charged; sizes are the sizes the caller asked for.
-
-    Over a :class:`PoolMemoryResource` (directly, or through a StatisticsResourceAdaptor the pool
-    counts for) the pool does the charging (docs/internals.md, Statistics): allocations made on
-    the pool directly are then charged too. :attr:`charging_pool` says which case applies.
+    A free is charged back to the allocation's owner, whichever thread frees it; sizes are as
+    asked. Over a :class:`PoolMemoryResource` (maybe through a StatisticsResourceAdaptor it counts
+    for) the pool charges, allocations made on it directly too (:attr:`charging_pool`).
 
     Parameters
     ----------
     upstream_mr : DeviceMemoryResource
         The resource that allocates.
     get_owner : callable
-        Called with no arguments on the allocating thread; returns a hashable key of the
-        current owner (say a Dask task key) or None, which charges :data:`UNATTRIBUTED`. It runs
-        on every allocation, so make it a C-level call where possible
-        (``functools.partial(getattr, some_thread_local, "key", None)``).
+        Called on the allocating thread, on every allocation (best a C-level call such as
+        ``functools.partial(getattr, a_thread_local, "key", None)``); returns a hashable owner
+        key (say a Dask task key) or None, which charges :data:`UNATTRIBUTED`.
     owner_name : callable, optional
-        Turns an owner key into the name bytes are charged to (say ``dask.utils.key_split``: every
-        task of a prefix shares one count). Called once per owner key seen (results are cached);
-        default ``str``.
+        Owner key -> the name bytes are charged to (say ``dask.utils.key_split``), called once
+        per owner key seen; default ``str``.
 
     Examples
     --------
@@ -113,29 +107,25 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         self._get_owner = get_owner
         self._owner_name = owner_name
         self._lock: Mutex = threading.Lock()
-        # Bound acquire/release are cheaper on the hot path than a ``with`` block.
-        self._acquire = self._lock.acquire
-        self._release = self._lock.release
-        # name -> [current_bytes, peak_bytes]; owner key -> the same list (a bounded cache, so the
-        # hot path is one dict lookup); ptr -> (that list, nbytes), so a free is one dict pop.
+        self._acquire, self._release = self._lock.acquire, self._lock.release
+        # name -> [current_bytes, peak_bytes]; owner key -> the same list (a bounded cache);
+        # ptr -> (that list, nbytes).
         self._by_name: dict[str, list[int]] = {}
         self._by_owner_key: dict[Hashable, list[int]] = {}
         self._live: dict[int, tuple[list[int], int]] = {}
-        # Peak windows (open_window): each open window's peaks folded in when another window
-        # opened (which resets the accounts' peaks to their current bytes), and the peaks since
-        # the adaptor was made, folded the same way. Touched only by windows and readers.
+        # open_window's token -> peaks, and the peaks since made, folded in whenever a window
+        # opens (which resets the accounts' peaks to their current bytes).
         self._windows: dict[int, dict[str, int]] = {}
         self._folded: dict[str, int] = {}
         self._next_window = 0
         self._charging_pool: PoolMemoryResource | None = None
-        # The pool calls would reach with no other layer in between (see pool_behind).
         pool = pool_behind(upstream_mr)
         if pool is not None:
             # The callback holds the tables, not the adaptor: pool and adaptor form no cycle.
             opener = functools.partial(_open_account, owner_name, self._by_name, self._by_owner_key)
             owners = OwnerAccounts(get_owner, self._by_owner_key, opener)
             if pool.charge_owners(owners):
-                self._charging_pool = pool  # charges under its own lock (see the class notes)
+                self._charging_pool = pool
                 self._owners = owners
                 self._fuse(pool, pool.instrumentation_lock)
 
@@ -154,9 +144,8 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         return self._charging_pool
 
     def _counts_for_current_owner(self) -> list[int]:
-        """The slow path: the current owner's counts, its account opened as a charging pool
-        opens one (the collector paused under the lock: its finalizers may free through this
-        adaptor on this thread). Never raises."""
+        """The current owner's counts, its account opened under the lock with the collector
+        paused (its finalizers may free through this adaptor on this thread). Never raises."""
         try:
             owner_key = self._get_owner()
         except Exception:
@@ -182,8 +171,7 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
         return ptr
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        # Forget the pointer before the upstream frees it: once freed, another thread may be
-        # handed the same address and record its own entry, which must not be popped here.
+        # Forgotten before the upstream frees it: then another thread may get the address.
         entry = self._live.pop(ptr, None)
         try:
             self._upstream_deallocate(ptr, nbytes, stream)
@@ -235,11 +223,9 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
                     table[name] = peak
 
     def open_window(self) -> int:
-        """Start measuring each owner's peak from now (a performance report's block); the
-        token for :meth:`close_window`. The peaks since the adaptor was made stay what
-        :meth:`get_attribution` reports; windows may overlap. Costs nothing per allocation: the
-        accounts' peaks restart at their current bytes, and what they held is folded into the
-        other open windows and the since-made peaks first."""
+        """Start measuring each owner's peak from now (a performance report's block); returns
+        the token for :meth:`close_window`. Windows may overlap; :meth:`get_attribution` keeps
+        reporting the peaks since the adaptor was made. Costs nothing per allocation."""
         with self._lock:
             self._fold([self._folded, *self._windows.values()])
             for counts in self._by_name.values():
@@ -257,8 +243,5 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
             self._fold([table])
         return {name: peak for name, peak in table.items() if peak > 0}
 
-    def __repr__(self) -> str:
-        return (
-            f"<AttributionResourceAdaptor device={self.device_id} owners={len(self._by_name)} "
-            f"upstream={self.upstream_mr!r}>"
-        )
+    def _repr_fields(self) -> str:
+        return f"owners={len(self._by_name)}"

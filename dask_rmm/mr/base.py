@@ -215,8 +215,13 @@ class DeviceMemoryResource:
         """True when the pointers are host memory (SystemMemoryResource and what wraps it)."""
         return False
 
+    def _repr_fields(self) -> str:
+        """What ``repr`` shows after the device."""
+        return ""
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} device={self.device_id}>"
+        fields = self._repr_fields()
+        return f"<{type(self).__name__} device={self.device_id}{' ' * bool(fields)}{fields}>"
 
 
 class UpstreamResourceAdaptor(DeviceMemoryResource):
@@ -260,4 +265,4 @@ class UpstreamResourceAdaptor(DeviceMemoryResource):
         return self.upstream_mr.is_host_memory
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} device={self.device_id} upstream={self.upstream_mr!r}>"
+        return f"{super().__repr__()[:-1]} upstream={self.upstream_mr!r}>"

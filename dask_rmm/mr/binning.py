@@ -143,5 +143,5 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
             max(i.largest_free_block for i in infos),
         )
 
-    def __repr__(self) -> str:
-        return f"<BinningMemoryResource bins={self.bin_sizes} upstream={self.upstream_mr!r}>"
+    def _repr_fields(self) -> str:
+        return f"bins={self.bin_sizes}"

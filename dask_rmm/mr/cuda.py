@@ -505,8 +505,8 @@ class SamHeadroomMemoryResource(_CudaResource):
     def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
         self._system.deallocate(ptr, nbytes)
 
-    def __repr__(self) -> str:
-        return f"<SamHeadroomMemoryResource device={self.device_id} headroom={format_bytes(self.headroom)}>"
+    def _repr_fields(self) -> str:
+        return f"headroom={format_bytes(self.headroom)}"
 
 
 @functools.cache

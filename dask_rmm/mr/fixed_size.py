@@ -190,11 +190,8 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         except Exception:
             pass
 
-    def __repr__(self) -> str:
-        return (
-            f"<FixedSizeMemoryResource block_size={format_bytes(self._block_size)} "
-            f"upstream={self.upstream_mr!r}>"
-        )
+    def _repr_fields(self) -> str:
+        return f"block_size={format_bytes(self._block_size)}"
 
     # -- internals -------------------------------------------------------------------------
 

@@ -87,8 +87,5 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
             with self._lock:
                 self._allocated -= size
 
-    def __repr__(self) -> str:
-        return (
-            f"<LimitingResourceAdaptor device={self.device_id} {format_bytes(self._allocated)} of "
-            f"{format_bytes(self._limit)} upstream={self.upstream_mr!r}>"
-        )
+    def _repr_fields(self) -> str:
+        return f"{format_bytes(self._allocated)} of {format_bytes(self._limit)}"

@@ -277,11 +277,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         except Exception:
             pass
 
-    def __repr__(self) -> str:
-        return (
-            f"<LoggingResourceAdaptor device={self.device_id} file={self._file_name!r} "
-            f"upstream={self.upstream_mr!r}>"
-        )
+    def _repr_fields(self) -> str:
+        return f"file={self._file_name!r}"
 
 
 def _log_file_name(log_file_name: Any, needed_by: str = "logging=True") -> str:

@@ -387,11 +387,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 live.append((ptr, (n + 255) & -256))
         return sorted(chunks), sorted(free), sorted(live)
 
-    def __repr__(self) -> str:
-        return (
-            f"<PoolMemoryResource pool_size={format_bytes(self._pool_size)} "
-            f"maximum={format_bytes(self._maximum)} upstream={self.upstream_mr!r}>"
-        )
+    def _repr_fields(self) -> str:
+        return f"pool_size={format_bytes(self._pool_size)} maximum={format_bytes(self._maximum)}"
 
     def __del__(self) -> None:
         # As RMM's destructor: everything goes back (live DeviceBuffers keep the pool alive).

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters
-from dask_rmm.mr.locks import Mutex, acquire_contended
+from dask_rmm.mr.locks import Mutex
 from dask_rmm.mr.pool import PoolMemoryResource, pool_behind
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
@@ -71,18 +71,11 @@ _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Statistics))
 class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     """Counts the allocations made through it: current, peak and total bytes and counts.
 
-    A stack of counter frames is kept, as in RMM: :meth:`push_counters` starts a fresh frame,
-    :meth:`pop_counters` ends it and folds it into the frame below (the outer peak becomes at
-    least the outer current plus the inner peak). :attr:`allocation_counts` reads the top frame.
-    Zero-byte allocations are passed through uncounted, as ``deallocate(0, 0)`` is a no-op.
-
-    Counters change only after the upstream succeeded: an allocation that runs out of memory
-    increments :attr:`failed_allocations` only, and a refused deallocation (wrong pointer or
-    size) leaves every counter as it was.
-
-    Over a :class:`PoolMemoryResource` the pool counts, with no layer of the adaptor's per call
-    (docs/internals.md, Statistics): allocations made on the pool directly are then counted too.
-    :attr:`counting_pool` says which case applies.
+    As in RMM, :meth:`push_counters`/:meth:`pop_counters` keep a stack of counter frames and
+    :attr:`allocation_counts` reads the top one. Zero-byte allocations are not counted. Counters
+    change only after the upstream succeeded (an out-of-memory only counts in
+    :attr:`failed_allocations`). Over a :class:`PoolMemoryResource` the pool counts, allocations
+    made on it directly too (:attr:`counting_pool`; docs/internals.md, Statistics).
 
     Parameters
     ----------
@@ -103,23 +96,15 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)
-        lock: Mutex = threading.Lock()
-        self._lock = lock
-        # The hot path calls these cached bound methods: a ``with`` block costs a bound
-        # ``__exit__`` and a 3-argument call per use, which doubles the adaptor's overhead.
-        self._acquire = lock.acquire
-        self._release = lock.release
-        # Top frame's counters; the outer frames as they were at the time of the push.
-        self._c = AllocationCounters()
-        self._frames: list[Statistics] = []
-        # Sum of the outer frames' current bytes: absolute current = _base_bytes + top current.
-        self._base_bytes = 0
+        self._lock: Mutex = threading.Lock()
+        self._acquire, self._release = self._lock.acquire, self._lock.release
+        self._c = AllocationCounters()  # the top frame's
+        self._frames: list[Statistics] = []  # the outer frames as they were when pushed
+        self._base_bytes = 0  # the outer frames' current bytes
         self._counting_pool: PoolMemoryResource | None = None
-        pool = (
-            upstream_mr if isinstance(upstream_mr, PoolMemoryResource) else pool_behind(upstream_mr)
-        )
+        pool = pool_behind(upstream_mr)
         if pool is not None and pool.count_allocations(self._c):
-            self._counting_pool = pool  # counts under its own lock (see the class notes)
+            self._counting_pool = pool
             self._fuse(pool, pool.instrumentation_lock)
 
     def __del__(self):
@@ -136,10 +121,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         pool's), or None when the adaptor counts on its own."""
         return self._counting_pool
 
-    # -- hot path -------------------------------------------------------------------------
-
-    # Counting on its own, the adaptor journals as the pool does (see AllocationCounters): one
-    # atomic append per call, folded in under the lock by readers and every JOURNAL_LIMIT entries.
+    # -- counting on its own: journaled as the pool does (AllocationCounters) ----------------
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate from upstream and count it (after the upstream succeeded)."""
@@ -167,12 +149,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
                 self._settle()
 
     def _settle(self) -> None:
-        if not self._acquire(False):
-            acquire_contended(self._lock)
-        try:
+        with self._lock:
             self._c.settle()
-        finally:
-            self._release()
 
     # -- reading --------------------------------------------------------------------------
 
@@ -190,11 +168,8 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     @property
     def allocation_counts(self) -> Statistics:
         """The top counter frame as :class:`Statistics`."""
-        self._acquire()
-        try:
+        with self._lock:
             return self._top_locked()
-        finally:
-            self._release()
 
     @property
     def failed_allocations(self) -> int:
@@ -204,40 +179,24 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     @property
     def current_bytes(self) -> int:
         """Bytes currently allocated through this adaptor, across all counter frames."""
-        self._acquire()
-        try:
+        with self._lock:
             self._c.settle()
             return int(self._base_bytes + self._c.total_bytes - self._c.freed_bytes)
-        finally:
-            self._release()
 
     def take_interval_peak(self) -> int:
-        """The largest total current bytes since the previous call (or since creation).
-
-        The interval then restarts at the current value, so a sampler that calls this at a
-        fixed rate sees every short spike between two samples.
-        """
-        self._acquire()
-        try:
+        """The largest total current bytes since the previous call (or since creation): a
+        sampler calling it at a fixed rate sees every short spike between two samples."""
+        with self._lock:
             self._c.settle()
             peak = self._base_bytes + self._c.interval_peak
             self._c.interval_peak = self._c.total_bytes - self._c.freed_bytes
             return int(peak)
-        finally:
-            self._release()
 
     # -- frames ---------------------------------------------------------------------------
 
     def push_counters(self) -> Statistics:
-        """Start a new, zeroed counter frame.
-
-        Returns
-        -------
-        Statistics
-            The top frame as it was before the push.
-        """
-        self._acquire()
-        try:
+        """Start a new, zeroed counter frame; returns the top frame as it was before the push."""
+        with self._lock:
             before = self._top_locked()
             self._frames.append(before)
             self._base_bytes += before.current_bytes
@@ -246,27 +205,17 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self._c.freed_bytes = self._c.freed_count = 0
             self._c.peak_bytes = self._c.peak_count = 0
             return before
-        finally:
-            self._release()
 
     def pop_counters(self) -> Statistics:
-        """End the top counter frame and fold it into the one below.
-
-        The outer frame's current and total values grow by the inner frame's; its peaks become
-        at least its current value at push time plus the inner frame's peak.
-
-        Returns
-        -------
-        Statistics
-            The popped frame.
+        """End the top counter frame and fold it into the one below (whose peaks become at least
+        its current bytes at push time plus the popped frame's peaks); returns the popped frame.
 
         Raises
         ------
         IndexError
             When only the bottom frame is left (nothing was pushed).
         """
-        self._acquire()
-        try:
+        with self._lock:
             if not self._frames:
                 raise IndexError(
                     "StatisticsResourceAdaptor.pop_counters(): cannot pop the last counter pair "
@@ -285,17 +234,12 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
             self._c.freed_bytes = self._c.total_bytes - (cb + inner.current_bytes)
             self._c.freed_count = self._c.total_count - (cc + inner.current_count)
             return inner
-        finally:
-            self._release()
 
     @property
     def counter_depth(self) -> int:
         """Number of counter frames (1 when nothing has been pushed)."""
         return len(self._frames) + 1
 
-    def __repr__(self) -> str:
+    def _repr_fields(self) -> str:
         s = self.allocation_counts
-        return (
-            f"<StatisticsResourceAdaptor device={self.device_id} current={s.current_bytes} B "
-            f"in {s.current_count}, peak={s.peak_bytes} B upstream={self.upstream_mr!r}>"
-        )
+        return f"current={s.current_bytes} B in {s.current_count}, peak={s.peak_bytes} B"
