@@ -170,14 +170,11 @@ def _decide(
         allocator = "pool"
         needed = peak if required is None else required
         pool_size = nice_size(needed + peak * HEADROOM)
-        if fragmenting:
-            reasons["allocator"] = (
-                f"{evidence}; on host memory there is no cudaMallocAsync: a pool sized for it"
-            )
-        else:
-            reasons["allocator"] = (
-                f"{evidence}: a PoolMemoryResource (the fastest here) needs no more than that"
-            )
+        reasons["allocator"] = (
+            f"{evidence}; on host memory there is no cudaMallocAsync: a pool sized for it"
+            if fragmenting
+            else f"{evidence}: a PoolMemoryResource (the fastest here) needs no more than that"
+        )
         if required is not None:
             reasons["pool_size"] = (
                 f"{required_what} ({format_bytes(required)}, {required / max(peak, 1):.2f}x the "
@@ -238,10 +235,9 @@ def advise_from_logs(
     from dask_rmm.logs.replay import replay
     from dask_rmm.logs.summary import summarize
 
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     out = []
-    summaries = summarize(list(paths), progress=progress).files
+    summaries = summarize(paths, progress=progress).files
     for path, summary in zip(paths, summaries, strict=True):
         peak = summary.peak_bytes
         notes: list[str] = []
@@ -338,21 +334,19 @@ def _advise_device(d: DeviceMemory) -> Advice:
         )
     frag = d.fragmentation  # None: none of the pool in use, nothing to call fragmented
     pieces = frag is not None and frag >= 0.5 and d.pool_free_bytes * 4 >= d.reserved_bytes
+    fragmenting = "fragmentation" in verdicts or pieces
     if "fragmentation" in verdicts:
-        fragmenting = True
         evidence = (
             f"{verdicts.count('fragmentation')} out-of-memory error(s) had enough memory free, "
             "in pieces too small (verdict 'fragmentation')"
         )
     elif pieces:
-        fragmenting = True
         evidence = (
             f"the pool's free memory is in pieces (fragmentation {frag:.0%}, largest "
             f"free block {format_bytes(d.largest_free_block)} of {format_bytes(d.pool_free_bytes)}"
             " free)"
         )
     else:
-        fragmenting = False
         evidence = (
             "no sign of fragmentation ("
             + ("none of the pool in use now" if frag is None else f"fragmentation {frag:.0%} now")
@@ -366,8 +360,6 @@ def _advise_device(d: DeviceMemory) -> Advice:
         )
     required = max(d.reserved_bytes or 0, peak) if fragmenting else None
     on_device = d.gpu_name != "host" and d.device_total_bytes > 0
-    if d.status != "running":
-        notes.append("this worker has left")
     return _decide(
         d.label,
         peak,
@@ -453,11 +445,8 @@ def _format_one(a: Advice) -> str:
     lines = [head]
     lines += [f"  {name:<18} {value:<8} {why}" for name, value, why in rows]
     for r in a.replays:
-        verdict = (
-            "served every allocation"
-            if not r["new_failures"]
-            else (f"{r['new_failures']} allocations failed")
-        )
+        n = r["new_failures"]
+        verdict = f"{n} allocations failed" if n else "served every allocation"
         lines.append(f"  replayed on a pool of {format_bytes(r['pool_size'])}: {verdict}")
     lines += [f"  note: {n}" for n in a.notes]
     lines.append(f"  paste: {a.plugin_call()}")

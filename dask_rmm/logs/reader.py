@@ -12,6 +12,7 @@ import operator
 import os
 import warnings
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -61,8 +62,6 @@ class Action(enum.Enum):
 
 
 _ACTIONS = {a.value: a for a in Action}
-_FAILURE = Action.ALLOCATE_FAILURE
-_RESTART = Action.RESTART
 
 
 class LogEvent(NamedTuple):
@@ -154,13 +153,6 @@ def _open_text(path: str) -> TextIO:
 _SIZE_MAX = (1 << 64) - 1
 
 
-def _is_cut_off(line: str) -> bool:
-    """Whether ``line``, the last of a file, was cut off mid-write: RMM ends every row it
-    writes with a newline, so a row with its newline is complete (NUL bytes, which a crash can
-    leave behind, mean cut off whatever follows)."""
-    return not line.endswith("\n") or "\x00" in line
-
-
 def _is_blank(line: str) -> bool:
     # A file cut by a crash can end in a run of NUL bytes: blank, not malformed.
     return not line.strip(" \t\r\n\x00")
@@ -217,34 +209,30 @@ class LogReader:
                     f"in {self.lines:,} lines before it",
                 ) from e
 
-    def _header(self, f: TextIO) -> tuple[int, list[int], int | None, int]:
-        """Read up to the header; return its line number, the column index of each of HEADER,
-        that of the Worker column and the number of columns."""
+    def _events(self, f: TextIO) -> Iterator[LogEvent]:
+        path = self.path
         lineno = 0
-        for line in f:
+        for line in f:  # up to the header
             lineno += 1
             self.lines = lineno
             self.bytes_read += len(line)
-            if _is_blank(line):
-                continue
-            names = [n.strip() for n in line.rstrip("\r\n").split(",")]
-            missing = [n for n in HEADER if n not in names]
-            if missing:
-                raise LogFormatError(
-                    self.path,
-                    lineno,
-                    f"not an RMM allocation log: the header must name the columns "
-                    f"{','.join(HEADER)} (missing {','.join(missing)})",
-                    line,
-                )
-            worker = names.index(WORKER_COLUMN) if WORKER_COLUMN in names else None
-            return lineno, [names.index(n) for n in HEADER], worker, len(names)
-        raise LogFormatError(self.path, max(lineno, 1), "empty log: no header line")
-
-    def _events(self, f: TextIO) -> Iterator[LogEvent]:
-        lineno, columns, worker_col, ncols = self._header(f)
-        i_thread, i_time, i_action, i_pointer, i_size, i_stream = columns
-        path = self.path
+            if not _is_blank(line):
+                break
+        else:
+            raise LogFormatError(path, max(lineno, 1), "empty log: no header line")
+        names = [n.strip() for n in line.rstrip("\r\n").split(",")]
+        missing = [n for n in HEADER if n not in names]
+        if missing:
+            raise LogFormatError(
+                path,
+                lineno,
+                f"not an RMM allocation log: the header must name the columns "
+                f"{','.join(HEADER)} (missing {','.join(missing)})",
+                line,
+            )
+        worker_col = names.index(WORKER_COLUMN) if WORKER_COLUMN in names else None
+        i_thread, i_time, i_action, i_pointer, i_size, i_stream = map(names.index, HEADER)
+        ncols = len(names)
         source = self.source
         sources: dict[str, str] = {}
         actions = _ACTIONS
@@ -267,14 +255,12 @@ class LogReader:
                     if _is_blank(line):
                         continue
                     raise ValueError(f"expected {ncols} comma-separated fields, got {len(fields)}")
-                action = actions.get(fields[i_action])
+                action = actions.get(fields[i_action]) or actions.get(fields[i_action].strip())
                 if action is None:
-                    text = fields[i_action].strip()
-                    action = actions.get(text)
-                    if action is None:
-                        raise ValueError(
-                            f"unknown action {text!r} (expected allocate, free or allocate failure)"
-                        )
+                    raise ValueError(
+                        f"unknown action {fields[i_action].strip()!r} (expected allocate, free "
+                        "or allocate failure)"
+                    )
                 t = parse_time(fields[i_time])
                 size = int(fields[i_size])
                 if size < 0:
@@ -302,13 +288,14 @@ class LogReader:
                 t += _DAY
             last_time = t
             if restart_line:
-                yield LogEvent(0, t, _RESTART, 0, 0, 0, restart_line, event_source, path)
+                yield LogEvent(0, t, Action.RESTART, 0, 0, 0, restart_line, event_source, path)
                 restart_line = 0
             self.rows += 1
             yield LogEvent(thread, t, action, pointer, size, stream, lineno, event_source, path)
         if pending is not None:
             cut_line = pending.text or ""
-            if not _is_cut_off(cut_line):  # complete, and still malformed
+            # RMM ends every row with a newline; NUL bytes, as a crash leaves them, mean cut off.
+            if cut_line.endswith("\n") and "\x00" not in cut_line:  # complete, still malformed
                 raise pending
             self.truncated = (pending.line, cut_line.rstrip("\r\n"))
             warnings.warn(
@@ -324,26 +311,12 @@ def default_source_name(path: str | os.PathLike) -> str:
     """The worker name of a log file: its name without ``.csv`` / ``.csv.gz``."""
     name = Path(path).name
     for suffix in (".gz", ".csv", ".log"):
-        if name.endswith(suffix) and len(name) > len(suffix):
-            name = name[: -len(suffix)]
+        name = name.removesuffix(suffix) or name
     return name
 
 
 def read_log(path: str | os.PathLike, source: str | None = None) -> Iterator[LogEvent]:
-    """The events of one log in file order (see :class:`LogReader`).
-
-    Examples
-    --------
-    >>> import os, tempfile
-    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
-    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
-    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
-    >>> mr.deallocate(mr.allocate(1000), 1000)
-    >>> mr.close()
-    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
-    >>> [(e.action.name, e.size) for e in read_log(path)]
-    [('ALLOCATE', 1000), ('FREE', 1000)]
-    """
+    """The events of one log in file order (see :class:`LogReader`)."""
     return iter(LogReader(path, source))
 
 
@@ -434,7 +407,7 @@ class LiveAllocations:
 
     def __init__(self):
         self.live: dict[tuple[str, int], Any] = {}
-        self.late: dict[tuple[str, int], int] = {}
+        self.late: Counter[tuple[str, int]] = Counter()
         #: allocations of an address still live (each retired the older block)
         self.retired = 0
 
@@ -444,7 +417,7 @@ class LiveAllocations:
         old = live.get(key)
         if old is not None:
             self.retired += 1
-            self.late[key] = self.late.get(key, 0) + 1
+            self.late[key] += 1
         live[key] = value
         return old
 
@@ -460,14 +433,9 @@ class LiveAllocations:
         """Forget ``key``: its value, :data:`LATE_FREE` for an absorbed late row, or None when
         the log never showed it allocated."""
         late = self.late
-        if late:
-            n = late.get(key)
-            if n is not None:
-                if n == 1:
-                    del late[key]
-                else:
-                    late[key] = n - 1
-                return _LATE
+        if late and late[key] > 0:
+            late[key] -= 1
+            return _LATE
         return self.live.pop(key, None)
 
     def __len__(self) -> int:
@@ -479,7 +447,7 @@ class LiveAllocations:
 
 def format_event(event: LogEvent) -> str:
     """One RMM-format CSV row (no newline) for ``event``: ``thread,time,action,ptr,size,stream``."""
-    nil = event.pointer == 0 and event.action in (_FAILURE, _RESTART)
+    nil = event.pointer == 0 and event.action in (Action.ALLOCATE_FAILURE, Action.RESTART)
     ptr = "(nil)" if nil else f"{event.pointer:#x}"
     return (
         f"{event.thread},{format_time(event.time)},{event.action.value},{ptr},"

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dask_rmm import _cuda
 from dask_rmm.logs.reader import Action, LiveAllocations, LogReader, format_time, read_logs
 from dask_rmm.logs.summary import format_size
 from dask_rmm.mr.base import DeviceMemoryResource
 from dask_rmm.sizes import format_bytes
-from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
+from dask_rmm.stream import DEFAULT_STREAM, LEGACY_DEFAULT_STREAM, PER_THREAD_HANDLE, Stream
 
 __all__ = [
     "RESOURCES",
@@ -34,8 +35,6 @@ _MAX_LISTED_FAILURES = 50
 
 
 def _has_gpu() -> bool:
-    from dask_rmm import _cuda
-
     return _cuda.is_available()
 
 
@@ -95,27 +94,19 @@ def build_resource(
 
 
 class _StreamMap:
-    """Log stream handles to :class:`Stream` objects for the replay."""
+    """Log stream handles to :class:`Stream` objects for the replay (on the host, a thread's
+    per-thread stream gets a handle beyond any real one)."""
 
     def __init__(self, gpu: bool):
-        from dask_rmm.stream import LEGACY_DEFAULT_STREAM
-
         self.gpu = gpu
         self.streams: dict[Any, Any] = {0: DEFAULT_STREAM, 1: LEGACY_DEFAULT_STREAM}
-        self._fake = 1 << 64  # host handles for per-thread streams, beyond any real handle
 
     def get(self, handle: int, thread: int):
         key = ("ptds", thread) if handle == PER_THREAD_HANDLE else handle
         s = self.streams.get(key)
         if s is None:
-            if not self.gpu and handle == PER_THREAD_HANDLE:
-                self._fake += 1
-            s = (
-                Stream()
-                if self.gpu
-                else Stream._from_handle(self._fake if key != handle else handle)
-            )
-            self.streams[key] = s
+            fake = handle if key == handle else (1 << 64) + len(self.streams)
+            s = self.streams[key] = Stream() if self.gpu else Stream._from_handle(fake)
         return s
 
     def synchronize(self) -> None:
@@ -253,9 +244,7 @@ def replay(
     failures: list[ReplayFailure] = []
     allocate, deallocate = mr.allocate, mr.deallocate
     allocations = frees = original_failures = recovered = new_failures = skipped = 0
-    unservable = 0
-    current = peak = 0
-    n_failed = 0
+    unservable = current = peak = n_failed = 0
     call_seconds = 0.0
     clock = time.perf_counter
     ALLOCATE, FREE, RESTART = Action.ALLOCATE, Action.FREE, Action.RESTART

@@ -18,6 +18,7 @@ from dask_rmm.logs.reader import (
     format_time,
     read_logs,
 )
+from dask_rmm.sizes import format_bytes
 
 __all__ = [
     "LogSummary",
@@ -195,13 +196,12 @@ class Summarizer:
             old = self.table.allocate((e.source, e.pointer), e)
             if old is not None:
                 self.current -= old.size
-            live = self.live
             self.current += size
             if self.current > self.peak:
                 self.peak = self.current
                 self.peak_event = e
-            if len(live) > self.peak_count:
-                self.peak_count = len(live)
+            if len(self.live) > self.peak_count:
+                self.peak_count = len(self.live)
         elif action is _FREE:
             for tot in (total, thread, stream):
                 tot.frees += 1
@@ -238,9 +238,7 @@ class Summarizer:
             rows=self.rows,
             start=self.start,
             end=self.end,
-            duration=(
-                self.end - self.start if self.start is not None and self.end is not None else 0.0
-            ),
+            duration=(self.end or 0.0) - (self.start or 0.0),
             **asdict(self.total),
             peak_bytes=self.peak,
             peak_count=self.peak_count,
@@ -319,9 +317,7 @@ def summarize(
     """
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"top must be a number of allocations to list (an int >= 0), got {top!r}")
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = list(paths)
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     readers: list[LogReader] = []
     events = read_logs(paths, readers, progress="reading logs" if progress else None)
     per_file = {r.path: Summarizer(r.source, top) for r in readers}
@@ -342,8 +338,6 @@ def summarize(
 
 def format_size(n: int) -> str:
     """``format_bytes(n)``, with the exact count from 1 KiB up: ``"1.50 MiB (1,572,864 B)"``."""
-    from dask_rmm.sizes import format_bytes
-
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
 
 
@@ -402,9 +396,7 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         width = max(s.histogram.values())
         for bucket, count in s.histogram.items():
             bar = "#" * max(1, round(30 * count / width))
-            shift = min(bucket.bit_length() - 1, 30) // 10 * 10  # B, KiB, MiB or GiB
-            label = f"{bucket / (1 << shift):g} {('B', 'KiB', 'MiB', 'GiB')[shift // 10]}"
-            lines.append(f"                {label:>12} {count:>14,}  {bar}")
+            lines.append(f"                {format_bytes(bucket):>12} {count:>14,}  {bar}")
     lines.extend(_totals_table("thread", s.threads, str, top_rows))
     lines.extend(_totals_table("stream", s.streams, hex, top_rows))
     return "\n".join(lines)
@@ -417,8 +409,6 @@ def _totals_table(what: str, totals: dict[int, Totals], key_fmt, top_rows: int) 
     out = [
         f"  per {what:<8}  {what:>18} {'allocs':>10} {'allocated':>12} {'frees':>10} {'failures':>9}"
     ]
-    from dask_rmm.sizes import format_bytes
-
     for k, t in rows[:top_rows]:
         out.append(
             f"                {key_fmt(k):>18} {t.allocations:>10,} {format_bytes(t.allocated_bytes):>12} "

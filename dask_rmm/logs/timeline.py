@@ -66,10 +66,9 @@ def in_use_timeline(
     so memory stays bounded and peaks stay visible. ``progress`` draws click's progress bar on
     stderr.
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     sources: dict[str, tuple[Summarizer, _Envelope, list[tuple[float, int]]]] = {}
-    for e in read_logs(list(paths), progress="reading logs" if progress else None):
+    for e in read_logs(paths, progress="reading logs" if progress else None):
         source = sources.get(e.source)
         if source is None:
             source = sources[e.source] = (Summarizer(e.source), _Envelope(max_points), [])
