@@ -30,6 +30,7 @@ class PressureHandler(Protocol):
 
     limit: int | None
     spill_on_oom: bool
+    statistics: Any  # the stack's StatisticsResourceAdaptor (or None)
 
     def busy(self) -> bool: ...
     def never_fits(self, nbytes: int) -> bool: ...
@@ -42,6 +43,7 @@ class PressureHandler(Protocol):
     def record_oom(
         self, error: MemoryError, nbytes: int, spilled: int, events: list
     ) -> object: ...  # the result is not used
+    def start_arbitration(self) -> None: ...
     def release_cached(self) -> int: ...
     def spill_libraries(self, nbytes: int) -> int: ...
 
@@ -162,18 +164,14 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         h = self.handler
         if h.busy():
             raise error
-        start = getattr(h, "start_arbitration", None)
-        if start is not None:
-            start()  # first: a failure recorded below says what was freed for it, nothing older
+        h.start_arbitration()  # first: a failure recorded below says what was freed for it
         if h.never_fits(nbytes):
             self._record_failure(error, nbytes, 0)
             raise error
-        release = getattr(h, "release_cached", None)
-        libraries = getattr(h, "spill_libraries", None)
         # Free blocks of library caches go back to the stack, then cuDF spills its buffers:
         # no outputs spilled while either made room.
-        for free in (release, None if libraries is None else lambda: libraries(nbytes)):
-            if free is None or free() <= 0:
+        for free in (h.release_cached, lambda: h.spill_libraries(nbytes)):
+            if free() <= 0:
                 continue
             try:
                 return self._retry(nbytes, stream)
@@ -199,7 +197,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         try:
             return self._upstream_allocate(nbytes, stream)
         except MemoryError:
-            stats = getattr(self.handler, "statistics", None)
+            stats = self.handler.statistics
             if stats is not None:
                 with stats._lock:
                     stats._c.failed -= 1

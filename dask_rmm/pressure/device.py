@@ -126,22 +126,20 @@ class DevicePressure:
         """Have the library caches give their free blocks on this device back to the stack;
         the bytes given back (recorded per library for this thread's OOM snapshot). Cheaper
         than spilling, so done first (:func:`~dask_rmm.allocators.caches.release_cached_by_library`)."""
-        released = caches.release_cached_by_library(self.device)
-        mine = getattr(self._local, "released", None)
-        if mine is not None:
-            for name, n in released.items():
-                mine[name] = mine.get(name, 0) + n
-        return sum(released.values())
+        return self._noted(caches.release_cached_by_library(self.device))
 
     def spill_libraries(self, nbytes: int) -> int:
         """Have the libraries that spill their own objects (cuDF) spill ``nbytes``: after the
         caches gave back, before outputs spill; the bytes spilled (recorded per library for
         this thread's OOM snapshot)."""
-        spilled = caches.spill_libraries(nbytes)
+        return self._noted(caches.spill_libraries(nbytes))
+
+    def _noted(self, freed: dict[str, int]) -> int:
         mine = getattr(self._local, "released", None)
         if mine is not None:
-            mine.update(spilled)
-        return sum(spilled.values())
+            for name, n in freed.items():
+                mine[name] = mine.get(name, 0) + n
+        return sum(freed.values())
 
     def release_cached_when_full(self) -> int:
         """Under pressure, have the library caches give their free blocks back now, not at the

@@ -50,49 +50,37 @@ class PressureMetrics:
 class PressureCounters:
     """The mutable counters behind :class:`PressureMetrics`, one set per device, thread safe."""
 
-    _FIELDS = tuple(
-        f
-        for f in PressureMetrics.__dataclass_fields__
-        if f not in ("device", "paused", "device_memory_limit")
-    )
-
     def __init__(self):
         self._lock = threading.Lock()
         self._by_device: dict[int, dict] = {}
-        self._paused: dict[int, bool] = {}
-        self._limits: dict[int, int | None] = {}
 
     def _row(self, device: int) -> dict:
         row = self._by_device.get(device)
         if row is None:
-            row = self._by_device[device] = dict.fromkeys(self._FIELDS, 0)
-            row["spill_seconds"] = row["unspill_seconds"] = 0.0
+            row = self._by_device[device] = asdict(PressureMetrics(device=device))
         return row
 
-    def spilled(self, device: int, nbytes: int, seconds: float) -> None:
+    def _moved(self, device: int, nbytes: int, seconds: float, way: str) -> None:
+        """``way``: "spill" (off the device), "unspill" (back) or "forget" (deleted spilled)."""
         with self._lock:
             r = self._row(device)
-            r["spilled_bytes"] += nbytes
-            r["spilled_count"] += 1
-            r["total_spilled_bytes"] += nbytes
-            r["total_spilled_count"] += 1
-            r["spill_seconds"] += seconds
+            sign = 1 if way == "spill" else -1
+            r["spilled_bytes"] += sign * nbytes
+            r["spilled_count"] += sign
+            if way != "forget":
+                r[f"total_{way}ed_bytes"] += nbytes
+                r[f"total_{way}ed_count"] += 1
+                r[f"{way}_seconds"] += seconds
+
+    def spilled(self, device: int, nbytes: int, seconds: float) -> None:
+        self._moved(device, nbytes, seconds, "spill")
 
     def unspilled(self, device: int, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            r = self._row(device)
-            r["spilled_bytes"] -= nbytes
-            r["spilled_count"] -= 1
-            r["total_unspilled_bytes"] += nbytes
-            r["total_unspilled_count"] += 1
-            r["unspill_seconds"] += seconds
+        self._moved(device, nbytes, seconds, "unspill")
 
     def forgotten(self, device: int, nbytes: int) -> None:
         """A spilled object was deleted without being brought back."""
-        with self._lock:
-            r = self._row(device)
-            r["spilled_bytes"] -= nbytes
-            r["spilled_count"] -= 1
+        self._moved(device, nbytes, 0.0, "forget")
 
     def add(self, device: int, field: str, n: int = 1) -> None:
         with self._lock:
@@ -100,14 +88,14 @@ class PressureCounters:
 
     def set_paused(self, device: int, paused: bool) -> None:
         with self._lock:
-            if paused and not self._paused.get(device, False):
-                self._row(device)["pauses"] += 1
-            self._paused[device] = paused
+            r = self._row(device)
+            if paused and not r["paused"]:
+                r["pauses"] += 1
+            r["paused"] = paused
 
     def set_limit(self, device: int, limit: int | None) -> None:
         with self._lock:
-            self._row(device)
-            self._limits[device] = limit
+            self._row(device)["device_memory_limit"] = limit
 
     def devices(self) -> list[int]:
         with self._lock:
@@ -115,10 +103,4 @@ class PressureCounters:
 
     def snapshot(self, device: int) -> PressureMetrics:
         with self._lock:
-            r = dict(self._row(device))
-            return PressureMetrics(
-                device=device,
-                paused=self._paused.get(device, False),
-                device_memory_limit=self._limits.get(device),
-                **r,
-            )
+            return PressureMetrics(**self._row(device))
