@@ -88,23 +88,14 @@ def library_caches() -> list[LibraryCache]:
         return list(_caches)
 
 
-def _told(cache: Any, method: str, device: int) -> int:
-    """``cache.<method>(device)`` as an int; 0 when the cache cannot tell (logged at debug
-    level): reading the caches never raises."""
-    try:
-        return int(getattr(cache, method)(device))
-    except Exception:
-        logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
-        return 0
-
-
 def cached_bytes(device: int) -> dict[str, int]:
     """Free bytes each library's cache inside the stack holds from ``device``'s stack, by
     library name."""
     out: dict[str, int] = {}
     for cache in library_caches():
         if not _is_outside(cache):
-            out[cache.name] = out.get(cache.name, 0) + _told(cache, "cached_bytes", device)
+            n = bytes_or_zero(cache.cached_bytes, device, failed=f"reading {cache.name}'s cache")
+            out[cache.name] = out.get(cache.name, 0) + n
     return out
 
 
@@ -135,7 +126,8 @@ def library_bytes(device: int) -> dict[str, LibraryBytes]:
 def outside_in_use_bytes(device: int) -> int:
     """Bytes in the objects of caches outside the stack on ``device`` (PyTorch's tensors): what
     a device memory limit counts beside the stack's own."""
-    return sum(_told(c, "in_use_bytes", device) for c in library_caches() if _is_outside(c))
+    outside = [c for c in library_caches() if _is_outside(c)]
+    return sum(bytes_or_zero(c.in_use_bytes, device, failed=f"reading {c.name}") for c in outside)
 
 
 def release_cached(device: int) -> int:
@@ -145,12 +137,14 @@ def release_cached(device: int) -> int:
 
 
 def bytes_or_zero(call: Callable[[int], Any], arg: int, *, failed: str) -> int:
-    """``int(call(arg))``: bytes a cache gave back or a library spilled (None: 0); 0 (logged
-    with ``failed``) when it raises, so that making room never fails on one library."""
+    """``int(call(arg))``: bytes a cache holds or gave back, or a library spilled (None: 0); 0
+    (logged with ``failed``; reading: at debug level) when it raises, so that reading the
+    caches never raises and making room never fails on one library."""
     try:
         return int(call(arg) or 0)
     except Exception:
-        logger.warning("dask-rmm: %s failed", failed, exc_info=True)
+        level = logging.DEBUG if failed.startswith("reading") else logging.WARNING
+        logger.log(level, "dask-rmm: %s failed", failed, exc_info=True)
         return 0
 
 

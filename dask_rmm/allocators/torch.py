@@ -68,10 +68,7 @@ def allocate(size: int, device: int, stream: int | None) -> int | None:
         _disarm()
     s = None
     try:
-        handle = stream or 0
-        s = _streams.get(handle)
-        if s is None:
-            s = _stream_for(handle)
+        s = _streams.get(stream or 0) or _stream_for(stream or 0)
         mr = _get_per_device_resource(device)
         ptr = mr.allocate(size, s)
         if ptr:
@@ -215,10 +212,7 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
     if not ptr:
         return
     try:
-        handle = stream or 0
-        s = _streams.get(handle)
-        if s is None:
-            s = _stream_for(handle)
+        s = _streams.get(stream or 0) or _stream_for(stream or 0)
         mr = _live.pop(ptr, None)
         if mr is None:
             mr = _get_per_device_resource(device)
