@@ -246,14 +246,10 @@ class DevicePressure:
 
     def spill_to_limit(self) -> int:
         """Spill until the bytes in use are at most the limit (or nothing more can be spilled)."""
-        if self.limit is None:
-            return 0
-        return self._spill_down_to(self.limit)
+        return 0 if self.limit is None else self._spill_down_to(self.limit)
 
     def pause_threshold(self) -> int | None:
-        if self.pause_fraction is None:
-            return None
-        return int(self.pause_fraction * self.capacity)
+        return None if self.pause_fraction is None else int(self.pause_fraction * self.capacity)
 
     def should_pause(self) -> bool:
         threshold = self.pause_threshold()
@@ -274,14 +270,13 @@ class DevicePressure:
 
     def _spill_down_to(self, target: int) -> int:
         total = 0
-        while True:
-            if self.current_bytes() <= target:
-                return total
+        while self.current_bytes() > target:
             # Measured again once this thread may spill: another may have spilled meanwhile.
             freed = self.spill(lambda: self.current_bytes() - target)
             if freed <= 0:
-                return total
+                break
             total += freed
+        return total
 
     def heartbeat_fields(self, max_events: int = 8, max_recent: int = 16) -> dict[str, Any]:
         """This device's pressure metrics for the heartbeat (``PressureMetrics.to_dict()``
@@ -291,12 +286,9 @@ class DevicePressure:
         del d["device"]
         d["paused"] = int(d["paused"])
         d["device_memory_limit"] = d["device_memory_limit"] or 0
-        events = []
-        for event in list(self.oom_events)[-max_events:]:
-            e = event.to_dict()
+        d["oom_events"] = [e.to_dict() for e in list(self.oom_events)[-max_events:]]
+        for e in d["oom_events"]:
             e["recent_events"] = e["recent_events"][-max_recent:]
-            events.append(e)
-        d["oom_events"] = events
         return d
 
     # -- forensics --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dask_rmm.allocators import caches
 from dask_rmm.pressure.adaptor import SpillOnDemandResourceAdaptor
 from dask_rmm.pressure.device import DevicePressure
 from dask_rmm.pressure.forensics import OOMEvent
@@ -136,8 +137,6 @@ class WorkerPressure:
         worker.state.data = self.store
         self._worker = worker
         if self.spill_on_oom:
-            from dask_rmm.allocators import caches
-
             for device, dp in self.devices.items():  # library caches out of memory spill too
                 caches.set_oom_handler(device, dp.spill_for_cache)
         if self.monitor_interval and (
@@ -163,18 +162,13 @@ class WorkerPressure:
                 del worker.periodic_callbacks[MONITOR_KEY]
         self._resume(worker)
         self._worker = None
-        from dask_rmm.allocators import caches
-
-        for device, dp in self.devices.items():
+        for device, dp in self.devices.items():  # bringing values back must not spill others
             if caches.oom_handler(device) == dp.spill_for_cache:
                 caches.set_oom_handler(device, None)
+            dp.limit = dp.pause_fraction = None
+            dp.spill_on_oom = dp.recording = False
         store = self.store
         store.on_store = None
-        for dp in self.devices.values():  # bringing values back must not spill others
-            dp.limit = None
-            dp.spill_on_oom = False
-            dp.pause_fraction = None
-            dp.recording = False
         if worker.memory_manager.data is not store:
             return
         if worker.status.name in ("closing", "closed", "failed", "closing_gracefully"):
