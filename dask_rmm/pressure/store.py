@@ -159,11 +159,8 @@ class DeviceSpillStore(MutableMapping):
         ``MutableMapping.clear`` would)."""
         with self._lock:
             spilled = list(self._spilled.values())
-            self._device.clear()
-            self._lru.clear()
             self._spilled.clear()
-            self._clean.clear()
-            self._clean_bytes = 0
+            self._empty_device()
             self.inner.clear()
         for device, nbytes, _serial in spilled:
             self.counters.forgotten(device, nbytes)
@@ -267,11 +264,8 @@ class DeviceSpillStore(MutableMapping):
             self._device.update(other._device)
             self._lru.update(other._lru)
             self._spilled.update(other._spilled)
-            other._device.clear()
-            other._lru.clear()
             other._spilled.clear()
-            other._clean.clear()
-            other._clean_bytes = 0
+            other._empty_device()
             other.inner = {}
             spilled = list(self._spilled.values())
         for device, nbytes, _serial in spilled:
@@ -281,11 +275,15 @@ class DeviceSpillStore(MutableMapping):
         """Remove and return the values kept on the device (teardown moves them to ``inner``)."""
         with self._lock:
             items = list(self._device.items())
-            self._device.clear()
-            self._lru.clear()
-            self._clean.clear()
-            self._clean_bytes = 0
+            self._empty_device()
         return items
+
+    def _empty_device(self) -> None:
+        """Forget the values kept on the device and their kept host copies (lock held)."""
+        self._device.clear()
+        self._lru.clear()
+        self._clean.clear()
+        self._clean_bytes = 0
 
     def spilled_keys(self) -> list[Hashable]:
         with self._lock:
@@ -408,9 +406,9 @@ class DeviceSpillStore(MutableMapping):
             # scan every stored value once per round (or after a mutation), then at each poll
             # only those that were referenced (a few inputs of running tasks), not all of them.
             if held is None or tried or mutations != held_at:
-                held, held_at = self._referenced_keys(device), mutations
+                held, held_at = self._referenced(device), mutations
             else:
-                held = self._still_referenced(held)
+                held = self._referenced(device, held)
             state = (activity() if activity is not None else None, mutations, held)
             if started is None:
                 started = now
@@ -427,23 +425,17 @@ class DeviceSpillStore(MutableMapping):
                 return None, error, spilled
             time.sleep(_WAIT_POLL)
 
-    def _referenced_keys(self, device: int | None) -> tuple[Hashable, ...]:
-        """Keys of stored device values (of ``device``) that something else references."""
-        with self._lock:
-            return tuple(
-                key
-                for key, e in self._lru.items()
-                if e.nbytes
-                and (device is None or e.device == device)
-                and _getrefcount(self._device[key]) > _DICT_ONLY_REFS
-            )
-
-    def _still_referenced(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
-        """Those of ``keys`` still stored and still referenced."""
+    def _referenced(self, device: int | None, keys: tuple | None = None) -> tuple[Hashable, ...]:
+        """Keys of stored device values (of ``device``, or those of ``keys`` still stored) that
+        something else references."""
         with self._lock:
             stored = self._device
+            if keys is None:
+                keys = tuple(
+                    k for k, e in self._lru.items() if e.nbytes and device in (None, e.device)
+                )
             return tuple(
-                key for key in keys if key in stored and _getrefcount(stored[key]) > _DICT_ONLY_REFS
+                k for k in keys if k in stored and _getrefcount(stored[k]) > _DICT_ONLY_REFS
             )
 
     def _choose(
