@@ -126,7 +126,7 @@ def library_bytes(device: int) -> dict[str, LibraryBytes]:
 def outside_in_use_bytes(device: int) -> int:
     """Bytes in the objects of caches outside the stack on ``device`` (PyTorch's tensors): what
     a device memory limit counts beside the stack's own."""
-    outside = [c for c in library_caches() if _is_outside(c)]
+    outside: list[Any] = [c for c in library_caches() if _is_outside(c)]
     return sum(bytes_or_zero(c.in_use_bytes, device, failed=f"reading {c.name}") for c in outside)
 
 
