@@ -149,8 +149,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             ptr = self._try_allocate(size, key, tag)
         if ptr:
             return ptr
-        # Out of room: take every cached block back, wait for the streams they were freed on,
-        # return them and the empty superblocks to the global arena, and try again.
+        # Out of room: every cached block and empty superblock back to the global arena, again.
         with gc_paused_lock(self._lock):
             stolen = self._steal_caches()
         if self._ordered:
@@ -168,6 +167,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             if self.dump_log_on_failure:
                 self._dump_memory_log(size)
             free, largest = self._global.free_bytes()
+            all_free, all_largest = self._free_and_largest()
             raise OutOfMemoryError(
                 f"ArenaMemoryResource out of memory: requested {format_bytes(nbytes)} "
                 f"({nbytes} bytes) on stream {stream.handle:#x}; arena {format_bytes(self._size)}, "
@@ -178,8 +178,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
                 stream=stream.handle,
                 pool_size=self._size,
                 maximum_pool_size=self._size,
-                free_bytes=self._free_bytes(),
-                largest_free_block=self._largest_free(),
+                free_bytes=all_free,
+                largest_free_block=all_largest,
             )
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
@@ -225,7 +225,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     def reserved_memory_info(self) -> ReservedMemoryInfo:
         with gc_paused_lock(self._lock):
-            return ReservedMemoryInfo(self._size, self._free_bytes(), self._largest_free())
+            return ReservedMemoryInfo(self._size, *self._free_and_largest())
 
     def __del__(self):
         try:
@@ -281,15 +281,15 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         """Take every cached block out of the caches: ``(ptr, size)`` pairs (lock held)."""
         return [block for caches in self._caches.values() for block in drain_cache(caches)]
 
-    def _cached_bytes(self) -> tuple[int, int]:
-        """Bytes in the caches and the largest cached block (lock held)."""
-        total = largest = 0
+    def _free_and_largest(self) -> tuple[int, int]:
+        """Free bytes and the largest free block, of the global arena, the arenas and the caches
+        (lock held)."""
+        pairs = [self._global.free_bytes(), *(a.free.free_bytes() for a in self._arenas.values())]
         for caches in self._caches.values():
             for c in compress(CLASS_INDEXES, caches):
                 size = class_floor(c) << UNIT_SHIFT
-                total += size * len(caches[c])
-                largest = max(largest, size)
-        return total, largest
+                pairs.append((size * len(caches[c]), size))
+        return sum(f for f, _ in pairs), max(largest for _, largest in pairs)
 
     @staticmethod
     def _superblock_of(arena: _Arena, ptr: int) -> int:
@@ -305,19 +305,6 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         for arena in self._arenas.values():
             for sb in [sb for sb, used in arena.used.items() if used == 0]:
                 self._return_superblock(arena, sb)
-
-    def _free_bytes(self) -> int:
-        return (
-            self._global.free_bytes()[0]
-            + sum(a.free.free_bytes()[0] for a in self._arenas.values())
-            + self._cached_bytes()[0]
-        )
-
-    def _largest_free(self) -> int:
-        return max(
-            [self._global.free_bytes()[1], self._cached_bytes()[1]]
-            + [a.free.free_bytes()[1] for a in self._arenas.values()]
-        )
 
     def _dump_memory_log(self, size: int) -> None:
         free, largest = self._global.free_bytes()

@@ -1,5 +1,5 @@
-"""Base resources: the only layer that asks CUDA (or the host allocator) for memory. Suballocation
-lives in pool/arena/binning; the CUDA calls themselves in ``dask_rmm._cuda``."""
+"""Base resources: the only layer that asks CUDA (or the host allocator) for memory; the CUDA
+calls themselves are in ``dask_rmm._cuda``."""
 
 from __future__ import annotations
 
@@ -32,20 +32,6 @@ __all__ = [
 ]
 
 
-def _disown(resource: DeviceMemoryResource, ptr: Any, nbytes: Any, stream: Any) -> bool:
-    """Take ``ptr`` out of ``resource._owned`` (pointer -> size; single dict pops and stores,
-    atomic, so no lock). False for the no-op ``deallocate(0, 0)``; a wrong call raises
-    ValueError first, leaving the table unchanged."""
-    owned = resource._owned  # type: ignore[attr-defined]
-    size = owned.pop(ptr, None)
-    if size is not None and size == nbytes:
-        return True
-    if size is not None:
-        owned[ptr] = size
-    deallocate_refused(resource, type(resource).__name__, ptr, nbytes, size, stream)
-    return False
-
-
 def _handle(stream: Any) -> int:
     try:
         return stream.handle
@@ -53,13 +39,13 @@ def _handle(stream: Any) -> int:
         return stream_arg(stream).handle
 
 
-class _CudaResource(DeviceMemoryResource):
-    """Shared machinery of the CUDA base resources: device binding, ownership, error mapping.
+class _BaseResource(DeviceMemoryResource):
+    """Shared machinery of the base resources: ownership (pointer -> size; dict pops and stores
+    are atomic, so no lock), device binding, CUDA error mapping.
 
-    A subclass implements ``_alloc(nbytes, stream_handle)`` and ``_free(ptr, stream_handle)``
-    as single CUDA calls. The resource is bound to the device current at construction; calls from
-    a thread whose current device differs switch to it for the call (only checked when the host
-    has more than one device, since with one device the current device is always 0).
+    A subclass implements ``_alloc(nbytes, stream_handle)`` and ``_free(ptr, nbytes,
+    stream_handle)``. With several devices, a call from a thread whose current device differs
+    switches to the resource's device (the one current at construction) for the call.
     """
 
     def __init__(self):
@@ -98,8 +84,12 @@ class _CudaResource(DeviceMemoryResource):
         if ptr == 0 and nbytes == 0:
             return
         handle = _handle(stream)
-        if not _disown(self, ptr, nbytes, stream):
-            return
+        owned = self._owned
+        size = owned.pop(ptr, None)
+        if size is None or size != nbytes:
+            if size is not None:
+                owned[ptr] = size
+            return deallocate_refused(self, type(self).__name__, ptr, nbytes, size, stream)
         try:
             if self._multi_device:
                 self._on_device(self._free, ptr, nbytes, handle)
@@ -148,7 +138,7 @@ class _CudaResource(DeviceMemoryResource):
         return len(self._owned)
 
 
-class CudaMemoryResource(_CudaResource):
+class CudaMemoryResource(_BaseResource):
     """Device memory from ``cudaMalloc``/``cudaFree`` on the device current at construction.
 
     The stream argument is ignored: ``cudaMalloc`` is not stream ordered and ``cudaFree``
@@ -170,7 +160,7 @@ class CudaMemoryResource(_CudaResource):
         _cuda.free(ptr)
 
 
-class ManagedMemoryResource(_CudaResource):
+class ManagedMemoryResource(_BaseResource):
     """Unified (managed) memory from ``cudaMallocManaged``, which may exceed device memory."""
 
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
@@ -180,7 +170,7 @@ class ManagedMemoryResource(_CudaResource):
         _cuda.free(ptr)
 
 
-class PinnedHostMemoryResource(_CudaResource):
+class PinnedHostMemoryResource(_BaseResource):
     """Page-locked host memory from ``cudaHostAlloc``, readable by host and device.
 
     The pointers are host addresses, but resources built on this one treat them as
@@ -195,7 +185,7 @@ class PinnedHostMemoryResource(_CudaResource):
         _cuda.free_host(ptr)
 
 
-class CudaAsyncViewMemoryResource(_CudaResource):
+class CudaAsyncViewMemoryResource(_BaseResource):
     """Stream-ordered allocation (``cudaMallocFromPoolAsync``) from an existing memory pool.
 
     The pool is not owned: it outlives this resource and is never destroyed by it.
@@ -229,8 +219,7 @@ class CudaAsyncViewMemoryResource(_CudaResource):
         self._malloc_call = _cuda.runtime_function("cudaMallocFromPoolAsync")
         self._free_call = _cuda.runtime_function("cudaFreeAsync")
         self._sizes = self._owned  # the owned-pointer table, one attribute away
-        # With several devices visible (dask-cuda's rotated CUDA_VISIBLE_DEVICES) the fast
-        # paths still apply when this resource's device is current: one cudaGetDevice call.
+        # With several devices, the fast paths apply when this one is current (cudaGetDevice).
         self._get_device_call = _cuda.runtime_function("cudaGetDevice")
 
     def pool_handle(self) -> int:
@@ -246,9 +235,8 @@ class CudaAsyncViewMemoryResource(_CudaResource):
     # Set by an owning subclass once it is finalized: the last free destroys the pool.
     _finalized = False
 
-    # The fast paths: one cuda-python call with cached handle objects and one dict
-    # store or pop, no other Python layer; anything unusual (bad arguments, other devices,
-    # errors) takes the general path of _CudaResource, with the same errors.
+    # The fast paths: one cuda-python call with cached handle objects and one dict store or
+    # pop; anything unusual takes _BaseResource's general path, with the same errors.
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         if (
             type(nbytes) is int
@@ -334,9 +322,13 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
     enable_ipc : bool
         Make the pool exportable to other processes (POSIX file descriptor handles).
     enable_fabric : bool
-        Make the pool's memory exportable as fabric handles (multi-node NVLink). Where the
-        device cannot export the requested handle type, raises a RuntimeError (a
-        ``CUDAError``) ending in "Requested IPC memory handle type not supported", as RMM.
+        Make the pool's memory exportable as fabric handles (multi-node NVLink).
+
+    Raises
+    ------
+    CUDAError
+        A RuntimeError ending in "Requested IPC memory handle type not supported", as RMM's,
+        where the device cannot export the requested handle type.
 
     Examples
     --------
@@ -439,11 +431,9 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
         return _cuda.mem_pool_export_to_shareable_handle(self._pool, _HANDLE_POSIX_FD)
 
     def __del__(self):
-        # In cyclic garbage the finalizers run in any order: a pool suballocating from this
-        # resource may give its chunks back *after* this runs. Destroying the memory pool
-        # under it would turn those frees into use-after-destroy in the driver (seen on the
-        # H200 as segfaults in later CUDA calls), so the pool is destroyed only once nothing
-        # allocated from it is live; otherwise the last deallocate destroys it.
+        # In cyclic garbage a pool over this resource may give its chunks back after this runs:
+        # the memory pool is destroyed once nothing allocated from it is live (by the last
+        # deallocate if need be), never under live allocations (segfaults in the driver).
         if getattr(self, "_owns_pool", False):
             self._finalized = True
             if not len(self._owned):
@@ -458,12 +448,11 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
                 pass
 
 
-class SamHeadroomMemoryResource(_CudaResource):
+class SamHeadroomMemoryResource(_BaseResource):
     """System-allocated memory (SAM) that prefers the GPU while ``headroom`` bytes stay free.
 
-    Memory comes from the host allocator (needs a GPU that can access pageable memory: HMM or
-    ATS). Of each allocation, the part that fits in device memory above ``headroom`` is advised
-    to live on the GPU and the rest on the host, so other CUDA calls keep ``headroom`` bytes.
+    Memory comes from the host allocator (needs HMM or ATS); of each allocation, the part that
+    fits in device memory above ``headroom`` is advised to live on the GPU, the rest on the host.
 
     Parameters
     ----------
@@ -519,7 +508,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-class SystemMemoryResource(DeviceMemoryResource):
+class SystemMemoryResource(_BaseResource):
     """Host memory from the C allocator, 256-byte aligned.
 
     On a GPU with system-allocated memory support the pointers are usable from the device; on a
@@ -533,7 +522,8 @@ class SystemMemoryResource(DeviceMemoryResource):
             device_id = _cuda.current_device()
         elif isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be a device id (an int >= 0), got {device_id!r}")
-        super().__init__(device_id=device_id)
+        DeviceMemoryResource.__init__(self, device_id=device_id)
+        self._multi_device = False
         self._owned: dict[int, int] = {}
         self._host_total = host_total_memory()
 
@@ -541,15 +531,7 @@ class SystemMemoryResource(DeviceMemoryResource):
     def is_host_memory(self) -> bool:
         return True
 
-    @property
-    def live_allocations(self) -> int:
-        """How many pointers this resource has handed out and not taken back."""
-        return len(self._owned)
-
-    def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        nbytes = check_nbytes(nbytes)
-        if nbytes == 0:
-            return 0
+    def _alloc(self, nbytes: int, stream_handle: int) -> int:
         size = align_up(nbytes)
         # More than the host's physical memory is refused even where the kernel overcommits
         # (malloc then succeeds and the process dies on touching the pages).
@@ -563,11 +545,7 @@ class SystemMemoryResource(DeviceMemoryResource):
                 requested=nbytes,
                 resource="SystemMemoryResource",
             )
-        self._owned[ptr] = nbytes
         return ptr
 
-    def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        if ptr == 0 and nbytes == 0:
-            return
-        if _disown(self, ptr, nbytes, stream):
-            self._libc.free(ptr.__index__())  # a NumPy integer is not a c_void_p
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
+        self._libc.free(ptr.__index__())  # a NumPy integer is not a c_void_p

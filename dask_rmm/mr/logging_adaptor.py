@@ -45,8 +45,7 @@ def log_file_name_for_device(log_file_name: str | os.PathLike[str], device_id: i
 
 
 def _drop_cut_off_line(path: str) -> None:
-    """Remove a last line without its newline (a writer killed mid-row) from ``path``, so that
-    rows appended after it start on a line of their own instead of making one malformed row."""
+    """Remove a last line without its newline (a writer killed mid-row) from ``path``."""
     try:
         f = open(path, "r+b")  # noqa: SIM115
     except (FileNotFoundError, IsADirectoryError):
@@ -87,8 +86,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     """Logs every allocation and free made through it to a CSV file, in RMM's format.
 
     As in RMM, ``.dev{device_id}`` is added before the file's extension (``rmm.csv`` becomes
-    ``rmm.dev0.csv``); :meth:`get_file_name` returns the absolute path used. A free is logged
-    once the upstream has accepted it: a refused free raises and leaves no row.
+    ``rmm.dev0.csv``). A free is logged once the upstream has accepted it.
 
     Parameters
     ----------
@@ -99,19 +97,15 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     auto_flush : bool, default False
         Flush the file after every row (slow, but nothing is lost if the process dies).
     append : bool, default False
-        Add to an existing file (the header only if it is empty) instead of truncating it as
-        RMM does; what dask-rmm's workers use, so a restarted worker keeps its earlier rows. A
-        last row cut off without its newline (the previous writer was killed mid-row) is
-        removed first, so that the rows added after it stay readable. Rows appended to a file
-        that has rows start with the header line again: the restart marker, after which the
-        log tools count the previous writer's still-live allocations as ended with it.
+        Add to an existing file instead of truncating it as RMM does (a restarted worker keeps
+        its rows): a last row cut off mid-row is removed first, and the header is written
+        again, the restart marker for the log tools.
     open_on_first_row : bool, default False
-        Create (or truncate, or append to) the file when the first row is written, not
-        here: a resource that never allocates leaves no file.
+        Open the file when the first row is written: a resource that never allocates leaves
+        no file.
     claim : callable, optional
-        ``claim(file_name) -> (file_name, fd or None)``, called just before the file is
-        opened: reserves a name (it may return another) and returns a descriptor whose lock
-        is held until :meth:`close` (dask-rmm's workers use an exclusive ``flock``).
+        ``claim(file_name) -> (file_name, fd or None)``, called just before the file is opened:
+        reserves a name (maybe another) and returns a descriptor held until :meth:`close`.
 
     Raises
     ------
@@ -166,16 +160,12 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                 _drop_cut_off_line(self._file_name)
             else:
                 open(self._file_name, "w").close()  # RMM truncates; rows are appended below
-            # Always O_APPEND: an adaptor still logging into a file that another one truncated
-            # since (reinitialize(logging=True) run twice with buffers of the first alive) adds
-            # its rows at the end instead of at its old offset, which left a run of NUL bytes
-            # and then overwrote the newer adaptor's rows.
+            # O_APPEND: an adaptor logging into a file another one truncated since (buffers of
+            # an earlier reinitialize alive) adds its rows at the end, not at its old offset.
             f = open(self._file_name, "a", encoding="ascii", newline="")  # noqa: SIM115
         except BaseException:
             self._release_claim()
             raise
-        # The header first in the file, before rows another adaptor appends; again (the restart
-        # marker) where an earlier writer's rows end.
         f.write(CSV_HEADER + "\n")
         f.flush()
         self._file = f
@@ -211,8 +201,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                 self._write_failed(e)
 
     def _write_failed(self, error: Exception) -> None:
-        # A full disk must never fail (and leak) the allocation being logged: the row is lost,
-        # as RMM's logger loses it, and the first loss is reported.
+        # A full disk never fails the allocation: the row is lost, as RMM's logger loses it.
         self.write_errors += 1
         if self.write_errors == 1:
             warnings.warn(
@@ -245,9 +234,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
                     self._write_failed(e)
 
     def plan_file_name(self, file_name: str) -> bool:
-        """With ``open_on_first_row`` and no row yet: where the file is expected to be (what
-        :meth:`get_file_name` says until the first row claims its name). False, and nothing
-        changed, once the file was opened or closed."""
+        """With ``open_on_first_row`` and no row yet: where the file is expected to be (until the
+        first row claims its name). False, and nothing changed, once it was opened or closed."""
         with self._lock:
             if self._file is not None or self._closed:
                 return False
@@ -255,8 +243,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
             return True
 
     def get_file_name(self) -> str:
-        """The absolute path of the log file (with the ``.dev{id}`` suffix); with
-        ``open_on_first_row``, where it will be (no file before the first row)."""
+        """The absolute path of the log file (with the ``.dev{id}`` suffix)."""
         return self._file_name
 
     def close(self) -> None:
@@ -282,8 +269,7 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 
 
 def _log_file_name(log_file_name: Any, needed_by: str = "logging=True") -> str:
-    """``log_file_name``, or ``$RMM_LOG_FILE`` when it is None, as a path; errors name
-    ``needed_by``."""
+    """``log_file_name``, or ``$RMM_LOG_FILE`` when None; errors name ``needed_by``."""
     if log_file_name is None:
         log_file_name = os.environ.get("RMM_LOG_FILE") or None
     if log_file_name is None:
@@ -297,17 +283,13 @@ def _log_file_name(log_file_name: Any, needed_by: str = "logging=True") -> str:
 
 
 def _registered_devices() -> list[int]:
-    # The device ids that have a resource are what RMM's logging functions walk over.
-    return registry.registered_devices() or [0]
+    return registry.registered_devices() or [0]  # what RMM's logging functions walk over
 
 
 def enable_logging(log_file_name: str | os.PathLike | None = None) -> None:
-    """Log allocation events on every device that has a resource (device 0 if none has).
-
-    Each device's resource is wrapped in a :class:`~dask_rmm.mr.LoggingResourceAdaptor`
-    writing to ``log_file_name`` with ``.dev{id}`` added; resources that already log are left
-    alone. ``log_file_name`` defaults to ``RMM_LOG_FILE``; ``ValueError`` if neither is set.
-    """
+    """Wrap the resource of every device that has one (device 0 if none has) in a
+    :class:`~dask_rmm.mr.LoggingResourceAdaptor` writing to ``log_file_name`` (default
+    ``RMM_LOG_FILE``; ``ValueError`` if neither is set); resources that log are left alone."""
     log_file_name = _log_file_name(log_file_name)
     for device in _registered_devices():
         mr = registry.get_per_device_resource(device)
@@ -318,10 +300,8 @@ def enable_logging(log_file_name: str | os.PathLike | None = None) -> None:
 
 
 def disable_logging() -> None:
-    """Unwrap every device's :class:`~dask_rmm.mr.LoggingResourceAdaptor` (flushing its file).
-
-    Buffers allocated while logging still free through the adaptor, and those frees are logged.
-    """
+    """Unwrap every device's :class:`~dask_rmm.mr.LoggingResourceAdaptor` (flushing its file);
+    buffers allocated while logging still log their frees."""
     for device in _registered_devices():
         mr = registry.get_per_device_resource(device)
         if isinstance(mr, LoggingResourceAdaptor):
@@ -330,8 +310,7 @@ def disable_logging() -> None:
 
 
 def get_log_filenames() -> dict[int, str | None]:
-    """``{device: absolute log file name}`` for each device with a resource; ``None`` for a
-    device whose resource does not log.
+    """``{device: absolute log file name or None}`` for each device with a resource.
 
     Examples
     --------
