@@ -7,6 +7,7 @@ distributed or numpy (``_LAZY``) are imported on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.resources
 
 from dask_rmm import allocators, mr, statistics
 from dask_rmm._cuda import CUDAError
@@ -42,18 +43,10 @@ from dask_rmm.stream import (
 __version__ = "0.1.0"
 
 
-def _read_git_commit() -> str:
-    """The commit a built distribution was made from (its ``GIT_COMMIT`` file, as RMM's);
-    empty in a source checkout."""
-    from importlib.resources import files
-
-    try:
-        return files(__name__).joinpath("GIT_COMMIT").read_text().strip()
-    except (FileNotFoundError, OSError):
-        return ""
-
-
-__git_commit__ = _read_git_commit()
+try:  # the commit a built distribution was made from (as RMM's); none in a source checkout
+    __git_commit__ = importlib.resources.files(__name__).joinpath("GIT_COMMIT").read_text().strip()
+except OSError:
+    __git_commit__ = ""
 
 # name -> its module, which imports distributed or numpy
 _LAZY = {

@@ -74,24 +74,17 @@ def fail(err, call: str):
     name = _error_name(err)
     if not is_available():
         require_cuda(call)
-    try:
+    with contextlib.suppress(Exception):  # clearing is best effort
         _rt().cudaGetLastError()
-    except Exception:  # pragma: no cover - clearing is best effort
-        pass
     raise CUDAError(name, call)
 
 
 def check(result, call: str):
     """cuda-python's ``(err, *values)`` as None, the single value or a tuple of the values;
     raises as :func:`fail` does when ``err`` is not ``cudaSuccess``."""
-    err = result[0]
-    if err:  # cudaError_t is an int enum; cudaSuccess is 0
-        fail(err, call)
-    if len(result) == 1:
-        return None
-    if len(result) == 2:
-        return result[1]
-    return result[1:]
+    if result[0]:  # cudaError_t is an int enum; cudaSuccess is 0
+        fail(result[0], call)
+    return result[1] if len(result) == 2 else result[1:] or None
 
 
 @functools.cache
@@ -468,14 +461,10 @@ def memset_async(ptr: int, value: int, nbytes: int, stream_handle: int) -> None:
 
 
 def _location(device: int):
-    rt = _rt()
-    loc = rt.cudaMemLocation()
-    if device == CPU_DEVICE_ID:
-        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
-        loc.id = 0
-    else:
-        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
-        loc.id = device
+    types, loc = _rt().cudaMemLocationType, _rt().cudaMemLocation()
+    host = device == CPU_DEVICE_ID
+    loc.type = types.cudaMemLocationTypeHost if host else types.cudaMemLocationTypeDevice
+    loc.id = 0 if host else device
     return loc
 
 

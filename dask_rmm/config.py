@@ -1,8 +1,10 @@
-"""dask-rmm's Dask configuration (namespace ``dask-rmm``): defaults, reading, validation.
+"""dask-rmm's Dask configuration (namespace ``dask-rmm``): defaults, reading, the checks of the
+keys that are not options.
 
 Importing this module registers ``dask-rmm.yaml``'s defaults with ``dask.config``; the schema
-beside it documents every key and :func:`validate_config` checks against it. It never imports
-distributed. Turning the settings into options is :mod:`dask_rmm.stack`' job.
+beside it documents every key (a test validates the defaults against it). The options are
+checked where they are parsed, by :meth:`dask_rmm.stack.RMMOptions.from_config`, which calls
+:func:`validate_config` for the rest. It never imports distributed.
 """
 
 from __future__ import annotations
@@ -55,17 +57,14 @@ with open(YAML_PATH) as f:
 
 dask.config.update_defaults(defaults)
 
-with open(SCHEMA_PATH) as f:
-    _SCHEMA: dict = yaml.safe_load(f)["properties"]["dask-rmm"]
-
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-    "array": (list, tuple),
-    "object": dict,
-    "null": type(None),
+#: The keys that are integers and not options: ``(least, most)`` (None: no bound).
+_INTEGERS = {
+    "metrics.top-task-groups": (0, 64),
+    "scheduler.timeline-length": (2, None),
+    "scheduler.timeline-levels": (1, None),
+    "scheduler.keep-gone": (0, None),
+    "scheduler.page-rows": (1, None),
+    "scheduler.prometheus-device-limit": (0, None),
 }
 
 
@@ -92,39 +91,20 @@ def config_value(key: str) -> Any:
     return dask.config.get(f"dask-rmm.{key}", default)
 
 
-def _check(key: str, value: Any, schema: dict, unknown: list[str]) -> None:
-    types = schema.get("type", [])
-    types = [types] if isinstance(types, str) else types
-    if types and not any(
-        isinstance(value, _JSON_TYPES[t])
-        and not (t in ("integer", "number") and isinstance(value, bool))
-        for t in types
-    ):
-        raise ConfigError(key, value, f"expected {' or '.join(types)}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise ConfigError(key, value, f"expected one of {', '.join(map(str, schema['enum']))}")
-    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
-        raise ConfigError(key, value, f"must be at least {schema['minimum']}")
-    if "maximum" in schema and isinstance(value, (int, float)) and value > schema["maximum"]:
-        raise ConfigError(key, value, f"must be at most {schema['maximum']}")
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for name, item in value.items():
-            name = str(name).replace("_", "-")
-            if name in properties:
-                _check(f"{key}.{name}", item, properties[name], unknown)
-            else:
-                unknown.append(f"{key}.{name}")
-    if isinstance(value, (list, tuple)) and "items" in schema:
-        for item in value:
-            _check(key, item, schema["items"], unknown)
+def _unknown(config: Any, known: dict, prefix: str) -> Iterator[str]:
+    for name, value in config.items() if isinstance(config, dict) else ():
+        key, name = f"{prefix}.{name}", str(name).replace("_", "-")
+        if name not in known:
+            yield key
+        elif isinstance(known[name], dict):
+            yield from _unknown(value, known[name], key)
 
 
 def validate_config() -> None:
-    """Check the ``dask-rmm.*`` config against dask-rmm-schema.yaml (and the interval by
-    parsing it; sizes and the other options are parsed once, into :class:`~dask_rmm.stack.RMMOptions`,
-    which names the key too); warn about keys the schema does not know (``dask-rmm.poolsize``), each
-    once per process (not inside :func:`unknown_keys_unreported`).
+    """Check the ``dask-rmm.*`` keys that are not options (the sample interval and the
+    integers' bounds; :meth:`~dask_rmm.stack.RMMOptions.from_config` checks the options); warn
+    about keys dask-rmm.yaml does not have (``dask-rmm.poolsize``), each once per process (not
+    inside :func:`unknown_keys_unreported`).
 
     Raises
     ------
@@ -135,9 +115,13 @@ def validate_config() -> None:
     """
     from dask.utils import parse_timedelta
 
-    unknown: list[str] = []
-    config = dask.config.get("dask-rmm", {})
-    _check("dask-rmm", config, _SCHEMA, unknown)
+    for name, (least, most) in _INTEGERS.items():
+        value = config_value(name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"dask-rmm.{name}", value, "expected an integer")
+        if value < least or (most is not None and value > most):
+            bound = f"at least {least}" if value < least else f"at most {most}"
+            raise ConfigError(f"dask-rmm.{name}", value, f"must be {bound}")
     key, interval = "dask-rmm.metrics.sample-interval", config_value("metrics.sample-interval")
     try:
         if str(interval).strip().startswith("-"):  # dask's parser reads "-1" as "1-1"
@@ -147,13 +131,13 @@ def validate_config() -> None:
         raise ConfigError(key, interval, f"not a time interval such as '100ms' ({e})") from None
     if not _report_unknown.get():
         return
-    for key in unknown:
+    for key in _unknown(dask.config.get("dask-rmm", {}), defaults["dask-rmm"], "dask-rmm"):
         if key in _warned_unknown:
             continue
         _warned_unknown.add(key)
         warnings.warn(
             f"unknown config key {key} ({environment_variable(key)}) ignored; dask-rmm's keys "
-            f"are {', '.join(sorted(_SCHEMA['properties']))}",
+            f"are {', '.join(sorted(defaults['dask-rmm']))}",
             UserWarning,
             stacklevel=3,
         )

@@ -1,10 +1,7 @@
-"""``DeviceBuffer``: an untyped, resizable allocation from a memory resource, with RMM's API,
-and the pointer copy helpers ``copy_ptr_to_host`` / ``copy_host_to_ptr`` / ``copy_device_to_ptr``.
-
-Copies on the default stream synchronize it; on any other stream they are asynchronous. When the
-memory is host memory (``mr.is_host_memory``) or the host has no GPU, copies are plain
-``memmove``, so the CPU test path can check bytes. Importing this module registers
-DeviceBuffer's Dask serializers with distributed (at the end of this file).
+"""``DeviceBuffer``, an untyped, resizable allocation from a memory resource with RMM's API, and
+RMM's pointer copy helpers. Copies on a default stream synchronize it, on another are
+asynchronous; host memory (or no GPU) is copied with ``memmove``. Importing this module
+registers DeviceBuffer's Dask serializers with distributed (at the end of this file).
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dask_rmm import _cuda
+from dask_rmm.logger import OneLineFor
 from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes, stream_arg
 from dask_rmm.mr.registry import get_current_device_resource
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
@@ -174,19 +172,14 @@ class DeviceBuffer:
         self.stream = stream
         return self
 
-    # What __del__ calls is bound as defaults: a buffer still alive at interpreter shutdown (in
-    # a worker's data, a module global, a reference cycle) may be finalized after its module's
-    # globals were set to None, where a global lookup raises TypeError ('NoneType' object is
-    # not callable / cannot be interpreted as an integer, from the resources' own globals).
+    # Bound as defaults: at interpreter shutdown a module's globals may be None already.
     def __del__(self, _free_failed=_free_failed, _finalizing=sys.is_finalizing):
         try:
             ptr = self._ptr
         except AttributeError:  # made by __new__ alone
             return
         if ptr:
-            if _finalizing():
-                # The process is exiting and its memory goes with it; the resources below may
-                # be half torn down already, so freeing into them can only fail.
+            if _finalizing():  # the memory goes with the process; the resources may be torn down
                 return
             self._ptr = 0
             try:
@@ -246,10 +239,6 @@ class DeviceBuffer:
 
     # --- copies ------------------------------------------------------------------------------
 
-    @property
-    def _host(self) -> bool:
-        return self.mr.is_host_memory
-
     @staticmethod
     def to_device(
         b: Any, stream: Stream = DEFAULT_STREAM, mr: DeviceMemoryResource | None = None
@@ -269,7 +258,7 @@ class DeviceBuffer:
                 f"ary is too small: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
         self._order_before(stream)
-        _copy(_address(arr), self._ptr, self._size, stream, self._host)
+        _copy(_address(arr), self._ptr, self._size, stream, self.mr.is_host_memory)
         return ary
 
     def copy_from_host(self, ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
@@ -281,7 +270,7 @@ class DeviceBuffer:
                 f"ary is too large: {arr.nbytes} bytes, the buffer holds {self._size} bytes"
             )
         self._order_before(stream)
-        _copy(self._ptr, _address(arr), arr.nbytes, stream, self._host)
+        _copy(self._ptr, _address(arr), arr.nbytes, stream, self.mr.is_host_memory)
 
     def copy_from_device(self, cuda_ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
         """Copy a 1-D contiguous object with ``__cuda_array_interface__`` into the buffer.
@@ -310,7 +299,7 @@ class DeviceBuffer:
         if src_stream and src_stream != stream.handle and _cuda.is_available():
             _cuda.stream_wait_stream(stream.handle, src_stream)
         self._order_before(stream)
-        _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self._host)
+        _copy(self._ptr, int(cai["data"][0]), nbytes, stream, self.mr.is_host_memory)
 
     def tobytes(self, stream: Stream = DEFAULT_STREAM) -> bytes:
         """The buffer's contents as ``bytes``."""
@@ -354,7 +343,7 @@ class DeviceBuffer:
     def _reallocate(self, new_capacity: int, stream: Stream) -> None:
         new_ptr = self.mr.allocate(new_capacity, stream)
         try:
-            _copy(new_ptr, self._ptr, min(self._size, new_capacity), stream, self._host)
+            _copy(new_ptr, self._ptr, min(self._size, new_capacity), stream, self.mr.is_host_memory)
         except BaseException:
             self.mr.deallocate(new_ptr, new_capacity, stream)
             raise
@@ -455,18 +444,6 @@ def _received(header: dict, frame: Any) -> DeviceBuffer:
     return frame
 
 
-class _OneLineForNoMemory(logging.Filter):
-    """distributed logs every deserialization error at CRITICAL with its traceback, then raises
-    it: for :class:`NoMemoryForDeviceBufferError` the error's own line says it all."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, NoMemoryForDeviceBufferError):
-            record.msg, record.args = "Failed to deserialize: %s", (error,)
-            record.exc_info = record.exc_text = None
-        return True
-
-
 def _register_serializers() -> None:
     """distributed's ``dask`` family (one host frame, a copy of the bytes: TCP, spilling) and
     ``cuda`` family (the buffer itself, with the CUDA array interface's shape and type as RMM's
@@ -493,7 +470,10 @@ def _register_serializers() -> None:
     dask_serialize.register(DeviceBuffer)(dask_dumps)
     cuda_deserialize.register(DeviceBuffer)(loads)
     dask_deserialize.register(DeviceBuffer)(loads)
-    logging.getLogger("distributed.protocol.core").addFilter(_OneLineForNoMemory())
+    # distributed logs every deserialization error with its traceback, then raises it
+    logging.getLogger("distributed.protocol.core").addFilter(
+        OneLineFor(NoMemoryForDeviceBufferError)
+    )
 
 
 try:  # distributed has no lazy door for a type whose module may load first: register now

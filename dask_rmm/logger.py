@@ -45,15 +45,9 @@ class level_enum(enum.IntEnum):  # noqa: N801 - RMM's name
 #: Alias used in older RMM docs (``rmm.logging_level.WARN``).
 logging_level = level_enum
 
-_TO_PY = {
-    level_enum.trace: TRACE,
-    level_enum.debug: logging.DEBUG,
-    level_enum.info: logging.INFO,
-    level_enum.warn: logging.WARNING,
-    level_enum.error: logging.ERROR,
-    level_enum.critical: logging.CRITICAL,
-    level_enum.off: logging.CRITICAL + 10,
-}
+#: level_enum -> Python's level (``off``: above ``logging.CRITICAL``).
+_LEVELS = (TRACE, DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+_TO_PY = dict(zip(level_enum, (*_LEVELS, logging.CRITICAL + 10), strict=True))
 # spdlog's level names, as RMM's pattern prints them.
 _NAMES = {TRACE: "trace", 10: "debug", 20: "info", 30: "warning", 40: "error", 50: "critical"}
 
@@ -96,6 +90,21 @@ class _FlushLevelHandler(logging.StreamHandler):
                 self.stream.flush()
         except Exception:  # pragma: no cover - logging must not raise
             self.handleError(record)
+
+
+class OneLineFor(logging.Filter):
+    """Log a record whose error is one of ``errors`` as one line, its message and the error's
+    (no traceback): for errors that already say it all, which a library logs with one."""
+
+    def __init__(self, *errors: type[BaseException]) -> None:
+        super().__init__()
+        self.errors = errors
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], self.errors):
+            record.msg, record.args = f"{record.getMessage()}: {record.exc_info[1]}", ()
+            record.exc_info = record.exc_text = None
+        return True
 
 
 def get_logger() -> logging.Logger:

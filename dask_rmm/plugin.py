@@ -13,13 +13,15 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from dask.typing import no_default
 from dask.utils import key_split, parse_timedelta
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils import thread_state
 
 from dask_rmm import _cuda, allocators
-from dask_rmm.config import config_value, validate_config
+from dask_rmm.config import config_value
+from dask_rmm.logger import OneLineFor
 from dask_rmm.scheduler.setup_vote import SetupCoordinator, register_on_every_worker
 from dask_rmm.sizes import format_bytes, host_total_memory
 from dask_rmm.stack.build import build_stack
@@ -70,26 +72,11 @@ class RMMSetupError(RuntimeError):
         return cls(f"dask-rmm setup failed on {n} worker{s}, so {kept}: {reasons}", failures)
 
 
-class _SetupErrorInOneLine(logging.Filter):
-    """distributed logs a failed setup (worker) or registration (scheduler) with its traceback;
-    an RMMSetupError already names each worker and why, so it is logged as one line."""
+#: distributed logs a failed setup (worker) or registration (scheduler) with its traceback; an
+#: RMMSetupError already names each worker and why.
+_ONE_LINE = OneLineFor(RMMSetupError)
+_UNSET: Any = no_default  # an option not given: the config's
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], RMMSetupError):
-            record.msg, record.args = f"{record.getMessage()}: {record.exc_info[1]}", ()
-            record.exc_info = record.exc_text = None
-        return True
-
-
-_ONE_LINE = _SetupErrorInOneLine()
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<from config>"
-
-
-_UNSET: Any = _Unset()
 
 #: The key of the Dask task running on the calling thread, or None: a partial of the builtin
 #: getattr, so no Python frame on the allocation path.
@@ -203,7 +190,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         the ones built before an error, and the error as one line (``"Type: message"``)."""
         stacks: list = []
         try:
-            validate_config()
             for device in self.options.devices or [_cuda.current_device()]:
                 stacks.append(
                     build_stack(
@@ -364,7 +350,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         """Heartbeat metrics, the log flusher and the pool trimmer for the worker's active stacks."""
         if not ws.active:
             return
-        try:  # validated at setup; a config changed since a kept setup falls back to defaults
+        try:  # checked where the plugin was made; a worker's own bad config: the defaults
             top_n = int(config_value("metrics.top-task-groups"))
             interval = parse_timedelta(config_value("metrics.sample-interval"), default="ms")
         except (TypeError, ValueError, KeyError):

@@ -33,14 +33,6 @@ logger = logging.getLogger(__name__)
 _RECOVERED_ENV = "_DASK_RMM_PRELOAD_RECOVERED"
 
 
-def _size(ctx: Any, param: click.Parameter, value: Any) -> Any:
-    try:
-        return parse_size(value, "size")
-    except (TypeError, ValueError) as e:
-        # the parser's message says which forms a size takes
-        raise click.BadParameter(str(e).removeprefix("size=").removeprefix("size: ")) from None
-
-
 def _libraries(ctx: Any, param: click.Parameter, value: Any) -> Any:
     try:
         return value if value is None else allocator_names(value)
@@ -165,15 +157,15 @@ _WORKER_PARAMS = {"scheduler", "scheduler_file", "preload_argv"}
 
 #: The flags: (flag, RMMPlugin option, click settings). A ``/--no-`` flag is a switch.
 _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
-    ("--rmm-pool-size", "pool_size", dict(callback=_size, help="Initial pool size: bytes, '4GiB' "
+    ("--rmm-pool-size", "pool_size", dict(metavar="SIZE", help="Initial pool size: bytes, '4GiB' "
         "or a fraction of device memory ('0.8'). No pool when not given.")),
-    ("--rmm-maximum-pool-size", "maximum_pool_size", dict(callback=_size, help="The pool never "
+    ("--rmm-maximum-pool-size", "maximum_pool_size", dict(metavar="SIZE", help="The pool never "
         "grows beyond this (needs --rmm-pool-size or --rmm-async).")),
     ("--rmm-managed-memory/--no-rmm-managed-memory", "managed_memory",
         dict(help="Allocate CUDA managed (unified) memory.")),
     ("--rmm-async/--no-rmm-async", "async_alloc",
         dict(help="Use cudaMallocAsync (CudaAsyncMemoryResource) instead of a pool.")),
-    ("--rmm-release-threshold", "release_threshold", dict(callback=_size, help="Bytes the pool "
+    ("--rmm-release-threshold", "release_threshold", dict(metavar="SIZE", help="Bytes the pool "
         "keeps: free memory above it goes back to the device (needs --rmm-pool-size or "
         "--rmm-async).")),
     ("--rmm-log-directory", "log_directory", dict(type=click.Path(file_okay=False), help="Write "
@@ -189,7 +181,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--rmm-base-resource", "base_resource", dict(type=click.Choice(
         BASE_RESOURCES, case_sensitive=False),
         help="Where memory comes from; 'system' (host memory) for hosts without a GPU.")),
-    ("--device-memory-limit", "device_memory_limit", dict(callback=_size, help="Spill task "
+    ("--device-memory-limit", "device_memory_limit", dict(metavar="SIZE", help="Spill task "
         "outputs to host memory above this many bytes in use on the device.")),
     ("--spill-on-oom/--no-spill-on-oom", "spill_on_oom",
         dict(help="Spill task outputs and retry when an allocation runs out of memory.")),
@@ -212,7 +204,6 @@ _DASK_CUDA_FLAG = "--create-cuda-context/--no-create-cuda-context"
 
 def _with_flags(command: Any) -> Any:
     for flag, _, settings in reversed(_FLAGS):
-        settings.setdefault("metavar", "SIZE" if settings.get("callback") is _size else None)
         command = click.option(flag, default=None, **settings)(command)
     command = click.option(_DASK_CUDA_FLAG, "dask_cuda_context", hidden=True, expose_value=False)(
         command
@@ -369,11 +360,11 @@ def plugin_from_flags(**flags: Any):
     except (TypeError, ValueError) as e:
         flags_by_option = {o: "--" + f.replace("_", "-") for f, o in _FLAG_TO_OPTION.items()}
 
-        def as_flag(match: re.Match) -> str:
-            flag = flags_by_option.get(match.group(1))
+        def as_flag(match: re.Match) -> str:  # `pool_size`, `async_alloc=True`, pool_size='x'
+            flag = flags_by_option.get(match.group(1) or match.group(2))
             return match.group(0) if flag is None else flag
 
-        message = re.sub(r"`(\w+)(?:=True)?`", as_flag, str(e))
+        message = re.sub(r"`(\w+)(?:=True)?`|^(\w+)(?==)", as_flag, str(e))
         raise click.UsageError(message) from e
 
 

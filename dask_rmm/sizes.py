@@ -49,18 +49,6 @@ def host_total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _number(value: float, what: str) -> int | float | None:
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what}: expected {_FORMS}")
-    if value == 0:
-        return None
-    if value <= 1:
-        return value
-    if not value.is_integer():
-        raise ValueError(f"{what}: a number must be whole bytes or a fraction in (0, 1]")
-    return int(value)
-
-
 def parse_size(
     value: Any, option: str | None = None, alignment: int = ALIGNMENT
 ) -> int | float | None:
@@ -72,48 +60,45 @@ def parse_size(
     (4294967296, 0.8, None)
     """
     what = f"{option}={value!r}" if option else f"invalid size {value!r}"
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None))):
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise TypeError(f"{what} ({type(value).__name__}): expected {_FORMS}")
         value = value.__index__()
-    nbytes: int | float | None
     if isinstance(value, str):
         text = value.strip()
-        try:
-            number = float(text)
-        except ValueError:
-            number = None
-        if text.isdigit():
-            nbytes = int(text) or None
-        elif number is not None:
-            nbytes = _number(number, what)
-        elif not text[:1].isdigit() and text[:1] != ".":
+        if not text[:1].isdigit() and text[:1] != ".":  # "GiB", "-1GB", "inf": not a size
             raise ValueError(f"{what}: not a size; expected {_FORMS}, such as '4GiB' or 0.8")
-        else:
+        try:
+            value = int(text) if text.isdigit() else float(text)  # "1" a byte, "1.0" all memory
+        except ValueError:
             from dask.utils import parse_bytes
 
             try:
-                nbytes = parse_bytes(text) or None
+                value = parse_bytes(text)
             except OverflowError:
-                nbytes = MAX_SIZE
+                value = MAX_SIZE
             except ValueError as e:
                 raise ValueError(f"{what}: {e}; use B, kB, MB, GB, KiB, MiB, GiB, TiB") from None
-    elif isinstance(value, float):
-        nbytes = _number(value, what)
-    else:
-        if value < 0:
-            raise ValueError(f"{what}: must be >= 0")
-        nbytes = value or None
-    if isinstance(nbytes, int) and nbytes >= MAX_SIZE:
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{what}: expected {_FORMS}")
+        if 0 < value <= 1:
+            return value
+        if not value.is_integer():
+            raise ValueError(f"{what}: a number must be whole bytes or a fraction in (0, 1]")
+        value = int(value)
+    if not value:
+        return None
+    if value < 0:
+        raise ValueError(f"{what}: must be >= 0")
+    if value >= MAX_SIZE:
         raise ValueError(
             f"{what}: more memory than any device or host can have "
             f"(a 64-bit address space holds less than {format_bytes(MAX_SIZE)})"
         )
-    if isinstance(nbytes, int) and nbytes < alignment:
-        raise ValueError(f"{what}: {nbytes} bytes is smaller than the {alignment}-byte alignment")
-    return nbytes
+    if value < alignment:
+        raise ValueError(f"{what}: {value} bytes is smaller than the {alignment}-byte alignment")
+    return value
 
 
 def _total(total_memory: Any, device: Any, what: str) -> int:

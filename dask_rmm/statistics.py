@@ -103,30 +103,29 @@ def statistics() -> Iterator[None]:
     True
     """
     previous = registry.get_current_device_resource()
-    inside: StatisticsResourceAdaptor
-    if isinstance(previous, StatisticsResourceAdaptor):
-        pushed = True
-        previous.push_counters()
-        inside = previous
+    inside = (
+        previous
+        if isinstance(previous, StatisticsResourceAdaptor)
+        else StatisticsResourceAdaptor(previous)
+    )
+    pushed = inside is previous
+    if pushed:
+        inside.push_counters()
     else:
-        pushed = False
-        inside = StatisticsResourceAdaptor(previous)
         registry.set_current_device_resource(inside)
     try:
         yield
     finally:
         now = registry.get_current_device_resource()
+        if pushed:
+            inside.pop_counters()
         if now is not inside:
-            if pushed:
-                inside.pop_counters()
             raise ValueError(
                 "the current memory resource was changed inside dask_rmm.statistics.statistics(): "
                 f"expected {inside!r} on exit, found {now!r}; the previous resource was not "
                 "restored"
             )
-        if pushed:
-            inside.pop_counters()
-        else:
+        if not pushed:
             registry.set_current_device_resource(previous)
 
 
@@ -162,9 +161,7 @@ class ProfilerRecords:
         """Record one call of ``name`` that allocated ``data.total_bytes`` with peak
         ``data.peak_bytes``."""
         with self._lock:
-            record = self._records.get(name)
-            if record is None:
-                record = self._records[name] = ProfilerRecords.MemoryRecord()
+            record = self._records.setdefault(name, ProfilerRecords.MemoryRecord())
             record.add(memory_total=data.total_bytes, memory_peak=data.peak_bytes)
 
     @property

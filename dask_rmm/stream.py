@@ -115,12 +115,10 @@ def own_per_thread_key() -> tuple[str, int] | None:
 def _per_thread_key() -> tuple[str, int]:
     """``("ptds", n)``, ``n`` a number no other thread of this process has had (thread ids are
     reused while an exited thread's work may still run); arms :class:`_DrainAtThreadExit`."""
-    try:
-        return _this_thread.ptds_key
-    except AttributeError:
-        pass
-    _this_thread.drain_at_exit = _DrainAtThreadExit()
-    key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
+    key = getattr(_this_thread, "ptds_key", None)
+    if key is None:
+        _this_thread.drain_at_exit = _DrainAtThreadExit()
+        key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
     return key
 
 
@@ -146,12 +144,8 @@ class Stream:
                 "flags may only be specified when obj is None: flags cannot be applied to an "
                 f"existing stream ({type(obj).__name__})"
             )
-        elif isinstance(obj, Stream):
-            self.handle = obj.handle
-            self._owner = obj
-            self._owned = False
         else:
-            self.handle = _handle_of(obj)
+            self.handle = obj.handle if isinstance(obj, Stream) else _handle_of(obj)
             self._owner = obj
             self._owned = False
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dask_rmm import _cuda, config
-from dask_rmm.config import YAML_PATH, defaults
+from dask_rmm import _cuda
+from dask_rmm.config import SCHEMA_PATH, YAML_PATH, defaults
 from dask_rmm.sizes import parse_device_bytes
 
 HAS_GPU = _cuda.is_available()
@@ -28,29 +28,33 @@ def _schema_without_defaults(schema: dict, value, path: str = "dask-rmm") -> lis
     return missing
 
 
-def test_defaults_and_schema_agree():
-    # the defaults against the schema, by the one validator the config goes through
+def _schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture
+def jsonschema():
+    return pytest.importorskip("jsonschema")  # a test dependency, as for distributed's schema
+
+
+def test_defaults_and_schema_agree(jsonschema):
+    # the defaults against the schema, as distributed checks its own
     with open(YAML_PATH) as f:
         assert yaml.safe_load(f) == defaults
-    unknown: list[str] = []
-    config._check("dask-rmm", defaults["dask-rmm"], config._SCHEMA, unknown)
-    assert unknown == []
+    jsonschema.validate(defaults, _schema())
     # and the schema against the defaults
-    assert _schema_without_defaults(config._SCHEMA, defaults["dask-rmm"]) == []
+    schema = _schema()["properties"]["dask-rmm"]
+    assert _schema_without_defaults(schema, defaults["dask-rmm"]) == []
 
 
-def test_the_schema_checks_catch_a_mismatch():
-    unknown: list[str] = []
-    config._check(
-        "dask-rmm", {**defaults["dask-rmm"], "undocumented-key": 1}, config._SCHEMA, unknown
-    )
-    assert unknown == ["dask-rmm.undocumented-key"]
-    with pytest.raises(config.ConfigError, match="dask-rmm.statistics"):
-        config._check("dask-rmm", {**defaults["dask-rmm"], "statistics": "yes"}, config._SCHEMA, [])
+def test_the_schema_checks_catch_a_mismatch(jsonschema):
+    for wrong in ({"undocumented-key": 1}, {"statistics": "yes"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"dask-rmm": {**defaults["dask-rmm"], **wrong}}, _schema())
+    schema = _schema()["properties"]["dask-rmm"]
     no_default = {k: v for k, v in defaults["dask-rmm"].items() if k != "spill-on-oom"}
-    assert _schema_without_defaults(config._SCHEMA, no_default) == [
-        "dask-rmm.spill-on-oom: no default"
-    ]
+    assert _schema_without_defaults(schema, no_default) == ["dask-rmm.spill-on-oom: no default"]
 
 
 def test_registered_with_dask():
@@ -172,7 +176,8 @@ def test_bad_config_names_the_key_and_variable_and_installs_nothing(key, value, 
     set_per_device_resource(0, before)
     with dask.config.set({f"dask-rmm.{key}": value}):
         with pytest.raises(ConfigError, match=rf"dask-rmm.{key}=.*\({variable}\)"):
-            RMMPlugin(base_resource="system")
+            # a config value an explicit option replaces is not read
+            RMMPlugin(**({} if key == "base-resource" else {"base_resource": "system"}))
     assert get_per_device_resource(0) is before
 
 

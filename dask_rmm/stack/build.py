@@ -6,6 +6,7 @@ Not here: the options model (``options.py``), installing stacks on a worker
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -101,6 +102,10 @@ def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
             return candidate, None
         return candidate, fd
     raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
+
+
+def _claim_at(path: str, _name: str) -> tuple[str, int | None]:
+    return claim_log_file(path)
 
 
 def check_log_file_keeps_rows(path: str) -> None:
@@ -271,7 +276,6 @@ def build_stack(
     try:
         if options.track_allocations:
             top = mr.TrackingResourceAdaptor(top)
-        log_file_name = options.log_file_name
         if options.log_directory is not None:
             try:
                 os.makedirs(options.log_directory, exist_ok=True)
@@ -279,30 +283,25 @@ def build_stack(
                 stack.log_path, _ = claim_log_file(path, create=False)
                 check_log_file_keeps_rows(stack.log_path)
                 stack.log_claim_path = path
-                # The adaptor adds RMM's ".dev<id>" to the name it is given. A worker's log is
-                # appended to, so a worker restarted under the same name keeps what was there,
-                # and made at the first row, so a worker that never allocates (one the
-                # scheduler refuses, a stack replaced before use) leaves no file; the name is
-                # claimed then, when an earlier process under it has surely ended.
-                log_file_name = stack.log_path[: -len(f".dev{device}.csv")] + ".csv"
-
-                def claim(_name: str, path: str = path) -> tuple[str, int | None]:
-                    return claim_log_file(path)
-
+                # Appended to (a restarted worker keeps its rows) and made at the first row (a
+                # worker that never allocates leaves no file), claimed then; the adaptor adds
+                # RMM's ".dev<id>" to the name.
                 top = stack.logging = mr.LoggingResourceAdaptor(
                     top,
-                    log_file_name=log_file_name,
+                    log_file_name=stack.log_path[: -len(f".dev{device}.csv")] + ".csv",
                     append=True,
                     open_on_first_row=True,
-                    claim=claim,
+                    claim=functools.partial(_claim_at, path),
                 )
             except OSError as e:
                 raise OSError(
                     f"`log_directory` {options.log_directory!r}: cannot write the allocation log "
                     f"of device {device}: {e}"
                 ) from e
-        elif log_file_name is not None:
-            top = stack.logging = mr.LoggingResourceAdaptor(top, log_file_name=log_file_name)
+        elif options.log_file_name is not None:
+            top = stack.logging = mr.LoggingResourceAdaptor(
+                top, log_file_name=options.log_file_name
+            )
         if stack.logging is not None:
             stack.log_path = stack.logging.get_file_name()
         if options.statistics:

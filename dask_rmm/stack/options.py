@@ -119,52 +119,42 @@ class RMMOptions:
     oom_retry: bool = True
 
     def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
         base = self.base_resource
         if not isinstance(base, str) or base.strip().lower() not in BASE_RESOURCES:
             raise ValueError(
                 f"`base_resource` must be one of {', '.join(map(repr, BASE_RESOURCES))}, got {base!r}"
             )
-        put("base_resource", base.strip().lower())
-        for name in ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit"):
-            put(name, parse_size(getattr(self, name), name))
-        switches = (
-            "track_allocations",
-            "statistics",
-            "spill_on_oom",
-            "memory_admission",
-            "oom_retry",
-        )
-        for name in ("pool_allocator", *switches):
-            put(name, _bool(name, getattr(self, name)))
-        put("pool_allocator", self.pool_allocator or self.pool_size is not None)
-        put("allocators", tuple(allocator_names(self.allocators)))
         exact = self.exact_allocators
         if exact is True or (isinstance(exact, str) and exact.strip().lower() in ("true", "all")):
             exact = CACHED_ALLOCATORS
-        elif exact is False or exact is None:
-            exact = ()
-        put("exact_allocators", tuple(allocator_names(exact, "exact_allocators")))
+        parsed = {
+            "base_resource": base.strip().lower(),
+            **{name: parse_size(getattr(self, name), name) for name in _SIZES},
+            **{name: _bool(name, getattr(self, name)) for name in _SWITCHES},
+            "allocators": tuple(allocator_names(self.allocators)),
+            "exact_allocators": tuple(allocator_names(exact or (), "exact_allocators")),
+            "devices": _devices(self.devices),
+            "log_directory": _log_directory(self.log_directory),
+            "device_pause_fraction": _pause_fraction(self.device_pause_fraction),
+        }
+        if self.log_file_name is not None:
+            parsed["log_file_name"] = os.fspath(self.log_file_name)
+        parsed["pool_allocator"] = parsed["pool_allocator"] or parsed["pool_size"] is not None
+        for name, value in parsed.items():
+            object.__setattr__(self, name, value)
+        # options that do not go together
         if self.exact_allocators and not self.allocators:
             raise OptionError(
                 f"`exact_allocators` {list(self.exact_allocators)} need `allocators` naming "
                 "the libraries to route (an exact path is a way of routing one)"
             )
-        put("devices", _devices(self.devices))
-        put("log_directory", _log_directory(self.log_directory))
-        put("device_pause_fraction", _pause_fraction(self.device_pause_fraction))
-        if self.log_file_name is not None:
-            put("log_file_name", os.fspath(self.log_file_name))
-        # options that do not go together
-        asynchronous = self.base_resource == "async"
-        if self.release_threshold is not None and not (asynchronous or self.pool_allocator):
+        pool = self.pool_allocator or self.base_resource == "async"
+        if self.release_threshold is not None and not pool:
             raise OptionError(
                 "`release_threshold` requires a pool: `pool_size` (a PoolMemoryResource) or "
                 "`async_alloc=True`"
             )
-        if self.maximum_pool_size is not None and not (self.pool_allocator or asynchronous):
+        if self.maximum_pool_size is not None and not pool:
             raise OptionError(
                 "`maximum_pool_size` was given without `pool_size`; set `pool_size` to use a pool"
             )
@@ -175,23 +165,21 @@ class RMMOptions:
                 f"host memory from base_resource={self.base_resource!r}"
             )
 
-    # -- construction from the ways a user gives options ----------------------------------------
-
     @classmethod
     def from_config(cls, **given: Any) -> RMMOptions:
         """Options from keyword arguments (RMMPlugin's names, including the dask-cuda aliases
         ``managed_memory=True`` and ``async_alloc=True``), the rest from the ``dask-rmm.*``
-        config, which is validated first (:func:`dask_rmm.config.validate_config`)."""
-        from dask_rmm.config import config_value, validate_config
+        config: its other keys checked by :func:`dask_rmm.config.validate_config`, a bad value
+        of an option raising :class:`~dask_rmm.config.ConfigError` (naming the key and its
+        environment variable)."""
+        from dask_rmm.config import ConfigError, config_value, validate_config
 
         validate_config()
-        values = {f.name: config_value(f.name.replace("_", "-")) for f in CONFIG_FIELDS}
-        values.update({k: v for k, v in given.items() if k in values or k in ALIASES})
-        unknown = set(given) - set(values) - set(ALIASES)
+        unknown = set(given) - {f.name for f in CONFIG_FIELDS} - set(ALIASES)
         if unknown:
             raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
-        managed = _bool("managed_memory", values.pop("managed_memory", False) or False)
-        asynchronous = _bool("async_alloc", values.pop("async_alloc", False) or False)
+        managed = _bool("managed_memory", given.pop("managed_memory", False) or False)
+        asynchronous = _bool("async_alloc", given.pop("async_alloc", False) or False)
         if managed and asynchronous:
             raise OptionError("`managed_memory` is incompatible with `async_alloc`: pick one")
         alias = "managed" if managed else "async" if asynchronous else None
@@ -203,20 +191,20 @@ class RMMOptions:
                     f"`{option}=True` means base_resource={alias!r}, which conflicts with "
                     f"base_resource={explicit!r}"
                 )
-            values["base_resource"] = alias
+            given["base_resource"] = alias
+        configured = {
+            f.name: config_value(f.name.replace("_", "-"))
+            for f in CONFIG_FIELDS
+            if f.name not in given
+        }
         try:
-            return cls(**values)
+            return cls(**configured, **given)
         except (TypeError, ValueError) as e:
-            from dask_rmm.config import ConfigError
-
-            # A value from the config that the schema lets through (a size, a log directory
-            # that is a file, a pause fraction above 1): name its key and environment variable.
-            for name in sorted(set(values) - set(given)):
-                key = name.replace("_", "-")
+            for name, value in sorted(configured.items()):  # a config value alone at fault?
                 try:
-                    cls(pool_allocator=True, **{name: values[name]})
+                    cls(pool_allocator=True, **{name: value})
                 except (TypeError, ValueError) as own:
-                    raise ConfigError(f"dask-rmm.{key}", values[name], str(own)) from e
+                    raise ConfigError(f"dask-rmm.{name.replace('_', '-')}", value, str(own)) from e
             raise
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,6 +237,16 @@ class RMMOptions:
         return self.base_resource in ("system", "pinned")
 
 
+#: Sizes: bytes or a fraction of each device's memory.
+_SIZES = ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit")
+_SWITCHES = (
+    "pool_allocator",
+    "track_allocations",
+    "statistics",
+    "spill_on_oom",
+    "memory_admission",
+    "oom_retry",
+)
 #: Options with a ``dask-rmm.<name>`` config key (``_`` written ``-``).
 CONFIG_FIELDS = [
     f for f in dataclasses.fields(RMMOptions) if f.name not in ("pool_allocator", "log_file_name")

@@ -278,7 +278,7 @@ def test_a_worker_restarted_under_its_name_appends_to_its_log(scheduler, tmp_pat
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--rmm-pool-size", "4gigs"], "Invalid value for '--rmm-pool-size'"),
+        (["--rmm-pool-size", "4gigs"], "--rmm-pool-size='4gigs': Could not interpret 'gigs'"),
         (
             ["--rmm-release-threshold", "1GiB"],
             "--rmm-release-threshold requires a pool: --rmm-pool-size",
@@ -495,7 +495,7 @@ def test_a_recovery_record_applies_only_to_the_argv_it_was_made_for(monkeypatch)
     typed = ["--rmm-pool-size=1GiB", "--rmm-base-resource", "system"]
     monkeypatch.setenv(_RECOVERED_ENV, json.dumps({"received": typed[1:], "argv": typed}))
     ctx = dask_setup.make_context("dask_setup", typed[1:])
-    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (1 << 30, "system")
+    assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == ("1GiB", "system")
     # Another worker's flags (say, a cluster started from a task) are left alone.
     ctx = dask_setup.make_context("dask_setup", ["--rmm-base-resource", "cuda"])
     assert (ctx.params["rmm_pool_size"], ctx.params["rmm_base_resource"]) == (None, "cuda")
