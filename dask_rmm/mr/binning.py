@@ -1,7 +1,4 @@
-"""BinningMemoryResource: routes each request to the smallest bin that fits, larger ones upstream.
-
-Bins are resources of their own (FixedSizeMemoryResource by default); this module only routes.
-"""
+"""BinningMemoryResource: routes each request to the smallest bin that fits, larger ones upstream."""
 
 from __future__ import annotations
 
@@ -26,9 +23,7 @@ __all__ = ["BinningMemoryResource"]
 class BinningMemoryResource(UpstreamResourceAdaptor):
     """Size-binned allocation, as RMM's ``BinningMemoryResource``.
 
-    A request goes to the bin with the smallest allocation size that is at least the request;
-    requests larger than every bin go to ``upstream_mr``. A deallocation is routed the same way
-    by its size, so the bin (or upstream) checks the pointer.
+    A request (and its free) goes to the smallest bin that fits it, a larger one upstream.
 
     Parameters
     ----------
@@ -56,11 +51,9 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     ):
         super().__init__(upstream_mr)
         self._lock = threading.Lock()
-        # (sorted sizes, resources in the same order): swapped as one tuple so that readers
-        # see a consistent pair without the lock.
+        # (sorted sizes, resources): swapped as one tuple, read without the lock.
         self._table: tuple[tuple[int, ...], tuple[DeviceMemoryResource, ...]] = ((), ())
-        # The hot path's copy: (sizes, bound allocate methods, bound deallocate methods), each
-        # ending with the upstream's (sizes above every bin), also swapped as one tuple.
+        # The hot path's (sizes, bound allocate and deallocate methods ending with upstream's).
         self._routes: tuple[
             tuple[int, ...],
             tuple[Callable[[int, Stream], int], ...],
@@ -76,10 +69,9 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
                 self.add_bin(1 << i)
 
     def add_bin(self, allocation_size: int, bin_resource: DeviceMemoryResource | None = None):
-        """Serve requests up to ``allocation_size`` (and above the next smaller bin) from
-        ``bin_resource``, by default a new :class:`FixedSizeMemoryResource` of that block size
-        over the upstream. As in RMM, a bin that already exists for this size is kept.
-        """
+        """Serve requests up to ``allocation_size`` (above the next smaller bin) from
+        ``bin_resource`` (default: a :class:`FixedSizeMemoryResource` of that block size over
+        the upstream). As in RMM, a bin that already exists for this size is kept."""
         allocation_size = check_nbytes(allocation_size, "allocation_size")
         if allocation_size == 0:
             raise ValueError("allocation_size must be positive")

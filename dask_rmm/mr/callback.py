@@ -17,9 +17,8 @@ class CallbackMemoryResource(DeviceMemoryResource):
     """Allocates with ``allocate_func(nbytes, stream) -> ptr`` and frees with
     ``deallocate_func(ptr, nbytes, stream)``.
 
-    The functions own all bookkeeping: this resource keeps none, so a wrong free is whatever
-    ``deallocate_func`` makes of it. The pointer returned must be an int (or have
-    ``__index__``).
+    The functions own all bookkeeping (a wrong free is whatever ``deallocate_func`` makes of
+    it); the pointer returned must be an int.
 
     Parameters
     ----------
@@ -59,10 +58,9 @@ class CallbackMemoryResource(DeviceMemoryResource):
         self._deallocate_func = deallocate_func
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
-        """Call ``allocate_func``. A MemoryError or RuntimeError it raises passes through; any
-        other exception becomes a RuntimeError with its message (as RMM, whose C++ boundary
-        turns it into ``std::runtime_error``), chained to the original. KeyboardInterrupt and
-        SystemExit pass through unchanged."""
+        """Call ``allocate_func``. Any exception it raises but MemoryError, RuntimeError,
+        KeyboardInterrupt and SystemExit becomes a chained RuntimeError, as RMM's C++ boundary
+        turns it into ``std::runtime_error``."""
         try:
             ptr = self._allocate_func(nbytes, as_stream(stream))
         except (MemoryError, RuntimeError, KeyboardInterrupt, SystemExit):
@@ -78,6 +76,5 @@ class CallbackMemoryResource(DeviceMemoryResource):
             ) from None
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
-        """Call ``deallocate_func``; what it raises passes through unchanged (a wrong free
-        raises ValueError there, as everywhere in dask-rmm)."""
+        """Call ``deallocate_func``; what it raises passes through."""
         self._deallocate_func(ptr, nbytes, as_stream(stream))

@@ -14,8 +14,7 @@ __all__ = ["FailureCallbackResourceAdaptor"]
 class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     """Calls ``callback(nbytes)`` each time the upstream raises ``MemoryError``.
 
-    A true result retries the allocation; a false one re-raises the ``MemoryError``. Other
-    exceptions pass through untouched, and an exception raised by the callback propagates.
+    A true result retries the allocation; a false one re-raises the ``MemoryError``.
 
     Parameters
     ----------

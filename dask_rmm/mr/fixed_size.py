@@ -1,9 +1,5 @@
-"""FixedSizeMemoryResource: hands out blocks of one size from chunks taken from upstream.
-
-Stream ordered like the pool (free blocks kept per stream; taking another stream's block makes
-the new stream wait). No coalescing is needed: every block has the same size. Used on its own
-and as the bins of BinningMemoryResource.
-"""
+"""FixedSizeMemoryResource: blocks of one size from chunks taken from upstream, free blocks kept
+per stream as the pool's; the bins of BinningMemoryResource."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ __all__ = ["FixedSizeMemoryResource"]
 
 
 def _pop_all(blocks: list[int]) -> list[int]:
-    """Every block of ``blocks``, taken one ``pop`` at a time (lock-free callers may pop too)."""
+    """Every block of ``blocks``, one ``pop`` at a time (lock-free callers may pop too)."""
     taken = []
     while blocks:
         try:
@@ -49,11 +45,9 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     upstream_mr : DeviceMemoryResource
         Where the chunks come from.
     block_size : int
-        Size of every block (rounded up to 256 bytes). Any request up to this size gets one
-        block; larger requests raise ``ValueError``.
+        Size of every block (rounded up to 256 bytes); larger requests raise ``ValueError``.
     blocks_to_preallocate : int
-        Blocks per upstream chunk; one chunk is taken at construction and another whenever
-        all blocks are in use.
+        Blocks per upstream chunk, taken at construction and whenever all blocks are in use.
 
     Examples
     --------
@@ -162,9 +156,8 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             def chunk(p: int) -> int:
                 return starts[bisect.bisect_right(starts, p) - 1]
 
-            # The free blocks are taken out first, one pop at a time, and counted as taken:
-            # lock-free callers may pop or append meanwhile, and a block they take is never in
-            # a chunk given back. The blocks of chunks that stay are put back.
+            # Taken out first (lock-free callers may pop or append meanwhile), those of the
+            # chunks that stay put back.
             taken = {key: _pop_all(blocks) for key, blocks in self._free.items()}
             free = Counter(chunk(p) for ps in taken.values() for p in ps)
             gone = {c for c in starts if free[c] == self._per_chunk}

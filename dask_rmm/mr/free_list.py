@@ -1,6 +1,5 @@
-"""The free blocks of one stream in a pool: a cache of blocks by size class, and coalescing
-segregated-fit lists behind it (design: docs/internals.md, Suballocators). Not here: which
-stream's list serves a request, growth, locking (pool.py), the size classes (size_classes.py)."""
+"""The free blocks of one stream in a pool: a cache by size class before coalescing segregated-fit
+lists (docs/internals.md, Suballocators). Not here: streams, growth, locking (pool.py)."""
 
 from __future__ import annotations
 
@@ -30,17 +29,14 @@ class FreeList:
     stream : Stream or None
         Kept alive so that an event can be recorded on it later (None for fresh memory).
     barriers : container of int
-        Addresses blocks never merge across; the pool's set (the arena's superblock table),
-        shared (not copied).
+        Addresses blocks never merge across (shared, not copied).
     """
 
     __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key", "cache", "barriers")
 
     def __init__(self, key: Hashable, stream: Stream | None, barriers: Container[int] = ()) -> None:
-        # A LIFO list per class: pop/append are the cheapest operations.
-        self.cache: list[list[int]] = [[] for _ in range(N_CLASSES)]
-        # Every class dict exists from the start: creating a dict under the pool's lock could
-        # run the garbage collector, whose finalizers may free into this pool on this thread.
+        self.cache: list[list[int]] = [[] for _ in range(N_CLASSES)]  # a LIFO list per class
+        # Every class dict made now: making one under the pool's lock could run the collector.
         self.bins: list[dict[int, int]] = [{} for _ in range(N_CLASSES)]
         self.nonempty = bytearray(N_CLASSES)  # 1 where bins[c] has blocks
         self.starts: dict[int, int] = {}  # start -> size

@@ -13,10 +13,9 @@ __all__ = ["JOURNAL_LIMIT", "AllocationCounters", "OwnerAccounts"]
 
 
 class AllocationCounters:
-    """Allocation counters a :class:`~dask_rmm.mr.pool.PoolMemoryResource` (or a statistics
-    adaptor on its own) keeps for an observer, journaled (docs/internals.md, Statistics): readers
-    hold the instrumentation lock and call :meth:`settle` first. Sizes are those callers asked
-    for; ``current_bytes = total_bytes - freed_bytes``.
+    """Allocation counters a pool (or a statistics adaptor on its own) keeps for an observer,
+    journaled (docs/internals.md, Statistics): readers hold the instrumentation lock and call
+    :meth:`settle` first. Sizes are as asked; ``current_bytes = total_bytes - freed_bytes``.
 
     Attributes
     ----------
@@ -46,20 +45,13 @@ class AllocationCounters:
         self.journal: list[int] = []
 
     def settle(self) -> None:
-        """Fold :attr:`journal` into the numbers (hold the instrumentation lock).
-
-        Entries appended meanwhile by lock-free callers stay for the next call. The peaks are
-        those of the journal's order: each entry is appended while its block is the caller's
-        (after an allocation took it, before a free hands it back), so a block is never
-        counted twice at once.
-        """
+        """Fold :attr:`journal` into the numbers (hold the instrumentation lock); entries
+        appended meanwhile stay for the next call. Peaks follow the journal's order."""
         journal = self.journal
         n = len(journal)
         if not n:
             return
-        # Making the lists below may run the garbage collector, whose finalizers may free into
-        # the pool on this thread, which holds the pool's lock: keep the collector out (paused
-        # in place: a context manager object, made first, could itself run the collector).
+        # The lists made below may run the collector under the pool's lock (gc_paused_lock).
         paused = gc.isenabled()
         if paused:
             gc.disable()
@@ -120,27 +112,22 @@ _SETTLE_IN_NUMPY = 160  # journals at least this long are folded with NumPy (fas
 
 
 class OwnerAccounts:
-    """How a :class:`~dask_rmm.mr.pool.PoolMemoryResource` charges each allocation to an owner.
-
-    Part of the pool's instrumentation interface
-    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.charge_owners`). An *account* is a list
-    ``[current_bytes, peak_bytes]`` that the pool updates under its lock: an allocation adds its
-    size to the account of the owner current on the allocating thread, its free (on any thread)
-    subtracts it from that same account.
+    """How a pool charges each allocation to an owner
+    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.charge_owners`): an *account* is a list
+    ``[current_bytes, peak_bytes]`` the pool updates under its lock, an allocation adding to the
+    allocating thread's owner's, its free (on any thread) subtracting from the same.
 
     Parameters
     ----------
     get_owner : callable
-        ``get_owner() -> owner key``, called on the allocating thread *before* the pool's lock
-        is taken (it may run any Python). An owner key is any object that says who allocates
-        (say a task key); ``None`` is an owner key like any other.
+        ``get_owner() -> owner key`` (any object, say a task key; ``None`` too), called on the
+        allocating thread before the pool's lock is taken.
     accounts : dict
         ``owner key -> account``, looked up under the pool's lock on every allocation.
     open_account : callable
-        ``open_account(owner key) -> account``, the owner callback: called under the pool's
-        lock (with the garbage collector paused) for an owner key missing from ``accounts`` or
-        one that cannot be hashed. It returns the account to charge and may add it to
-        ``accounts``; it must not call into the pool.
+        ``open_account(owner key) -> account`` for a key missing from ``accounts`` (or not
+        hashable), called under the pool's lock with the collector paused; it may add the
+        account to ``accounts`` and must not call into the pool.
     """
 
     __slots__ = ("get_owner", "accounts", "open_account")

@@ -20,9 +20,8 @@ __all__ = ["LimitingResourceAdaptor"]
 class LimitingResourceAdaptor(UpstreamResourceAdaptor):
     """Caps the memory allocated through it at ``allocation_limit`` bytes.
 
-    The room for an allocation is reserved under the lock before the upstream is asked, and given
-    back if the upstream fails, so threads racing for the last bytes can never together exceed
-    the limit.
+    An allocation's room is reserved before the upstream is asked: threads racing for the last
+    bytes never together exceed the limit.
 
     Parameters
     ----------

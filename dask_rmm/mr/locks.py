@@ -12,14 +12,12 @@ __all__ = ["ListLock", "Mutex", "acquire_contended", "gc_paused_lock"]
 
 
 class ListLock:
-    """A mutex made of one atomic list operation: ``pop`` takes it, ``append`` gives it back.
+    """The pool's mutex, one atomic list operation: ``pop`` takes it, ``append`` gives it back.
 
-    The pool's lock. It behaves as ``threading.Lock`` (``acquire(blocking)``, ``release``,
-    ``with``), but its hot-path use costs two argument-free list calls on :attr:`unlocked`
-    (``unlocked.pop()`` to take, ``unlocked.append(True)`` to release), about a third of
-    ``Lock.acquire(False)`` + ``release`` in CPython, whose argument parsing dominates. A waiter
-    yields the GIL (``time.sleep(0)``) and retries: the pool holds it for bookkeeping only, so a
-    waiter never waits long, and no lock convoy forms (see :func:`acquire_contended`).
+    It behaves as ``threading.Lock`` (``acquire(blocking)``, ``release``, ``with``); on the hot
+    paths ``unlocked.pop()`` and ``unlocked.append(True)`` cost about a third of
+    ``Lock.acquire(False)`` + ``release``. A waiter yields the GIL and retries
+    (:func:`acquire_contended`).
 
     Attributes
     ----------
@@ -32,23 +30,14 @@ class ListLock:
     def __init__(self) -> None:
         self.unlocked: list[bool] = [True]
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        unlocked = self.unlocked
+    def acquire(self, blocking: bool = True) -> bool:
         try:
-            unlocked.pop()
-            return True
+            self.unlocked.pop()
         except IndexError:
             if not blocking:
                 return False
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        while True:
-            time.sleep(0)
-            try:
-                unlocked.pop()
-                return True
-            except IndexError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
+            acquire_contended(self)
+        return True
 
     def release(self) -> None:
         if self.unlocked:
@@ -70,13 +59,10 @@ Mutex = _thread.LockType | ListLock
 
 
 def acquire_contended(lock: Mutex) -> None:
-    """Take a lock that another thread holds, without sleeping on it.
+    """Take a lock that another thread holds, yielding the GIL (``sleep(0)``) between tries.
 
-    Hot paths call ``if not lock.acquire(False): acquire_contended(lock)``. A blocking
-    ``acquire`` parks the thread on a futex; with the GIL in play the holder then often waits
-    for the GIL behind other parked threads (a lock convoy: 8 threads on one pool ran 3-5x
-    slower than one). Yielding the GIL with ``sleep(0)`` and retrying lets the holder finish
-    its few hundred nanoseconds of bookkeeping first.
+    A blocking ``acquire`` parks the thread; the holder then often waits for the GIL behind
+    other parked threads (a lock convoy: 8 threads on one pool ran 3-5x slower than one).
     """
     while not lock.acquire(False):
         time.sleep(0)
@@ -85,11 +71,9 @@ def acquire_contended(lock: Mutex) -> None:
 class gc_paused_lock:
     """``with gc_paused_lock(lock):`` holds ``lock`` with the garbage collector paused.
 
-    For the slow paths that make objects while holding a resource's lock: making an object may
-    run the collector, whose finalizers (a DeviceBuffer's, a CuPy array's) may free into the same
-    resource on the same thread and then wait forever on the lock it holds. The collector is
-    paused before the lock is taken (making this object may run it: harmless then). Code that is
-    already under the lock pauses it in place (``gc.isenabled()``/``gc.disable()``).
+    For paths that make objects under a resource's lock: the collector's finalizers (a
+    DeviceBuffer's, a CuPy array's) may free into the same resource on the same thread and then
+    wait forever on the lock it holds. Code already under the lock pauses it in place.
     """
 
     __slots__ = ("lock", "paused")

@@ -13,9 +13,8 @@ __all__ = ["PrefetchResourceAdaptor"]
 class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
     """Prefetches every allocation to ``device_id`` with ``cudaMemPrefetchAsync``.
 
-    As in RMM, memory that cannot be prefetched (plain device memory: CUDA answers
-    ``cudaErrorInvalidValue``) is returned as is. On a host without CUDA there is nothing to
-    prefetch to, and the adaptor only passes allocations through.
+    As in RMM, memory that cannot be prefetched (``cudaErrorInvalidValue``: plain device
+    memory) is returned as is; without CUDA, allocations pass through.
 
     Parameters
     ----------

@@ -23,13 +23,9 @@ __all__ = [
 
 _lock = threading.Lock()
 _resources: dict[int, DeviceMemoryResource] = {}
-#: ``lookup_per_device_resource(device) -> resource or None``: the registry read in one C call
-#: (``dict.get``), for allocation hooks that look the resource up on every allocation (the CuPy
-#: allocators). None means nothing is set for ``device`` yet: call
-#: :func:`get_per_device_resource`, which makes the default. Read-only: set resources with
-#: :func:`set_per_device_resource`.
+#: ``lookup_per_device_resource(device) -> resource or None`` (None: nothing set yet), the
+#: registry read in one C call, for hooks that look the resource up on every allocation.
 lookup_per_device_resource = _resources.get
-# With one device (or none) the current device is always 0, so the hot path skips cudaGetDevice.
 _single_device: bool | None = None
 
 
@@ -42,7 +38,6 @@ def _current_device() -> int:
     return _cuda.get_device()
 
 
-#: A device id that exists, or 0 on a host without CUDA (host memory's).
 _check_device = functools.partial(_cuda.check_device, host_memory=True)
 
 
@@ -97,13 +92,9 @@ def get_current_device_resource() -> DeviceMemoryResource:
 def set_per_device_resource(
     device: int, mr: DeviceMemoryResource | None
 ) -> DeviceMemoryResource | None:
-    """Make ``device`` allocate from ``mr`` and return the previous resource.
-
-    The previous value is ``None`` when nothing had been set or made yet; passing ``None``
-    resets the device to its lazily made default, so ``set_per_device_resource(d, previous)``
-    always restores the earlier state. Live buffers keep their own resource alive, so replacing
-    it never invalidates them.
-    """
+    """Make ``device`` allocate from ``mr`` and return the previous resource (``None`` when
+    nothing was set or made yet); ``None`` resets the device to its lazily made default, so
+    ``set_per_device_resource(d, previous)`` restores the earlier state."""
     device = _check_device(device)
     if mr is not None and not isinstance(mr, DeviceMemoryResource):
         raise TypeError(f"mr must be a DeviceMemoryResource or None, got {type(mr).__name__}")
@@ -141,18 +132,15 @@ def registered_devices() -> list[int]:
 
 
 def available_device_memory() -> tuple[int, int]:
-    """``(free, total)`` bytes of the current device, from ``cudaMemGetInfo``.
-
-    Raises CUDAUnavailableError on a host without a GPU.
-    """
+    """``(free, total)`` bytes of the current device, from ``cudaMemGetInfo``
+    (CUDAUnavailableError on a host without a GPU)."""
     _cuda.require_cuda("available_device_memory()")
     return _cuda.mem_get_info()
 
 
 def _flush_logs() -> None:
-    """Flush the event log of every registered resource that keeps one (RMM's
-    ``_flush_logs``: a :class:`~dask_rmm.mr.LoggingResourceAdaptor`, the one resource with a
-    ``flush``, anywhere in a device's stack)."""
+    """Flush every registered resource's logging adaptor, anywhere in its stack (RMM's
+    ``_flush_logs``)."""
     with _lock:
         resources = list(_resources.values())
     for mr in (mr for top in resources for mr in upstreams(top)):
@@ -161,7 +149,7 @@ def _flush_logs() -> None:
 
 
 def _reset_for_tests() -> None:
-    """Drop every registered resource (the test suite's autouse fixture calls this)."""
+    """Drop every registered resource (the test suite's autouse fixture)."""
     global _single_device
     with _lock:
         _resources.clear()

@@ -1,5 +1,5 @@
 """The size classes of the pool and the arena: sizes in 256-byte units, their class formulas and
-the lookup tables the fast paths index. Not here: the free lists that use them (free_list.py)."""
+the lookup tables the fast paths index."""
 
 from __future__ import annotations
 
@@ -30,16 +30,15 @@ __all__ = [
 UNIT_SHIFT = ALIGNMENT.bit_length() - 1
 #: Classes per power of two: ``1 << SUBCLASS_BITS`` (TLSF's second-level index bits).
 SUBCLASS_BITS = 4
-#: Sizes below ``1 << EXACT_BITS`` units have a class each; above, a class covers 1/16 of an
-#: octave, found from the size's top ``EXACT_BITS`` bits.
+#: Sizes below ``1 << EXACT_BITS`` units have a class each; above, a class is 1/16 of an octave.
 EXACT_BITS = SUBCLASS_BITS + 1
 _EXACT = 1 << EXACT_BITS
 #: Number of classes (covers every size below 2**64 units).
 N_CLASSES = 64 << SUBCLASS_BITS
 #: The class tables cover sizes below this many units (16 MiB).
 TABLE_UNITS = 1 << 16
-#: Requests of at most this many bytes are rounded up to their search class's floor size (at most
-#: 1/16 more) and cached per stream when freed; larger ones are placed at their aligned size.
+#: Requests up to this size are rounded up to their search class's floor (at most 1/16 more) and
+#: cached per stream when freed; larger ones are placed at their aligned size.
 CACHED_LIMIT = (TABLE_UNITS - 1) << UNIT_SHIFT
 #: Every class index, for ``itertools.compress`` over a per-class list.
 CLASS_INDEXES = range(N_CLASSES)
@@ -75,9 +74,8 @@ def class_floor(c: int) -> int:
 
 
 def drain_cache(cache: list[list[int]]) -> Iterator[tuple[int, int]]:
-    """Take every block out of a per-class cache (the pool's and the arena's): ``(ptr, its
-    class floor in bytes)``, one ``pop`` at a time (lock-free callers may pop or append
-    meanwhile, and each block must end up in exactly one place)."""
+    """Take every block out of a per-class cache: ``(ptr, its class floor in bytes)``, one
+    ``pop`` at a time (lock-free callers may pop or append meanwhile)."""
     for c in compress(CLASS_INDEXES, cache):  # the non-empty classes, found in C
         size = class_floor(c) << UNIT_SHIFT
         cached = cache[c]
@@ -90,9 +88,8 @@ def drain_cache(cache: list[list[int]]) -> Iterator[tuple[int, int]]:
 
 
 def _class_tables() -> tuple[list[int], list[int], list[int]]:
-    """``(INSERT_CLASS, SEARCH_CLASS, ROUNDED_BYTES)`` for every size below TABLE_UNITS units,
-    built one class at a time (a class is a run of equal entries: ~200 runs instead of
-    3 x 65536 calls, which took ~0.15 s of ``import dask_rmm``)."""
+    """``(INSERT_CLASS, SEARCH_CLASS, ROUNDED_BYTES)`` below TABLE_UNITS units, built a class
+    (a run of equal entries) at a time: 3 x 65536 calls took ~0.15 s of ``import dask_rmm``."""
     ins: list[int] = []
     srch: list[int] = []
     rounded: list[int] = []

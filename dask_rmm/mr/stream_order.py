@@ -17,19 +17,14 @@ FRESH_KEY: Final = "fresh"
 
 def stream_ordered(upstream: Any) -> bool:
     """Whether a suballocator over ``upstream`` orders its frees between streams: only device
-    memory with CUDA (host memory has no queued stream work, and the streams of a host-memory
-    replay or test may be made-up handles)."""
+    memory with CUDA (a host-memory replay or test may use made-up stream handles)."""
     return _cuda.is_available() and not upstream.is_host_memory
 
 
 def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Stream) -> None:
-    """Make ``stream`` wait for the work queued so far on each victim stream.
-
-    ``victims`` are ``(order key, Stream)`` pairs of the streams whose freed blocks ``stream``
-    takes over. An event is recorded on the victim now and ``stream`` waits on it; a victim that
-    is another thread's per-thread default stream (not addressable from here), or whose handle
-    is no longer valid, is covered by a device synchronization instead.
-    """
+    """Make ``stream`` wait for the work queued so far on each victim stream: ``(order key,
+    Stream)`` pairs of the streams whose freed blocks it takes over. Another thread's per-thread
+    default stream, or an invalid handle, is covered by a device synchronization instead."""
     mine = own_per_thread_key()  # None: every per-thread key is another thread's
     for key, victim in victims:
         if key == FRESH_KEY or victim is None or key == stream.order_key():
@@ -44,12 +39,8 @@ def order_after(victims: Iterable[tuple[Hashable, Stream | None]], stream: Strea
 
 
 def synchronize_streams(victims: list[tuple[Hashable, Stream | None]]) -> None:
-    """Wait for all work on every victim stream (before their freed memory goes upstream).
-
-    ``victims`` are ``(order key, Stream)`` pairs as for :func:`order_after`. A per-thread
-    default stream (a tuple key, maybe another thread's) or an invalid handle is covered by a
-    device synchronization.
-    """
+    """Wait for all work on every victim stream (as for :func:`order_after`) before their
+    freed memory goes upstream."""
     if not victims:
         return
     if any(isinstance(key, tuple) for key, _ in victims):

@@ -17,13 +17,10 @@ __all__ = ["TrackingResourceAdaptor"]
 class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     """Tracks the outstanding allocations made through it.
 
-    Unlike RMM, which logs and carries on, a deallocation of a pointer this adaptor did not hand
-    out, or with a size other than the allocated one, raises ``ValueError`` before the upstream is
-    called, and nothing changes.
-
-    Directly over a :class:`PoolMemoryResource` with no live allocations, and without
-    ``capture_stacks``, the adaptor reads the pool's own live table (costing nothing per call);
-    allocations made on the pool directly are then listed too. :attr:`tracking_pool` says which.
+    Unlike RMM, which logs and carries on, a wrong free raises ``ValueError`` before the
+    upstream is called. Directly over a :class:`PoolMemoryResource` with nothing live, without
+    ``capture_stacks``, it reads the pool's live table, allocations made on the pool directly
+    too (:attr:`tracking_pool`).
 
     Parameters
     ----------
@@ -49,8 +46,7 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         if not isinstance(capture_stacks, bool):
             raise TypeError(f"capture_stacks must be a bool, got {capture_stacks!r}")
         self._capture_stacks = capture_stacks
-        # ptr -> nbytes of every live allocation. Updated without the lock: a dict store or pop
-        # is atomic, so of two threads freeing one pointer only one gets it.
+        # ptr -> nbytes; dict stores and pops are atomic: no lock.
         self._allocations: dict[int, int] = {}
         self._stacks: dict[int, str] = {}  # ptr -> formatted stack, when capturing
         self._tracking_pool: PoolMemoryResource | None = None
@@ -117,8 +113,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         return self._snapshot()
 
     def get_outstanding_allocations_str(self) -> str:
-        """One line per live allocation, in address order, as RMM prints them:
-        ``0x7f...: 1024 B``, followed by ``: callstack:`` and the stack when captured."""
+        """One line per live allocation by address, as RMM prints them (``0x7f...: 1024 B``, then
+        ``: callstack:`` and the stack when captured)."""
         items = sorted(self._snapshot().items())
         stacks = dict(self._stacks)
         out = []

@@ -1,8 +1,6 @@
-"""Giving pooled memory back to the upstream: trim each pool in a resource chain
-(:class:`PoolMemoryResource` down to a size, cudaMallocAsync pools with ``cudaMemPoolTrimTo``),
-and :func:`trim_pools` over this process's current device resources. Not here: the cluster-wide
-call and the worker's automatic trimming (:mod:`dask_rmm.worker.trim`).
-"""
+"""Giving pooled memory back to the upstream: each pool in a resource chain, and
+:func:`trim_pools` over this process's device resources. Not here: the cluster-wide call and the
+worker's automatic trimming (:mod:`dask_rmm.worker.trim`)."""
 
 from __future__ import annotations
 
@@ -61,8 +59,8 @@ class TrimResult:
 
 
 def pools_in(resource: Any) -> Iterator[Any]:
-    """The pools in ``resource``'s chain (it and its upstreams, outermost first): every
-    :class:`PoolMemoryResource` and :class:`CudaAsyncMemoryResource`."""
+    """Every :class:`PoolMemoryResource` and :class:`CudaAsyncMemoryResource` in ``resource``'s
+    chain, outermost first."""
     for mr in upstreams(resource):
         if isinstance(mr, (PoolMemoryResource, CudaAsyncMemoryResource)):
             yield mr
@@ -81,12 +79,9 @@ def _reserved(pool: Any) -> tuple[int, int]:
 def trim_resource(
     resource: Any, size: int | str | float | None = None, *, device: int = 0
 ) -> list[TrimResult]:
-    """Trim every pool in ``resource``'s chain and say what each gave back.
-
-    A :class:`PoolMemoryResource` goes down to ``size`` (default: its initial pool size; see
-    :meth:`PoolMemoryResource.trim`); a :class:`CudaAsyncMemoryResource` to ``size`` (default:
-    its release threshold) with ``cudaMemPoolTrimTo``. Live blocks are never touched.
-    """
+    """Trim every pool in ``resource``'s chain to ``size`` and say what each gave back (default:
+    a :class:`PoolMemoryResource`'s initial size, a :class:`CudaAsyncMemoryResource`'s release
+    threshold, with ``cudaMemPoolTrimTo``). Live blocks are never touched."""
     results = []
     for pool in pools_in(resource):
         before, _ = _reserved(pool)
@@ -111,10 +106,8 @@ def trim_resource(
 def trim_pools(
     size: int | str | float | None = None, devices: Iterable[int] | None = None
 ) -> dict[int, list[TrimResult]]:
-    """Give the free memory of this process's pools back to their upstream.
-
-    Trims every pool in the current resource of each device (``devices``: default, every
-    device with a resource set), as :func:`trim_resource`. Returns ``{device: [TrimResult]}``.
+    """:func:`trim_resource` on the resource of each of ``devices`` (default: every device with
+    a resource); returns ``{device: [TrimResult]}``.
 
     Examples
     --------
