@@ -8,6 +8,7 @@ host memory stay with Numba's own implementation (``HostOnlyCUDAMemoryManager``)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import weakref
 from typing import Any
@@ -44,16 +45,12 @@ def _release(record: tuple[Any, int, int, Stream]) -> None:
     mr.deallocate(ptr, nbytes, stream)
 
 
-def _make_finalizer(allocations: dict, deallocations: Any, ptr: int, nbytes: int):
-    """The finalizer of one allocation: queue its release with Numba's pending deallocations
+def _finalize(allocations: dict, deallocations: Any, ptr: int, nbytes: int) -> None:
+    """One allocation's finalizer: queue its release with Numba's pending deallocations
     (flushed at once unless cleanup is deferred), unless :meth:`reset` released it already."""
-
-    def finalizer() -> None:
-        record = allocations.pop(ptr, None)
-        if record is not None:
-            deallocations.add_item(_release, record, nbytes)
-
-    return finalizer
+    record = allocations.pop(ptr, None)
+    if record is not None:
+        deallocations.add_item(_release, record, nbytes)
 
 
 class RMMNumbaManager(HostOnlyCUDAMemoryManager):
@@ -86,13 +83,8 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
         ptr = mr.allocate(size, stream)
         # ``allocations`` is Numba's per-context table; reset() clears it with the context.
         self.allocations[ptr] = (mr, ptr, size, stream)
-        finalizer = _make_finalizer(self.allocations, self.deallocations, ptr, size)
-        return MemoryPointer(
-            weakref.proxy(ctx),
-            cu.CUdeviceptr(ptr),
-            size,
-            finalizer=finalizer,
-        )
+        finalizer = functools.partial(_finalize, self.allocations, self.deallocations, ptr, size)
+        return MemoryPointer(weakref.proxy(ctx), cu.CUdeviceptr(ptr), size, finalizer=finalizer)
 
     def get_ipc_handle(self, memory: MemoryPointer) -> IpcHandle:
         """An IPC handle for ``memory``: the handle of the whole upstream allocation (a

@@ -356,26 +356,18 @@ def set_rmm_callback_resource(
             for device in targets:
                 current = rmm.mr.get_per_device_resource(device)
                 old = _installed.get(device)
-                if (
-                    old is not None
-                    and current is old.callback_resource
-                    and (old.cache is not None) == bool(cache)
-                ):
-                    continue
-                previous = (
-                    old.rmm_previous
-                    if old is not None and current is old.callback_resource
-                    else current
-                )
+                previous = current
+                if old is not None and current is old.callback_resource:
+                    if (old.cache is not None) == bool(cache):
+                        continue
+                    previous = old.rmm_previous
                 forwarder = RMMForwarder(device)
-                tier = None
-                if cache:
-                    tier = RMMPoolCache(device, forwarder)
-                    callback = tier.top
-                else:
-                    callback = rmm.mr.CallbackMemoryResource(
-                        forwarder.allocate, forwarder.deallocate
-                    )
+                tier = RMMPoolCache(device, forwarder) if cache else None
+                callback = (
+                    tier.top
+                    if tier is not None
+                    else rmm.mr.CallbackMemoryResource(forwarder.allocate, forwarder.deallocate)
+                )
                 rmm.mr.set_per_device_resource(device, callback)
                 changed.append((device, old))
                 _installed[device] = _Installation(forwarder, callback, previous, tier)
