@@ -1,16 +1,9 @@
-"""CuPy allocators: hand CuPy memory from the current device resource, on CuPy's current
-stream and the resource of the device CuPy is on (pinned host memory is not covered).
-
-- :class:`CupyPoolCache` (``set_cupy_allocator()``, the default): CuPy's own compiled
-  ``MemoryPool`` drawing its blocks through :func:`lean_cupy_allocator`; no Python per
-  allocation, the stack counts the pool's blocks and the metrics report its free bytes.
-- ``lean_cupy_allocator`` (``set_cupy_allocator(cache=False)``): every allocation through the
-  resource; the memory object is a :class:`ResourceMemory` that frees itself.
-- ``rmm_cupy_allocator``, RMM's: the same, with a :class:`~dask_rmm.DeviceBuffer` as the
-  ``UnownedMemory``'s ``_owner`` (where RMM's tests and some user code look); one object and one
-  Python call more per allocation (bench/cupy_churn.py).
-- :func:`watch_cupy_allocations`: whatever CuPy's allocator is, a watcher told the size of each
-  allocation, served from a cache or not (memory admission samples the bytes in use by it).
+"""CuPy allocators on the current device resource of the device CuPy is on, on CuPy's current
+stream (pinned host memory is not covered): :class:`CupyPoolCache` (the default: CuPy's own
+``MemoryPool`` drawing blocks from the resource), ``lean_cupy_allocator`` (every allocation
+through the resource), RMM's ``rmm_cupy_allocator`` (the same, owned by a
+:class:`~dask_rmm.DeviceBuffer`: one object and one call more, bench/cupy_churn.py), and
+:func:`watch_cupy_allocations` (a watcher told each allocation's size, whatever the allocator).
 """
 
 from __future__ import annotations
@@ -62,10 +55,7 @@ def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
 
 
 class _ReleasedOnThisThread(threading.local):
-    """Sizes of the blocks this thread gave back to the stack while
-    :meth:`CupyPoolCache.release` counts them (``counting`` is a list then, else None)."""
-
-    counting: list[int] | None = None
+    counting: list[int] | None = None  # sizes given back while CupyPoolCache.release counts
 
 
 _released = _ReleasedOnThisThread()
@@ -178,13 +168,10 @@ class CupyPoolCache:
     def _draw(self, nbytes: int) -> Any:
         try:
             return lean_cupy_allocator(nbytes)
-        except MemoryError:
-            # (The error is not kept: its traceback would keep the caller's arrays alive.)
-            # As CuPy's pool does on cudaMalloc's out-of-memory: give the cache's free blocks
-            # back (arrays dropped in reference cycles first, if that is all there is) and try
-            # once more. The stack's memory-pressure layer, when there is one, did so already
-            # before failing: then nothing is released and its error, with its numbers, is the
-            # caller's (raised as is: CuPy's pool passes on what is not a CUDA error).
+        except MemoryError:  # not kept: its traceback would keep the caller's arrays alive
+            # As CuPy's pool does on cudaMalloc's out-of-memory: give free blocks back (after
+            # collecting cycles, if need be) and try once more; the pressure layer, if any, did
+            # so before failing, and its error (CuPy's pool passes it on) is the caller's.
             device = _get_device_id()
             if not self.release(device):
                 gc.collect()

@@ -132,16 +132,12 @@ def _allocation_error_type() -> type[BaseException]:
 
 
 def _raise_when_back_in_python(message: str) -> None:
-    """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``.
-
-    PyTorch does not check the pointer its pluggable allocator returns (a NULL becomes a tensor
-    whose first use fails on the device), and an exception cannot cross its C frames. So this
-    thread is armed: the calling Python frame gets an opcode trace function that raises right
-    after the failing call returns (a profile hook is the fallback for a frame that cannot be
-    traced; a profiler set during a C call gets no ``c_return`` for it). Whichever fires first
-    restores the previous tracer and profiler and raises once; events inside the callbacks are
-    ignored; a later allocation on the thread disarms (docs/internals.md).
-    """
+    """Have the allocating Python call (e.g. ``torch.empty``) raise ``TorchAllocationError``:
+    PyTorch does not check the pointer (NULL becomes a tensor that fails on the device) and an
+    exception cannot cross its C frames, so the calling frame gets an opcode trace function
+    that raises once the failing call returns (a profile hook as fallback); whichever fires
+    first restores the previous tracer and profiler and raises once; events inside the
+    callbacks are ignored; a later allocation on the thread disarms."""
     exc_type = _allocation_error_type()
     _disarm()
     _errors.pending = message
@@ -230,8 +226,7 @@ def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> N
             pass
 
 
-#: The callbacks' code: an event whose frame has one of these below it on the stack happened
-#: inside a callback (the resource's own code), where an armed hook must not fire.
+#: An event with one of these frames below it happened inside a callback: no hook fires there.
 _CALLBACK_CODES = frozenset({allocate.__code__, deallocate.__code__})
 
 
@@ -249,8 +244,7 @@ def last_allocation_error() -> BaseException | None:
     return getattr(_errors, "last", None)
 
 
-# The C-callable entry points. Module globals, never deleted: PyTorch keeps their addresses
-# for the life of the process.
+# The C-callable entry points: never deleted, PyTorch keeps their addresses for good.
 _alloc_callback = ALLOC_FN_TYPE(allocate)
 _free_callback = FREE_FN_TYPE(deallocate)
 
@@ -314,8 +308,7 @@ ROOM_MARGIN = 2 << 20
 
 
 class _TorchDeviceBudget:
-    """PyTorch's caching allocator on one device, sharing a pool's maximum
-    (a :class:`dask_rmm.mr.budget.BudgetSharer`)."""
+    """PyTorch's cache on one device as a :class:`dask_rmm.mr.budget.BudgetSharer`."""
 
     name = "torch"
 
@@ -408,12 +401,9 @@ class TorchCache:
         return budgets.get(device) or budgets.setdefault(device, _TorchDeviceBudget(self, device))
 
     def make_room(self, device: int, nbytes: int) -> int:
-        """After PyTorch ran out of memory on ``device``: the pool it shares a maximum with
-        gives fully free chunks back until PyTorch's room grew by ``nbytes``; without one (the
-        async resource, a pool PyTorch does not share), every pool of the device's resource
-        gives its free memory back to the device, where PyTorch allocates. The bytes given
-        back. What a task-level retry of a ``torch.OutOfMemoryError`` calls first (PyTorch
-        gives its own free segments back before it raises)."""
+        """After PyTorch ran out of memory on ``device``: the pool it shares a maximum with gives
+        free chunks back until PyTorch's room grew by ``nbytes`` (without one, every pool of the
+        device's resource gives its free memory back); the bytes given back."""
         budget = self._budgets.get(device)
         pool = budget.pool() if budget is not None and budget.pool is not None else None
         if pool is not None:
@@ -457,13 +447,6 @@ def _move_budget(budget: _TorchDeviceBudget, pool: Any) -> None:
         budget.set_room(None)
 
 
-def _share_with_current_resources() -> None:
-    for device in registered_devices():
-        resource = lookup_per_device_resource(device)
-        if resource is not None:
-            share_torch_budget(device, resource)
-
-
 def set_torch_allocator(cache: bool = True) -> None:
     """Make PyTorch's CUDA memory part of dask-rmm's budget.
 
@@ -494,7 +477,10 @@ def set_torch_allocator(cache: bool = True) -> None:
         if _cache is None:
             _cache = TorchCache()
         caches.register_cache(_cache)
-        _share_with_current_resources()
+        for device in registered_devices():
+            resource = lookup_per_device_resource(device)
+            if resource is not None:
+                share_torch_budget(device, resource)
         return
     if _installed:
         return
