@@ -1,6 +1,5 @@
-"""``DevicePressure``: memory pressure on one device of one worker. It measures the bytes in use
-from the worker's resource, decides when to spill (over the limit, on OOM, while paused), and
-takes the OOM snapshots. Dask-free: the worker side wires it up (``pressure/worker.py``)."""
+"""``DevicePressure``: memory pressure on one device of one worker: the bytes in use, when to
+spill (over the limit, on OOM, while paused), the OOM snapshots. Dask-free."""
 
 from __future__ import annotations
 
@@ -142,17 +141,10 @@ class DevicePressure:
         return sum(freed.values())
 
     def release_cached_when_full(self) -> int:
-        """Under pressure, have the library caches give their free blocks back now, not at the
-        next out-of-memory; the bytes given back.
-
-        Pressure here means the pool cannot grow by another eighth of its maximum, or the
-        device's bytes, caches' free blocks included, are over ``device_memory_limit``. A free
-        block a cache keeps at such a time is worse than wasted: the cache carves the small
-        arrays of later tasks out of it (CuPy's pool splits a large free block for a small
-        request), and the block then stays pinned by a few hundred bytes, so that neither the
-        cache nor spilling can give it back. Called when a task's output is stored (between
-        tasks); cheap when there is no pressure (two sizes read).
-        """
+        """When the pool cannot grow by another eighth of its maximum, or the bytes in use
+        (caches' free blocks included) are over the limit, have the library caches give their
+        free blocks back now (before small arrays pin them, docs/memory-pressure.md); the bytes
+        given back. Called when an output is stored; cheap without pressure."""
         pool = self.pool
         full = False
         if pool is not None:
@@ -176,8 +168,8 @@ class DevicePressure:
         return released
 
     def spill_for_cache(self, nbytes: int) -> int:
-        """A library cache of this device is out of memory (its own failure callback asks):
-        spill ``nbytes`` with ``spill_on_oom``, else nothing; the bytes spilled."""
+        """A library cache of this device is out of memory: spill ``nbytes`` with
+        ``spill_on_oom``; the bytes spilled."""
         if not self.spill_on_oom or self.busy() or self.never_fits(nbytes):
             return 0
         # The cache asking frees its own blocks when this returns: not from inside its call.
@@ -185,12 +177,8 @@ class DevicePressure:
 
     def spill(self, need: int | Callable[[], int]) -> int:
         """Spill least recently used values of this device adding up to ``need`` bytes (or
-        what ``need()`` says once this thread's turn to spill comes).
-
-        A spilled array of a library cache frees its block into that cache, not into the
-        stack: the caches then give their free blocks back, so that the bytes spilled reach
-        the pool (left in CuPy's cache, a block is soon carved up by small arrays and pinned).
-        """
+        what ``need()`` says once this thread may spill); the caches then give back the blocks
+        spilled arrays freed into them, so that the bytes reach the pool."""
         freed = self.store.spill(need, device=self.device)
         if freed and self.cached_bytes():
             caches.release_cached_by_library(self.device)

@@ -1,10 +1,7 @@
-"""``DeviceSpillStore``: a worker's data mapping that keeps task outputs holding device memory on
-the device and moves the least recently used ones to host memory when told to (over the
-device limit, or to serve an allocation that failed), bringing them back when read.
-
-It wraps the worker's own mapping (distributed's ``SpillBuffer`` or a dict): host copies and
-every non-device value live there, so distributed's host-memory spilling to disk applies below
-it unchanged. Deciding *when* to spill is ``DevicePressure``'s job (``device.py``).
+"""``DeviceSpillStore``: a worker's data mapping that moves the least recently used task outputs
+holding device memory to host memory when told to, and brings them back when read. Host copies
+and other values live in the worker's own mapping (distributed's ``SpillBuffer``), whose
+spilling to disk applies below unchanged. Not here: deciding *when* to spill (``device.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask_rmm.pressure.device_objects import HostCopy, device_allocations, spill_batch, to_host
 from dask_rmm.pressure.metrics import PressureCounters
@@ -41,13 +38,10 @@ _FRUITLESS_ROUNDS = 3
 _WAIT_POLL = 0.002
 
 
-class _Entry:
-    __slots__ = ("device", "nbytes", "ptrs")
-
-    def __init__(self, device: int, nbytes: int, ptrs: tuple[int, ...]):
-        self.device = device
-        self.nbytes = nbytes
-        self.ptrs = ptrs
+class _Entry(NamedTuple):
+    device: int
+    nbytes: int
+    ptrs: tuple[int, ...]
 
 
 class DeviceSpillStore(MutableMapping):
@@ -70,7 +64,7 @@ class DeviceSpillStore(MutableMapping):
     counters : PressureCounters, optional
         Where spill counts and times are added.
     on_store : callable, optional
-        ``on_store(device)`` after a device value was stored (the limit check, caches giving back under pressure).
+        ``on_store(device)`` after a device value was stored.
     """
 
     def __init__(
@@ -98,14 +92,11 @@ class DeviceSpillStore(MutableMapping):
         self._clean_bytes = 0
         #: Bytes of host copies kept for values back on the device (0: none kept).
         self.keep_host_copies = 0
-        #: Device bytes spilled by dropping the device copy of a value whose host copy was
-        #: kept: copies saved.
+        #: Device bytes spilled without a copy (the host copy was kept).
         self.spilled_without_copy = 0
         #: Stores, deletions, spills and reads back so far: a change a waiting spill watches.
         self._mutations = 0
-        #: A failed allocation that cannot spill anything retries every few milliseconds
-        #: while memory changes (see :meth:`spill_until`): it gives up after this many
-        #: retries in a row without a change, or after ``wait_limit`` seconds in all.
+        #: How long :meth:`spill_until` waits for memory to change: retries, seconds.
         self.wait_retries = 100
         self.wait_limit = 5.0
 
@@ -344,14 +335,10 @@ class DeviceSpillStore(MutableMapping):
         first. If no such set exists and ``release`` is given (a pool that may grow), the least
         recently used values are spilled and ``release()`` hands fully free chunks back.
 
-        When nothing can be spilled now (every value that would help is referenced, or the
-        memory is held by other threads' temporaries), the spill lock is released and the
-        allocation retried every few milliseconds while the memory keeps changing: a free
-        (``activity()``, a count of deallocations, changes), a value stored, deleted or
-        spilled, a referenced value let go. It gives up after :attr:`wait_retries` retries in
-        a row without a change (counted in retries, not seconds: a loaded host slows the other
-        threads too) or after :attr:`wait_limit` seconds in all. A demand that the other
-        threads do not relieve is an out-of-memory error, as before.
+        When nothing can be spilled now, the spill lock is released and the allocation retried
+        every few milliseconds while memory keeps changing (``activity()``, a count of frees;
+        a value stored, deleted, spilled or let go), up to :attr:`wait_retries` retries in a
+        row without a change or :attr:`wait_limit` seconds in all.
         """
         spilled = 0
         error: MemoryError | None = None
