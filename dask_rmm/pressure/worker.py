@@ -1,13 +1,11 @@
-"""Memory pressure on a Dask worker: puts ``DeviceSpillStore`` in front of the worker's data,
-``SpillOnDemandResourceAdaptor`` on top of each device's stack, and a periodic check that
-spills to the limit and pauses the worker while a device is above its pause fraction.
-Teardown undoes all of it. Not here: the options (``RMMPlugin``) and the spilling itself.
+"""Memory pressure on a Dask worker: ``DeviceSpillStore`` in front of its data, the spill adaptor
+on each device's stack, a periodic check that spills to the limit and pauses the worker over
+its pause fraction; teardown undoes it. Not here: the options and the spilling itself.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +44,6 @@ class WorkerPressure:
         (the pool's maximum, else the device's memory). None: never pause.
     monitor_interval : float
         Seconds between checks (spill to the limit, pause and resume).
-    oom_directory : str, optional
-        Save each OOM snapshot as JSON here (``oom-<time>-<device>.json``).
     task_key : callable, optional
         The running task's key.
 
@@ -66,13 +62,11 @@ class WorkerPressure:
         spill_on_oom: bool = False,
         pause_fraction: float | None = None,
         monitor_interval: float = 0.1,
-        oom_directory: str | None = None,
         task_key: Callable[[], Any] | None = None,
     ):
         self.spill_on_oom = spill_on_oom
         self.pause_fraction = pause_fraction
         self.monitor_interval = monitor_interval
-        self.oom_directory = oom_directory
         self.task_key = task_key
         self.counters = PressureCounters()
         self.store = DeviceSpillStore(None, self.counters, on_store=self._on_store)
@@ -259,13 +253,6 @@ class WorkerPressure:
 
     def _on_oom(self, event: OOMEvent) -> None:
         logger.warning("dask-rmm: out of device memory: %s", event.summary())
-        if self.oom_directory is not None:
-            name = f"oom-{event.time:.6f}-dev{event.device}.json"
-            try:
-                os.makedirs(self.oom_directory, exist_ok=True)
-                event.save(os.path.join(self.oom_directory, name))
-            except OSError as e:
-                logger.warning("dask-rmm: could not save the OOM snapshot: %r", e)
 
     #: Counters that add up over the worker's life (what is on host *now* is not carried).
     CARRIED_COUNTERS = (
@@ -285,9 +272,7 @@ class WorkerPressure:
             dp.oom_events.extendleft(reversed(old.oom_events))
             before = previous.counters.snapshot(device)
             for name in self.CARRIED_COUNTERS:
-                value = getattr(before, name)
-                if value:
-                    self.counters.add(device, name, value)
+                self.counters.add(device, name, getattr(before, name))
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -302,12 +287,10 @@ class WorkerPressure:
 
 
 def wrap_stacks(options: Any, stacks: list, *, task_key: Callable[[], Any] | None = None):
-    """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack's
-    ``top`` wrapped, or None when none of ``device_memory_limit``, ``spill_on_oom`` and
-    ``memory_admission`` is set (then nothing changes). The pause fraction applies only with
-    ``device_memory_limit`` or ``spill_on_oom``. Nothing on the worker changes until
-    :meth:`WorkerPressure.attach`.
-    """
+    """The :class:`WorkerPressure` for ``options`` (an ``RMMOptions``) with every stack wrapped
+    (nothing on the worker changes until :meth:`WorkerPressure.attach`), or None without
+    ``device_memory_limit``, ``spill_on_oom`` and ``memory_admission``. The pause fraction
+    applies only with ``device_memory_limit`` or ``spill_on_oom``."""
     import dask.config
     from dask.utils import parse_timedelta
 
