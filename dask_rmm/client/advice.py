@@ -92,8 +92,6 @@ class Advice:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["notes"] = list(self.notes)
-        d["replays"] = list(self.replays)
         d["plugin_args"] = self.plugin_args()
         d["plugin_call"] = self.plugin_call()
         d["worker_flags"] = self.worker_flags()

@@ -57,11 +57,8 @@ async def fetch_report_data(
             ) from e
     query = {k: v for k, v in request.items() if v is not None}
     data = await scheduler_rpc.dask_rmm_report(timeline=timeline, last=last, **query)
-    if isinstance(data, (str, bytes)):  # built off the scheduler's event loop as JSON text
-        try:
-            data = json.loads(data)
-        except ValueError:
-            pass
+    if isinstance(data, bytes):  # built off the scheduler's event loop as JSON
+        data = json.loads(data)
     if not isinstance(data, dict) or "workers" not in data:
         raise RuntimeError(f"the scheduler answered the dask-rmm report request with {data!r}")
     return data
@@ -222,10 +219,6 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
             f"({'install distributed-ucxx; ' if scheme == 'ucx' else ''}{e})"
         ) from e
     # distributed's connect retries these until the timeout, and a peer that hangs up at once
-    http = (
-        "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler address "
-        "usually ends in :8786, the dashboard's in :8787)"
-    )
     if scheme in ("tcp", "tls"):
         try:
             what = await _probe(scheme, host, port)
@@ -238,7 +231,7 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
         except OSError as e:
             raise _not_reachable(address, e.strerror or str(e) or type(e).__name__) from e
         if what is not None:
-            raise _not_dask(address, http if what == "http" else what)
+            raise _not_dask(address, what)
     try:
         comm = await connect(address, timeout=timeout, **connection_args)
     except CommClosedError:
@@ -258,9 +251,8 @@ def _not_dask(address: str, what: str) -> NotDaskAddressError:
 
 
 async def _probe(scheme: str, host: str, port: int) -> str | None:
-    """One plain connection to ``host:port``: "it closed ..." when a tcp peer hangs up without a
-    word, "http" when it does not greet first, as Dask's servers do, and answers an HTTP request
-    (or greets with an HTTP answer); None otherwise (Dask's handshake then decides)."""
+    """One plain connection to ``host:port``: what shows it is not Dask (a tcp peer that hangs
+    up without a word, or answers HTTP), or None (Dask's handshake then decides)."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
         try:  # a Dask server greets first
@@ -276,6 +268,11 @@ async def _probe(scheme: str, host: str, port: int) -> str | None:
         else:
             if not greeting and scheme == "tcp":
                 return "it closed the connection without a word"
-        return "http" if greeting == b"HTTP/" and scheme == "tcp" else None
+        if greeting == b"HTTP/" and scheme == "tcp":
+            return (
+                "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler "
+                "address usually ends in :8786, the dashboard's in :8787)"
+            )
+        return None
     finally:
         writer.close()

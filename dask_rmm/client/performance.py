@@ -1,6 +1,5 @@
 """``dask_rmm.performance_report``: distributed's ``performance_report`` with a GPU memory
-section (titled "Host memory" when the workers' stacks use ``base_resource="system"``) (the cluster's RMM timeline over the block, task-group peaks, OOM events, spills) in the
-Summary tab of the same HTML file. Not here: sampling (:mod:`~dask_rmm.client.sampler`), the SVG
+section in its Summary tab. Not here: sampling (:mod:`~dask_rmm.client.sampler`), the SVG
 (:mod:`~dask_rmm.plotting.svg`).
 """
 
@@ -36,22 +35,17 @@ SPILL_COUNTERS = (
 
 
 class performance_report(distributed.performance_report):
-    """Distributed's performance report, plus a GPU memory section, in one self-contained file.
-
-    Use it as distributed's (``with`` or ``async with``); the file is what distributed writes
-    (its bokeh plots, needs bokeh), with a section in its Summary tab, drawn as plain HTML and
-    inline SVG: the cluster's RMM memory in use over the block (summed over devices, and per device),
-    the most in use and reserved at once, the task groups' peaks, the out-of-memory errors
-    that reached a task (with their verdict) and the bytes spilled and brought back during the
-    block. ``mode`` defaults to ``"inline"`` (bokeh's JavaScript inside the file: it opens
-    without network, unlike distributed's default, which loads it from a CDN).
+    """Distributed's performance report (``with`` or ``async with``; needs bokeh), plus a GPU
+    memory section in its Summary tab, in one self-contained file (what the section shows:
+    docs/gpu-memory-tools.md).
 
     Parameters
     ----------
     filename, stacklevel, storage_options
         As :class:`distributed.performance_report`.
     mode : str
-        Bokeh's resources mode: ``"inline"`` (default) or ``"cdn"``.
+        Bokeh's resources mode: ``"inline"`` (default: the file opens without network) or
+        ``"cdn"``.
     interval : float
         Seconds between two reads of the scheduler's timelines (see
         :meth:`~dask_rmm.client.sampler.GPUMemorySampler.sample`).
@@ -186,9 +180,7 @@ def gpu_section_html(
         "and devices of workers that left. "
         "Times are the workers' clocks.</p>",
     ]
-    parts += (
-        _task_groups(begin, end) if block_peaks is None else _block_task_groups(end, block_peaks)
-    )
+    parts += _task_groups(begin, end, block_peaks)
     parts += _oom_events(samples, end)
     parts += _spills(begin, end)
     parts.append("</section>")
@@ -231,80 +223,74 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return f"<table><thead><tr>{cells('th', head)}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _group_rows(peaks: Iterable[tuple[str, str, int]], top: int) -> list[tuple[str, int, str]]:
-    """``(task group, largest peak, "label peak; ...")`` from ``(label, group, peak)``, largest
-    first, the first ``top``."""
-    rows: dict[str, tuple[int, list[str]]] = {}
-    for label, prefix, peak in peaks:
-        most, where = rows.setdefault(prefix, (0, []))
-        where.append(f"{label} {format_bytes(peak)}")
-        rows[prefix] = (max(most, peak), where)
-    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
-    return [(prefix, peak, "; ".join(where)) for prefix, (peak, where) in ranked]
-
-
 def _task_groups(
-    begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None, top: int = 15
-) -> list[str]:
-    out = ["<h3>Task groups: peak bytes held</h3>"]
-    if end is None:
-        return out + ["<p>No report at the end of the block.</p>"]
-    before = {
-        (d.worker, d.device, prefix): peak
-        for d in (begin.devices if begin is not None else ())
-        for prefix, _, peak in d.task_groups or ()
-    }
-    in_block = {  # a group whose peak on some device changed during the block
-        prefix
-        for d in end.devices
-        for prefix, _, peak in d.task_groups or ()
-        if before.get((d.worker, d.device, prefix)) != peak
-    }
-    peaks = [
-        (d.label, prefix, peak) for d in end.devices for prefix, _, peak in d.task_groups or ()
-    ]
-    if not peaks:
-        return out + ["<p>No task-group attribution (statistics off, or no tasks ran).</p>"]
-    rows = [
-        (prefix, format_bytes(peak), "yes" if prefix in in_block else "before it", where)
-        for prefix, peak, where in _group_rows(peaks, top)
-    ]
-    head = ("task group", "largest peak on one device", "peak reached in this block")
-    return out + [
-        _table((*head, "per worker device"), rows),
-        '<p class="note">Peaks are counted since each worker\'s dask-rmm setup; "before it": '
-        "the peak did not change during this block.</p>",
-    ]
-
-
-def _block_task_groups(
+    begin: ClusterMemoryReport | None,
     end: ClusterMemoryReport | None,
-    block_peaks: Mapping[str, Mapping[str, Mapping[str, int] | None]],
+    block_peaks: Mapping[str, Mapping[str, Mapping[str, int] | None]] | None,
     top: int = 15,
 ) -> list[str]:
-    """The task groups' peaks over the block, measured on the workers from its start."""
-    out = ["<h3>Task groups: peak bytes held during the block</h3>"]
-    labels = {(d.worker, d.device): d.label for d in (end.devices if end is not None else ())}
-    peaks, unmeasured = [], []
-    for worker, devices in sorted(block_peaks.items()):
-        for device, groups in sorted(devices.items()):
-            label = labels.get((worker, device), f"{worker}/dev{device}")
-            if groups is None:
-                unmeasured.append(label)
-            peaks += [(label, prefix, peak) for prefix, peak in (groups or {}).items()]
-    if peaks:
-        rows = [(p, format_bytes(peak), where) for p, peak, where in _group_rows(peaks, top)]
-        head = ("task group", "largest peak on one device", "per worker device")
-        out.append(_table(head, rows))
+    """The task groups' largest peaks on one device: over the block (``block_peaks``, measured
+    on the workers from its start), else since setup, marked whether they rose in the block."""
+    devices = end.devices if end is not None else ()
+    peaks: list[tuple[str, str, int]] = []
+    in_block: set[str] | None = None
+    if block_peaks is not None:
+        out = ["<h3>Task groups: peak bytes held during the block</h3>"]
+        labels = {(d.worker, d.device): d.label for d in devices}
+        unmeasured = []
+        for worker, by_device in sorted(block_peaks.items()):
+            for device, groups in sorted(by_device.items()):
+                label = labels.get((worker, device), f"{worker}/dev{device}")
+                if groups is None:
+                    unmeasured.append(label)
+                peaks += [(label, prefix, peak) for prefix, peak in (groups or {}).items()]
+        note = "Peaks over this block only, measured on each worker from the block's start."
+        if unmeasured:
+            note += (
+                " Not measured over the whole block (the setup was replaced during it): "
+                f"{', '.join(unmeasured)}."
+            )
+    elif end is None:
+        return [
+            "<h3>Task groups: peak bytes held</h3>",
+            "<p>No report at the end of the block.</p>",
+        ]
     else:
-        out.append("<p>No task group held memory during the block (or statistics off).</p>")
-    note = "Peaks over this block only, measured on each worker from the block's start."
-    if unmeasured:
-        note += (
-            " Not measured over the whole block (the setup was replaced during it): "
-            + ", ".join(unmeasured)
-            + "."
+        out = ["<h3>Task groups: peak bytes held</h3>"]
+        before = {
+            (d.worker, d.device, prefix): peak
+            for d in (begin.devices if begin is not None else ())
+            for prefix, _, peak in d.task_groups or ()
+        }
+        peaks = [
+            (d.label, prefix, peak) for d in devices for prefix, _, peak in d.task_groups or ()
+        ]
+        in_block = {  # a group whose peak on some device changed during the block
+            prefix
+            for d in devices
+            for prefix, _, peak in d.task_groups or ()
+            if before.get((d.worker, d.device, prefix)) != peak
+        }
+        note = (
+            'Peaks are counted since each worker\'s dask-rmm setup; "before it": the peak did not '
+            "change during this block."
         )
+    if not peaks:
+        out.append("<p>No task group held memory (statistics off, or no tasks ran).</p>")
+    else:
+        by_group: dict[str, tuple[int, list[str]]] = {}
+        for label, prefix, peak in peaks:
+            most, where = by_group.setdefault(prefix, (0, []))
+            where.append(f"{label} {format_bytes(peak)}")
+            by_group[prefix] = (max(most, peak), where)
+        head = ["task group", "largest peak on one device", "per worker device"]
+        if in_block is not None:
+            head.insert(2, "peak reached in this block")
+        rows = []
+        for prefix, (peak, where) in sorted(by_group.items(), key=lambda kv: -kv[1][0])[:top]:
+            flag = [] if in_block is None else ["yes" if prefix in in_block else "before it"]
+            rows.append((prefix, format_bytes(peak), *flag, "; ".join(where)))
+        out.append(_table(head, rows))
     return out + [f'<p class="note">{html.escape(note)}</p>']
 
 

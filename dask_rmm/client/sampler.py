@@ -23,9 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceSeries", "GPUMemorySampler", "GPUSamples", "summed_series", "time_mean"]
 
-#: What ``to_pandas``/``plot`` can show: bytes in use at each sample, the most in use within each
-#: sample interval (short peaks included), or what the pools held from their devices.
-MEASURES = ("used", "used_max", "reserved")
+#: What ``to_pandas``/``plot`` can show (and the plot's words for it): bytes in use at each
+#: sample, the most in use within each sample interval, or what the pools held from their devices.
+MEASURES = {
+    "used": "in use",
+    "used_max": "in use (max per sample interval)",
+    "reserved": "reserved",
+}
 # Samples asked for per device on each poll at first; doubled while a poll misses some.
 _FIRST_LAST = 64
 
@@ -88,13 +92,12 @@ class GPUSamples:
     def _series(self, measure: str) -> list[tuple[list[tuple[float, int]], bool]]:
         if measure not in MEASURES:
             raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+        column = 1 if measure == "used" else 2
         out = []
         for d in self.devices.values():
-            if measure == "reserved":
-                points = list(d.reserved)
-            else:
-                column = 1 if measure == "used" else 2
-                points = [(s[0], int(s[column])) for s in d.used]
+            points = (
+                d.reserved if measure == "reserved" else [(s[0], int(s[column])) for s in d.used]
+            )
             out.append((points, d.status != "running"))
         return out
 
@@ -138,17 +141,9 @@ def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) 
 
 class GPUMemorySampler:
     """Sample the cluster's RMM (GPU) memory while blocks of work run, like distributed's
-    :class:`~distributed.diagnostics.MemorySampler`.
-
-    The workers' dask-rmm metrics already sample every device (every 100 ms,
-    ``dask-rmm.metrics.sample-interval``) into the scheduler's timelines; within
-    ``with ms.sample(label):`` the sampler reads the new part of those timelines from the
-    scheduler every ``interval`` seconds, with each device's reserved bytes, and keeps them on
-    the client. What it read stays when a worker dies or restarts during the block. At the end of
-    the block it asks every worker for one more sample and heartbeat, so that the block's end is in.
-
-    Needs ``RMMPlugin`` (or the preload) on the workers; pandas and matplotlib for
-    :meth:`to_pandas` and :meth:`plot`.
+    :class:`~distributed.diagnostics.MemorySampler` (how: docs/gpu-memory-tools.md). Needs
+    ``RMMPlugin`` (or the preload) on the workers; pandas and matplotlib for :meth:`to_pandas`
+    and :meth:`plot`.
 
     Examples
     --------
@@ -167,10 +162,8 @@ class GPUMemorySampler:
     def sample(
         self, label: str | None = None, *, client: Client | None = None, interval: float = 0.5
     ) -> Any:
-        """Context manager that samples the cluster's RMM memory into ``self.samples[label]``:
-        synchronous with a synchronous client, ``async with`` with an asynchronous one.
-
-        ``self.samples[label]`` fills while the block runs (its ``stop`` is None until the end).
+        """Context manager that samples the cluster's RMM memory into ``self.samples[label]``
+        (its ``stop`` None until the block ends): ``async with`` with an asynchronous client.
 
         Parameters
         ----------
@@ -179,9 +172,10 @@ class GPUMemorySampler:
         client : distributed.Client, optional
             Default: the current client.
         interval : float
-            Seconds between two reads of the scheduler's timelines (the samples themselves are
-            the workers', every ``dask-rmm.metrics.sample-interval``; this only bounds what a
-            worker killed mid-block can lose: its samples not yet read).
+            Seconds between two reads of the scheduler's timelines (what a worker killed
+            mid-block can lose; the workers sample every ``dask-rmm.metrics.sample-interval``).
+
+        Raises ValueError for an interval that is not a positive number.
         """
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
@@ -341,15 +335,10 @@ class GPUMemorySampler:
             ax = fig.subplots()
         if align and len(df.index):
             df.index = df.index.total_seconds()
-        words = {
-            "used": "in use",
-            "used_max": "in use (max per sample interval)",
-            "reserved": "reserved",
-        }
         df.plot(ax=ax, drawstyle="steps-post", **kwargs)
         byte_axis(ax.yaxis, float(df.max().max()))
         ax.set_ylim(bottom=0)
-        ax.set_ylabel(f"RMM bytes {words[measure]}")
+        ax.set_ylabel(f"RMM bytes {MEASURES[measure]}")
         ax.set_xlabel("seconds since each label's start" if align else "time")
         ax.grid(alpha=0.3)
         if path is not None:
@@ -391,10 +380,12 @@ class _Recorder:
         what was kept (samples were missed: ask again for more)."""
         complete = True
         start = self.samples.start
+        present = set()
         for w in data.get("workers") or ():
             address = str(w.get("address", ""))
             for dev, d in (w.get("devices") or {}).items():
                 key = (address, str(dev))
+                present.add(key)
                 series = self.samples.devices.get(key)
                 if series is None:
                     series = self.samples.devices[key] = DeviceSeries(
@@ -403,12 +394,7 @@ class _Recorder:
                 series.status = str(w.get("status", "running"))
                 timeline = d.get("timeline") or []
                 newest = series.used[-1][0] if series.used else start
-                if (
-                    self.last is not None
-                    and len(timeline) >= self.last
-                    and timeline
-                    and float(timeline[0][0]) > newest
-                ):
+                if self.last and len(timeline) >= self.last and float(timeline[0][0]) > newest:
                     complete = False
                 stop = self.samples.stop
                 series.add_used(timeline, start, stop)
@@ -418,11 +404,6 @@ class _Recorder:
                     when = when if stop is None else min(when, stop)
                     series.add_reserved(when, int(d.get("reserved_bytes") or 0))
         # Devices no longer in the report at all (forgotten by the scheduler): their worker left.
-        present = {
-            (str(w.get("address", "")), str(dev))
-            for w in data.get("workers") or ()
-            for dev in (w.get("devices") or {})
-        }
         for key, series in self.samples.devices.items():
             if key not in present:
                 series.status = "gone"

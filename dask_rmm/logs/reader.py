@@ -14,6 +14,7 @@ import warnings
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -126,10 +127,7 @@ def parse_time(text: str) -> float:
 def format_time(seconds: float) -> str:
     """RMM's ``HH:MM:SS.ffffff`` for seconds since midnight (wrapping at 24 h)."""
     micros = round(seconds * 1e6) % round(_DAY * 1e6)
-    secs, us = divmod(micros, 1_000_000)
-    h, rest = divmod(secs, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h:02d}:{m:02d}:{s:02d}.{us:06d}"
+    return (datetime.min + timedelta(microseconds=micros)).strftime("%H:%M:%S.%f")
 
 
 def _parse_pointer(text: str) -> int:

@@ -182,7 +182,6 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["failures"] = [{**asdict(f), "stream": hex(f.stream)} for f in self.failures]
-        d["notes"] = list(self.notes)
         return d
 
 

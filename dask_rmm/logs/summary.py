@@ -113,7 +113,6 @@ class LogSummary:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
         d = asdict(self)
-        d["paths"] = list(self.paths)
         d["start_time"] = format_time(self.start) if self.start is not None else None
         d["end_time"] = format_time(self.end) if self.end is not None else None
         d["peak_time_of_day"] = format_time(self.peak_time) if self.peak_time is not None else None
@@ -124,8 +123,6 @@ class LogSummary:
             {**asdict(o), "pointer": hex(o.pointer), "stream": hex(o.stream)}
             for o in self.largest_outstanding
         ]
-        d["truncated"] = list(self.truncated)
-        d["notes"] = list(self.notes)
         return d
 
 

@@ -134,21 +134,17 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
     for i in range(round(ytop / ystep) + 1):
         v = i * ystep
         yy = y(v)
-        out.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e4e4e4"/>'
-        )
-        out.append(
-            f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{format_bytes(v)}</text>'
-        )
+        out += [
+            f'<line x1="{left}" x2="{left + pw}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e4e4e4"/>',
+            f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{format_bytes(v)}</text>',
+        ]
     tstep = _nice_step(tspan)
     for k in range(int((tspan + 1e-9) / tstep) + 1):
         xx = x(t0 + k * tstep)
-        out.append(
-            f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
-        )
-        out.append(
-            f'<text x="{xx:.1f}" y="{top + ph + 16}" text-anchor="middle">{k * tstep:g}s</text>'
-        )
+        out += [
+            f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>',
+            f'<text x="{xx:.1f}" y="{top + ph + 16}" text-anchor="middle">{k * tstep:g}s</text>',
+        ]
     out.append(
         f'<text x="{left + pw / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#555">'
         "seconds since the oldest sample</text>"
@@ -169,10 +165,10 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
                 )
         ly = top + 8 + 16 * i
         if ly < top + ph:
-            out.append(
-                f'<line x1="{left + pw + 12}" x2="{left + pw + 32}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>'
-            )
-            out.append(f'<text x="{left + pw + 38}" y="{ly + 4}">{html.escape(label)}</text>')
+            out += [
+                f'<line x1="{left + pw + 12}" x2="{left + pw + 32}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>',
+                f'<text x="{left + pw + 38}" y="{ly + 4}">{html.escape(label)}</text>',
+            ]
     out.append("</svg>")
     return "".join(out)
 
@@ -209,24 +205,20 @@ def breakdown_svg(bars: Sequence[Bar], *, width: int = 900) -> str:
             colors[name] = (base, "0.45" if name.endswith("cache free") else "1")
         else:
             colors[name] = (_PART_COLORS.get(name, "#bbbbbb"), "1")
-    scale = max((t or sum(b for _, b in parts)) for _, parts, t in bars) if bars else 0
-    scale = max(scale, 1)
-    legend_rows = (len(names) + 3) // 4
-    height = len(bars) * (bar_h + gap) + 16 + legend_rows * 16 + 8
+    scale = max((t or sum(b for _, b in parts) for _, parts, t in bars), default=0) or 1
+    height = len(bars) * (bar_h + gap) + 16 + (len(names) + 3) // 4 * 16 + 8
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
     ]
     for i, (label, parts, total) in enumerate(bars):
         y = 4 + i * (bar_h + gap)
-        out.append(
-            f'<text x="{left - 6}" y="{y + bar_h - 5}" text-anchor="end">{html.escape(label)}</text>'
-        )
         full = (total or sum(b for _, b in parts)) / scale * pw
-        out.append(
+        out += [
+            f'<text x="{left - 6}" y="{y + bar_h - 5}" text-anchor="end">{html.escape(label)}</text>',
             f'<rect x="{left}" y="{y}" width="{full:.1f}" height="{bar_h}" fill="#fafafa" '
-            'stroke="#ccc"/>'
-        )
+            'stroke="#ccc"/>',
+        ]
         x = float(left)
         for part, nbytes in parts:
             w = nbytes / scale * pw
