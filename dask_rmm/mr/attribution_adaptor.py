@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
@@ -126,16 +127,8 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
             owners = OwnerAccounts(get_owner, self._by_owner_key, opener)
             if pool.charge_owners(owners):
                 self._charging_pool = pool
-                self._owners = owners
                 self._fuse(pool, pool.instrumentation_lock)
-
-    def __del__(self):
-        try:
-            pool = getattr(self, "_charging_pool", None)
-            if pool is not None:
-                pool.stop_charging(self._owners)
-        except Exception:  # at interpreter shutdown module globals may be gone
-            pass
+                weakref.finalize(self, pool.stop_charging, owners).atexit = False
 
     @property
     def charging_pool(self) -> PoolMemoryResource | None:

@@ -106,7 +106,7 @@ class OutOfMemoryError(MemoryError):
     """A resource could not satisfy an allocation.
 
     A :class:`MemoryError` (what RMM raises for ``rmm::out_of_memory``) that also carries
-    the numbers needed to understand the failure.
+    the numbers needed to understand the failure; it pickles with every attribute and note.
     """
 
     def __init__(
@@ -129,15 +129,6 @@ class OutOfMemoryError(MemoryError):
         self.maximum_pool_size = maximum_pool_size
         self.free_bytes = free_bytes
         self.largest_free_block = largest_free_block
-
-    def __reduce__(self):
-        return (_rebuild_oom, (self.args[0] if self.args else "", vars(self)))
-
-
-def _rebuild_oom(message, fields):
-    error = OutOfMemoryError(message)
-    error.__dict__.update(fields)  # every attribute, the notes and any set after construction
-    return error
 
 
 class CUDAAllocationError(CUDAError, MemoryError):

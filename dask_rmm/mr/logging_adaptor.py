@@ -38,12 +38,6 @@ def format_stream(handle: int) -> str:
     return f"{handle:#x}" if handle else "0"
 
 
-def log_file_name_for_device(log_file_name: str | os.PathLike[str], device_id: int) -> str:
-    """``"rmm.log"`` -> absolute ``".../rmm.dev0.log"``: RMM's per-device file name."""
-    name, ext = os.path.splitext(os.fspath(log_file_name))
-    return os.path.abspath(f"{name}.dev{device_id}{ext}")
-
-
 def _drop_cut_off_line(path: str) -> None:
     """Remove a last line without its newline (a writer killed mid-row) from ``path``."""
     try:
@@ -136,8 +130,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         claim: Callable[[str], tuple[str, int | None]] | None = None,
     ):
         super().__init__(upstream_mr)
-        log_file_name = _log_file_name(log_file_name, "LoggingResourceAdaptor")
-        self._file_name = log_file_name_for_device(log_file_name, self.device_id)
+        name, ext = os.path.splitext(_log_file_name(log_file_name, "LoggingResourceAdaptor"))
+        self._file_name = os.path.abspath(f"{name}.dev{self.device_id}{ext}")  # RMM's per device
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
         self._clock = _Clock()

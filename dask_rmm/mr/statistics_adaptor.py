@@ -7,6 +7,7 @@ Module-level helpers (``enable_statistics``, ``profiler``...) live in :mod:`dask
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
@@ -106,14 +107,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         if pool is not None and pool.count_allocations(self._c):
             self._counting_pool = pool
             self._fuse(pool, pool.instrumentation_lock)
-
-    def __del__(self):
-        try:
-            pool = getattr(self, "_counting_pool", None)
-            if pool is not None:
-                pool.stop_counting(self._c)
-        except Exception:  # at interpreter shutdown module globals may be gone
-            pass
+            weakref.finalize(self, pool.stop_counting, self._c).atexit = False
 
     @property
     def counting_pool(self) -> PoolMemoryResource | None:
