@@ -157,17 +157,12 @@ def _is_blank(line: str) -> bool:
 
 
 class LogReader:
-    """Stream the events of one log file, in file order, in bounded memory.
+    """Stream the events of one log file (``.gz`` too), in file order, line by line.
 
-    Iterating reads the file line by line; nothing but the current line is held. A malformed row
-    raises :class:`LogFormatError` naming the file and line, except on the last line of the file,
-    which is taken to be cut off by a process that died mid-write when it lacks its newline (or
-    holds NUL bytes): it is skipped, recorded in :attr:`truncated` and reported with a
-    :class:`TruncatedLogWarning`. A complete last row (newline included) that is malformed is an
-    error like any other. A UTF-8 byte-order mark before the header is ignored.
-
-    ``path`` may be gzipped (``.gz``). ``source`` names the worker the log belongs to (default
-    the file's name without ``.csv``); a ``Worker`` column (:func:`merge_logs`) overrides it.
+    A malformed row raises :class:`LogFormatError` naming the file and line, except a last line
+    cut off mid-write (no newline, or NUL bytes): skipped, recorded in :attr:`truncated`, with a
+    :class:`TruncatedLogWarning`. ``source`` names the worker the log belongs to (default the
+    file's name without ``.csv``); a ``Worker`` column (:func:`merge_logs`) overrides it.
 
     Examples
     --------
@@ -340,14 +335,11 @@ def read_logs(
     *,
     progress: str | None = None,
 ) -> Iterator[LogEvent]:
-    """The events of several logs merged by time (each file keeps its own order).
+    """The events of several logs merged by time (each file read lazily, in its own order).
 
-    Each file is read lazily, so memory stays bounded by the number of files. When ``readers``
-    is given (an empty list) it receives the :class:`LogReader` of each path, for their
-    ``truncated``, ``rows`` and progress attributes. ``progress`` (a label) draws click's
-    progress bar over the bytes read on stderr (click draws the bar only on a terminal).
-    ValueError when one file is among ``paths`` twice (by any name: a link, ``./``): merged
-    with itself, every row would appear twice and each worker's memory double.
+    ``readers`` (an empty list) receives the :class:`LogReader` of each path; ``progress`` (a
+    label) draws click's progress bar on stderr. ValueError when one file is among ``paths``
+    twice (by any name: a link, ``./``): every row would count twice.
     """
     seen: dict[tuple[int, int], str] = {}
     for path in paths:
@@ -390,13 +382,9 @@ _LATE = object()
 
 
 class LiveAllocations:
-    """The allocations a log shows live, keyed by ``(source, pointer)``.
-
-    A log written by several threads can show an address allocated again before the row that
-    freed it: the freeing thread returned the block, another thread got it and wrote its
-    ``allocate`` row first. An allocation of a live address therefore retires the old block at
-    that row and the late ``free`` row that follows is absorbed (:meth:`free` returns
-    :data:`LATE_FREE`) instead of freeing the new block.
+    """The allocations a log shows live, keyed by ``(source, pointer)``. An allocation of a live
+    address (another thread wrote its row before the free's) retires the old block, and the late
+    ``free`` row is absorbed (:meth:`free` returns :data:`LATE_FREE`); docs/internals.md, Logs.
     """
 
     LATE_FREE = _LATE
@@ -456,10 +444,9 @@ def format_event(event: LogEvent) -> str:
 def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:
     """Merge several workers' logs by time into one CSV; return the rows written.
 
-    The output has RMM's six columns followed by ``Worker`` (the file's name, or the ``Worker``
-    column of an input that was itself merged), so :func:`read_log` reads each row's source back
-    and tools that look columns up by name still read it. It is written to a temporary file and
-    renamed at the end, and must not be one of the inputs (ValueError).
+    The output has RMM's six columns and ``Worker`` (the file's name, or an input's own
+    ``Worker``), read back by :func:`read_log`. Written whole or not at all; ValueError when it
+    is one of the inputs.
 
     Examples
     --------

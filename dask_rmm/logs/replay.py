@@ -47,13 +47,12 @@ def build_resource(
     block_size: int | None = None,
 ) -> tuple[Any, Any, str]:
     """A fresh resource of kind ``name`` (one of :data:`RESOURCES`) over a counting upstream:
-    ``(resource to allocate from, the StatisticsResourceAdaptor over its upstream, a one-line
-    description)``: the adaptor's peak is the most the resource held from upstream.
+    ``(resource, the StatisticsResourceAdaptor over its upstream, a one-line description)``.
 
-    ``cuda`` is the base resource alone: CudaMemoryResource on a GPU (``gpu``, default when a
-    CUDA device is present), else SystemMemoryResource; ``async`` needs a GPU.
-    ``initial_pool_size`` is the arena size for ``arena`` and the initial pool of ``async``;
-    ``block_size`` is ``fixed_size``'s (default 1 MiB, RMM's).
+    The base is CudaMemoryResource on a GPU (``gpu``, default when there is one), else
+    SystemMemoryResource (``async`` needs a GPU: RuntimeError); ``initial_pool_size`` is also the
+    arena's size and the async pool's; ``block_size`` is ``fixed_size``'s. ValueError for an
+    unknown name or a block size <= 0.
     """
     from dask_rmm import mr
 
@@ -203,21 +202,8 @@ def replay(
     re-issues the log's ``allocate failure`` rows too, to see whether this resource would have
     satisfied them (a success is freed at once: the program never got the block; off by default
     because such a block raises the footprint beyond what the workload held). ``progress`` draws
-    click's progress bar on stderr.
-
-    Examples
-    --------
-    >>> import os, tempfile
-    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
-    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
-    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
-    >>> mr.deallocate(mr.allocate(1000), 1000)
-    >>> mr.close()
-    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
-    >>> r = replay(path, "pool", gpu=False, initial_pool_size=1 << 20)  # on host memory
-    >>> r.peak_upstream_bytes, r.new_failures
-    (1048576, 0)
-    """
+    click's progress bar on stderr. RuntimeError when the resource cannot be built (an initial
+    pool larger than the memory there is, ``async`` without a GPU)."""
     if gpu is None:
         gpu = _has_gpu()
     try:
@@ -393,14 +379,9 @@ def _cannot_serve(r: ReplayResult) -> str:
 
 
 def format_comparison(results: Sequence[ReplayResult]) -> str:
-    """One table comparing replays of the same log on several resources.
-
-    A resource that cannot serve the log (a request larger than fixed_size's block) is named as
-    such below the table, not counted as a resource that ran out of memory. The smallest
-    footprint is the smallest of all that served every allocation; when that is a base resource
-    alone (``cuda``, ``async``: one upstream call per allocation), the smallest pooled one is
-    named as well.
-    """
+    """One table comparing replays of the same log on several resources, then the smallest
+    footprint without new failures (and the smallest pooled one when that is a base resource
+    alone); a resource that cannot serve the log's sizes is named as such below the table."""
     head = (
         f"{'resource':<12} {'peak upstream':>14} {'vs in-use':>9} {'upstream allocs':>15} "
         f"{'new failures':>12} {'time (s)':>9} {'us/row':>7}"

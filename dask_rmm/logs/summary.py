@@ -127,14 +127,9 @@ class LogSummary:
 
 
 class Summarizer:
-    """Accumulates a :class:`LogSummary` from events fed one at a time, in file order.
-
-    Memory is bounded by the number of live allocations, not the length of the log. Live
-    allocations are keyed by ``(source, pointer)``, so logs of several workers can be fed
-    interleaved into one summarizer.
-
-    ``top``: how many of the largest outstanding allocations to list.
-    """
+    """Accumulates a :class:`LogSummary` from events fed one at a time, in file order, in memory
+    bounded by the live allocations (keyed by ``(source, pointer)``: several workers' logs can be
+    fed interleaved). ``top``: how many of the largest outstanding allocations to list."""
 
     def __init__(self, name: str, top: int = 10):
         self.name = name
@@ -277,11 +272,8 @@ class Summarizer:
 
 @dataclass(frozen=True)
 class SummaryReport:
-    """Summaries of each file and, for several files, of all of them together.
-
-    ``combined`` is the summary of all rows merged by time: its peak is the largest total held
-    by all workers at one moment, not the sum of their peaks.
-    """
+    """Summaries of each file and, for several files, ``combined``: all rows merged by time (its
+    peak is the most all workers held at one moment, not the sum of their peaks)."""
 
     files: tuple[LogSummary, ...]
     combined: LogSummary | None = None
@@ -297,21 +289,9 @@ def summarize(
     paths: Sequence[str | os.PathLike] | str | os.PathLike, top: int = 10, *, progress: bool = False
 ) -> SummaryReport:
     """Summarize one or several logs (one per worker, or merged logs) in one streaming pass:
-    ``files`` in the order given, and ``combined`` when there are several files. ``progress``
-    draws click's progress bar on stderr.
-
-    Examples
-    --------
-    >>> import os, tempfile
-    >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
-    >>> log = os.path.join(tempfile.mkdtemp(), "rmm_log.csv")
-    >>> mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
-    >>> mr.deallocate(mr.allocate(1000), 1000)
-    >>> mr.close()
-    >>> path = mr.get_file_name()  # RMM's per-device name: .../rmm_log.dev0.csv
-    >>> summarize(path).files[0].peak_bytes
-    1000
-    """
+    ``files`` in the order given, and ``combined`` when there are several files; ``top`` largest
+    outstanding allocations listed. ``progress`` draws click's progress bar on stderr.
+    ValueError for a ``top`` that is not an int >= 0, :class:`LogFormatError` for a bad row."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"top must be a number of allocations to list (an int >= 0), got {top!r}")
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)

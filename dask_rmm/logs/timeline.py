@@ -98,16 +98,8 @@ def plot_logs(
     progress: bool = False,
 ) -> list[Timeline]:
     """Plot bytes in use over time, one line per worker (file), each peak marked; save to
-    ``output`` (PNG, SVG or PDF by extension).
-
-    Needs matplotlib (``pip install dask-rmm[report]``). ``progress`` draws click's progress bar
-    on stderr while the logs are read.
-
-    Returns
-    -------
-    list of Timeline
-        What was plotted.
-    """
+    ``output`` (PNG, SVG or PDF by extension) and return the timelines plotted. Needs matplotlib;
+    ``progress`` draws click's progress bar on stderr. ValueError when there are no rows."""
     refuse_input(output, paths)
     timelines = in_use_timeline(paths, max_points=max_points, progress=progress)
     if not timelines:
