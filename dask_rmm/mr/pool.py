@@ -552,9 +552,19 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
                 found = own.find(size)
             if found is not None:
                 return self._carve(own, *found, size, tag)
-            ptr, victims = self._take_from_another_stream(own, size, tag)
-            if not ptr:
-                ptr, victims = self._take_after_merging(own, size, tag)
+            others = [fl for fl in self._lists.values() if fl is not own and fl.starts]
+            ptr, victims = 0, others
+            for fl in others:  # a fitting block of another stream, the rest moving to own
+                found = fl.find(size)
+                if found is not None:
+                    ptr, victims = self._carve(fl, *found, size, tag, rest_to=own), [fl]
+                    break
+            else:  # every other stream's blocks merged into own
+                for fl in others:
+                    fl.move_all_to(own)
+                found = own.find(size) if others else None
+                if found is not None:
+                    ptr = self._carve(own, *found, size, tag)
         if victims and self._ordered:
             order_after([(fl.key, fl.stream) for fl in victims], stream)
         if ptr:
@@ -566,27 +576,6 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
             if exact == size:
                 raise
             return self._allocate_slow(nbytes, exact, key, stream, nbytes + EXACT_TAG)
-
-    def _take_from_another_stream(
-        self, own: FreeList, size: int, tag: int
-    ) -> tuple[int, list[FreeList]]:
-        """A fitting block of another stream's lists, the rest of it moving to ``own``:
-        ``(ptr, [that list])``, or ``(0, [])`` (lock held)."""
-        for fl in list(self._lists.values()):
-            if fl is not own and fl.starts:
-                found = fl.find(size)
-                if found is not None:
-                    return self._carve(fl, *found, size, tag, rest_to=own), [fl]
-        return 0, []
-
-    def _take_after_merging(self, own: FreeList, size: int, tag: int) -> tuple[int, list[FreeList]]:
-        """Merge every other stream's blocks into ``own`` and take a fitting block: ``(ptr or
-        0, the lists merged)`` (lock held)."""
-        others = [fl for fl in self._lists.values() if fl is not own and fl.starts]
-        for fl in others:
-            fl.move_all_to(own)
-        found = own.find(size) if others else None
-        return (self._carve(own, *found, size, tag) if found is not None else 0), others
 
     def _carve(
         self,
@@ -826,21 +815,13 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
 
     def _flush_caches(self) -> bool:
         """Merge every cached block into its stream's coalescing lists; True when any was cached."""
-        flushed = False
-        for fl in self._lists.values():
-            if fl.flush_cache():
-                flushed = True
-        return flushed
+        return any([fl.flush_cache() for fl in self._lists.values()])
 
     def _free_and_largest(self) -> tuple[int, int]:
         """Free bytes and the largest free block over every stream, caches merged first."""
         self._flush_caches()
-        free = largest = 0
-        for fl in self._lists.values():
-            fl_free, fl_largest = fl.free_bytes()
-            free += fl_free
-            largest = max(largest, fl_largest)
-        return free, largest
+        pairs = [fl.free_bytes() for fl in self._lists.values()]
+        return sum(f for f, _ in pairs), max(largest for _, largest in pairs)
 
     # -- instrumentation (lock held) -------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass
 
 from dask_rmm.mr.base import DeviceMemoryResource, UpstreamResourceAdaptor
 from dask_rmm.mr.instrumentation import JOURNAL_LIMIT, AllocationCounters
@@ -51,22 +51,17 @@ class Statistics(Mapping):
     total_count: int
 
     def __getitem__(self, key: str) -> int:
-        if key not in _FIELD_NAMES:
-            raise KeyError(key)
-        return getattr(self, key)
+        return self.to_dict()[key]
 
     def __iter__(self):
-        return iter(_FIELD_NAMES)
+        return iter(self.to_dict())
 
     def __len__(self) -> int:
-        return len(_FIELD_NAMES)
+        return len(self.to_dict())
 
     def to_dict(self) -> dict[str, int]:
         """A plain dict (for wire formats)."""
         return asdict(self)
-
-
-_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Statistics))
 
 
 class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
@@ -217,7 +212,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
                 )
             inner = self._top_locked()  # settles the journal
             outer = self._frames.pop()
-            cb, cc, pb, pc, tb, tc = (outer[k] for k in _FIELD_NAMES)
+            cb, cc, pb, pc, tb, tc = astuple(outer)
             self._base_bytes -= cb
             self._c.interval_peak += cb
             self._c.peak_bytes = max(pb, cb + inner.peak_bytes)
