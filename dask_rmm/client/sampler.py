@@ -128,6 +128,40 @@ class GPUSamples:
         """Workers that left while (or before the end of) the block."""
         return sorted({d.worker for d in self.devices.values() if d.status != "running"})
 
+    def _add_report(self, data: Mapping[str, Any], last: int | None) -> bool:
+        """Add a report's new samples (its timelines' ``last`` points); False when some device's
+        timeline starts after what was kept (samples were missed: ask again for more)."""
+        complete = True
+        start = self.start
+        present = set()
+        for w in data.get("workers") or ():
+            address = str(w.get("address", ""))
+            for dev, d in (w.get("devices") or {}).items():
+                key = (address, str(dev))
+                present.add(key)
+                series = self.devices.get(key)
+                if series is None:
+                    series = self.devices[key] = DeviceSeries(
+                        address, str(w.get("name", "")), str(dev)
+                    )
+                series.status = str(w.get("status", "running"))
+                timeline = d.get("timeline") or []
+                newest = series.used[-1][0] if series.used else start
+                if last and len(timeline) >= last and float(timeline[0][0]) > newest:
+                    complete = False
+                stop = self.stop
+                series.add_used(timeline, start, stop)
+                if series.status == "running" and w.get("last_seen"):
+                    # A heartbeat's reserved bytes stand from the block's start to its stop.
+                    when = max(float(w["last_seen"]), start)
+                    when = when if stop is None else min(when, stop)
+                    series.add_reserved(when, int(d.get("reserved_bytes") or 0))
+        # Devices no longer in the report at all (forgotten by the scheduler): their worker left.
+        for key, series in self.devices.items():
+            if key not in present:
+                series.status = "gone"
+        return complete
+
 
 def time_mean(points: Sequence[tuple[float, float]], stop: float | None = None) -> float:
     """The time-weighted mean of a step series (each value holds until the next sample, the
@@ -202,9 +236,24 @@ class GPUMemorySampler:
     async def _sample_async(
         self, label: str, client: Client, interval: float
     ) -> AsyncIterator[None]:
-        rec = _Recorder(label, client)
-        self.samples[label] = rec.samples
-        await rec.poll()
+        from dask_rmm.client.fetch import fetch_report_data
+
+        samples = self.samples[label] = GPUSamples(label, start=time.time())
+        last: int | None = _FIRST_LAST
+        install = True
+
+        async def poll() -> None:
+            nonlocal last, install
+            while True:
+                data = await fetch_report_data(
+                    client.scheduler, timeline=True, last=last, install=install
+                )
+                install = False
+                if samples._add_report(data, last) or last is None:
+                    return
+                last = last * 2 if last < 1 << 16 else None
+
+        await poll()
         done = asyncio.Event()
 
         async def loop() -> None:
@@ -213,7 +262,7 @@ class GPUMemorySampler:
                     await asyncio.wait_for(done.wait(), interval)
                     return
                 with contextlib.suppress(Exception):  # keep what was read; again at the next tick
-                    await rec.poll()
+                    await poll()
 
         task = asyncio.ensure_future(loop())
         try:
@@ -221,12 +270,12 @@ class GPUMemorySampler:
         finally:
             done.set()
             await task
-            rec.samples.stop = time.time()
+            samples.stop = time.time()
             with contextlib.suppress(Exception):
                 await client.run(_flush, on_error="ignore")
             with contextlib.suppress(Exception):
-                await rec.poll()
-            self.samples[label] = rec.samples
+                await poll()
+            self.samples[label] = samples
 
     # -- results ----------------------------------------------------------------------------
 
@@ -352,62 +401,6 @@ class GPUMemorySampler:
             for label, s in self.samples.items()
         ]
         return f"<GPUMemorySampler {'; '.join(parts) or 'no samples'}>"
-
-
-class _Recorder:
-    """Polls the scheduler's report handler and appends what is new to one GPUSamples."""
-
-    def __init__(self, label: str, client: Client):
-        self.client = client
-        self.samples = GPUSamples(label, start=time.time())
-        self.last: int | None = _FIRST_LAST
-        self.installed = False
-
-    async def poll(self) -> None:
-        from dask_rmm.client.fetch import fetch_report_data
-
-        while True:
-            data = await fetch_report_data(
-                self.client.scheduler, timeline=True, last=self.last, install=not self.installed
-            )
-            self.installed = True
-            if self._add(data) or self.last is None:
-                return
-            self.last = self.last * 2 if self.last < 1 << 16 else None
-
-    def _add(self, data: Mapping[str, Any]) -> bool:
-        """Add the report's new samples; False when some device's returned timeline starts after
-        what was kept (samples were missed: ask again for more)."""
-        complete = True
-        start = self.samples.start
-        present = set()
-        for w in data.get("workers") or ():
-            address = str(w.get("address", ""))
-            for dev, d in (w.get("devices") or {}).items():
-                key = (address, str(dev))
-                present.add(key)
-                series = self.samples.devices.get(key)
-                if series is None:
-                    series = self.samples.devices[key] = DeviceSeries(
-                        address, str(w.get("name", "")), str(dev)
-                    )
-                series.status = str(w.get("status", "running"))
-                timeline = d.get("timeline") or []
-                newest = series.used[-1][0] if series.used else start
-                if self.last and len(timeline) >= self.last and float(timeline[0][0]) > newest:
-                    complete = False
-                stop = self.samples.stop
-                series.add_used(timeline, start, stop)
-                if series.status == "running" and w.get("last_seen"):
-                    # A heartbeat's reserved bytes stand from the block's start to its stop.
-                    when = max(float(w["last_seen"]), start)
-                    when = when if stop is None else min(when, stop)
-                    series.add_reserved(when, int(d.get("reserved_bytes") or 0))
-        # Devices no longer in the report at all (forgotten by the scheduler): their worker left.
-        for key, series in self.samples.devices.items():
-            if key not in present:
-                series.status = "gone"
-        return complete
 
 
 async def _flush(dask_worker: Any = None) -> None:
