@@ -1,9 +1,7 @@
-"""The registry of library caches in front of dask-rmm's stacks (CuPy's ``MemoryPool``,
-compiled RMM's pool: blocks drawn from the stack, whose free bytes are reported beside it) and
-beside them (``outside_stack = True``: PyTorch's caching allocator, sharing the pool's maximum
-through :mod:`dask_rmm.mr.budget`): what they hold and how to make them give free blocks back.
-Also the libraries that spill their own objects when room is needed (cuDF's spill manager,
-:func:`spill_libraries`), after the caches gave back and before task outputs spill.
+"""The registry of library caches in front of dask-rmm's stacks (CuPy's and compiled RMM's
+pools) and beside them (``outside_stack``: PyTorch's, sharing the pool's maximum): what they
+hold and how to make them give free blocks back; and the libraries that spill their own objects
+(cuDF, :func:`spill_libraries`) after the caches gave back, before task outputs spill.
 """
 
 from __future__ import annotations
@@ -201,9 +199,8 @@ class CudfSpilling:
     name = "cudf"
 
     def manager(self) -> Any:
-        # Looked up, never imported: an import from here (a heartbeat, or an allocation made
-        # while another thread is importing cuDF) met that thread's import lock and raised
-        # _DeadlockError in a task (H100, bench/ooc_merge.py). cuDF imports this module itself.
+        # Looked up, never imported: an import from here could meet another thread's import
+        # lock on cuDF and raise _DeadlockError (bench/ooc_merge.py).
         module = sys.modules.get("cudf.core.buffer.spill_manager")
         get_global_manager = getattr(module, "get_global_manager", None)
         return None if get_global_manager is None else get_global_manager()

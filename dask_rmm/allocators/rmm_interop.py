@@ -214,11 +214,8 @@ class _Installation(NamedTuple):
 _lock = threading.Lock()
 #: device -> the installation RMM's per-device resource is (or was last) set to.
 _installed: dict[int, _Installation] = {}
-#: Uninstalled or replaced installations. RMM's C++ side keeps raw pointers to the callbacks in
-#: every buffer it allocated through them (cuDF columns hold no Python reference), so their
-#: Python objects must outlive every such buffer: they are kept for the life of the process
-#: (a few hundred bytes each; the dask-rmm resources they served are referenced only while
-#: pointers from them are live).
+#: Uninstalled or replaced installations, kept for the life of the process (a few hundred bytes
+#: each): RMM's buffers (cuDF columns) keep raw pointers to their callbacks, not references.
 _retired: list[_Installation] = []
 
 
@@ -230,12 +227,11 @@ RMM_CACHE_INITIAL_SIZE = 64 << 20
 class RMMPoolCache:
     """Compiled RMM's pool in front of dask-rmm's stack on ``device``.
 
-    ``top`` (RMM's per-device resource) is RMM's ``StatisticsResourceAdaptor`` over a
-    ``FailureCallbackResourceAdaptor`` over a ``PoolMemoryResource`` drawing its blocks through
-    ``forwarder`` (first :data:`RMM_CACHE_INITIAL_SIZE`, or ``initial_pool_size``; none if the
-    stack cannot give it). The growth is marked :func:`~dask_rmm.allocators.caches.drawing_for_cache`
-    (the stack fails it without spilling); when the pool is out of memory, the failure callback
-    makes room (:func:`dask_rmm.allocators.arbitration.make_room`) and RMM retries.
+    ``top`` (RMM's per-device resource): RMM's statistics adaptor over a failure-callback
+    adaptor over a ``PoolMemoryResource`` drawing blocks through ``forwarder`` (first
+    :data:`RMM_CACHE_INITIAL_SIZE`, or ``initial_pool_size``; none if the stack cannot give
+    it), marked :func:`~dask_rmm.allocators.caches.drawing_for_cache`; out of memory, the
+    callback makes room (:func:`~dask_rmm.allocators.arbitration.make_room`) and RMM retries.
     """
 
     name = "rmm"

@@ -1,17 +1,11 @@
-"""Memory admission on a Dask worker, through distributed's worker resources: the worker
-supplies its device budget as the resource :data:`~dask_rmm.pressure.admission.RESOURCE`
-(bytes), the scheduler gives each GPU task its expected peak as a resource restriction
-(:mod:`dask_rmm.scheduler.admission`), and the worker's state machine keeps a task
-``constrained`` until its peak fits beside the running tasks' (docs/memory-pressure.md).
-
-Here, on the worker: peaks are learned as tasks finish (growth in bytes in use across every
-library, :meth:`WorkerAdmission.transition`; sampled every :data:`TICK` and after CuPy's
-allocations, also those its cache serves) and sent to the scheduler; a task that secedes gives
-its budget back; a task left waiting while nothing finishes (one blocked on another without
-seceding) is admitted after :data:`STALL_SECONDS`; a task that failed with PyTorch's own device
-out-of-memory error (every other allocation made room and retried in place) makes room and is
-run once more (distributed's ``retries``), unless ``oom_retry`` is off or the task is annotated
-``gpu_retry=False``.
+"""Memory admission on a Dask worker, through distributed's worker resources: the worker supplies
+its device budget as the resource :data:`~dask_rmm.pressure.admission.RESOURCE`, the scheduler
+gives each GPU task its expected peak as a restriction (:mod:`dask_rmm.scheduler.admission`),
+and the state machine keeps a task ``constrained`` until it fits (docs/memory-pressure.md).
+Here: peaks learned as tasks finish (sampled every :data:`TICK` and after CuPy's allocations)
+and sent to the scheduler; a seceding task's budget given back; a stalled wait ended after
+:data:`STALL_SECONDS`; a task failed by PyTorch's own allocator run once more after room is
+made (unless ``oom_retry`` is off or the task is annotated ``gpu_retry=False``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Giving the workers' pooled memory back: :func:`release_unused` from a client (every worker's
-pools trimmed now, bytes released reported per worker) and :class:`PoolTrimmer`, a worker's
-automatic trimming above ``release_threshold``. Not here: trimming one pool (:mod:`dask_rmm.mr.trim`).
+"""Giving the workers' pooled memory back: now from a client (:func:`release_unused`), or
+automatically above ``release_threshold`` (:class:`PoolTrimmer`). Not here: trimming one pool
+(:mod:`dask_rmm.mr.trim`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ TRIMMER_KEY = "dask-rmm-trim"
 async def trim_worker(
     dask_worker: Worker, size: int | str | float | None = None, library_caches: bool = True
 ) -> list[dict[str, Any]]:
-    """On a worker (``client.run``): make the library caches in front of its dask-rmm stacks
-    give their free blocks back (``library_caches``), then trim the stacks' pools (see
-    :func:`dask_rmm.mr.trim.trim_resource`); one ``TrimResult.to_dict()`` per pool. Its metrics
-    then go to the scheduler at once, so that a report right after shows the pools trimmed."""
+    """On a worker (``client.run``): the library caches give their free blocks back
+    (``library_caches``), then the stacks' pools are trimmed; one ``TrimResult.to_dict()`` per
+    pool. The metrics go to the scheduler at once, so that a report right after shows it."""
     out = []
     for stack in worker_stack(dask_worker).active:
         from_caches = release_cached(stack.device) if library_caches else 0
@@ -115,8 +114,7 @@ def release_unused(
 def _check_release_arguments(
     size: Any, workers: Any, library_caches: Any
 ) -> tuple[Any, list[str] | None]:
-    """``release_unused``'s arguments checked on the client (a bad size raised on every worker;
-    one address string was taken as a list of its characters); one address becomes a list."""
+    """``release_unused``'s arguments checked on the client; one address becomes a list."""
     parse_size(size, "size")
     if isinstance(workers, str):
         workers = [workers]
@@ -136,10 +134,9 @@ def _check_release_arguments(
 
 
 class PoolTrimmer:
-    """A worker's automatic trimming: every :data:`TRIM_INTERVAL` seconds, each pool of its
-    stacks that holds more than the stack's ``release_threshold`` gives fully free chunks back
-    down to it (the pool counterpart of cudaMallocAsync's release threshold, which frees at
-    synchronizations). Releasing only free chunks, it never waits for or touches live blocks.
+    """A worker's automatic trimming: every :data:`TRIM_INTERVAL` seconds, each pool holding
+    more than its stack's ``release_threshold`` gives fully free chunks back down to it (as
+    cudaMallocAsync's release threshold does at synchronizations); live blocks are untouched.
     """
 
     def __init__(self, stacks: list[DeviceStack]):
