@@ -1,9 +1,7 @@
-"""``SpillOnDemandResourceAdaptor``: the top of a worker's stack under memory pressure. Before an
-allocation that would cross the device limit it has stored outputs spilled; when the resources
-below run out of memory it has outputs spilled and retries; an ``OutOfMemoryError`` that still
-gets through is reported (OOM forensics). It also keeps the last allocation events.
-
-What to spill and how is the ``handler``'s job (``DevicePressure``); this module is Dask-free.
+"""``SpillOnDemandResourceAdaptor``: the top of a worker's stack under memory pressure: outputs
+spilled before an allocation would cross the device limit, and on out-of-memory (then a retry);
+an error that still gets through reported (OOM forensics); the last allocation events kept.
+Not here: what to spill and how (the ``handler``, ``DevicePressure``). Dask-free.
 """
 
 from __future__ import annotations
@@ -64,12 +62,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
 
     Notes
     -----
-    An allocation made while this thread is spilling (copying to host may allocate) neither
-    spills nor is recorded as an OOM: there is no re-entry. No lock is held while spilling or
-    calling the upstream. Several threads may fail at once; one spills and retries at a time,
-    and each first retries, picking up what the others' spills freed. When nothing can be
-    spilled, a failed allocation retries while other threads free memory (see
-    ``DeviceSpillStore.spill_until``) before the error reaches the caller.
+    An allocation made while this thread spills neither spills nor is recorded as an OOM. No
+    lock is held while spilling or calling the upstream; of several threads failing at once,
+    one spills and retries at a time (``DeviceSpillStore.spill_until``).
     """
 
     def __init__(
@@ -86,10 +81,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self._task_key = task_key if task_key is not None else _no_task
         self._events: deque = deque(maxlen=max(int(history), 1))
         self._quiet_until = 0.0
-        # Bytes allocated through this adaptor, kept without a lock: the limit is measured
-        # exactly (handler.current_bytes, which takes the pool's lock) only when this estimate
-        # says it may be crossed. Updates lost to thread switches make it drift a little;
-        # every exact measurement (and the periodic check, via resync) resets it.
+        # Bytes allocated through this adaptor, without a lock (so drifting a little; every
+        # exact measurement resets it): the limit is measured only when this says it may cross.
         self._estimate = 0
         #: Deallocations so far (lock-free, so approximate): a failed allocation waiting for
         #: memory to change watches it.

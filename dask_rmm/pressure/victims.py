@@ -46,11 +46,8 @@ def coalescing_victims(
     all of them. Returns None when no such window exists (other live blocks are in the way
     everywhere).
     """
-    # The live block each candidate's pointers fall in. A library cache in front of the pool
-    # (CuPy's MemoryPool) carves several arrays out of one block it drew: the block is freed
-    # only once every candidate inside it is spilled (keyed by its start, a pointer matched
-    # only arrays at the head of a block, and spilling those freed nothing while the others
-    # lived: the "7.92 MiB free of a 64 MiB pool" OOM of CuPy's cache under spill_on_oom).
+    # The live block each candidate's pointers fall in: a library cache (CuPy's MemoryPool)
+    # carves several arrays out of one block, freed only once every one of them is spilled.
     live_sorted = sorted(live)
     live_starts = [p for p, _ in live_sorted]
     owners: dict[int, set[int]] = {}
