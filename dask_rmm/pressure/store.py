@@ -134,16 +134,10 @@ class DeviceSpillStore(MutableMapping):
 
     def __delitem__(self, key: Hashable) -> None:
         with self._lock:
+            if key not in self._device and key not in self.inner:
+                raise KeyError(key)
             self._mutations += 1
-            if key in self._device:
-                del self._device[key]
-                del self._lru[key]
-                self._drop_clean(key)
-                return
-            del self.inner[key]
-            spilled = self._spilled.pop(key, None)
-        if spilled is not None:
-            self.counters.forgotten(*spilled[:2])
+            self._forget(key)
 
     def clear(self) -> None:
         """Drop everything (without bringing spilled values back, as
