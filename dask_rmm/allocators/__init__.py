@@ -1,8 +1,6 @@
 """Library allocators: point CuPy, Numba, PyTorch and the compiled RMM at dask-rmm's current
-device resource (``set_allocators``: the worker plugin's ``allocators=[...]`` and
-``--set-rmm-allocator-for-libs``). The hooks live in the submodules, the registry of library
-caches in :mod:`dask_rmm.allocators.caches`. Importing this package imports none of the
-libraries.
+device resource (:func:`set_allocators`); the hooks live in the submodules. Importing this
+package imports none of the libraries.
 """
 
 from __future__ import annotations

@@ -32,9 +32,6 @@ MONITOR_KEY = "dask-rmm-pressure"
 class WorkerPressure:
     """Device-memory pressure handling for one worker.
 
-    Use: :meth:`wrap` each device's stack top before installing it (nothing on the worker
-    changes), then :meth:`attach` to the worker; :meth:`detach` on teardown.
-
     Parameters
     ----------
     spill_on_oom : bool
@@ -53,7 +50,7 @@ class WorkerPressure:
 
         wp = WorkerPressure(spill_on_oom=True)
         wp.wrap(stack, capacity=pool_max, limit=limit)  # stack.top is the adaptor now
-        wp.attach(worker)
+        wp.attach(worker)  # and wp.detach() at teardown
     """
 
     def __init__(

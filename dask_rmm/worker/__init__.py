@@ -1,5 +1,3 @@
-"""The worker side of dask-rmm under Dask: the stacks installed on a worker
-(:mod:`~dask_rmm.worker.stacks`), its heartbeat metrics (:mod:`~dask_rmm.worker.metrics`), giving pooled memory
-back (:mod:`~dask_rmm.worker.trim`). The entry points are
-:mod:`dask_rmm.plugin` and :mod:`dask_rmm.preload`; memory pressure is :mod:`dask_rmm.pressure`.
+"""The worker side under Dask: installed stacks, heartbeat metrics, trimming, admission. Not here:
+the entry points (:mod:`dask_rmm.plugin`, :mod:`dask_rmm.preload`), :mod:`dask_rmm.pressure`.
 """
