@@ -35,10 +35,11 @@ class DevicePressure:
         The worker's data store (spills values of this device).
     resource : DeviceMemoryResource
         The worker's stack for this device, below the spill adaptor.
-    pool, statistics, attribution : optional
-        Layers of that stack: a ``PoolMemoryResource`` (free-block layouts), a
-        ``StatisticsResourceAdaptor`` (the bytes in use), an ``AttributionResourceAdaptor``
-        (live bytes by task prefix).
+    statistics : StatisticsResourceAdaptor
+        The stack's statistics: the bytes in use.
+    pool, attribution : optional
+        The stack's ``PoolMemoryResource`` (free-block layouts) and
+        ``AttributionResourceAdaptor`` (live bytes by task prefix).
     capacity : int
         What the pause fraction is a fraction of: the pool's maximum, else the device's memory.
     limit : int, optional
@@ -60,8 +61,8 @@ class DevicePressure:
         resource: DeviceMemoryResource,
         capacity: int,
         *,
+        statistics: Any,
         pool: Any = None,
-        statistics: Any = None,
         attribution: Any = None,
         limit: int | None = None,
         spill_on_oom: bool = False,
@@ -104,17 +105,8 @@ class DevicePressure:
         """Bytes in use on this device: allocated through the worker's resource, less the free
         bytes that library caches in front of it hold (those are given back, not spilled), plus
         the bytes in the objects of caches beside it (PyTorch's tensors)."""
-        return self._stack_bytes() + caches.outside_in_use_bytes(self.device)
-
-    def _stack_bytes(self) -> int:
-        if self.statistics is not None:
-            allocated = self.statistics.current_bytes
-        elif self.pool is not None:
-            info = self.pool.reserved_memory_info()
-            allocated = info.reserved_bytes - info.free_bytes
-        else:
-            return self.store.device_bytes(self.device)
-        return max(0, allocated - self.cached_bytes())
+        stack = max(0, self.statistics.current_bytes - self.cached_bytes())
+        return stack + caches.outside_in_use_bytes(self.device)
 
     def cached_bytes(self) -> int:
         """Free bytes library caches (CuPy's pool, compiled RMM's pool) hold from this device's
@@ -150,7 +142,7 @@ class DevicePressure:
         if pool is not None:
             maximum = pool.maximum_pool_size
             full = maximum is not None and maximum - pool.pool_size() < maximum // 8
-        if not full and self.limit is not None and self.statistics is not None:
+        if not full and self.limit is not None:
             full = self.statistics.current_bytes > self.limit
         if not full or self.cached_bytes() == 0:
             return 0
@@ -305,8 +297,8 @@ class DevicePressure:
         by_prefix: list = []
         if self.attribution is not None:
             owners = sorted(self.attribution.get_attribution(), key=lambda o: -o.current_bytes)
-            by_prefix = [(o.owner, o.current_bytes) for o in owners if o.current_bytes][
-                :TOP_PREFIXES
+            by_prefix = [
+                (o.owner, o.current_bytes) for o in owners[:TOP_PREFIXES] if o.current_bytes
             ]
         key = self.task_key() if self.task_key is not None else None
         if key is None:
