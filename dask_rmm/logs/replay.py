@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dask_rmm import _cuda
@@ -160,7 +160,6 @@ class ReplayResult:
     seconds: float  #: wall time, log reading included
     call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
-    notes: tuple[str, ...] = field(default=())
     #: rows that failed here, new failures and re-issued original failures (``failures``
     #: holds the first 50 of them)
     failed_rows: int = 0
@@ -364,8 +363,6 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
         lines.append(f"    ... {r.new_failures - len(listed):,} more new failures not listed")
     if r.truncated:
         lines.append(f"  note             cut-off last line skipped: {r.truncated}")
-    for n in r.notes:
-        lines.append(f"  note             {n}")
     return "\n".join(lines)
 
 

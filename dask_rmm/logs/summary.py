@@ -101,12 +101,9 @@ class LogSummary:
     truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
     #: what the reader of the numbers should know (how the peak compares with the report's)
     notes: tuple[str, ...] = ()
-    #: restart markers: a new writer appended to the log (a worker restarted under the same
-    #: name, or a re-registration of the plugin in the same process, whose previous writer had
-    #: closed the file) ...
+    #: restart markers (a new writer appended to the log) and the allocations the previous
+    #: writer's process still held then, which ended with it (not counted as outstanding)
     restarts: int = 0
-    #: ... and the allocations the previous one still held then, which ended with it (not
-    #: counted as outstanding: its memory went back to the device when it died)
     ended_with_process_count: int = 0
     ended_with_process_bytes: int = 0
 
@@ -328,23 +325,21 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         lines.append(
             f"  time          {format_time(s.start)} .. {format_time(s.end)}  ({s.duration:.6f} s)"
         )
-    lines.append(f"  rows          {s.rows:,}")
-    lines.append(
-        f"  allocations   {s.allocations:,} ({format_size(s.allocated_bytes)})   "
-        f"frees {s.frees:,} ({format_size(s.freed_bytes)})   "
-        f"failures {s.failures:,} ({format_size(s.failed_bytes)})"
-    )
     peak = f"  peak          {format_size(s.peak_bytes)}"
     if s.peak_time is not None:
         rel = s.peak_time - s.start if s.start is not None else 0.0
         peak += f" at {format_time(s.peak_time)} (+{rel:.6f} s, line {s.peak_line}"
         peak += f" of {s.peak_source})" if s.name == "combined" else ")"
-    lines.append(peak)
-    lines.append(f"  most live     {s.peak_count:,} allocations at once")
-    lines.append(
+    lines += [
+        f"  rows          {s.rows:,}",
+        f"  allocations   {s.allocations:,} ({format_size(s.allocated_bytes)})   "
+        f"frees {s.frees:,} ({format_size(s.freed_bytes)})   "
+        f"failures {s.failures:,} ({format_size(s.failed_bytes)})",
+        peak,
+        f"  most live     {s.peak_count:,} allocations at once",
         f"  outstanding   {format_size(s.outstanding_bytes)} in {s.outstanding_count:,} "
-        "allocations never freed"
-    )
+        "allocations never freed",
+    ]
     # The summary kept the ``top`` largest (summarize's, the CLI's --top): all of them are listed.
     for o in s.largest_outstanding:
         where = f"{o.source} " if s.name == "combined" else ""

@@ -17,23 +17,11 @@ from dask_rmm.logs.summary import Summarizer
 __all__ = ["Timeline", "in_use_timeline", "plot_logs", "timelines_figure"]
 
 
-class _Envelope:
-    """Bounded list of (time, bytes) keeping the upper envelope: when it grows past twice
-    ``max_points``, neighbouring pairs merge into the higher of the two."""
-
-    def __init__(self, max_points: int):
-        self.max_points = max(16, max_points)
-        self.points: list[tuple[float, int]] = []
-
-    def add(self, t: float, v: int) -> None:
-        pts = self.points
-        pts.append((t, v))
-        if len(pts) >= 2 * self.max_points:
-            last = pts[-1]
-            merged = [max(pts[i], pts[i + 1], key=_BYTES) for i in range(0, len(pts) - 1, 2)]
-            if merged[-1] is not last:
-                merged.append(last)
-            self.points = merged
+def _halved(pts: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """Neighbouring pairs of ``(time, bytes)`` merged into the higher of the two (the upper
+    envelope), the last point kept."""
+    merged = [max(pts[i], pts[i + 1], key=_BYTES) for i in range(0, len(pts) - 1, 2)]
+    return merged if merged[-1] is pts[-1] else [*merged, pts[-1]]
 
 
 _BYTES = operator.itemgetter(1)
@@ -67,22 +55,23 @@ def in_use_timeline(
     stderr.
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    sources: dict[str, tuple[Summarizer, _Envelope, list[tuple[float, int]]]] = {}
+    sources: dict[str, tuple[Summarizer, list[tuple[float, int]], list[tuple[float, int]]]] = {}
     for e in read_logs(paths, progress="reading logs" if progress else None):
         source = sources.get(e.source)
         if source is None:
-            source = sources[e.source] = (Summarizer(e.source), _Envelope(max_points), [])
-            source[1].add(e.time, 0)
-        summary, envelope, failures = source
+            source = sources[e.source] = (Summarizer(e.source), [(e.time, 0)], [])
+        summary, points, failures = source
         summary.add(e)
         if e.action is not Action.ALLOCATE_FAILURE:
-            envelope.add(e.time, summary.current)
+            points.append((e.time, summary.current))
+            if len(points) >= 2 * max(16, max_points):
+                points[:] = _halved(points)
         elif len(failures) < max_points:
             failures.append((e.time, summary.current))
     out = []
-    for name, (summary, envelope, failures) in sorted(sources.items()):
+    for name, (summary, points, failures) in sorted(sources.items()):
         peak = summary.peak_event
-        times, values = [p[0] for p in envelope.points], [p[1] for p in envelope.points]
+        times, values = [p[0] for p in points], [p[1] for p in points]
         out.append(
             Timeline(name, times, values, summary.peak, peak.time if peak else None, failures)
         )
