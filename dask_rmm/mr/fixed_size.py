@@ -19,7 +19,7 @@ from dask_rmm.mr.base import (
     deallocate_refused,
 )
 from dask_rmm.mr.locks import gc_paused_lock
-from dask_rmm.mr.stream_order import order_after, stream_ordered
+from dask_rmm.mr.stream_order import FRESH_KEY, order_after, stream_ordered
 from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
@@ -188,7 +188,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _add_chunk(self, stream: Stream, fresh: bool = False) -> list[int]:
+    def _add_chunk(self, stream: Stream, fresh: bool = False) -> None:
         size = self._block_size * self._per_chunk
         try:
             start = self.upstream_mr.allocate(size, stream)
@@ -205,13 +205,12 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
             ) from e
         with self._lock:
             self._chunks[start] = size
-            key = "fresh" if fresh else stream.order_key()
+            key = FRESH_KEY if fresh else stream.order_key()
             blocks = self._free.setdefault(key, [])
             if not fresh:
                 self._streams[key] = stream
             # reversed so that pop() hands out addresses in increasing order
             blocks.extend(range(start + size - self._block_size, start - 1, -self._block_size))
-        return blocks
 
     def _allocate_slow(self, nbytes: int, key: Any, stream: Stream) -> int:
         victim: tuple[Hashable, Stream | None] | None = None

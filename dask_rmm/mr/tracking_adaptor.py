@@ -115,16 +115,13 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     def get_outstanding_allocations_str(self) -> str:
         """One line per live allocation by address, as RMM prints them (``0x7f...: 1024 B``, then
         ``: callstack:`` and the stack when captured)."""
-        items = sorted(self._snapshot().items())
         stacks = dict(self._stacks)
-        out = []
-        for ptr, nbytes in items:
-            stack = stacks.get(ptr)
-            line = f"{ptr:#x}: {nbytes} B"
-            if stack is not None:
-                line += " : callstack:\n" + stack.rstrip("\n")
-            out.append(line + "\n")
-        return "".join(out)
+        return "".join(
+            f"{ptr:#x}: {nbytes} B"
+            + (" : callstack:\n" + stacks[ptr].rstrip("\n") if ptr in stacks else "")
+            + "\n"
+            for ptr, nbytes in sorted(self._snapshot().items())
+        )
 
     def log_outstanding_allocations(self) -> None:
         """Write :meth:`get_outstanding_allocations_str` to the debug logger at debug level."""
