@@ -192,11 +192,8 @@ class CupyPoolCache:
     def release(self, device: int) -> int:
         """Give CuPy's free blocks on ``device`` back to the stack (blocks partly in use stay);
         the bytes given back."""
-        # Counted as the blocks go back, on this thread: the difference of the pool's
-        # total_bytes() before and after also moved with other threads' draws (CuPy adds a
-        # draw's size to it before calling the allocator), so a release that gave blocks back
-        # could read as 0 (or less) and the caller give up on an allocation that would fit.
-        # (The difference stays a floor, should a block's memory object outlive the release.)
+        # Counted as the blocks go back, on this thread: total_bytes() before and after also
+        # moves with other threads' draws, so a release could read as 0 (it stays a floor).
         counting: list[int] = []
         _released.counting = counting
         try:
@@ -324,10 +321,8 @@ def _set_allocator(allocator: Any) -> None:
 
 
 def _watched(allocate: Callable[[int], Any]) -> Callable[[int], Any]:
-    # CuPy calls its allocator for every allocation (``cupy.cuda.memory.alloc``): a MemoryPool's
-    # ``malloc`` is that allocator, and serves from its cache inside it. This runs on every CuPy
-    # allocation while watched: one frame and one call (~0.2 us); made again when the watchers
-    # change, so that one watcher is called directly.
+    # Runs on every CuPy allocation while watched (a MemoryPool's malloc too): ~0.2 us; made
+    # again when the watchers change, so that one watcher is called directly.
     watchers = tuple(_watchers.values())
     if len(watchers) == 1:
         (watcher,) = watchers

@@ -48,24 +48,18 @@ FREE_FN_TYPE = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
 )
 
-# Pointer -> the resource it came from, so that a pointer goes back to its own resource even
-# when the current resource was replaced meanwhile (single dict operations: atomic under the GIL).
+# Pointer -> the resource it came from, also after the current one was replaced (atomic ops).
 _live: dict[int, Any] = {}
 _errors = threading.local()
-# Idents of the threads with a failure pending (armed); empty on every normal allocation, so the
-# callbacks' fast path reads one module global instead of thread-local state.
+# Idents of the threads with a failure pending (armed): what the callbacks' fast path reads.
 _armed_threads: set[int] = set()
 
 
 def allocate(size: int, device: int, stream: int | None) -> int | None:
     """The allocation callback (also callable from Python): a pointer, or None (NULL) on failure."""
-    # The path every tensor takes: no thread-local state is read or written unless some thread
-    # has a failure pending (see _raise_when_back_in_python).
+    # Every tensor's path: no thread-local state unless some thread has a failure pending.
     if _armed_threads:
-        # A hook armed by an earlier failure that has not fired yet is stale now: PyTorch is
-        # asking again (a retry, or a later call), so it must neither fire inside the
-        # resource's code below nor make this allocation raise.
-        _disarm()
+        _disarm()  # PyTorch asks again: a hook not fired yet is stale (must not fire below)
     s = None
     try:
         s = _streams.get(stream or 0) or _stream_for(stream or 0)
