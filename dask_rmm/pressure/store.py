@@ -47,15 +47,11 @@ class _Entry(NamedTuple):
 class DeviceSpillStore(MutableMapping):
     """A ``MutableMapping`` over the worker's mapping ``inner`` that spills device objects.
 
-    Values that hold device memory (see :mod:`dask_rmm.pressure.device_objects`) are kept here,
-    in least-recently-used order; :meth:`spill` replaces the chosen ones by host copies stored
-    in ``inner``; reading a spilled key copies it back to the device. Only values that nothing
-    else references (no running task, no transfer) are spilled: spilling anything else would
-    free no device memory. Other attributes (``fast``, ``evict``, ``spilled_total`` of a
-    ``SpillBuffer``) are ``inner``'s, so distributed's memory monitor keeps working.
-
-    Thread safe: the event loop reads and writes while task threads may spill (from inside a
-    failed allocation). No lock is held while device memory is allocated.
+    Values holding device memory are kept here, least recently used first; :meth:`spill`
+    replaces those nothing else references by host copies in ``inner``; reading a spilled key
+    brings it back. Other attributes (a ``SpillBuffer``'s ``fast``, ``evict``, ...) are
+    ``inner``'s, so distributed's memory monitor keeps working. Thread safe; no lock is held
+    while device memory is allocated.
 
     Parameters
     ----------

@@ -56,11 +56,9 @@ def release_unused(
     workers: list[str] | None = None,
     library_caches: bool = True,
 ) -> Any:
-    """Give the free memory of every worker's pools back to the device, now: the library
-    caches in front of the stacks give their free blocks back (unless ``library_caches`` is
-    False), then each pool of the workers' stacks releases its fully free chunks down to
-    ``size`` (default: its ``pool_size``; a cudaMallocAsync pool's: its release threshold).
-    Blocks in use are never touched.
+    """Give the free memory of every worker's pools back to the device, now: the library caches
+    give their free blocks back, then each pool releases its fully free chunks down to ``size``
+    (default: its ``pool_size``; a cudaMallocAsync pool's: its release threshold).
 
     Parameters
     ----------
