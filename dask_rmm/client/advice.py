@@ -1,7 +1,6 @@
-"""Sizing advice: ``pool_size``, ``maximum_pool_size`` and allocator per worker device, each with
-its reason, from allocation logs (peak, and replays of the log against candidate pool sizes) or
-from a cluster report (peaks, fragmentation, OOM verdicts), and the device's size.
-``dask rmm advise`` prints it. Not here: reading logs and replaying them (:mod:`dask_rmm.logs`).
+"""Sizing advice (``dask rmm advise``): ``pool_size``, ``maximum_pool_size`` and allocator per
+worker device, each with its reason, from allocation logs or a cluster report. Not here: reading
+logs and replaying them (:mod:`dask_rmm.logs`).
 """
 
 from __future__ import annotations
@@ -220,16 +219,11 @@ def advise_from_logs(
     gpu: bool | None = None,
     progress: bool = False,
 ) -> list[Advice]:
-    """Advice for each log (one worker device each), from its peak and replays of it.
-
-    The log is replayed on pools of increasing size (:data:`CANDIDATE_FACTORS` times its peak
-    in use, each its own maximum) until one serves every allocation the original run got: that
-    pool is what the workload needs, and more than :data:`FRAGMENTING` times the peak means it
-    fragments. ``device_memory`` (bytes; 0: unknown) bounds ``maximum_pool_size``;
-    ``on_device`` says the logs come from GPU workers (cudaMallocAsync is an option there).
-    ``gpu`` is :func:`dask_rmm.logs.replay.replay`'s (default: replay on a GPU when there is one).
-    ``progress`` draws click's progress bar on stderr for the summary and each replay.
-    """
+    """Advice for each log (one worker device each), from its peak and replays of it on pools
+    of :data:`CANDIDATE_FACTORS` times the peak (docs/gpu-memory-tools.md). ``device_memory``
+    (bytes; 0: unknown) bounds ``maximum_pool_size``; ``on_device``: the logs come from GPU
+    workers (cudaMallocAsync is an option there); ``gpu`` is :func:`~dask_rmm.logs.replay.replay`'s;
+    ``progress`` draws click's progress bar on stderr."""
     from dask_rmm.logs.replay import replay
     from dask_rmm.logs.summary import summarize
 
@@ -305,12 +299,8 @@ def advise_from_logs(
 
 
 def advise_from_report(report: ClusterMemoryReport) -> list[Advice]:
-    """Advice for each running worker device of a cluster report (no logs: no replay).
-
-    The peak is the larger of the device's peak since setup and its timeline's; fragmentation
-    is seen in out-of-memory errors with the verdict "fragmentation", or in a pool whose free
-    memory is mostly in pieces (fragmentation >= 0.5 with a quarter of the pool free).
-    """
+    """Advice for each running worker device of a cluster report (no replay): fragmentation is
+    an OOM verdict "fragmentation", or fragmentation >= 0.5 with a quarter of the pool free."""
     return [_advise_device(d) for d in report.running]
 
 

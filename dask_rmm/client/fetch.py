@@ -75,31 +75,11 @@ def cluster_report(
 ):
     """The cluster's RMM memory now, per worker and device, with the recent timeline.
 
-    Parameters
-    ----------
-    client : distributed.Client, optional
-        Default: the current default client.
-    timeline : bool
-        Fetch the per-device sample timelines (needed for plots and the cluster's peak).
-    last : int, optional
-        Only the newest ``last`` points of each timeline.
-    top : int, optional
-        Only the first ``top`` devices in ``sort`` order (the totals still cover all devices).
-    sort : {"worker", "current", "peak", "fragmentation"}, optional
-        Order of the devices: by worker address (the default), or largest first; "peak" when
-        ``top`` leaves devices out and no order is given.
-    worker : str, optional
-        Only the devices of workers whose address or name contains this text.
-
-    Returns
-    -------
-    ClusterMemoryReport
-        (or an awaitable of one with an asynchronous client). A cluster without dask-rmm
-        workers gives a report that says so.
-
-    Examples
-    --------
-    With ``client`` a Client of a running cluster (the doctest run skips these lines):
+    ``client`` defaults to the current one (TypeError for anything but a Client); ``timeline``,
+    ``last``, ``top``, ``sort`` and ``worker`` are
+    :class:`~dask_rmm.scheduler.report_build.ReportRequest`'s (the timelines are needed for plots
+    and the cluster's peak). Returns a :class:`ClusterMemoryReport` (an awaitable of one with an
+    asynchronous client); a cluster without dask-rmm workers gives a report that says so.
 
     >>> client.register_plugin(RMMPlugin(pool_size="4GiB"))  # doctest: +SKIP
     >>> print(cluster_report(client))  # doctest: +SKIP

@@ -1,8 +1,5 @@
 """Draws the memory timeline, and where each device's bytes are, as self-contained inline SVG
-strings (no JavaScript, no CDN).
-
-Used by the report's HTML and the scheduler's /dask-rmm page; the PNG plot is in ``plot.py``.
-"""
+strings (no JavaScript, no CDN) for the report's HTML and the scheduler's /dask-rmm page."""
 
 from __future__ import annotations
 
@@ -33,19 +30,14 @@ Series = tuple[str, str, Sequence[Sequence[float]]]
 
 def _nice_step(span: float, ticks: int = 5) -> float:
     """A round step (1, 2, 2.5 or 5 times a power of ten) giving about ``ticks`` ticks."""
-    raw = span / max(ticks, 1)
-    if raw <= 0:
-        return 1.0
+    raw = span / ticks  # span > 0
     magnitude = 10.0 ** math.floor(math.log10(raw))
     return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
 
 
 def byte_step(top: float) -> float:
-    # Ticks at round binary sizes (1, 2, 4, ... x KiB/MiB/GiB) so the labels read cleanly.
-    step = 1.0
-    while top / step > 5:
-        step *= 2
-    return step
+    """A power of two giving at most 5 ticks up to ``top``: labels at round binary sizes."""
+    return 2.0 ** max(0, math.ceil(math.log2(max(top, 5) / 5)))
 
 
 def bucket_maxima(
@@ -53,14 +45,8 @@ def bucket_maxima(
 ) -> list[float | None]:
     """The most in use in each of ``buckets`` equal time buckets of ``[t0, t1]``, from samples
     ``(time, current_bytes, max_bytes_in_interval)`` oldest first (None: a bucket the samples do
-    not cover).
-
-    A sample's maximum is the most in use since the sample before it, so it counts in every
-    bucket its interval touches, and in no other: a burst between two samples shows as high as
-    it was over that interval only, never sloping into the next. The same buckets for every
-    series make a device's line never rise above the total's where the total's samples cover
-    the device's.
-    """
+    not cover). A sample's maximum counts in every bucket its interval (since the sample before
+    it) touches, and in no other."""
     out: list[float | None] = [None] * buckets
     if not points or buckets < 1:
         return out
