@@ -1,7 +1,8 @@
 """``DeviceBuffer``, an untyped, resizable allocation from a memory resource with RMM's API, and
 RMM's pointer copy helpers. Copies on a default stream synchronize it, on another are
 asynchronous; host memory (or no GPU) is copied with ``memmove``. Importing this module
-registers DeviceBuffer's Dask serializers with distributed (at the end of this file).
+registers DeviceBuffer's Dask serializers with distributed (at the end of this file: where
+DeviceBuffer lives, as distributed has no lazy door for a type whose module may load first).
 """
 
 from __future__ import annotations
@@ -12,11 +13,18 @@ import sys
 from typing import Any
 
 import numpy as np
+from distributed.protocol import (
+    cuda_deserialize,
+    cuda_serialize,
+    dask_deserialize,
+    dask_serialize,
+)
 
 from dask_rmm import _cuda
 from dask_rmm.logger import OneLineFor
 from dask_rmm.mr.base import DeviceMemoryResource, check_nbytes, stream_arg
 from dask_rmm.mr.registry import get_current_device_resource
+from dask_rmm.sizes import format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, Stream, as_stream
 
 __all__ = [
@@ -414,13 +422,12 @@ class NoMemoryForDeviceBufferError(_cuda.CUDAUnavailableError):
     client without a GPU gathering a result from host-memory workers)."""
 
 
-def _received(header: dict, frame: Any) -> DeviceBuffer:
+def _received(header: dict, frames: list) -> DeviceBuffer:
     """The DeviceBuffer of a received frame: a DeviceBuffer as is; another device frame (a
     comm's receive buffer) or host bytes copied into a new buffer from the current resource."""
+    (frame,) = frames
     nbytes = header["size"]
     if not isinstance(frame, DeviceBuffer):
-        from dask.utils import format_bytes
-
         try:
             mr = get_current_device_resource()
         except _cuda.CUDAUnavailableError as e:
@@ -444,41 +451,20 @@ def _received(header: dict, frame: Any) -> DeviceBuffer:
     return frame
 
 
-def _register_serializers() -> None:
-    """distributed's ``dask`` family (one host frame, a copy of the bytes: TCP, spilling) and
-    ``cuda`` family (the buffer itself, with the CUDA array interface's shape and type as RMM's
-    serializer sends them: UCX)."""
-    from distributed.protocol import (
-        cuda_deserialize,
-        cuda_serialize,
-        dask_deserialize,
-        dask_serialize,
-    )
-
-    def cuda_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
-        shape = {"shape": (buf.size,), "typestr": "|u1", "strides": (1,)}
-        return {"size": buf.size, **shape}, [buf]
-
-    def dask_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
-        return {"size": buf.size}, [memoryview(buf.copy_to_host())]
-
-    def loads(header: dict, frames: list) -> DeviceBuffer:
-        (frame,) = frames
-        return _received(header, frame)
-
-    cuda_serialize.register(DeviceBuffer)(cuda_dumps)
-    dask_serialize.register(DeviceBuffer)(dask_dumps)
-    cuda_deserialize.register(DeviceBuffer)(loads)
-    dask_deserialize.register(DeviceBuffer)(loads)
-    # distributed logs every deserialization error with its traceback, then raises it
-    logging.getLogger("distributed.protocol.core").addFilter(
-        OneLineFor(NoMemoryForDeviceBufferError)
-    )
+# distributed's ``cuda`` family (the buffer itself, with the CUDA array interface's shape and type
+# as RMM's serializer sends them: UCX) and ``dask`` family (one host frame, a copy: TCP, spilling).
+def _cuda_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
+    shape = {"shape": (buf.size,), "typestr": "|u1", "strides": (1,)}
+    return {"size": buf.size, **shape}, [buf]
 
 
-try:  # distributed has no lazy door for a type whose module may load first: register now
-    import distributed.protocol  # noqa: F401
-except ImportError:  # pragma: no cover - distributed is a dependency
-    pass
-else:
-    _register_serializers()
+def _dask_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
+    return {"size": buf.size}, [memoryview(buf.copy_to_host())]
+
+
+cuda_serialize.register(DeviceBuffer)(_cuda_dumps)
+dask_serialize.register(DeviceBuffer)(_dask_dumps)
+cuda_deserialize.register(DeviceBuffer)(_received)
+dask_deserialize.register(DeviceBuffer)(_received)
+# distributed logs every deserialization error with its traceback, then raises it
+logging.getLogger("distributed.protocol.core").addFilter(OneLineFor(NoMemoryForDeviceBufferError))

@@ -255,11 +255,10 @@ async def dask_setup(worker: Any, **flags: Any) -> None:
         worker_stack(worker).command_line = plugin
     except Exception as e:
         worker.plugins.pop(plugin.name, None)
-        reason = _reason(e)
-        if isinstance(e, RMMSetupError) and e.failures:
-            reason = "; ".join(e.failures.values())
-        await fatal.stop_worker(worker, f"dask-rmm setup failed: {reason}")
-        raise WorkerSetupFailed(f"dask-rmm setup failed: {reason}") from e
+        failed = "; ".join(e.failures.values()) if isinstance(e, RMMSetupError) else ""
+        reason = f"dask-rmm setup failed: {failed or _reason(e)}"
+        await fatal.stop_worker(worker, reason)
+        raise WorkerSetupFailed(reason) from e
 
 
 def _same(option: str, a: Any, b: Any) -> bool:

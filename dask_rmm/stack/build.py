@@ -6,6 +6,7 @@ Not here: the options model (``options.py``), installing stacks on a worker
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -72,10 +73,6 @@ def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
     the name a claim would take now, and None (a worker's log file is created at its first
     row, claimed then).
     """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no reservation, the name is used as is
-        return path, None
     stem, _, ext = path.rpartition(".dev")
     candidates = [path, f"{stem}-{os.getpid()}.dev{ext}"]
     candidates += [f"{stem}-{os.getpid()}-{i}.dev{ext}" for i in range(1, 64)]

@@ -445,8 +445,9 @@ def test_flags_survive_scheduler_file_without_an_address(
             options = next(iter(client.run(_plugin_options).values()))
     finally:
         out = _stop(worker)
-    assert f"PoolMemoryResource pool_size=32.00 MiB maximum=unlimited upstream=<{_BASE_CLASS}" in (
-        description
+    assert (
+        f"PoolMemoryResource device=0 pool_size=32.00 MiB maximum=unlimited upstream=<{_BASE_CLASS}"
+        in description
     ), (description, out)
     assert (options["pool_size"], options["base_resource"]) == (32 << 20, BASE)
     if recovered:
