@@ -1,9 +1,5 @@
-"""Numba allocator: ``RMMNumbaManager``, a Numba External Memory Management (EMM) plugin.
-
-Device allocations come from the resource of the Numba context's device; pinned and mapped
-host memory stay with Numba's own implementation (``HostOnlyCUDAMemoryManager``). Use it with
-``numba.cuda.set_memory_manager(RMMNumbaManager)`` or
-``NUMBA_CUDA_MEMORY_MANAGER=dask_rmm.allocators.numba``, before Numba creates a CUDA context.
+"""Numba allocator: ``RMMNumbaManager``, a Numba External Memory Management (EMM) plugin taking
+device memory from the resource of the context's device (host memory stays Numba's).
 """
 
 from __future__ import annotations

@@ -87,12 +87,9 @@ _batch = threading.local()
 
 @contextlib.contextmanager
 def spill_batch() -> Iterator[None]:
-    """Copies to host made by this thread inside the block synchronize each device once.
-
-    CuPy and Numba arrays do not say which stream wrote them, so copying one to host first
-    synchronizes its device; for a batch of victims chosen together (outputs nothing
-    references, so no new work can be queued on them) the first synchronization covers all.
-    """
+    """Copies to host made by this thread inside the block synchronize each device once (CuPy
+    and Numba arrays do not say which stream wrote them; victims chosen together are outputs
+    nothing references, so the first synchronization covers all)."""
     outer = getattr(_batch, "synchronized", None)
     if outer is None:
         _batch.synchronized = set()
