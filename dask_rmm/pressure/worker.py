@@ -195,10 +195,7 @@ class WorkerPressure:
         resume it when all are below. Never raises."""
         worker = self._worker
         try:
-            over = False
-            for dp in self.devices.values():
-                if dp.relieve():
-                    over = True
+            over = any([dp.relieve() for dp in self.devices.values()])  # every device relieved
             if worker is None:
                 return
             if over:
