@@ -195,6 +195,8 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
 ]  # fmt: skip
 #: Parameter name (``rmm_pool_size``) -> RMMPlugin option (``pool_size``).
 _FLAG_TO_OPTION = {f.split("/")[0][2:].replace("-", "_"): o for f, o, _ in _FLAGS}
+#: RMMPlugin option -> parameter name.
+_PARAMS = {o: f for f, o in _FLAG_TO_OPTION.items()}
 
 
 #: dask-cuda's own preload flag: ``dask cuda worker`` and ``LocalCUDACluster`` give it to every
@@ -285,9 +287,8 @@ def plugin_for_worker(worker: Any, flags: dict[str, Any]) -> Any:
         return plugin_from_flags(**flags)
     typed = dask_cuda.options_from_rmm_setup(setup)
     flags = dict(flags)
-    by_option = {o: f for f, o in _FLAG_TO_OPTION.items()}
     for option, (value, flag) in typed.items():
-        ours = by_option[option]
+        ours = _PARAMS[option]
         given = flags.get(ours)
         if option == "allocators":
             flags[ours] = [*dict.fromkeys([*(given or ()), *value])]
@@ -357,11 +358,10 @@ def plugin_from_flags(**flags: Any):
     try:
         return RMMPlugin(**options)
     except (TypeError, ValueError) as e:
-        flags_by_option = {o: "--" + f.replace("_", "-") for f, o in _FLAG_TO_OPTION.items()}
 
         def as_flag(match: re.Match) -> str:  # `pool_size`, `async_alloc=True`, pool_size='x'
-            flag = flags_by_option.get(match.group(1) or match.group(2))
-            return match.group(0) if flag is None else flag
+            param = _PARAMS.get(match.group(1) or match.group(2))
+            return match.group(0) if param is None else "--" + param.replace("_", "-")
 
         message = re.sub(r"`(\w+)(?:=True)?`|^(\w+)(?==)", as_flag, str(e))
         raise click.UsageError(message) from e
