@@ -79,7 +79,6 @@ class performance_report(distributed.performance_report):
         self.sampler = GPUMemorySampler()
         self._sampling: Any = None
         self._begin: ClusterMemoryReport | None = None
-        self._end: ClusterMemoryReport | None = None
         #: ``{worker: {device: {task group: peak bytes in the block} or None}}`` (None before
         #: the block ended, or when the workers could not say).
         self.block_peaks: dict[str, dict[str, dict[str, int] | None]] | None = None
@@ -107,6 +106,8 @@ class performance_report(distributed.performance_report):
     async def __aexit__(self, exc_type, exc_value, traceback, code=None):
         from distributed import get_client
 
+        from dask_rmm.worker.peak_windows import close_peak_windows
+
         if code is None:  # `async with` (distributed's __exit__ passes it): the caller's code
             frame = inspect.currentframe()
             for _ in range(self._level):
@@ -116,24 +117,18 @@ class performance_report(distributed.performance_report):
             except (OSError, TypeError):
                 code = None
         await self._sampling.__aexit__(exc_type, exc_value, traceback)
-        self.block_peaks = await _close_windows(get_client(), self._window)
-        self._end = await _fetch(get_client())
+        client = get_client()
+        try:
+            peaks = await client.run(close_peak_windows, window=self._window, on_error="ignore")
+            self.block_peaks = {w: p for w, p in peaks.items() if isinstance(p, dict)}
+        except Exception:
+            self.block_peaks = None
         samples = self.sampler.samples[self.LABEL]
-        section = gpu_section_html(samples, self._begin, self._end, self.block_peaks)
+        section = gpu_section_html(samples, self._begin, await _fetch(client), self.block_peaks)
         # distributed's one door into the page: the Summary tab's HTML holds ``code`` as is, in
         # a <pre>; the section follows it there.
         code = html.escape(code or "<Code not available>") + f"</pre>{section}<pre>"
         await super().__aexit__(exc_type, exc_value, traceback, code=code)
-
-
-async def _close_windows(client: Any, window: str) -> dict | None:
-    from dask_rmm.worker.peak_windows import close_peak_windows
-
-    try:
-        out = await client.run(close_peak_windows, window=window, on_error="ignore")
-    except Exception:
-        return None
-    return {w: peaks for w, peaks in out.items() if isinstance(peaks, dict)}
 
 
 async def _fetch(client: Any) -> ClusterMemoryReport:
@@ -151,14 +146,10 @@ def gpu_section_html(
     end: ClusterMemoryReport | None = None,
     block_peaks: Mapping[str, Mapping[str, Mapping[str, int] | None]] | None = None,
 ) -> str:
-    """The GPU memory section: plain HTML, inline CSS and SVG (no script, nothing fetched).
-
-    ``samples`` is the block's :class:`GPUSamples`; ``begin`` and ``end`` are the cluster
-    reports at its start and end (OOM events and spill counters come from them; without them
-    those parts say so). ``block_peaks`` (``{worker: {device: {task group: peak}}}``, from
-    :mod:`dask_rmm.worker.peak_windows`) are the task groups' peaks over the block; without it
-    the table compares the peaks since setup at the start and at the end.
-    """
+    """The GPU memory section, plain HTML, inline CSS and SVG (no script), of the block's
+    ``samples``; ``begin`` and ``end`` are the cluster reports at its start and end (OOM events,
+    spills), ``block_peaks`` (``{worker: {device: {task group: peak}}}``, from
+    :mod:`dask_rmm.worker.peak_windows`) the task groups' peaks over the block."""
     esc = html.escape
     stop = samples.stop if samples.stop is not None else time.time()
     seconds = stop - samples.start
@@ -188,8 +179,7 @@ def gpu_section_html(
 
 
 def _memory_kind(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> str:
-    """What the workers' stacks hand out: "GPU memory", "Host memory" (``base_resource=
-    "system"``, where ``gpu_name`` is ``"host"``) or both, as the reports of the block say."""
+    """What the workers' stacks hand out, as the block's reports say (``gpu_name`` "host": host)."""
     names = {d.gpu_name == "host" for r in (begin, end) if r is not None for d in r.devices}
     if names == {True}:
         return "Host memory"

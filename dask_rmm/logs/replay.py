@@ -237,10 +237,8 @@ def replay(
         action = e.action
         if action is FREE:
             entry = table.free((e.source, e.pointer))
-            if entry is None:
-                skipped += 1
-                continue
-            if entry is late_free:
+            if entry is None or entry is late_free:
+                skipped += entry is None
                 continue
             ptr, size, _ = entry
             t0 = clock()
@@ -255,8 +253,8 @@ def replay(
                 current -= size
             continue
         original_ok = action is ALLOCATE
+        original_failures += not original_ok
         if not original_ok and not retry_failures:
-            original_failures += 1
             continue
         size = e.size
         stream = get_stream(e.stream, e.thread)
@@ -267,7 +265,6 @@ def replay(
             call_seconds += clock() - t0
             new_failures += original_ok
             unservable += original_ok and not isinstance(err, MemoryError)
-            original_failures += not original_ok
             n_failed += 1
             if len(failures) < _MAX_LISTED_FAILURES:
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -275,9 +272,7 @@ def replay(
                 failures.append(ReplayFailure(*row, reason))
             continue
         call_seconds += clock() - t0
-        if not original_ok:
-            # The original program never got this block: give it back at once.
-            original_failures += 1
+        if not original_ok:  # the original program never got this block: give it back at once
             recovered += 1
             deallocate(ptr, size, stream)
             continue
@@ -292,7 +287,6 @@ def replay(
     final_upstream = counter.current_bytes
     for ptr, size, stream in table.live.values():
         deallocate(ptr, size, stream)
-    table.live.clear()
     streams.synchronize()
     seconds = clock() - start
     return ReplayResult(
