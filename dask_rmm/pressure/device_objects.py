@@ -72,9 +72,6 @@ class HostCopy:
             rebuild = _REBUILD[self.kind]
         return rebuild(self)
 
-    def __reduce__(self):
-        return (HostCopy, (self.kind, self.device, self.data, self.meta, self.nbytes))
-
     def __sizeof__(self) -> int:
         return self.nbytes + 200
 
