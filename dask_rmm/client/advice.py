@@ -42,6 +42,8 @@ FRAGMENTING = 1.25
 HEADROOM = 0.10
 #: Share of the device a pool may grow to (the rest: CUDA context, libraries outside RMM).
 DEVICE_SHARE = 0.90
+#: What :attr:`Advice.replays` keeps of each replay.
+_REPLAYED = ("new_failures", "peak_upstream_bytes", "host_memory")
 
 
 @dataclass(frozen=True)
@@ -238,23 +240,10 @@ def advise_from_logs(
         if peak > 0:
             for factor in CANDIDATE_FACTORS:
                 size = (int(peak * factor) + 255) & -256
-                r = replay(
-                    path,
-                    "pool",
-                    gpu=gpu,
-                    initial_pool_size=size,
-                    maximum_pool_size=size,
-                    progress=progress,
-                )
-                replays.append(
-                    {
-                        "resource": "pool",
-                        "pool_size": size,
-                        "new_failures": r.new_failures,
-                        "peak_upstream_bytes": r.peak_upstream_bytes,
-                        "host_memory": r.host_memory,
-                    }
-                )
+                sizes: dict[str, Any] = {"initial_pool_size": size, "maximum_pool_size": size}
+                r = replay(path, "pool", gpu=gpu, progress=progress, **sizes)
+                kept = {k: getattr(r, k) for k in _REPLAYED}
+                replays.append({"resource": "pool", "pool_size": size, **kept})
                 if not r.failed:
                     required = size
                     break

@@ -32,6 +32,8 @@ RESOURCES = ("pool", "arena", "binning", "fixed_size", "async", "cuda")
 # Binning's default bins, as RMM's own examples use them: 256 KiB .. 4 MiB fixed-size bins.
 _BINNING_EXPONENTS = (18, 22)
 _MAX_LISTED_FAILURES = 50
+#: The resources that are a base resource alone, no suballocator in front.
+_BASE_ALONE = ("cuda", "async")
 
 
 def _has_gpu() -> bool:
@@ -68,14 +70,12 @@ def build_resource(
                 "resource 'async' (cudaMallocAsync) needs a CUDA device and this host has none; "
                 "replay with pool, arena, binning, fixed_size or cuda on host memory instead"
             )
-        counter = mr.StatisticsResourceAdaptor(
-            mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size)
-        )
-        return counter, counter, "CudaAsyncMemoryResource"
-    base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
+        base: DeviceMemoryResource = mr.CudaAsyncMemoryResource(initial_pool_size=initial_pool_size)
+    else:
+        base = mr.CudaMemoryResource() if gpu else mr.SystemMemoryResource()
     base_name = type(base).__name__
     counter = mr.StatisticsResourceAdaptor(base)
-    if name == "cuda":
+    if name in _BASE_ALONE:
         return counter, counter, base_name
     resource: DeviceMemoryResource
     if name == "pool":
@@ -408,7 +408,3 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
             )
     lines.append(line)
     return "\n".join(lines)
-
-
-#: The resources that are a base resource alone, no suballocator in front.
-_BASE_ALONE = ("cuda", "async")
