@@ -235,24 +235,21 @@ async def _probe(scheme: str, host: str, port: int) -> str | None:
     up without a word, or answers HTTP), or None (Dask's handshake then decides)."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        try:  # a Dask server greets first
-            greeting = await asyncio.wait_for(reader.read(5), 0.3)
-        except asyncio.TimeoutError:
-            if scheme != "tcp":
-                return None
-            writer.write(b"HEAD / HTTP/1.0\r\n\r\n")
-            try:
-                greeting = await asyncio.wait_for(reader.read(5), 1.0)
+        if scheme == "tcp":
+            try:  # a Dask server greets first
+                greeting = await asyncio.wait_for(reader.read(5), 0.3)
+                if not greeting:
+                    return "it closed the connection without a word"
             except asyncio.TimeoutError:
-                return None
-        else:
-            if not greeting and scheme == "tcp":
-                return "it closed the connection without a word"
-        if greeting == b"HTTP/" and scheme == "tcp":
-            return (
-                "it answers HTTP: that is a dashboard port, not the scheduler's (the scheduler "
-                "address usually ends in :8786, the dashboard's in :8787)"
-            )
-        return None
+                writer.write(b"HEAD / HTTP/1.0\r\n\r\n")
+                greeting = await asyncio.wait_for(reader.read(5), 1.0)
+            if greeting == b"HTTP/":
+                return (
+                    "it answers HTTP: that is a dashboard port, not the scheduler's (the "
+                    "scheduler address usually ends in :8786, the dashboard's in :8787)"
+                )
+    except asyncio.TimeoutError:  # no answer to HTTP either: Dask's handshake decides
+        pass
     finally:
         writer.close()
+    return None
