@@ -487,7 +487,9 @@ async def test_held_back_figures_reach_the_heartbeat_and_the_report(c, s, a):
     futures = c.map(hold, [3 * MiB] * 4, range(4), key=[f"hold-{i}" for i in range(4)])
     await until(lambda: _states(a)["constrained"] == 2, "2 constrained")
     d = a.metrics["dask-rmm"](a)["devices"]["0"]
-    assert d["admission_held_tasks"] == 2 and d["admission_total_held"] == 2
+    # a task that passed "constrained" on its way to a free thread on a loaded host counts
+    # as held back too (it waited more than the threshold): at least the 2 waiting now
+    assert d["admission_held_tasks"] == 2 and d["admission_total_held"] >= 2
     assert d["admission_expected_peaks"] == [["hold", 3 * MiB, 1]]
     await a.heartbeat()
     report = ClusterMemoryReport.from_dict(await fetch_report_data(c.scheduler, timeline=False))
