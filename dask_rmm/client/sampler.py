@@ -188,10 +188,8 @@ class GPUMemorySampler:
     >>> ms.plot(align=True)  # doctest: +SKIP
     """
 
-    samples: dict[str, GPUSamples]
-
     def __init__(self) -> None:
-        self.samples = {}
+        self.samples: dict[str, GPUSamples] = {}
 
     def sample(
         self, label: str | None = None, *, client: Client | None = None, interval: float = 0.5

@@ -92,9 +92,7 @@ class LogFormatError(ValueError):
         message = f"{path}:{line}: {problem}"
         if text is not None:
             shown = text.rstrip("\r\n")
-            if len(shown) > 120:
-                shown = shown[:117] + "..."
-            message += f": {shown!r}"
+            message += f": {shown if len(shown) <= 120 else shown[:117] + '...'!r}"
         super().__init__(message)
 
     def __reduce__(self):

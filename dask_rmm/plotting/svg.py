@@ -71,20 +71,17 @@ def _step_paths(values: Sequence[float | None], xs: Sequence[float], y) -> list[
     ``xs[k]`` to ``xs[k + 1]``; a run of uncovered buckets breaks the line."""
     paths: list[str] = []
     current: list[str] = []
-    for k, v in enumerate(values):
+    for k, v in enumerate([*values, None]):
         if v is None:
             if current:
                 paths.append(" ".join(current))
-                current = []
+            current = []
             continue
         yy = f"{y(v):.1f}"
         if current and current[-1].endswith("," + yy):  # the same height: extend the step
             current[-1] = f"{xs[k + 1]:.1f},{yy}"
-            continue
-        current.append(f"{xs[k]:.1f},{yy}")
-        current.append(f"{xs[k + 1]:.1f},{yy}")
-    if current:
-        paths.append(" ".join(current))
+        else:
+            current += [f"{xs[k]:.1f},{yy}", f"{xs[k + 1]:.1f},{yy}"]
     return paths
 
 
