@@ -30,8 +30,8 @@ __all__ = [
     "validate_config",
 ]
 
-#: Unknown keys already warned about in this process: a worker start validates the config
-#: several times (flags, plugin, setup), and the user needs to read it once.
+#: Unknown keys already warned about in this process: a preloaded worker makes its plugin
+#: twice (the flags checked when parsed, then at setup), and the user needs to read it once.
 _warned_unknown: set[str] = set()
 _report_unknown = contextvars.ContextVar("dask_rmm_report_unknown_config_keys", default=True)
 
