@@ -16,6 +16,7 @@ from dask_rmm.mr.logging_adaptor import (
     enable_logging,
     get_log_filenames,
 )
+from dask_rmm.mr.registry import is_initialized
 from dask_rmm.sizes import parse_size
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions
@@ -154,11 +155,6 @@ def reinitialize(
             registry.reset_per_device_resource(device)
     for device, mr in stacks.items():
         registry.set_per_device_resource(device, mr)
-
-
-def is_initialized() -> bool:
-    """True when the current device has a resource (see :func:`dask_rmm.mr.is_initialized`)."""
-    return registry.is_initialized()
 
 
 def register_reinitialize_hook(func: Callable, *args: Any, **kwargs: Any) -> Callable:
