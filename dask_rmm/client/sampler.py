@@ -378,8 +378,7 @@ class GPUMemorySampler:
                 "those blocks (is RMMPlugin registered on the workers?)"
             )
         if ax is None:
-            fig = figure("GPUMemorySampler.plot", figsize=(10, 4.5), layout="constrained")
-            ax = fig.subplots()
+            ax = figure("GPUMemorySampler.plot", figsize=(10, 4.5), layout="constrained").subplots()
         if align and len(df.index):
             df.index = df.index.total_seconds()
         df.plot(ax=ax, drawstyle="steps-post", **kwargs)

@@ -448,19 +448,16 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
 
     Examples
     --------
-    >>> import os, tempfile
+    >>> import tempfile
     >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
     >>> folder = tempfile.mkdtemp()
-    >>> paths = []
-    >>> for worker in ("w0", "w1"):
-    ...     log = os.path.join(folder, f"{worker}.csv")
-    ...     mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=log)
+    >>> for worker in ("w0", "w1"):  # RMM's per-device names: w0.dev0.csv, w1.dev0.csv
+    ...     mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=f"{folder}/{worker}.csv")
     ...     mr.deallocate(mr.allocate(1000), 1000)
     ...     mr.close()
-    ...     paths.append(mr.get_file_name())
-    >>> merge_logs(paths, os.path.join(folder, "merged.csv"))  # rows written
+    >>> merge_logs([f"{folder}/w0.dev0.csv", f"{folder}/w1.dev0.csv"], f"{folder}/all.csv")
     4
-    >>> sorted({e.source for e in read_log(os.path.join(folder, "merged.csv"))})
+    >>> sorted({e.source for e in read_log(f"{folder}/all.csv")})
     ['w0.dev0', 'w1.dev0']
     """
     events = read_logs(list(paths))

@@ -162,8 +162,7 @@ class Summarizer:
                 self.ended_bytes += old.size
             return
         self.rows += 1
-        if e.path not in self.paths:
-            self.paths[e.path] = None
+        self.paths.setdefault(e.path, None)
         t = e.time
         if self.start is None or t < self.start:
             self.start = t
@@ -171,11 +170,9 @@ class Summarizer:
             self.end = t
         thread = self.threads.get(e.thread) or self.threads.setdefault(e.thread, Totals())
         stream = self.streams.get(e.stream) or self.streams.setdefault(e.stream, Totals())
-        total = self.total
-        action = e.action
         size = e.size
-        if action is _ALLOCATE:
-            for tot in (total, thread, stream):
+        if e.action is _ALLOCATE:
+            for tot in (self.total, thread, stream):
                 tot.allocations += 1
                 tot.allocated_bytes += size
             bucket = 1 << (size - 1).bit_length() if size > 0 else 0
@@ -191,23 +188,21 @@ class Summarizer:
                 self.peak_event = e
             if len(self.live) > self.peak_count:
                 self.peak_count = len(self.live)
-        elif action is _FREE:
-            for tot in (total, thread, stream):
+        elif e.action is _FREE:
+            for tot in (self.total, thread, stream):
                 tot.frees += 1
                 tot.freed_bytes += size
             if e.pointer == 0 and size == 0:
                 return
             old = self.table.free((e.source, e.pointer))
-            if old is None:
-                self.unmatched_frees += 1
-                return
-            if old is _LATE:
+            if old is None or old is _LATE:
+                self.unmatched_frees += old is None
                 return
             if old.size != size:
                 self.size_mismatches += 1
             self.current -= old.size
         else:
-            for tot in (total, thread, stream):
+            for tot in (self.total, thread, stream):
                 tot.failures += 1
                 tot.failed_bytes += size
 

@@ -130,13 +130,8 @@ def timelines_figure(timelines: Sequence[Timeline], *, title: str | None = None)
             )
     fails = [(t - t0, b) for tl in timelines for t, b in tl.failures]
     if fails:
-        ax.scatter(
-            *zip(*fails, strict=True),
-            marker="x",
-            color="red",
-            zorder=3,
-            label=f"allocate failure ({len(fails)})",
-        )
+        label = f"allocate failure ({len(fails)})"
+        ax.scatter(*zip(*fails, strict=True), marker="x", color="red", zorder=3, label=label)
     ax.set_xlabel(f"seconds since {format_time(t0)}")
     ax.set_ylabel("bytes in use")
     byte_axis(ax.yaxis, top)
