@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TextIO
 
 from dask_rmm.mr import registry
@@ -56,24 +56,6 @@ def _drop_cut_off_line(path: str) -> None:
             pos -= step
         if pos < end:
             f.truncate(pos)
-
-
-class _Clock:
-    """``HH:MM:SS.micros`` in local time, formatting the seconds part once per second."""
-
-    __slots__ = ("_second", "_prefix")
-
-    def __init__(self):
-        self._second = -1
-        self._prefix = ""
-
-    def now(self) -> str:
-        t = time.time()
-        second = int(t)
-        if second != self._second:
-            self._prefix = time.strftime("%H:%M:%S", time.localtime(second))
-            self._second = second
-        return f"{self._prefix}.{int((t - second) * 1_000_000):06d}"
 
 
 class LoggingResourceAdaptor(UpstreamResourceAdaptor):
@@ -134,7 +116,6 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
         self._file_name = os.path.abspath(f"{name}.dev{self.device_id}{ext}")  # RMM's per device
         self.auto_flush = bool(auto_flush)
         self._lock = threading.Lock()
-        self._clock = _Clock()
         #: Writes to the file that failed (a full disk): their rows are lost.
         self.write_errors = 0
         self._append = bool(append)
@@ -172,8 +153,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 
     def _write(self, action: str, ptr: int, nbytes: int, stream: Stream) -> None:
         handle = int(stream)  # a Stream's handle (a bare int handle is taken as is)
+        now = datetime.now().isoformat(timespec="microseconds")[11:]  # local HH:MM:SS.micros
         row = (
-            f"{threading.get_native_id()},{self._clock.now()},{action},"
+            f"{threading.get_native_id()},{now},{action},"
             f"{format_pointer(ptr)},{nbytes},{format_stream(handle)}\n"
         )
         with self._lock:
