@@ -3,8 +3,8 @@
 Workers publish ``worker.metrics[METRICS_KEY]`` (:func:`heartbeat`); the scheduler keeps a timeline
 per device and serves the report document (``ClusterMemoryReport.to_dict()``): the report, the
 dashboard, ``/dask-rmm/report.json``, ``dask rmm report --json`` and Prometheus. To add a
-per-device field, add it to :class:`DeviceSample` (a default keeps old producers readable;
-``_exported(...)`` also exports it to Prometheus). No Dask, no CUDA here.
+per-device field, add it to :class:`DeviceSample` with a default (a heartbeat leaves out the
+fields at theirs; ``_exported(...)`` also exports it to Prometheus). No Dask, no CUDA here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
+    "compact",
     "fragmentation",
     "heartbeat",
     "pack_samples",
@@ -297,8 +298,10 @@ class DeviceSample:
         sizes = (self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
         return fragmentation(*(n or 0 for n in sizes))  # None (not measured) as 0: None
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for the wire (``fragmentation`` included for readers without this class)."""
+    def to_dict(self, defaults: bool = True) -> dict[str, Any]:
+        """Plain data: every field, with ``fragmentation`` for readers without this class (the
+        report document); with ``defaults=False``, the heartbeat's form: only the fields not at
+        their default (:func:`compact`)."""
         out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
         out["task_groups"] = [list(g) for g in self.task_groups or ()]
         out["libraries"] = [
@@ -307,20 +310,18 @@ class DeviceSample:
         ]
         out["oom_events"] = [dict(e) for e in self.oom_events]
         out["admission_expected_peaks"] = [list(p) for p in self.admission_expected_peaks]
-        out["fragmentation"] = self.fragmentation
         if self.error:
             out["error"] = self.error
+        if not defaults:
+            return compact(out)
+        out["fragmentation"] = self.fragmentation
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], **extra: Any) -> Any:
         """Read a wire entry; missing or malformed fields take their default, unknown ones are
         ignored (``extra`` sets the fields of a subclass)."""
-        values = {
-            f.name: _READERS[f.type](d[f.name])
-            for f in _FIELDS
-            if f.name in d and f.type in _READERS
-        }
+        values = {k: _READERS[k](v) for k, v in d.items() if k in _READERS}
         groups = []
         for g in _sequence(d.get("task_groups")):
             try:
@@ -356,12 +357,33 @@ class DeviceSample:
 
 
 _FIELDS = dataclasses.fields(DeviceSample)
-#: How each scalar field is read from the wire (never raising).
+#: How each scalar field is read from the wire (never raising), by name.
 _READERS = {
-    "int": lambda v: to_int(v),
-    "float": lambda v: to_int(v, float),
-    "str": lambda v: "" if v is None else str(v),
+    f.name: {
+        "int": lambda v: to_int(v),
+        "float": lambda v: to_int(v, float),
+        "str": lambda v: "" if v is None else str(v),
+    }[f.type]
+    for f in _FIELDS
+    if f.type in ("int", "float", "str")
 }
+#: Each heartbeat field's default: a worker leaves out the fields at theirs (most are 0 most of
+#: the time), and readers take the default back (fewer bytes to send, decode and bound).
+_DEFAULTS = {f.name: f.default for f in _FIELDS} | {"samples": b""}
+
+
+def compact(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A heartbeat device entry without the fields at their default (an empty list as well as
+    an empty tuple), and without ``fragmentation``, which readers compute."""
+    out = {}
+    for k, v in d.items():
+        if k in _DEFAULTS and (v == _DEFAULTS[k] or type(v) in (list, tuple) and not v):
+            continue
+        if k != "fragmentation":
+            out[k] = v
+    return out
+
+
 #: Fields exported to Prometheus: ``(field name, metric name, help, "gauge" or "counter")``.
 GAUGES = tuple(
     (f.name, f.metadata["gauge"], f.metadata["help"], f.metadata["kind"])
@@ -395,9 +417,9 @@ COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
 
 
 def heartbeat(worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]) -> dict:
-    """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict()`` plus
-    ``samples`` (the ``SAMPLE_FIELDS`` rows of the previous and this heartbeat, packed by
-    :func:`pack_samples`)."""
+    """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict(False)``
+    (the fields not at their default) plus ``samples`` (the ``SAMPLE_FIELDS`` rows of the
+    previous and this heartbeat, packed by :func:`pack_samples`)."""
     return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
 
 

@@ -46,3 +46,12 @@ def test_every_field_is_on_the_wire_and_counters_are_ints():
 def test_heartbeat_envelope():
     hb = wire.heartbeat("w0", 1.5, {"0": DeviceSample().to_dict()})
     assert hb["version"] == wire.METRICS_VERSION and hb["worker"] == "w0" and "0" in hb["devices"]
+
+
+def test_the_heartbeat_leaves_out_the_fields_at_their_default():
+    d = DeviceSample(current_bytes=5, measured="pool", task_groups=(TaskGroup("inc", 1, 2),))
+    sent = d.to_dict(defaults=False)
+    assert sent == {"measured": "pool", "current_bytes": 5, "task_groups": [["inc", 1, 2]]}
+    assert DeviceSample.from_dict(sent) == d
+    # Empty lists as well as tuples, False as 0; fields it does not know are kept.
+    assert wire.compact({"libraries": (), "paused": False, "samples": b"", "x": 0}) == {"x": 0}

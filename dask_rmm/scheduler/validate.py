@@ -12,7 +12,9 @@ worker's error and logs once per worker and kind a minute. Not here: keeping the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import chain, compress, islice
+from dataclasses import fields
+from functools import lru_cache
+from itertools import chain, islice, repeat
 from operator import itemgetter
 from reprlib import repr as _short
 from typing import Any, NamedTuple
@@ -20,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE
-from dask_rmm.wire import METRICS_VERSION, SAMPLE_STRUCT
+from dask_rmm.wire import METRICS_VERSION, SAMPLE_STRUCT, DeviceSample
 
 __all__ = ["MAX_AHEAD", "MAX_DEVICES", "MAX_ENTRIES", "MAX_SAMPLES", "Checked", "check_metrics"]
 
@@ -51,24 +53,13 @@ _BLOB = MAX_SAMPLES * _RECORD
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
 _NUMBERS = {int, float, bool, type(None)}
 _SEQUENCES = {list, tuple}
+#: A device entry's fields by kind (:class:`DeviceSample`); each row of a list is a str, then
+#: numbers (``width`` columns in all).
+_TEXT_FIELDS = (*(f.name for f in fields(DeviceSample) if f.type == "str"), "error")
+_LIST_FIELDS = {"task_groups": 3, "libraries": 4, "admission_expected_peaks": 3}
+_NOT_NUMBERS = frozenset((*_TEXT_FIELDS, *_LIST_FIELDS, "samples", "oom_events"))
+_WIRE = _NOT_NUMBERS | {f.name for f in fields(DeviceSample)} | {"fragmentation"}
 _TOP = frozenset({"version", "time", "worker", "devices"})
-
-
-class _Plan(NamedTuple):
-    """What a device entry within the bounds had: its size, getters of its numbers, strings,
-    packed samples and lists, and the columns of each list's entries (:func:`_columns`)."""
-
-    size: int
-    numbers: Any
-    texts: Any
-    blobs: Any
-    lists: Any
-    names: list[str]  # of the lists
-    columns: dict[str, tuple | None]
-
-
-#: Plans by a device entry's field names (those of one version of dask-rmm: a few).
-_PLANS: dict[tuple, _Plan] = {}
 
 
 class Checked(NamedTuple):
@@ -97,7 +88,7 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
         return Checked(None, [], [("format", f"devices are {_kind(raw)}, not a mapping")])
     problems: list[tuple[str, str]] = []
     t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
-    if _known(raw):  # what a worker sends: bounded a few C calls at a time for every device
+    if _plain(raw):  # what a worker sends: bounded a few C calls at a time for every device
         devices = raw if type(raw) is dict else dict(raw)
     else:
         devices = {}
@@ -108,10 +99,8 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
                 problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
             elif not isinstance(d, Mapping):
                 problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
-            elif (new := _bound(f"device {dev!r}", d, now, problems)) is d and type(d) is dict:
-                devices[dev] = _learn(d)
             else:
-                devices[dev] = new
+                devices[dev] = _bound(f"device {dev!r}", d, now, problems)
     samples = []
     for dev, d in devices.items():
         blob = d.get("samples")
@@ -128,92 +117,68 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     return Checked({**top, "time": t, "devices": devices}, samples, problems)
 
 
-def _learn(d: dict) -> dict:
-    """Remember the field names of ``d`` (within the bounds) by the kind of each value, and
-    the columns of each list's entries, so that entries of these names are checked a few C
-    calls at a time (:func:`_known`)."""
-    old = _PLANS.get(names := tuple(d))
-    kinds: dict[Any, list[str]] = {None: [], str: [], bytes: [], list: []}
-    columns = {}
-    for k, v in d.items():
-        t = type(v)
-        if t in _SEQUENCES:  # columns of strings and of numbers, as these entries have them
-            kinds[list].append(k)
-            columns[k] = _columns(v) if v else old and old.columns.get(k)
-        elif (kind := None if t in _NUMBERS else t) in kinds and (t is bytes) == (k == "samples"):
-            kinds[kind].append(k)
-        else:
-            return d  # a map, or bytes beside the samples: checked field by field
-    if len(_PLANS) >= 64:  # names that change every heartbeat must not grow this
-        _PLANS.clear()
-    numbers, texts, blobs, lists = map(_getter, kinds.values())
-    _PLANS[names] = _Plan(len(d), numbers, texts, blobs, lists, kinds[list], columns)
-    return d
-
-
-def _getter(keys: list[str]) -> Any:
-    """The tuple of the values at ``keys`` of a dict."""
-    if len(keys) > 1:
-        return itemgetter(*keys)
-    return (lambda d, k=keys[0]: (d[k],)) if keys else lambda d: ()
-
-
-def _columns(entries: Any) -> tuple | None:
-    """``(length, strings, numbers)`` of flat entries of one length whose every column holds
-    only strings or only numbers (the getters of either), or None."""
-    if not _SEQUENCES.issuperset(map(type, entries)) or len(set(map(len, entries))) != 1:
-        return None
-    cols = list(zip(*entries, strict=True))
-    texts = [i for i, c in enumerate(cols) if {str}.issuperset(map(type, c))]
-    numbers = [i for i, c in enumerate(cols) if _NUMBERS.issuperset(map(type, c))]
-    if len(texts) + len(numbers) != len(cols):
-        return None
-    return len(cols), texts, numbers
-
-
-def _known(devices: Mapping) -> bool:
-    """Every device entry within the bounds, of field names seen before (:func:`_learn`) and
-    values of the kinds they were (numbers, short strings, lists of entries of the columns
-    seen, packed samples), checked a few C calls at a time for all devices. False: field by
-    field."""
+def _plain(devices: Mapping) -> bool:
+    """Every device entry within the bounds and of the wire's form (:class:`DeviceSample`'s
+    field names, each with a value of its kind: numbers, strings of at most :data:`MAX_TEXT`
+    characters, lists of at most :data:`MAX_ENTRIES` rows of their columns; packed ``samples``;
+    no OOM events), checked a few C calls at a time for all devices. False: device by device,
+    field by field (:func:`_bound`)."""
     ds = list(devices.values())
-    plan = _PLANS.get(tuple(ds[0])) if 0 < len(ds) <= MAX_DEVICES and type(ds[0]) is dict else None
-    if plan is None or set(map(type, ds)) != {dict} or set(map(len, ds)) != {plan.size}:
+    if not 0 < len(ds) <= MAX_DEVICES or not {dict}.issuperset(map(type, ds)):
         return False
     try:
         "".join(devices)  # TypeError unless every id is a str
         if not 0 < min(map(len, devices)) <= max(map(len, devices)) <= MAX_KEY:
             return False
-        # KeyError unless each device has the plan's names; TypeError unless these are numbers
-        # (falsy values, None among them, are within the bounds whatever they are).
-        sum(filter(None, chain.from_iterable(map(plan.numbers, ds))))
-        texts = list(chain.from_iterable(map(plan.texts, ds)))
-        blobs = list(chain.from_iterable(map(plan.blobs, ds)))
-        lists = list(chain.from_iterable(map(plan.lists, ds)))
-        if (
-            not _SEQUENCES.issuperset(map(type, lists))
-            or max(map(len, lists), default=0) > MAX_ENTRIES
-        ):
+        if any(d.get("oom_events") for d in ds):
             return False
-        n = len(plan.columns)
-        for i in {i % n for i in compress(range(len(lists)), lists)}:  # fields not all empty
-            entries = list(chain.from_iterable(lists[i::n]))  # of every device
-            cols = plan.columns[plan.names[i]]
-            # Lists or tuples (zip would take a map's keys) of the learnt length (ValueError if
-            # not all one) whose every item is of its column's kind: all they hold.
-            if cols is None or not _SEQUENCES.issuperset(map(type, entries)):
-                return False  # a list of new columns: learnt on the way through _bound
-            columns = list(zip(*entries, strict=True))
-            if len(columns) != cols[0]:
+        try:  # the devices of a worker have the same names (KeyError if not): C calls
+            first: Any = _getters(tuple(ds[0])) if len(set(map(len, ds))) == 1 else None
+            numbers, strings = (list(chain.from_iterable(map(g, ds))) for g in first)
+        except (KeyError, TypeError):
+            getters: list = list(map(_getters, map(tuple, ds)))
+            if None in getters:
                 return False
-            for j in cols[1]:
-                texts += columns[j]
-            for j in cols[2]:
-                sum(filter(None, columns[j]))
+            numbers, strings = (
+                list(chain.from_iterable(map(_call, [g[i] for g in getters], ds))) for i in (0, 1)
+            )
+        sum(filter(None, numbers))  # TypeError unless numbers (falsy ones, None among them, are)
+        texts = list(filter(None, strings))
+        blobs = list(filter(None, map(dict.get, ds, repeat("samples"))))
+        for name, width in _LIST_FIELDS.items():
+            lists = list(filter(None, map(dict.get, ds, repeat(name))))
+            if not lists:
+                continue
+            if not _SEQUENCES.issuperset(map(type, lists)) or max(map(len, lists)) > MAX_ENTRIES:
+                return False
+            rows = list(chain.from_iterable(lists))
+            if not _SEQUENCES.issuperset(map(type, rows)):  # zip would take a map's keys
+                return False
+            columns = list(zip(*rows, strict=True))  # ValueError unless all of one width
+            if len(columns) != width:
+                return False
+            texts += columns[0]
+            sum(filter(None, chain.from_iterable(columns[1:])))
         "".join(texts), b"".join(blobs)  # TypeError unless strings and bytes
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, ValueError, KeyError):
         return False
     return max(map(len, texts), default=0) <= MAX_TEXT and max(map(len, blobs), default=0) <= _BLOB
+
+
+@lru_cache(256)
+def _getters(names: tuple[str, ...]) -> tuple | None:
+    """The getters of the numbers and of the strings of a device entry of these field names
+    (None unless they are the wire's)."""
+    if not _WIRE.issuperset(names):
+        return None
+    numbers = [k for k in names if k not in _NOT_NUMBERS]
+    texts = [k for k in names if k in _TEXT_FIELDS]
+    # The first key twice: itemgetter of one key gives no tuple.
+    return tuple(itemgetter(*keys, keys[0]) if keys else lambda d: () for keys in (numbers, texts))
+
+
+def _call(f: Any, x: Any) -> Any:
+    return f(x)
 
 
 def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> float:

@@ -42,7 +42,6 @@ MAX_SAMPLES = 1000
 SAMPLER_KEY = "dask-rmm-sampler"
 #: The wire fields that are the statistics adaptor's counters.
 _STAT_FIELDS = tuple(f.name for f in fields(Statistics) if f.name in wire.COUNTERS)
-_EMPTY = wire.DeviceSample().to_dict()
 # How old the reserved bytes of the "dask-rmm" metric may be for the "rmm" metric to reuse them.
 _RESERVED_REUSE_S = 0.25
 
@@ -262,7 +261,7 @@ class WorkerMetrics:
         return wire.heartbeat(
             name if isinstance(name, (str, int)) else str(name),
             time.time(),
-            devices,
+            {dev: wire.compact(d) for dev, d in devices.items()},
         )
 
     @staticmethod
@@ -270,7 +269,7 @@ class WorkerMetrics:
         device: _DeviceSamples, top_n: int, retired: Sequence[DeviceStack] = ()
     ) -> dict[str, Any]:
         stack = device.stack
-        d: dict[str, Any] = dict(_EMPTY, resource=stack.chain)
+        d: dict[str, Any] = {"resource": stack.chain}
 
         def statistics() -> None:
             stats = stack.statistics
