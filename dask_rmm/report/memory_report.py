@@ -225,9 +225,12 @@ def summed_series(
     return out
 
 
-def _sort_key(address: str) -> tuple:
-    # Sort "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
-    return tuple(int(p) if p.isdigit() else p for p in address.replace(":", ".").split("."))
+def address_key(address: str) -> tuple:
+    """Sorts "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them
+    (numbers and names never compared with each other)."""
+    return tuple(
+        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in address.replace(":", ".").split(".")
+    )
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,7 @@ class ClusterMemoryReport:
             for dev, d in sorted((worker.get("devices") or {}).items()):
                 devices.append(DeviceMemory.from_worker(worker, dev, d))
         if not data.get("selection"):
-            devices.sort(key=lambda d: (d.status != "running", _sort_key(d.worker), d.device))
+            devices.sort(key=lambda d: (d.status != "running", address_key(d.worker), d.device))
         total_timeline = []
         for p in data.get("total_timeline") or ():
             try:

@@ -23,6 +23,7 @@ from dask_rmm.report.memory_report import (
     ClusterMemoryReport,
     ClusterTotals,
     DeviceMemory,
+    address_key,
     strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
@@ -244,7 +245,7 @@ class Snapshot:
         order = req.sort or ("peak" if req.top is not None and len(chosen) > req.top else "worker")
         if order == "worker":
             chosen = sorted(
-                chosen, key=lambda x: (not x.running, _address_key(x.rec.address), x.dev)
+                chosen, key=lambda x: (not x.running, address_key(x.rec.address), x.dev)
             )
         else:
             key = {
@@ -436,10 +437,3 @@ def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[s
         pieces.append(("," if i else "") + worker(w))
     pieces.append("]}")
     return pieces
-
-
-def _address_key(address: str) -> tuple:
-    # "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
-    return tuple(
-        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in address.replace(":", ".").split(".")
-    )

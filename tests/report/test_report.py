@@ -73,6 +73,11 @@ def test_from_dict_orders_running_by_address_then_gone():
     assert r.device("w10").current_bytes == 3 << 20
     with pytest.raises(KeyError, match="no dask-rmm data"):
         r.device("nope")
+    # Host names with numbers and names at one place: numbers first, never compared with names.
+    addresses = ["tcp://gpu.b:1", "tcp://gpu.7:1", "x"]
+    workers = [dict(w, address=a) for w, a in zip(_data()["workers"], addresses, strict=True)]
+    r = ClusterMemoryReport.from_dict(_data(workers=workers))
+    assert r.workers == ["tcp://gpu.7:1", "tcp://gpu.b:1", "x"]
 
 
 def test_totals_cover_running_workers_only():
