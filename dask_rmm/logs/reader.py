@@ -451,8 +451,8 @@ def merge_logs(paths: Sequence[str | os.PathLike], output: str | os.PathLike) ->
     >>> import tempfile
     >>> from dask_rmm.mr import LoggingResourceAdaptor, SystemMemoryResource
     >>> folder = tempfile.mkdtemp()
-    >>> for worker in ("w0", "w1"):  # RMM's per-device names: w0.dev0.csv, w1.dev0.csv
-    ...     mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=f"{folder}/{worker}.csv")
+    >>> for w in ("w0", "w1"):  # RMM's per-device names: w0.dev0.csv, w1.dev0.csv
+    ...     mr = LoggingResourceAdaptor(SystemMemoryResource(), log_file_name=f"{folder}/{w}.csv")
     ...     mr.deallocate(mr.allocate(1000), 1000)
     ...     mr.close()
     >>> merge_logs([f"{folder}/w0.dev0.csv", f"{folder}/w1.dev0.csv"], f"{folder}/all.csv")

@@ -145,14 +145,10 @@ class ReplayResult:
     original_failures: int  #: ``allocate failure`` rows in the log
     retried_failures: bool  #: whether those were re-issued (``retry_failures=True``) ...
     original_failures_succeeded: int  #: ... and how many of them succeeded here
-    #: allocations that succeeded originally and failed here: this resource could not have
-    #: run the workload
-    new_failures: int
+    new_failures: int  #: allocations that succeeded originally and failed here
     failures: tuple[ReplayFailure, ...]  #: the failed rows (the first 50)
-    #: frees of blocks the replay does not hold (their allocation failed here, or was not logged)
-    skipped_frees: int
-    #: the largest sum of live requested bytes (the log's peak when nothing failed)
-    peak_bytes: int
+    skipped_frees: int  #: frees of blocks the replay does not hold (failed here, or not logged)
+    peak_bytes: int  #: the largest sum of live requested bytes (the log's peak if none failed)
     peak_upstream_bytes: int  #: the most the resource held from its base: its real footprint
     final_upstream_bytes: int  #: held from the base at the end of the log
     upstream_allocations: int  #: calls the resource made to its base
@@ -160,12 +156,8 @@ class ReplayResult:
     seconds: float  #: wall time, log reading included
     call_seconds: float  #: time spent inside allocate and deallocate
     truncated: str | None = None
-    #: rows that failed here, new failures and re-issued original failures (``failures``
-    #: holds the first 50 of them)
-    failed_rows: int = 0
-    #: of ``new_failures``, the requests this resource rejects whatever memory it has (larger
-    #: than fixed_size's block): it cannot serve this log at all
-    unservable: int = 0
+    failed_rows: int = 0  #: rows that failed here (``failures`` holds the first 50)
+    unservable: int = 0  #: new failures this resource rejects whatever its memory (too large)
 
     @property
     def failed(self) -> bool:

@@ -88,19 +88,15 @@ class LogSummary:
     outstanding_bytes: int  #: allocated and never freed by the end of the log
     outstanding_count: int
     largest_outstanding: tuple[Outstanding, ...]  #: the largest of those, biggest first
-    #: frees of pointers the log never saw allocated (logging started late), not counted
-    unmatched_frees: int
-    #: allocations of an address whose free row came later (two threads' rows out of order);
-    #: the older block counts as freed at the new allocation
+    unmatched_frees: int  #: frees of pointers never allocated in the log, not counted
+    #: allocations of a live address (its free row came later): the old block freed there
     reallocated_live_pointers: int
     size_mismatched_frees: int  #: frees whose size differs from the allocation's
-    #: allocations per power-of-two bucket: key ``2**k`` counts sizes in ``(2**(k-1), 2**k]``
-    histogram: dict[int, int]
+    histogram: dict[int, int]  #: allocations per bucket: ``2**k`` counts ``(2**(k-1), 2**k]``
     threads: dict[int, Totals]  #: totals per thread id ...
     streams: dict[int, Totals]  #: ... and per stream handle
     truncated: tuple[str, ...] = ()  #: ``"path:line"`` of each cut-off last line skipped
-    #: what the reader of the numbers should know (how the peak compares with the report's)
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  #: what the reader should know (the peak against the report's)
     #: restart markers (a new writer appended to the log) and the allocations the previous
     #: writer's process still held then, which ended with it (not counted as outstanding)
     restarts: int = 0

@@ -125,7 +125,8 @@ def timeline_svg(series: Sequence[Series], *, width: int = 900, height: int = 28
     for k in range(int((tspan + 1e-9) / tstep) + 1):
         xx = x(t0 + k * tstep)
         out += [
-            f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>',
+            f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{top + ph}" y2="{top + ph + 4}" '
+            'stroke="#888"/>',
             f'<text x="{xx:.1f}" y="{top + ph + 16}" text-anchor="middle">{k * tstep:g}s</text>',
         ]
     out.append(
@@ -198,7 +199,8 @@ def breakdown_svg(bars: Sequence[Bar], *, width: int = 900) -> str:
         y = 4 + i * (bar_h + gap)
         full = (total or sum(b for _, b in parts)) / scale * pw
         out += [
-            f'<text x="{left - 6}" y="{y + bar_h - 5}" text-anchor="end">{html.escape(label)}</text>',
+            f'<text x="{left - 6}" y="{y + bar_h - 5}" text-anchor="end">'
+            f"{html.escape(label)}</text>",
             f'<rect x="{left}" y="{y}" width="{full:.1f}" height="{bar_h}" fill="#fafafa" '
             'stroke="#ccc"/>',
         ]
