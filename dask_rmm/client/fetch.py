@@ -158,11 +158,9 @@ def _not_reachable(address: str, reason: str) -> OSError:
 
 
 async def _check_address(address: str, connection_args: dict, timeout: float) -> None:
-    """One connection to ``address`` through ``distributed.comm.connect``, after what its
-    retries would hide or word as a timeout: an address that cannot be a scheduler's
-    (:class:`BadAddressError`), a host that does not resolve or a port nothing listens on
-    (``OSError``), and a peer that does not complete Dask's handshake
-    (:class:`NotDaskAddressError`, with a hint for an HTTP port)."""
+    """One connection to ``address`` through ``distributed.comm.connect``, after the checks its
+    retries would hide: :class:`BadAddressError`, ``OSError`` (no such host, nothing listening)
+    or :class:`NotDaskAddressError` (no Dask handshake; a hint for an HTTP port)."""
     from distributed.comm import CommClosedError, connect
     from distributed.comm.addressing import parse_address, parse_host_port
     from distributed.comm.registry import get_backend
