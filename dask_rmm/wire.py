@@ -391,7 +391,8 @@ GAUGES = tuple(
     if "gauge" in f.metadata
 )
 #: The figures only a StatisticsResourceAdaptor measures: with ``statistics=False`` they are
-#: not measured (0 on the wire, "n/a" in the report, None in its JSON, absent in Prometheus).
+#: not measured (0: left out of the heartbeat; "n/a" in the report, None in its JSON, absent in
+#: Prometheus).
 STATISTICS_ONLY = (
     "current_count", "peak_bytes", "peak_count", "total_bytes", "total_count",
     "failed_allocations",
