@@ -552,8 +552,8 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     ],
 )
 def test_a_heartbeat_of_known_field_names_is_still_bounded_value_by_value(field, value):
-    """Heartbeats with the field names of one already within the bounds are checked a few C
-    calls at a time: a value of another kind or size under the same names is still bounded."""
+    """Heartbeats of the wire's field names are checked a few C calls at a time: a value of
+    another kind or size under those names is still bounded."""
     from dask_rmm.scheduler.validate import check_metrics
     from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup
 
@@ -562,7 +562,7 @@ def test_a_heartbeat_of_known_field_names_is_still_bounded_value_by_value(field,
         current_bytes=MiB, task_groups=(TaskGroup("a", 1, 2),), libraries=(LibraryShare("b", 1, 0),)
     ).to_dict() | {"error": None, "x": None}
     device["samples"] = pack_samples([[now, MiB, MiB]])
-    for _ in range(2):  # the second time, by the names learnt from the first
+    for _ in range(2):  # the second time, by the getters cached for these names
         checked = check_metrics(_beat({"0": dict(device), "1": dict(device)}), now)
         assert checked.problems == [] and len(checked.samples) == 2
     bad = _beat({"0": dict(device), "1": device | {field: value}})
@@ -724,3 +724,22 @@ async def test_another_heartbeat_version_is_one_clear_line(c, s, a, b):
     assert "run the same dask-rmm on the workers and the scheduler" in line
     report = await cluster_report(c)
     assert [e.split(": ", 1)[0] for e in report.errors] == [a.address]
+
+
+def test_devices_of_different_field_names_are_checked_at_once_and_kept_as_they_came():
+    """A heartbeat leaves out the fields at their default, so a worker's devices may have
+    different names (memory admission's figures go with the first device only)."""
+    from dask_rmm.scheduler.validate import _plain, check_metrics
+    from dask_rmm.wire import DeviceSample, heartbeat
+
+    now = time.time()
+    first = DeviceSample(
+        current_bytes=MiB, admission_held_tasks=2, admission_expected_peaks=(("inc", MiB, 1),)
+    ).to_dict(defaults=False)
+    other = DeviceSample(reserved_bytes=MiB, gpu_name="H200").to_dict(defaults=False)
+    beat = heartbeat("w", now, {"0": first, "1": other})
+    assert _plain(beat["devices"])
+    checked = check_metrics(beat, now)
+    assert checked.problems == []
+    assert checked.metrics["devices"]["0"] is first and checked.metrics["devices"]["1"] is other
+    assert not _plain({"0": first, "1": other | {"gpu_name": ["H200"]}})  # a list for a str
