@@ -19,6 +19,7 @@ from distributed import Client, LocalCluster, wait  # noqa: E402
 
 from dask_rmm import RMMPlugin, _cuda  # noqa: E402
 from dask_rmm.sizes import format_bytes  # noqa: E402
+from dask_rmm.wire import DeviceSample  # noqa: E402
 
 MiB = 1 << 20
 
@@ -78,9 +79,9 @@ def main() -> None:
                 }
             )
             # In arrays: what was allocated less what a library cache (CuPy's pool) keeps free.
+            # DeviceSample reads a heartbeat's device entry (fields at their default left out).
             total = sum(
-                m["devices"]["0"]["current_bytes"]
-                - m["devices"]["0"].get("library_cached_bytes", 0)
+                DeviceSample.from_dict(m["devices"]["0"]).in_array_bytes
                 for m in metrics.values()
                 if m
             )
@@ -89,22 +90,22 @@ def main() -> None:
             time.sleep(0.2)
 
         for name, m in sorted(metrics.items(), key=lambda kv: str(kv[0])):
-            d = m["devices"]["0"]
-            print(f"\nworker {name}: {d['resource']}")
-            cached, names = d.get("library_cached_bytes", 0), d.get("library_caches")
+            d = DeviceSample.from_dict(m["devices"]["0"])
+            print(f"\nworker {name}: {d.resource}")
+            cached, names = d.library_cached_bytes, d.library_caches
             in_arrays = (
-                f" ({format_bytes(d['current_bytes'] - cached)} in arrays, "
+                f" ({format_bytes(d.in_array_bytes)} in arrays, "
                 f"{format_bytes(cached)} held free by the {names} cache)"
                 if names
                 else ""
             )
             print(
-                f"  allocated {format_bytes(d['current_bytes'])} in {d['current_count']} blocks"
-                f"{in_arrays}, peak {format_bytes(d['peak_bytes'])}, "
-                f"pool {format_bytes(d['reserved_bytes'])} "
-                f"({format_bytes(d['pool_free_bytes'])} free)"
+                f"  allocated {format_bytes(d.current_bytes)} in {d.current_count} blocks"
+                f"{in_arrays}, peak {format_bytes(d.peak_bytes)}, "
+                f"pool {format_bytes(d.reserved_bytes)} "
+                f"({format_bytes(d.pool_free_bytes)} free)"
             )
-            for prefix, current, peak in d["task_groups"]:
+            for prefix, current, peak in d.task_groups:
                 print(
                     f"  {prefix:<12} now {format_bytes(current):>10}   peak {format_bytes(peak):>10}"
                 )
