@@ -13,12 +13,6 @@ import sys
 from typing import Any
 
 import numpy as np
-from distributed.protocol import (
-    cuda_deserialize,
-    cuda_serialize,
-    dask_deserialize,
-    dask_serialize,
-)
 
 from dask_rmm import _cuda
 from dask_rmm.logger import OneLineFor
@@ -461,6 +455,15 @@ def _cuda_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
 def _dask_dumps(buf: DeviceBuffer) -> tuple[dict, list]:
     return {"size": buf.size}, [memoryview(buf.copy_to_host())]
 
+
+# Imported here, after DeviceBuffer exists: distributed imports ``rmm`` (diagnostics/rmm.py),
+# which tools/rmm_compat's shim serves from this module (tests/test_rmm_compat_tool.py).
+from distributed.protocol import (  # noqa: E402
+    cuda_deserialize,
+    cuda_serialize,
+    dask_deserialize,
+    dask_serialize,
+)
 
 cuda_serialize.register(DeviceBuffer)(_cuda_dumps)
 dask_serialize.register(DeviceBuffer)(_dask_dumps)

@@ -19,7 +19,7 @@ from conftest import HAS_GPU
 from distributed import Scheduler, Worker
 from distributed.utils_test import captured_logger, gen_test
 from gpu_cluster import beat, compiled_rmm_resource, device_total_memory, gpu_uuid
-from test_preload import DASK, _env, _stop, scheduler  # noqa: F401  (a fixture)
+from test_preload import DASK, _env, _stop, scheduler, scheduler_process  # noqa: F401  (fixtures)
 
 from dask_rmm.preload import WorkerSetupFailed, dask_setup
 from dask_rmm.worker import dask_cuda as dask_cuda_setup
