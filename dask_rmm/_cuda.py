@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 #: ``cudaCpuDeviceId``: pass as ``device`` to :func:`mem_prefetch_async` to move pages to the host.
@@ -149,6 +150,38 @@ stream_objects = HandleObjects("cudaStream_t")
 mem_pool_objects = HandleObjects("cudaMemPool_t")
 
 
+def _checked(call: str, params: str, doc: str) -> Callable[..., Any]:
+    """The function of ``params`` (positional) returning :func:`check` of runtime ``call``; its
+    docstring is ``call``'s name and ``doc``."""
+
+    def function(*args: Any) -> Any:
+        return check(getattr(_rt(), call)(*args), call)
+
+    kind = inspect.Parameter.POSITIONAL_ONLY
+    function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, kind) for name in params.split()]
+    )
+    function.__doc__ = f"``{call}``: {doc}"
+    return function
+
+
+# --- calls that take and return what the runtime does -------------------------------------------
+
+get_device = _checked("cudaGetDevice", "", "the calling thread's current CUDA device.")
+runtime_get_version = _checked("cudaRuntimeGetVersion", "", "``1000 * major + 10 * minor``.")
+driver_get_version = _checked("cudaDriverGetVersion", "", "the newest CUDA it supports.")
+device_synchronize = _checked("cudaDeviceSynchronize", "", "wait for the current device.")
+malloc = _checked("cudaMalloc", "nbytes", "device memory on the current device.")
+free = _checked("cudaFree", "ptr", "free device memory (synchronizes the device).")
+free_host = _checked("cudaFreeHost", "ptr", "free :func:`malloc_host`'s memory.")
+mem_pool_destroy = _checked("cudaMemPoolDestroy", "pool", "allocations keep their memory.")
+mem_pool_trim_to = _checked("cudaMemPoolTrimTo", "pool min_bytes_to_keep", "release unused.")
+memset = _checked("cudaMemset", "ptr value nbytes", "set ``nbytes`` bytes at ``ptr`` to ``value``.")
+memset_async = _checked("cudaMemsetAsync", "ptr value nbytes stream_handle", "in stream order.")
+stream_destroy = _checked("cudaStreamDestroy", "handle", "destroy a stream.")
+event_record = _checked("cudaEventRecord", "event stream_handle", "in stream order.")
+event_destroy = _checked("cudaEventDestroy", "event", "destroy an event.")
+
 # --- devices -----------------------------------------------------------------------------------
 
 
@@ -157,11 +190,6 @@ def get_device_count() -> int:
     if not is_available():
         return 0
     return check(_rt().cudaGetDeviceCount(), "cudaGetDeviceCount")
-
-
-def get_device() -> int:
-    """The calling thread's current CUDA device."""
-    return check(_rt().cudaGetDevice(), "cudaGetDevice")
 
 
 def current_device() -> int:
@@ -195,21 +223,6 @@ def set_device(device: int) -> None:
     if err:
         check_device(device)
         fail(err, f"cudaSetDevice({device})")
-
-
-def runtime_get_version() -> int:
-    """The CUDA runtime version as ``1000 * major + 10 * minor`` (``cudaRuntimeGetVersion``)."""
-    return int(check(_rt().cudaRuntimeGetVersion(), "cudaRuntimeGetVersion"))
-
-
-def driver_get_version() -> int:
-    """The newest CUDA version the driver supports (``cudaDriverGetVersion``)."""
-    return int(check(_rt().cudaDriverGetVersion(), "cudaDriverGetVersion"))
-
-
-def device_synchronize() -> None:
-    """Wait for all work on the current device."""
-    check(_rt().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
 def mem_get_info() -> tuple[int, int]:
@@ -288,16 +301,6 @@ def get_device_attribute(attr: Any, device: int | None = None) -> int:
 # --- allocation --------------------------------------------------------------------------------
 
 
-def malloc(nbytes: int) -> int:
-    """``cudaMalloc``: device memory on the current device."""
-    return check(_rt().cudaMalloc(nbytes), "cudaMalloc")
-
-
-def free(ptr: int) -> None:
-    """``cudaFree`` (synchronizes the device)."""
-    check(_rt().cudaFree(ptr), "cudaFree")
-
-
 def malloc_managed(nbytes: int) -> int:
     """``cudaMallocManaged(cudaMemAttachGlobal)``: unified memory; free with :func:`free`."""
     return check(_rt().cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL), "cudaMallocManaged")
@@ -306,11 +309,6 @@ def malloc_managed(nbytes: int) -> int:
 def malloc_host(nbytes: int, flags: int = 0) -> int:
     """``cudaHostAlloc``: page-locked host memory; free with :func:`free_host`."""
     return check(_rt().cudaHostAlloc(nbytes, flags), "cudaHostAlloc")
-
-
-def free_host(ptr: int) -> None:
-    """``cudaFreeHost``."""
-    check(_rt().cudaFreeHost(ptr), "cudaFreeHost")
 
 
 def malloc_from_pool_async(nbytes: int, pool: int, stream_handle: int) -> int:
@@ -370,11 +368,6 @@ def mem_pool_create(
     return pool
 
 
-def mem_pool_destroy(pool: int) -> None:
-    """``cudaMemPoolDestroy``; outstanding allocations keep the memory until freed."""
-    check(_rt().cudaMemPoolDestroy(pool), "cudaMemPoolDestroy")
-
-
 def device_get_default_managed_mem_pool(device: int | None = None) -> int:
     """The handle of ``device``'s default *managed* memory pool (``cudaMemGetDefaultMemPool``
     with ``cudaMemAllocationTypeManaged``; CUDA 13 and a device with concurrent managed access).
@@ -421,11 +414,6 @@ def mem_pool_get_release_threshold(pool: int) -> int:
     return mem_pool_get_attribute(pool, "ReleaseThreshold")
 
 
-def mem_pool_trim_to(pool: int, min_bytes_to_keep: int) -> None:
-    """Release unused pool memory down to ``min_bytes_to_keep`` (``cudaMemPoolTrimTo``)."""
-    check(_rt().cudaMemPoolTrimTo(pool, min_bytes_to_keep), "cudaMemPoolTrimTo")
-
-
 def mem_pool_export_to_shareable_handle(pool: int, handle_type: int = 1) -> int:
     """Export an IPC-capable pool; for a POSIX file descriptor (1) the result is one."""
     rt = _rt()
@@ -448,16 +436,6 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
     result = _rt().cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
     check(result, "cudaMemcpyAsync")
-
-
-def memset(ptr: int, value: int, nbytes: int) -> None:
-    """``cudaMemset``: set ``nbytes`` bytes at ``ptr`` to ``value``."""
-    check(_rt().cudaMemset(ptr, value, nbytes), "cudaMemset")
-
-
-def memset_async(ptr: int, value: int, nbytes: int, stream_handle: int) -> None:
-    """``cudaMemsetAsync`` on ``stream_handle``."""
-    check(_rt().cudaMemsetAsync(ptr, value, nbytes, stream_handle), "cudaMemsetAsync")
 
 
 def _location(device: int):
@@ -525,11 +503,6 @@ def stream_create(non_blocking: bool = True, *, flags: int | None = None) -> int
     return int(check(_rt().cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags"))
 
 
-def stream_destroy(handle: int) -> None:
-    """``cudaStreamDestroy``."""
-    check(_rt().cudaStreamDestroy(handle), "cudaStreamDestroy")
-
-
 def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
     check(_rt().cudaStreamSynchronize(stream_objects[handle]), "cudaStreamSynchronize")
@@ -544,16 +517,6 @@ def event_create(disable_timing: bool = True) -> int:
     """Create an event (``cudaEventCreateWithFlags``) and return its handle."""
     flags = _EVENT_DISABLE_TIMING if disable_timing else 0
     return int(check(_rt().cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags"))
-
-
-def event_record(event: int, stream_handle: int) -> None:
-    """``cudaEventRecord`` on ``stream_handle``."""
-    check(_rt().cudaEventRecord(event, stream_handle), "cudaEventRecord")
-
-
-def event_destroy(event: int) -> None:
-    """``cudaEventDestroy``."""
-    check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
 
 
 def stream_wait_stream(stream_handle: int, other_handle: int) -> None:
