@@ -150,12 +150,12 @@ stream_objects = HandleObjects("cudaStream_t")
 mem_pool_objects = HandleObjects("cudaMemPool_t")
 
 
-def _checked(call: str, params: str, doc: str) -> Callable[..., Any]:
-    """The function of ``params`` (positional) returning :func:`check` of runtime ``call``; its
-    docstring is ``call``'s name and ``doc``."""
+def _checked(call: str, params: str, doc: str, *fixed: int) -> Callable[..., Any]:
+    """The function of ``params`` (positional) returning :func:`check` of runtime ``call`` of
+    them and the ``fixed`` arguments; its docstring is ``call``'s name and ``doc``."""
 
     def function(*args: Any) -> Any:
-        return check(getattr(_rt(), call)(*args), call)
+        return check(getattr(_rt(), call)(*args, *fixed), call)
 
     kind = inspect.Parameter.POSITIONAL_ONLY
     function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -176,9 +176,12 @@ free = _checked("cudaFree", "ptr", "free device memory (synchronizes the device)
 free_host = _checked("cudaFreeHost", "ptr", "free :func:`malloc_host`'s memory.")
 mem_pool_destroy = _checked("cudaMemPoolDestroy", "pool", "allocations keep their memory.")
 mem_pool_trim_to = _checked("cudaMemPoolTrimTo", "pool min_bytes_to_keep", "release unused.")
+malloc_managed = _checked("cudaMallocManaged", "nbytes", "unified memory.", _MEM_ATTACH_GLOBAL)
+memcpy = _checked("cudaMemcpy", "dst src nbytes", "direction from the pointers.", _MEMCPY_DEFAULT)
 memset = _checked("cudaMemset", "ptr value nbytes", "set ``nbytes`` bytes at ``ptr`` to ``value``.")
 memset_async = _checked("cudaMemsetAsync", "ptr value nbytes stream_handle", "in stream order.")
 stream_destroy = _checked("cudaStreamDestroy", "handle", "destroy a stream.")
+stream_wait_event = _checked("cudaStreamWaitEvent", "stream_handle event", "later work waits.", 0)
 event_record = _checked("cudaEventRecord", "event stream_handle", "in stream order.")
 event_destroy = _checked("cudaEventDestroy", "event", "destroy an event.")
 
@@ -299,11 +302,6 @@ def get_device_attribute(attr: Any, device: int | None = None) -> int:
 
 
 # --- allocation --------------------------------------------------------------------------------
-
-
-def malloc_managed(nbytes: int) -> int:
-    """``cudaMallocManaged(cudaMemAttachGlobal)``: unified memory; free with :func:`free`."""
-    return check(_rt().cudaMallocManaged(nbytes, _MEM_ATTACH_GLOBAL), "cudaMallocManaged")
 
 
 def malloc_host(nbytes: int, flags: int = 0) -> int:
@@ -427,11 +425,6 @@ def mem_pool_export_to_shareable_handle(pool: int, handle_type: int = 1) -> int:
 # --- copies ------------------------------------------------------------------------------------
 
 
-def memcpy(dst: int, src: int, nbytes: int) -> None:
-    """Synchronous ``cudaMemcpy`` with ``cudaMemcpyDefault`` (direction from the pointers)."""
-    check(_rt().cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), "cudaMemcpy")
-
-
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream_handle``."""
     result = _rt().cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_objects[stream_handle])
@@ -506,11 +499,6 @@ def stream_create(non_blocking: bool = True, *, flags: int | None = None) -> int
 def stream_synchronize(handle: int) -> None:
     """Wait for all work queued on the stream."""
     check(_rt().cudaStreamSynchronize(stream_objects[handle]), "cudaStreamSynchronize")
-
-
-def stream_wait_event(stream_handle: int, event: int) -> None:
-    """Make future work on ``stream_handle`` wait for ``event`` (``cudaStreamWaitEvent``)."""
-    check(_rt().cudaStreamWaitEvent(stream_handle, event, 0), "cudaStreamWaitEvent")
 
 
 def event_create(disable_timing: bool = True) -> int:

@@ -68,7 +68,10 @@ def _as_level(level: level_enum | str) -> level_enum:
     )
 
 
-class _Formatter(logging.Formatter):
+class _FlushLevelHandler(logging.StreamHandler):
+    """Writes every record in RMM's layout, flushes only those at or above the flush level (as
+    spdlog)."""
+
     def format(self, record: logging.LogRecord) -> str:
         t = record.created
         clock = time.strftime("%H:%M:%S", time.localtime(t))
@@ -76,10 +79,6 @@ class _Formatter(logging.Formatter):
         tid = getattr(record, "thread_native", None) or threading.get_native_id()
         level = _NAMES.get(record.levelno, record.levelname.lower())
         return f"[{tid:>6}][{clock}:{micros:06d}][{level:<6}] {record.getMessage()}"
-
-
-class _FlushLevelHandler(logging.StreamHandler):
-    """Writes every record, flushes only those at or above the flush level (as spdlog)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         # Handler.handle holds self.lock around emit.
@@ -116,9 +115,7 @@ def get_logger() -> logging.Logger:
                 log = logging.getLogger(LOGGER_NAME)
                 path = os.environ.get("RMM_DEBUG_LOG_FILE")
                 stream = open(path, "w") if path else sys.stderr  # noqa: SIM115 - lives with the process
-                handler = _FlushLevelHandler(stream)
-                handler.setFormatter(_Formatter())
-                log.addHandler(handler)
+                log.addHandler(_FlushLevelHandler(stream))
                 log.propagate = False
                 if log.level == logging.NOTSET:
                     log.setLevel(logging.INFO)
@@ -149,10 +146,7 @@ def set_logging_level(level: level_enum | str) -> None:
 def get_logging_level() -> level_enum:
     """The current debug-logging level (``level_enum.info`` by default)."""
     py = get_logger().getEffectiveLevel()
-    for member, value in _TO_PY.items():
-        if value == py:
-            return member
-    # Someone set a Python level between ours: report the nearest one at or above it.
+    # Ours, or (someone set a Python level between ours) the nearest one above it.
     return min((m for m, v in _TO_PY.items() if v >= py), default=level_enum.off)
 
 
