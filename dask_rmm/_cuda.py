@@ -56,28 +56,19 @@ def _rt():
     return runtime
 
 
-def _error_name(err) -> str:
-    try:
-        ok, name = _rt().cudaGetErrorName(err)
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:
-        return str(err)
-
-
 def fail(err, call: str):
-    """Raise for the nonzero error code ``err`` of runtime function ``call``:
+    """Raise for the nonzero error code ``err`` of runtime (or driver) function ``call``:
     :class:`CUDAUnavailableError` without a usable GPU, else :class:`CUDAError`.
 
     The runtime's last-error slot is cleared first, as RMM does, so that a handled failure
     (an out-of-memory the caller turns into MemoryError) does not surface later in another
     library's ``cudaGetLastError`` check.
     """
-    name = _error_name(err)
     if not is_available():
         require_cuda(call)
     with contextlib.suppress(Exception):  # clearing is best effort
         _rt().cudaGetLastError()
-    raise CUDAError(name, call)
+    raise CUDAError(getattr(err, "name", str(err)), call)  # cuda-python's error enums are named
 
 
 def check(result, call: str):
@@ -96,7 +87,7 @@ def _probe() -> str:
     except CUDAUnavailableError as e:
         return str(e)
     if err:
-        return _error_name(err)
+        return err.name
     return "" if count >= 1 else "no CUDA device found"
 
 
@@ -236,9 +227,7 @@ def mem_get_info() -> tuple[int, int]:
 
 def device_total_memory(device: int | None = None) -> int:
     """Total memory of ``device`` (default: the current device) in bytes."""
-    if device is None:
-        return mem_get_info()[1]
-    with on_device(check_device(device)):
+    with on_device(current_device() if device is None else check_device(device)):
         return mem_get_info()[1]
 
 
@@ -468,14 +457,11 @@ class PointerAttributes(NamedTuple):
     host_pointer: int
 
 
-_MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
-
-
 def pointer_attributes(ptr: int) -> PointerAttributes:
     """``cudaPointerGetAttributes``: tell host, pinned, device and managed pointers apart."""
     attrs = check(_rt().cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
     return PointerAttributes(
-        _MEMORY_TYPES.get(int(attrs.type), str(attrs.type)),
+        attrs.type.name.removeprefix("cudaMemoryType").lower(),  # cudaMemoryTypeHost: "host"
         int(attrs.device),
         int(attrs.devicePointer or 0),
         int(attrs.hostPointer or 0),
@@ -527,10 +513,7 @@ def mem_get_address_range(ptr: int) -> tuple[int, int]:
     require_cuda("cuMemGetAddressRange")
     from cuda.bindings import driver
 
-    err, base, size = driver.cuMemGetAddressRange(ptr)
-    if err:
-        name = getattr(err, "name", str(err))
-        raise CUDAError(name, f"cuMemGetAddressRange({ptr:#x})")
+    base, size = check(driver.cuMemGetAddressRange(ptr), f"cuMemGetAddressRange({ptr:#x})")
     return int(base), int(size)
 
 

@@ -103,12 +103,8 @@ def statistics() -> Iterator[None]:
     True
     """
     previous = registry.get_current_device_resource()
-    inside = (
-        previous
-        if isinstance(previous, StatisticsResourceAdaptor)
-        else StatisticsResourceAdaptor(previous)
-    )
-    pushed = inside is previous
+    pushed = isinstance(previous, StatisticsResourceAdaptor)
+    inside = previous if pushed else StatisticsResourceAdaptor(previous)
     if pushed:
         inside.push_counters()
     else:

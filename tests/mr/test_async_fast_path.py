@@ -7,13 +7,14 @@ from __future__ import annotations
 import threading
 
 import pytest
+from cuda.bindings import runtime
 
 from dask_rmm import _cuda
 from dask_rmm.mr import CudaAsyncViewMemoryResource
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
-_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation"}
-_CODES = {name: code for code, name in _ERRORS.items()}
+#: What cuda-python returns: cudaError_t members (named), by name.
+_CODES = {e.name: e for e in runtime.cudaError_t}
 
 
 class FakePool:
@@ -49,7 +50,6 @@ def fake(monkeypatch):
     pool = FakePool()
     monkeypatch.setattr(_cuda, "require_cuda", lambda what: None)
     monkeypatch.setattr(_cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_cuda, "_error_name", _ERRORS.get)
     monkeypatch.setattr(_cuda, "get_device", lambda: 0)
     monkeypatch.setattr(_cuda, "get_device_count", lambda: 1)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 30, 1 << 34))
