@@ -182,7 +182,7 @@ def device_families(snap: Snapshot, devices: list | None = None) -> list:
         for field, family in gauges:
             if field in skip:
                 continue
-            value = x.row_peak() if field == "peak_bytes" else getattr(sample, field)
+            value = x.peak if field == "peak_bytes" else getattr(sample, field)
             family.add_metric(labels, value)
         if x.frag is not None:  # no figure while none of the pool is in use
             frag.add_metric(labels, x.frag)

@@ -19,15 +19,15 @@ from urllib.parse import urlencode
 import numpy as np
 
 from dask_rmm.report.memory_report import (
-    SUMMED_FIELDS,
     ClusterMemoryReport,
     ClusterTotals,
     DeviceMemory,
+    _int,
     address_key,
     strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
-from dask_rmm.wire import fragmentation, to_int, unmeasured_fields
+from dask_rmm.wire import fragmentation
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.cluster_total import TotalSnapshot
@@ -111,22 +111,14 @@ class _Record(NamedTuple):
     rows: dict[str, int]
 
 
-def _int(value: Any) -> int:
-    return value if type(value) is int else to_int(value)
+#: The leading fields of a :class:`_Record`: a worker entry of the report document.
+_WORKER = ("address", "name", "status", "last_seen", "error", "restarts")
 
 
 class _Device:
     """One device's numbers for sorting and totals (no DeviceMemory made for it)."""
 
     __slots__ = ("rec", "dev", "d", "levels", "running", "current", "peak", "frag")
-    rec: _Record
-    dev: str
-    d: Mapping[str, Any]
-    levels: tuple[bytes, ...] | None
-    running: bool
-    current: int
-    peak: int
-    frag: float | None
 
     def __init__(
         self, rec: _Record, dev: str, d: Mapping[str, Any], levels: tuple | None, peak: int
@@ -147,9 +139,6 @@ class _Device:
         if not self.levels:
             return np.zeros(0, SAMPLE_DTYPE)
         return np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
-
-    def row_peak(self) -> int:
-        return self.peak
 
 
 class Snapshot:
@@ -214,28 +203,7 @@ class Snapshot:
 
     def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:
         """Totals over the running ``devices``, with the cluster's ``peak``."""
-        run = [x for x in devices if x.running]
-        sums = dict.fromkeys(SUMMED_FIELDS, 0)
-        largest = paused = 0
-        for x in run:
-            d = x.d
-            for k in SUMMED_FIELDS:
-                v = d.get(k, 0)
-                sums[k] += v if type(v) is int else to_int(v)
-            largest = max(largest, _int(d.get("largest_free_block", 0)))
-            paused += bool(_int(d.get("paused", 0)))
-        return ClusterTotals(
-            workers=len({x.rec.address for x in run}),
-            gone_workers=len({x.rec.address for x in devices if not x.running}),
-            devices=len(run),
-            peak_bytes=peak,
-            sum_of_device_peaks=sum(x.peak for x in run),
-            largest_free_block=largest,
-            paused_devices=paused,
-            unmeasured_devices=sum(1 for x in run if unmeasured_fields(x.d.get("measured"))),
-            unmeasured_current_devices=sum(1 for x in run if x.d.get("measured") == "none"),
-            **sums,
-        )
+        return ClusterTotals.over([(x.rec.address, x.running, x.d, x.peak) for x in devices], peak)
 
     def _select(self, devices: list[_Device]) -> tuple[list[_Device], str]:
         req = self.request
@@ -250,7 +218,7 @@ class Snapshot:
         else:
             key = {
                 "current": lambda x: x.current,
-                "peak": _Device.row_peak,
+                "peak": lambda x: x.peak,
                 "fragmentation": lambda x: -1.0 if x.frag is None else x.frag,
             }[order]
             chosen = sorted(chosen, key=lambda x: (x.running, key(x)), reverse=True)
@@ -303,18 +271,8 @@ class Snapshot:
                     timeline = self._timeline(x.points())
                 else:
                     arrays[rec.address, x.dev] = self._points(x.points())
-            made.append(
-                DeviceMemory.from_dict(
-                    x.d,
-                    worker=str(rec.address),
-                    device=x.dev,
-                    name=str(rec.name),
-                    status=str(rec.status),
-                    timeline=timeline,
-                    last_seen=rec.last_seen,
-                    restarts=rec.restarts,
-                ).with_peak(x.row_peak())
-            )
+            worker = dict(zip(_WORKER, rec, strict=False))
+            made.append(DeviceMemory.from_worker(worker, x.dev, x.d, timeline).with_peak(x.peak))
         errors = [f"{rec.address}: {rec.error}" for rec in self.records if rec.error]
         meta = self.meta
         return ClusterMemoryReport(
@@ -334,9 +292,9 @@ class Snapshot:
         return self.export(lambda snap: snap._render(form))
 
     def export(self, build: Any) -> Any:
-        """``build(self)`` with the garbage collector paused (see :func:`_collector_paused`) and
-        the interpreter switching threads more often (see :func:`_switching_often`)."""
-        with _collector_paused(), _switching_often():
+        """``build(self)`` with the garbage collector paused and the interpreter switching
+        threads more often (see :func:`_building`)."""
+        with _building():
             return build(self)
 
     def _render(self, form: str) -> Any:
@@ -377,40 +335,34 @@ class Snapshot:
         return f'<p class="nav">{back} &middot; sort by: {sorts} &middot; rows: {tops}</p>'
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No automatic garbage collection while a report is built: a full pass walks every object
-    of the scheduler (each worker's last heartbeat is hundreds of them) holding the GIL, which
-    at 16,000 devices stalls the event loop's thread (bench/README.md); building a report makes
-    enough objects to start several. What it makes has no cycles: reference counting frees it.
-    One report is built at a time (one thread), so nothing else turns the collector back on."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 #: ``sys.setswitchinterval`` while a report is built (Python's default is 5 ms).
 SWITCH_INTERVAL = 0.0005
 
 
 @contextlib.contextmanager
-def _switching_often() -> Iterator[None]:
-    """The interpreter switching threads every :data:`SWITCH_INTERVAL` while a report is built
-    in its thread: each time the event loop's thread gives up the GIL (a select, a socket
-    write, a read of /proc by distributed's system monitor) it waits for the building thread to
-    give it back, up to the switch interval, so a callback making 20 such calls was late by
-    100 ms at the default 5 ms (bench/README.md). Restored after (reports are built one at a
-    time, in one thread)."""
+def _building() -> Iterator[None]:
+    """While a report is built (one at a time, in one thread; restored after):
+
+    - no automatic garbage collection: a full pass walks every object of the scheduler (each
+      worker's last heartbeat is hundreds of them) holding the GIL, which at 16,000 devices
+      stalls the event loop's thread (bench/README.md); building a report makes enough objects
+      to start several. What it makes has no cycles: reference counting frees it.
+    - the interpreter switching threads every :data:`SWITCH_INTERVAL`: each time the event
+      loop's thread gives up the GIL (a select, a socket write, a read of /proc by
+      distributed's system monitor) it waits for the building thread to give it back, up to
+      the switch interval, so a callback making 20 such calls was late by 100 ms at the
+      default 5 ms (bench/README.md).
+    """
+    was_enabled = gc.isenabled()
     before = sys.getswitchinterval()
+    gc.disable()
     sys.setswitchinterval(min(before, SWITCH_INTERVAL))
     try:
         yield
     finally:
         sys.setswitchinterval(before)
+        if was_enabled:
+            gc.enable()
 
 
 def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[str]:
