@@ -103,8 +103,12 @@ def statistics() -> Iterator[None]:
     True
     """
     previous = registry.get_current_device_resource()
-    pushed = isinstance(previous, StatisticsResourceAdaptor)
-    inside = previous if pushed else StatisticsResourceAdaptor(previous)
+    inside = (
+        previous
+        if isinstance(previous, StatisticsResourceAdaptor)
+        else StatisticsResourceAdaptor(previous)
+    )
+    pushed = inside is previous
     if pushed:
         inside.push_counters()
     else:
