@@ -10,7 +10,7 @@ thread once per shared snapshot and served as it is. Needs prometheus_client (op
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import dask.config
@@ -50,31 +50,17 @@ class DaskRMMCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         plugin = self.plugin
-        if plugin.large and _in_loop():
-            # The families of the shared snapshot (at most SNAPSHOT_INTERVAL old), made in the
-            # report thread: a scrape costs the loop the same at any size and scrape rate.
-            if not plugin.active:
-                plugin.poll()  # stops it
-                return
-            made = plugin.exported_now("families", snapshot_families)
-            if made is not None:
-                yield from made
-                return
-            # None made yet: the totals as of the poller's last tick, no devices (reading every
-            # unread heartbeat would cost the loop a read per worker).
-            if not plugin.poll(every=False):
-                return
-            yield from total_families(plugin.cluster_sums(), plugin.cluster_peak)
+        if not (plugin.large and _in_loop()):
+            if plugin.poll():
+                yield from snapshot_families(plugin.snapshot(ReportRequest(timeline=False)))
             return
-        if not plugin.poll():
+        if not plugin.active:
+            plugin.poll()  # stops it
             return
-        # The totals are kept up to date as heartbeats arrive: no pass over every device on
-        # the event loop (the final peak: the not-yet-final samples would take a sort of every
-        # waiting sample; the next scrape has them).
-        sums = plugin.cluster_sums()
-        yield from total_families(sums, plugin.cluster_peak)
-        if sums["devices"] <= _device_limit():
-            yield from device_families(plugin.snapshot(ReportRequest(timeline=False)))
+        # The families of the shared snapshot (at most SNAPSHOT_INTERVAL old), made in the
+        # report thread: a scrape costs the loop the same at any size and scrape rate (none
+        # until the first is made, a moment after the first scrape).
+        yield from plugin.exported_now("families", snapshot_families) or ()
 
 
 def _in_loop() -> bool:
@@ -91,47 +77,34 @@ def _device_limit() -> int:
     )
 
 
-def total_families(sums: Mapping[str, int], peak: int) -> Iterator[GaugeMetricFamily]:
-    """The workers, devices and cluster totals of ``sums`` (the keys of
-    ``SchedulerTimelinePlugin.cluster_sums``) and the cluster's ``peak``."""
+def snapshot_families(snap: Snapshot) -> list:
+    """Every family of ``/metrics`` made from ``snap`` (any thread): the workers, devices and
+    cluster totals, and the per-device families up to ``prometheus-device-limit`` devices."""
+    devices = snap.devices()
+    totals = snap.totals(devices, None)
     workers = GaugeMetricFamily(
         "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
     )
-    workers.add_metric(["running"], sums["workers"])
-    workers.add_metric(["gone"], sums["gone_workers"])
-    yield workers
+    workers.add_metric(["running"], totals.workers)
+    workers.add_metric(["gone"], totals.gone_workers)
     count = GaugeMetricFamily("dask_rmm_devices", "Devices of running dask-rmm workers")
-    count.add_metric([], sums["devices"])
-    yield count
-    for field in _CLUSTER:
+    count.add_metric([], totals.devices)
+    made = [workers, count]
+    # A total that leaves out devices of statistics=False (the report's "n/a") is not exported,
+    # nor the cluster peak then (such a device has no timeline).
+    for field in (f for f in _CLUSTER if getattr(totals, f) is not None):
         family = GaugeMetricFamily(
             f"dask_rmm_cluster_{field}", f"Sum of {field} over the running devices"
         )
-        family.add_metric([], sums[field])
-        yield family
-    # A device with statistics=False has no timeline: a cluster peak without it is no peak.
-    if not sums["unmeasured_devices"]:
+        family.add_metric([], getattr(totals, field))
+        made.append(family)
+    if not totals.unmeasured_devices:
         family = GaugeMetricFamily(
             "dask_rmm_cluster_peak_bytes",
             "Most bytes all devices held at once (peak of the summed timelines)",
         )
-        family.add_metric([], peak)
-        yield family
-
-
-def snapshot_families(snap: Snapshot) -> list:
-    """Every family of ``/metrics`` made from ``snap`` (any thread): the totals, and the
-    per-device families up to ``prometheus-device-limit`` devices."""
-    devices = snap.devices()
-    totals = snap.totals(devices, None)
-    sums = {
-        "workers": totals.workers,
-        "gone_workers": totals.gone_workers,
-        "devices": totals.devices,
-        "unmeasured_devices": totals.unmeasured_devices,
-        **{field: getattr(totals, field) for field in _CLUSTER},
-    }
-    made = list(total_families(sums, snap.total.peak if snap.total is not None else 0))
+        family.add_metric([], snap.total.peak if snap.total is not None else 0)
+        made.append(family)
     if totals.devices <= _device_limit():
         made += device_families(snap, devices)
     return made

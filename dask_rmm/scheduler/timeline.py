@@ -30,7 +30,6 @@ from dask_rmm.wire import (
     PLUGIN_NAME,
     REPORT_HANDLER,
     to_int,
-    unmeasured_fields,
 )
 
 if TYPE_CHECKING:
@@ -155,11 +154,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._full: list[Timeline] = []  # timelines whose newest level is full
         self._order: list[str] | None = None  # the workers' addresses the poller reads in turn
         self._cursor = 0
-        # Cluster sums kept up to date (Prometheus reads them without a pass over every device):
-        # each record's share, and the records whose share changed since.
-        self._sums = [0] * (3 + len(SUM_FIELDS))
-        self._shares: dict[str, list[int]] = {}
-        self._dirty: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
         # Heartbeats read and workers gone since start (a snapshot is current while unchanged),
         # the snapshot every route shares, the one being taken, and what Prometheus reads of it.
@@ -276,7 +270,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if rec is None or rec.status == "gone":
             return
         rec.status = "gone"
-        self._dirty.add(worker)
         self._changes += 1
         for row in rec.rows.values():
             self._total.stop(row)
@@ -288,7 +281,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             self._forget(self._records.pop(address))
 
     def _forget(self, rec: _WorkerRecord) -> None:
-        self._dirty.add(rec.address)
         self._changes += 1
         for row in rec.rows.values():
             self._total.release(row)
@@ -384,7 +376,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         elif m is rec.raw:
             return  # this heartbeat was read already
         rec.raw = m
-        self._dirty.add(rec.address)
         self._changes += 1
         checked = check_metrics(m, now, getattr(ws, "last_seen", None))
         rec.error = None
@@ -495,32 +486,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         return rec
 
     # -- queries ------------------------------------------------------------------------------
-
-    @property
-    def cluster_peak(self) -> int:
-        """The most bytes all devices held at once, over the samples summed so far."""
-        return self._total.peak
-
-    def cluster_sums(self) -> dict[str, int]:
-        """Running and gone workers, running devices, and :data:`SUM_FIELDS` summed over the
-        running devices, as of the heartbeats read (kept up to date: the cost is the records
-        that changed since the last call, not every device)."""
-        sums, shares = self._sums, self._shares
-        dirty, self._dirty = self._dirty, set()
-        for address in dirty:
-            old = shares.pop(address, None)
-            if old is not None:
-                for i, v in enumerate(old):
-                    sums[i] -= v
-            rec = self._records.get(address)
-            if rec is None or rec.address != address:
-                continue
-            new = _share(rec)
-            if new is not None:
-                shares[address] = new
-                for i, v in enumerate(new):
-                    sums[i] += v
-        return dict(zip(("workers", "gone_workers", "devices", *SUM_FIELDS), sums, strict=True))
 
     def snapshot(self, request: ReportRequest | None = None) -> Snapshot:
         """What a report needs, taken on the event loop in one pass over the workers (cheap:
@@ -659,40 +624,6 @@ class _Shared(NamedTuple):
     records: list
     total: Any
     meta: dict
-
-
-#: Device fields :meth:`SchedulerTimelinePlugin.cluster_sums` keeps summed.
-SUM_FIELDS: tuple[str, ...] = (
-    "current_bytes",
-    "reserved_bytes",
-    "pool_free_bytes",
-    "retired_bytes",
-)
-SUM_FIELDS += ("failed_allocations", "spilled_bytes", "oom_count", "ooms_avoided", "paused")
-#: Running devices with statistics off (figures not measured): no cluster peak with them.
-SUM_FIELDS += ("unmeasured_devices",)
-
-
-def _share(rec: _WorkerRecord) -> list[int] | None:
-    """A record's part of the cluster sums: [running, gone, devices, *SUM_FIELDS]."""
-    devices = (rec.metrics or {}).get("devices") or {}
-    if not devices:
-        return None
-    if rec.status != "running":
-        return [0, 1, 0] + [0] * len(SUM_FIELDS)
-    share = [1, 0, len(devices)]
-    for k in SUM_FIELDS:
-        total = 0
-        for d in devices.values():
-            v = d.get(k, 0)
-            if k == "paused":  # a count of paused devices, as the report's totals
-                total += bool(to_int(v))
-            elif k == "unmeasured_devices":
-                total += bool(unmeasured_fields(d.get("measured")))
-            else:  # types are not checked at the door: read as the report reads them
-                total += v if type(v) is int else to_int(v)
-        share.append(total)
-    return share
 
 
 def _device_peaks(metrics: dict | None) -> dict[str, int]:

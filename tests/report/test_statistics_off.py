@@ -98,7 +98,9 @@ def test_statistics_off_says_what_is_not_measured_everywhere(measured):
             for name, f in families.items()
         }
         assert mine["dask_rmm_peak_bytes"] == [] and mine["dask_rmm_failed_allocations"] == []
-        assert "dask_rmm_cluster_peak_bytes" not in families
+        assert "dask_rmm_cluster_peak_bytes" not in families  # the report's "n/a" totals
+        assert "dask_rmm_cluster_failed_allocations" not in families
+        assert ("dask_rmm_cluster_current_bytes" in families) == (measured == "pool")
         if measured == "pool":
             assert mine["dask_rmm_used_bytes"] == [100 * MiB]
         else:
