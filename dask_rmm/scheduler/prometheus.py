@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import dask.config
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, Metric, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.wire import GAUGES, DeviceSample
@@ -173,22 +174,17 @@ def device_text(snap: Snapshot) -> list[bytes]:
     """:func:`device_families` in the Prometheus text format (what /dask-rmm/metrics serves),
     one piece a family: each piece is joined and encoded in one C call that holds the GIL, a
     family of 16,000 devices a few MB, the whole text a hundred."""
-    pieces = []
-    for family in device_families(snap):
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families([family]))
-        pieces.append(generate_latest(registry))
-    return pieces
+    return [generate_latest(_Made(family)) for family in device_families(snap)]
 
 
-class _Families:
-    """A collector of families already made."""
+class _Made(Collector):
+    """A collector of one family already made."""
 
-    def __init__(self, families: list) -> None:
-        self.families = families
+    def __init__(self, family: Metric) -> None:
+        self.family = family
 
-    def collect(self) -> Iterator:
-        return iter(self.families)
+    def collect(self) -> Iterator[Metric]:
+        yield self.family
 
 
 def _host(address: str) -> str:

@@ -126,28 +126,8 @@ class Timeline:
             self._pass_on(i)
 
     def _first_newer(self, blob: bytes, n: int) -> int:
-        newest = self.newest
-        unpack = _TIME.unpack_from
-        if n == 0 or unpack(blob, 0)[0] > newest:
-            return 0
-        if unpack(blob, (n - 1) * _RECORD)[0] <= newest:
-            return n
-        lo, hi = 0, n - 1  # blob[lo] is old, blob[hi] is new
-        # A heartbeat repeats the previous one's samples: most often its second half is new.
-        mid = n // 2
-        if unpack(blob, mid * _RECORD)[0] > newest:
-            if unpack(blob, (mid - 1) * _RECORD)[0] <= newest:
-                return mid
-            hi = mid
-        else:
-            lo = mid
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if unpack(blob, mid * _RECORD)[0] > newest:
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        times = np.frombuffer(blob, SAMPLE_DTYPE, count=n)["t"]
+        return int(np.searchsorted(times, self.newest, side="right"))
 
     def append_packed(self, blob: bytes) -> None:
         """Append packed points (oldest first, none older than :attr:`newest`) as they are."""
