@@ -6,6 +6,8 @@ devices' own timelines (``resolution.py``), the plugin that feeds it (``timeline
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline
@@ -280,29 +282,23 @@ def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:
     return np.clip(total, -_SAFE, _SAFE).astype(np.int64)
 
 
-class TotalSnapshot:
+class TotalSnapshot(NamedTuple):
     """A :class:`ClusterTotal`'s state at one moment (see :meth:`ClusterTotal.snapshot`)."""
 
-    def __init__(
-        self,
-        waiting: list[np.ndarray],
-        total: np.ndarray,
-        final_time: float,
-        peak: int,
-        levels: tuple[bytes, ...],
-        row_peaks: np.ndarray,
-    ):
-        self._waiting, self._sum, self._final_time = waiting, total, final_time
-        self.peak, self.levels = peak, levels
-        #: Per row: the largest ``max_bytes_in_interval`` the row's device ever sent.
-        self.row_peaks = row_peaks
+    waiting: list[np.ndarray]
+    total: np.ndarray
+    final_time: float
+    peak: int
+    levels: tuple[bytes, ...]
+    #: Per row: the largest ``max_bytes_in_interval`` the row's device ever sent.
+    row_peaks: np.ndarray
 
     def points(self) -> tuple[int, np.ndarray]:
         """``(peak, points)``: the summed points oldest first, the final ones then those not
         final yet (counted as if every device had caught up), and their peak."""
         final = np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
-        if not self._waiting:
+        if not self.waiting:
             return self.peak, final
-        provisional = _sum_changes(np.concatenate(self._waiting), self._sum, self._final_time)
+        provisional = _sum_changes(np.concatenate(self.waiting), self.total, self.final_time)
         peak = max(self.peak, int(provisional["m"].max()))
         return peak, np.concatenate([final, provisional])
