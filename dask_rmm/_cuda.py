@@ -377,23 +377,16 @@ def mem_pool_set_release_threshold(pool: int, nbytes: int) -> None:
     """Set ``cudaMemPoolAttrReleaseThreshold``."""
     from cuda.bindings import driver
 
-    rt = _rt()
-    check(
-        rt.cudaMemPoolSetAttribute(
-            pool, _member("cudaMemPoolAttr", "ReleaseThreshold"), driver.cuuint64_t(nbytes)
-        ),
-        "cudaMemPoolSetAttribute(ReleaseThreshold)",
-    )
+    attr = _member("cudaMemPoolAttr", "ReleaseThreshold")
+    result = _rt().cudaMemPoolSetAttribute(pool, attr, driver.cuuint64_t(nbytes))
+    check(result, "cudaMemPoolSetAttribute(ReleaseThreshold)")
 
 
 def mem_pool_get_attribute(pool: int, name: str) -> int:
     """A 64-bit pool attribute by short name: ``"ReleaseThreshold"``, ``"ReservedMemCurrent"``,
     ``"ReservedMemHigh"``, ``"UsedMemCurrent"`` or ``"UsedMemHigh"``."""
-    value = check(
-        _rt().cudaMemPoolGetAttribute(pool, _member("cudaMemPoolAttr", name)),
-        f"cudaMemPoolGetAttribute({name})",
-    )
-    return int(value)
+    result = _rt().cudaMemPoolGetAttribute(pool, _member("cudaMemPoolAttr", name))
+    return int(check(result, f"cudaMemPoolGetAttribute({name})"))
 
 
 def mem_pool_get_release_threshold(pool: int) -> int:
@@ -404,11 +397,10 @@ def mem_pool_get_release_threshold(pool: int) -> int:
 def mem_pool_export_to_shareable_handle(pool: int, handle_type: int = 1) -> int:
     """Export an IPC-capable pool; for a POSIX file descriptor (1) the result is one."""
     rt = _rt()
-    handle = check(
-        rt.cudaMemPoolExportToShareableHandle(pool, rt.cudaMemAllocationHandleType(handle_type), 0),
-        "cudaMemPoolExportToShareableHandle",
+    result = rt.cudaMemPoolExportToShareableHandle(
+        pool, rt.cudaMemAllocationHandleType(handle_type), 0
     )
-    return int(handle)
+    return int(check(result, "cudaMemPoolExportToShareableHandle"))
 
 
 # --- copies ------------------------------------------------------------------------------------
@@ -430,19 +422,16 @@ def _location(device: int):
 
 def mem_prefetch_async(ptr: int, nbytes: int, device: int, stream_handle: int) -> None:
     """Prefetch managed (or system-allocated) memory to ``device``; ``CPU_DEVICE_ID`` means host."""
-    check(
-        _rt().cudaMemPrefetchAsync(ptr, nbytes, _location(device), 0, stream_handle),
-        "cudaMemPrefetchAsync",
-    )
+    result = _rt().cudaMemPrefetchAsync(ptr, nbytes, _location(device), 0, stream_handle)
+    check(result, "cudaMemPrefetchAsync")
 
 
 def mem_advise_preferred_location(ptr: int, nbytes: int, device: int) -> None:
     """``cudaMemAdvise(cudaMemAdviseSetPreferredLocation)``; ``CPU_DEVICE_ID`` means host."""
     rt = _rt()
+    advice = rt.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation
     check(
-        rt.cudaMemAdvise(
-            ptr, nbytes, rt.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation, _location(device)
-        ),
+        rt.cudaMemAdvise(ptr, nbytes, advice, _location(device)),
         "cudaMemAdvise(SetPreferredLocation)",
     )
 

@@ -51,11 +51,7 @@ _reinitialize_hooks: list[tuple[Callable, tuple, dict]] = []
 def _check_devices(devices: Any) -> list[int]:
     if devices is None:
         return [0]
-    if (
-        isinstance(devices, bool)
-        or not isinstance(devices, (int, Sequence))
-        or isinstance(devices, str)
-    ):
+    if isinstance(devices, (bool, str)) or not isinstance(devices, (int, Sequence)):
         raise TypeError(f"devices must be an int or a list of ints, got {devices!r}")
     devices = [devices] if isinstance(devices, int) else list(devices)
     if not devices:
