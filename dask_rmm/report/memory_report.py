@@ -715,21 +715,18 @@ class ClusterMemoryReport:
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
                 f"<tfoot><tr>{foot}</tr></tfoot></table><p>{notes}</p>"
             )
-        breakdown = self.breakdown_lines()
-        if breakdown:
-            bars = [
-                (d.label, d.breakdown(), d.device_total_bytes)
-                for d in self.running
-                if d.libraries or d.device_total_bytes > 0
-            ][:_SVG_SERIES]
-            items = "".join(f"<li>{esc(line)}</li>" for line in breakdown[1:])
-            parts.append(f"<h4>Where the bytes are</h4>{breakdown_svg(bars)}<ul>{items}</ul>")
-        for title, lines in (
-            ("Memory pressure", self.pressure_lines()),
-            ("Memory admission", self.admission_lines()),
+        bars = [
+            (d.label, d.breakdown(), d.device_total_bytes)
+            for d in self.running
+            if d.libraries or d.device_total_bytes > 0
+        ][:_SVG_SERIES]
+        for title, lines, drawn in (
+            ("Where the bytes are", self.breakdown_lines(), breakdown_svg(bars) if bars else ""),
+            ("Memory pressure", self.pressure_lines(), ""),
+            ("Memory admission", self.admission_lines(), ""),
         ):
             items = "".join(f"<li>{esc(line)}</li>" for line in lines[1:])
-            parts += [f"<h4>{title}</h4><ul>{items}</ul>"] if lines else []
+            parts += [f"<h4>{title}</h4>{drawn}<ul>{items}</ul>"] if lines else []
         parts += [f'<p class="note">{esc(line)}</p>' for line in self._notes()]
         if timeline and (self.total_timeline or any(d.timeline for d in self.devices)):
             series = [(d.label, d.status, d.timeline) for d in self.devices if d.timeline]
