@@ -159,11 +159,11 @@ class Snapshot:
         without: list[str],
     ) -> Snapshot:
         rows = [cls.record(r) for r in records]
-        meta = {
+        meta = {  # the report's own fields
             "time": time(),
             "scheduler": scheduler,
             "timeline_length": timeline_length,
-            "without": without,
+            "workers_without_dask_rmm": tuple(without),
         }
         return cls(request, rows, total, meta)
 
@@ -274,17 +274,13 @@ class Snapshot:
             worker = dict(zip(_WORKER, rec, strict=False))
             made.append(DeviceMemory.from_worker(worker, x.dev, x.d, timeline).with_peak(x.peak))
         errors = [f"{rec.address}: {rec.error}" for rec in self.records if rec.error]
-        meta = self.meta
         return ClusterMemoryReport(
             devices=tuple(made),
-            time=meta["time"],
-            scheduler=meta["scheduler"],
-            timeline_length=meta["timeline_length"],
-            workers_without_dask_rmm=tuple(meta["without"]),
             errors=tuple(errors),
             cluster_totals=self.totals(devices, peak),
             total_timeline=self._total_timeline(total_points),
             selection=note,
+            **self.meta,
         )
 
     def render(self, form: str) -> Any:
