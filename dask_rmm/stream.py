@@ -235,9 +235,7 @@ def as_stream(obj: Any) -> Stream:
     """``obj`` as a :class:`Stream` (``None`` means the default stream)."""
     if obj is None:
         return DEFAULT_STREAM
-    if isinstance(obj, Stream):
-        return obj
-    return Stream(obj)
+    return obj if isinstance(obj, Stream) else Stream(obj)
 
 
 class CudaStreamPool:
