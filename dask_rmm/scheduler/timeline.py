@@ -17,12 +17,13 @@ from time import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dask.config
+import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
-from dask_rmm.scheduler.resolution import Timeline, compact_all
+from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline, compact_all
 from dask_rmm.scheduler.validate import MAX_DEVICES, check_metrics, check_samples
 from dask_rmm.wire import (
     METRICS_HANDLER,
@@ -88,6 +89,11 @@ class _WorkerRecord:
     logged: dict[str, float] = field(default_factory=dict)
     #: Devices the worker stopped reporting (out of the cluster total since), by id.
     vanished: set[str] = field(default_factory=set)
+    #: Per device: the newest sample time the cluster total counted for this address before
+    #: dask-rmm left the worker and came back (a re-registration); the worker sends those samples
+    #: again, and the total must not count them twice (the device's peak so far goes into
+    #: ``earlier_peaks``).
+    counted: dict[str, float] = field(default_factory=dict)
 
 
 class SchedulerTimelinePlugin(SchedulerPlugin):
@@ -146,6 +152,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         # The departed records (also in _records), oldest first: what a worker's arrival and
         # departure look through (at most keep_gone + 1, not every worker).
         self._gone: dict[str, _WorkerRecord] = {}
+        # per address: each device's (newest sample time, peak) when dask-rmm left the worker
+        self._counted: dict[str, dict[str, tuple[float, int]]] = {}
         self._poller: PeriodicCallback | None = None
         self._collector: Any = None
         # Sized from the options in start (the config is the scheduler's).
@@ -266,6 +274,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         self._order = None
+        self._counted.pop(worker, None)
         rec = self._records.get(worker)
         if rec is None or rec.status == "gone":
             return
@@ -368,6 +377,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             if rec is not None and rec.status == "running":
                 for row in rec.rows.values():
                     self._total.stop(row)
+                self._counted[ws.address] = {
+                    d: (tl.newest, max(tl.peak(), rec.earlier_peaks.get(d, 0)))
+                    for d, tl in rec.timelines.items()
+                }
                 self._forget(self._records.pop(ws.address))
             return
         if rec is None or rec.status == "gone":
@@ -432,6 +445,13 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 continue
             if tl.overflowing:
                 self._full.append(tl)
+            if rec.counted and (since := rec.counted.get(dev)) is not None:
+                t = np.frombuffer(new, SAMPLE_DTYPE)["t"]
+                cut = int(np.searchsorted(t, since, side="right"))
+                if cut == len(t):  # in the device's timeline again; counted in the total once
+                    continue
+                new = new[cut * SAMPLE_DTYPE.itemsize :]
+                del rec.counted[dev]
             row = rec.rows.get(dev)
             if row is None:
                 row = rec.rows[dev] = self._total.add_row()
@@ -483,6 +503,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 self._records[ws.address] = old
                 return old
         rec = self._records[ws.address] = _WorkerRecord(ws.address, name)
+        for dev, (newest, peak) in self._counted.pop(ws.address, {}).items():
+            rec.counted[dev], rec.earlier_peaks[dev] = newest, peak
         return rec
 
     # -- queries ------------------------------------------------------------------------------

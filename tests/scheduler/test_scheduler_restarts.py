@@ -117,3 +117,31 @@ async def test_after_re_registering_rows_and_totals_agree_on_the_peak(c, s, a):
     assert "peak: the most each device held at once since the scheduler first saw its worker" in (
         text
     )
+
+
+def test_a_re_registration_counts_the_samples_the_worker_sends_again_once():
+    """Re-registering RMMPlugin: one heartbeat has no dask-rmm entry, then the worker sends the
+    samples it had sent already (its sampler keeps them): the cluster total counts them once
+    (it read 8 MiB for one device's 4 MiB), and the device keeps its peak."""
+    from test_scheduler_validation import _beat, _device, _fake_scheduler, _worker
+
+    from dask_rmm.scheduler.report_build import ReportRequest
+    from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
+    from dask_rmm.wire import pack_samples
+
+    plugin = SchedulerTimelinePlugin(timeline_length=64)
+    plugin._configure()
+    w = _worker(0, {})
+    _fake_scheduler(plugin, [w])
+    t = time.time()
+    for sample in ([t - 0.5, 0, 0], [t - 0.4, 4 * MiB, 4 * MiB], [t - 0.3, 4 * MiB, 4 * MiB]):
+        w.metrics = {"dask-rmm": _beat({"0": _device(sample[0], samples=pack_samples([sample]))})}
+        plugin.poll()
+    w.metrics = {}  # the old plugin torn down (sent at once, read before the next poll)
+    plugin._ingest(w)
+    again = pack_samples([sample, [t - 0.1, 0, 0]])
+    w.metrics = {"dask-rmm": _beat({"0": _device(t, samples=again, current_bytes=0)})}
+    plugin.poll()
+    report = plugin.snapshot(ReportRequest()).build()
+    assert report.totals.peak_bytes == 4 * MiB
+    assert report.device(w.address).peak_bytes == 4 * MiB
