@@ -445,19 +445,17 @@ class ClusterMemoryReport:
                 "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
                 "(or pip install 'dask-rmm[report]')"
             ) from e
-        rows = [{k: getattr(d, k) for k in _FRAME_COLUMNS} for d in self.devices]
         libraries = sorted({x.library for d in self.devices for x in d.libraries})
-        for row, d in zip(rows, self.devices, strict=True):
-            row["direct_bytes"] = d.direct_bytes
-            row["outside_dask_rmm_bytes"] = d.outside_dask_rmm_bytes
-            shares = {x.library: x for x in d.libraries}
-            for lib in libraries:
-                x = shares.get(lib)
-                row[f"{lib}_in_use_bytes"] = x.in_use_bytes if x is not None else 0
-                row[f"{lib}_cache_free_bytes"] = x.cached_bytes if x is not None else 0
+        shares = [f"{lib}_{kind}_bytes" for lib in libraries for kind in ("in_use", "cache_free")]
         columns = [*_FRAME_COLUMNS, "direct_bytes", "outside_dask_rmm_bytes"]
-        columns += [f"{lib}_{kind}_bytes" for lib in libraries for kind in ("in_use", "cache_free")]
-        return pd.DataFrame(rows, columns=columns)
+        rows = []
+        for d in self.devices:
+            row = dict.fromkeys(shares, 0) | {k: getattr(d, k) for k in columns}
+            for x in d.libraries:
+                row[f"{x.library}_in_use_bytes"] = x.in_use_bytes
+                row[f"{x.library}_cache_free_bytes"] = x.cached_bytes
+            rows.append(row)
+        return pd.DataFrame(rows, columns=columns + shares)
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):
         """Draw memory over time per worker device and per-task-group peaks.
@@ -754,14 +752,9 @@ class ClusterMemoryReport:
         )
 
     def _peak_notes(self) -> list[str]:
-        if self.totals.peak_bytes is None:
-            total = (
-                "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
-            )
-        else:
-            total = _PEAK_NOTE
-        notes = [_ROW_PEAK_NOTE, total]
         t = self.totals
+        no_peak = "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
+        notes = [_ROW_PEAK_NOTE, no_peak if t.peak_bytes is None else _PEAK_NOTE]
         if (
             t.peak_bytes is not None
             and "peak_bytes" not in t.unmeasured
