@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -153,6 +154,8 @@ def _checked(call: str, params: str, doc: str, *fixed: int) -> Callable[..., Any
         [inspect.Parameter(name, kind) for name in params.split()]
     )
     function.__doc__ = f"``{call}``: {doc}"
+    # Named as the module names it (cudaMemPoolTrimTo: mem_pool_trim_to), for pickle and tracebacks.
+    function.__name__ = function.__qualname__ = re.sub("(?<!^)([A-Z])", r"_\1", call[4:]).lower()
     return function
 
 

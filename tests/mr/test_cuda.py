@@ -31,6 +31,16 @@ def test_check_unpacks_values():
     assert check((0, 1, 2), "f") == (1, 2)
 
 
+def test_generated_calls_have_their_names_parameters_and_pickle_by_reference():
+    import inspect
+
+    assert str(inspect.signature(_cuda.mem_pool_trim_to)) == "(pool, min_bytes_to_keep, /)"
+    assert _cuda.free.__doc__.startswith("``cudaFree``")
+    for name in ("get_device", "free", "memset_async", "mem_pool_trim_to", "stream_wait_event"):
+        function = getattr(_cuda, name)
+        assert function.__qualname__ == name and pickle.loads(pickle.dumps(function)) is function
+
+
 def test_check_raises_named_error():
     from cuda.bindings import runtime
 
