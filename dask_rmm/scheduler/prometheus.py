@@ -10,14 +10,15 @@ thread once per shared snapshot and served as it is. Needs prometheus_client (op
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import dask.config
 from prometheus_client import REGISTRY, Metric, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dask_rmm.report import ClusterTotals
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
 from dask_rmm.wire import GAUGES, DeviceSample
 
@@ -52,8 +53,19 @@ class DaskRMMCollector:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         plugin = self.plugin
         if not (plugin.large and _in_loop()):
-            if plugin.poll():
-                yield from snapshot_families(plugin.snapshot(ReportRequest(timeline=False)))
+            if not plugin.poll():
+                return
+            # The totals from the kept device entries, with no snapshot: above the device limit
+            # a scrape takes none.
+            records = list(plugin._records.values())
+            totals = ClusterTotals.over(
+                ((r.address, r.status == "running", d, 0) for r in records for d in _devices(r)),
+                None,
+            )
+            request = ReportRequest(timeline=False)
+            yield from _families(
+                totals, plugin._total.peak, lambda: device_families(plugin.snapshot(request))
+            )
             return
         if not plugin.active:
             plugin.poll()  # stops it
@@ -82,7 +94,13 @@ def snapshot_families(snap: Snapshot) -> list:
     """Every family of ``/metrics`` made from ``snap`` (any thread): the workers, devices and
     cluster totals, and the per-device families up to ``prometheus-device-limit`` devices."""
     devices = snap.devices()
-    totals = snap.totals(devices, None)
+    peak = snap.total.peak if snap.total is not None else 0
+    return _families(snap.totals(devices, None), peak, lambda: device_families(snap, devices))
+
+
+def _families(totals: ClusterTotals, peak: int, per_device: Callable[[], list]) -> list:
+    """The workers, devices and cluster totals, the cluster's ``peak``, and ``per_device()`` up
+    to ``prometheus-device-limit`` devices."""
     workers = GaugeMetricFamily(
         "dask_rmm_workers", "Workers reporting dask-rmm metrics", labels=["status"]
     )
@@ -104,10 +122,10 @@ def snapshot_families(snap: Snapshot) -> list:
             "dask_rmm_cluster_peak_bytes",
             "Most bytes all devices held at once (peak of the summed timelines)",
         )
-        family.add_metric([], snap.total.peak if snap.total is not None else 0)
+        family.add_metric([], peak)
         made.append(family)
     if totals.devices <= _device_limit():
-        made += device_families(snap, devices)
+        made += per_device()
     return made
 
 
@@ -185,6 +203,11 @@ class _Made(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self.family
+
+
+def _devices(rec: Any) -> Any:
+    raw = (rec.metrics or {}).get("devices")
+    return raw.values() if isinstance(raw, dict) else ()
 
 
 def _host(address: str) -> str:
