@@ -57,12 +57,12 @@ class _ReportHandler(RequestHandler):
                 f"unknown query argument(s) {', '.join(unknown)}; "
                 f"this page takes {', '.join(sorted(known))}",
             )
-        timeline = (self._arg("timeline") or ("1" if page else "0")).lower()
+        timeline = (self.get_query_argument("timeline", None) or ("1" if page else "0")).lower()
         if timeline not in _BOOL:
             raise web.HTTPError(
                 400, f"timeline must be 1 or 0 (true/false, yes/no), got {timeline!r}"
             )
-        sort = self._arg("sort")
+        sort = self.get_query_argument("sort", None)
         if sort is not None and sort not in SORT_KEYS:
             raise web.HTTPError(400, f"sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}")
         top = self._int("top", 1, "a number of devices")
@@ -73,16 +73,13 @@ class _ReportHandler(RequestHandler):
             last=self._int("last", 0, "a number of timeline points"),
             top=top,
             sort=sort,
-            worker=self._arg("worker") or None,
+            worker=self.get_query_argument("worker", None) or None,
             width=PAGE_WIDTH if page else None,
             refresh=self._int("refresh", 1, "a number of seconds") if page else None,
         )
 
-    def _arg(self, name: str, default: str | None = None) -> str | None:
-        return self.get_query_argument(name, default)
-
     def _int(self, name: str, least: int, what: str) -> int | None:
-        value = self._arg(name)
+        value = self.get_query_argument(name, None)
         if value is None:
             return None
         try:
