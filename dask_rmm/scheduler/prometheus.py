@@ -55,25 +55,32 @@ class DaskRMMCollector:
         if not (plugin.large and _in_loop()):
             if not plugin.poll():
                 return
-            # The totals from the kept device entries, with no snapshot: above the device limit
-            # a scrape takes none.
-            records = list(plugin._records.values())
-            totals = ClusterTotals.over(
-                ((r.address, r.status == "running", d, 0) for r in records for d in _devices(r)),
-                None,
-            )
             request = ReportRequest(timeline=False)
             yield from _families(
-                totals, plugin._total.peak, lambda: device_families(plugin.snapshot(request))
+                _kept_totals(plugin),
+                plugin._total.peak,
+                lambda: device_families(plugin.snapshot(request)),
             )
             return
         if not plugin.active:
             plugin.poll()  # stops it
             return
         # The families of the shared snapshot (at most SNAPSHOT_INTERVAL old), made in the
-        # report thread: a scrape costs the loop the same at any size and scrape rate (none
-        # until the first is made, a moment after the first scrape).
-        yield from plugin.exported_now("families", snapshot_families) or ()
+        # report thread: a scrape costs the loop the same at any size and scrape rate. Until the
+        # first is made (a moment after the first scrape), the totals alone, from the kept
+        # entries: a scrape is never empty.
+        made = plugin.exported_now("families", snapshot_families)
+        if made is None:
+            made = _families(_kept_totals(plugin), plugin._total.peak, list)
+        yield from made
+
+
+def _kept_totals(plugin: Any) -> ClusterTotals:
+    """The cluster totals from the kept device entries, with no snapshot."""
+    records = list(plugin._records.values())
+    return ClusterTotals.over(
+        ((r.address, r.status == "running", d, 0) for r in records for d in _devices(r)), None
+    )
 
 
 def _in_loop() -> bool:

@@ -138,7 +138,8 @@ async def test_a_large_clusters_scrape_serves_device_series_made_in_the_report_t
     plugin = s.plugins[PLUGIN_NAME]
     old, timeline.SHARE_ABOVE = timeline.SHARE_ABOVE, 0  # two workers count as many
     try:
-        assert not await _families(s)  # nothing made yet: a build started
+        first = await _families(s)  # nothing made yet: the totals, and a build started
+        assert "dask_rmm_used_bytes" not in first and first["dask_rmm_devices"].samples
         while plugin._made.get("families") is None:
             await asyncio.sleep(0.01)
         used = _by_worker((await _families(s))["dask_rmm_used_bytes"])
