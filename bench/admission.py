@@ -53,6 +53,7 @@ class Config:
     failed_tasks: int = 0
     ooms: int = 0
     spilled: int = 0
+    learned: int = 0  # the largest expected peak the worker's admission had learned
     cluster: Any = None
     client: Any = None
 
@@ -93,6 +94,20 @@ class Config:
         except Exception:
             return 0, 0
 
+    def learned_peak(self) -> int:
+        """The largest expected peak admission learned on the worker (0: admission off)."""
+
+        def read(dask_worker):
+            from dask_rmm.pressure.admission import admission_of
+
+            admission = admission_of(dask_worker)
+            return max((p[1] for p in admission.peaks.top(1)), default=0) if admission else 0
+
+        try:
+            return max(self.client.run(read).values(), default=0)
+        except Exception:
+            return 0
+
 
 def release(client) -> None:
     """Give every free byte the worker holds back to the device (the next configuration's)."""
@@ -123,7 +138,11 @@ def copy_compute_copy(i: int, nbytes: int, work: int, host: bool) -> float:
     else:
         import cupy
 
-        x = cupy.tile(cupy.asarray(data), 4)  # host to device, then 4x on the device
+        # the task's whole footprint at once (its peak is what it holds: a transient input
+        # copy beside it made the peak 1.25x the holding), filled a quarter at a time
+        x = cupy.empty(4 * part)
+        for k in range(4):
+            x[k * part : (k + 1) * part].set(data)  # host to device
         for _ in range(work):
             x *= 1.0001
         back = cupy.asnumpy(x[:part])  # device to host
@@ -204,6 +223,7 @@ def _timed(config: Config, one, r: int) -> None:
         config.times.append(took)
     else:
         config.failed_rounds += 1
+    config.learned = max(config.learned, config.learned_peak())
     config.ooms += after[0] - before[0]
     config.spilled += after[1] - before[1]
     print(f"round {r} {config.name}: {took:.3f} s {'ok' if ok else 'FAILED'}", file=sys.stderr)
@@ -238,7 +258,7 @@ def table(configs: list[Config], title: str) -> str:
     lines = [
         title,
         f"{'configuration':28} {'median s':>9} {'range':>17} {'failed rounds':>14} "
-        f"{'failed tasks':>13} {'OOMs':>5} {'spilled':>10}",
+        f"{'failed tasks':>13} {'OOMs':>5} {'spilled':>10} {'learned':>9}",
     ]
     for c in configs:
         t = c.times
@@ -247,7 +267,8 @@ def table(configs: list[Config], title: str) -> str:
         n = len(t) + c.failed_rounds
         lines.append(
             f"{c.name:28} {med:>9} {spread:>17} {c.failed_rounds:>7}/{n:<6} {c.failed_tasks:>13} "
-            f"{c.ooms:>5} {c.spilled / GiB:>8.2f}Gi"
+            f"{c.ooms:>5} {c.spilled / GiB:>8.2f}Gi "
+            + (f"{c.learned / GiB:>7.2f}Gi" if c.learned else f"{'-':>9}")
         )
     done = [c for c in configs if c.times and not c.failed_rounds]
     if done:
@@ -257,7 +278,16 @@ def table(configs: list[Config], title: str) -> str:
 
 
 def to_json(configs: list[Config]) -> list[dict]:
-    keys = ("name", "threads", "times", "failed_rounds", "failed_tasks", "ooms", "spilled")
+    keys = (
+        "name",
+        "threads",
+        "times",
+        "failed_rounds",
+        "failed_tasks",
+        "ooms",
+        "spilled",
+        "learned",
+    )
     return [{k: getattr(c, k) for k in keys} for c in configs]
 
 
