@@ -59,12 +59,8 @@ def _rt():
 
 def fail(err, call: str):
     """Raise for the nonzero error code ``err`` of runtime (or driver) function ``call``:
-    :class:`CUDAUnavailableError` without a usable GPU, else :class:`CUDAError`.
-
-    The runtime's last-error slot is cleared first, as RMM does, so that a handled failure
-    (an out-of-memory the caller turns into MemoryError) does not surface later in another
-    library's ``cudaGetLastError`` check.
-    """
+    :class:`CUDAUnavailableError` without a usable GPU, else :class:`CUDAError`. Clears the
+    last-error slot first, as RMM does (a handled failure must not surface in another library)."""
     if not is_available():
         require_cuda(call)
     with contextlib.suppress(Exception):  # clearing is best effort
@@ -324,21 +320,9 @@ def mem_pool_create(
     handle_types: int = 0,
     max_size: int = 0,
 ) -> int:
-    """Create an explicit device memory pool (``cudaMemPoolCreate``) and return its handle.
-
-    Parameters
-    ----------
-    device : int, optional
-        Where the pool's memory lives; default the current device.
-    release_threshold : int, optional
-        Bytes the pool keeps reserved across synchronizations (``cudaMemPoolAttrReleaseThreshold``);
-        default CUDA's (0: release everything unused at each synchronization).
-    handle_types : int
-        IPC export handle types (``cudaMemAllocationHandleType``): 0, 1 (POSIX file descriptor),
-        8 (fabric)...
-    max_size : int
-        Maximum pool size in bytes; 0 lets CUDA choose.
-    """
+    """``cudaMemPoolCreate`` of a pinned pool on ``device`` (default the current one); its handle.
+    ``release_threshold`` None keeps CUDA's (0), ``handle_types`` is a
+    ``cudaMemAllocationHandleType`` (1: POSIX file descriptor, 8: fabric), ``max_size`` 0: CUDA's."""
     rt = _rt()
     require_cuda("cudaMemPoolCreate")
     device = get_device() if device is None else check_device(device)
@@ -390,11 +374,6 @@ def mem_pool_get_attribute(pool: int, name: str) -> int:
     ``"ReservedMemHigh"``, ``"UsedMemCurrent"`` or ``"UsedMemHigh"``."""
     result = _rt().cudaMemPoolGetAttribute(pool, _member("cudaMemPoolAttr", name))
     return int(check(result, f"cudaMemPoolGetAttribute({name})"))
-
-
-def mem_pool_get_release_threshold(pool: int) -> int:
-    """``cudaMemPoolAttrReleaseThreshold`` in bytes."""
-    return mem_pool_get_attribute(pool, "ReleaseThreshold")
 
 
 def mem_pool_export_to_shareable_handle(pool: int, handle_type: int = 1) -> int:
@@ -463,14 +442,9 @@ def pointer_attributes(ptr: int) -> PointerAttributes:
 # --- streams and events ------------------------------------------------------------------------
 
 
-def stream_create(non_blocking: bool = True, *, flags: int | None = None) -> int:
-    """Create a stream (``cudaStreamCreateWithFlags``) and return its handle.
-
-    ``flags`` (``cudaStreamDefault`` 0 or ``cudaStreamNonBlocking`` 1), when given, wins over
-    ``non_blocking``. A stream made with flags 0 synchronizes with the legacy default stream.
-    """
-    if flags is None:
-        flags = _STREAM_NON_BLOCKING if non_blocking else 0
+def stream_create(flags: int = _STREAM_NON_BLOCKING) -> int:
+    """Create a stream (``cudaStreamCreateWithFlags``) and return its handle; ``flags`` 0
+    (``cudaStreamDefault``) makes one that synchronizes with the legacy default stream."""
     return int(check(_rt().cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags"))
 
 

@@ -95,10 +95,10 @@ def copy_device_to_ptr(d_src: int, d_dst: int, count: int, stream: Stream = DEFA
     _copy(check_nbytes(d_dst, "d_dst"), check_nbytes(d_src, "d_src"), count, stream, False)
 
 
-def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
-    """Report a free that raised in ``__del__`` (which must never raise)."""
+def _free_failed(ptr: int, nbytes: int, error: Exception, what: str = "DeviceBuffer") -> None:
+    """Report a free that raised in a finalizer (which must never raise)."""
     try:
-        logger.warning("DeviceBuffer: freeing %#x (%d bytes) failed: %r", ptr, nbytes, error)
+        logger.warning("%s: freeing %#x (%d bytes) failed: %r", what, ptr, nbytes, error)
     except Exception:
         pass
 

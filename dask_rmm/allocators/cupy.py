@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dask_rmm.allocators import caches
-from dask_rmm.device_buffer import DeviceBuffer
+from dask_rmm.device_buffer import DeviceBuffer, _free_failed
 from dask_rmm.mr.registry import get_per_device_resource as _get_per_device_resource
 from dask_rmm.mr.registry import lookup_per_device_resource as _lookup_resource
 from dask_rmm.stream import PER_THREAD_HANDLE as _LAST_DEFAULT_HANDLE
@@ -44,14 +44,6 @@ except ImportError as _e:  # cupy is optional
     _library_import_error: ImportError | None = _e
 else:
     _library_import_error = None
-
-
-def _free_failed(ptr: int, nbytes: int, error: Exception) -> None:
-    """Report a free that raised in a finalizer (which must never raise)."""
-    try:
-        logger.warning("CuPy memory: freeing %#x (%d bytes) failed: %r", ptr, nbytes, error)
-    except Exception:
-        pass
 
 
 class _ReleasedOnThisThread(threading.local):
@@ -106,7 +98,7 @@ if _cupy is not None:
                 try:
                     self.resource.deallocate(ptr, self.size, self.stream)
                 except Exception as e:
-                    _free_failed(ptr, self.size, e)
+                    _free_failed(ptr, self.size, e, "CuPy memory")
                 else:
                     counting = _released.counting
                     if counting is not None:
@@ -282,11 +274,8 @@ def _drop_cache(keep_allocator: bool = False) -> None:
 
 
 def reset_cupy_allocator() -> None:
-    """Give CuPy back the allocator it had before :func:`set_cupy_allocator`.
-
-    Does nothing when :func:`set_cupy_allocator` was not called (or CuPy's allocator was
-    changed by someone else since).
-    """
+    """Give CuPy back the allocator it had before :func:`set_cupy_allocator` (nothing if it
+    was not called, or someone else changed CuPy's allocator since)."""
     if _cupy is None or not _previous_allocators:
         return
     if not _ours(_current_allocator()):
@@ -357,13 +346,10 @@ def _watch_failed(watcher: Callable[[int], object]) -> None:
 
 
 def watch_cupy_allocations(owner: Any, watcher: Callable[[int], object]) -> None:
-    """Call ``watcher(nbytes)`` after each allocation CuPy makes through its allocator, whichever
-    it is (a ``MemoryPool`` serving from its cache included), until
-    :func:`unwatch_cupy_allocations` with the same ``owner``; watching again replaces the
-    watcher. :func:`set_cupy_allocator` and :func:`reset_cupy_allocator` keep the watch. Not
-    seen: allocations inside ``cupy.cuda.using_allocator`` blocks (their own allocator), and
-    frees. A watcher that raises is logged once, never fails the allocation. ImportError
-    without CuPy.
+    """Call ``watcher(nbytes)`` after each allocation through CuPy's allocator, whichever it is
+    (a ``MemoryPool``'s cache hits included; not inside ``using_allocator`` blocks, nor frees),
+    until :func:`unwatch_cupy_allocations` with the same ``owner`` (again: replaced). Kept across
+    :func:`set_cupy_allocator`; a watcher that raises is logged once. ImportError without CuPy.
 
     >>> from dask_rmm.allocators.cupy import unwatch_cupy_allocations, watch_cupy_allocations
     >>> sizes = []

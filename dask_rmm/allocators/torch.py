@@ -1,11 +1,7 @@
 """PyTorch allocators (docs/pytorch.md): its own caching allocator capped to the room the
-worker's pool leaves (:class:`TorchCache`, the default), or ``rmm_torch_allocator``, a
-``CUDAPluggableAllocator`` whose ctypes callbacks allocate every tensor from the current device
-resource (the exact path; None without a CUDA-enabled torch, as RMM's). The callbacks never
-raise into C: a failed allocation is retried once after a garbage collection, then returns NULL
-and makes the allocating Python call raise ``TorchAllocationError`` (a ``torch.OutOfMemoryError``
-and a ``MemoryError``; :func:`last_allocation_error` keeps the original).
-"""
+worker's pool leaves (:class:`TorchCache`, the default), or ``rmm_torch_allocator``, ctypes
+callbacks allocating every tensor from the current device resource (the exact path; None without
+a CUDA-enabled torch, as RMM's; failures: docs/rmm-differences.md, PyTorch)."""
 
 from __future__ import annotations
 

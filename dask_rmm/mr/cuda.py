@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from dask_rmm import _cuda
@@ -40,13 +41,9 @@ def _handle(stream: Any) -> int:
 
 
 class _BaseResource(DeviceMemoryResource):
-    """Shared machinery of the base resources: ownership (pointer -> size; dict pops and stores
-    are atomic, so no lock), device binding, CUDA error mapping.
-
-    A subclass implements ``_alloc(nbytes, stream_handle)`` and ``_free(ptr, nbytes,
-    stream_handle)``. With several devices, a call from a thread whose current device differs
-    switches to the resource's device (the one current at construction) for the call.
-    """
+    """Shared machinery of the base resources: ownership (pointer -> size; atomic dict pops and
+    stores, no lock), CUDA error mapping, and, with several devices, switching to the resource's
+    device for a call. A subclass implements ``_alloc`` and ``_free``."""
 
     def __init__(self):
         _cuda.require_cuda(type(self).__name__)
@@ -54,13 +51,8 @@ class _BaseResource(DeviceMemoryResource):
         self._multi_device = _cuda.get_device_count() > 1
         self._owned: dict[int, int] = {}
 
-    def _alloc(self, nbytes: int, stream_handle: int) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _free(
-        self, ptr: int, nbytes: int, stream_handle: int
-    ) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    _alloc: Callable[[int, int], int]  # (nbytes, stream_handle) -> ptr
+    _free: Callable[[int, int, int], None]  # (ptr, nbytes, stream_handle)
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate ``nbytes`` (256-byte aligned) and return the pointer as an int."""
@@ -171,12 +163,8 @@ class ManagedMemoryResource(_BaseResource):
 
 
 class PinnedHostMemoryResource(_BaseResource):
-    """Page-locked host memory from ``cudaHostAlloc``, readable by host and device.
-
-    The pointers are host addresses, but resources built on this one treat them as
-    device-accessible memory, so :attr:`is_host_memory` is False (as RMM's ``pinned_host``
-    resource is a device-accessible resource).
-    """
+    """Page-locked host memory from ``cudaHostAlloc``, readable by host and device; device
+    accessible, so :attr:`is_host_memory` is False (as for RMM's ``pinned_host`` resource)."""
 
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc_host(nbytes)
@@ -186,9 +174,8 @@ class PinnedHostMemoryResource(_BaseResource):
 
 
 class CudaAsyncViewMemoryResource(_BaseResource):
-    """Stream-ordered allocation (``cudaMallocFromPoolAsync``) from an existing memory pool.
-
-    The pool is not owned: it outlives this resource and is never destroyed by it.
+    """Stream-ordered allocation (``cudaMallocFromPoolAsync``) from an existing memory pool,
+    which this resource never destroys.
 
     Parameters
     ----------
@@ -212,8 +199,7 @@ class CudaAsyncViewMemoryResource(_BaseResource):
             raise ValueError("pool_handle must be a memory pool handle, got a null handle (0)")
         super().__init__()
         self._pool = handle
-        # The fast paths call cuda-python's functions themselves with cached handle objects
-        # (cuda-python would make a new one from each int argument on every call).
+        # The fast paths call cuda-python with cached handle objects (_cuda.HandleObjects).
         self._pool_object = _cuda.mem_pool_objects[handle]
         self._stream_objects = _cuda.stream_objects
         self._malloc_call = _cuda.runtime_function("cudaMallocFromPoolAsync")
@@ -400,7 +386,7 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
     @property
     def release_threshold(self) -> int:
         """The pool's current release threshold in bytes."""
-        return _cuda.mem_pool_get_release_threshold(self._pool)
+        return _cuda.mem_pool_get_attribute(self._pool, "ReleaseThreshold")
 
     def set_release_threshold(self, nbytes: int | str) -> None:
         """Change how much unused memory the pool keeps across synchronizations."""
@@ -449,10 +435,8 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
 
 
 class SamHeadroomMemoryResource(_BaseResource):
-    """System-allocated memory (SAM) that prefers the GPU while ``headroom`` bytes stay free.
-
-    Memory comes from the host allocator (needs HMM or ATS); of each allocation, the part that
-    fits in device memory above ``headroom`` is advised to live on the GPU, the rest on the host.
+    """System-allocated memory (SAM, needs HMM or ATS) from the host allocator; of each
+    allocation, the part that fits in device memory above ``headroom`` is advised to the GPU.
 
     Parameters
     ----------
@@ -509,12 +493,9 @@ def _libc() -> ctypes.CDLL:
 
 
 class SystemMemoryResource(_BaseResource):
-    """Host memory from the C allocator, 256-byte aligned.
-
-    On a GPU with system-allocated memory support the pointers are usable from the device; on a
-    host without a GPU this is the resource every suballocator and adaptor runs on (the CPU test
-    path). It is chosen explicitly (``base_resource="system"``), never as a silent fallback.
-    """
+    """Host memory from the C allocator, 256-byte aligned (device-usable with system-allocated
+    memory support): what the resources run on without a GPU, chosen explicitly
+    (``base_resource="system"``), never as a fallback."""
 
     def __init__(self, device_id: int | None = None):
         self._libc = _libc()

@@ -428,7 +428,7 @@ def test_lean_allocator_free_failure_is_logged_not_raised(host_cupy, caplog):
     set_per_device_resource(0, mr)
     mp = cupy_hook.lean_cupy_allocator(128)
     ptr = mp.ptr
-    with caplog.at_level("WARNING", logger="dask_rmm.allocators.cupy"):
+    with caplog.at_level("WARNING", logger="dask_rmm.device_buffer"):
         del mp
         gc.collect()
     assert f"freeing {ptr:#x} (128 bytes) failed" in caplog.text

@@ -102,7 +102,7 @@ CALLS = {
     "mem_pool_destroy": lambda: _cuda.mem_pool_destroy(1),
     "device_get_default_mem_pool": lambda: _cuda.device_get_default_mem_pool(),
     "mem_pool_set_release_threshold": lambda: _cuda.mem_pool_set_release_threshold(1, 0),
-    "mem_pool_get_release_threshold": lambda: _cuda.mem_pool_get_release_threshold(1),
+    "mem_pool_get_attribute": lambda: _cuda.mem_pool_get_attribute(1, "ReleaseThreshold"),
     "mem_pool_trim_to": lambda: _cuda.mem_pool_trim_to(1, 0),
     "memcpy": lambda: _cuda.memcpy(256, 512, 1),
     "memcpy_async": lambda: _cuda.memcpy_async(256, 512, 1, 0),
@@ -198,7 +198,7 @@ def test_async_copies_on_a_stream():
 
 @pytest.mark.gpu
 def test_events_order_streams():
-    a, b = _cuda.stream_create(), _cuda.stream_create(non_blocking=False)
+    a, b = _cuda.stream_create(), _cuda.stream_create(0)
     ev = _cuda.event_create()
     try:
         _cuda.event_record(ev, a)
@@ -249,9 +249,9 @@ def test_memory_pool_lifecycle():
         pytest.skip("device does not support memory pools")
     pool = _cuda.mem_pool_create(release_threshold=1 << 20)
     try:
-        assert _cuda.mem_pool_get_release_threshold(pool) == 1 << 20
+        assert _cuda.mem_pool_get_attribute(pool, "ReleaseThreshold") == 1 << 20
         _cuda.mem_pool_set_release_threshold(pool, 1 << 30)
-        assert _cuda.mem_pool_get_release_threshold(pool) == 1 << 30
+        assert _cuda.mem_pool_get_attribute(pool, "ReleaseThreshold") == 1 << 30
         ptr = _cuda.malloc_from_pool_async(1 << 20, pool, 0)
         assert _cuda.mem_pool_get_attribute(pool, "UsedMemCurrent") >= 1 << 20
         _cuda.free_async(ptr, 0)
