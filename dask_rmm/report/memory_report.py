@@ -1,8 +1,5 @@
-"""ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings
-(text table, HTML, dict/JSON, pandas DataFrame, PNG plot).
-
-Pure data and formatting: it never talks to a scheduler (``dask_rmm.client.fetch`` fetches the
-data) and imports neither distributed nor CUDA; pandas and matplotlib load on first use.
+"""ClusterMemoryReport: one snapshot of every worker's RMM memory, and its renderings (text,
+HTML, JSON, DataFrame, plot). Pure data: fetching it is ``dask_rmm.client.fetch``'s; no CUDA.
 """
 
 from __future__ import annotations
@@ -43,16 +40,7 @@ __all__ = [
 class DeviceMemory(DeviceSample):
     """One worker device's memory, as its last heartbeat reported it (the :class:`DeviceSample`
     fields), with the worker and ``timeline``: ``(time, current_bytes, max_bytes_in_interval)``
-    points, oldest first.
-
-    In a report from the scheduler, ``peak_bytes`` is the most the device held at once since
-    the scheduler first saw the worker's name: across re-registrations (each makes a new
-    resource, whose own peak starts at 0) and restarts (``restarts`` counts the processes
-    before this one).
-
-    What the device did not measure (``statistics=False``: :attr:`unmeasured`, and then
-    ``task_groups``) reads None, as in the JSON, never 0.
-    """
+    points, oldest first. ``peak_bytes`` and the unmeasured fields (None): docs/reports.md."""
 
     worker: str = ""
     device: str = "0"
@@ -158,11 +146,9 @@ class ClusterTotals:
     oom_count: int = 0
     pauses: int = 0
     paused_devices: int = 0
-    #: Running devices with ``statistics=False`` (see ``DeviceSample.measured``): the cluster's
-    #: peak and allocated bytes leave them out, so they are "n/a" then.
+    #: Running devices with ``statistics=False``, and of those the ones without a pool: the
+    #: totals that leave them out read None (:attr:`unmeasured`).
     unmeasured_devices: int = 0
-    #: Of those, devices without a pool, where not even the bytes in use are measured: the
-    #: sums of in use and reserved bytes leave them out, so they are "n/a" too.
     unmeasured_current_devices: int = 0
 
     def __post_init__(self) -> None:  # what leaves devices out reads None, as in the JSON
@@ -185,15 +171,12 @@ class ClusterTotals:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterTotals | None:
         """Read the ``totals`` of a report document (None when missing or malformed)."""
-        names = [f.name for f in dataclasses.fields(cls)]
+        given = [f.name for f in dataclasses.fields(cls) if f.name in d]
         try:
-            values = {k: d[k] for k in names if k in d}
             values = {
-                k: None if v is None and k == "peak_bytes" else to_int(v) for k, v in values.items()
+                k: None if d[k] is None and k == "peak_bytes" else to_int(d[k]) for k in given
             }
-            if values.get("unmeasured_devices") and d.get("peak_bytes") is None:
-                values["peak_bytes"] = None
-            return cls(**values)
+            return cls(**{"peak_bytes": None} | values)
         except (TypeError, AttributeError):
             return None
 
@@ -248,10 +231,8 @@ def summed_series(
     events: list[tuple[float, int, int]] = []
     for i, (points, gone) in enumerate(series):
         events += [(t, i, v) for t, v in points]
-        if gone and points:
-            # just after its last sample, so that the last value is shown at its time
-            last = points[-1][0]
-            events.append((last + 1e-6, i, 0))
+        if gone and points:  # 0 just after its last sample, so that the last value shows
+            events.append((points[-1][0] + 1e-6, i, 0))
     events.sort()
     latest: dict[int, int] = {}
     total = 0
@@ -260,9 +241,8 @@ def summed_series(
         total += v - latest.get(i, 0)
         latest[i] = v
         if out and out[-1][0] == t:
-            out[-1] = (t, total)
-        else:
-            out.append((t, total))
+            out.pop()
+        out.append((t, total))
     return out
 
 
@@ -306,8 +286,6 @@ class ClusterMemoryReport:
     #: Which devices the report shows when not all ("" when all).
     selection: str = ""
 
-    # -- construction -------------------------------------------------------------------------
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterMemoryReport:
         """Build a report from the scheduler's report data (the ``to_dict()`` format)."""
@@ -340,8 +318,6 @@ class ClusterMemoryReport:
             workers_without_dask_rmm=tuple(data.get("workers_without_dask_rmm") or ()),
             errors=tuple(errors),
         )
-
-    # -- queries ------------------------------------------------------------------------------
 
     @property
     def workers(self) -> list[str]:
@@ -392,8 +368,6 @@ class ClusterMemoryReport:
                 out.setdefault(prefix, {})[d.label] = peak
         return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
 
-    # -- exports ------------------------------------------------------------------------------
-
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
         """The report as plain data (the format :meth:`from_dict` reads and the JSON route serves)."""
         workers: dict[str, dict[str, Any]] = {}
@@ -431,13 +405,8 @@ class ClusterMemoryReport:
         return strict_json(self.to_dict(timeline=timeline), **kwargs)
 
     def to_frame(self):
-        """One row per worker device as a :class:`pandas.DataFrame` (needs pandas).
-
-        Columns: worker, name, device, status, measured, the wire's counters (None where not
-        measured), fragmentation, resource, gpu_name, gpu_uuid, pci_bus_id, error, then the
-        breakdown: ``direct_bytes``, ``outside_dask_rmm_bytes`` (None on host memory) and, per
-        library reported anywhere, ``<lib>_in_use_bytes`` and ``<lib>_cache_free_bytes``.
-        """
+        """One row per worker device as a :class:`pandas.DataFrame` (needs pandas): the wire's
+        counters (None where not measured) and fields, then the breakdown (docs/reports.md)."""
         try:
             import pandas as pd
         except ImportError as e:
@@ -458,24 +427,11 @@ class ClusterMemoryReport:
         return pd.DataFrame(rows, columns=columns + shares)
 
     def plot(self, path: str | None = None, *, top_task_groups: int = 10):
-        """Draw memory over time per worker device and per-task-group peaks.
-
-        Parameters
-        ----------
-        path : str, optional
-            Write a PNG there (matplotlib's Agg backend; no display needed).
-        top_task_groups : int
-            How many task groups the bar chart shows.
-
-        Returns
-        -------
-        matplotlib.figure.Figure
-        """
+        """A matplotlib Figure (Agg backend, no display needed) of memory over time per worker
+        device and of the ``top_task_groups`` task groups' peaks; a PNG written to ``path``."""
         from dask_rmm.report.plot import plot_report
 
         return plot_report(self, path, top_task_groups=top_task_groups)
-
-    # -- text and HTML ------------------------------------------------------------------------
 
     def table_rows(self) -> list[list[str]]:
         """The text table's rows, header first (used by ``__str__`` and the CLI)."""
@@ -502,7 +458,7 @@ class ClusterMemoryReport:
                 [_worker_label(d), f"{d.device} {d.gpu}".strip(), status]
                 + memory(d, "n/a" if off else format_bytes(d.peak_bytes), off)
                 + [
-                    _percent(d.fragmentation),
+                    "-" if d.fragmentation is None else f"{d.fragmentation:.0%}",
                     "n/a" if off else str(d.failed_allocations),
                     "n/a (statistics off)" if off else _top_groups(d),
                 ]
@@ -668,22 +624,11 @@ class ClusterMemoryReport:
         nav: str = "",
         json_href: str | None = None,
     ) -> str:
-        """The report as HTML: the table, then the timeline drawn as inline SVG.
+        """The report as HTML: the table, then (``timeline``) the timeline as inline SVG.
 
-        Parameters
-        ----------
-        timeline : bool
-            Include the SVG timeline.
-        full_page : bool
-            A whole standalone document (the dashboard page) rather than a fragment.
-        refresh : int, optional
-            With ``full_page``, reload the page every ``refresh`` seconds.
-        nav : str
-            With ``full_page``, HTML put above the report (the scheduler page's links).
-        json_href : str, optional
-            With ``full_page``, where the page links to the same report as JSON (the scheduler's
-            page: ``dask-rmm/report.json``). None: a page saved elsewhere, which names the
-            command that writes the JSON instead of linking to a file that is not there.
+        ``full_page``: a standalone document (the dashboard page) rather than a fragment, reloading
+        every ``refresh`` seconds, with the ``nav`` HTML above the report and a link to the same
+        report as JSON at ``json_href`` (None: a page saved elsewhere names the command instead).
         """
         esc = html.escape
         rows = self.table_rows()
@@ -774,19 +719,9 @@ class ClusterMemoryReport:
 
 
 _HEADER = (
-    "worker",
-    "dev",
-    "status",
-    "current",
-    "peak",
-    "allocated (total)",
-    "reserved",
-    "pool free",
-    "largest free",
-    "frag",
-    "failures",
-    "top task groups (peak)",
-)
+    "worker", "dev", "status", "current", "peak", "allocated (total)", "reserved", "pool free",
+    "largest free", "frag", "failures", "top task groups (peak)",
+)  # fmt: skip
 
 _ROW_PEAK_NOTE = (
     "peak: the most each device held at once since the scheduler first saw its worker "
@@ -815,11 +750,6 @@ _CSS = (
     ".dask-rmm-report tr.gone td{color:#999;font-style:italic}"
     ".dask-rmm-report .note{color:#b00}"
 )
-
-
-def _percent(ratio: float | None) -> str:
-    """A ratio as a percentage; ``-`` where there is no figure (fragmentation of an unused pool)."""
-    return "-" if ratio is None else f"{ratio:.0%}"
 
 
 #: Characters shown escaped in text output: C0 and C1 controls (newline, ESC...), DEL, and the
