@@ -69,8 +69,6 @@ class AttributionResourceAdaptor(UpstreamResourceAdaptor):
 
     Parameters
     ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
     get_owner : callable
         Called on the allocating thread, on every allocation (best a C-level call such as
         ``functools.partial(getattr, a_thread_local, "key", None)``); returns a hashable owner

@@ -57,13 +57,9 @@ def deallocate_refused(
     stream: Any,
     freed: bool = False,
 ) -> None:
-    """The end of a resource's ``deallocate`` when its fast path did not free ``ptr``.
-
-    ``allocated`` is the size ``ptr`` is live with (None if it is not live), ``freed`` whether it
-    is a free block of ``resource``. Freeing 0 bytes at 0 does nothing; a pointer of another
-    integer type is freed again as its int through ``resource.deallocate``; any other pointer
-    raises TypeError, anything else ValueError, both naming ``name``'s deallocate.
-    """
+    """The end of ``resource``'s ``deallocate`` when its fast path did not free ``ptr`` (live
+    with ``allocated`` bytes, or None; ``freed``: a free block): ``(0, 0)`` does nothing, another
+    int type is freed again as an int, any other pointer raises TypeError, the rest ValueError."""
     if ptr == 0 and nbytes == 0:
         return
     if type(ptr) is not int:
@@ -85,10 +81,8 @@ def deallocate_refused(
 
 @dataclass(frozen=True)
 class ReservedMemoryInfo:
-    """What a pooling resource holds from its upstream.
-
-    ``reserved_bytes`` is taken from upstream, ``free_bytes`` of that is not handed out,
-    ``largest_free_block`` is the biggest single allocation that would succeed without growing.
+    """What a pooling resource holds from its upstream: ``reserved_bytes``, of which
+    ``free_bytes`` are not handed out, ``largest_free_block`` the largest fitting without growing.
     """
 
     reserved_bytes: int
@@ -103,11 +97,8 @@ class ReservedMemoryInfo:
 
 
 class OutOfMemoryError(MemoryError):
-    """A resource could not satisfy an allocation.
-
-    A :class:`MemoryError` (what RMM raises for ``rmm::out_of_memory``) that also carries
-    the numbers needed to understand the failure; it pickles with every attribute and note.
-    """
+    """A resource could not satisfy an allocation: a :class:`MemoryError` (what RMM raises for
+    ``rmm::out_of_memory``) carrying the numbers; it pickles with every attribute and note."""
 
     def __init__(
         self,
@@ -195,10 +186,8 @@ class DeviceMemoryResource:
         raise NotImplementedError(f"{type(self).__name__} does not implement deallocate()")
 
     def reserved_memory_info(self) -> ReservedMemoryInfo | None:
-        """What this resource (or the nearest pooling resource below it) holds from upstream.
-
-        ``None`` for resources that do not pool.
-        """
+        """What this resource (or the nearest pooling resource below it) holds from upstream;
+        ``None`` for resources that do not pool."""
         return None
 
     @property

@@ -14,20 +14,9 @@ __all__ = ["CallbackMemoryResource"]
 
 
 class CallbackMemoryResource(DeviceMemoryResource):
-    """Allocates with ``allocate_func(nbytes, stream) -> ptr`` and frees with
-    ``deallocate_func(ptr, nbytes, stream)``.
-
-    The functions own all bookkeeping (a wrong free is whatever ``deallocate_func`` makes of
-    it); the pointer returned must be an int.
-
-    Parameters
-    ----------
-    allocate_func : callable
-        ``allocate_func(nbytes: int, stream: Stream) -> int``.
-    deallocate_func : callable
-        ``deallocate_func(ptr: int, nbytes: int, stream: Stream) -> None``.
-    device_id : int, optional
-        The device the pointers belong to (default: the current device, 0 without a GPU).
+    """Allocates with ``allocate_func(nbytes, stream) -> int`` and frees with
+    ``deallocate_func(ptr, nbytes, stream)``, which own all bookkeeping (a wrong free is
+    whatever ``deallocate_func`` makes of it); ``device_id`` defaults to the current device.
 
     Examples
     --------

@@ -12,16 +12,8 @@ __all__ = ["FailureCallbackResourceAdaptor"]
 
 
 class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
-    """Calls ``callback(nbytes)`` each time the upstream raises ``MemoryError``.
-
-    A true result retries the allocation; a false one re-raises the ``MemoryError``.
-
-    Parameters
-    ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
-    callback : callable
-        ``callback(nbytes: int) -> bool``.
+    """Calls ``callback(nbytes) -> bool`` each time the upstream raises ``MemoryError``: true
+    retries the allocation, false re-raises.
 
     Examples
     --------

@@ -18,17 +18,9 @@ __all__ = ["LimitingResourceAdaptor"]
 
 
 class LimitingResourceAdaptor(UpstreamResourceAdaptor):
-    """Caps the memory allocated through it at ``allocation_limit`` bytes.
-
-    An allocation's room is reserved before the upstream is asked: threads racing for the last
-    bytes never together exceed the limit.
-
-    Parameters
-    ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
-    allocation_limit : int
-        Most bytes (each allocation rounded up to 256) allowed at once.
+    """Caps the bytes allocated through it (each allocation rounded up to 256) at
+    ``allocation_limit``, reserving an allocation's room before asking the upstream (threads
+    racing for the last bytes never together exceed the limit).
 
     Examples
     --------

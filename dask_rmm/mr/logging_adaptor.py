@@ -59,17 +59,14 @@ def _drop_cut_off_line(path: str) -> None:
 
 
 class LoggingResourceAdaptor(UpstreamResourceAdaptor):
-    """Logs every allocation and free made through it to a CSV file, in RMM's format.
-
-    As in RMM, ``.dev{device_id}`` is added before the file's extension (``rmm.csv`` becomes
-    ``rmm.dev0.csv``). A free is logged once the upstream has accepted it.
+    """Logs every allocation and free (once the upstream accepted it) made through it to a CSV
+    file in RMM's format, named as RMM's with ``.dev{device_id}`` (``rmm.csv``: ``rmm.dev0.csv``).
 
     Parameters
     ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
     log_file_name : str or os.PathLike, optional
-        Where to log; default the ``RMM_LOG_FILE`` environment variable.
+        Where to log; default the ``RMM_LOG_FILE`` environment variable (ValueError if neither
+        names a file).
     auto_flush : bool, default False
         Flush the file after every row (slow, but nothing is lost if the process dies).
     append : bool, default False
@@ -82,11 +79,6 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     claim : callable, optional
         ``claim(file_name) -> (file_name, fd or None)``, called just before the file is opened:
         reserves a name (maybe another) and returns a descriptor held until :meth:`close`.
-
-    Raises
-    ------
-    ValueError
-        When neither ``log_file_name`` nor ``RMM_LOG_FILE`` names a file.
 
     Examples
     --------

@@ -294,13 +294,9 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
         return self.trim(0)
 
     def trim(self, size: int | str | float | None = None) -> int:
-        """Give fully free upstream chunks back while the pool holds more than ``size`` bytes;
-        return the bytes released.
-
-        ``size`` defaults to the initial pool size; ``0`` releases every free chunk, as
-        :meth:`release`. Memory goes back whole upstream chunks at a time, the largest first,
-        so the pool can end below ``size`` by less than a chunk; the initial chunk only goes
-        when ``size`` is below the initial pool size. Live blocks are never touched.
+        """Give fully free upstream chunks back, largest first, while the pool holds more than
+        ``size`` bytes (default the initial pool size, whose chunk goes only below it; ``0``:
+        every free chunk, as :meth:`release`); the bytes released. Live blocks are never touched.
 
         Examples
         --------
@@ -741,9 +737,8 @@ class PoolMemoryResource(UpstreamResourceAdaptor):
     # -- deallocation behind the fast path -------------------------------------------------
 
     def _deallocate_locked(self, ptr: Any, nbytes: Any, stream: Stream, key: Hashable) -> None:
-        """Every free the lock-free fast path does not take: under the lock, a block freed with
-        its size goes to this stream's cache (below 16 MiB) or coalescing lists; anything else
-        to :meth:`_deallocate_slow`."""
+        """Every free the fast path does not take: under the lock, to this stream's cache or
+        coalescing lists; anything else to :meth:`_deallocate_slow`."""
         unlocked = self._unlocked
         try:
             unlocked.pop()

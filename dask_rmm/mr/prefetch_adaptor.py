@@ -11,16 +11,9 @@ __all__ = ["PrefetchResourceAdaptor"]
 
 
 class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
-    """Prefetches every allocation to ``device_id`` with ``cudaMemPrefetchAsync``.
-
-    As in RMM, memory that cannot be prefetched (``cudaErrorInvalidValue``: plain device
-    memory) is returned as is; without CUDA, allocations pass through.
-
-    Parameters
-    ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates, usually a ``ManagedMemoryResource``.
-    """
+    """Prefetches every allocation (usually of a ``ManagedMemoryResource``) to ``device_id``
+    with ``cudaMemPrefetchAsync``; as in RMM, memory that cannot be prefetched
+    (``cudaErrorInvalidValue``: plain device memory) is returned as is; without CUDA, as is too."""
 
     def __init__(self, upstream_mr: DeviceMemoryResource):
         super().__init__(upstream_mr)

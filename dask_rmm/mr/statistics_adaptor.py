@@ -1,8 +1,6 @@
 """``StatisticsResourceAdaptor``: current, peak and total bytes and counts of an upstream, with
-RMM's stack of counter frames, and the typed ``Statistics`` snapshot it returns.
-
-Module-level helpers (``enable_statistics``, ``profiler``...) live in :mod:`dask_rmm.statistics`.
-"""
+RMM's stack of counter frames, and its ``Statistics`` snapshot. Not here: module-level helpers
+(``enable_statistics``, ``profiler``...: :mod:`dask_rmm.statistics`)."""
 
 from __future__ import annotations
 
@@ -72,11 +70,6 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     change only after the upstream succeeded (an out-of-memory only counts in
     :attr:`failed_allocations`). Over a :class:`PoolMemoryResource` the pool counts, allocations
     made on it directly too (:attr:`counting_pool`; docs/internals.md, Statistics).
-
-    Parameters
-    ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
 
     Examples
     --------

@@ -24,8 +24,6 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
 
     Parameters
     ----------
-    upstream_mr : DeviceMemoryResource
-        The resource that allocates.
     capture_stacks : bool, default False
         Record the Python stack of each allocation (slow; for hunting leaks).
 

@@ -20,23 +20,10 @@ __all__ = ["TrimResult", "pools_in", "trim_pools", "trim_resource"]
 
 @dataclass(frozen=True)
 class TrimResult:
-    """What trimming one pool did.
-
-    Attributes
-    ----------
-    device : int
-        The device the pool belongs to.
-    resource : str
-        The pool's class name.
-    released_bytes : int
-        Bytes given back to the upstream.
-    reserved_before, reserved_after : int
-        Bytes the pool held from its upstream before and after.
-    in_use_bytes : int
-        Bytes handed out from the pool (live blocks, never touched), after.
-    library_cache_bytes : int
-        Bytes library caches in front of the stack (CuPy's, compiled RMM's) gave back to it
-        first (:func:`dask_rmm.release_unused`; 0 otherwise).
+    """What trimming one pool did: the pool (class name ``resource``) of ``device`` gave
+    ``released_bytes`` back upstream, holding ``reserved_before`` then ``reserved_after`` bytes
+    with ``in_use_bytes`` handed out (live blocks, never touched); ``library_cache_bytes``: what
+    library caches in front of the stack gave back to it first (:func:`dask_rmm.release_unused`).
     """
 
     device: int
