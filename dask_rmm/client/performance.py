@@ -9,16 +9,19 @@ import contextlib
 import html
 import inspect
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import distributed
 
+from dask_rmm.client.fetch import fetch_report_data
 from dask_rmm.client.sampler import GPUMemorySampler, GPUSamples
 from dask_rmm.plotting.svg import timeline_svg
-from dask_rmm.report.memory_report import ClusterMemoryReport
+from dask_rmm.report.memory_report import ClusterMemoryReport, _clock
 from dask_rmm.sizes import format_bytes
 from dask_rmm.wire import to_int
+from dask_rmm.worker.peak_windows import close_peak_windows, open_peak_windows
 
 __all__ = ["SECTION_ID", "gpu_section_html", "performance_report"]
 
@@ -36,24 +39,12 @@ SPILL_COUNTERS = (
 
 class performance_report(distributed.performance_report):
     """Distributed's performance report (``with`` or ``async with``; needs bokeh), plus a GPU
-    memory section in its Summary tab, in one self-contained file (what the section shows:
-    docs/gpu-memory-tools.md).
+    memory section in its Summary tab, in one self-contained file (docs/gpu-memory-tools.md).
 
-    Parameters
-    ----------
-    filename, stacklevel, storage_options
-        As :class:`distributed.performance_report`.
-    mode : str
-        Bokeh's resources mode: ``"inline"`` (default: the file opens without network) or
-        ``"cdn"``.
-    interval : float
-        Seconds between two reads of the scheduler's timelines (see
-        :meth:`~dask_rmm.client.sampler.GPUMemorySampler.sample`).
-
-    Attributes
-    ----------
-    sampler : GPUMemorySampler
-        What was sampled (label ``"performance report"``), for a look after the block.
+    ``filename``, ``stacklevel`` and ``storage_options`` are distributed's; ``mode`` is bokeh's
+    resources mode: ``"inline"`` (the file opens without network) or ``"cdn"``; ``interval``:
+    seconds between two reads of the scheduler's timelines. ``sampler`` keeps what was sampled
+    (a :class:`~dask_rmm.client.sampler.GPUMemorySampler`, label ``"performance report"``).
 
     Examples
     --------
@@ -89,12 +80,8 @@ class performance_report(distributed.performance_report):
         return self
 
     async def __aenter__(self):
-        from distributed import get_client
-
-        client = get_client()  # asynchronous here also for a synchronous client (its loop)
+        client = distributed.get_client()  # asynchronous here also for a synchronous client
         self._begin = await _fetch(client)
-        from dask_rmm.worker.peak_windows import open_peak_windows
-
         # never fails the block: the report then shows the peaks since setup, and says so
         with contextlib.suppress(Exception):
             await client.run(open_peak_windows, window=self._window, on_error="ignore")
@@ -104,20 +91,14 @@ class performance_report(distributed.performance_report):
         return self
 
     async def __aexit__(self, exc_type, exc_value, traceback, code=None):
-        from distributed import get_client
-
-        from dask_rmm.worker.peak_windows import close_peak_windows
-
         if code is None:  # `async with` (distributed's __exit__ passes it): the caller's code
             frame = inspect.currentframe()
             for _ in range(self._level):
-                frame = frame.f_back if frame is not None else None
-            try:
-                code = inspect.getsource(frame) if frame is not None else None
-            except (OSError, TypeError):
-                code = None
+                frame = frame and frame.f_back
+            with contextlib.suppress(OSError, TypeError):  # TypeError: no frame
+                code = inspect.getsource(frame)  # type: ignore[arg-type]
         await self._sampling.__aexit__(exc_type, exc_value, traceback)
-        client = get_client()
+        client = distributed.get_client()
         try:
             peaks = await client.run(close_peak_windows, window=self._window, on_error="ignore")
             self.block_peaks = {w: p for w, p in peaks.items() if isinstance(p, dict)}
@@ -132,12 +113,7 @@ class performance_report(distributed.performance_report):
 
 
 async def _fetch(client: Any) -> ClusterMemoryReport:
-    from dask_rmm.client.fetch import fetch_report_data
-
     return ClusterMemoryReport.from_dict(await fetch_report_data(client.scheduler, timeline=False))
-
-
-# -- the section --------------------------------------------------------------------------------
 
 
 def gpu_section_html(
@@ -150,10 +126,8 @@ def gpu_section_html(
     ``samples``; ``begin`` and ``end`` are the cluster reports at its start and end (OOM events,
     spills), ``block_peaks`` (``{worker: {device: {task group: peak}}}``, from
     :mod:`dask_rmm.worker.peak_windows`) the task groups' peaks over the block."""
-    esc = html.escape
-    stop = samples.stop if samples.stop is not None else time.time()
-    seconds = stop - samples.start
-    lost = samples.workers_lost
+    esc, lost = html.escape, samples.workers_lost
+    seconds = (samples.stop or time.time()) - samples.start
     parts = [
         f'<section id="{SECTION_ID}" class="dask-rmm-gpu"><style>{_CSS}</style>',
         f"<h2>{esc(_memory_kind(begin, end))} (dask-rmm)</h2>",
@@ -167,9 +141,8 @@ def gpu_section_html(
         "<h3>Memory in use over the block</h3>",
         _timeline(samples),
         '<p class="note">Solid: the most in use within each sample interval (short peaks '
-        "included); the cluster line sums the devices. Dashed: the pools' reserved bytes (cluster), "
-        "and devices of workers that left. "
-        "Times are the workers' clocks.</p>",
+        "included); the cluster line sums the devices. Dashed: the pools' reserved bytes "
+        "(cluster), and devices of workers that left. Times are the workers' clocks.</p>",
     ]
     parts += _task_groups(begin, end, block_peaks)
     parts += _oom_events(samples, end)
@@ -241,26 +214,15 @@ def _task_groups(
                 f"{', '.join(unmeasured)}."
             )
     elif end is None:
-        return [
-            "<h3>Task groups: peak bytes held</h3>",
-            "<p>No report at the end of the block.</p>",
-        ]
+        return ["<h3>Task groups: peak bytes held</h3>", _NO_END]
     else:
         out = ["<h3>Task groups: peak bytes held</h3>"]
-        before = {
-            (d.worker, d.device, prefix): peak
-            for d in (begin.devices if begin is not None else ())
-            for prefix, _, peak in d.task_groups or ()
-        }
-        peaks = [
-            (d.label, prefix, peak) for d in devices for prefix, _, peak in d.task_groups or ()
-        ]
-        in_block = {  # a group whose peak on some device changed during the block
-            prefix
-            for d in devices
-            for prefix, _, peak in d.task_groups or ()
-            if before.get((d.worker, d.device, prefix)) != peak
-        }
+        held = [(d, p, peak) for d in devices for p, _, peak in d.task_groups or ()]
+        old = begin.devices if begin is not None else ()
+        before = {(d.worker, d.device, p): peak for d in old for p, _, peak in d.task_groups or ()}
+        peaks = [(d.label, p, peak) for d, p, peak in held]
+        # a group whose peak on some device changed during the block
+        in_block = {p for d, p, peak in held if before.get((d.worker, d.device, p)) != peak}
         note = (
             'Peaks are counted since each worker\'s dask-rmm setup; "before it": the peak did not '
             "change during this block."
@@ -286,25 +248,19 @@ def _task_groups(
 
 def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[str]:
     out = ["<h3>Out-of-memory errors that reached a task</h3>"]
-    stop = samples.stop if samples.stop is not None else time.time()
+    stop = (samples.stop or time.time()) + 1.0
     events = [
         e
         for e in (end.oom_events if end is not None else ())
-        if samples.start <= to_int(e.get("time"), float) <= stop + 1.0
+        if samples.start <= to_int(e.get("time"), float) <= stop
     ]
     if not events:
         return out + ["<p>None during the block.</p>"]
+    sizes = ("requested", "free_bytes", "largest_free_block")
     rows = [
-        (
-            time.strftime("%H:%M:%S", time.localtime(to_int(e.get("time"), float))),
-            f"{e.get('worker')}/dev{e.get('device')}",
-            e.get("task_key") or "(none)",
-            e.get("verdict"),
-            *(
-                format_bytes(to_int(e.get(k)))
-                for k in ("requested", "free_bytes", "largest_free_block")
-            ),
-        )
+        (_clock(e.get("time"), "%H:%M:%S"), f"{e.get('worker')}/dev{e.get('device')}")
+        + (e.get("task_key") or "(none)", e.get("verdict"))
+        + tuple(format_bytes(to_int(e.get(k))) for k in sizes)
         for e in events
     ]
     head = ("time", "worker device", "task", "verdict", "requested", "free in pool")
@@ -316,27 +272,24 @@ def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[st
 
 
 def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> list[str]:
-    esc = html.escape
     out = ["<h3>Spilling during the block</h3>"]
     if end is None:
-        return out + ["<p>No report at the end of the block.</p>"]
+        return out + [_NO_END]
     start = {(d.worker, d.device): d for d in (begin.devices if begin is not None else ())}
     rows = []
-    totals = dict.fromkeys(SPILL_COUNTERS, 0)
+    totals: Counter[str] = Counter()
     for d in end.devices:
-        before = start.get((d.worker, d.device))
-        # the block's share: all of it for a device new since the start, or one whose counters
-        # went down (a restarted worker)
+        before = start.get((d.worker, d.device))  # None: 0, all of the block's
+        # the block's share: all of it for a device whose counters went down (a restart)
         now = [int(getattr(d, k)) for k in SPILL_COUNTERS]
-        then = [int(getattr(before, k)) if before is not None else 0 for k in SPILL_COUNTERS]
+        then = [int(getattr(before, k, 0)) for k in SPILL_COUNTERS]
         delta = [a - b if a >= b else a for a, b in zip(now, then, strict=True)]
-        for k, n in zip(SPILL_COUNTERS, delta, strict=True):
-            totals[k] += n
+        totals.update(dict(zip(SPILL_COUNTERS, delta, strict=True)))
         spilled, back, *counts = delta
         rows.append((d.label, *map(format_bytes, (spilled, back, d.spilled_bytes)), *counts))
     totals_line = (
-        f"<p>Spilled {esc(format_bytes(totals['total_spilled_bytes']))} to host and brought "
-        f"{esc(format_bytes(totals['total_unspilled_bytes']))} back; "
+        f"<p>Spilled {format_bytes(totals['total_spilled_bytes'])} to host and brought "
+        f"{format_bytes(totals['total_unspilled_bytes'])} back; "
         f"{totals['ooms_avoided']} out-of-memory errors avoided by spilling, "
         f"{totals['oom_count']} not avoided; {totals['pauses']} pauses.</p>"
     )
@@ -346,6 +299,7 @@ def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) 
     return out + [totals_line, _table((*head, "OOMs", "pauses"), rows)]
 
 
+_NO_END = "<p>No report at the end of the block.</p>"
 _CSS = (
     ".dask-rmm-gpu{font-family:system-ui,sans-serif;font-size:13px;margin:12px 16px;"
     "padding:8px 12px;border:1px solid #ddd;border-radius:4px;background:#fff}"
