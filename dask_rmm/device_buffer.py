@@ -162,11 +162,8 @@ class DeviceBuffer:
     def _adopt(
         cls, ptr: int, nbytes: int, stream: Stream, mr: DeviceMemoryResource
     ) -> DeviceBuffer:
-        """A buffer owning ``ptr``, already allocated from ``mr`` with ``nbytes`` on ``stream``.
-
-        No checks and no copy: for library hooks (the CuPy allocator) that allocate on their
-        hot path and need the owner object to be a DeviceBuffer, as RMM's is.
-        """
+        """A buffer owning ``ptr``, allocated from ``mr`` with ``nbytes`` on ``stream``; no checks
+        and no copy (for the CuPy allocator's hot path, whose owner is a DeviceBuffer as RMM's)."""
         self = cls.__new__(cls)
         self._ptr = ptr
         self._size = self._capacity = nbytes
@@ -224,11 +221,8 @@ class DeviceBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        """Version 3 of the CUDA Array Interface, one dimension of bytes.
-
-        ``stream`` is the buffer's stream for consumers to synchronize on (the legacy default
-        stream, 1, stands for handle 0, which the interface reserves).
-        """
+        """Version 3 of the CUDA Array Interface, one dimension of bytes; ``stream`` is the
+        buffer's (1, the legacy default stream, for handle 0, which the interface reserves)."""
         handle = self.stream.handle
         return {
             "data": (self._ptr, False),
@@ -322,14 +316,9 @@ class DeviceBuffer:
         return (to_device, (self.copy_to_host(),))
 
     def _order_before(self, stream: Stream) -> None:
-        """Make a copy on ``stream`` start after the work queued on the buffer's own stream.
-
-        RMM relies on ``Stream()`` being ordered with the legacy default stream; this also
-        covers a buffer on a non-blocking stream (a CuPy ``non_blocking`` stream, a
-        ``CudaStreamFlags.NON_BLOCKING`` one) copied on another stream. A copy on a default
-        stream synchronizes anyway, so there the buffer's stream is synchronized first; on
-        another stream the copy waits on an event, in stream order.
-        """
+        """Make a copy on ``stream`` start after the work queued on the buffer's own stream (RMM
+        relies on ``Stream()`` being ordered with the legacy default stream; this also covers
+        non-blocking streams): on a default stream by synchronizing it, else by an event."""
         own = self.stream
         if own.handle == stream.handle or not self._ptr or not _cuda.is_available():
             return
@@ -366,11 +355,8 @@ class DeviceBuffer:
             self.stream = stream
 
     def resize(self, new_size: int, stream: Stream = DEFAULT_STREAM) -> None:
-        """Change :attr:`size`, keeping the first ``min(size, new_size)`` bytes.
-
-        Within the capacity only the size changes; beyond it the buffer is reallocated to
-        exactly ``new_size`` bytes and the contents copied. The buffer moves to ``stream``.
-        """
+        """Change :attr:`size`, keeping the first ``min(size, new_size)`` bytes: beyond the
+        capacity, reallocated to exactly ``new_size`` bytes. The buffer moves to ``stream``."""
         new_size = check_nbytes(new_size, "new_size")
         stream = stream_arg(stream)
         if new_size > self._capacity:
@@ -380,10 +366,8 @@ class DeviceBuffer:
         self._size = new_size
 
     def prefetch(self, device: int | None = None, stream: Stream | None = None) -> None:
-        """Prefetch managed memory to ``device`` (default the current device; ``-1``, the CPU).
-
-        A no-op for memory that is not managed, and on hosts without a GPU.
-        """
+        """Prefetch managed memory to ``device`` (default the current device; ``-1``, the CPU);
+        a no-op for memory that is not managed, and without a GPU."""
         if not self._ptr or not _cuda.is_available():
             return
         if _cuda.pointer_attributes(self._ptr).type != "managed":

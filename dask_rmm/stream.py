@@ -1,9 +1,6 @@
-"""CUDA streams as seen by memory resources: ``Stream``, ``CudaStreamFlags``, the default
-streams and ``CudaStreamPool``.
-
-Streams are identified by their integer handle; a resource keys stream-ordered free lists on
-:meth:`Stream.order_key`, which makes the per-thread default stream one stream per thread.
-"""
+"""CUDA streams as seen by memory resources: ``Stream`` (an integer handle; resources key free
+lists on :meth:`Stream.order_key`, one per thread for the per-thread default stream),
+``CudaStreamFlags``, the default streams and ``CudaStreamPool``."""
 
 from __future__ import annotations
 
@@ -46,9 +43,8 @@ def _check_flags(flags: Any) -> CudaStreamFlags:
 
 # cudaStreamLegacy and cudaStreamPerThread are these fixed handle values in the CUDA runtime.
 _LEGACY_HANDLE = 1
-#: The handle of the per-thread default stream (``cudaStreamPerThread``). Stream-ordered
-#: resources compare a stream's handle with it before calling :meth:`Stream.order_key`, the
-#: only handle whose key differs per thread.
+#: The handle of the per-thread default stream (``cudaStreamPerThread``): the only handle whose
+#: :meth:`Stream.order_key` differs per thread.
 PER_THREAD_HANDLE = 2
 
 

@@ -59,10 +59,8 @@ class RoomMade:
 def make_room(device: int, nbytes: int, *, library: str, spill: bool = True) -> RoomMade:
     """Make room for ``nbytes`` on ``device`` after ``library`` failed to allocate them: the
     caches give their free blocks back, then (when ``spill`` and the worker spills on
-    out-of-memory) task outputs adding up to ``nbytes`` are spilled. The caller retries.
-
-    Spilled arrays of a library cache free into that cache, which then gives them back too.
-    Never raises; returns (and keeps, :func:`recent_rooms`) the record of what was freed.
+    out-of-memory) task outputs adding up to ``nbytes`` are spilled; the caller retries. Never
+    raises; returns (and keeps, :func:`recent_rooms`) the record of what was freed.
 
     Examples
     --------

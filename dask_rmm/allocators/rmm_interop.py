@@ -74,11 +74,8 @@ class RMMForwarder:
         self._checked: Any = _dead_ref
 
     def allocate(self, nbytes: Any, stream: Any, alignment: int | None = None) -> int:
-        """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``.
-
-        RMM up to 26.10 calls ``(nbytes, stream)``; later versions call
-        ``(stream, nbytes, alignment)``. Both are accepted (told apart by the alignment).
-        """
+        """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``;
+        ``(nbytes, stream)`` as RMM up to 26.10 calls it, or ``(stream, nbytes, alignment)``."""
         if alignment is not None:
             stream, nbytes = nbytes, stream
             if alignment > ALIGNMENT or ALIGNMENT % alignment:
@@ -116,11 +113,8 @@ class RMMForwarder:
         *,
         _finalizing=sys.is_finalizing,
     ) -> None:
-        """RMM's deallocate callback: give ``ptr`` back to the resource that allocated it.
-
-        ``(ptr, nbytes, stream)`` or, from RMM after 26.10, ``(stream, ptr, nbytes, alignment)``.
-        Never raises: RMM's C++ deallocate is ``noexcept`` and cannot pass an error on.
-        """
+        """RMM's deallocate callback, ``(ptr, nbytes, stream)`` or ``(stream, ptr, nbytes,
+        alignment)``: ``ptr`` back to the resource that allocated it. Never raises (``noexcept``)."""
         try:
             if _finalizing():
                 return

@@ -5,6 +5,7 @@ a CUDA-enabled torch, as RMM's; failures: docs/rmm-differences.md, PyTorch)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -161,13 +162,11 @@ def _raise_when_back_in_python(message: str) -> None:
         global_trace,
         hook,
     )
-    if caller is not None:
-        try:
+    if caller is not None:  # not a real frame (tests), or no tracing: only the profile hook
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
             caller.f_trace = fire
             caller.f_trace_opcodes = True
             sys.settrace(global_trace)
-        except (AttributeError, TypeError, ValueError):  # not a real frame (tests) or no tracing
-            pass
     sys.setprofile(hook)
 
 
@@ -183,14 +182,12 @@ def _disarm() -> None:
     trace, profile, caller, f_trace, f_trace_opcodes, global_trace, hook = armed
     if sys.getprofile() is hook:
         sys.setprofile(profile)
-    try:
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
         if sys.gettrace() is global_trace:
             sys.settrace(trace)
         if caller is not None:
             caller.f_trace = f_trace
             caller.f_trace_opcodes = f_trace_opcodes
-    except (AttributeError, TypeError, ValueError):
-        pass
 
 
 def deallocate(ptr: int | None, size: int, device: int, stream: int | None) -> None:

@@ -308,13 +308,9 @@ class CudaAsyncMemoryResource(CudaAsyncViewMemoryResource):
     enable_ipc : bool
         Make the pool exportable to other processes (POSIX file descriptor handles).
     enable_fabric : bool
-        Make the pool's memory exportable as fabric handles (multi-node NVLink).
-
-    Raises
-    ------
-    CUDAError
-        A RuntimeError ending in "Requested IPC memory handle type not supported", as RMM's,
-        where the device cannot export the requested handle type.
+        Make the pool's memory exportable as fabric handles (multi-node NVLink). Where the
+        device cannot export the handle type asked for, a :class:`CUDAError` (RuntimeError)
+        ends in "Requested IPC memory handle type not supported", as RMM's.
 
     Examples
     --------

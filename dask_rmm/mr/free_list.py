@@ -20,17 +20,9 @@ __all__ = ["FreeList"]
 
 
 class FreeList:
-    """The free blocks of one stream (see the module docstring); methods run under the pool's lock.
-
-    Parameters
-    ----------
-    key : hashable
-        The stream's order key (:meth:`~dask_rmm.stream.Stream.order_key`).
-    stream : Stream or None
-        Kept alive so that an event can be recorded on it later (None for fresh memory).
-    barriers : container of int
-        Addresses blocks never merge across (shared, not copied).
-    """
+    """The free blocks of the stream of order ``key``, kept alive (None: fresh memory) to order
+    work after it later; blocks never merge across ``barriers`` (shared, not copied). Methods
+    run under the pool's lock."""
 
     __slots__ = ("bins", "nonempty", "starts", "ends", "stream", "key", "cache", "barriers")
 

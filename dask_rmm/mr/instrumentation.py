@@ -15,23 +15,11 @@ __all__ = ["JOURNAL_LIMIT", "AllocationCounters", "OwnerAccounts"]
 class AllocationCounters:
     """Allocation counters a pool (or a statistics adaptor on its own) keeps for an observer,
     journaled (docs/internals.md, Statistics): readers hold the instrumentation lock and call
-    :meth:`settle` first. Sizes are as asked; ``current_bytes = total_bytes - freed_bytes``.
-
-    Attributes
-    ----------
-    total_bytes, total_count : int
-        Allocations counted, in bytes and in number.
-    freed_bytes, freed_count : int
-        Frees of counted allocations.
-    peak_bytes, peak_count : int
-        Largest current value seen; the pool raises them, an observer may lower them.
-    interval_peak : int
-        Like ``peak_bytes``; an observer resets it to sample short spikes.
-    failed : int
-        Allocations that raised ``MemoryError``.
-    journal : list[int]
-        Counted operations not yet folded in: ``+nbytes`` per allocation, ``-nbytes`` per free
-        (never 0: zero-byte allocations are not counted).
+    :meth:`settle` first. Sizes are as asked: ``total_*`` and ``freed_*`` count allocations and
+    their frees in bytes and number (current = total - freed), ``peak_*`` the largest current
+    values (an observer may lower them), ``interval_peak`` too (reset by an observer to sample
+    spikes), ``failed`` the allocations that raised ``MemoryError``; ``journal``: ``+nbytes``
+    per allocation, ``-nbytes`` per free, not yet folded in (never 0).
     """
 
     __slots__ = (
@@ -113,21 +101,12 @@ _SETTLE_IN_NUMPY = 160  # journals at least this long are folded with NumPy (fas
 
 class OwnerAccounts:
     """How a pool charges each allocation to an owner
-    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.charge_owners`): an *account* is a list
-    ``[current_bytes, peak_bytes]`` the pool updates under its lock, an allocation adding to the
-    allocating thread's owner's, its free (on any thread) subtracting from the same.
-
-    Parameters
-    ----------
-    get_owner : callable
-        ``get_owner() -> owner key`` (any object, say a task key; ``None`` too), called on the
-        allocating thread before the pool's lock is taken.
-    accounts : dict
-        ``owner key -> account``, looked up under the pool's lock on every allocation.
-    open_account : callable
-        ``open_account(owner key) -> account`` for a key missing from ``accounts`` (or not
-        hashable), called under the pool's lock with the collector paused; it may add the
-        account to ``accounts`` and must not call into the pool.
+    (:meth:`~dask_rmm.mr.pool.PoolMemoryResource.charge_owners`): ``get_owner() -> owner key``
+    (any object, None too) runs on the allocating thread before the pool's lock is taken;
+    ``accounts`` maps owner keys to *accounts*, lists ``[current_bytes, peak_bytes]`` the pool
+    updates under its lock (a free, on any thread, from its allocation's); ``open_account(key)
+    -> account`` serves a key missing there (or unhashable), under the lock with the collector
+    paused: it may add the account to ``accounts`` and must not call into the pool.
     """
 
     __slots__ = ("get_owner", "accounts", "open_account")

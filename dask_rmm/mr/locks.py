@@ -12,18 +12,10 @@ __all__ = ["ListLock", "Mutex", "acquire_contended", "gc_paused_lock"]
 
 
 class ListLock:
-    """The pool's mutex, one atomic list operation: ``pop`` takes it, ``append`` gives it back.
-
-    It behaves as ``threading.Lock`` (``acquire(blocking)``, ``release``, ``with``); on the hot
-    paths ``unlocked.pop()`` and ``unlocked.append(True)`` cost about a third of
-    ``Lock.acquire(False)`` + ``release``. A waiter yields the GIL and retries
-    (:func:`acquire_contended`).
-
-    Attributes
-    ----------
-    unlocked : list
-        ``[True]`` while the lock is free, ``[]`` while it is held.
-    """
+    """The pool's mutex as ``threading.Lock`` (``acquire(blocking)``, ``release``, ``with``),
+    one atomic list operation: ``unlocked`` is ``[True]`` while free, ``pop()`` takes it and
+    ``append(True)`` gives it back, a third of ``Lock.acquire(False)`` + ``release`` on the hot
+    paths. A waiter yields the GIL and retries (:func:`acquire_contended`)."""
 
     __slots__ = ("unlocked",)
 

@@ -25,15 +25,9 @@ def _unsupported_reason(device: int) -> str | None:
 
 class CudaAsyncManagedMemoryResource(CudaAsyncViewMemoryResource):
     """Managed memory from ``cudaMallocFromPoolAsync`` on the current device's default managed
-    memory pool, freed with ``cudaFreeAsync``; readable from host and device.
-
-    The pool belongs to the device, not to this resource, and is never destroyed by it.
-
-    Raises
-    ------
-    CUDAError
-        A RuntimeError, when the CUDA runtime or driver is older than 13.0 or the device has
-        no concurrent managed access; the message says which.
+    memory pool (the device's, never destroyed here), freed with ``cudaFreeAsync``; readable
+    from host and device. A :class:`CUDAError` (RuntimeError) where the CUDA runtime or driver
+    is older than 13.0 or the device has no concurrent managed access says which.
 
     Examples
     --------
