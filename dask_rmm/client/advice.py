@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm.report.memory_report import visible
-from dask_rmm.sizes import format_bytes
+from dask_rmm.sizes import align_up, format_bytes
 
 if TYPE_CHECKING:
     from dask_rmm.report.memory_report import ClusterMemoryReport, DeviceMemory
@@ -26,13 +26,6 @@ __all__ = [
     "size_text",
 ]
 
-#: The worker flag of each of :meth:`Advice.plugin_args` (dask_rmm.preload's, dask-cuda's names).
-_FLAGS = {
-    "pool_size": "--rmm-pool-size",
-    "base_resource": "--rmm-base-resource",
-    "maximum_pool_size": "--rmm-maximum-pool-size",
-    "async_alloc": "--rmm-async",
-}
 #: Pool sizes replayed, as multiples of the log's peak in use; the first that serves every
 #: allocation is the pool the workload needs.
 CANDIDATE_FACTORS = (1.0625, 1.125, 1.25, 1.5, 2.0, 3.0, 4.0)
@@ -88,15 +81,14 @@ class Advice:
 
     def worker_flags(self) -> str:
         """The ``dask worker --preload dask_rmm.preload`` flags to paste (dask-cuda's names)."""
-        flags = [(_FLAGS[k], v) for k, v in self.plugin_args().items()]
+        from dask_rmm.preload import _PARAMS  # option -> the flag's parameter name
+
+        flags = [("--" + _PARAMS[k].replace("_", "-"), v) for k, v in self.plugin_args().items()]
         return " ".join(flag if v is True else f"{flag} {v}" for flag, v in flags)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["plugin_args"] = self.plugin_args()
-        d["plugin_call"] = self.plugin_call()
-        d["worker_flags"] = self.worker_flags()
-        return d
+        pasted = {"plugin_args": self.plugin_args(), "plugin_call": self.plugin_call()}
+        return asdict(self) | pasted | {"worker_flags": self.worker_flags()}
 
 
 def nice_size(nbytes: float) -> int:
@@ -125,7 +117,8 @@ def _maximum(pool_size: int, device_total: int) -> tuple[int | None, str]:
     if cap <= pool_size:
         return pool_size, (
             f"the pool already takes {pool_size / device_total:.0%} of the device "
-            f"({format_bytes(device_total)}): no room to grow beyond it"
+            f"({format_bytes(device_total)}): no room to grow beyond it; consider "
+            "device_memory_limit= and spill_on_oom=True (docs/memory-pressure.md)"
         )
     return cap, (
         f"{DEVICE_SHARE:.0%} of the device ({format_bytes(device_total)}): the pool may grow for "
@@ -186,14 +179,7 @@ def _decide(
                 + (" (at least what the pool held)" if fragmenting else "")
                 + ": a run like this one never grows the pool"
             )
-    maximum, why = _maximum(pool_size, device_total)
-    if maximum is not None and pool_size > maximum:
-        pool_size = maximum
-        notes.append(
-            "the workload needs about as much as the device holds: consider "
-            "device_memory_limit= and spill_on_oom=True (docs/memory-pressure.md)"
-        )
-    reasons["maximum_pool_size"] = why
+    maximum, reasons["maximum_pool_size"] = _maximum(pool_size, device_total)
     return Advice(
         source=source,
         peak_bytes=peak,
@@ -208,9 +194,6 @@ def _decide(
         replays=tuple(replays),
         base_resource=base_resource,
     )
-
-
-# -- from allocation logs -----------------------------------------------------------------------
 
 
 def advise_from_logs(
@@ -234,12 +217,15 @@ def advise_from_logs(
     summaries = summarize(paths, progress=progress).files
     for path, summary in zip(paths, summaries, strict=True):
         peak = summary.peak_bytes
-        notes: list[str] = []
+        failed = (
+            f"{summary.failures} allocations failed in the original run (not counted in the peak)"
+        )
+        notes = [failed] if summary.failures else []
         replays: list[dict[str, Any]] = []
         required = None
         if peak > 0:
             for factor in CANDIDATE_FACTORS:
-                size = (int(peak * factor) + 255) & -256
+                size = align_up(int(peak * factor))
                 sizes: dict[str, Any] = {"initial_pool_size": size, "maximum_pool_size": size}
                 r = replay(path, "pool", gpu=gpu, progress=progress, **sizes)
                 kept = {k: getattr(r, k) for k in _REPLAYED}
@@ -247,11 +233,6 @@ def advise_from_logs(
                 if not r.failed:
                     required = size
                     break
-        if summary.failures:
-            notes.append(
-                f"{summary.failures} allocations failed in the original run "
-                "(not counted in the peak)"
-            )
         if required is None:
             fragmenting = peak > 0
             top = CANDIDATE_FACTORS[-1]
@@ -282,9 +263,6 @@ def advise_from_logs(
             )
         )
     return out
-
-
-# -- from a cluster report ----------------------------------------------------------------------
 
 
 def advise_from_report(report: ClusterMemoryReport) -> list[Advice]:

@@ -180,6 +180,16 @@ def test_advice_from_a_report_reads_fragmentation_from_oom_verdicts_and_free_pie
     assert "all 3 worker devices" in text
 
 
+def test_a_pool_that_takes_the_device_has_no_room_to_grow_and_points_at_spilling():
+    report = ClusterMemoryReport.from_dict(
+        {"workers": [{"address": "tcp://a:1", "devices": {"0": _device(peak_bytes=70 * GiB)}}]}
+    )
+    (a,) = advise_from_report(report)
+    assert a.maximum_pool_size == a.pool_size == nice_size(70 * GiB * 1.1)
+    assert "no room to grow" in a.reasons["maximum_pool_size"]
+    assert "device_memory_limit= and spill_on_oom=True" in a.reasons["maximum_pool_size"]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dask_rmm.cli", "advise", *args],
