@@ -23,15 +23,8 @@ _MEM_ATTACH_GLOBAL = 1  # cudaMemAttachGlobal
 
 
 class CUDAError(RuntimeError):
-    """A CUDA runtime call failed.
-
-    Attributes
-    ----------
-    error_name : str
-        CUDA's name for the error, e.g. ``"cudaErrorMemoryAllocation"``.
-    call : str
-        The runtime function (or operation) that failed.
-    """
+    """A CUDA runtime call failed: ``call`` (the function or operation) with ``error_name``,
+    CUDA's name for the error (``"cudaErrorMemoryAllocation"``)."""
 
     def __init__(self, error_name: str, call: str, message: str | None = None):
         self.error_name = error_name

@@ -269,10 +269,8 @@ class DeviceBuffer:
         _copy(self._ptr, _address(arr), arr.nbytes, stream, self.mr.is_host_memory)
 
     def copy_from_device(self, cuda_ary: Any, stream: Stream = DEFAULT_STREAM) -> None:
-        """Copy a 1-D contiguous object with ``__cuda_array_interface__`` into the buffer.
-
-        When the source names a stream (interface version 3), ``stream`` first waits for it.
-        """
+        """Copy a 1-D contiguous object with ``__cuda_array_interface__`` into the buffer
+        (``stream`` first waits for the stream the source names, if any)."""
         stream = stream_arg(stream)
         cai = getattr(cuda_ary, "__cuda_array_interface__", None)
         if cai is None:

@@ -161,9 +161,8 @@ class CupyPoolCache:
         try:
             return lean_cupy_allocator(nbytes)
         except MemoryError:  # not kept: its traceback would keep the caller's arrays alive
-            # As CuPy's pool does on cudaMalloc's out-of-memory: give free blocks back (after
-            # collecting cycles, if need be) and try once more; the pressure layer, if any, did
-            # so before failing, and its error (CuPy's pool passes it on) is the caller's.
+            # As CuPy's pool on cudaMalloc's out-of-memory: free blocks back (cycles collected if
+            # need be), once more; the pressure layer's error, if any, passes on to the caller.
             device = _get_device_id()
             if not self.release(device):
                 gc.collect()

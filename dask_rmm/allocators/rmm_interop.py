@@ -219,14 +219,11 @@ RMM_CACHE_INITIAL_SIZE = 64 << 20
 
 
 class RMMPoolCache:
-    """Compiled RMM's pool in front of dask-rmm's stack on ``device``.
-
-    ``top`` (RMM's per-device resource): RMM's statistics adaptor over a failure-callback
-    adaptor over a ``PoolMemoryResource`` drawing blocks through ``forwarder`` (first
-    :data:`RMM_CACHE_INITIAL_SIZE`, or ``initial_pool_size``; none if the stack cannot give
-    it), marked :func:`~dask_rmm.allocators.caches.drawing_for_cache`; out of memory, the
-    callback makes room (:func:`~dask_rmm.allocators.arbitration.make_room`) and RMM retries.
-    """
+    """Compiled RMM's pool in front of dask-rmm's stack on ``device``: ``top`` (RMM's per-device
+    resource) is RMM's statistics adaptor over a failure-callback adaptor (out of memory:
+    :func:`~dask_rmm.allocators.arbitration.make_room`, then RMM retries) over a
+    ``PoolMemoryResource`` drawing blocks through ``forwarder`` (``initial_pool_size`` first, if
+    the stack can give it), marked :func:`~dask_rmm.allocators.caches.drawing_for_cache`."""
 
     name = "rmm"
 
@@ -321,12 +318,11 @@ def set_rmm_callback_resource(
 ) -> list[int]:
     """Serve the compiled RMM's allocations on ``devices`` (default: every device with a
     dask-rmm resource, else the current one) from dask-rmm's resources, through
-    :class:`RMMPoolCache` (``cache=True``) or the callbacks alone; the devices set.
-
-    RMM's previous resources are remembered for :func:`reset_rmm_callback_resource` (a device
-    already forwarding is left as is; one whose resource someone else replaced since gets a new
-    one). ImportError without ``rmm``; ValueError for a device that does not exist or whose
-    dask-rmm resource is host memory; nothing is changed then. Needs a CUDA device:
+    :class:`RMMPoolCache` (``cache=True``) or the callbacks alone; the devices set. RMM's
+    previous resources are kept for :func:`reset_rmm_callback_resource` (a device forwarding
+    already is left as is, one whose resource was replaced since gets a new one). ImportError
+    without ``rmm``; ValueError, changing nothing, for a device that does not exist or whose
+    dask-rmm resource is host memory. Needs a CUDA device:
 
     >>> from dask_rmm.allocators.rmm_interop import (
     ...     reset_rmm_callback_resource, set_rmm_callback_resource)

@@ -1,7 +1,6 @@
 """AttributionResourceAdaptor: charges each allocation to an owner (a Dask task prefix) named by
-a callable, keeping current and peak bytes per owner. It knows nothing of Dask; the plugin passes
-a getter that reads the running task's key. Overall counters are StatisticsResourceAdaptor's job.
-"""
+a callable, keeping current and peak bytes per owner. It knows nothing of Dask (the plugin passes
+a getter of the running task's key). Not here: overall counters (StatisticsResourceAdaptor)."""
 
 from __future__ import annotations
 

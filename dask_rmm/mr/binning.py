@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import threading
 from bisect import bisect_left
 from collections.abc import Callable
@@ -87,7 +86,7 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
                 bin_resource = FixedSizeMemoryResource(
                     self.upstream_mr, block_size=align_up(allocation_size)
                 )
-            i = bisect.bisect_left(sizes, allocation_size)
+            i = bisect_left(sizes, allocation_size)
             sizes = sizes[:i] + (allocation_size,) + sizes[i:]
             mrs = mrs[:i] + (bin_resource,) + mrs[i:]
             self._table = (sizes, mrs)

@@ -51,22 +51,18 @@ Mutex = _thread.LockType | ListLock
 
 
 def acquire_contended(lock: Mutex) -> None:
-    """Take a lock that another thread holds, yielding the GIL (``sleep(0)``) between tries.
-
-    A blocking ``acquire`` parks the thread; the holder then often waits for the GIL behind
-    other parked threads (a lock convoy: 8 threads on one pool ran 3-5x slower than one).
-    """
+    """Take a lock that another thread holds, yielding the GIL (``sleep(0)``) between tries: a
+    blocking ``acquire`` parks the thread, and the holder then often waits for the GIL behind
+    parked threads (a lock convoy: 8 threads on one pool ran 3-5x slower than one)."""
     while not lock.acquire(False):
         time.sleep(0)
 
 
 class gc_paused_lock:
-    """``with gc_paused_lock(lock):`` holds ``lock`` with the garbage collector paused.
-
-    For paths that make objects under a resource's lock: the collector's finalizers (a
-    DeviceBuffer's, a CuPy array's) may free into the same resource on the same thread and then
-    wait forever on the lock it holds. Code already under the lock pauses it in place.
-    """
+    """``with gc_paused_lock(lock):`` holds ``lock`` with the garbage collector paused, for paths
+    that make objects under a resource's lock: a finalizer (a DeviceBuffer's, a CuPy array's)
+    freeing into the same resource on the same thread would wait forever on the lock (code
+    already under the lock pauses it in place)."""
 
     __slots__ = ("lock", "paused")
 

@@ -48,14 +48,9 @@ def _make_default(device: int) -> DeviceMemoryResource:
 
 
 def get_per_device_resource(device: int) -> DeviceMemoryResource:
-    """The resource ``device`` allocates from, making the default CudaMemoryResource if unset.
-
-    Raises
-    ------
-    CUDAUnavailableError
-        When nothing was set for ``device`` and this host has no usable GPU: pick host memory
-        explicitly with ``set_per_device_resource(0, SystemMemoryResource())``.
-    """
+    """The resource ``device`` allocates from, making the default CudaMemoryResource if unset
+    (CUDAUnavailableError without a usable GPU: pick host memory explicitly with
+    ``set_per_device_resource(0, SystemMemoryResource())``)."""
     mr = _resources.get(device)
     if mr is not None:
         return mr

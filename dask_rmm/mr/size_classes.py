@@ -23,7 +23,6 @@ __all__ = [
     "drain_cache",
     "insert_class",
     "search_class",
-    "units",
 ]
 
 #: Sizes are counted in units of :data:`~dask_rmm.mr.base.ALIGNMENT` bytes: ``u = nbytes >> 8``.
@@ -42,11 +41,6 @@ TABLE_UNITS = 1 << 16
 CACHED_LIMIT = (TABLE_UNITS - 1) << UNIT_SHIFT
 #: Every class index, for ``itertools.compress`` over a per-class list.
 CLASS_INDEXES = range(N_CLASSES)
-
-
-def units(nbytes: int) -> int:
-    """``nbytes`` in units, rounded up (the reference for the inlined ``(nbytes + 255) >> 8``)."""
-    return (nbytes + ALIGNMENT - 1) >> UNIT_SHIFT
 
 
 def insert_class(u: int) -> int:
