@@ -1,10 +1,6 @@
-"""dask-rmm's Dask configuration (namespace ``dask-rmm``): defaults, reading, the checks of the
-keys that are not options.
-
-Importing this module registers ``dask-rmm.yaml``'s defaults with ``dask.config``; the schema
-beside it documents every key (a test validates the defaults against it). The options are
-checked where they are parsed, by :meth:`dask_rmm.stack.RMMOptions.from_config`, which calls
-:func:`validate_config` for the rest. It never imports distributed.
+"""dask-rmm's Dask configuration (namespace ``dask-rmm``): importing registers ``dask-rmm.yaml``'s
+defaults; reading, and the checks of the keys that are not options (docs/internals.md, Config).
+It never imports distributed.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from typing import Any
 
 import dask.config
 import yaml
+from dask.utils import parse_timedelta
 
 __all__ = [
     "SCHEMA_PATH",
@@ -101,20 +98,9 @@ def _unknown(config: Any, known: dict, prefix: str) -> Iterator[str]:
 
 
 def validate_config() -> None:
-    """Check the ``dask-rmm.*`` keys that are not options (the sample interval and the
-    integers' bounds; :meth:`~dask_rmm.stack.RMMOptions.from_config` checks the options); warn
-    about keys dask-rmm.yaml does not have (``dask-rmm.poolsize``), each once per process (not
-    inside :func:`unknown_keys_unreported`).
-
-    Raises
-    ------
-    ConfigError
-        Naming the key and its environment variable: ``config
-        dask-rmm.metrics.sample-interval='banana' (DASK_DASK_RMM__METRICS__SAMPLE_INTERVAL):
-        ...``.
-    """
-    from dask.utils import parse_timedelta
-
+    """Check the ``dask-rmm.*`` keys that are not options (:class:`ConfigError`); warn about
+    keys dask-rmm.yaml does not have, each once per process (not inside
+    :func:`unknown_keys_unreported`)."""
     for name, (least, most) in _INTEGERS.items():
         value = config_value(name)
         if isinstance(value, bool) or not isinstance(value, int):

@@ -22,17 +22,15 @@ from distributed.utils import thread_state
 from dask_rmm import _cuda, allocators
 from dask_rmm.config import config_value
 from dask_rmm.logger import OneLineFor
+from dask_rmm.pressure.worker import wrap_stacks
+from dask_rmm.scheduler import install_scheduler_plugin
 from dask_rmm.scheduler.setup_vote import SetupCoordinator, register_on_every_worker
 from dask_rmm.sizes import format_bytes, host_total_memory
 from dask_rmm.stack.build import build_stack
 from dask_rmm.stack.options import RMMOptions
+from dask_rmm.worker.admission import admission_of, install_admission, remove_admission
 from dask_rmm.worker.fatal import WORKER_LOGGER, stop_worker
-from dask_rmm.worker.metrics import (
-    WorkerMetrics,
-    add_periodic,
-    remove_periodic,
-    send_metrics,
-)
+from dask_rmm.worker.metrics import WorkerMetrics, add_periodic, remove_periodic, send_metrics
 from dask_rmm.worker.stacks import cupy_allocator_note, worker_stack
 from dask_rmm.worker.trim import TRIM_INTERVAL, TRIMMER_KEY, PoolTrimmer
 
@@ -163,8 +161,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         """On a worker with memory admission, admission follows the task
         (:meth:`dask_rmm.worker.admission.WorkerAdmission.transition`); nothing otherwise."""
         if self._worker is not None:
-            from dask_rmm.worker.admission import admission_of
-
             admission = admission_of(self._worker)
             if admission is not None:
                 admission.transition(key, start, finish)
@@ -203,8 +199,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
             # a library the worker lacks fails here, before any stack is installed (after a
             # missing GPU: installing torch would not help there)
             allocators.check_allocators(self.options.allocators)
-            from dask_rmm.pressure.worker import wrap_stacks
-
             pressure = wrap_stacks(self.options, stacks, task_key=current_task_key)
         except Exception as e:
             return stacks, None, f"{type(e).__name__}: {self._hint(e)}"
@@ -261,16 +255,12 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         if note is not None:
             WORKER_LOGGER.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws)
-        from dask_rmm.worker.admission import install_admission, remove_admission
-
         if self.options.memory_admission and pressure is not None:
             await install_admission(worker, pressure, self.options.oom_retry)
         else:
             remove_admission(worker)
         await self._warn_if_host_overcommitted(worker, stacks)
         try:  # the cluster report's scheduler plugin, once (idempotent)
-            from dask_rmm.scheduler import install_scheduler_plugin
-
             await install_scheduler_plugin(worker)
         except Exception:
             logger.warning(
@@ -371,8 +361,6 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         them until its own are ready; otherwise they are removed on the next loop iteration
         (at once when the worker closes), restoring the previous resources and allocators."""
         self.worker_metrics.remove(worker)
-        from dask_rmm.worker.admission import remove_admission
-
         remove_admission(worker)  # waiting tasks start now
         remove_periodic(worker, _FLUSHER_KEY)
         remove_periodic(worker, TRIMMER_KEY)

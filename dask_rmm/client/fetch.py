@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from distributed import Client, Security, default_client
+from distributed.comm import CommClosedError, connect
+from distributed.comm.addressing import parse_address, parse_host_port
+from distributed.comm.registry import get_backend
+from distributed.core import rpc
 
 from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler import install_scheduler_plugin
-
-if TYPE_CHECKING:
-    from distributed import Client
+from dask_rmm.scheduler.report_build import ReportRequest
 
 __all__ = [
     "BadAddressError",
@@ -85,16 +89,12 @@ def cluster_report(
     >>> print(cluster_report(client))  # doctest: +SKIP
     """
     if client is None:
-        from distributed import default_client
-
         client = default_client()
     elif not hasattr(client, "sync") or not hasattr(client, "scheduler"):
         raise TypeError(
             f"client must be a distributed.Client, got {client!r}; for a scheduler address use "
             "cluster_report(Client(address)) or `dask rmm report ADDRESS`"
         )
-    from dask_rmm.scheduler.report_build import ReportRequest
-
     ReportRequest(timeline=timeline, last=last, top=top, sort=sort, worker=worker)  # checks
 
     async def _report() -> ClusterMemoryReport:
@@ -121,9 +121,6 @@ async def iter_reports(
     :func:`fetch_report_data`). Each round, the first one's connection included, gets
     ``timeout`` seconds in all; an ``OSError`` names the address and the reason.
     ``security`` (a ``distributed.Security``) defaults to the dask config's."""
-    from distributed import Security
-    from distributed.core import rpc
-
     args = (security or Security()).get_connection_args("client")
     scheduler = rpc(address, timeout=timeout, connection_args=args)
     install = True
@@ -161,10 +158,6 @@ async def _check_address(address: str, connection_args: dict, timeout: float) ->
     """One connection to ``address`` through ``distributed.comm.connect``, after the checks its
     retries would hide: :class:`BadAddressError`, ``OSError`` (no such host, nothing listening)
     or :class:`NotDaskAddressError` (no Dask handshake; a hint for an HTTP port)."""
-    from distributed.comm import CommClosedError, connect
-    from distributed.comm.addressing import parse_address, parse_host_port
-    from distributed.comm.registry import get_backend
-
     try:
         scheme, location = parse_address(address)
         host, port = parse_host_port(location) if scheme in ("tcp", "tls") else ("", 1)

@@ -11,15 +11,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from distributed import Client, get_client
 
+from dask_rmm._output import save_figure
+from dask_rmm.client.fetch import fetch_report_data
+from dask_rmm.plotting.figures import byte_axis, figure
 from dask_rmm.report.memory_report import _device_label, summed_series
 from dask_rmm.sizes import format_bytes
-
-if TYPE_CHECKING:
-    from distributed import Client
+from dask_rmm.worker.metrics import send_metrics
 
 __all__ = ["DeviceSeries", "GPUMemorySampler", "GPUSamples", "summed_series", "time_mean"]
 
@@ -212,8 +214,6 @@ class GPUMemorySampler:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
         if client is None:
-            from distributed import get_client
-
             client = get_client()
         label = str(label) if label is not None else uuid.uuid4().hex
         if client.asynchronous:
@@ -234,8 +234,6 @@ class GPUMemorySampler:
     async def _sample_async(
         self, label: str, client: Client, interval: float
     ) -> AsyncIterator[None]:
-        from dask_rmm.client.fetch import fetch_report_data
-
         samples = self.samples[label] = GPUSamples(label, start=time.time())
         last: int | None = _FIRST_LAST
         install = True
@@ -362,9 +360,6 @@ class GPUMemorySampler:
         Raises ValueError when there is nothing to draw (no block sampled, or none of the blocks
         saw a dask-rmm worker report this measure) rather than drawing empty axes.
         """
-        from dask_rmm._output import save_figure
-        from dask_rmm.plotting.figures import byte_axis, figure
-
         df = self.to_pandas(align=align, measure=measure, per_worker=per_worker)
         if not len(df.columns):
             if not self.samples:
@@ -403,8 +398,6 @@ class GPUMemorySampler:
 async def _flush(dask_worker: Any = None) -> None:
     """On a worker: take a sample now (it holds the most used since the last one) and send
     its metrics at once, returning once the scheduler read them: the block's end is on the scheduler."""
-    from dask_rmm.worker.metrics import send_metrics
-
     metrics = getattr(dask_worker.plugins.get("dask-rmm"), "worker_metrics", None)
     if metrics is not None:
         metrics.sample()

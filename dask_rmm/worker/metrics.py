@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -13,22 +14,23 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from dask_rmm import wire
+import numpy as np
+from tornado.ioloop import PeriodicCallback
+
+from dask_rmm import _cuda, wire
 from dask_rmm.allocators import caches
 from dask_rmm.mr.statistics_adaptor import Statistics
 from dask_rmm.pressure.admission import admission_of
-from dask_rmm.wire import METRICS_KEY, METRICS_VERSION
+from dask_rmm.stack.build import DeviceStack
+from dask_rmm.wire import METRICS_KEY
+from dask_rmm.worker.stacks import replaced_resource_note, worker_stack
 
 if TYPE_CHECKING:
     from distributed import Worker
-    from tornado.ioloop import PeriodicCallback
-
-    from dask_rmm.stack.build import DeviceStack
 
 __all__ = [
     "MAX_SAMPLES",
     "METRICS_KEY",
-    "METRICS_VERSION",
     "SAMPLER_KEY",
     "WorkerMetrics",
     "send_metrics",
@@ -92,8 +94,6 @@ def device_identity(device: int, host_memory: bool) -> dict[str, str]:
     """``gpu_name``, ``gpu_uuid`` and ``pci_bus_id`` of ``device`` (read once per process)."""
     if host_memory:
         return {"gpu_name": "host", "gpu_uuid": "", "pci_bus_id": ""}
-    from dask_rmm import _cuda
-
     name, uuid, pci = _cuda.device_identity(device)
     return {"gpu_name": name, "gpu_uuid": uuid, "pci_bus_id": pci}
 
@@ -102,16 +102,10 @@ def process_used_bytes(pci_bus_id: str) -> int:
     """Device memory this process uses on the device at ``pci_bus_id``, per the driver (NVML's
     running compute processes); 0 where it cannot tell (no NVML, MIG, a container that hides
     the process's PID, NVML's "not available")."""
-    import os
-
-    from dask_rmm._cuda import nvml as _nvml
-
-    nvml = _nvml()
+    nvml = _cuda.nvml()
     if nvml is None:
         return 0
     try:
-        import numpy as np
-
         procs = nvml.device_get_compute_running_processes_v3(
             nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
         )
@@ -129,8 +123,6 @@ def add_periodic(
     """Run ``callback`` every ``seconds`` as ``worker.periodic_callbacks[key]``: stopped when the
     worker closes, even without a teardown, and started by the worker if added before it starts
     (a preload)."""
-    from tornado.ioloop import PeriodicCallback
-
     periodic = worker.periodic_callbacks[key] = PeriodicCallback(callback, seconds * 1000)
     if worker.status.name in ("running", "paused", "closing_gracefully"):
         periodic.start()
@@ -144,13 +136,6 @@ def remove_periodic(worker: Worker, key: str, callback: Any = None) -> None:
         callback.stop()
         if worker.periodic_callbacks.get(key) is callback:
             del worker.periodic_callbacks[key]
-
-
-def admission_fields(worker: Worker, top_n: int) -> dict[str, Any]:
-    """The heartbeat's memory-admission fields of ``worker`` (none without admission): tasks
-    held back now and since setup, their waits, and the ``top_n`` largest expected peaks."""
-    admission = admission_of(worker)
-    return {} if admission is None else admission.metrics(top_n)
 
 
 class WorkerMetrics:
@@ -178,8 +163,6 @@ class WorkerMetrics:
     ) -> None:
         """Publish ``worker.metrics["dask-rmm"]`` and ``["rmm"]`` for ``stacks`` and, with
         ``sampling`` and a positive ``sample_interval`` (seconds), start the sampler."""
-        from dask_rmm.worker.stacks import worker_stack
-
         installed = getattr(worker.metrics.get(METRICS_KEY), "__self__", None)
         if isinstance(installed, WorkerMetrics):  # this one again, or a displaced plugin's
             installed.remove(worker)
@@ -252,10 +235,11 @@ class WorkerMetrics:
                 devices[str(d.stack.device)] = self._device_metrics(d, self._top_n, retired)
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 devices[str(d.stack.device)] = {"error": f"{type(e).__name__}: {e}"}
-        if devices:  # memory admission is per worker: its figures go with the first device
+        admission = admission_of(worker)
+        if devices and admission is not None:  # per worker: its figures go with the first device
             first = devices[min(devices, key=int)]
             try:
-                first.update(admission_fields(worker, self._top_n))
+                first.update(admission.metrics(self._top_n))
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 first["error"] = f"admission: {type(e).__name__}: {e}"
         return wire.heartbeat(
@@ -312,17 +296,12 @@ class WorkerMetrics:
         def device_memory() -> None:
             d.update(device_identity(stack.device, stack.host_memory))
             if not stack.host_memory:  # cudaMemGetInfo; 0 and 0 on host memory
-                from dask_rmm import _cuda
-                from dask_rmm.stack.build import on_device
-
-                with on_device(stack.device):
+                with _cuda.on_device(stack.device):
                     free, total = _cuda.mem_get_info()
                 d["device_used_bytes"], d["device_total_bytes"] = total - free, total
                 d["process_used_bytes"] = process_used_bytes(d["pci_bus_id"])
 
         def current_resource() -> None:
-            from dask_rmm.worker.stacks import replaced_resource_note
-
             note = replaced_resource_note(stack.device)
             if note is not None:
                 errors.append(note)
