@@ -173,8 +173,3 @@ def register_reinitialize_hook(func: Callable, *args: Any, **kwargs: Any) -> Cal
 def unregister_reinitialize_hook(func: Callable) -> None:
     """Remove every registration of ``func`` (no error if there is none)."""
     _reinitialize_hooks[:] = [h for h in _reinitialize_hooks if h[0] != func]
-
-
-def _reset_for_tests() -> None:
-    """Forget every hook."""
-    _reinitialize_hooks.clear()

@@ -23,7 +23,7 @@ HAS_GPU = _cuda.is_available()
 @pytest.fixture(autouse=True)
 def _hooks():
     yield
-    initialize._reset_for_tests()
+    initialize._reinitialize_hooks.clear()
 
 
 @pytest.fixture(params=["system"] + (["cuda", "managed", "async"] if HAS_GPU else []))

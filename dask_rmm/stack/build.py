@@ -7,7 +7,6 @@ Not here: the options model (``options.py``), installing stacks on a worker
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import os
 import re
@@ -45,11 +44,6 @@ logger = logging.getLogger(__name__)
 # -- log files ------------------------------------------------------------------------------------
 
 
-def _sanitise(name: Any) -> str:
-    text = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("._")
-    return text or "worker"
-
-
 def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: int) -> str:
     """``<log_directory>/rmm_log_<worker name>.dev<device>.csv``, the name made filename-safe.
 
@@ -58,21 +52,14 @@ def log_file_path(log_directory: str | os.PathLike, worker_name: Any, device: in
     >>> log_file_path("/logs", "tcp://10.0.0.1:4242", 0)
     '/logs/rmm_log_tcp_10.0.0.1_4242.dev0.csv'
     """
-    return os.path.join(
-        os.fspath(log_directory), f"rmm_log_{_sanitise(worker_name)}.dev{device}.csv"
-    )
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(worker_name)).strip("._") or "worker"
+    return os.path.join(os.fspath(log_directory), f"rmm_log_{safe}.dev{device}.csv")
 
 
 def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
-    """Reserve ``path`` for this worker with an exclusive ``flock`` held until the returned
-    descriptor is closed (the log adaptor closes it at teardown).
-
-    A file another live worker holds (two clusters sharing a directory, a second worker given
-    a name already taken, or two names that sanitise alike) gets this process's id, then a
-    counter, added to its name instead. With ``create=False`` nothing is created or held:
-    the name a claim would take now, and None (a worker's log file is created at its first
-    row, claimed then).
-    """
+    """Reserve ``path`` (or, held by another live process, ``path`` with this process's id and
+    then a counter added) with an exclusive ``flock`` held until the returned descriptor is
+    closed; ``create=False`` only looks: the name a claim would take now, and None."""
     stem, _, ext = path.rpartition(".dev")
     candidates = [path, f"{stem}-{os.getpid()}.dev{ext}"]
     candidates += [f"{stem}-{os.getpid()}-{i}.dev{ext}" for i in range(1, 64)]
@@ -101,17 +88,10 @@ def claim_log_file(path: str, *, create: bool = True) -> tuple[str, int | None]:
     raise RuntimeError(f"no free log file name next to {path}: all candidates are in use")
 
 
-def _claim_at(path: str, _name: str) -> tuple[str, int | None]:
-    return claim_log_file(path)
-
-
 def check_log_file_keeps_rows(path: str) -> None:
-    """Raise OSError unless rows written to ``path`` (a log file made at its first row) would be
-    kept: an existing ``path`` must be a regular file (not ``/dev/null``, ``/dev/full`` or a
-    pipe, which take rows and drop them), and a probe file written next to it must hold what
-    was written (a pseudo-filesystem such as ``/proc`` or ``/sys`` refuses it, or keeps none).
-    Done when the stack is built, so that a registration fails on the client instead of each
-    worker warning at its first allocation that every row is lost."""
+    """Raise OSError unless rows written to ``path`` would be kept: an existing ``path`` must be
+    a regular file (not ``/dev/null`` or a pipe), and a probe file next to it must keep what
+    was written (``/proc``, ``/sys`` do not). Checked at build, so a registration fails."""
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise OSError(
             f"{path} is not a regular file ({os.path.realpath(path)}): rows written to it "
@@ -239,20 +219,9 @@ def build_stack(
     task_key: Callable[[], Any] | None = None,
     owner_name: Callable[[Any], str] | None = None,
 ) -> DeviceStack:
-    """One device's resource stack, built completely (nothing installed).
-
-    Layers, outermost first (those that are off are left out)::
-
-        AttributionResourceAdaptor -> StatisticsResourceAdaptor -> LoggingResourceAdaptor
-          -> TrackingResourceAdaptor -> PoolMemoryResource | LimitingResourceAdaptor(async)
-          -> base resource
-
-    Attribution (with ``task_key``) charges what succeeded through every layer below; statistics
-    sits right under it so per-task bytes add up to its counters; logging and tracking record
-    the calls as asked; every adaptor sits above the pool so it sees requests, not the pool's
-    growth. A log file is ``options.log_file_name`` (``reinitialize``) or, with
-    ``log_directory``, ``rmm_log_<worker_name>.dev<device>.csv``, claimed for this process.
-    """
+    """One device's resource stack, built completely (nothing installed); its layers are drawn
+    in docs/internals.md (every adaptor above the pool: it sees requests, not the pool's growth;
+    attribution, with ``task_key``, over statistics: per-task bytes add up to its counters)."""
     # A device this host lacks fails here, while building (so the vote hears it), not when the
     # built stack is installed after every worker agreed.
     _cuda.check_device(device, host_memory=True)
@@ -288,7 +257,7 @@ def build_stack(
                     log_file_name=stack.log_path[: -len(f".dev{device}.csv")] + ".csv",
                     append=True,
                     open_on_first_row=True,
-                    claim=functools.partial(_claim_at, path),
+                    claim=lambda _name: claim_log_file(path),
                 )
             except OSError as e:
                 raise OSError(

@@ -175,9 +175,6 @@ class RMMOptions:
         from dask_rmm.config import ConfigError, config_value, validate_config
 
         validate_config()
-        unknown = set(given) - {f.name for f in CONFIG_FIELDS} - set(ALIASES)
-        if unknown:
-            raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
         managed = _bool("managed_memory", given.pop("managed_memory", False) or False)
         asynchronous = _bool("async_alloc", given.pop("async_alloc", False) or False)
         if managed and asynchronous:
@@ -251,5 +248,3 @@ _SWITCHES = (
 CONFIG_FIELDS = [
     f for f in dataclasses.fields(RMMOptions) if f.name not in ("pool_allocator", "log_file_name")
 ]
-#: dask-cuda's option names that choose a base resource.
-ALIASES = ("managed_memory", "async_alloc")
