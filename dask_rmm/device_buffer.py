@@ -329,7 +329,11 @@ class DeviceBuffer:
 
     # --- size changes ------------------------------------------------------------------------
 
-    def _reallocate(self, new_capacity: int, stream: Stream) -> None:
+    def _reserve(self, new_capacity: int, stream: Stream) -> None:
+        """Move the buffer to ``stream``, reallocated to ``new_capacity`` bytes if it needs more."""
+        if new_capacity <= self._capacity:
+            self.stream = stream
+            return
         new_ptr = self.mr.allocate(new_capacity, stream)
         try:
             _copy(new_ptr, self._ptr, min(self._size, new_capacity), stream, self.mr.is_host_memory)
@@ -345,22 +349,13 @@ class DeviceBuffer:
     def reserve(self, new_capacity: int, stream: Stream = DEFAULT_STREAM) -> None:
         """Grow the allocation to at least ``new_capacity`` bytes, keeping :attr:`size` and the
         contents. Does nothing when the capacity is already enough. The buffer moves to ``stream``."""
-        new_capacity = check_nbytes(new_capacity, "new_capacity")
-        stream = stream_arg(stream)
-        if new_capacity > self._capacity:
-            self._reallocate(new_capacity, stream)
-        else:
-            self.stream = stream
+        self._reserve(check_nbytes(new_capacity, "new_capacity"), stream_arg(stream))
 
     def resize(self, new_size: int, stream: Stream = DEFAULT_STREAM) -> None:
         """Change :attr:`size`, keeping the first ``min(size, new_size)`` bytes: beyond the
         capacity, reallocated to exactly ``new_size`` bytes. The buffer moves to ``stream``."""
         new_size = check_nbytes(new_size, "new_size")
-        stream = stream_arg(stream)
-        if new_size > self._capacity:
-            self._reallocate(new_size, stream)
-        else:
-            self.stream = stream
+        self._reserve(new_size, stream_arg(stream))
         self._size = new_size
 
     def prefetch(self, device: int | None = None, stream: Stream | None = None) -> None:
