@@ -406,9 +406,8 @@ def _received(header: dict, frames: list) -> DeviceBuffer:
                 e.error_name,
                 e.call,
                 f"cannot receive a DeviceBuffer ({format_bytes(nbytes)}): this process has no "
-                "usable GPU "
-                "for its default resource. To receive DeviceBuffers in host memory, call "
-                'dask_rmm.reinitialize(base_resource="system") in it first (on a client: '
+                "usable GPU for its default resource. To receive DeviceBuffers in host memory, "
+                'call dask_rmm.reinitialize(base_resource="system") in it first (on a client: '
                 "before gathering the result).",
             ) from None
         if hasattr(frame, "__cuda_array_interface__"):

@@ -123,12 +123,9 @@ class OutOfMemoryError(MemoryError):
 
 
 class CUDAAllocationError(CUDAError, MemoryError):
-    """An allocation failed for a reason other than out-of-memory (an invalid or destroyed
-    memory pool, a device in an error state, ...).
-
-    A :class:`MemoryError`, as RMM raises for every failed allocation, and a
-    :class:`~dask_rmm.CUDAError` carrying CUDA's error name (``error_name``) and the call.
-    """
+    """An allocation failed for a reason other than out-of-memory (an invalid or destroyed pool,
+    a device in an error state...): a :class:`MemoryError`, as RMM raises for every failed
+    allocation, and a :class:`~dask_rmm.CUDAError` with CUDA's ``error_name`` and the call."""
 
     @classmethod
     def from_error(cls, error: CUDAError, what: str) -> CUDAAllocationError:

@@ -40,9 +40,7 @@ class FreeList:
     def take(self, search: int, size: int) -> int:
         """A block of ``size`` bytes (a request of search class ``search``): a cached one, else
         the front of a coalesced block of a class at or above ``search``; 0 when there is none.
-
-        The pool's locked fast path, hence inlined (no calls below 16 MiB).
-        """
+        The pool's locked fast path, hence inlined (no calls below 16 MiB)."""
         cached = self.cache[search]
         if cached:
             try:
