@@ -25,6 +25,7 @@ __all__ = [
     "SAMPLE_FIELDS",
     "SAMPLE_STRUCT",
     "NOT_MEASURED_WITHOUT_A_POOL",
+    "ROW_FIELDS",
     "STATISTICS_ONLY",
     "DeviceSample",
     "LibraryShare",
@@ -323,14 +324,14 @@ class DeviceSample:
         ignored (``extra`` sets the fields of a subclass)."""
         values = {k: _READERS[k](v) for k, v in d.items() if k in _READERS}
         groups = []
-        for g in _sequence(d.get("task_groups")):
+        for g in _rows(d.get("task_groups"), 3):
             try:
                 groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
             except (IndexError, TypeError, KeyError):
                 continue
         events = tuple(dict(e) for e in _sequence(d.get("oom_events")) if isinstance(e, Mapping))
         libraries = []
-        for x in _sequence(d.get("libraries")):
+        for x in _rows(d.get("libraries"), 4):
             if not isinstance(x, (list, tuple)) or len(x) != 4:
                 continue
             try:
@@ -340,7 +341,7 @@ class DeviceSample:
             except (IndexError, TypeError, KeyError):
                 continue
         peaks = []
-        for p in _sequence(d.get("admission_expected_peaks")):
+        for p in _rows(d.get("admission_expected_peaks"), 3):
             try:
                 peaks.append((str(p[0]), to_int(p[1]), to_int(p[2])))
             except (IndexError, TypeError, KeyError):
@@ -372,13 +373,22 @@ _READERS = {
 _DEFAULTS = {f.name: f.default for f in _FIELDS} | {"samples": b""}
 
 
+#: The fields that are lists of rows, and each row's width (a str, then numbers). A heartbeat
+#: sends their rows one after another in one flat list (``task_groups: ["a", 1, 2, "b", 3,
+#: 4]``): one object to decode and bound instead of one a row.
+ROW_FIELDS = {"task_groups": 3, "libraries": 4, "admission_expected_peaks": 3}
+
+
 def compact(d: Mapping[str, Any]) -> dict[str, Any]:
     """A heartbeat device entry without the fields at their default (an empty list as well as
-    an empty tuple), and without ``fragmentation``, which readers compute."""
+    an empty tuple), without ``fragmentation``, which readers compute, and with the
+    :data:`ROW_FIELDS` flat."""
     out = {}
     for k, v in d.items():
         if k in _DEFAULTS and (v == _DEFAULTS[k] or type(v) in (list, tuple) and not v):
             continue
+        if k in ROW_FIELDS and type(v) in (list, tuple):
+            v = [x for row in v for x in row]
         if k != "fragmentation":
             out[k] = v
     return out
@@ -444,6 +454,15 @@ def unpack_samples(blob: bytes) -> list[list[float | int]]:
             f"packed samples are {len(blob)} bytes, not a multiple of {SAMPLE_STRUCT.size}"
         )
     return [list(r) for r in SAMPLE_STRUCT.iter_unpack(blob)]
+
+
+def _rows(value: Any, width: int) -> Any:
+    """The rows of a :data:`ROW_FIELDS` field: as a heartbeat sends them (flat, ``width`` values
+    a row) or as the report document has them (a list a row); ``()`` for anything else."""
+    value = _sequence(value)
+    if not value or type(value[0]) in (list, tuple):
+        return value
+    return [value[i : i + width] for i in range(0, len(value) - width + 1, width)]
 
 
 def _sequence(value: Any) -> Any:

@@ -49,9 +49,16 @@ def test_heartbeat_envelope():
 
 
 def test_the_heartbeat_leaves_out_the_fields_at_their_default():
-    d = DeviceSample(current_bytes=5, measured="pool", task_groups=(TaskGroup("inc", 1, 2),))
+    groups = (TaskGroup("inc", 1, 2), TaskGroup("sum", 3, 4))
+    d = DeviceSample(current_bytes=5, measured="pool", task_groups=groups)
     sent = d.to_dict(defaults=False)
-    assert sent == {"measured": "pool", "current_bytes": 5, "task_groups": [["inc", 1, 2]]}
+    # rows flat: one list to decode and bound, not one a row
+    assert sent == {
+        "measured": "pool",
+        "current_bytes": 5,
+        "task_groups": ["inc", 1, 2, "sum", 3, 4],
+    }
     assert DeviceSample.from_dict(sent) == d
+    assert d.to_dict()["task_groups"] == [["inc", 1, 2], ["sum", 3, 4]]  # the report's rows
     # Empty lists as well as tuples, False as 0; fields it does not know are kept.
     assert wire.compact({"libraries": (), "paused": False, "samples": b"", "x": 0}) == {"x": 0}

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
-from functools import lru_cache
-from itertools import chain, islice, repeat
-from operator import itemgetter
+from itertools import islice, repeat
 from reprlib import repr as _short
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE
-from dask_rmm.wire import METRICS_VERSION, SAMPLE_STRUCT, DeviceSample
+from dask_rmm.wire import METRICS_VERSION, ROW_FIELDS, SAMPLE_STRUCT, DeviceSample
 
 __all__ = ["MAX_AHEAD", "MAX_DEVICES", "MAX_ENTRIES", "MAX_SAMPLES", "Checked", "check_metrics"]
 
@@ -53,12 +51,8 @@ _BLOB = MAX_SAMPLES * _RECORD
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
 _NUMBERS = {int, float, bool, type(None)}
 _SEQUENCES = {list, tuple}
-#: A device entry's fields by kind (:class:`DeviceSample`); each row of a list is a str, then
-#: numbers (``width`` columns in all).
-_TEXT_FIELDS = (*(f.name for f in fields(DeviceSample) if f.type == "str"), "error")
-_LIST_FIELDS = {"task_groups": 3, "libraries": 4, "admission_expected_peaks": 3}
-_NOT_NUMBERS = frozenset((*_TEXT_FIELDS, *_LIST_FIELDS, "samples", "oom_events"))
-_WIRE = _NOT_NUMBERS | {f.name for f in fields(DeviceSample)} | {"fragmentation"}
+#: The field names of a device entry on the wire: an entry of only these has short str names.
+_WIRE = frozenset({f.name for f in fields(DeviceSample)} | {"samples", "fragmentation"})
 _TOP = frozenset({"version", "time", "worker", "devices"})
 
 
@@ -88,19 +82,18 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
         return Checked(None, [], [("format", f"devices are {_kind(raw)}, not a mapping")])
     problems: list[tuple[str, str]] = []
     t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
-    if _plain(raw):  # what a worker sends: bounded a few C calls at a time for every device
-        devices = raw if type(raw) is dict else dict(raw)
-    else:
-        devices = {}
-        if len(raw) > MAX_DEVICES:
-            problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
-        for dev, d in islice(raw.items(), MAX_DEVICES):
-            if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
-                problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
-            elif not isinstance(d, Mapping):
-                problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
-            else:
-                devices[dev] = _bound(f"device {dev!r}", d, now, problems)
+    devices: dict[str, Mapping] = {}
+    if len(raw) > MAX_DEVICES:
+        problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
+    for dev, d in islice(raw.items(), MAX_DEVICES):
+        if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
+            problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
+        elif type(d) is dict and d.keys() <= _WIRE and _plain(d, now):
+            devices[dev] = d  # what a worker sends: kept as it came
+        elif not isinstance(d, Mapping):
+            problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
+        else:
+            devices[dev] = _bound(f"device {dev!r}", d, now, problems)
     samples = []
     for dev, d in devices.items():
         blob = d.get("samples")
@@ -117,68 +110,39 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     return Checked({**top, "time": t, "devices": devices}, samples, problems)
 
 
-def _plain(devices: Mapping) -> bool:
-    """Every device entry within the bounds and of the wire's form (:class:`DeviceSample`'s
-    field names, each with a value of its kind: numbers, strings of at most :data:`MAX_TEXT`
-    characters, lists of at most :data:`MAX_ENTRIES` rows of their columns; packed ``samples``;
-    no OOM events), checked a few C calls at a time for all devices. False: device by device,
-    field by field (:func:`_bound`)."""
-    ds = list(devices.values())
-    if not 0 < len(ds) <= MAX_DEVICES or not {dict}.issuperset(map(type, ds)):
-        return False
-    try:
-        "".join(devices)  # TypeError unless every id is a str
-        if not 0 < min(map(len, devices)) <= max(map(len, devices)) <= MAX_KEY:
-            return False
-        if any(d.get("oom_events") for d in ds):
-            return False
-        try:  # the devices of a worker have the same names (KeyError if not): C calls
-            first: Any = _getters(tuple(ds[0])) if len(set(map(len, ds))) == 1 else None
-            numbers, strings = (list(chain.from_iterable(map(g, ds))) for g in first)
-        except (KeyError, TypeError):
-            getters: list = list(map(_getters, map(tuple, ds)))
-            if None in getters:
-                return False
-            numbers, strings = (
-                list(chain.from_iterable(map(_call, [g[i] for g in getters], ds))) for i in (0, 1)
-            )
-        sum(filter(None, numbers))  # TypeError unless numbers (falsy ones, None among them, are)
-        texts = list(filter(None, strings))
-        blobs = list(filter(None, map(dict.get, ds, repeat("samples"))))
-        for name, width in _LIST_FIELDS.items():
-            lists = list(filter(None, map(dict.get, ds, repeat(name))))
-            if not lists:
+def _plain(d: dict, now: float) -> bool:
+    """Every value of a device entry within the bounds as it is (what :func:`_bound` would keep
+    unchanged): numbers, strings and bytes of at most :data:`MAX_TEXT` (packed ``samples`` of
+    at most :data:`MAX_SAMPLES`), the :data:`~dask_rmm.wire.ROW_FIELDS` as a worker sends them
+    (flat, at most :data:`MAX_ENTRIES` rows of a short str and numbers), OOM events kept whole.
+    False: the entry goes through :func:`_bound`."""
+    for k, v in d.items():
+        t = type(v)
+        if t in _NUMBERS:
+            continue
+        if t is str or t is bytes:
+            if len(v) <= MAX_TEXT or (k == "samples" and t is bytes and len(v) <= _BLOB):
                 continue
-            if not _SEQUENCES.issuperset(map(type, lists)) or max(map(len, lists)) > MAX_ENTRIES:
-                return False
-            rows = list(chain.from_iterable(lists))
-            if not _SEQUENCES.issuperset(map(type, rows)):  # zip would take a map's keys
-                return False
-            columns = list(zip(*rows, strict=True))  # ValueError unless all of one width
-            if len(columns) != width:
-                return False
-            texts += columns[0]
-            sum(filter(None, chain.from_iterable(columns[1:])))
-        "".join(texts), b"".join(blobs)  # TypeError unless strings and bytes
-    except (TypeError, ValueError, KeyError):
-        return False
-    return max(map(len, texts), default=0) <= MAX_TEXT and max(map(len, blobs), default=0) <= _BLOB
-
-
-@lru_cache(256)
-def _getters(names: tuple[str, ...]) -> tuple | None:
-    """The getters of the numbers and of the strings of a device entry of these field names
-    (None unless they are the wire's)."""
-    if not _WIRE.issuperset(names):
-        return None
-    numbers = [k for k in names if k not in _NOT_NUMBERS]
-    texts = [k for k in names if k in _TEXT_FIELDS]
-    # The first key twice: itemgetter of one key gives no tuple.
-    return tuple(itemgetter(*keys, keys[0]) if keys else lambda d: () for keys in (numbers, texts))
-
-
-def _call(f: Any, x: Any) -> Any:
-    return f(x)
+            return False
+        if t not in _SEQUENCES:
+            return False
+        width = ROW_FIELDS.get(k)
+        if width is None:
+            if k == "oom_events" and len(v) <= MAX_OOM_EVENTS and all(map(_event, v, repeat(now))):
+                continue
+            return False
+        n = len(v)
+        if n % width or n > width * MAX_ENTRIES or (n and type(v[0]) is not str):
+            return False
+        names, numbers = v[::width], list(v)
+        del numbers[::width]
+        try:  # TypeError unless strings, and numbers
+            "".join(names), sum(numbers)
+        except TypeError:
+            return False
+        if max(map(len, names), default=0) > MAX_TEXT:
+            return False
+    return True
 
 
 def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> float:
@@ -218,6 +182,8 @@ def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
             problems.append(("bounds", f"{where}: {k} of {len(v)} characters cut"))
         elif k == "oom_events" and t in _SEQUENCES:
             out[k] = _oom_events(where, v, now, problems)
+        elif k in ROW_FIELDS and t in _SEQUENCES and v and type(v[0]) not in _SEQUENCES:
+            out[k] = _flat_rows(where, k, v, problems)
         elif t in _SEQUENCES or t is dict:
             n = len(v)
             if n > MAX_ENTRIES:
@@ -238,6 +204,22 @@ def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
     if names:
         problems.append(("bounds", f"{where}: {names} field names dropped"))
     return d if len(out) == len(d) and all(out[k] is v for k, v in d.items()) else out
+
+
+def _flat_rows(where: str, k: str, v: list | tuple, problems: list) -> Any:
+    """Field ``k`` of the :data:`~dask_rmm.wire.ROW_FIELDS` as a worker sends it (flat, a row's
+    values one after another): its first :data:`MAX_ENTRIES` rows of numbers and short strings
+    (:func:`_within`); the other rows, and a partial last row, dropped and counted."""
+    width = ROW_FIELDS[k]
+    n = -(-len(v) // width)
+    if n > MAX_ENTRIES:
+        problems.append(("bounds", f"{where}: {k} of {n} entries, {MAX_ENTRIES} kept"))
+    rows = [v[i : i + width] for i in range(0, min(n, MAX_ENTRIES) * width, width)]
+    kept = [r for r in rows if len(r) == width and all(_within(x, 0) for x in r)]
+    if dropped := len(rows) - len(kept):
+        text = f"{where}: {dropped} {k} entries nested, long or partial; dropped"
+        problems.append(("bounds", text))
+    return v if len(kept) * width == len(v) else [x for row in kept for x in row]
 
 
 def _within(v: Any, depth: int) -> bool:
@@ -262,14 +244,7 @@ def _oom_events(where: str, events: list | tuple, now: float, problems: list) ->
     """The last :data:`MAX_OOM_EVENTS` events that are maps of plain data (:func:`_within`,
     nested at most 3 deep) whose figures the renderers read are numbers and whose time is a
     time."""
-    kept = [
-        e
-        for e in events[-MAX_OOM_EVENTS:]
-        if type(e) is dict
-        and _within(e, 3)
-        and all(e.get(k) is None or type(e[k]) in (int, float) for k in _OOM_NUMBERS)
-        and (e.get("time") is None or EARLIEST <= e["time"] <= now + MAX_AHEAD)
-    ]
+    kept = [e for e in events[-MAX_OOM_EVENTS:] if _event(e, now)]
     if len(kept) == len(events):
         return events
     problems.append(
@@ -277,6 +252,16 @@ def _oom_events(where: str, events: list | tuple, now: float, problems: list) ->
          f"(kept: the last {MAX_OOM_EVENTS} of plain data with a time)")
     )  # fmt: skip
     return kept
+
+
+def _event(e: Any, now: float) -> bool:
+    """``e`` is an OOM event :func:`_oom_events` keeps."""
+    return (
+        type(e) is dict
+        and _within(e, 3)
+        and all(e.get(k) is None or type(e[k]) in (int, float) for k in _OOM_NUMBERS)
+        and (e.get("time") is None or EARLIEST <= e["time"] <= now + MAX_AHEAD)
+    )
 
 
 def check_samples(

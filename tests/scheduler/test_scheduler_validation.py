@@ -733,8 +733,33 @@ def test_devices_of_different_field_names_are_checked_at_once_and_kept_as_they_c
     ).to_dict(defaults=False)
     other = DeviceSample(reserved_bytes=MiB, gpu_name="H200").to_dict(defaults=False)
     beat = heartbeat("w", now, {"0": first, "1": other})
-    assert _plain(beat["devices"])
+    assert _plain(first, now) and _plain(other, now)
     checked = check_metrics(beat, now)
     assert checked.problems == []
     assert checked.metrics["devices"]["0"] is first and checked.metrics["devices"]["1"] is other
-    assert not _plain({"0": first, "1": other | {"gpu_name": ["H200"]}})  # a list for a str
+    assert not _plain(other | {"gpu_name": ["H200"]}, now)  # a list for a str
+
+
+@pytest.mark.parametrize(
+    "value, kept, problem",
+    [
+        (["g", 1, 2] * 100_000, ["g", 1, 2] * 64, "task_groups of 100000 entries, 64 kept"),
+        (["g" * 100_000, 1, 2, "h", 3, 4], ["h", 3, 4], "1 task_groups entries nested, long"),
+        (["h", 3, 4, "g", [1] * 100_000, 2], ["h", 3, 4], "1 task_groups entries nested, long"),
+        (["g", 1, 2, "h"], ["g", 1, 2], "1 task_groups entries nested, long or partial"),
+    ],
+)
+def test_rows_as_a_worker_sends_them_flat_are_bounded_row_by_row(value, kept, problem):
+    """The ROW_FIELDS travel flat (three values a task group): a flat list beyond the bounds
+    is cut to MAX_ENTRIES rows, a row with a value too long or nested is dropped and named,
+    and what is kept is whole rows."""
+    from dask_rmm.scheduler.validate import check_metrics
+    from dask_rmm.wire import DeviceSample, TaskGroup
+
+    now = time.time()
+    checked = check_metrics(_beat({"0": {"task_groups": value}}), now)
+    got = checked.metrics["devices"]["0"]["task_groups"]
+    assert list(got) == kept
+    assert any(problem in text for _, text in checked.problems), checked.problems
+    assert DeviceSample.from_dict({"task_groups": got}).task_groups[-1] == TaskGroup(*kept[-3:])
+    assert check_metrics(_beat({"0": {"task_groups": kept}}), now).problems == []

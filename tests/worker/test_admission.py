@@ -24,6 +24,7 @@ from distributed.worker import thread_state
 
 from dask_rmm import RMMPlugin
 from dask_rmm.pressure.admission import RESOURCE
+from dask_rmm.wire import DeviceSample
 from dask_rmm.worker import admission as worker_admission
 from dask_rmm.worker.admission import admission_of
 from tests.worker.test_preload import scheduler, scheduler_process  # noqa: F401 (fixtures)
@@ -490,7 +491,7 @@ async def test_held_back_figures_reach_the_heartbeat_and_the_report(c, s, a):
     # a task that passed "constrained" on its way to a free thread on a loaded host counts
     # as held back too (it waited more than the threshold): at least the 2 waiting now
     assert d["admission_held_tasks"] == 2 and d["admission_total_held"] >= 2
-    assert d["admission_expected_peaks"] == [["hold", 3 * MiB, 1]]
+    assert DeviceSample.from_dict(d).admission_expected_peaks == (("hold", 3 * MiB, 1),)
     await a.heartbeat()
     report = ClusterMemoryReport.from_dict(await fetch_report_data(c.scheduler, timeline=False))
     assert report.device(a.address).admission_held_tasks == 2

@@ -19,7 +19,7 @@ from dask_rmm import mr
 from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
 from dask_rmm.stack.build import log_file_path
-from dask_rmm.wire import unpack_samples
+from dask_rmm.wire import DeviceSample, unpack_samples
 from dask_rmm.worker.metrics import METRICS_KEY
 from dask_rmm.worker.stacks import worker_stack
 
@@ -360,7 +360,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
     assert d["resource"] == (
         "AttributionResourceAdaptor>StatisticsResourceAdaptor>PoolMemoryResource>SystemMemoryResource"
     )
-    groups = {g[0]: (g[1], g[2]) for g in d["task_groups"]}
+    groups = {g[0]: (g[1], g[2]) for g in DeviceSample.from_dict(d).task_groups}
     assert groups["hold"] == (3 * MiB, 3 * MiB)
     assert groups["other"] == (3 * MiB, 3 * MiB)
 
@@ -387,11 +387,9 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
         lambda: "current_bytes" not in s.workers[a.address].metrics[METRICS_KEY]["devices"]["0"],
         what="frees to reach the scheduler",
     )
-    groups = {
-        g[0]: g[1:]
-        for g in s.workers[a.address].metrics[METRICS_KEY]["devices"]["0"]["task_groups"]
-    }
-    assert groups["hold"] == [0, 3 * MiB] or tuple(groups["hold"]) == (0, 3 * MiB)
+    d = s.workers[a.address].metrics[METRICS_KEY]["devices"]["0"]
+    groups = {g[0]: g[1:] for g in DeviceSample.from_dict(d).task_groups}
+    assert groups["hold"] == (0, 3 * MiB)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -424,7 +422,7 @@ async def test_heartbeat_carries_the_top_task_prefixes(c, s, a):
         for name, size in [("small", 256), ("large", 8192), ("medium", 2048)]
     ]
     await wait(futures)
-    groups = a.metrics[METRICS_KEY](a)["devices"]["0"]["task_groups"]
+    groups = DeviceSample.from_dict(a.metrics[METRICS_KEY](a)["devices"]["0"]).task_groups
     assert [g[0] for g in groups] == ["large", "medium"]
 
 
@@ -564,7 +562,7 @@ def test_local_cluster_end_to_end(tmp_path, base):
         for m in metrics:
             d = m["devices"]["0"]
             if d.get("current_bytes"):
-                assert [g[0] for g in d["task_groups"]] == ["hold"]
+                assert [g[0] for g in DeviceSample.from_dict(d).task_groups] == ["hold"]
         names = client.run(lambda dask_worker: dask_worker.name)
         expected = sorted(os.path.basename(log_file_path(tmp_path, n, 0)) for n in names.values())
         assert sorted(os.listdir(tmp_path)) == expected
