@@ -19,7 +19,7 @@ from dask_rmm.mr.logging_adaptor import (
 from dask_rmm.mr.registry import is_initialized
 from dask_rmm.sizes import parse_size
 from dask_rmm.stack.build import build_stack
-from dask_rmm.stack.options import BASE_RESOURCES, OptionError, RMMOptions
+from dask_rmm.stack.options import BASE_RESOURCES, RMMOptions, base_resource_of
 
 __all__ = [
     "BASE_RESOURCES",
@@ -121,13 +121,7 @@ def reinitialize(
     >>> type(dask_rmm.mr.get_current_device_resource()).__name__
     'PoolMemoryResource'
     """
-    if base_resource is None:
-        base_resource = "managed" if managed_memory else "cuda"
-    elif managed_memory and base_resource != "managed":
-        raise OptionError(
-            f"managed_memory=True conflicts with base_resource={base_resource!r}; "
-            "pass one of them (managed_memory=True is base_resource='managed')"
-        )
+    base_resource = base_resource_of(base_resource, managed_memory) or "cuda"
     pool = bool(pool_allocator)
     pool_size = maximum = None
     if pool:

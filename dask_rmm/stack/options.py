@@ -75,6 +75,22 @@ def _pause_fraction(value: Any) -> float | None:
     return float(value)
 
 
+def base_resource_of(base: Any, managed_memory: Any = False, async_alloc: Any = False) -> Any:
+    """``base_resource`` with dask-cuda's switches folded in: ``managed_memory=True`` is
+    ``"managed"``, ``async_alloc=True`` ``"async"`` (over ``"cuda"``, the default, or None)."""
+    managed = _bool("managed_memory", managed_memory or False)
+    asynchronous = _bool("async_alloc", async_alloc or False)
+    if managed and asynchronous:
+        raise OptionError("`managed_memory` is incompatible with `async_alloc`: pick one")
+    alias = "managed" if managed else "async" if asynchronous else None
+    if alias is None or base in (None, "cuda", alias):
+        return alias or base
+    raise OptionError(
+        f"`{'managed_memory' if managed else 'async_alloc'}=True` means "
+        f"base_resource={alias!r}, which conflicts with base_resource={base!r}"
+    )
+
+
 def _check_pool_sizes(pool: Any, maximum: Any, where: str = "") -> None:
     """RMM's error when the maximum pool size is below the initial one (both bytes, or both
     fractions)."""
@@ -175,20 +191,10 @@ class RMMOptions:
         from dask_rmm.config import ConfigError, config_value, validate_config
 
         validate_config()
-        managed = _bool("managed_memory", given.pop("managed_memory", False) or False)
-        asynchronous = _bool("async_alloc", given.pop("async_alloc", False) or False)
-        if managed and asynchronous:
-            raise OptionError("`managed_memory` is incompatible with `async_alloc`: pick one")
-        alias = "managed" if managed else "async" if asynchronous else None
-        if alias is not None:
-            explicit = given.get("base_resource")
-            if explicit not in (None, "cuda", alias):  # "cuda": device memory, the default
-                option = "managed_memory" if managed else "async_alloc"
-                raise OptionError(
-                    f"`{option}=True` means base_resource={alias!r}, which conflicts with "
-                    f"base_resource={explicit!r}"
-                )
-            given["base_resource"] = alias
+        aliases = given.pop("managed_memory", False), given.pop("async_alloc", False)
+        base = base_resource_of(given.get("base_resource"), *aliases)
+        if base is not None:
+            given["base_resource"] = base
         configured = {
             f.name: config_value(f.name.replace("_", "-"))
             for f in CONFIG_FIELDS
