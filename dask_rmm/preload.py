@@ -265,10 +265,8 @@ async def dask_setup(worker: Any, **flags: Any) -> None:
 
 def _same(option: str, a: Any, b: Any) -> bool:
     """Whether two spellings of an option mean the same (``"32MiB"`` and ``33554432``)."""
-    if a == b:
-        return True
     try:
-        return parse_size(a, option) == parse_size(b, option)
+        return a == b or parse_size(a, option) == parse_size(b, option)
     except (TypeError, ValueError):
         return False
 

@@ -74,11 +74,10 @@ class DeviceSeries:
 
     def add_reserved(self, when: float, nbytes: int) -> None:
         """Keep a heartbeat's reserved bytes (one value per time: a later one replaces)."""
-        if self.reserved and when <= self.reserved[-1][0]:
-            if when == self.reserved[-1][0]:
-                self.reserved[-1] = (when, int(nbytes))
-            return
-        self.reserved.append((when, int(nbytes)))
+        if not self.reserved or when > self.reserved[-1][0]:
+            self.reserved.append((when, int(nbytes)))
+        elif when == self.reserved[-1][0]:
+            self.reserved[-1] = (when, int(nbytes))
 
 
 @dataclass
@@ -279,22 +278,18 @@ class GPUMemorySampler:
         """One row per label: start, seconds, devices, workers lost, peak and time-weighted
         mean of the bytes in use and reserved, summed over the devices (a pandas DataFrame)."""
         pd = _pandas("GPUMemorySampler.summary")
-        rows = []
-        for label, s in self.samples.items():
-            stop = s.stop if s.stop is not None else time.time()
-            rows.append(
-                {
-                    "label": label,
-                    "start": pd.to_datetime(s.start, unit="s"),
-                    "seconds": stop - s.start,
-                    "devices": len(s.devices),
-                    "workers_lost": len(s.workers_lost),
-                    "peak_used_bytes": s.peak_used,
-                    "mean_used_bytes": s.mean_used,
-                    "peak_reserved_bytes": s.peak_reserved,
-                    "mean_reserved_bytes": s.mean_reserved,
-                }
-            )
+        figures = ("peak_used", "mean_used", "peak_reserved", "mean_reserved")
+        rows = [
+            {
+                "label": label,
+                "start": pd.to_datetime(s.start, unit="s"),
+                "seconds": (s.stop if s.stop is not None else time.time()) - s.start,
+                "devices": len(s.devices),
+                "workers_lost": len(s.workers_lost),
+                **{f"{name}_bytes": getattr(s, name) for name in figures},
+            }
+            for label, s in self.samples.items()
+        ]
         return pd.DataFrame(rows).set_index("label") if rows else pd.DataFrame()
 
     def to_pandas(self, *, align: bool = False, measure: str = "used", per_worker: bool = False):
