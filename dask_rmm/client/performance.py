@@ -18,7 +18,7 @@ import distributed
 from dask_rmm.client.fetch import fetch_report_data
 from dask_rmm.client.sampler import GPUMemorySampler, GPUSamples
 from dask_rmm.plotting.svg import timeline_svg
-from dask_rmm.report.memory_report import ClusterMemoryReport, _clock
+from dask_rmm.report.memory_report import ClusterMemoryReport, _clock, _tr
 from dask_rmm.sizes import format_bytes
 from dask_rmm.wire import to_int
 from dask_rmm.worker.peak_windows import close_peak_windows, open_peak_windows
@@ -178,12 +178,8 @@ def _timeline(samples: GPUSamples) -> str:
 
 def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """An HTML table of ``rows`` (cells escaped) under the header ``head``."""
-
-    def cells(tag: str, row: Sequence[Any]) -> str:
-        return "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in row)
-
-    body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
-    return f"<table><thead><tr>{cells('th', head)}</tr></thead><tbody>{body}</tbody></table>"
+    body = "".join(_tr("td", r) for r in rows)
+    return f"<table><thead>{_tr('th', head)}</thead><tbody>{body}</tbody></table>"
 
 
 def _task_groups(

@@ -10,6 +10,7 @@ import heapq
 import io
 import operator
 import os
+import sys
 import warnings
 import zlib
 from collections import Counter
@@ -182,10 +183,9 @@ class LogReader:
         self.source = source if source is not None else default_source_name(self.path)
         #: line number and text of a skipped, cut-off last line
         self.truncated: tuple[int, str] | None = None
-        self.rows = 0  #: rows yielded so far
-        self.lines = 0  #: lines read so far
-        self.bytes_read = 0  #: characters read so far (bytes for RMM's ASCII logs): progress
-        #: the file's size (compressed for ``.gz``)
+        #: rows yielded, lines and characters read so far (the progress, of ``total_bytes``:
+        #: the file's size, compressed for ``.gz``)
+        self.rows = self.lines = self.bytes_read = 0
         self.total_bytes = os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
     def __iter__(self) -> Iterator[LogEvent]:
@@ -314,8 +314,6 @@ def read_log(path: str | os.PathLike, source: str | None = None) -> Iterator[Log
 def _unique_sources(paths: Sequence[str | os.PathLike]) -> list[str]:
     """A distinct source name per path: the file name, or more of the path where names clash."""
     names = [default_source_name(p) for p in paths]
-    if len(set(names)) == len(names):
-        return names
     out = []
     for p, name in zip(paths, names, strict=True):
         if names.count(name) > 1:
@@ -351,18 +349,15 @@ def read_logs(
     made = [LogReader(p, s) for p, s in zip(paths, _unique_sources(paths), strict=True)]
     if readers is not None:
         readers.extend(made)
-    events = iter(made[0]) if len(made) == 1 else heapq.merge(*made, key=_BY_TIME)
+    events = (
+        iter(made[0]) if len(made) == 1 else heapq.merge(*made, key=operator.attrgetter("time"))
+    )
     return events if progress is None else _with_progress(events, made, progress)
-
-
-_BY_TIME = operator.attrgetter("time")
 
 
 def _with_progress(
     events: Iterator[LogEvent], readers: Sequence[LogReader], label: str, every: int = 8192
 ) -> Iterator[LogEvent]:
-    import sys
-
     import click
 
     total = max(sum(r.total_bytes for r in readers), 1)
@@ -374,18 +369,13 @@ def _with_progress(
         bar.update(total - bar.pos)
 
 
-# --- live allocations ------------------------------------------------------------------------
-
-_LATE = object()
-
-
 class LiveAllocations:
     """The allocations a log shows live, keyed by ``(source, pointer)``. An allocation of a live
     address (another thread wrote its row before the free's) retires the old block, and the late
     ``free`` row is absorbed (:meth:`free` returns :data:`LATE_FREE`); docs/internals.md, Logs.
     """
 
-    LATE_FREE = _LATE
+    LATE_FREE = object()
 
     __slots__ = ("live", "late", "retired")
 
@@ -419,14 +409,11 @@ class LiveAllocations:
         late = self.late
         if late and late[key] > 0:
             late[key] -= 1
-            return _LATE
+            return self.LATE_FREE
         return self.live.pop(key, None)
 
     def __len__(self) -> int:
         return len(self.live)
-
-
-# --- writing and merging ---------------------------------------------------------------------
 
 
 def format_event(event: LogEvent) -> str:

@@ -339,11 +339,11 @@ def format_result(r: ReplayResult, max_failures: int = 10) -> str:
             f"  NEW FAILURES     {r.new_failures:,} allocations that succeeded originally failed"
         )
     listed = [f for f in r.failures if not f.original_failed][:max_failures]
-    for f in listed:
-        lines.append(
-            f"    line {f.line}: {format_size(f.size)} at {format_time(f.time)} thread "
-            f"{f.thread} stream {f.stream:#x}: {f.error}"
-        )
+    lines += [
+        f"    line {f.line}: {format_size(f.size)} at {format_time(f.time)} thread "
+        f"{f.thread} stream {f.stream:#x}: {f.error}"
+        for f in listed
+    ]
     if r.new_failures > len(listed):
         # Counted against what this text lists, not the 50 rows the result keeps.
         lines.append(f"    ... {r.new_failures - len(listed):,} more new failures not listed")
@@ -391,8 +391,7 @@ def format_comparison(results: Sequence[ReplayResult]) -> str:
     )
     if best.resource in _BASE_ALONE:
         line += " (the base resource alone: one upstream call per allocation)"
-        pooled = [r for r in ok if r.resource not in _BASE_ALONE]
-        if pooled:
+        if pooled := [r for r in ok if r.resource not in _BASE_ALONE]:
             best_pool = min(pooled, key=lambda r: r.peak_upstream_bytes)
             line += (
                 f"; of the pooled resources: {best_pool.resource} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -125,28 +126,21 @@ class Summarizer:
     fed interleaved). ``top``: how many of the largest outstanding allocations to list."""
 
     def __init__(self, name: str, top: int = 10):
-        self.name = name
-        self.top = top
+        self.name, self.top = name, top
         self.paths: dict[str, None] = {}
-        self.rows = 0
         self.start: float | None = None
         self.end: float | None = None
-        self.current = 0
-        self.peak = 0
-        self.peak_count = 0
+        self.rows = self.current = self.peak = self.peak_count = 0
         self.peak_event: LogEvent | None = None
         self.table = LiveAllocations()
         self.live: dict[tuple[str, int], LogEvent] = self.table.live
         self.total = Totals()
-        self.unmatched_frees = 0
-        self.size_mismatches = 0
-        self.histogram: dict[int, int] = {}
-        self.threads: dict[int, Totals] = {}
-        self.streams: dict[int, Totals] = {}
+        self.unmatched_frees = self.size_mismatches = 0
+        self.histogram: Counter[int] = Counter()  # allocations per power-of-two bucket
+        self.threads: defaultdict[int, Totals] = defaultdict(Totals)
+        self.streams: defaultdict[int, Totals] = defaultdict(Totals)
         self.truncated: list[str] = []
-        self.restarts = 0
-        self.ended_count = 0
-        self.ended_bytes = 0
+        self.restarts = self.ended_count = self.ended_bytes = 0
 
     def add(self, e: LogEvent) -> None:
         """Account for one event."""
@@ -164,15 +158,14 @@ class Summarizer:
             self.start = t
         if self.end is None or t > self.end:
             self.end = t
-        thread = self.threads.get(e.thread) or self.threads.setdefault(e.thread, Totals())
-        stream = self.streams.get(e.stream) or self.streams.setdefault(e.stream, Totals())
+        thread, stream = self.threads[e.thread], self.streams[e.stream]
         size = e.size
         if e.action is _ALLOCATE:
             for tot in (self.total, thread, stream):
                 tot.allocations += 1
                 tot.allocated_bytes += size
             bucket = 1 << (size - 1).bit_length() if size > 0 else 0
-            self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
+            self.histogram[bucket] += 1
             if size == 0:
                 return
             old = self.table.allocate((e.source, e.pointer), e)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import math
 import re
 import time as _time
 from collections.abc import Iterable, Mapping, Sequence
@@ -632,15 +631,10 @@ class ClusterMemoryReport:
         """
         esc = html.escape
         rows = self.table_rows()
-        head = "".join(f"<th>{esc(c)}</th>" for c in rows[0])
-        body = []
+        body = ""
         for d, r in zip(self.devices, rows[1:-1], strict=True):
-            cls = "gone" if d.status != "running" else ""
-            tip = f' title="{esc(d.worker)} &middot; {esc(d.resource)}"'
-            body.append(
-                f'<tr class="{cls}"{tip}>' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
-            )
-        foot = "".join(f"<th>{esc(c)}</th>" for c in rows[-1])
+            tip = f'title="{esc(d.worker)} &middot; {esc(d.resource)}"'
+            body += _tr("td", r, f' class="{"gone" if d.status != "running" else ""}" {tip}')
         when = _clock(self.time, "%Y-%m-%d %H:%M:%S")
         parts = [
             f'<div class="dask-rmm-report"><style>{_CSS}</style>',
@@ -655,8 +649,8 @@ class ClusterMemoryReport:
                 parts.append(f'<p class="selection">{esc(self.selection)}</p>')
             notes = "<br>".join(esc(n) for n in self._peak_notes())
             parts.append(
-                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-                f"<tfoot><tr>{foot}</tr></tfoot></table><p>{notes}</p>"
+                f"<table><thead>{_tr('th', rows[0])}</thead><tbody>{body}</tbody>"
+                f"<tfoot>{_tr('th', rows[-1])}</tfoot></table><p>{notes}</p>"
             )
         bars = [
             (d.label, d.breakdown(), d.device_total_bytes)
@@ -770,18 +764,15 @@ def strict_json(data: Any, **kwargs: Any) -> str:
     that is not finite is written as null."""
     try:
         return json.dumps(data, allow_nan=False, **kwargs)
-    except ValueError:
-        return json.dumps(_finite(data), allow_nan=False, **kwargs)
+    except ValueError:  # json writes them NaN and Infinity, and reads them back as null here
+        finite = json.loads(json.dumps(data, **kwargs), parse_constant=lambda _: None)
+        return json.dumps(finite, allow_nan=False, **kwargs)
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+def _tr(tag: str, cells: Iterable[Any], attributes: str = "") -> str:
+    """An HTML table row of ``cells``, escaped, each in a ``tag`` element."""
+    inner = "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in cells)
+    return f"<tr{attributes}>{inner}</tr>"
 
 
 def _clock(t: Any, form: str) -> str:
