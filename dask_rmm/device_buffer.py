@@ -198,10 +198,7 @@ class DeviceBuffer:
         """Size in bytes."""
         return self._size
 
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self._size
+    nbytes = size
 
     def capacity(self) -> int:
         """Bytes allocated, at least :attr:`size` (see :meth:`reserve`)."""
@@ -210,8 +207,7 @@ class DeviceBuffer:
     def __len__(self) -> int:
         return self._size
 
-    def __sizeof__(self) -> int:
-        return self._size
+    __sizeof__ = __len__
 
     def __bytes__(self) -> bytes:
         return self.tobytes()
@@ -305,8 +301,7 @@ class DeviceBuffer:
         """A new buffer, from the same resource and on the same stream, with the same bytes."""
         return DeviceBuffer(ptr=self._ptr, size=self._size, stream=self.stream, mr=self.mr)
 
-    def __copy__(self) -> DeviceBuffer:
-        return self.copy()
+    __copy__ = copy
 
     def __reduce__(self):
         # A numpy array, not bytes: with pickle protocol 5 numpy hands its memory out as the one

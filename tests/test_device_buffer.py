@@ -55,7 +55,7 @@ def stream(request):
 
 def test_roundtrip(resource, stream):
     buf = to_device(PAYLOAD, stream, resource)
-    assert (buf.size, buf.nbytes, len(buf), buf.capacity()) == (len(PAYLOAD),) * 4
+    assert (buf.size, buf.nbytes, len(buf), buf.capacity(), buf.__sizeof__()) == (len(PAYLOAD),) * 5
     assert buf.ptr % 256 == 0
     stream.synchronize()
     assert buf.tobytes(stream) == PAYLOAD
