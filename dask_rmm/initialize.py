@@ -19,10 +19,9 @@ from dask_rmm.mr.logging_adaptor import (
 from dask_rmm.mr.registry import is_initialized
 from dask_rmm.sizes import parse_size
 from dask_rmm.stack.build import build_stack
-from dask_rmm.stack.options import BASE_RESOURCES, RMMOptions, base_resource_of
+from dask_rmm.stack.options import RMMOptions, base_resource_of
 
 __all__ = [
-    "BASE_RESOURCES",
     "RMMError",
     "disable_logging",
     "enable_logging",

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm import _cuda, mr
-from dask_rmm._cuda import on_device
 from dask_rmm.mr.attribution_adaptor import AttributionResourceAdaptor
 from dask_rmm.mr.base import upstreams
 from dask_rmm.mr.logging_adaptor import CSV_HEADER
@@ -34,7 +33,6 @@ __all__ = [
     "claim_log_file",
     "log_file_path",
     "make_base_resource",
-    "on_device",
     "resource_chain",
 ]
 
@@ -225,7 +223,7 @@ def build_stack(
     # A device this host lacks fails here, while building (so the vote hears it), not when the
     # built stack is installed after every worker agreed.
     _cuda.check_device(device, host_memory=True)
-    with on_device(device):
+    with _cuda.on_device(device):
         total = host_total_memory() if options.host_memory else _cuda.device_total_memory(device)
         pool_size = options.resolve_size("pool_size", device, total)
         maximum = options.resolve_size("maximum_pool_size", device, total)
