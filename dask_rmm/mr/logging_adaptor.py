@@ -45,17 +45,11 @@ def _drop_cut_off_line(path: str) -> None:
     except (FileNotFoundError, IsADirectoryError):
         return  # nothing to repair; open() below reports what is wrong
     with f:
-        end = pos = f.seek(0, os.SEEK_END)
-        while pos > 0:
-            step = min(pos, 1 << 16)
-            f.seek(pos - step)
-            newline = f.read(step).rfind(b"\n")
-            if newline >= 0:
-                pos += newline + 1 - step
-                break
-            pos -= step
-        if pos < end:
-            f.truncate(pos)
+        end = f.seek(0, os.SEEK_END)
+        start = f.seek(max(0, end - (1 << 16)))  # a row is far shorter than 64 KiB
+        tail = f.read()
+        if not tail.endswith(b"\n"):
+            f.truncate(start + tail.rfind(b"\n") + 1)
 
 
 class LoggingResourceAdaptor(UpstreamResourceAdaptor):

@@ -41,6 +41,17 @@ def test_a_restart_appending_after_a_cut_off_row_keeps_the_log_readable(tmp_path
     assert summary.outstanding_count == 0
 
 
+def test_a_cut_off_row_after_more_than_64_kib_of_rows_is_dropped(tmp_path):
+    path = tmp_path / "rmm_log_w.dev0.csv"
+    rows = "".join(f"11,10:00:00.000001,allocate,{0x1000 + i:#x},256,0\n" for i in range(4000))
+    path.write_text(HEADER + rows + "11,10:00:00.000002,allocate,0x20")
+    assert path.stat().st_size > 1 << 17
+    LoggingResourceAdaptor(
+        SystemMemoryResource(), log_file_name=str(tmp_path / "rmm_log_w.csv"), append=True
+    ).close()
+    assert path.read_text() == HEADER + rows + HEADER
+
+
 def test_a_cut_off_header_is_written_again(tmp_path):
     path = tmp_path / "rmm_log_w.dev0.csv"
     path.write_text("Thread,Ti")
