@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm.report.memory_report import visible
@@ -50,10 +50,10 @@ class Advice:
 
     source: str
     peak_bytes: int
-    allocator: str
-    pool_size: int
-    maximum_pool_size: int | None
-    reasons: dict[str, str]
+    allocator: str = "pool"
+    pool_size: int = 0
+    maximum_pool_size: int | None = None
+    reasons: dict[str, str] = field(default_factory=dict)
     fragmenting: bool = False
     required_pool_bytes: int | None = None
     device_total_bytes: int = 0
@@ -126,21 +126,13 @@ def _maximum(pool_size: int, device_total: int) -> tuple[int | None, str]:
     )
 
 
-def _decide(
-    source: str,
-    peak: int,
-    required: int | None,
-    fragmenting: bool,
-    evidence: str,
-    device_total: int,
-    on_device: bool,
-    notes: list[str],
-    replays: Sequence[dict[str, Any]] = (),
-    required_what: str = "the smallest replayed pool that served every allocation",
-    base_resource: str | None = None,
-) -> Advice:
-    """The advice once the peak, the pool the workload needs and the fragmentation are known."""
+def _decide(facts: Advice, evidence: str, on_device: bool, required_what: str = "") -> Advice:
+    """``facts`` (the peak, the pool the workload needs, the fragmentation) with the allocator,
+    the pool's sizes and their reasons; ``required_what`` says where the needed pool comes from."""
+    peak, required, fragmenting = facts.peak_bytes, facts.required_pool_bytes, facts.fragmenting
+    required_what = required_what or "the smallest replayed pool that served every allocation"
     reasons: dict[str, str] = {}
+    notes = list(facts.notes)
     if fragmenting and on_device:
         allocator = "async"
         reasons["allocator"] = (
@@ -179,20 +171,14 @@ def _decide(
                 + (" (at least what the pool held)" if fragmenting else "")
                 + ": a run like this one never grows the pool"
             )
-    maximum, reasons["maximum_pool_size"] = _maximum(pool_size, device_total)
-    return Advice(
-        source=source,
-        peak_bytes=peak,
+    maximum, reasons["maximum_pool_size"] = _maximum(pool_size, facts.device_total_bytes)
+    return replace(
+        facts,
         allocator=allocator,
         pool_size=pool_size,
         maximum_pool_size=maximum,
         reasons=reasons,
-        fragmenting=fragmenting,
-        required_pool_bytes=required,
-        device_total_bytes=device_total,
         notes=tuple(notes),
-        replays=tuple(replays),
-        base_resource=base_resource,
     )
 
 
@@ -248,20 +234,17 @@ def advise_from_logs(
                 if fragmenting
                 else ""
             )
-        out.append(
-            _decide(
-                summary.name,
-                peak,
-                required,
-                fragmenting,
-                evidence,
-                device_memory,
-                on_device,
-                notes,
-                replays,
-                base_resource=None if on_device else "system",
-            )
+        facts = Advice(
+            source=summary.name,
+            peak_bytes=peak,
+            fragmenting=fragmenting,
+            required_pool_bytes=required,
+            device_total_bytes=device_memory,
+            notes=tuple(notes),
+            replays=tuple(replays),
+            base_resource=None if on_device else "system",
         )
+        out.append(_decide(facts, evidence, on_device))
     return out
 
 
@@ -315,18 +298,16 @@ def _advise_device(d: DeviceMemory) -> Advice:
         )
     required = max(d.reserved_bytes or 0, peak) if fragmenting else None
     on_device = d.gpu_name != "host" and d.device_total_bytes > 0
-    return _decide(
-        d.label,
-        peak,
-        required,
-        fragmenting,
-        evidence,
-        d.device_total_bytes,
-        on_device,
-        notes,
-        required_what="what the pool grew to for it (its reserved bytes)",
+    facts = Advice(
+        source=d.label,
+        peak_bytes=peak,
+        fragmenting=fragmenting,
+        required_pool_bytes=required,
+        device_total_bytes=d.device_total_bytes,
+        notes=tuple(notes),
         base_resource="system" if d.gpu_name == "host" else None,
     )
+    return _decide(facts, evidence, on_device, "what the pool grew to for it (its reserved bytes)")
 
 
 def combine(advices: Iterable[Advice]) -> Advice | None:
