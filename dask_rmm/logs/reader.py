@@ -86,18 +86,15 @@ class LogFormatError(ValueError):
     """A row of a log could not be read; the message names the file and line."""
 
     def __init__(self, path: str, line: int, problem: str, text: str | None = None):
-        self.path = path
-        self.line = line
-        self.problem = problem
-        self.text = text
-        message = f"{path}:{line}: {problem}"
-        if text is not None:
-            shown = text.rstrip("\r\n")
-            message += f": {shown if len(shown) <= 120 else shown[:117] + '...'!r}"
-        super().__init__(message)
+        super().__init__(path, line, problem, text)  # the args pickle it
+        self.path, self.line, self.problem, self.text = path, line, problem, text
 
-    def __reduce__(self):
-        return (type(self), (self.path, self.line, self.problem, self.text))
+    def __str__(self) -> str:
+        if self.text is None:
+            return f"{self.path}:{self.line}: {self.problem}"
+        shown = self.text.rstrip("\r\n")
+        shown = shown if len(shown) <= 120 else shown[:117] + "..."
+        return f"{self.path}:{self.line}: {self.problem}: {shown!r}"
 
 
 class TruncatedLogWarning(UserWarning):

@@ -255,20 +255,11 @@ def address_key(address: str) -> tuple:
 
 @dataclass(frozen=True)
 class ClusterMemoryReport:
-    """Every worker's RMM memory at one moment, with the recent timeline.
+    """Every worker's RMM memory at one moment, with the recent timeline (docs/reports.md).
 
     Made by :func:`dask_rmm.cluster_report` (or from a ``to_dict()`` with :meth:`from_dict`).
     ``print(report)`` shows a table; Jupyter shows the HTML; :meth:`to_frame`, :meth:`to_json`
     and :meth:`plot` export it.
-
-    Examples
-    --------
-    With ``client`` a Client of a running cluster (the doctest run skips these lines):
-
-    >>> report = dask_rmm.cluster_report(client)  # doctest: +SKIP
-    >>> print(report)  # doctest: +SKIP
-    >>> report.totals.current_bytes  # doctest: +SKIP
-    >>> report.plot("memory.png")  # doctest: +SKIP
     """
 
     devices: tuple[DeviceMemory, ...] = ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 import tracemalloc
 import warnings
 
@@ -101,6 +102,8 @@ def test_malformed_line_names_file_and_line(tmp_path):
     assert info.value.line == 3
     assert info.value.path == str(p)
     assert "lots" in str(info.value)
+    again = pickle.loads(pickle.dumps(info.value))  # as it travels from a worker
+    assert (again.path, again.line, str(again)) == (str(p), 3, str(info.value))
 
 
 @pytest.mark.parametrize(
