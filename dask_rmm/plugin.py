@@ -59,9 +59,6 @@ class RMMSetupError(RuntimeError):
         super().__init__(message)
         self.failures = dict(failures or {})
 
-    def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.failures))
-
     @classmethod
     def from_failures(cls, failures: dict[str, str], kept_previous: bool) -> RMMSetupError:
         kept = "every worker keeps its previous setup" if kept_previous else "no worker changed"
