@@ -24,9 +24,6 @@ __all__ = [
     "set_numba_allocator",
 ]
 
-#: The version of Numba's EMM plugin interface implemented here.
-EMM_INTERFACE_VERSION = 1
-
 
 def _numba_default_stream() -> Stream:
     """The stream Numba treats as its default one (NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM)."""
@@ -117,8 +114,8 @@ class RMMNumbaManager(HostOnlyCUDAMemoryManager):
 
     @property
     def interface_version(self) -> int:
-        """Version of the EMM plugin interface implemented (1)."""
-        return EMM_INTERFACE_VERSION
+        """Version of Numba's EMM plugin interface implemented here."""
+        return 1
 
 
 # NUMBA_CUDA_MEMORY_MANAGER=dask_rmm.allocators.numba looks for this name.
