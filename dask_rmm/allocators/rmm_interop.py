@@ -57,10 +57,6 @@ def _our_stream(stream: Any) -> Stream:
     return handle_streams.get(handle) or cached_stream(handle)
 
 
-def _dead_ref() -> None:
-    return None
-
-
 class RMMForwarder:
     """The two callbacks of ``device``'s ``CallbackMemoryResource``. ``live``: pointer -> the
     dask-rmm resource that allocated it; ``failed_deallocations``: frees that failed (logged)."""
@@ -71,7 +67,7 @@ class RMMForwarder:
         self.failed_deallocations = 0
         self._resource_of = registry.get_per_device_resource
         # The last resource found to be device memory, weakly: a forwarder outlives its stacks.
-        self._checked: Any = _dead_ref
+        self._checked: Any = lambda: None
 
     def allocate(self, nbytes: Any, stream: Any, alignment: int | None = None) -> int:
         """RMM's allocate callback: ``nbytes`` from the device's dask-rmm resource on ``stream``;
