@@ -128,11 +128,8 @@ def _check_scheduler_argument(
 
 def _recovered_argv(args: list[str]) -> list[str]:
     """The flags as typed if ``dask worker`` recovered one from ``args``; otherwise ``args``."""
-    record = os.environ.get(_RECOVERED_ENV)
-    if not record:
-        return args
     try:
-        record = json.loads(record)
+        record = json.loads(os.environ.get(_RECOVERED_ENV) or "null")
         received, typed = record["received"], record["argv"]
     except (ValueError, TypeError, KeyError):
         return args
