@@ -400,13 +400,14 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         else:
             rec.metrics = checked.metrics
             rec.last_seen = checked.metrics["time"]
-            pending.extend((rec, dev, blob) for dev, blob in checked.samples)
+            pending.append((rec, checked.samples))
             devices = checked.metrics["devices"]
             if rec.vanished or not rec.rows.keys() <= devices.keys():
                 self._vanish(rec, devices, checked.problems)
             if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
                 self._drop_devices(rec, devices)
-        self._problem(rec, checked.problems, now)
+        if checked.problems:
+            self._problem(rec, checked.problems, now)
 
     def _vanish(self, rec: _WorkerRecord, devices: dict, problems: list) -> None:
         """Devices the worker no longer reports leave the cluster total at once (their rows
@@ -421,26 +422,32 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             problems.append(("devices", f"device {ids} no longer reported: not in the totals"))
 
     def _take_samples(self, pending: list, now: float) -> None:
-        """Add the queued samples that are valid and new (one check for all of them) to their
-        devices' timelines and the cluster total."""
-        old = [
-            -math.inf if (tl := rec.timelines.get(dev)) is None else tl.newest
-            for rec, dev, _ in pending
-        ]
-        checked = check_samples([blob for _, _, blob in pending], now, old)
+        """Add the queued samples (``(record, [(device, packed samples)])`` a heartbeat) that are
+        valid and new (one check for all of them) to their devices' timelines and the cluster
+        total."""
+        recs, devs, blobs, tls = [], [], [], []
+        for rec, samples in pending:
+            for dev, blob in samples:
+                recs.append(rec)
+                devs.append(dev)
+                blobs.append(blob)
+                tls.append(rec.timelines.get(dev))
+        old = [-math.inf if tl is None else tl.newest for tl in tls]
+        checked, lasts_checked, problems = check_samples(blobs, now, old)
         rows, news, lasts = [], [], []
-        for (rec, dev, _), newest, (new, last, problem) in zip(pending, old, checked, strict=True):
-            if problem is not None:
-                kind, text = problem
+        for i, (rec, dev, tl, new) in enumerate(zip(recs, devs, tls, checked, strict=True)):
+            if problems and i in problems:
+                kind, text = problems[i]
                 self._problem(rec, [(kind, f"device {dev!r}: {text}")], now)
             if not new:
                 continue
-            tl = rec.timelines.get(dev)
             if tl is None:
-                tl = rec.timelines[dev] = self._new_timeline()
-            if tl.newest == newest:  # as checked: appended as it is (merged by the poller)
+                tl = rec.timelines.get(dev)  # the same device twice in the batch
+                if tl is None:
+                    tl = rec.timelines[dev] = self._new_timeline()
+            if tl.newest == old[i]:  # as checked: appended as it is (merged by the poller)
                 tl.levels[0] += new
-                tl.newest = last
+                tl.newest = lasts_checked[i]
             elif not (new := tl.extend_packed(new)):  # the same device twice in the batch
                 continue
             if tl.overflowing:
@@ -465,8 +472,6 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         """Show ``problems`` (``(kind, text)``) as the worker's error; log each kind once per
         worker and ``LOG_INTERVAL``, whatever its text (counts and times change every
         heartbeat)."""
-        if not problems:
-            return
         text = "; ".join(t for _, t in problems)
         rec.error = f"dask-rmm metrics: {text}" if rec.error is None else f"{rec.error}; {text}"
         for kind in dict.fromkeys(k for k, _ in problems):

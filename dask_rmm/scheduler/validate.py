@@ -68,7 +68,7 @@ class Checked(NamedTuple):
 def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     """``m`` (a worker's ``metrics["dask-rmm"]``) within the bounds; ``now`` is the scheduler's
     clock, ``arrived`` when the heartbeat came (``WorkerState.last_seen``). Never raises."""
-    if not isinstance(m, Mapping):
+    if type(m) is not dict and not isinstance(m, Mapping):
         return Checked(None, [], [("format", f"metrics are {_kind(m)}, not a mapping")])
     version = m.get("version")
     if version != METRICS_VERSION or type(version) is not int:
@@ -78,24 +78,25 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
         )
         return Checked(None, [], [("format", line)])
     raw = m.get("devices")
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         return Checked(None, [], [("format", f"devices are {_kind(raw)}, not a mapping")])
     problems: list[tuple[str, str]] = []
     t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
     devices: dict[str, Mapping] = {}
+    samples = []
     if len(raw) > MAX_DEVICES:
         problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
     for dev, d in islice(raw.items(), MAX_DEVICES):
         if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
             problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
-        elif type(d) is dict and d.keys() <= _WIRE and _plain(d, now):
+            continue
+        if type(d) is dict and d.keys() <= _WIRE and _plain(d, now):
             devices[dev] = d  # what a worker sends: kept as it came
         elif not isinstance(d, Mapping):
             problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
+            continue
         else:
-            devices[dev] = _bound(f"device {dev!r}", d, now, problems)
-    samples = []
-    for dev, d in devices.items():
+            d = devices[dev] = _bound(f"device {dev!r}", d, now, problems)
         blob = d.get("samples")
         if blob and type(blob) is bytes and not len(blob) % _RECORD:
             samples.append((dev, blob))
@@ -104,10 +105,11 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
             problems.append(("format", f"device {dev!r}: samples are {what}, not packed"))
     worker = m.get("worker")
     if m.keys() <= _TOP and (type(worker) is not str or len(worker) <= MAX_TEXT):
-        top: Mapping = {"version": version, "worker": worker}
+        kept = {"version": version, "worker": worker, "time": t, "devices": devices}
     else:
         top = _bound("the heartbeat", {k: v for k, v in m.items() if k != "devices"}, now, problems)
-    return Checked({**top, "time": t, "devices": devices}, samples, problems)
+        kept = {**top, "time": t, "devices": devices}
+    return Checked(kept, samples, problems)
 
 
 def _plain(d: dict, now: float) -> bool:
@@ -118,7 +120,7 @@ def _plain(d: dict, now: float) -> bool:
     False: the entry goes through :func:`_bound`."""
     for k, v in d.items():
         t = type(v)
-        if t in _NUMBERS:
+        if t is int or t in _NUMBERS:
             continue
         if t is str or t is bytes:
             if len(v) <= MAX_TEXT or (k == "samples" and t is bytes and len(v) <= _BLOB):
@@ -266,35 +268,44 @@ def _event(e: Any, now: float) -> bool:
 
 def check_samples(
     blobs: list[bytes], now: float, newest: list[float]
-) -> list[tuple[bytes, float, tuple[str, str] | None]]:
+) -> tuple[list[bytes], list[float], dict[int, tuple[str, str]]]:
     """Each packed blob's valid samples (times from 2000 to ``MAX_AHEAD`` past ``now``, bytes in
     ``[0, MAX_BYTES]``, in time order) newer than its device's ``newest``, the time of the last
-    of them, and what was wrong (None: nothing). One numpy pass over all of them: the poller
-    checks every heartbeat it reads at once."""
+    of them, and what was wrong with the blobs that had a problem (by index). One numpy pass
+    over all of them: the poller checks every heartbeat it reads at once."""
     if not blobs:
-        return []
-    a = np.frombuffer(b"".join(blobs), SAMPLE_DTYPE)
-    t, c, m = a["t"], a["c"], a["m"]
-    good = (t >= EARLIEST) & (t <= now + MAX_AHEAD) & (c >= 0) & (c <= MAX_BYTES)
-    good &= (m >= 0) & (m <= MAX_BYTES)
+        return [], [], {}
+    joined = b"".join(blobs)
+    a = np.frombuffer(joined, SAMPLE_DTYPE)
+    t = a["t"]
+    cm = np.frombuffer(joined, np.int64).reshape(-1, 3)[:, 1:]  # bytes, current and max
     back = t[1:] < t[:-1]
     counts = np.fromiter(map(len, blobs), np.int64, len(blobs)) // _RECORD
     ends = np.cumsum(counts)
     starts = ends - counts
     back[ends[:-1] - 1] = False  # one blob's last sample and the next one's first
-    if good.all() and not back.any():  # samples come in order: the new ones are the last ones
+    # (NaN times fail the first test: a NaN minimum compares False)
+    if (
+        t.min() >= EARLIEST
+        and t.max() <= now + MAX_AHEAD
+        and cm.min() >= 0
+        and cm.max() <= MAX_BYTES
+        and not back.any()
+    ):  # samples come in order: the new ones are the last ones
         fresh = np.add.reduceat(t > np.repeat(newest, counts), starts, dtype=np.int64)
         first = ((counts - fresh) * _RECORD).tolist()
-        last = t[ends - 1].tolist()
-        return [(b[f:] if f else b, x, None) for b, f, x in zip(blobs, first, last, strict=True)]
-    out: list[tuple[bytes, float, tuple[str, str] | None]] = []
+        news = [b[f:] if f else b for b, f in zip(blobs, first, strict=True)]
+        return news, t[ends - 1].tolist(), {}
+    good = (t >= EARLIEST) & (t <= now + MAX_AHEAD) & (cm >= 0).all(1) & (cm <= MAX_BYTES).all(1)
+    news, lasts, problems = [], [], {}
     for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        kept, problem = a[start:end], None
+        kept = a[start:end]
         if not good[start:end].all() or back[start : end - 1].any():
-            kept, problem = _fix(kept, now)
+            kept, problems[i] = _fix(kept, now)
         new = kept[int(np.searchsorted(kept["t"], newest[i], side="right")) :]
-        out.append((new.tobytes(), float(new["t"][-1]) if len(new) else newest[i], problem))
-    return out
+        news.append(new.tobytes())
+        lasts.append(float(new["t"][-1]) if len(new) else newest[i])
+    return news, lasts, problems
 
 
 def _fix(a: np.ndarray, now: float) -> tuple[np.ndarray, tuple[str, str]]:
