@@ -120,6 +120,11 @@ class LogSummary:
         return d
 
 
+#: What :class:`LogSummary` takes as a :class:`Summarizer` counts it, under the same name.
+_KEPT = "name rows start end peak_count unmatched_frees restarts size_mismatched_frees".split()
+_KEPT += ["ended_with_process_count", "ended_with_process_bytes"]
+
+
 class Summarizer:
     """Accumulates a :class:`LogSummary` from events fed one at a time, in file order, in memory
     bounded by the live allocations (keyed by ``(source, pointer)``: several workers' logs can be
@@ -135,12 +140,12 @@ class Summarizer:
         self.table = LiveAllocations()
         self.live: dict[tuple[str, int], LogEvent] = self.table.live
         self.total = Totals()
-        self.unmatched_frees = self.size_mismatches = 0
+        self.unmatched_frees = self.size_mismatched_frees = 0
         self.histogram: Counter[int] = Counter()  # allocations per power-of-two bucket
         self.threads: defaultdict[int, Totals] = defaultdict(Totals)
         self.streams: defaultdict[int, Totals] = defaultdict(Totals)
         self.truncated: list[str] = []
-        self.restarts = self.ended_count = self.ended_bytes = 0
+        self.restarts = self.ended_with_process_count = self.ended_with_process_bytes = 0
 
     def add(self, e: LogEvent) -> None:
         """Account for one event."""
@@ -148,8 +153,8 @@ class Summarizer:
             self.restarts += 1
             for old in self.table.end_source(e.source):
                 self.current -= old.size
-                self.ended_count += 1
-                self.ended_bytes += old.size
+                self.ended_with_process_count += 1
+                self.ended_with_process_bytes += old.size
             return
         self.rows += 1
         self.paths.setdefault(e.path, None)
@@ -188,7 +193,7 @@ class Summarizer:
                 self.unmatched_frees += old is None
                 return
             if old.size != size:
-                self.size_mismatches += 1
+                self.size_mismatched_frees += 1
             self.current -= old.size
         else:
             for tot in (self.total, thread, stream):
@@ -206,15 +211,11 @@ class Summarizer:
         largest = heapq.nlargest(self.top, self.live.values(), key=lambda e: e.size)
         pe = self.peak_event
         return LogSummary(
-            name=self.name,
+            **{k: getattr(self, k) for k in _KEPT},
             paths=tuple(self.paths),
-            rows=self.rows,
-            start=self.start,
-            end=self.end,
             duration=(self.end or 0.0) - (self.start or 0.0),
             **asdict(self.total),
             peak_bytes=self.peak,
-            peak_count=self.peak_count,
             peak_time=pe.time if pe else None,
             peak_line=pe.line if pe else None,
             peak_source=pe.source if pe else None,
@@ -224,17 +225,12 @@ class Summarizer:
                 Outstanding(e.source, e.pointer, e.size, e.line, e.time, e.thread, e.stream)
                 for e in largest
             ),
-            unmatched_frees=self.unmatched_frees,
             reallocated_live_pointers=self.table.retired,
-            size_mismatched_frees=self.size_mismatches,
             histogram=dict(sorted(self.histogram.items())),
             threads=dict(sorted(self.threads.items())),
             streams=dict(sorted(self.streams.items())),
             truncated=tuple(self.truncated),
             notes=self._notes(),
-            restarts=self.restarts,
-            ended_with_process_count=self.ended_count,
-            ended_with_process_bytes=self.ended_bytes,
         )
 
     def _notes(self) -> tuple[str, ...]:

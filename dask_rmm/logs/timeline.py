@@ -69,12 +69,9 @@ def in_use_timeline(
         elif len(failures) < max_points:
             failures.append((e.time, summary.current))
     out = []
-    for name, (summary, points, failures) in sorted(sources.items()):
-        peak = summary.peak_event
+    for name, (s, points, fails) in sorted(sources.items()):
         times, values = [p[0] for p in points], [p[1] for p in points]
-        out.append(
-            Timeline(name, times, values, summary.peak, peak.time if peak else None, failures)
-        )
+        out.append(Timeline(name, times, values, s.peak, s.peak_event and s.peak_event.time, fails))
     return out
 
 
