@@ -67,22 +67,19 @@ def disable_statistics() -> None:
 
 def get_statistics() -> Statistics | None:
     """The current counters, or ``None`` when statistics are not enabled."""
-    mr = _current_stats_mr()
-    return None if mr is None else mr.allocation_counts
+    return None if (mr := _current_stats_mr()) is None else mr.allocation_counts
 
 
 def push_statistics() -> Statistics | None:
     """Push a fresh set of counters; returns the counters before the push (``None`` if
     statistics are not enabled, in which case nothing happens)."""
-    mr = _current_stats_mr()
-    return None if mr is None else mr.push_counters()
+    return None if (mr := _current_stats_mr()) is None else mr.push_counters()
 
 
 def pop_statistics() -> Statistics | None:
     """Pop the top counters and fold them into the ones below; returns the popped counters
     (``None`` if statistics are not enabled; IndexError when nothing was pushed)."""
-    mr = _current_stats_mr()
-    return None if mr is None else mr.pop_counters()
+    return None if (mr := _current_stats_mr()) is None else mr.pop_counters()
 
 
 @contextmanager

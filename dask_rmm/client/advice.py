@@ -317,8 +317,7 @@ def combine(advices: Iterable[Advice]) -> Advice | None:
     if not advices:
         return None
     pool = max(a.pool_size for a in advices)
-    maxima = [a.maximum_pool_size for a in advices if a.maximum_pool_size is not None]
-    maximum = min(maxima) if maxima else None
+    maximum = min((a.maximum_pool_size for a in advices if a.maximum_pool_size), default=None)
     notes: list[str] = []
     if maximum is not None and maximum < pool:
         notes.append(
@@ -361,10 +360,8 @@ def format_advice(advices: Sequence[Advice], *, combined: bool = True) -> str:
     """The advice as text: per worker device, each number with its reason and the arguments to
     paste; then one setting for all of them."""
     blocks = [_format_one(a) for a in advices]
-    if combined and len(advices) > 1:
-        c = combine(advices)
-        if c is not None:
-            blocks.append(_format_one(c))
+    if combined and len(advices) > 1 and (every := combine(advices)) is not None:
+        blocks.append(_format_one(every))
     return "\n\n".join(blocks) if blocks else "no worker devices to advise on"
 
 
