@@ -78,18 +78,17 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self.handler = handler
         self._upstream_allocate = upstream_mr.allocate
         self._upstream_deallocate = upstream_mr.deallocate
-        self._task_key = task_key if task_key is not None else _no_task
+        self._task_key = task_key or (lambda: None)
         self._events: deque = deque(maxlen=max(int(history), 1))
         self._quiet_until = 0.0
-        # Bytes allocated through this adaptor, without a lock (so drifting a little; every
-        # exact measurement resets it): the limit is measured only when this says it may cross.
+        # Bytes allocated through here, lock-free (reset by each measurement): the limit is
+        # measured only when this says it may be crossed.
         self._estimate = 0
         #: Deallocations so far (lock-free, so approximate): a failed allocation waiting for
         #: memory to change watches it.
         self.deallocations = 0
-        #: ``task key -> [current bytes, peak bytes]`` of the tasks memory admission watches
-        #: (``dask_rmm.pressure.admission``): each allocation made while such a task runs is
-        #: charged to it, and its free (on any thread) charged back.
+        #: ``task key -> [current bytes, peak bytes]`` of the tasks memory admission watches:
+        #: charged by their allocations, charged back by the frees (on any thread).
         self.task_accounts: dict[Any, list[int]] = {}
         self._task_ptrs: dict[int, tuple[list[int], int]] = {}
         # An account is updated by its task's thread and by frees on any thread.
@@ -115,9 +114,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             raise  # not out of memory (a broken pool or device): spilling cannot help
         except MemoryError as e:
             if is_drawing_for_cache():
-                # A library cache growing: it may have asked for more than it needs and backs
-                # off; once really out of memory it asks to spill through its own callback.
-                raise
+                raise  # a cache growing backs off, or asks to spill through its callback
             ptr = self._allocate_after_oom(nbytes, stream, e)
         self._estimate += nbytes
         key = self._task_key()
@@ -137,15 +134,12 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         """The estimate says ``nbytes`` more would cross the limit: measure, and spill."""
         h = self.handler
         if h.busy() or nbytes > limit or h.never_fits(nbytes):
-            # Spilling every output cannot bring a request larger than the limit under it, nor
-            # make room for one larger than the device (or the pool's maximum): spill nothing.
-            return
+            return  # no spilling brings it under the limit, or makes room for it
         now = time.monotonic()
         if now < self._quiet_until:
             return
 
-        # What is over is measured once this thread may spill: threads that crossed the limit
-        # together would otherwise each spill the same excess.
+        # Measured once this thread may spill: threads crossing together spill the excess once.
         def over() -> int:
             return h.current_bytes() + nbytes - limit
 
@@ -222,7 +216,3 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             except RuntimeError:  # another thread appended while copying
                 continue
         return []
-
-
-def _no_task() -> None:
-    return None

@@ -35,23 +35,19 @@ class DevicePressure:
         The worker's data store (spills values of this device).
     resource : DeviceMemoryResource
         The worker's stack for this device, below the spill adaptor.
-    statistics : StatisticsResourceAdaptor
-        The stack's statistics: the bytes in use.
-    pool, attribution : optional
-        The stack's ``PoolMemoryResource`` (free-block layouts) and
-        ``AttributionResourceAdaptor`` (live bytes by task prefix).
     capacity : int
         What the pause fraction is a fraction of: the pool's maximum, else the device's memory.
+    statistics, pool, attribution
+        The stack's ``StatisticsResourceAdaptor`` (the bytes in use), and optionally its
+        ``PoolMemoryResource`` (free-block layouts) and ``AttributionResourceAdaptor``.
     limit : int, optional
         ``device_memory_limit`` in bytes: above it, stored values are spilled.
     spill_on_oom : bool
         Spill and retry when an allocation fails.
     pause_fraction : float or None
         Above ``pause_fraction * capacity`` bytes in use, :meth:`should_pause` is true.
-    task_key : callable, optional
-        The running task's key (for OOM snapshots).
-    on_oom : callable, optional
-        ``on_oom(event)`` after each snapshot (to save it, log it, send it).
+    task_key, on_oom : callable, optional
+        The running task's key (for OOM snapshots); ``on_oom(event)`` after each snapshot.
     """
 
     def __init__(
@@ -109,20 +105,17 @@ class DevicePressure:
         return stack + caches.outside_in_use_bytes(self.device)
 
     def cached_bytes(self) -> int:
-        """Free bytes library caches (CuPy's pool, compiled RMM's pool) hold from this device's
-        stack."""
+        """Free bytes library caches (CuPy's, compiled RMM's pool) hold from this stack."""
         return sum(caches.cached_bytes(self.device).values())
 
     def release_cached(self) -> int:
-        """Have the library caches give their free blocks on this device back to the stack;
-        the bytes given back (recorded per library for this thread's OOM snapshot). Cheaper
-        than spilling, so done first (:func:`~dask_rmm.allocators.caches.release_cached_by_library`)."""
+        """Have the library caches give their free blocks back to the stack (cheaper than
+        spilling, so done first); the bytes given back, noted for this thread's OOM snapshot."""
         return self._noted(caches.release_cached_by_library(self.device))
 
     def spill_libraries(self, nbytes: int) -> int:
-        """Have the libraries that spill their own objects (cuDF) spill ``nbytes``: after the
-        caches gave back, before outputs spill; the bytes spilled (recorded per library for
-        this thread's OOM snapshot)."""
+        """Have the libraries that spill their own objects (cuDF) spill ``nbytes`` (after the
+        caches, before outputs); the bytes spilled, noted for this thread's OOM snapshot."""
         return self._noted(caches.spill_libraries(nbytes))
 
     def _noted(self, freed: dict[str, int]) -> int:
@@ -133,10 +126,9 @@ class DevicePressure:
         return sum(freed.values())
 
     def release_cached_when_full(self) -> int:
-        """When the pool cannot grow by another eighth of its maximum, or the bytes in use
-        (caches' free blocks included) are over the limit, have the library caches give their
-        free blocks back now (before small arrays pin them, docs/memory-pressure.md); the bytes
-        given back. Called when an output is stored; cheap without pressure."""
+        """Have the caches inside the stack give their free blocks back (before small arrays pin
+        them) when an output is stored while the pool cannot grow by another eighth of its
+        maximum or the bytes in use are over the limit; the bytes given back."""
         pool = self.pool
         full = False
         if pool is not None:
@@ -146,8 +138,7 @@ class DevicePressure:
             full = self.statistics.current_bytes > self.limit
         if not full or self.cached_bytes() == 0:
             return 0
-        # On the event loop: PyTorch's cache (outside the stack, its blocks not carved by other
-        # libraries) gives back at the failing allocation instead, on the allocating thread.
+        # Not PyTorch's: outside the stack, its empty_cache would block the event loop.
         return sum(caches.release_cached_by_library(self.device, outside=False).values())
 
     def start_arbitration(self) -> None:
@@ -179,10 +170,8 @@ class DevicePressure:
     def spill_until(
         self, attempt: Callable[[], int], request: int
     ) -> tuple[int | None, MemoryError | None, int]:
-        """Retry ``attempt`` (an allocation of ``request`` bytes), spilling before each retry,
-        and while nothing can be spilled, as long as this device's memory keeps changing.
-        With a pool, only values whose blocks would merge into a large enough free block are
-        spilled; a request larger than the pool's maximum spills nothing and fails at once."""
+        """:meth:`DeviceSpillStore.spill_until` for this device, with the pool's layout; a
+        request larger than the pool's maximum spills nothing and fails at once."""
         layout = release = None
         pool = self.pool
         if pool is not None:
@@ -194,9 +183,7 @@ class DevicePressure:
                     return None, e, 0
             layout = pool.memory_layout
             if maximum is None or maximum - pool.pool_size() >= align_up(request):
-                # The pool could grow but its upstream is full: chunks freed entirely by
-                # spilling go back to the device.
-                release = pool.release
+                release = pool.release  # could grow but the device is full: give chunks back
         adaptor = self.adaptor
 
         def attempt_after_release() -> int:
@@ -218,8 +205,7 @@ class DevicePressure:
         self.counters.add(self.device, "ooms_avoided")
 
     def admission_limit(self) -> int:
-        """What memory admission admits tasks under: ``device_memory_limit``, else the
-        capacity (the pool's maximum, else the device's memory)."""
+        """What memory admission admits tasks under: the limit, else the capacity."""
         return self.limit if self.limit is not None else self.capacity
 
     # -- periodic and store-time checks ---------------------------------------------------------
@@ -244,8 +230,7 @@ class DevicePressure:
         threshold = self.pause_threshold()
         if threshold is None:
             return False
-        if self.current_bytes() > threshold:
-            self._spill_down_to(threshold)
+        self._spill_down_to(threshold)
         return self.current_bytes() > threshold
 
     def _spill_down_to(self, target: int) -> int:
@@ -259,9 +244,8 @@ class DevicePressure:
         return total
 
     def heartbeat_fields(self, max_events: int = 8, max_recent: int = 16) -> dict[str, Any]:
-        """This device's pressure metrics for the heartbeat (``PressureMetrics.to_dict()``
-        without ``device``), plus ``oom_events``: the last ``max_events`` snapshots as dicts,
-        each with its last ``max_recent`` allocation events."""
+        """``PressureMetrics.to_dict()`` without ``device``, plus ``oom_events``: the last
+        ``max_events`` snapshots as dicts, each with its last ``max_recent`` allocation events."""
         d = self.counters.snapshot(self.device).to_dict()
         del d["device"]
         d["paused"] = int(d["paused"])

@@ -1,7 +1,9 @@
 """``DeviceSpillStore``: a worker's data mapping that moves the least recently used task outputs
 holding device memory to host memory when told to, and brings them back when read. Host copies
 and other values live in the worker's own mapping (distributed's ``SpillBuffer``), whose
-spilling to disk applies below unchanged. Not here: deciding *when* to spill (``device.py``).
+spilling to disk applies below unchanged; zict's ``LRU``/``Buffer`` evict by weight alone, where
+a victim here must be unreferenced and (with a pool) free a large enough block. Not here:
+deciding *when* to spill (``device.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class _Entry(NamedTuple):
     ptrs: tuple[int, ...]
 
 
+def _entry(allocs: list | None, device: int, nbytes: int = 0) -> _Entry:
+    """The entry of a value with allocations ``allocs`` (``nbytes`` if they add up to 0)."""
+    allocs = allocs or []
+    return _Entry(device, sum(a.nbytes for a in allocs) or nbytes, tuple(a.ptr for a in allocs))
+
+
 class DeviceSpillStore(MutableMapping):
     """A ``MutableMapping`` over the worker's mapping ``inner`` that spills device objects.
 
@@ -81,9 +89,7 @@ class DeviceSpillStore(MutableMapping):
         # spill an unspill started from.
         self._spilled: dict[Hashable, tuple[int, int, int]] = {}
         self._serial = itertools.count()
-        # Host copies kept for values brought back to the device: spilling one of those again
-        # copies nothing (task outputs are immutable). Dropped when the key is replaced or
-        # deleted; at most ``keep_host_copies`` bytes, oldest dropped first.
+        # Host copies of values brought back, oldest first (docs/memory-pressure.md).
         self._clean: OrderedDict[Hashable, HostCopy] = OrderedDict()
         self._clean_bytes = 0
         #: Bytes of host copies kept for values back on the device (0: none kept).
@@ -106,15 +112,14 @@ class DeviceSpillStore(MutableMapping):
                 self.inner[key] = value
                 self._mutations += 1
             return
-        device = allocs[0].device if allocs else 0
-        entry = _Entry(device, sum(a.nbytes for a in allocs), tuple(a.ptr for a in allocs))
+        entry = _entry(allocs, allocs[0].device if allocs else 0)
         with self._lock:
             self._forget(key)
             self._device[key] = value
             self._lru[key] = entry
             self._mutations += 1
         if self.on_store is not None:
-            self.on_store(device)
+            self.on_store(entry.device)
 
     def __getitem__(self, key: Hashable) -> Any:
         with self._lock:
@@ -195,7 +200,7 @@ class DeviceSpillStore(MutableMapping):
         with self._lock:
             if self._spilled.get(key) == spilled:
                 self._device[key] = value
-                self._lru[key] = self._entry_of(value, device, nbytes)
+                self._lru[key] = _entry(device_allocations(value), device, nbytes)
                 del self._spilled[key]
                 del self.inner[key]
                 self._mutations += 1
@@ -215,11 +220,6 @@ class DeviceSpillStore(MutableMapping):
         if copy is not None:
             self._clean_bytes -= copy.nbytes
         return copy
-
-    @staticmethod
-    def _entry_of(value: Any, device: int, nbytes: int) -> _Entry:
-        allocs = device_allocations(value) or []
-        return _Entry(device, sum(a.nbytes for a in allocs) or nbytes, tuple(a.ptr for a in allocs))
 
     # -- spilling -------------------------------------------------------------------------------
 
@@ -316,19 +316,15 @@ class DeviceSpillStore(MutableMapping):
         activity: Callable[[], int] | None = None,
     ) -> tuple[Any, MemoryError | None, int]:
         """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
-        until it succeeds, or until nothing can be spilled and nothing changes.
+        until it succeeds, or until nothing can be spilled and nothing changes (docs/memory-
+        pressure.md): ``(result, None, bytes spilled)`` or ``(None, last MemoryError, spilled)``.
 
-        Returns ``(result, None, bytes spilled)``, or ``(None, last MemoryError, bytes spilled)``.
-        One thread spills at a time: the first attempt also picks up what another thread's
-        spill freed. With ``layout`` (a pool's ``memory_layout``) the values spilled are those
-        whose blocks would merge into one free block of ``request`` bytes, the fewest bytes
-        first. If no such set exists and ``release`` is given (a pool that may grow), the least
-        recently used values are spilled and ``release()`` hands fully free chunks back.
-
-        When nothing can be spilled now, the spill lock is released and the allocation retried
-        every few milliseconds while memory keeps changing (``activity()``, a count of frees;
-        a value stored, deleted, spilled or let go), up to :attr:`wait_retries` retries in a
-        row without a change or :attr:`wait_limit` seconds in all.
+        With ``layout`` (a pool's ``memory_layout``) the victims are the cheapest set whose
+        blocks merge into a free block of ``request`` bytes; if none exists and ``release`` is
+        given (a pool that may grow), the least recently used, then ``release()``. While nothing
+        can be spilled, the allocation is retried every few ms as long as memory changes
+        (``activity()``, a count of frees), up to :attr:`wait_retries` polls in a row without a
+        change or :attr:`wait_limit` seconds.
         """
         spilled = 0
         error: MemoryError | None = None
@@ -350,9 +346,7 @@ class DeviceSpillStore(MutableMapping):
                         except MemoryError as e:
                             error = e
                         else:
-                            # A kept error's traceback reaches, through frames, the caller's
-                            # new object (a DeviceBuffer being made): a cycle that would keep
-                            # it referenced, and so unspillable, until a garbage collection.
+                            # A kept error's frames would keep the caller's new object alive.
                             error = None
                             return result, None, spilled
                         if quiet:
@@ -368,20 +362,17 @@ class DeviceSpillStore(MutableMapping):
                             if growing and release is not None:
                                 release()
                             continue
-                        # Every victim was referenced by the time it was copied: a reader, or
-                        # a sampling profiler holding the spilling thread's frames (which
-                        # then keep their locals alive). Choose again among the others.
+                        # Every victim was referenced by the time it was copied (a reader, a
+                        # profiler holding frames): choose again among the others.
                         fruitless += 1
                         if fruitless >= _FRUITLESS_ROUNDS:
                             break
                 finally:
                     self._local.active = False
-            # Nothing could be spilled: wait for the memory to change, then try again.
+            # Nothing could be spilled: wait for frees, mutations or a referenced value let go
+            # (all values scanned after a round or a mutation, else those referenced then).
             now = time.monotonic()
             mutations = self._mutations
-            # The change to watch for besides frees and mutations is a referenced value let go:
-            # scan every stored value once per round (or after a mutation), then at each poll
-            # only those that were referenced (a few inputs of running tasks), not all of them.
             if held is None or tried or mutations != held_at:
                 held, held_at = self._referenced(device), mutations
             else:
@@ -389,9 +380,7 @@ class DeviceSpillStore(MutableMapping):
             state = (activity() if activity is not None else None, mutations, held)
             if started is None:
                 started = now
-            # A round that found victims saw memory change too (a referenced value let go)
-            # even when they were referenced again by the time they were copied, so that the
-            # state polled now equals the last one: that is no reason to give up.
+            # A round that found victims saw a change, even if the polled state looks the same.
             quiet = state == seen and not tried
             if quiet:
                 unchanged += 1
@@ -439,11 +428,8 @@ class DeviceSpillStore(MutableMapping):
         # No layout, or it says a free block fits (it did not a moment ago): least recently used.
         return lru_victims(cands, request), False
 
+    @spill_batch()
     def _spill_keys(self, keys: list[Hashable]) -> int:
-        with spill_batch():
-            return self._spill_batch(keys)
-
-    def _spill_batch(self, keys: list[Hashable]) -> int:
         freed = 0
         for key in keys:
             with self._lock:

@@ -80,9 +80,7 @@ class WorkerPressure:
         self, stack: DeviceStack, *, capacity: int, limit: int | None = None
     ) -> SpillOnDemandResourceAdaptor:
         """Put the spill adaptor on top of ``stack`` (its ``top`` and ``pressure`` set) and
-        return it. The stack hands over its pool, statistics and attribution layers; without
-        statistics one is added under the adaptor: the bytes in use are measured, never
-        estimated.
+        return it; without a statistics layer one is added under it (bytes in use are measured).
         """
         from dask_rmm.mr.statistics_adaptor import StatisticsResourceAdaptor
 
@@ -104,8 +102,7 @@ class WorkerPressure:
             on_oom=self._on_oom,
         )
         self.devices[stack.device] = stack.pressure = dp
-        # A value brought back keeps its host copy (spilling it again then copies nothing):
-        # at most what this device may hold, so host memory grows by no more than that.
+        # Host copies kept for values brought back: at most what this device may hold.
         self.store.keep_host_copies += limit if limit is not None else capacity
         stack.top = dp.adaptor = SpillOnDemandResourceAdaptor(top, dp, task_key=self.task_key)
         dp.adaptor.task_accounts = self.task_accounts
@@ -163,9 +160,7 @@ class WorkerPressure:
         if worker.memory_manager.data is not store:
             return
         if worker.status.name in ("closing", "closed", "failed", "closing_gracefully"):
-            # Leaving: no point copying spilled outputs back; the store (spilling nothing now)
-            # still hands them out to transfers until the worker is gone.
-            return
+            return  # leaving: spilled outputs stay on host, still readable through the store
         inner = store.inner
         failed = []
         for key in store.spilled_keys():
@@ -173,9 +168,7 @@ class WorkerPressure:
                 store[key]  # brings it back to the device
             except Exception as e:
                 failed.append((key, e))
-        if failed:
-            # Without the store those keys would reach tasks as HostCopy objects: it stays in
-            # front of the worker's data, spilling nothing, bringing them back when read.
+        if failed:  # the store stays, spilling nothing, so that tasks never see a HostCopy
             logger.warning(
                 "dask-rmm: %d spilled outputs do not fit back on the device at teardown (first: "
                 "%r: %r); they stay in host memory and come back when a task reads them",
