@@ -86,19 +86,7 @@ def pop_statistics() -> Statistics | None:
 def statistics() -> Iterator[None]:
     """Gather statistics inside a ``with`` block: a counter frame pushed and popped if they are
     enabled, else a :class:`StatisticsResourceAdaptor` current for the block. ValueError on
-    exit when the block changed the current resource (nothing is restored over that change).
-
-    >>> from dask_rmm import statistics
-    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
-    >>> _ = set_current_device_resource(SystemMemoryResource())
-    >>> with statistics.statistics():
-    ...     mr = statistics._current_stats_mr()
-    ...     mr.deallocate(mr.allocate(1000), 1000)
-    ...     print(statistics.get_statistics().peak_bytes)
-    1000
-    >>> statistics.get_statistics() is None
-    True
-    """
+    exit when the block changed the current resource (nothing is restored over that change)."""
     previous = registry.get_current_device_resource()
     inside = (
         previous
@@ -127,15 +115,7 @@ def statistics() -> Iterator[None]:
 
 
 class ProfilerRecords:
-    """Memory statistics per profiled function or code block (thread-safe).
-
-    Examples
-    --------
-    >>> records = ProfilerRecords()
-    >>> records.add("load", Statistics(0, 0, 4096, 1, 4096, 1))
-    >>> records.records["load"].memory_peak
-    4096
-    """
+    """Memory statistics per profiled function or code block (thread-safe)."""
 
     @dataclass
     class MemoryRecord:
@@ -226,20 +206,7 @@ class ProfilerContext:
     """Record the memory statistics of a function or ``with`` block in ``records`` (default
     :data:`default_profiler_records`) under ``name`` (required for a block; a function's
     defaults to ``"file:line(qualname)"``); nested profilers each count. What :func:`profiler`
-    returns (RMM's name); does nothing while statistics are disabled.
-
-    >>> from dask_rmm import statistics
-    >>> from dask_rmm.mr import SystemMemoryResource, set_current_device_resource
-    >>> _ = set_current_device_resource(SystemMemoryResource())
-    >>> statistics.enable_statistics()
-    >>> records = statistics.ProfilerRecords()
-    >>> with statistics.ProfilerContext(records, "outer"):
-    ...     with statistics.profiler(name="inner", records=records):
-    ...         mr = statistics._current_stats_mr()
-    ...         mr.deallocate(mr.allocate(512), 512)
-    >>> sorted(records.records)
-    ['inner', 'outer']
-    """
+    returns (RMM's name); does nothing while statistics are disabled."""
 
     def __init__(self, records: ProfilerRecords | None = None, name: str = ""):
         if records is not None and not isinstance(records, ProfilerRecords):
