@@ -369,8 +369,7 @@ def _with_progress(
 class LiveAllocations:
     """The allocations a log shows live, keyed by ``(source, pointer)``. An allocation of a live
     address (another thread wrote its row before the free's) retires the old block, and the late
-    ``free`` row is absorbed (:meth:`free` returns :data:`LATE_FREE`); docs/internals.md, Logs.
-    """
+    ``free`` row is absorbed (:meth:`free` returns :data:`LATE_FREE`); docs/internals.md, Logs."""
 
     LATE_FREE = object()
 
@@ -408,9 +407,6 @@ class LiveAllocations:
             late[key] -= 1
             return self.LATE_FREE
         return self.live.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self.live)
 
 
 def format_event(event: LogEvent) -> str:

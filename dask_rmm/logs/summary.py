@@ -320,7 +320,6 @@ def format_summary(summary: LogSummary, top_rows: int = 8) -> str:
         f"  outstanding   {format_size(s.outstanding_bytes)} in {s.outstanding_count:,} "
         "allocations never freed",
     ]
-    # The summary kept the ``top`` largest (summarize's, the CLI's --top): all of them are listed.
     for o in s.largest_outstanding:
         where = f"{o.source} " if s.name == "combined" else ""
         lines.append(

@@ -685,13 +685,7 @@ class ClusterMemoryReport:
         t = self.totals
         no_peak = "total peak: needs the timelines (the sum of the device peaks is no cluster peak)"
         notes = [_ROW_PEAK_NOTE, no_peak if t.peak_bytes is None else _PEAK_NOTE]
-        if (
-            t.peak_bytes is not None
-            and "peak_bytes" not in t.unmeasured
-            and t.peak_bytes > t.sum_of_device_peaks
-        ):
-            # The summed timelines keep what rows no longer show: a worker that left, or
-            # memory held under a setup that was unregistered (its rows went with it).
+        if t.peak_bytes is not None and t.peak_bytes > t.sum_of_device_peaks:
             notes.append(
                 f"total peak {format_bytes(t.peak_bytes)} is above the sum of the rows' peaks "
                 f"({format_bytes(t.sum_of_device_peaks)}): it was reached earlier, by devices "
