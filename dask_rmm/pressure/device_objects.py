@@ -64,13 +64,10 @@ class HostCopy:
         self.nbytes = nbytes
 
     def to_device(self) -> Any:
-        rebuild = _REBUILD.get(self.kind)
-        if rebuild is None:  # made in another process: register what can be
-            for register in set(_LAZY.values()) - _lazy_done:
-                _lazy_done.add(register)
-                register()
-            rebuild = _REBUILD[self.kind]
-        return rebuild(self)
+        if self.kind not in _REBUILD:  # made in another process: register what can be
+            for register in set(_LAZY.values()):
+                _register_once(register)
+        return _REBUILD[self.kind](self)
 
     def __sizeof__(self) -> int:
         return self.nbytes + 200
@@ -130,18 +127,19 @@ def register_device_type(
     _REBUILD[kind] = rebuild
 
 
+def _register_once(register: Callable[[], None] | None) -> None:
+    if register is not None and register not in _lazy_done:
+        _lazy_done.add(register)
+        register()
+
+
 def _handlers(cls: type):
-    found = _TYPES.get(cls)
-    if found is None:
+    if cls not in _TYPES:
         # Registered on first sight of the library's types: importing this module imports
         # neither CuPy, Numba nor CUDA.
         module = cls.__module__
-        register = _LAZY.get(module.partition(".")[0]) or _LAZY.get(module)
-        if register is not None and register not in _lazy_done:
-            _lazy_done.add(register)
-            register()
-            found = _TYPES.get(cls)
-    return found
+        _register_once(_LAZY.get(module.partition(".")[0]) or _LAZY.get(module))
+    return _TYPES.get(cls)
 
 
 def device_allocations(obj: Any, _depth: int = 0) -> list[DeviceAllocation] | None:

@@ -5,6 +5,7 @@ large enough. Pure functions on addresses; no Dask, no CUDA."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Hashable, Sequence
 
 __all__ = ["Candidate", "coalescing_victims", "lru_victims"]
@@ -17,14 +18,8 @@ Candidate = tuple[Hashable, int, Sequence[int]]
 def lru_victims(candidates: Sequence[Candidate], need: int) -> list[Hashable]:
     """The least recently used candidates whose bytes add up to at least ``need`` (all of them
     if they do not)."""
-    out = []
-    total = 0
-    for key, nbytes, _ptrs in candidates:
-        if total >= need:
-            break
-        out.append(key)
-        total += nbytes
-    return out
+    totals = itertools.accumulate(nbytes for _, nbytes, _ in candidates)
+    return [key for (key, n, _), total in zip(candidates, totals, strict=True) if total - n < need]
 
 
 def coalescing_victims(
@@ -60,49 +55,29 @@ def coalescing_victims(
     segments: list[tuple[int, int, tuple[int, ...] | None]] = [(p, s, ()) for p, s in free]
     segments += [(p, s, tuple(sorted(owners[p])) if p in owners else None) for p, s in live_sorted]
     segments.sort()
-    chunk_ends = {start: start + size for start, size in chunks}
-    chunk_starts = sorted(chunk_ends)
+    chunk_starts = sorted({start for start, _ in chunks})
 
+    # Over each run of mergeable segments (free or candidates', in one chunk), the shortest
+    # window of at least ``request`` bytes ending at each segment: the cheapest ending there.
     best: tuple[int, int, list[int]] | None = None  # (cost, worst rank, ranks)
-
-    def consider(window: list[tuple[int, int, tuple[int, ...] | None]]) -> None:
-        nonlocal best
-        # Two pointers over one run of mergeable segments.
-        lo = 0
-        length = 0
-        cost = 0
-        for hi, (_p, size, ranks_here) in enumerate(window):
-            length += size
-            if ranks_here:
-                cost += size
-            while length - window[lo][1] >= request:
-                _p0, s0, r0 = window[lo]
-                length -= s0
-                if r0:
-                    cost -= s0
-                lo += 1
-            if length >= request and (best is None or cost <= best[0]):
-                ranks = sorted({r for _, _, rs in window[lo : hi + 1] for r in rs or ()})
-                key = (cost, ranks[-1] if ranks else -1)
-                if best is None or key < best[:2]:
-                    best = (cost, key[1], ranks)
-
-    run: list[tuple[int, int, tuple[int, ...] | None]] = []
-    run_chunk = None
-    for seg in segments:
-        ptr, size, rank = seg
-        i = bisect.bisect_right(chunk_starts, ptr) - 1
-        chunk = chunk_starts[i] if i >= 0 else None
-        if rank is None or chunk != run_chunk:
-            if run:
-                consider(run)
-            run = []
-            run_chunk = chunk
-            if rank is None:
+    run: list[tuple[int, tuple[int, ...]]] = []
+    run_chunk = lo = length = cost = 0
+    for ptr, size, ranks_here in segments:
+        chunk = bisect.bisect_right(chunk_starts, ptr)
+        if ranks_here is None or chunk != run_chunk or not run:
+            run, run_chunk, lo, length, cost = [], chunk, 0, 0, 0
+            if ranks_here is None:
                 continue
-        run.append(seg)
-    if run:
-        consider(run)
-    if best is None:
-        return None
-    return [candidates[r][0] for r in best[2]]
+        run.append((size, ranks_here))
+        length += size
+        cost += size if ranks_here else 0
+        while length - run[lo][0] >= request:
+            length -= run[lo][0]
+            cost -= run[lo][0] if run[lo][1] else 0
+            lo += 1
+        if length >= request and (best is None or cost <= best[0]):
+            ranks = sorted({r for _, rs in run[lo:] for r in rs})
+            found = (cost, ranks[-1] if ranks else -1, ranks)
+            if best is None or found[:2] < best[:2]:
+                best = found
+    return None if best is None else [candidates[r][0] for r in best[2]]
