@@ -170,9 +170,7 @@ def _timeline(samples: GPUSamples) -> str:
         series.append(("cluster in use", "running", cluster))
     if reserved:
         series.append(("cluster reserved", "gone", [(t, r, r) for t, r in reserved]))
-    for d in samples.devices.values():
-        if d.used:
-            series.append((d.label, d.status, list(d.used)))
+    series += [(d.label, d.status, list(d.used)) for d in samples.devices.values() if d.used]
     return timeline_svg(series)
 
 

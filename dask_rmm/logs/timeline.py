@@ -1,6 +1,5 @@
 """Bytes in use over time from RMM allocation logs, one timeline per worker, and its plot
-(matplotlib). Reading logs is :mod:`dask_rmm.logs.reader`; counts and leaks are :mod:`dask_rmm.logs.summary`.
-"""
+(matplotlib). Not here: reading logs (``reader``), counts and leaks (``summary``)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,9 @@ __all__ = ["Timeline", "in_use_timeline", "plot_logs", "timelines_figure"]
 def _halved(pts: list[tuple[float, int]]) -> list[tuple[float, int]]:
     """Neighbouring pairs of ``(time, bytes)`` merged into the higher of the two (the upper
     envelope), the last point kept."""
-    merged = [max(pts[i], pts[i + 1], key=_BYTES) for i in range(0, len(pts) - 1, 2)]
+    by_bytes = operator.itemgetter(1)
+    merged = [max(pts[i], pts[i + 1], key=by_bytes) for i in range(0, len(pts) - 1, 2)]
     return merged if merged[-1] is pts[-1] else [*merged, pts[-1]]
-
-
-_BYTES = operator.itemgetter(1)
 
 
 @dataclass

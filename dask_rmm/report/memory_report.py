@@ -117,12 +117,8 @@ def _points(points: Any) -> tuple[tuple[float, int, int], ...]:
 @dataclass(frozen=True)
 class ClusterTotals:
     """Sums over the running workers' devices; ``largest_free_block`` is the largest anywhere.
-
-    ``peak_bytes`` is the peak of the summed timelines: the most the cluster's devices held at
-    once (departed workers' history included, when the scheduler computed it; None without
-    timelines); ``sum_of_device_peaks`` adds peaks that need not have happened at the same time
-    (an upper bound, not the cluster's peak).
-    """
+    ``peak_bytes`` is the peak of the summed timelines (None without them), not
+    ``sum_of_device_peaks`` (docs/reports.md, What "peak" covers)."""
 
     workers: int
     gone_workers: int
