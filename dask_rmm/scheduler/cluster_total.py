@@ -183,7 +183,10 @@ class ClusterTotal:
         change = np.empty(len(raw), _CHANGE)
         change["t"] = raw["t"]
         change["c"], change["m"] = c - previous_c, m - previous_m
-        self._waiting.append(change[np.argsort(change["t"], kind="stable")])
+        # Changes at the same time count together (a point is the sum after all of them), so
+        # their order is free: an unstable sort (introsort, SIMD where numpy has it) took half
+        # of timsort's time for a poll's interleaved chunks (bench/README.md, issue 45 item 3).
+        self._waiting.append(change[np.argsort(change["t"])])
 
     def advance(self, now: float) -> None:
         """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""

@@ -422,12 +422,12 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             problems.append(("devices", f"device {ids} no longer reported: not in the totals"))
 
     def _take_samples(self, pending: list, now: float) -> None:
-        """Add the queued samples (``(record, [(device, packed samples)])`` a heartbeat) that are
+        """Add the queued samples (``(record, {device: packed samples})`` a heartbeat) that are
         valid and new (one check for all of them) to their devices' timelines and the cluster
         total."""
         recs, devs, blobs, tls = [], [], [], []
         for rec, samples in pending:
-            for dev, blob in samples:
+            for dev, blob in samples.items():
                 recs.append(rec)
                 devs.append(dev)
                 blobs.append(blob)

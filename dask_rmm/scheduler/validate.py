@@ -58,10 +58,11 @@ _TOP = frozenset({"version", "time", "worker", "devices"})
 
 class Checked(NamedTuple):
     """One heartbeat as bounded: ``metrics`` (None: nothing usable), ``samples`` each device's
-    packed samples still to check (:func:`check_samples`), ``problems`` as ``(kind, text)``."""
+    packed samples still to check (:func:`check_samples`) by device id, ``problems`` as
+    ``(kind, text)``."""
 
     metrics: dict | None
-    samples: list[tuple[str, bytes]]
+    samples: dict[str, bytes]
     problems: list[tuple[str, str]]
 
 
@@ -69,21 +70,21 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     """``m`` (a worker's ``metrics["dask-rmm"]``) within the bounds; ``now`` is the scheduler's
     clock, ``arrived`` when the heartbeat came (``WorkerState.last_seen``). Never raises."""
     if type(m) is not dict and not isinstance(m, Mapping):
-        return Checked(None, [], [("format", f"metrics are {_kind(m)}, not a mapping")])
+        return Checked(None, {}, [("format", f"metrics are {_kind(m)}, not a mapping")])
     version = m.get("version")
     if version != METRICS_VERSION or type(version) is not int:
         line = (
             f"heartbeat version {_short(version)}; this scheduler reads version "
             f"{METRICS_VERSION} only: run the same dask-rmm on the workers and the scheduler"
         )
-        return Checked(None, [], [("format", line)])
+        return Checked(None, {}, [("format", line)])
     raw = m.get("devices")
     if type(raw) is not dict and not isinstance(raw, Mapping):
-        return Checked(None, [], [("format", f"devices are {_kind(raw)}, not a mapping")])
+        return Checked(None, {}, [("format", f"devices are {_kind(raw)}, not a mapping")])
     problems: list[tuple[str, str]] = []
     t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
     devices: dict[str, Mapping] = {}
-    samples = []
+    samples = {}  # a dict, not a tuple a device: fewer objects for the collector
     if len(raw) > MAX_DEVICES:
         problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
     for dev, d in islice(raw.items(), MAX_DEVICES):
@@ -99,7 +100,7 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
             d = devices[dev] = _bound(f"device {dev!r}", d, now, problems)
         blob = d.get("samples")
         if blob and type(blob) is bytes and not len(blob) % _RECORD:
-            samples.append((dev, blob))
+            samples[dev] = blob
         elif blob:
             what = f"{len(blob)} bytes" if type(blob) is bytes else _kind(blob)
             problems.append(("format", f"device {dev!r}: samples are {what}, not packed"))

@@ -527,7 +527,7 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     checked = check_metrics(beat, now)
     assert checked.problems == []
     assert all(checked.metrics["devices"][d] is beat["devices"][d] for d in ("0", "1"))
-    assert checked.samples == [(d, device["samples"]) for d in ("0", "1")]
+    assert checked.samples == {d: device["samples"] for d in ("0", "1")}
 
 
 @pytest.mark.parametrize(
