@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dask_rmm._output import atomic_output
 from dask_rmm.sizes import align_up
 
 __all__ = [
@@ -96,21 +96,10 @@ class OOMEvent:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write the snapshot as JSON to ``path`` (through a temporary file, then a rename)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".oom-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return path
+        """Write the snapshot as JSON to ``path``, never half-written (``atomic_output``)."""
+        with atomic_output(path) as tmp, open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        return os.fspath(path)
 
     def summary(self) -> str:
         """One line: when, which task, what was asked, the verdict and the free memory."""

@@ -97,10 +97,6 @@ class PressureCounters:
         with self._lock:
             self._row(device)["device_memory_limit"] = limit
 
-    def devices(self) -> list[int]:
-        with self._lock:
-            return sorted(self._by_device)
-
     def snapshot(self, device: int) -> PressureMetrics:
         with self._lock:
             return PressureMetrics(**self._row(device))

@@ -382,11 +382,8 @@ class DeviceSpillStore(MutableMapping):
                 started = now
             # A round that found victims saw a change, even if the polled state looks the same.
             quiet = state == seen and not tried
-            if quiet:
-                unchanged += 1
-            else:
-                seen = state
-                unchanged = 0
+            unchanged = unchanged + 1 if quiet else 0
+            seen = state
             if unchanged >= self.wait_retries or now - started >= self.wait_limit:
                 return None, error, spilled
             time.sleep(_WAIT_POLL)
@@ -419,10 +416,8 @@ class DeviceSpillStore(MutableMapping):
         if layout is not None:
             chunks, free, live = layout()
             victims = coalescing_victims(cands, align_up(request), chunks, free, live)
-            if victims is None:
-                if release is None:
-                    return [], False  # referenced blocks are in the way everywhere
-                return lru_victims(cands, request), True
+            if victims is None:  # referenced blocks in the way everywhere: grow the pool, if any
+                return (lru_victims(cands, request), True) if release is not None else ([], False)
             if victims:
                 return victims, False
         # No layout, or it says a free block fits (it did not a moment ago): least recently used.

@@ -99,7 +99,7 @@ class WorkerPressure:
             spill_on_oom=self.spill_on_oom,
             pause_fraction=self.pause_fraction,
             task_key=self.task_key,
-            on_oom=self._on_oom,
+            on_oom=lambda e: logger.warning("dask-rmm: out of device memory: %s", e.summary()),
         )
         self.devices[stack.device] = stack.pressure = dp
         # Host copies kept for values brought back: at most what this device may hold.
@@ -235,11 +235,7 @@ class WorkerPressure:
         if dp is None:
             return
         dp.release_cached_when_full()
-        if dp.limit is not None:
-            dp.spill_to_limit()
-
-    def _on_oom(self, event: OOMEvent) -> None:
-        logger.warning("dask-rmm: out of device memory: %s", event.summary())
+        dp.spill_to_limit()
 
     #: Counters that add up over the worker's life (what is on host *now* is not carried).
     CARRIED_COUNTERS = (
