@@ -153,12 +153,8 @@ def gpu_section_html(
 
 def _memory_kind(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> str:
     """What the workers' stacks hand out, as the block's reports say (``gpu_name`` "host": host)."""
-    names = {d.gpu_name == "host" for r in (begin, end) if r is not None for d in r.devices}
-    if names == {True}:
-        return "Host memory"
-    if names == {True, False}:
-        return "GPU and host memory"
-    return "GPU memory"
+    hosts = {d.gpu_name == "host" for r in (begin, end) if r is not None for d in r.devices}
+    return _KINDS.get(frozenset(hosts), "GPU memory")
 
 
 def _timeline(samples: GPUSamples) -> str:
@@ -293,6 +289,7 @@ def _spills(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) 
     return out + [totals_line, _table((*head, "OOMs", "pauses"), rows)]
 
 
+_KINDS = {frozenset({True}): "Host memory", frozenset({True, False}): "GPU and host memory"}
 _NO_END = "<p>No report at the end of the block.</p>"
 _CSS = (
     ".dask-rmm-gpu{font-family:system-ui,sans-serif;font-size:13px;margin:12px 16px;"

@@ -234,14 +234,12 @@ class Summarizer:
         )
 
     def _notes(self) -> tuple[str, ...]:
-        allocating = sorted(t for t, tot in self.threads.items() if tot.allocations)
-        if len(allocating) < 2:
+        """Why the peak may differ from the report's (docs/internals.md, Logs)."""
+        allocating = sum(1 for tot in self.threads.values() if tot.allocations)
+        if allocating < 2:
             return ()
-        # Each thread writes its row after its call, under the adaptor's lock; the statistics
-        # adaptor counts after the same call under its own lock. Two threads' calls can be
-        # ordered one way in the file and the other way by the counter.
         return (
-            f"peak in the order the {len(allocating)} allocating threads wrote their rows; the "
+            f"peak in the order the {allocating} allocating threads wrote their rows; the "
             "report's peak (a counter in the worker) orders the same concurrent calls its own "
             "way and can differ by the blocks in flight at the peak",
         )

@@ -88,8 +88,7 @@ class DeviceMemory(DeviceSample):
     def from_worker(
         cls, worker: Mapping[str, Any], device: str, d: Mapping[str, Any], timeline: Any = None
     ) -> DeviceMemory:
-        """One device of a report document's ``worker`` entry (``timeline``: the points, read
-        from ``d`` when None)."""
+        """One device of a report document's ``worker`` entry (``timeline`` None: ``d``'s)."""
         return cls.from_dict(
             d,
             worker=str(worker.get("address", "")),
@@ -358,17 +357,8 @@ class ClusterMemoryReport:
         """The report as plain data (the format :meth:`from_dict` reads and the JSON route serves)."""
         workers: dict[str, dict[str, Any]] = {}
         for d in self.devices:
-            w = workers.setdefault(
-                d.worker,
-                {
-                    "address": d.worker,
-                    "name": d.name,
-                    "status": d.status,
-                    "last_seen": d.last_seen,
-                    "restarts": d.restarts,
-                    "devices": {},
-                },
-            )
+            keys = dict(name=d.name, status=d.status, last_seen=d.last_seen, restarts=d.restarts)
+            w = workers.setdefault(d.worker, {"address": d.worker, **keys, "devices": {}})
             w["devices"][d.device] = d.to_dict(timeline=timeline)
         return {
             "version": REPORT_VERSION,
@@ -528,8 +518,11 @@ class ClusterMemoryReport:
         return _titled(title, lines)
 
     def _notes(self) -> list[str]:
-        """Workers without dask-rmm, and the errors, one line each."""
-        lines = [
+        """Workers without dask-rmm, devices without statistics, and the errors, one line each."""
+        missing = self.workers_without_dask_rmm
+        names = f"{len(missing)} worker(s) without dask-rmm (no dask-rmm metrics): "
+        lines = [names + ", ".join(sorted(missing))] if missing else []
+        lines += [
             f"{_place(d)}: statistics off (statistics=False): "
             + (
                 "current is the pool's reserved minus its free bytes (~); "
@@ -543,15 +536,7 @@ class ClusterMemoryReport:
         lines += [
             f"error on {d.worker} device {d.device}: {d.error}" for d in self.devices if d.error
         ]
-        lines += [f"error: {e}" for e in self.errors]
-        if self.workers_without_dask_rmm:
-            missing = self.workers_without_dask_rmm
-            lines.insert(
-                0,
-                f"{len(missing)} worker(s) without dask-rmm (no dask-rmm metrics): "
-                + ", ".join(sorted(missing)),
-            )
-        return lines
+        return lines + [f"error: {e}" for e in self.errors]
 
     def pressure_lines(self) -> list[str]:
         """Memory pressure, one line per device that spilled, paused or ran out of memory,
