@@ -10,10 +10,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from dask_rmm.allocators.caches import is_drawing_for_cache
 from dask_rmm.mr.base import CUDAAllocationError, DeviceMemoryResource, UpstreamResourceAdaptor
+from dask_rmm.pressure.device import DevicePressure
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
 __all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
@@ -23,27 +24,8 @@ __all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
 _QUIET_SECONDS = 0.05
 
 
-class PressureHandler(Protocol):
-    """What the adaptor asks of its handler (see ``DevicePressure``)."""
-
-    limit: int | None
-    spill_on_oom: bool
-    statistics: Any  # the stack's StatisticsResourceAdaptor (or None)
-
-    def busy(self) -> bool: ...
-    def never_fits(self, nbytes: int) -> bool: ...
-    def current_bytes(self) -> int: ...
-    def spill(self, need: int | Callable[[], int]) -> int: ...
-    def spill_until(
-        self, attempt: Callable[[], int], request: int
-    ) -> tuple[int | None, MemoryError | None, int]: ...
-    def avoided_oom(self) -> None: ...
-    def record_oom(
-        self, error: MemoryError, nbytes: int, spilled: int, events: list
-    ) -> object: ...  # the result is not used
-    def start_arbitration(self) -> None: ...
-    def release_cached(self) -> int: ...
-    def spill_libraries(self, nbytes: int) -> int: ...
+#: What the adaptor calls: its handler is a ``DevicePressure`` (the one kind there is).
+PressureHandler = DevicePressure
 
 
 class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
@@ -53,7 +35,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     ----------
     upstream_mr : DeviceMemoryResource
         The worker's stack below (statistics, pool, ...).
-    handler : PressureHandler
+    handler : DevicePressure
         Decides and performs the spilling and records OOM events.
     task_key : callable, optional
         Returns the running task's key (recorded with each event).
@@ -70,7 +52,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def __init__(
         self,
         upstream_mr: DeviceMemoryResource,
-        handler: PressureHandler,
+        handler: DevicePressure,
         task_key: Callable[[], Any] | None = None,
         history: int = 64,
     ):
