@@ -144,11 +144,8 @@ def gpu_section_html(
         "included); the cluster line sums the devices. Dashed: the pools' reserved bytes "
         "(cluster), and devices of workers that left. Times are the workers' clocks.</p>",
     ]
-    parts += _task_groups(begin, end, block_peaks)
-    parts += _oom_events(samples, end)
-    parts += _spills(begin, end)
-    parts.append("</section>")
-    return "".join(parts)
+    parts += [*_task_groups(begin, end, block_peaks), *_oom_events(samples, end)]
+    return "".join([*parts, *_spills(begin, end), "</section>"])
 
 
 def _memory_kind(begin: ClusterMemoryReport | None, end: ClusterMemoryReport | None) -> str:

@@ -106,10 +106,8 @@ class LogSummary:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (times also as ``HH:MM:SS.ffffff``; dict keys as strings)."""
-        d = asdict(self)
-        d["start_time"] = format_time(self.start) if self.start is not None else None
-        d["end_time"] = format_time(self.end) if self.end is not None else None
-        d["peak_time_of_day"] = format_time(self.peak_time) if self.peak_time is not None else None
+        times = {"start_time": self.start, "end_time": self.end, "peak_time_of_day": self.peak_time}
+        d = asdict(self) | {k: None if t is None else format_time(t) for k, t in times.items()}
         d["histogram"] = {str(k): v for k, v in self.histogram.items()}
         d["threads"] = {str(k): asdict(v) for k, v in self.threads.items()}
         d["streams"] = {hex(k): asdict(v) for k, v in self.streams.items()}
@@ -159,10 +157,8 @@ class Summarizer:
         self.rows += 1
         self.paths.setdefault(e.path, None)
         t = e.time
-        if self.start is None or t < self.start:
-            self.start = t
-        if self.end is None or t > self.end:
-            self.end = t
+        self.start = t if self.start is None or t < self.start else self.start
+        self.end = t if self.end is None or t > self.end else self.end
         thread, stream = self.threads[e.thread], self.streams[e.stream]
         size = e.size
         if e.action is _ALLOCATE:
@@ -279,9 +275,8 @@ def summarize(
         if combined is not None:
             combined.add(e)
     for r in readers:
-        for s in (per_file[r.path], combined):
-            if s is not None:
-                s.add_truncated(r)
+        for s in filter(None, (per_file[r.path], combined)):
+            s.add_truncated(r)
     return SummaryReport(
         tuple(s.result() for s in per_file.values()),
         combined.result() if combined is not None else None,

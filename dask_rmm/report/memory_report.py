@@ -50,10 +50,8 @@ class DeviceMemory(DeviceSample):
     restarts: int = 0
 
     def __post_init__(self) -> None:
-        for name in self.unmeasured:
+        for name in (*self.unmeasured, "task_groups") if self.unmeasured else ():
             object.__setattr__(self, name, None)
-        if self.unmeasured:
-            object.__setattr__(self, "task_groups", None)
 
     def with_peak(self, peak_bytes: int) -> DeviceMemory:
         """This entry with ``peak_bytes`` replaced."""
