@@ -129,11 +129,8 @@ class DevicePressure:
         """Have the caches inside the stack give their free blocks back (before small arrays pin
         them) when an output is stored while the pool cannot grow by another eighth of its
         maximum or the bytes in use are over the limit; the bytes given back."""
-        pool = self.pool
-        full = False
-        if pool is not None:
-            maximum = pool.maximum_pool_size
-            full = maximum is not None and maximum - pool.pool_size() < maximum // 8
+        maximum = None if self.pool is None else self.pool.maximum_pool_size
+        full = maximum is not None and maximum - self.pool.pool_size() < maximum // 8
         if not full and self.limit is not None:
             full = self.statistics.current_bytes > self.limit
         if not full or self.cached_bytes() == 0:

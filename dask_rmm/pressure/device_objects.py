@@ -149,14 +149,10 @@ def device_allocations(obj: Any, _depth: int = 0) -> list[DeviceAllocation] | No
     if cls is tuple or cls is list or cls is dict:
         if _depth >= _MAX_DEPTH or len(obj) > MAX_CONTAINER_ITEMS or not obj:
             return None
-        out: list[DeviceAllocation] = []
-        found = False
-        for item in obj.values() if cls is dict else obj:
-            sub = device_allocations(item, _depth + 1)
-            if sub is not None:
-                found = True
-                out.extend(sub)
-        return out if found else None
+        subs = [device_allocations(x, _depth + 1) for x in (obj.values() if cls is dict else obj)]
+        if all(sub is None for sub in subs):
+            return None
+        return [a for sub in subs if sub is not None for a in sub]
     if cls in (int, float, str, bytes, np.ndarray, type(None), bool):
         return None
     handlers = _handlers(cls)

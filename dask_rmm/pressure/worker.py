@@ -176,8 +176,7 @@ class WorkerPressure:
                 *failed[0],
             )
             return
-        for key, value in store.take_device_values():
-            inner[key] = value
+        inner.update(store.take_device_values())
         worker.memory_manager.data = inner
         worker.state.data = inner
 
