@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from dask_rmm.allocators import caches
@@ -24,6 +25,7 @@ MAX_OOM_EVENTS = 32
 TOP_PREFIXES = 20
 
 
+@dataclass(eq=False, repr=False)
 class DevicePressure:
     """Spilling policy and OOM forensics for one device.
 
@@ -50,41 +52,28 @@ class DevicePressure:
         The running task's key (for OOM snapshots); ``on_oom(event)`` after each snapshot.
     """
 
-    def __init__(
-        self,
-        device: int,
-        store: DeviceSpillStore,
-        resource: DeviceMemoryResource,
-        capacity: int,
-        *,
-        statistics: Any,
-        pool: Any = None,
-        attribution: Any = None,
-        limit: int | None = None,
-        spill_on_oom: bool = False,
-        pause_fraction: float | None = None,
-        task_key: Callable[[], Any] | None = None,
-        on_oom: Callable[[OOMEvent], Any] | None = None,
-    ):
-        self.device = device
-        self.store = store
-        self.resource = resource
-        self.capacity = capacity
-        self.limit = limit
-        self.spill_on_oom = spill_on_oom
-        self.pause_fraction = pause_fraction
-        self.task_key = task_key
-        self.on_oom = on_oom
-        self.pool = pool
-        self.statistics = statistics
-        self.attribution = attribution
+    device: int
+    store: DeviceSpillStore
+    resource: DeviceMemoryResource
+    capacity: int
+    _: KW_ONLY
+    statistics: Any
+    pool: Any = None
+    attribution: Any = None
+    limit: int | None = None
+    spill_on_oom: bool = False
+    pause_fraction: float | None = None
+    task_key: Callable[[], Any] | None = None
+    on_oom: Callable[[OOMEvent], Any] | None = None
+
+    def __post_init__(self) -> None:
         self.oom_events: deque[OOMEvent] = deque(maxlen=MAX_OOM_EVENTS)
         #: The SpillOnDemandResourceAdaptor this policy serves (set by WorkerPressure.wrap).
         self.adaptor: Any = None
         #: False while tearing down: failures then are not a task's (no snapshot is taken).
         self.recording = True
-        self.counters: PressureCounters = store.counters
-        self.counters.set_limit(device, limit)
+        self.counters: PressureCounters = self.store.counters
+        self.counters.set_limit(self.device, self.limit)
         self._local = threading.local()
 
     # -- what the adaptor asks ------------------------------------------------------------------
