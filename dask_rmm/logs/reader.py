@@ -7,7 +7,6 @@ from __future__ import annotations
 import enum
 import gzip
 import heapq
-import io
 import operator
 import os
 import sys
@@ -130,8 +129,7 @@ def _parse_pointer(text: str) -> int:
     try:
         return int(text, 16)
     except ValueError:
-        text = text.strip()
-        if text in ("(nil)", "nullptr", "(null)", ""):
+        if text.strip() in ("(nil)", "nullptr", "(null)", ""):
             return 0
         raise
 
@@ -139,7 +137,7 @@ def _parse_pointer(text: str) -> int:
 def _open_text(path: str) -> TextIO:
     # utf-8-sig: a byte-order mark, as spreadsheet programs save CSV, is not part of the header.
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", errors="replace")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="replace")
     return open(path, encoding="utf-8-sig", errors="replace")
 
 
