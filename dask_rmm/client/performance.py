@@ -236,11 +236,8 @@ def _task_groups(
 def _oom_events(samples: GPUSamples, end: ClusterMemoryReport | None) -> list[str]:
     out = ["<h3>Out-of-memory errors that reached a task</h3>"]
     stop = (samples.stop or time.time()) + 1.0
-    events = [
-        e
-        for e in (end.oom_events if end is not None else ())
-        if samples.start <= to_int(e.get("time"), float) <= stop
-    ]
+    ended = end.oom_events if end is not None else ()
+    events = [e for e in ended if samples.start <= to_int(e.get("time"), float) <= stop]
     if not events:
         return out + ["<p>None during the block.</p>"]
     sizes = ("requested", "free_bytes", "largest_free_block")
