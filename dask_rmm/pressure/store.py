@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 from dask_rmm.pressure.device_objects import HostCopy, device_allocations, spill_batch, to_host
@@ -272,15 +272,14 @@ class DeviceSpillStore(MutableMapping):
 
     def candidates(self, device: int | None = None) -> list[Candidate]:
         """Spillable values, least recently used first: ``(key, device bytes, block ptrs)``."""
-        out: list[tuple[Hashable, int, Sequence[int]]] = []
-        with self._lock:
-            for key, e in self._lru.items():
-                if e.nbytes == 0 or (device is not None and e.device != device):
-                    continue
-                if _getrefcount(self._device[key]) > _DICT_ONLY_REFS:
-                    continue  # a running task or a transfer holds it
-                out.append((key, e.nbytes, e.ptrs))
-        return out
+        with self._lock:  # not those a running task or a transfer holds
+            stored = self._device
+            return [
+                (key, e.nbytes, e.ptrs)
+                for key, e in self._lru.items()
+                if e.nbytes and device in (None, e.device)
+                if _getrefcount(stored[key]) <= _DICT_ONLY_REFS
+            ]
 
     def spill(
         self,

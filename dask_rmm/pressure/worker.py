@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_rmm.allocators import caches
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 MONITOR_KEY = "dask-rmm-pressure"
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class WorkerPressure:
     """Device-memory pressure handling for one worker.
 
@@ -53,18 +55,12 @@ class WorkerPressure:
         wp.attach(worker)  # and wp.detach() at teardown
     """
 
-    def __init__(
-        self,
-        *,
-        spill_on_oom: bool = False,
-        pause_fraction: float | None = None,
-        monitor_interval: float = 0.1,
-        task_key: Callable[[], Any] | None = None,
-    ):
-        self.spill_on_oom = spill_on_oom
-        self.pause_fraction = pause_fraction
-        self.monitor_interval = monitor_interval
-        self.task_key = task_key
+    spill_on_oom: bool = False
+    pause_fraction: float | None = None
+    monitor_interval: float = 0.1
+    task_key: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
         self.counters = PressureCounters()
         self.store = DeviceSpillStore(None, self.counters, on_store=self._on_store)
         self.devices: dict[int, DevicePressure] = {}
