@@ -6,6 +6,7 @@ Not here: what to spill and how (the ``handler``, ``DevicePressure``). Dask-free
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -105,10 +106,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             account = self.task_accounts.get(key)
             if account is not None:
                 with self._task_lock:
-                    current = account[0] + nbytes
-                    account[0] = current
-                    if current > account[1]:
-                        account[1] = current
+                    account[0] += nbytes
+                    account[1] = max(account[1], account[0])
                 self._task_ptrs[ptr] = (account, nbytes)
         return ptr
 
@@ -193,8 +192,6 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
     def recent_events(self) -> list[tuple[float, str, int, int, Any]]:
         """The last allocation events, oldest first: ``(unix time, op, nbytes, ptr, task key)``."""
         for _ in range(8):
-            try:
+            with contextlib.suppress(RuntimeError):  # another thread appended while copying
                 return list(self._events)
-            except RuntimeError:  # another thread appended while copying
-                continue
         return []

@@ -12,15 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dask_rmm._output import atomic_output
-from dask_rmm.sizes import align_up
+from dask_rmm.sizes import align_up, format_bytes
 
-__all__ = [
-    "FRAGMENTATION",
-    "DEMAND",
-    "OOMEvent",
-    "free_block_histogram",
-    "oom_verdict",
-]
+__all__ = ["DEMAND", "FRAGMENTATION", "OOMEvent", "free_block_histogram", "oom_verdict"]
 
 #: The free bytes would have fit the request, but no single free block did.
 FRAGMENTATION = "fragmentation"
@@ -32,10 +26,9 @@ def oom_verdict(requested: int, free_bytes: int | None, largest_free_block: int 
     """``"fragmentation"`` when ``free_bytes`` would fit the (256-aligned) request but the
     largest free block would not; ``"demand"`` otherwise (also when the numbers are unknown)."""
     need = align_up(requested)
-    if free_bytes is not None and largest_free_block is not None:
-        if free_bytes >= need and largest_free_block < need:
-            return FRAGMENTATION
-    return DEMAND
+    enough_free = free_bytes is not None and free_bytes >= need
+    no_block_fits = largest_free_block is not None and largest_free_block < need
+    return FRAGMENTATION if enough_free and no_block_fits else DEMAND
 
 
 def free_block_histogram(sizes: Iterable[int]) -> list[tuple[int, int, int]]:
@@ -103,8 +96,6 @@ class OOMEvent:
 
     def summary(self) -> str:
         """One line: when, which task, what was asked, the verdict and the free memory."""
-        from dask_rmm.sizes import format_bytes
-
         when = time.strftime("%H:%M:%S", time.localtime(self.time))
         return (
             f"{when} {self.task_key or '(no task)'}: requested {format_bytes(self.requested)}, "

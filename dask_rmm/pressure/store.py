@@ -141,8 +141,8 @@ class DeviceSpillStore(MutableMapping):
             self._forget(key)
 
     def clear(self) -> None:
-        """Drop everything (without bringing spilled values back, as
-        ``MutableMapping.clear`` would)."""
+        """Drop everything (spilled values are not brought back, as ``MutableMapping.clear``'s
+        reads would)."""
         with self._lock:
             spilled = list(self._spilled.values())
             self._spilled.clear()
@@ -159,8 +159,7 @@ class DeviceSpillStore(MutableMapping):
 
     def __iter__(self) -> Iterator[Hashable]:
         with self._lock:
-            keys = list(self._device) + list(self.inner)
-        return iter(keys)
+            return iter([*self._device, *self.inner])
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this class lacks: SpillBuffer's fast/slow/evict/spilled_total.
@@ -228,8 +227,7 @@ class DeviceSpillStore(MutableMapping):
         return getattr(self._local, "reading", None)
 
     def spilling_on_this_thread(self) -> bool:
-        """True while this thread is inside :meth:`spill` (an allocation it makes must not
-        spill again)."""
+        """True inside :meth:`spill` on this thread (an allocation it makes must not spill)."""
         return getattr(self._local, "active", False)
 
     def device_bytes(self, device: int | None = None) -> int:
@@ -296,8 +294,7 @@ class DeviceSpillStore(MutableMapping):
         with self._spill_lock:
             self._local.active = True
             try:
-                if callable(need):
-                    need = need()
+                need = need() if callable(need) else need
                 if need <= 0:
                     return 0
                 return self._spill_keys(lru_victims(self.candidates(device), need))
