@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -110,8 +110,7 @@ class DevicePressure:
     def _noted(self, freed: dict[str, int]) -> int:
         mine = getattr(self._local, "released", None)
         if mine is not None:
-            for name, n in freed.items():
-                mine[name] = mine.get(name, 0) + n
+            mine.update(freed)  # a Counter: adds
         return sum(freed.values())
 
     def release_cached_when_full(self) -> int:
@@ -129,10 +128,10 @@ class DevicePressure:
 
     def start_arbitration(self) -> None:
         """An allocation on this thread failed: count what caches give back for it from now."""
-        self._local.released = {}
+        self._local.released = Counter()
 
     def _take_released(self) -> dict[str, int]:
-        released = getattr(self._local, "released", None) or {}
+        released = dict(getattr(self._local, "released", None) or {})
         self._local.released = None
         return released
 
