@@ -156,9 +156,7 @@ def device_allocations(obj: Any, _depth: int = 0) -> list[DeviceAllocation] | No
     if cls in (int, float, str, bytes, np.ndarray, type(None), bool):
         return None
     handlers = _handlers(cls)
-    if handlers is None:
-        return None
-    return handlers[0](obj)
+    return None if handlers is None else handlers[0](obj)
 
 
 def to_host(obj: Any) -> Any:
@@ -172,9 +170,7 @@ def to_host(obj: Any) -> Any:
     if cls is dict:
         return _container_copy("dict", {k: to_host(v) for k, v in obj.items()})
     handlers = _handlers(cls)
-    if handlers is None:
-        return obj  # a non-device leaf of a container stays as it is
-    return handlers[1](obj)
+    return obj if handlers is None else handlers[1](obj)  # a non-device leaf stays as it is
 
 
 def _container_copy(kind: str, data: Any) -> HostCopy:
@@ -198,9 +194,7 @@ def _register_device_buffer() -> None:
     from dask_rmm.device_buffer import DeviceBuffer
 
     def allocations(buf):
-        if not buf.ptr:
-            return []
-        return [DeviceAllocation(buf.mr.device_id, buf.ptr, buf.capacity())]
+        return [DeviceAllocation(buf.mr.device_id, buf.ptr, buf.capacity())] if buf.ptr else []
 
     def spill(buf):
         data = buf.copy_to_host(stream=buf.stream)
@@ -236,9 +230,7 @@ def _register_cupy() -> None:
 
     def allocations(arr):
         mem = arr.data.mem
-        if not mem.ptr:
-            return []
-        return [DeviceAllocation(arr.device.id, mem.ptr, mem.size)]
+        return [DeviceAllocation(arr.device.id, mem.ptr, mem.size)] if mem.ptr else []
 
     def spill(arr):
         from dask_rmm import _cuda

@@ -184,12 +184,8 @@ class WorkerPressure:
         worker = self._worker
         try:
             over = any([dp.relieve() for dp in self.devices.values()])  # every device relieved
-            if worker is None:
-                return
-            if over:
-                self._pause(worker)
-            else:
-                self._resume(worker)
+            if worker is not None:
+                (self._pause if over else self._resume)(worker)
         except Exception:
             logger.exception("dask-rmm: memory-pressure check failed")
 
