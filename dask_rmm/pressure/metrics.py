@@ -12,10 +12,7 @@ __all__ = ["PressureCounters", "PressureMetrics"]
 
 @dataclass(frozen=True)
 class PressureMetrics:
-    """One device's memory-pressure counters at one moment.
-
-    Bytes are device bytes: what the spilled objects held on the device.
-    """
+    """One device's memory-pressure counters at one moment (bytes are device bytes)."""
 
     device: int = 0
     #: Bytes and objects on host (or disk) now that were moved off the device.

@@ -141,8 +141,7 @@ class DeviceSpillStore(MutableMapping):
             self._forget(key)
 
     def clear(self) -> None:
-        """Drop everything (spilled values are not brought back, as ``MutableMapping.clear``'s
-        reads would)."""
+        """Drop everything (not bringing spilled values back, as ``MutableMapping.clear`` would)."""
         with self._lock:
             spilled = list(self._spilled.values())
             self._spilled.clear()
@@ -286,11 +285,8 @@ class DeviceSpillStore(MutableMapping):
         device: int | None = None,
     ) -> int:
         """Move the least recently used spillable device values (of ``device``, or any) adding
-        up to ``need`` bytes to host memory; return the device bytes they held.
-
-        ``need`` may be a function, called once this thread may spill (another thread may have
-        been spilling meanwhile): what is still needed then, measured, not estimated before.
-        """
+        up to ``need`` bytes to host memory; the device bytes they held. ``need`` may be a
+        function, called once this thread may spill: what is still needed then, measured."""
         with self._spill_lock:
             self._local.active = True
             try:

@@ -237,8 +237,7 @@ class WorkerPressure:
 
     def carry_history(self, previous: WorkerPressure) -> None:
         """Take over ``previous``'s OOM events and running totals, device by device (a
-        re-registration replacing it): the events are kept like the peaks are, and the OOM
-        count still matches the events listed."""
+        re-registration replacing it), so that the OOM count still matches the events listed."""
         for device, dp in self.devices.items():
             old = previous.devices.get(device)
             if old is None:
