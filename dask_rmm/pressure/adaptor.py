@@ -173,10 +173,8 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
 
     def _record_failure(self, error: MemoryError, nbytes: int, spilled: int) -> None:
         self._events.append((time.time(), "fail", nbytes, 0, self._task_key()))
-        try:
+        with contextlib.suppress(Exception):  # forensics never change the error the caller sees
             self.handler.record_oom(error, nbytes, spilled, self.recent_events())
-        except Exception:  # forensics must never change the error the caller sees
-            pass
 
     def deallocate(self, ptr: int, nbytes: int, stream: Stream = DEFAULT_STREAM) -> None:
         self._upstream_deallocate(ptr, nbytes, stream)

@@ -85,13 +85,11 @@ def spill_batch() -> Iterator[None]:
     and Numba arrays do not say which stream wrote them; victims chosen together are outputs
     nothing references, so the first synchronization covers all)."""
     outer = getattr(_batch, "synchronized", None)
-    if outer is None:
-        _batch.synchronized = set()
+    _batch.synchronized = set() if outer is None else outer
     try:
         yield
     finally:
-        if outer is None:
-            _batch.synchronized = None
+        _batch.synchronized = outer
 
 
 def _synchronize(device: int, synchronize: Callable[[], Any]) -> None:
