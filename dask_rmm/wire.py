@@ -323,35 +323,13 @@ class DeviceSample:
         """Read a wire entry; missing or malformed fields take their default, unknown ones are
         ignored (``extra`` sets the fields of a subclass)."""
         values = {k: _READERS[k](v) for k, v in d.items() if k in _READERS}
-        groups = []
-        for g in _rows(d.get("task_groups"), 3):
-            try:
-                groups.append(TaskGroup(str(g[0]), to_int(g[1]), to_int(g[2])))
-            except (IndexError, TypeError, KeyError):
-                continue
         events = tuple(dict(e) for e in _sequence(d.get("oom_events")) if isinstance(e, Mapping))
-        libraries = []
-        for x in _rows(d.get("libraries"), 4):
-            if not isinstance(x, (list, tuple)) or len(x) != 4:
-                continue
-            try:
-                libraries.append(
-                    LibraryShare(str(x[0]), to_int(x[1]), to_int(x[2]), bool(to_int(x[3])))
-                )
-            except (IndexError, TypeError, KeyError):
-                continue
-        peaks = []
-        for p in _rows(d.get("admission_expected_peaks"), 3):
-            try:
-                peaks.append((str(p[0]), to_int(p[1]), to_int(p[2])))
-            except (IndexError, TypeError, KeyError):
-                continue
         return cls(
             **values,
-            task_groups=tuple(groups),
-            libraries=tuple(libraries),
+            task_groups=_read_rows(d, "task_groups", TaskGroup),
+            libraries=_read_rows(d, "libraries", lambda n, u, c, o: LibraryShare(n, u, c, bool(o))),
             oom_events=events,
-            admission_expected_peaks=tuple(peaks),
+            admission_expected_peaks=_read_rows(d, "admission_expected_peaks", lambda *p: p),
             error=str(d["error"]) if d.get("error") else None,
             **extra,
         )
@@ -463,6 +441,16 @@ def _rows(value: Any, width: int) -> Any:
     if not value or type(value[0]) in (list, tuple):
         return value
     return [value[i : i + width] for i in range(0, len(value) - width + 1, width)]
+
+
+def _read_rows(d: Mapping[str, Any], key: str, make: Any) -> tuple:
+    """The rows of the :data:`ROW_FIELDS` field ``key``, each ``make(str, int, ...)``: a row
+    that is no list or is too short is skipped, a number that is none reads 0 (never raises)."""
+    width, out = ROW_FIELDS[key], []
+    for row in _rows(d.get(key), width):
+        if type(row) in (list, tuple) and len(row) >= width:
+            out.append(make(str(row[0]), *map(to_int, row[1:width])))
+    return tuple(out)
 
 
 def _sequence(value: Any) -> Any:

@@ -12,8 +12,7 @@ import html
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from time import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlencode
 
 import numpy as np
@@ -28,9 +27,6 @@ from dask_rmm.report.memory_report import (
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
 from dask_rmm.wire import fragmentation
-
-if TYPE_CHECKING:
-    from dask_rmm.scheduler.cluster_total import TotalSnapshot
 
 __all__ = ["SORT_KEYS", "ReportRequest", "Snapshot"]
 
@@ -142,30 +138,11 @@ class _Device:
 
 
 class Snapshot:
-    """The plugin's records at one moment (made on the event loop by :meth:`take`); :meth:`build`
+    """The plugin's records at one moment (made on the event loop by the plugin); :meth:`build`
     makes the report from it in any thread."""
 
     def __init__(self, request: ReportRequest, records: list[_Record], total: Any, meta: dict):
         self.request, self.records, self.total, self.meta = request, records, total, meta
-
-    @classmethod
-    def take(
-        cls,
-        request: ReportRequest,
-        records: list[Any],
-        total: TotalSnapshot | None,
-        scheduler: str,
-        timeline_length: int,
-        without: list[str],
-    ) -> Snapshot:
-        rows = [cls.record(r) for r in records]
-        meta = {  # the report's own fields
-            "time": time(),
-            "scheduler": scheduler,
-            "timeline_length": timeline_length,
-            "workers_without_dask_rmm": tuple(without),
-        }
-        return cls(request, rows, total, meta)
 
     @staticmethod
     def record(r: Any) -> _Record:
@@ -243,24 +220,20 @@ class Snapshot:
     def _timeline(self, pts: np.ndarray) -> tuple:
         return tuple(map(tuple, self._points(pts).tolist()))
 
-    def _total_timeline(self, pts: np.ndarray | None) -> tuple:
-        if pts is None:
-            return ()
-        # The not-yet-final part can hold a point per sample of every device: never more
-        # than a device's timeline holds.
-        width = self.request.width or max(1, self.meta["timeline_length"] // 2)
-        return self._timeline(downsample(pts, width))
-
     def build(self, arrays: dict | None = None) -> ClusterMemoryReport:
         """The report (totals over every device; the devices and timelines asked for). With
         ``arrays``, the devices' timelines go there as numpy arrays by ``(worker, device)``
         instead of into the report (millions of small tuples kept at once make the garbage
         collector's full passes, which hold the GIL, long)."""
         devices = self.devices()
-        peak, total_points = (None, None)
+        peak, total_timeline = None, ()
         if self.total is not None:
-            peak, total_points = self.total.points()
-            peak = peak if len(total_points) else None
+            peak, points = self.total.points()
+            peak = peak if len(points) else None
+            # The not-yet-final part can hold a point per sample of every device: never more
+            # than a device's timeline holds.
+            width = self.request.width or max(1, self.meta["timeline_length"] // 2)
+            total_timeline = self._timeline(downsample(points, width))
         shown, note = self._select(devices)
         made = []
         for x in shown:
@@ -278,20 +251,20 @@ class Snapshot:
             devices=tuple(made),
             errors=tuple(errors),
             cluster_totals=self.totals(devices, peak),
-            total_timeline=self._total_timeline(total_points),
+            total_timeline=total_timeline,
             selection=note,
             **self.meta,
         )
-
-    def render(self, form: str) -> Any:
-        """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
-        return self.export(lambda snap: snap._render(form))
 
     def export(self, build: Any) -> Any:
         """``build(self)`` with the garbage collector paused and the interpreter switching
         threads more often (see :func:`_building`)."""
         with _building():
             return build(self)
+
+    def render(self, form: str) -> Any:
+        """:meth:`build`, as a report ("report"), JSON text ("json") or the web page ("html")."""
+        return self.export(lambda snap: snap._render(form))
 
     def _render(self, form: str) -> Any:
         if form in ("json", "json-pieces", "json-bytes"):

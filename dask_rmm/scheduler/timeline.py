@@ -525,16 +525,16 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def _take(self, request: ReportRequest, records: list) -> Snapshot:
         s = self.scheduler
-        return Snapshot.take(
-            request,
-            records=records,
-            total=self._total.snapshot(),
-            scheduler=s.address if s is not None else "",
-            timeline_length=self.timeline_length or 0,
-            without=[
+        meta = {  # the report's own fields
+            "time": time(),
+            "scheduler": s.address if s is not None else "",
+            "timeline_length": self.timeline_length or 0,
+            "workers_without_dask_rmm": tuple(
                 a for a, ws in (s.workers.items() if s else ()) if METRICS_KEY not in ws.metrics
-            ],
-        )
+            ),
+        }
+        rows = [Snapshot.record(r) for r in records]
+        return Snapshot(request, rows, self._total.snapshot(), meta)
 
     async def _catch_up(self) -> None:
         """Read every heartbeat not read yet and compact the timelines they filled, as
