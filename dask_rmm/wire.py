@@ -1,11 +1,7 @@
-"""The heartbeat and report format: the only place its key, versions and field names are defined.
-
-Workers publish ``worker.metrics[METRICS_KEY]`` (:func:`heartbeat`); the scheduler keeps a timeline
-per device and serves the report document (``ClusterMemoryReport.to_dict()``): the report, the
-dashboard, ``/dask-rmm/report.json``, ``dask rmm report --json`` and Prometheus. To add a
-per-device field, add it to :class:`DeviceSample` with a default (a heartbeat leaves out the
-fields at theirs; ``_exported(...)`` also exports it to Prometheus). No Dask, no CUDA here.
-"""
+"""The heartbeat and report format: the only place its key, versions and field names are defined
+(docs/reports.md). To add a per-device field, add it to :class:`DeviceSample` with a default (a
+heartbeat leaves out the fields at theirs; ``_exported(...)`` also exports it to Prometheus). No
+Dask, no CUDA here."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The cluster's memory over time: the sum over devices of each device's latest sample, kept
-as samples arrive (vectorized, a batch at a time), so that the cluster's peak is exact, costs no
-pass over every device's timeline, and survives workers that leave or restart. Not here: the
-devices' own timelines (``resolution.py``), the plugin that feeds it (``timeline.py``).
-"""
+"""The cluster's memory over time: the sum over devices of each device's latest sample, kept as
+samples arrive, so its peak is exact and survives workers that leave. Not here: the devices' own
+timelines (``resolution.py``), the plugin that feeds it (``timeline.py``)."""
 
 from __future__ import annotations
 

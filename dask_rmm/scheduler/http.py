@@ -1,12 +1,10 @@
-"""The read-only /dask-rmm pages on the scheduler's HTTP server: the report as HTML (timeline as
-inline SVG, no JavaScript) and /dask-rmm/report.json (the report document, as ``dask rmm report
---json`` prints it), both built off the event loop. Added at runtime by
-SchedulerTimelinePlugin.start, or at scheduler start by listing this module in
-``distributed.scheduler.http.routes``.
-"""
+"""The read-only /dask-rmm pages on the scheduler's HTTP server (the HTML report, report.json,
+per-device metrics), built off the event loop; added by SchedulerTimelinePlugin.start, or at start
+by listing this module in ``distributed.scheduler.http.routes``. Not here: building reports."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -80,17 +78,10 @@ class _ReportHandler(RequestHandler):
 
     def _int(self, name: str, least: int, what: str) -> int | None:
         value = self.get_query_argument(name, None)
-        if value is None:
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            number = None
-        if number is None or number < least:
-            raise web.HTTPError(
-                400, f"{name} must be {what}, a whole number >= {least}; got {value!r}"
-            )
-        return number
+        with contextlib.suppress(ValueError):
+            if value is None or int(value) >= least:
+                return None if value is None else int(value)
+        raise web.HTTPError(400, f"{name} must be {what}, a whole number >= {least}; got {value!r}")
 
     def compute_etag(self) -> None:
         # tornado hashes the whole body on the event loop for an ETag (150 ms for the 70 MB of

@@ -1,11 +1,6 @@
-"""Prometheus metrics for dask-rmm. On the scheduler's /metrics: cluster totals
-(``dask_rmm_cluster_*``, worker and device counts) always, and one series per running worker
-device for each :data:`dask_rmm.wire.GAUGES` field (plus fragmentation, libraries, memory outside
-dask-rmm) while the cluster has at most ``dask-rmm.scheduler.prometheus-device-limit`` devices
-(prometheus_client formats every series of /metrics on the event loop). On /dask-rmm/metrics
-(``http.py``): the per-device series of every device at any cluster size, made in the report
-thread once per shared snapshot and served as it is. Needs prometheus_client (optional).
-"""
+"""Prometheus metrics for dask-rmm (needs prometheus_client): cluster totals on /metrics, per-device
+series there up to ``prometheus-device-limit`` devices and at any size on /dask-rmm/metrics
+(docs/reports.md). Not here: the pages (``http.py``)."""
 
 from __future__ import annotations
 
@@ -91,12 +86,6 @@ def _in_loop() -> bool:
     return True
 
 
-def _device_limit() -> int:
-    return dask.config.get(
-        "dask-rmm.scheduler.prometheus-device-limit", default=DEFAULT_DEVICE_LIMIT
-    )
-
-
 def snapshot_families(snap: Snapshot) -> list:
     """Every family of ``/metrics`` made from ``snap`` (any thread): the workers, devices and
     cluster totals, and the per-device families up to ``prometheus-device-limit`` devices."""
@@ -131,7 +120,8 @@ def _families(totals: ClusterTotals, peak: int, per_device: Callable[[], list]) 
         )
         family.add_metric([], peak)
         made.append(family)
-    if totals.devices <= _device_limit():
+    limit = dask.config.get("dask-rmm.scheduler.prometheus-device-limit", DEFAULT_DEVICE_LIMIT)
+    if totals.devices <= limit:
         made += per_device()
     return made
 

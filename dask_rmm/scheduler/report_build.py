@@ -1,8 +1,5 @@
-"""Building a report from the plugin's records at any cluster size: a snapshot taken on the event
-loop (references only), then, in any thread, the totals over every device, the devices asked for
-(worker filter, sort, top N) and their timelines at the resolution asked for. Not here: keeping
-the records (``timeline.py``), rendering (``dask_rmm.report``).
-"""
+"""Building a report from a snapshot of the plugin's records (taken on the event loop, built in any
+thread). Not here: keeping the records (``timeline.py``), rendering (``dask_rmm.report``)."""
 
 from __future__ import annotations
 
@@ -86,10 +83,6 @@ class ReportRequest:
         if unknown:
             raise TypeError(f"unknown dask_rmm_report arguments {unknown}; known: {list(fields)}")
         return cls(**{k: v for k, v in query.items() if v is not None})
-
-    @property
-    def order(self) -> str:
-        return self.sort or "worker"
 
 
 class _Record(NamedTuple):

@@ -59,11 +59,10 @@ class Timeline:
     __slots__ = ("capacity", "factor", "levels", "newest", "_limits", "_batches")
 
     def __init__(self, capacity: int, levels: int = 3, factor: int = 8):
-        for name, value, least in (("capacity", capacity, 2), ("levels", levels, 1)):
+        bounds = {"capacity": (capacity, 2), "levels": (levels, 1), "factor": (factor, 2)}
+        for name, (value, least) in bounds.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Timeline {name} must be an int >= {least}, got {value!r}")
-        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
-            raise ValueError(f"Timeline factor must be an int >= 2, got {factor!r}")
         self.capacity = capacity
         self.factor = factor
         # Level 0 takes half the points; a level above the last passes on half of its points

@@ -1,10 +1,6 @@
-"""The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps, from the
-``WorkerState.metrics[wire.METRICS_KEY]`` each heartbeat brings, a timeline of a fixed number of
-points per worker device and the cluster's summed timeline, and serves the report built off
-the event loop. Not here: HTTP pages (``http.py``), Prometheus (``prometheus.py``), the
-timeline's resolutions (``resolution.py``), the summed timeline (``cluster_total.py``), building
-the report (``report_build.py``), rendering (``dask_rmm.report``).
-"""
+"""The scheduler side of cluster memory reports: ``SchedulerTimelinePlugin`` keeps each worker
+device's timeline and the cluster total from the heartbeats and serves reports. Not here: pages,
+Prometheus, resolutions, the total, building and rendering (their own modules)."""
 
 from __future__ import annotations
 

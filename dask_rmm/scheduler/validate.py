@@ -1,13 +1,6 @@
-"""The bounds on a worker's dask-rmm heartbeat, enforced when the scheduler reads it: counts,
-string lengths, nesting and times, so that no worker (a bug, a wrong clock, a hand-made client)
-can grow the scheduler's memory, a page's time or a chart's axis without bound.
-
-Types are not checked: readers take fields through ``DeviceSample.from_dict`` or
-:func:`dask_rmm.wire.to_int`, which never raise. What is beyond a bound is left out (an entry, a
-field, a device or a sample), counted, and named in the problems, which the plugin shows as the
-worker's error and logs once per worker and kind a minute. Not here: keeping the records
-(``timeline.py``).
-"""
+"""The bounds on a worker's dask-rmm heartbeat, enforced when the scheduler reads it (counts,
+lengths, nesting, times): what is beyond one is left out, counted and named as the worker's error
+(docs/reports.md); types are not checked (the readers never raise). Not here: the records."""
 
 from __future__ import annotations
 
