@@ -13,9 +13,6 @@ from dask_rmm.wire import SAMPLE_STRUCT
 
 __all__ = ["ClusterTotal", "TotalSnapshot"]
 
-#: A sample as a change of the sum: its time and how much the device's current bytes and
-#: ``max_bytes_in_interval`` moved since its previous sample.
-_CHANGE = np.dtype([("t", "<f8"), ("c", "<i8"), ("m", "<i8")])
 #: Arrays of waiting changes kept before they are merged into one: a safety net (a device
 #: ahead of the others leaves a part of every batch waiting; the scheduler accepts sample times
 #: up to 60 s ahead and ``max_lag`` 30 s behind, so about 180 arrays at most at one a 0.5 s).
@@ -71,8 +68,7 @@ class ClusterTotal:
         # Per row (numpy, read and updated a batch at a time; grown by doubling): the latest
         # (current, max) arrived, the largest max_bytes_in_interval arrived, the newest sample
         # time arrived and whether it runs.
-        self._latest_c = np.zeros(16, np.int64)
-        self._latest_m = np.zeros(16, np.int64)
+        self._latest = np.zeros((2, 16), np.int64)
         self._row_peak = np.zeros(16, np.int64)
         self._newest = np.full(16, -np.inf)
         self._running = np.zeros(16, bool)
@@ -80,7 +76,9 @@ class ClusterTotal:
         self._free: list[int] = []
         self._rows: list[int] = []  # rows and their packed samples not yet changes
         self._blobs: list[bytes] = []
-        self._waiting: list[np.ndarray] = []  # of _CHANGE, each in time order
+        self._pending: set[int] = set()  # the rows in _rows (each once: add)
+        # Changes (_columns: time, current, max) waiting for the watermark, each in time order.
+        self._waiting: list[np.ndarray] = []
         self._sum = np.zeros(2, np.int64)  # the final sum (current, max)
         self._final_time = float("-inf")
 
@@ -94,17 +92,17 @@ class ClusterTotal:
             row, self._n = self._n, self._n + 1
             if row == len(self._row_peak):
                 self._grow()
-        self._latest_c[row] = self._latest_m[row] = 0
+        self._latest[:, row] = 0
         self._row_peak[row] = 0
         self._newest[row] = float("-inf")
         self._running[row] = True
         return row
 
     def _grow(self) -> None:
-        for name in ("_latest_c", "_latest_m", "_row_peak", "_newest", "_running"):
+        for name in ("_latest", "_row_peak", "_newest", "_running"):
             a = getattr(self, name)
             fill = -np.inf if name == "_newest" else 0
-            setattr(self, name, np.concatenate([a, np.full(len(a), fill, a.dtype)]))
+            setattr(self, name, np.concatenate([a, np.full_like(a, fill)], axis=-1))
 
     @property
     def rows(self) -> int:
@@ -114,6 +112,14 @@ class ClusterTotal:
     def add(self, rows: list[int], blobs: list[bytes], newest: list[float]) -> None:
         """Packed samples of each of ``rows`` (oldest first, all newer than the row's previous
         ones), the newest at time ``newest``: the work is done a batch at a time."""
+        if not self._pending.isdisjoint(rows) or len(set(rows)) < len(rows):
+            # A row's samples change the sum from its previous ones: once a row a batch.
+            for row, blob, t in zip(rows, blobs, newest, strict=True):
+                if row in self._pending:
+                    self._take_chunks()
+                self.add([row], [blob], [t])
+            return
+        self._pending.update(rows)
         self._rows += rows
         self._blobs += blobs
         self._newest[rows] = newest
@@ -123,12 +129,12 @@ class ClusterTotal:
         """The row's device is gone: it counts 0 from just after its newest sample."""
         self._take_chunks()
         newest = float(self._newest[row])
-        c, m = int(self._latest_c[row]), int(self._latest_m[row])
+        c, m = self._latest[:, row].tolist()
         if newest > float("-inf") and (c or m):
-            zero = np.zeros(1, _CHANGE)
-            zero["t"], zero["c"], zero["m"] = np.nextafter(newest, np.inf), -c, -m
+            zero = np.array([[0], [-c], [-m]], np.int64)
+            _t(zero)[0] = np.nextafter(newest, np.inf)
             self._waiting.append(zero)
-        self._latest_c[row] = self._latest_m[row] = 0
+        self._latest[:, row] = 0
         self._running[row] = False
 
     def release(self, row: int) -> None:
@@ -144,47 +150,28 @@ class ClusterTotal:
         """The samples added since the last call, as changes (one more waiting array, in time
         order)."""
         chunks, blobs, self._rows, self._blobs = self._rows, self._blobs, [], []
+        self._pending = set()
         if not chunks:
             return
-        rows = np.array(chunks, np.int64)
-        raw = np.frombuffer(b"".join(blobs), SAMPLE_DTYPE)
+        rows = np.array(chunks, np.int64)  # each once (add)
+        x = _columns(b"".join(blobs))
         counts = np.fromiter(map(len, blobs), np.int64, len(blobs)) // SAMPLE_STRUCT.size
         if self.rows > self.exact_rows:
-            raw, counts = _coarsen(raw, counts, self.coarse)
-        ends = np.cumsum(counts)
-        starts = ends - counts
-        ends -= 1
-        c, m = raw["c"], raw["m"]
-        # Within a chunk, each sample changes the sum by its difference to the one before; a
-        # chunk's first sample by its difference to its row's latest: the chunk before of the
-        # same row in this batch (a row may have chunks of several heartbeats here), else the
-        # row's latest from earlier batches.
-        order = np.argsort(rows, kind="stable")
-        by_row = rows[order]
-        follows = np.zeros(len(chunks), bool)  # in ``order``: the row's chunk before is here
-        follows[1:] = by_row[1:] == by_row[:-1]
-        before = np.empty(len(chunks), np.int64)  # in ``order``: that chunk's last sample
-        before[1:] = ends[order[:-1]]
-        first_c = self._latest_c[by_row]
-        first_m = self._latest_m[by_row]
-        first_c[follows] = c[before[follows]]
-        first_m[follows] = m[before[follows]]
-        last = np.ones(len(chunks), bool)  # in ``order``: the row's last chunk here
-        last[:-1] = ~follows[1:]
-        self._latest_c[by_row[last]] = c[ends[order[last]]]
-        self._latest_m[by_row[last]] = m[ends[order[last]]]
-        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(m, starts))
-        previous_c = np.empty_like(c)
-        previous_m = np.empty_like(m)
-        previous_c[1:], previous_m[1:] = c[:-1], m[:-1]
-        previous_c[starts[order]], previous_m[starts[order]] = first_c, first_m
-        change = np.empty(len(raw), _CHANGE)
-        change["t"] = raw["t"]
-        change["c"], change["m"] = c - previous_c, m - previous_m
+            x, counts = _coarsen(x, counts, self.coarse)
+        starts = np.cumsum(counts) - counts
+        # Each sample changes the sum by its difference to the one before; a chunk's first
+        # sample by its difference to its row's latest.
+        change = np.empty_like(x)
+        change[0] = x[0]
+        np.subtract(x[1:, 1:], x[1:, :-1], out=change[1:, 1:])
+        change[1:, starts] = np.take(x[1:], starts, axis=1) - np.take(self._latest, rows, axis=1)
+        self._latest[:, rows] = np.take(x[1:], starts + counts - 1, axis=1)
+        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(x[2], starts))
+        change = _merge_same_times(change, counts, starts)
         # Changes at the same time count together (a point is the sum after all of them), so
         # their order is free: an unstable sort (introsort, SIMD where numpy has it) took half
         # of timsort's time for a poll's interleaved chunks (bench/README.md, issue 45 item 3).
-        self._waiting.append(change[np.argsort(change["t"])])
+        self._waiting.append(np.take(change, np.argsort(_t(change)), axis=1))
 
     def advance(self, now: float) -> None:
         """Sum every change up to the watermark into :attr:`timeline` and :attr:`peak`."""
@@ -197,20 +184,20 @@ class ClusterTotal:
         watermark = max(watermark, now - self.max_lag)
         final, waiting = [], []
         for changes in self._waiting:  # each in time order
-            cut = int(np.searchsorted(changes["t"], watermark, side="right"))
+            cut = int(np.searchsorted(_t(changes), watermark, side="right"))
             if cut:
-                final.append(changes[:cut])
-            if cut < len(changes):
+                final.append(changes[:, :cut])
+            if cut < changes.shape[1]:
                 # A view keeps its whole array alive: copy once most of it is summed.
-                rest = changes[cut:]
-                waiting.append(rest.copy() if rest.base is not None and cut > len(rest) else rest)
+                rest = changes[:, cut:]
+                waiting.append(rest.copy() if cut > rest.shape[1] else rest)
         if len(waiting) > MAX_WAITING_ARRAYS:
-            merged = np.concatenate(waiting)
-            waiting = [merged[np.argsort(merged["t"], kind="stable")]]
+            merged = np.concatenate(waiting, axis=1)
+            waiting = [np.take(merged, np.argsort(_t(merged)), axis=1)]
         self._waiting = waiting
         if not final:
             return
-        points = _sum_changes(np.concatenate(final), self._sum, self._final_time)
+        points = _sum_changes(np.concatenate(final, axis=1), self._sum, self._final_time)
         self._sum = np.array([points["c"][-1], points["m"][-1]], np.int64)
         self._final_time = float(points["t"][-1])
         self.timeline.append_packed(points.tobytes())
@@ -233,53 +220,91 @@ class ClusterTotal:
     def waiting(self) -> int:
         """Samples held back until every running device has caught up."""
         chunks = sum(map(len, self._blobs)) // SAMPLE_DTYPE.itemsize
-        return sum(len(w) for w in self._waiting) + chunks
+        return sum(w.shape[1] for w in self._waiting) + chunks
+
+
+def _columns(blob: bytes) -> np.ndarray:
+    """Packed samples as the ``(3, n)`` int64 array the total works on (rows: the times'
+    float64 bits, :func:`_t`; current bytes; ``max_bytes_in_interval``): numpy gathers, masks
+    and sums a few contiguous rows many times faster than a record array's fields."""
+    return np.frombuffer(blob, np.int64).reshape(-1, 3).T.copy()
+
+
+def _t(a: np.ndarray) -> np.ndarray:
+    """The times of :func:`_columns` ``a``."""
+    return a[0].view(np.float64)
 
 
 def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> np.ndarray:
-    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes``, starting from the sum
-    ``start`` (current, max); a change at or before ``final_time`` (late) counts just after it."""
-    t = changes["t"]
-    late = t <= final_time
+    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes`` (:func:`_columns`),
+    starting from the sum ``start`` (current, max); a change at or before ``final_time``
+    (late) counts just after it."""
+    late = _t(changes) <= final_time
     if late.any():
-        t = t.copy()
-        t[late] = np.nextafter(final_time, np.inf)
-    order = np.argsort(t, kind="stable")
-    times = t[order]
-    c = _cumsum(start[0], changes["c"][order])
-    m = _cumsum(start[1], changes["m"][order])
+        changes = changes.copy()
+        _t(changes)[late] = np.nextafter(final_time, np.inf)
+    changes = np.take(changes, np.argsort(_t(changes)), axis=1)  # at one time: order free
+    times = _t(changes)
     # Samples at the same time count together (the sum after all of them).
     end = np.ones(len(times), bool)
     end[:-1] = times[1:] != times[:-1]
     points = np.empty(int(end.sum()), SAMPLE_DTYPE)
-    points["t"], points["c"], points["m"] = times[end], c[end], m[end]
+    points["t"] = times[end]
+    points["c"], points["m"] = np.compress(end, _cumsum(start, changes[1:]), axis=1)
     return points
 
 
-def _coarsen(a: np.ndarray, counts: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-    """Samples ``a`` of chunks of ``counts`` samples, each chunk's a ``seconds`` bucket at a
-    time: the bucket's last time and current bytes, its largest ``max_bytes_in_interval`` (one
-    numpy pass over all chunks). Returns the samples, chunk after chunk, and how many each
-    chunk has."""
+def _merge_same_times(changes: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``changes`` (:func:`_columns`) of chunks of ``counts`` samples, those of each chunk whose
+    times are those of the chunk before it (a worker's devices, sampled together) added into
+    that one's: fewer changes to sort, the same sums (a point is the sum after every change at
+    its time). Where the added changes could wrap an int64, none are."""
+    n = len(counts)
+    same = np.zeros(n, bool)
+    same[1:] = (counts[1:] == counts[:-1]) & (counts[1:] > 0)
+    if not same.any():
+        return changes
+    t = _t(changes)
+    k = np.arange(len(t))
+    shift = np.repeat(np.where(same, counts, 0), counts)  # the same place in the chunk before
+    same &= np.logical_and.reduceat(t == t[k - shift], starts)
+    if not same.any() or int(np.abs(changes[1:]).max()) * n >= _SAFE:
+        return changes
+    lead = np.where(same, 0, np.arange(n))  # each chunk's first chunk of these times
+    np.maximum.accumulate(lead, out=lead)
+    offset = np.repeat((np.arange(n) - lead) * counts, counts)
+    moved = offset > 0
+    to = (k - offset)[moved]
+    np.add.at(changes[1], to, changes[1][moved])
+    np.add.at(changes[2], to, changes[2][moved])
+    return np.compress(~moved, changes, axis=1)
+
+
+def _coarsen(x: np.ndarray, counts: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``x`` (:func:`_columns`) of chunks of ``counts`` samples, each chunk's a
+    ``seconds`` bucket at a time: the bucket's last time and current bytes, its largest
+    ``max_bytes_in_interval`` (one numpy pass over all chunks). Returns the samples, chunk after
+    chunk, and how many each chunk has."""
     chunk = np.repeat(np.arange(len(counts)), counts)
-    bucket = np.floor(a["t"] / seconds)
-    first = np.ones(len(a), bool)
+    bucket = np.floor(_t(x) / seconds)
+    first = np.ones(len(bucket), bool)
     first[1:] = (bucket[1:] != bucket[:-1]) | (chunk[1:] != chunk[:-1])
     starts = np.flatnonzero(first)
-    ends = np.r_[starts[1:], len(a)] - 1
-    out = np.empty(len(starts), SAMPLE_DTYPE)
-    out["t"], out["c"] = a["t"][ends], a["c"][ends]
-    out["m"] = np.maximum.reduceat(a["m"], starts)
+    out = np.take(x, np.r_[starts[1:], len(bucket)] - 1, axis=1)
+    out[2] = np.maximum.reduceat(x[2], starts)
     return out, np.bincount(chunk[starts], minlength=len(counts))
 
 
-def _cumsum(start: np.int64, changes: np.ndarray) -> np.ndarray:
-    """``start`` plus the running sum of ``changes``, never wrapping: where an int64 could
-    overflow (it cannot with the scheduler's bounds on what a device sends, but the bounds are
-    per device) the sum is taken in float and held to the int64 range."""
-    if abs(float(start)) + float(np.abs(changes.astype(np.float64)).sum()) < _SAFE:
-        return start + np.cumsum(changes)
-    total = float(start) + np.cumsum(changes.astype(np.float64))
+def _cumsum(start: np.ndarray, changes: np.ndarray) -> np.ndarray:
+    """``start`` (a column each row of ``changes``) plus the running sums of ``changes``'
+    rows, never wrapping: where an int64 could overflow (it cannot with the scheduler's
+    bounds on what a device sends, but the bounds are per device) the sums are taken in float
+    and held to the int64 range."""
+    start = start[:, None]
+    largest = np.abs(start).max() + np.abs(changes.astype(np.float64)).sum(axis=1).max()
+    if float(largest) < _SAFE:
+        return start + np.cumsum(changes, axis=1)
+    total = start + np.cumsum(changes.astype(np.float64), axis=1)
     return np.clip(total, -_SAFE, _SAFE).astype(np.int64)
 
 
@@ -300,6 +325,8 @@ class TotalSnapshot(NamedTuple):
         final = np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
         if not self.waiting:
             return self.peak, final
-        provisional = _sum_changes(np.concatenate(self.waiting), self.total, self.final_time)
+        provisional = _sum_changes(
+            np.concatenate(self.waiting, axis=1), self.total, self.final_time
+        )
         peak = max(self.peak, int(provisional["m"].max()))
         return peak, np.concatenate([final, provisional])

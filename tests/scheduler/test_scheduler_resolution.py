@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from dask_rmm.report.memory_report import peak_of_sum
+from dask_rmm.report.memory_report import peak_of_sum, summed_series
 from dask_rmm.scheduler.cluster_total import ClusterTotal
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, Timeline, compact_all, downsample
 from dask_rmm.wire import pack_samples, unpack_samples
@@ -160,6 +160,48 @@ def test_cluster_total_equals_the_peak_of_the_summed_full_resolution_timelines(s
     total.advance(now=1e9)
     assert total.waiting == 0 and total.peak == peak
     assert total.snapshot().points()[1]["c"][-1] == sum(r[-1][1] for r in raw if r)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cluster_total_of_workers_whose_devices_share_sample_times_is_the_summed_series(seed):
+    """A worker samples its devices together, so their changes of one time count as one (fewer
+    to sort); a worker's heartbeats may come twice in one batch, in one call or two."""
+    rng = random.Random(seed)
+    total = ClusterTotal(Timeline(100_000), max_lag=1e9)
+    workers = [[total.add_row() for _ in range(rng.randint(1, 4))] for _ in range(8)]
+    clocks = [1e9 + rng.choice([0.0, 0.05, rng.random()]) for _ in workers]
+    raw: dict[int, list] = {row: [] for rows in workers for row in rows}
+    for batch in range(30):  # every device in the first (none is late: it holds the others)
+        calls = []
+        some = rng.sample(range(len(workers)), rng.randint(1, len(workers)))
+        for w in range(len(workers)) if batch == 0 else some:
+            for _ in range(rng.choice([1, 1, 2])):  # sometimes two heartbeats of one worker
+                times = []
+                for _ in range(rng.randint(1, 4)):
+                    clocks[w] += rng.choice([0.1, 0.1, 0.3])
+                    times.append(clocks[w])
+                rows, blobs = [], []
+                for row in workers[w]:
+                    if batch and rng.random() < 0.1:  # a device without samples this time
+                        continue
+                    samples = []
+                    for t in times:
+                        current = rng.randrange(1 << 30)
+                        samples.append([t, current, current + rng.randrange(1 << 20)])
+                    raw[row] += samples
+                    rows.append(row)
+                    blobs.append(pack_samples(samples))
+                calls.append((rows, blobs, [times[-1]] * len(rows)))
+        if rng.random() < 0.5:  # the batch in one call
+            calls = [tuple(sum((list(c[i]) for c in calls), []) for i in range(3))]
+        for call in calls:
+            total.add(*call)
+        total.advance(now=0.0)
+    points = total.snapshot().points()[1]
+    series = list(raw.values())
+    for column, field in ((1, "c"), (2, "m")):
+        expected = summed_series([([(s[0], s[column]) for s in r], False) for r in series])
+        assert list(zip(points["t"].tolist(), points[field].tolist(), strict=True)) == expected
 
 
 def test_cluster_total_counts_a_stopped_device_as_zero_after_its_last_sample():
