@@ -678,6 +678,24 @@ def test_absurd_times_are_dropped_counted_and_stretch_no_chart():
     plugin._stop()
 
 
+@pytest.mark.parametrize("column", [1, 2])
+@pytest.mark.parametrize("value", [-1, -(2**63), (1 << 50) + 1, 2**63 - 1])
+def test_sample_bytes_outside_the_bounds_in_either_column_are_dropped(column, value):
+    """Current bytes or ``max_bytes_in_interval`` alone out of ``[0, 2**50]``, in one blob of a
+    batch of valid ones: that sample is dropped and named, the others are kept whole."""
+    from dask_rmm.scheduler.validate import check_samples
+
+    now = time.time()
+    good = [[now - 2, MiB, MiB], [now - 1, 2 * MiB, 2 * MiB]]
+    bad = [list(row) for row in good]
+    bad[1][column] = value
+    blobs = [pack_samples(good), pack_samples(bad), pack_samples(good)]
+    news, lasts, problems = check_samples(blobs, now, [-math.inf] * 3)
+    assert news == [blobs[0], pack_samples(good[:1]), blobs[2]]
+    assert lasts == [now - 1, now - 2, now - 1]
+    assert list(problems) == [1] and "1 with bytes outside [0, 2**50]" in problems[1][1]
+
+
 # -- devices that vanish ------------------------------------------------------------------------------
 
 
