@@ -319,7 +319,8 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
             )
 
         cli = [sys.executable, "-m", "dask_rmm.cli", "report", s.address, "--timeout", "300"]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)  # the GPU host's packages are on PYTHONPATH
 
         async def one_shot():
             proc = await asyncio.create_subprocess_exec(

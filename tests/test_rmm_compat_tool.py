@@ -119,7 +119,12 @@ def test_runner_runs_each_file_in_its_own_process(tmp_path):
         capture_output=True,
         text=True,
         timeout=200,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # The repository first, then what the caller's path had (on the GPU host, the wheels'
+        # folder that holds distributed): replacing it made the child unable to import dask_rmm.
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
