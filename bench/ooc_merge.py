@@ -14,9 +14,13 @@ With cuDF and dask_cudf importable, the tables are dask_cudf DataFrames merged b
 and joined per partition by sort and search (the script says which ran). Every round checks the
 join's row count and checksum against the expected ones. Per configuration: rounds completed,
 median and range of their times, failed rounds, out-of-memory errors seen, bytes spilled (where
-the setup reports them). dask-cuda's clusters start fresh for each turn (their RMM pool is held
-for good); dask-rmm's stay up across rounds, so that admission keeps what it learned in an
-untimed warm-up merge, and give their free memory back to the device after each turn.
+the setup reports them). Each configuration's turn has the device alone: it starts its own
+one-worker cluster, runs an untimed warm-up merge of ``--warm-parts`` partitions of the same size
+(same task names and shapes: admission learns the peaks; kernels, imports and pools warm up),
+then the timed merge, and closes the cluster. (Kept across rounds, clusters held their caches and
+CUDA contexts side by side: on an H100 with 4 GiB free, the second dask-rmm worker could not
+start, cudaErrorDevicesUnavailable, 2026-12-07.) A setup that fails to start counts as a failed
+round.
 
     python bench/ooc_merge.py --rounds 5 --free-gib 4 [--json out.json]
     python bench/ooc_merge.py --host-memory --rounds 2     # a CPU check of the script
@@ -287,6 +291,9 @@ def main() -> None:
     p.add_argument("--parts", type=int, default=16, help="partitions of each table")
     p.add_argument("--skew", type=float, default=0.2, help="share of left rows on one key")
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument(
+        "--warm-parts", type=int, default=2, help="partitions of each turn's untimed warm-up merge"
+    )
     p.add_argument("--arrays", action="store_true", help="the CuPy version even with cuDF")
     p.add_argument("--host-memory", action="store_true", help="host memory, tiny sizes (CPU)")
     p.add_argument("--dry-run", action="store_true", help="print the setups and exit")
@@ -316,52 +323,56 @@ def main() -> None:
         return
     want = expected_arrays(args.parts, rows, keys, args.skew)
 
-    def merge(c: Setup, tag: str) -> tuple[int, float]:
+    def merge(c: Setup, tag: str, parts: int) -> tuple[int, float]:
+        # The same rows a partition (and so the same task sizes) whatever the partition count.
         if use_cudf:
-            return cudf_merge(c.client, args.parts, rows, keys, args.skew, tag)
-        return arrays_merge(c.client, args.parts, rows, keys, args.skew, host, tag)
+            return cudf_merge(c.client, parts, rows, rows * parts, args.skew, tag)
+        return arrays_merge(c.client, parts, rows, rows * parts, args.skew, host, tag)
 
-    with ballast(None if host else args.free_gib):
-        # dask-rmm's clusters stay up (admission keeps what it learned in an untimed warm-up;
-        # their free memory goes back to the device after each turn); dask-cuda's hold their
-        # pool for good, so theirs start fresh for each turn.
-        kept = [c for c in configs if c.kind == "dask-rmm"]
-        for c in kept:
+    def turn(c: Setup, r: int) -> None:
+        """One configuration's turn: its own cluster, an untimed warm-up, the timed merge."""
+        ok, took = False, 0.0
+        try:
             c.start(args.threads, host)
+        except Exception as e:
+            c.error = f"setup: {type(e).__name__}: {str(e)[:200]}"
+        else:
             try:
-                merge(c, "w0")  # key_split drops "w0" as it does "r0": the same prefixes
+                merge(c, f"w{r}", min(args.warm_parts, args.parts))  # key_split: the same prefixes
             except Exception as e:
                 print(f"{c.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
             release(c)
+            before = c.spilled_bytes()
+            start = time.perf_counter()
+            try:
+                got = merge(c, f"r{r}", args.parts)
+                ok = got[0] == want and abs(got[1] - want) < 1e-6 * max(want, 1)
+                if not ok:
+                    c.error = f"wrong result {got}, expected {want} rows"
+            except Exception as e:
+                c.error = f"{type(e).__name__}: {str(e)[:200]}"
+                c.ooms += "out of memory" in str(e).lower() or "OutOfMemory" in type(e).__name__
+            took = time.perf_counter() - start
+            c.spilled += c.spilled_bytes() - before
+        finally:
+            try:
+                c.stop()
+            except Exception as e:
+                print(f"{c.name}: close: {type(e).__name__}: {e}", file=sys.stderr)
+            c.cluster = c.client = None
+        if ok:
+            c.times.append(took)
+        else:
+            c.failed_rounds += 1
+        print(
+            f"round {r} {c.name}: {took:.2f} s {'ok' if ok else 'FAILED ' + c.error}",
+            file=sys.stderr,
+        )
+
+    with ballast(None if host else args.free_gib):
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
-                if c not in kept:
-                    c.start(args.threads, host)
-                before = c.spilled_bytes()
-                start = time.perf_counter()
-                try:
-                    got = merge(c, f"r{r}")
-                    ok = got[0] == want and abs(got[1] - want) < 1e-6 * max(want, 1)
-                    if not ok:
-                        c.error = f"wrong result {got}, expected {want} rows"
-                except Exception as e:
-                    ok = False
-                    c.error = f"{type(e).__name__}: {str(e)[:200]}"
-                    c.ooms += "out of memory" in str(e).lower() or "OutOfMemory" in type(e).__name__
-                took = time.perf_counter() - start
-                c.spilled += c.spilled_bytes() - before
-                if ok:
-                    c.times.append(took)
-                else:
-                    c.failed_rounds += 1
-                print(
-                    f"round {r} {c.name}: {took:.2f} s {'ok' if ok else 'FAILED ' + c.error}",
-                    file=sys.stderr,
-                )
-                if c in kept:
-                    release(c)
-                else:
-                    c.stop()
+                turn(c, r)
             if args.json:
                 keys_ = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
                 Path(args.json).write_text(
@@ -373,8 +384,6 @@ def main() -> None:
                         indent=1,
                     )
                 )
-        for c in kept:
-            c.stop()
     print(
         f"{'setup':26} {'completed':>9} {'median s':>9} {'range':>15} {'OOM rounds':>10} {'spilled':>9}"
     )
