@@ -77,7 +77,7 @@ class ClusterTotal:
         self._rows: list[int] = []  # rows and their packed samples not yet changes
         self._blobs: list[bytes] = []
         self._pending: set[int] = set()  # the rows in _rows (each once: add)
-        # Changes (_columns: time, current, max) waiting for the watermark, each in time order.
+        # Changes (columns, _t: time, current, max) waiting for the watermark, each in time order.
         self._waiting: list[np.ndarray] = []
         self._sum = np.zeros(2, np.int64)  # the final sum (current, max)
         self._final_time = float("-inf")
@@ -154,19 +154,23 @@ class ClusterTotal:
         if not chunks:
             return
         rows = np.array(chunks, np.int64)  # each once (add)
-        x = _columns(b"".join(blobs))
+        raw = np.frombuffer(b"".join(blobs), SAMPLE_DTYPE)
         counts = np.fromiter(map(len, blobs), np.int64, len(blobs)) // SAMPLE_STRUCT.size
         if self.rows > self.exact_rows:
-            x, counts = _coarsen(x, counts, self.coarse)
+            raw, counts = _coarsen(raw, counts, self.coarse)
         starts = np.cumsum(counts) - counts
+        x = raw.view(np.int64).reshape(-1, 3)  # a sample a row: time's bits, current, max
         # Each sample changes the sum by its difference to the one before; a chunk's first
-        # sample by its difference to its row's latest.
-        change = np.empty_like(x)
-        change[0] = x[0]
-        np.subtract(x[1:, 1:], x[1:, :-1], out=change[1:, 1:])
-        change[1:, starts] = np.take(x[1:], starts, axis=1) - np.take(self._latest, rows, axis=1)
-        self._latest[:, rows] = np.take(x[1:], starts + counts - 1, axis=1)
-        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(x[2], starts))
+        # sample by its difference to its row's latest. The changes are columns (_t):
+        # numpy gathers, masks and sums a few contiguous rows many times faster than a record
+        # array's fields (and the samples are read once, no transposed copy).
+        change = np.empty((3, len(x)), np.int64)
+        change[0] = x[:, 0]
+        np.subtract(x[1:, 1], x[:-1, 1], out=change[1, 1:])
+        np.subtract(x[1:, 2], x[:-1, 2], out=change[2, 1:])
+        change[1:, starts] = x[starts, 1:].T - np.take(self._latest, rows, axis=1)
+        self._latest[:, rows] = x[starts + counts - 1, 1:].T
+        np.maximum.at(self._row_peak, rows, np.maximum.reduceat(x[:, 2], starts))
         change = _merge_same_times(change, counts, starts)
         # Changes at the same time count together (a point is the sum after all of them), so
         # their order is free: an unstable sort (introsort, SIMD where numpy has it) took half
@@ -218,25 +222,20 @@ class ClusterTotal:
 
     @property
     def waiting(self) -> int:
-        """Samples held back until every running device has caught up."""
+        """Samples held back until every running device has caught up (those of one time of
+        a worker's devices, sampled together, count once)."""
         chunks = sum(map(len, self._blobs)) // SAMPLE_DTYPE.itemsize
         return sum(w.shape[1] for w in self._waiting) + chunks
 
 
-def _columns(blob: bytes) -> np.ndarray:
-    """Packed samples as the ``(3, n)`` int64 array the total works on (rows: the times'
-    float64 bits, :func:`_t`; current bytes; ``max_bytes_in_interval``): numpy gathers, masks
-    and sums a few contiguous rows many times faster than a record array's fields."""
-    return np.frombuffer(blob, np.int64).reshape(-1, 3).T.copy()
-
-
 def _t(a: np.ndarray) -> np.ndarray:
-    """The times of :func:`_columns` ``a``."""
+    """The times of changes ``a``: a ``(3, n)`` int64 array of columns (the times' float64
+    bits, current bytes, ``max_bytes_in_interval``)."""
     return a[0].view(np.float64)
 
 
 def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> np.ndarray:
-    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes`` (:func:`_columns`),
+    """The summed points (:data:`SAMPLE_DTYPE`) after ``changes`` (:func:`_t`),
     starting from the sum ``start`` (current, max); a change at or before ``final_time``
     (late) counts just after it."""
     late = _t(changes) <= final_time
@@ -255,16 +254,17 @@ def _sum_changes(changes: np.ndarray, start: np.ndarray, final_time: float) -> n
 
 
 def _merge_same_times(changes: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``changes`` (:func:`_columns`) of chunks of ``counts`` samples, those of each chunk whose
+    """``changes`` (:func:`_t`) of chunks of ``counts`` samples, those of each chunk whose
     times are those of the chunk before it (a worker's devices, sampled together) added into
     that one's: fewer changes to sort, the same sums (a point is the sum after every change at
     its time). Where the added changes could wrap an int64, none are."""
     n = len(counts)
-    same = np.zeros(n, bool)
+    t = _t(changes)
+    same = np.zeros(n, bool)  # first as long as the chunk before and starting at its time
     same[1:] = (counts[1:] == counts[:-1]) & (counts[1:] > 0)
+    same[1:] &= t[np.minimum(starts[1:], len(t) - 1)] == t[starts[:-1]]
     if not same.any():
         return changes
-    t = _t(changes)
     k = np.arange(len(t))
     shift = np.repeat(np.where(same, counts, 0), counts)  # the same place in the chunk before
     same &= np.logical_and.reduceat(t == t[k - shift], starts)
@@ -280,18 +280,20 @@ def _merge_same_times(changes: np.ndarray, counts: np.ndarray, starts: np.ndarra
     return np.compress(~moved, changes, axis=1)
 
 
-def _coarsen(x: np.ndarray, counts: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-    """Samples ``x`` (:func:`_columns`) of chunks of ``counts`` samples, each chunk's a
-    ``seconds`` bucket at a time: the bucket's last time and current bytes, its largest
-    ``max_bytes_in_interval`` (one numpy pass over all chunks). Returns the samples, chunk after
-    chunk, and how many each chunk has."""
+def _coarsen(a: np.ndarray, counts: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``a`` of chunks of ``counts`` samples, each chunk's a ``seconds`` bucket at a
+    time: the bucket's last time and current bytes, its largest ``max_bytes_in_interval`` (one
+    numpy pass over all chunks). Returns the samples, chunk after chunk, and how many each
+    chunk has."""
     chunk = np.repeat(np.arange(len(counts)), counts)
-    bucket = np.floor(_t(x) / seconds)
-    first = np.ones(len(bucket), bool)
+    bucket = np.floor(a["t"] / seconds)
+    first = np.ones(len(a), bool)
     first[1:] = (bucket[1:] != bucket[:-1]) | (chunk[1:] != chunk[:-1])
     starts = np.flatnonzero(first)
-    out = np.take(x, np.r_[starts[1:], len(bucket)] - 1, axis=1)
-    out[2] = np.maximum.reduceat(x[2], starts)
+    ends = np.r_[starts[1:], len(a)] - 1
+    out = np.empty(len(starts), SAMPLE_DTYPE)
+    out["t"], out["c"] = a["t"][ends], a["c"][ends]
+    out["m"] = np.maximum.reduceat(a["m"], starts)
     return out, np.bincount(chunk[starts], minlength=len(counts))
 
 

@@ -204,6 +204,23 @@ def test_cluster_total_of_workers_whose_devices_share_sample_times_is_the_summed
         assert list(zip(points["t"].tolist(), points[field].tolist(), strict=True)) == expected
 
 
+def test_cluster_total_adds_together_only_chunks_of_the_very_same_times():
+    """Chunks as long as the one before and starting at its time, but not of its times all
+    through, each count at their own times."""
+    total = ClusterTotal(Timeline(64), max_lag=1e9)
+    a, b, c = (total.add_row() for _ in range(3))
+    blobs = [
+        pack_samples([[1.0, 10, 10], [2.0, 20, 20], [3.0, 30, 30]]),
+        pack_samples([[1.0, 1, 1], [2.5, 2, 2], [3.0, 3, 3]]),  # the second time differs
+        pack_samples([[1.0, 100, 100], [2.5, 200, 200], [3.0, 300, 300]]),  # b's times: added
+    ]
+    total.add([a, b, c], blobs, [3.0, 3.0, 3.0])
+    total.advance(now=0.0)
+    points = total.snapshot().points()[1]
+    assert points["t"].tolist() == [1.0, 2.0, 2.5, 3.0]
+    assert points["m"].tolist() == [111, 121, 222, 333] and total.peak == 333
+
+
 def test_cluster_total_counts_a_stopped_device_as_zero_after_its_last_sample():
     total = ClusterTotal(Timeline(64), max_lag=1e9)
     a, b = total.add_row(), total.add_row()
