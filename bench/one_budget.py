@@ -17,9 +17,12 @@ Per setup: rounds completed, median and range of their times, failed rounds, byt
 (dask-rmm's outputs, and cuDF's spilled buffers as its spill manager counts them: "n/a" for
 dask-cuda's own device-to-host spilling, which it does not count), tasks re-run (dask-rmm's
 ``task_retries``). Setups run interleaved, each round on a fresh cluster; every round checks the
-model steps' row count.
+model steps' row count. Each turn first runs an untimed warm-up round of ``--warm-parts`` tables of
+the same size (the same task names and shapes: admission learns the peaks it needs, kernels and
+libraries load); its spills and re-runs are not counted. (Without it, every fresh cluster met the
+timed round knowing nothing: admission let 4 groupbys run at once, H100, 2026-12-07.)
 
-    python bench/one_budget.py                      # 5 rounds, --free-gib 8 (<= 5 minutes)
+    python bench/one_budget.py                      # 5 rounds, --free-gib 8 (~7 minutes, H100)
     python bench/one_budget.py --rounds 7 --free-gib 12 --json $OUT/one_budget.json
     python bench/one_budget.py --dry-run
 """
@@ -143,12 +146,12 @@ def model_step(features, hidden: int) -> int:
     return int(x.shape[0])
 
 
-def run_round(client, args, rows: int, groups: int, use_cudf: bool, tag: str) -> int:
+def run_round(client, args, rows: int, groups: int, use_cudf: bool, tag: str, parts: int) -> int:
     from dask import delayed
     from distributed import wait
 
     steps = []
-    for i in range(args.parts):
+    for i in range(parts):
         table = delayed(make_table)(i, rows, groups, use_cudf, dask_key_name=f"table-{tag}-{i}")
         feats = delayed(group)(table, groups, use_cudf, dask_key_name=f"group-{tag}-{i}")
         steps.append(delayed(model_step)(feats, args.hidden, dask_key_name=f"step-{tag}-{i}"))
@@ -189,6 +192,7 @@ def main() -> None:
     p.add_argument("--free-gib", type=float, default=8.0, help="device GiB the ballast leaves")
     p.add_argument("--fill", type=float, default=0.7, help="share of it the tables fill")
     p.add_argument("--parts", type=int, default=8, help="tables (each grouped, then a step)")
+    p.add_argument("--warm-parts", type=int, default=2, help="tables of each turn's warm-up")
     p.add_argument("--rows-per-group", type=int, default=8)
     p.add_argument("--hidden", type=int, default=16, help="the model's hidden width")
     p.add_argument("--round-timeout", type=float, default=20.0, help="seconds; then failed")
@@ -214,11 +218,16 @@ def main() -> None:
     with ballast(args.free_gib):
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
-                start = time.perf_counter()
+                start, warm = time.perf_counter(), (0, 0)
                 try:
                     c.start()
+                    try:  # key_split drops "w0" as it does "r0": the same prefixes
+                        run_round(c.client, args, rows, groups, use_cudf, f"w{r}", args.warm_parts)
+                    except Exception as e:
+                        print(f"{c.name}: warm-up: {type(e).__name__}: {e}", file=sys.stderr)
+                    warm = c.figures()
                     start = time.perf_counter()
-                    seen = run_round(c.client, args, rows, groups, use_cudf, f"r{r}")
+                    seen = run_round(c.client, args, rows, groups, use_cudf, f"r{r}", args.parts)
                     ok = seen == args.parts * groups
                     if not ok:
                         c.error = f"the steps saw {seen} rows, expected {args.parts * groups}"
@@ -228,8 +237,8 @@ def main() -> None:
                 took = time.perf_counter() - start
                 if c.client is not None:
                     spilled, reruns = c.figures()
-                    c.spilled.append(spilled)
-                    c.reruns += reruns
+                    c.spilled.append(spilled - warm[0])
+                    c.reruns += reruns - warm[1]
                 if ok:
                     c.times.append(took)
                 else:
