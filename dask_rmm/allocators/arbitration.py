@@ -126,6 +126,12 @@ def requested_bytes(error: BaseException) -> int:
 #: CUDA's "out of memory" error code (``cudaErrorMemoryAllocation`` and
 #: ``CUDA_ERROR_OUT_OF_MEMORY`` are both 2), carried by Numba's ``CudaAPIError.code``.
 _CUDA_OUT_OF_MEMORY = 2
+#: What PyTorch raises (a ``RuntimeError``) when a CUDA library it calls could not allocate device
+#: memory for its handle or workspace, e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+#: `cublasCreate(handle)`": these libraries allocate outside every allocator.
+_LIBRARY_ALLOC_FAILED = re.compile(
+    r"\bCU(?:BLAS|SOLVER|SPARSE|DNN)_STATUS_ALLOC_FAILED\b|\bCUFFT_ALLOC_FAILED\b"
+)
 #: Libraries drawing device memory from a worker's budget, by top-level module.
 _DEVICE_LIBRARIES = ("dask_rmm", "rmm", "cupy", "cupy_backends", "torch", "numba", "cudf")
 
@@ -134,9 +140,12 @@ def is_device_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a *device* allocation failure of a library drawing from the
     worker's budget: a type named ``OutOfMemoryError`` of dask-rmm, RMM, CuPy, PyTorch or cuDF,
     Numba's ``CudaAPIError`` with CUDA's out-of-memory code, or the ``MemoryError`` compiled
-    RMM raises for ``rmm::out_of_memory`` (its message names it). A host ``MemoryError``
-    (NumPy's "Unable to allocate") is the task's own error. Told by type name, module and
-    error code: no library is imported."""
+    RMM raises for ``rmm::out_of_memory`` (its message names it), or PyTorch's ``RuntimeError``
+    when cuBLAS, cuSOLVER, cuSPARSE, cuDNN or cuFFT could not allocate (their ``ALLOC_FAILED``
+    status in its message). A host ``MemoryError`` (NumPy's "Unable to allocate") is the task's
+    own error. Told by type name, module, error code and status: no library is imported."""
+    if isinstance(error, RuntimeError) and _LIBRARY_ALLOC_FAILED.search(str(error)):
+        return type(error).__module__.partition(".")[0] in ("builtins", *_DEVICE_LIBRARIES)
     for t in type(error).__mro__:
         library = t.__module__.partition(".")[0]
         if library not in _DEVICE_LIBRARIES:
@@ -153,8 +162,12 @@ def runs_again(error: BaseException) -> bool:
     device out-of-memory error of PyTorch's own caching allocator, the one library whose
     allocation dask-rmm cannot retry in place. Every allocation through dask-rmm's stack
     (``DeviceBuffer``, CuPy, Numba, compiled RMM, PyTorch through ``rmm_torch_allocator``) has
-    already made room and retried where it failed, so its error is final."""
-    return is_device_out_of_memory(error) and type(error).__module__.partition(".")[0] == "torch"
+    already made room and retried where it failed, so its error is final. Also PyTorch's error
+    for a CUDA library that could not allocate (cuBLAS's handle: the caches' free blocks are
+    what it lacked)."""
+    return is_device_out_of_memory(error) and (
+        type(error).__module__.partition(".")[0] == "torch" or type(error) is RuntimeError
+    )
 
 
 def _reset_for_tests() -> None:

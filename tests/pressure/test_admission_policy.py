@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_rmm.allocators.arbitration import is_device_out_of_memory
+from dask_rmm.allocators.arbitration import is_device_out_of_memory, runs_again
 from dask_rmm.mr.base import CUDAAllocationError, OutOfMemoryError
 from dask_rmm.pressure.admission import PeakTable, annotated_peak, task_prefix
 
@@ -75,6 +75,11 @@ def _named(name: str, module: str, base: type = Exception) -> BaseException:
     return type(name, (base,), {"__module__": module})("out of memory")
 
 
+def _cupy_cublas_alloc_failed() -> BaseException:
+    error = type("CUBLASError", (RuntimeError,), {"__module__": "cupy_backends.cuda.libs.cublas"})
+    return error("CUBLAS_STATUS_ALLOC_FAILED")
+
+
 @pytest.mark.parametrize(
     "error, device",
     [
@@ -82,6 +87,9 @@ def _named(name: str, module: str, base: type = Exception) -> BaseException:
         (_named("OutOfMemoryError", "cupy.cuda.memory", MemoryError), True),
         (_named("OutOfMemoryError", "torch", RuntimeError), True),
         (CudaAPIError(2, "CUDA_ERROR_OUT_OF_MEMORY"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"), False),
+        (_cupy_cublas_alloc_failed(), True),
         (MemoryError("std::bad_alloc: out_of_memory: CUDA error"), True),  # compiled RMM's
         (MemoryError("Unable to allocate 8.00 GiB for an array"), False),  # NumPy's
         (_named("_ArrayMemoryError", "numpy.core._exceptions", MemoryError), False),
@@ -91,9 +99,26 @@ def _named(name: str, module: str, base: type = Exception) -> BaseException:
         (ValueError(), False),
     ],
     ids=[
-        "dask-rmm", "cupy", "torch", "numba", "rmm", "numpy-text", "numpy-type", "other-lib",
+        "dask-rmm", "cupy", "torch", "numba", "torch-cublas-alloc", "torch-cublas-other",
+        "cupy-cublas-alloc", "rmm", "numpy-text", "numpy-type", "other-lib",
         "numba-other-code", "CUDAAllocationError", "ValueError",
     ],
 )  # fmt: skip
 def test_only_a_device_out_of_memory_is_one(error, device):
     assert is_device_out_of_memory(error) is device
+
+
+@pytest.mark.parametrize(
+    "error, again",
+    [
+        (_named("OutOfMemoryError", "torch", RuntimeError), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"), False),
+        (_cupy_cublas_alloc_failed(), False),  # CuPy: not re-run (only PyTorch's tasks are)
+        (OutOfMemoryError("pool out of memory"), False),  # made room and retried in place
+        (MemoryError("std::bad_alloc: out_of_memory: CUDA error"), False),
+    ],
+    ids=["torch-oom", "torch-cublas-alloc", "torch-cudnn-other", "cupy-cublas", "dask-rmm", "rmm"],
+)  # fmt: skip
+def test_only_pytorchs_device_allocation_failures_run_again(error, again):
+    assert runs_again(error) is again

@@ -273,11 +273,19 @@ def _torch_oom() -> BaseException:
             {},
         ),
         (_torch_oom, True, {}, {}),
+        (
+            lambda: RuntimeError(
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+            ),
+            True,
+            {},
+            {},
+        ),
         (_torch_oom, False, {}, {"gpu_retry": False}),
         (_torch_oom, False, {"oom_retry": False}, {}),
         (lambda: MemoryError("Unable to allocate 8.00 GiB for an array"), False, {}, {}),  # NumPy's
     ],
-    ids=["dask-rmm", "torch", "torch-annotated-off", "torch-option-off", "host"],
+    ids=["dask-rmm", "torch", "torch-cublas", "torch-annotated-off", "torch-option-off", "host"],
 )
 def test_only_pytorchs_own_device_out_of_memory_error_runs_the_task_again(
     make_error, runs_again, options, annotations, caplog
