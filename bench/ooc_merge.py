@@ -201,7 +201,8 @@ def cudf_merge(client, nparts: int, rows: int, keys: int, skew: float, tag: str)
         import cudf
 
         part = make_part(side, i, rows, keys, skew, False)
-        return cudf.DataFrame({"key": part[0].astype("int64"), f"v_{side}": part[1]})
+        frame = cudf.DataFrame({"key": part[0].astype("int64"), f"v_{side}": part[1]})
+        return frame.copy(deep=True)  # cuDF's own buffers: spillable (CuPy's stay exposed)
 
     def meta(side: str):
         return cudf.DataFrame(
