@@ -126,12 +126,9 @@ def requested_bytes(error: BaseException) -> int:
 #: CUDA's "out of memory" error code (``cudaErrorMemoryAllocation`` and
 #: ``CUDA_ERROR_OUT_OF_MEMORY`` are both 2), carried by Numba's ``CudaAPIError.code``.
 _CUDA_OUT_OF_MEMORY = 2
-#: What PyTorch raises (a ``RuntimeError``) when a CUDA library it calls could not allocate device
-#: memory for its handle or workspace, e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
-#: `cublasCreate(handle)`": these libraries allocate outside every allocator.
-_LIBRARY_ALLOC_FAILED = re.compile(
-    r"\bCU(?:BLAS|SOLVER|SPARSE|DNN)_STATUS_ALLOC_FAILED\b|\bCUFFT_ALLOC_FAILED\b"
-)
+#: PyTorch's ``RuntimeError`` when a CUDA library (allocating outside every allocator) could not:
+#: "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`".
+_LIBRARY_ALLOC_FAILED = re.compile(r"\bCU(?:BLAS|SOLVER|SPARSE|DNN|FFT)_(?:STATUS_)?ALLOC_FAILED\b")
 #: Libraries drawing device memory from a worker's budget, by top-level module.
 _DEVICE_LIBRARIES = ("dask_rmm", "rmm", "cupy", "cupy_backends", "torch", "numba", "cudf")
 
@@ -163,8 +160,7 @@ def runs_again(error: BaseException) -> bool:
     allocation dask-rmm cannot retry in place. Every allocation through dask-rmm's stack
     (``DeviceBuffer``, CuPy, Numba, compiled RMM, PyTorch through ``rmm_torch_allocator``) has
     already made room and retried where it failed, so its error is final. Also PyTorch's error
-    for a CUDA library that could not allocate (cuBLAS's handle: the caches' free blocks are
-    what it lacked)."""
+    for a CUDA library that could not allocate (cuBLAS's handle lacked the caches' free blocks)."""
     return is_device_out_of_memory(error) and (
         type(error).__module__.partition(".")[0] == "torch" or type(error) is RuntimeError
     )

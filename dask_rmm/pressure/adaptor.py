@@ -18,15 +18,11 @@ from dask_rmm.mr.base import CUDAAllocationError, DeviceMemoryResource, Upstream
 from dask_rmm.pressure.device import DevicePressure
 from dask_rmm.stream import DEFAULT_STREAM, Stream
 
-__all__ = ["PressureHandler", "SpillOnDemandResourceAdaptor"]
+__all__ = ["SpillOnDemandResourceAdaptor"]
 
 #: After a spill for the limit found nothing to spill, allocations skip the limit check this
 #: long (the periodic monitor keeps checking), so a full device costs no scan per allocation.
 _QUIET_SECONDS = 0.05
-
-
-#: What the adaptor calls: its handler is a ``DevicePressure`` (the one kind there is).
-PressureHandler = DevicePressure
 
 
 class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
