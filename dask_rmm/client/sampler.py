@@ -19,7 +19,7 @@ from distributed import Client, get_client
 from dask_rmm._output import save_figure
 from dask_rmm.client.fetch import fetch_report_data
 from dask_rmm.plotting.figures import byte_axis, figure
-from dask_rmm.report.memory_report import _device_label, summed_series
+from dask_rmm.report.memory_report import _device_label, require_pandas, summed_series
 from dask_rmm.sizes import format_bytes
 from dask_rmm.worker.metrics import send_metrics
 
@@ -277,7 +277,7 @@ class GPUMemorySampler:
     def summary(self):
         """One row per label: start, seconds, devices, workers lost, peak and time-weighted
         mean of the bytes in use and reserved, summed over the devices (a pandas DataFrame)."""
-        pd = _pandas("GPUMemorySampler.summary")
+        pd = require_pandas("GPUMemorySampler.summary")
         figures = ("peak_used", "mean_used", "peak_reserved", "mean_reserved")
         rows = [
             {
@@ -307,7 +307,7 @@ class GPUMemorySampler:
         per_worker : bool
             A column per worker device rather than their sum.
         """
-        pd = _pandas("GPUMemorySampler.to_pandas")
+        pd = require_pandas("GPUMemorySampler.to_pandas")
         columns: dict[Any, Any] = {}
         for label, s in self.samples.items():
             parts: list[tuple[Any, list[tuple[float, int]]]]
@@ -397,11 +397,3 @@ async def _flush(dask_worker: Any = None) -> None:
     if metrics is not None:
         metrics.sample()
     await send_metrics(dask_worker)
-
-
-def _pandas(what: str) -> Any:
-    try:
-        import pandas as pd
-    except ImportError as e:
-        raise ImportError(f"{what} needs pandas: pip install pandas") from e
-    return pd

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import natural_sort_key
+
 from dask_rmm.plotting.svg import breakdown_svg, timeline_svg
 from dask_rmm.sizes import format_bytes
 from dask_rmm.wire import (
@@ -238,12 +240,8 @@ def summed_series(
     return out
 
 
-def address_key(address: str) -> tuple:
-    """Sorts "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them
-    (numbers and names never compared with each other)."""
-    return tuple(
-        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in address.replace(":", ".").split(".")
-    )
+#: Sorts "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
+address_key = natural_sort_key
 
 
 @dataclass(frozen=True)
@@ -381,13 +379,7 @@ class ClusterMemoryReport:
     def to_frame(self):
         """One row per worker device as a :class:`pandas.DataFrame` (needs pandas): the wire's
         counters (None where not measured) and fields, then the breakdown (docs/reports.md)."""
-        try:
-            import pandas as pd
-        except ImportError as e:
-            raise ImportError(
-                "ClusterMemoryReport.to_frame needs pandas: pip install pandas "
-                "(or pip install 'dask-rmm[report]')"
-            ) from e
+        pd = require_pandas("ClusterMemoryReport.to_frame")
         libraries = sorted({x.library for d in self.devices for x in d.libraries})
         shares = [f"{lib}_{kind}_bytes" for lib in libraries for kind in ("in_use", "cache_free")]
         columns = [*_FRAME_COLUMNS, "direct_bytes", "outside_dask_rmm_bytes"]
@@ -731,6 +723,15 @@ def strict_json(data: Any, **kwargs: Any) -> str:
     except ValueError:  # json writes them NaN and Infinity, and reads them back as null here
         finite = json.loads(json.dumps(data, **kwargs), parse_constant=lambda _: None)
         return json.dumps(finite, allow_nan=False, **kwargs)
+
+
+def require_pandas(what: str) -> Any:
+    """The pandas module; without it an ImportError saying that ``what`` needs it."""
+    try:
+        import pandas
+    except ImportError as e:
+        raise ImportError(f"{what} needs pandas: pip install pandas (or 'dask-rmm[report]')") from e
+    return pandas
 
 
 def _tr(tag: str, cells: Iterable[Any], attributes: str = "") -> str:
