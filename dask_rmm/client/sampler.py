@@ -179,14 +179,6 @@ class GPUMemorySampler:
     :class:`~distributed.diagnostics.MemorySampler` (how: docs/gpu-memory-tools.md). Needs
     ``RMMPlugin`` (or the preload) on the workers; pandas and matplotlib for :meth:`to_pandas`
     and :meth:`plot`.
-
-    Examples
-    --------
-    >>> ms = GPUMemorySampler()  # doctest: +SKIP
-    >>> with ms.sample("pool 4 GiB"):  # doctest: +SKIP
-    ...     x.persist().sum().compute()
-    >>> ms.summary()  # doctest: +SKIP
-    >>> ms.plot(align=True)  # doctest: +SKIP
     """
 
     def __init__(self) -> None:

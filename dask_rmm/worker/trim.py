@@ -77,12 +77,7 @@ def release_unused(
     dict
         ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
         reserved bytes before and after (an awaitable of it with an asynchronous client).
-        Workers without dask-rmm map to ``[]``.
-
-    Examples
-    --------
-    >>> released = dask_rmm.release_unused(client)  # doctest: +SKIP
-    >>> {w: sum(r.released_bytes for r in rs) for w, rs in released.items()}  # doctest: +SKIP
+        Workers without dask-rmm map to ``[]``. Examples: docs/gpu-memory-tools.md.
     """
     size, workers = _check_release_arguments(size, workers, library_caches)
     if client is None:
