@@ -240,10 +240,6 @@ def summed_series(
     return out
 
 
-#: Sorts "tcp://10.0.0.2:40000" before "tcp://10.0.0.10:..." the way a person reads them.
-address_key = natural_sort_key
-
-
 @dataclass(frozen=True)
 class ClusterMemoryReport:
     """Every worker's RMM memory at one moment, with the recent timeline (docs/reports.md).
@@ -285,7 +281,9 @@ class ClusterMemoryReport:
             for dev, d in sorted((worker.get("devices") or {}).items()):
                 devices.append(DeviceMemory.from_worker(worker, dev, d))
         if not data.get("selection"):
-            devices.sort(key=lambda d: (d.status != "running", address_key(d.worker), d.device))
+            devices.sort(
+                key=lambda d: (d.status != "running", natural_sort_key(d.worker), d.device)
+            )
         # The scheduler's totals cover every device, also those a selection leaves out.
         totals = data.get("totals") if data.get("totals_cover") == "cluster" else None
         return cls(

@@ -13,13 +13,13 @@ from typing import Any, NamedTuple
 from urllib.parse import urlencode
 
 import numpy as np
+from dask.utils import natural_sort_key
 
 from dask_rmm.report.memory_report import (
     ClusterMemoryReport,
     ClusterTotals,
     DeviceMemory,
     _int,
-    address_key,
     strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
@@ -183,7 +183,7 @@ class Snapshot:
         order = req.sort or ("peak" if req.top is not None and len(chosen) > req.top else "worker")
         if order == "worker":
             chosen = sorted(
-                chosen, key=lambda x: (not x.running, address_key(x.rec.address), x.dev)
+                chosen, key=lambda x: (not x.running, natural_sort_key(x.rec.address), x.dev)
             )
         else:
             key = {
