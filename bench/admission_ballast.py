@@ -117,3 +117,20 @@ def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None 
         **options,
     )  # fmt: skip
     return cluster, Client(cluster)
+
+
+def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:
+    """The end of ``setup``'s turn in round ``r``: its cluster closed (a failure to close is
+    printed; the next turn starts a fresh one), the round counted (its time if ``ok``, else a
+    failed round, ``setup.error`` saying why) and printed. ``setup`` has ``name``, ``times``,
+    ``failed_rounds``, ``error`` and ``stop()``."""
+    try:
+        setup.stop()
+    except Exception as e:
+        print(f"  closing {setup.name}: {type(e).__name__}: {e}", file=sys.stderr)
+    if ok:
+        setup.times.append(took)
+    else:
+        setup.failed_rounds += 1
+    outcome = "ok" if ok else "FAILED " + setup.error
+    print(f"round {r} {setup.name}: {took:.2f} s {outcome}", file=sys.stderr)

@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast, one_worker_cluster  # noqa: E402
+from bench.admission_ballast import ballast, end_turn, one_worker_cluster  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 ROW = 16  # bytes a table row: int64 key + two float32 values
@@ -241,18 +241,7 @@ def main() -> None:
                     spilled, reruns = c.figures()
                     c.spilled.append(spilled - warm[0])
                     c.reruns += reruns - warm[1]
-                if ok:
-                    c.times.append(took)
-                else:
-                    c.failed_rounds += 1
-                print(
-                    f"round {r} {c.name}: {took:.2f} s {'ok' if ok else 'FAILED ' + c.error}",
-                    file=sys.stderr,
-                )
-                try:
-                    c.stop()
-                except Exception as e:  # a cluster that broke closing: the next starts fresh
-                    print(f"  closing {c.name}: {type(e).__name__}: {e}", file=sys.stderr)
+                end_turn(c, r, ok, took)
             if args.json:
                 keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
                 Path(args.json).write_text(

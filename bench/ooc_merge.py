@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast, one_worker_cluster  # noqa: E402
+from bench.admission_ballast import ballast, end_turn, one_worker_cluster  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 ROW = 16  # bytes a row: int64 key + float64 payload
@@ -67,6 +67,7 @@ class Setup:
         if self.client is not None:
             self.client.close()
             self.cluster.close()
+        self.client = self.cluster = None
 
     def spilled_bytes(self) -> int:
         """Bytes the worker spilled so far (dask-rmm's counters; 0 where not reported)."""
@@ -355,20 +356,7 @@ def main() -> None:
                 c.ooms += "out of memory" in str(e).lower() or "OutOfMemory" in type(e).__name__
             took = time.perf_counter() - start
             c.spilled += c.spilled_bytes() - before
-        finally:
-            try:
-                c.stop()
-            except Exception as e:
-                print(f"{c.name}: close: {type(e).__name__}: {e}", file=sys.stderr)
-            c.cluster = c.client = None
-        if ok:
-            c.times.append(took)
-        else:
-            c.failed_rounds += 1
-        print(
-            f"round {r} {c.name}: {took:.2f} s {'ok' if ok else 'FAILED ' + c.error}",
-            file=sys.stderr,
-        )
+        end_turn(c, r, ok, took)
 
     with ballast(None if host else args.free_gib):
         for r in range(args.rounds):
