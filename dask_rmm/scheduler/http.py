@@ -78,9 +78,11 @@ class _ReportHandler(RequestHandler):
 
     def _int(self, name: str, least: int, what: str) -> int | None:
         value = self.get_query_argument(name, None)
+        if value is None:
+            return None
         with contextlib.suppress(ValueError):
-            if value is None or int(value) >= least:
-                return None if value is None else int(value)
+            if (number := int(value)) >= least:
+                return number
         raise web.HTTPError(400, f"{name} must be {what}, a whole number >= {least}; got {value!r}")
 
     def compute_etag(self) -> None:
