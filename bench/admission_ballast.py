@@ -20,7 +20,20 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
+#: What a worker's CUDA context takes of the free memory the ballast leaves (H100 80 GB,
+#: 2026-12-07: 4.0 GiB free, 3.49 GiB after a second process's context and CuPy).
+CONTEXT_BYTES = 512 * MiB
+#: Seconds a bench cluster's worker may take to come up; then the turn fails (a failed worker
+#: start leaves a LocalCUDACluster with no worker, and every task would wait for ever).
+WORKER_START_TIMEOUT = 90
+
+
+def dask_cuda_pool_size(free: int) -> int:
+    """The ``rmm_pool_size`` a dask-cuda user would give a worker with ``free`` device bytes:
+    90 % of what its CUDA context leaves, in 256 MiB steps (a pool of all of it does not start:
+    ``Maximum pool size exceeded`` at worker start, H100, 2026-12-07)."""
+    return int((free - CONTEXT_BYTES) * 0.9) // (256 * MiB) * (256 * MiB)
 
 
 def hold(free_gib: float) -> None:
@@ -107,7 +120,7 @@ def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None 
             n_workers=1, threads_per_worker=threads, processes=True, host="127.0.0.1",
             dashboard_address=":0", worker_dashboard_address=None, env=env or {},
         )  # fmt: skip
-        client = Client(cluster)
+        client = _worker_up(cluster, Client(cluster))
         client.register_plugin(RMMPlugin(**options))
         return cluster, client
     from dask_cuda import LocalCUDACluster
@@ -116,7 +129,20 @@ def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None 
         n_workers=1, threads_per_worker=threads, host="127.0.0.1", dashboard_address=":0",
         **options,
     )  # fmt: skip
-    return cluster, Client(cluster)
+    return cluster, _worker_up(cluster, Client(cluster))
+
+
+def _worker_up(cluster: Any, client: Any) -> Any:
+    """``client`` once the cluster's worker is up; else both closed and a RuntimeError."""
+    try:
+        client.wait_for_workers(1, timeout=WORKER_START_TIMEOUT)
+    except Exception as e:
+        client.close()
+        cluster.close()
+        raise RuntimeError(
+            f"the worker did not start in {WORKER_START_TIMEOUT} s ({type(e).__name__}: {e})"
+        ) from e
+    return client
 
 
 def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:

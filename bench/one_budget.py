@@ -41,9 +41,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast, end_turn, one_worker_cluster  # noqa: E402
+from bench.admission_ballast import (  # noqa: E402
+    ballast,
+    dask_cuda_pool_size,
+    end_turn,
+    one_worker_cluster,
+)
 
-MiB, GiB = 1 << 20, 1 << 30
+GiB = 1 << 30
 ROW = 16  # bytes a table row: int64 key + two float32 values
 THREADS = 4
 
@@ -164,7 +169,7 @@ def run_round(client, args, rows: int, groups: int, use_cudf: bool, tag: str, pa
 
 def setups(free: int, use_cudf: bool) -> list[Setup]:
     limit = int(free * 0.8)
-    pool = int(free * 0.9) // (256 * MiB) * (256 * MiB)
+    pool = dask_cuda_pool_size(free)
     out = [
         Setup(
             "dask-cuda pool + rmm torch",

@@ -19,8 +19,8 @@ one-worker cluster, runs an untimed warm-up merge of ``--warm-parts`` partitions
 (same task names and shapes: admission learns the peaks; kernels, imports and pools warm up),
 then the timed merge, and closes the cluster. (Kept across rounds, clusters held their caches and
 CUDA contexts side by side: on an H100 with 4 GiB free, the second dask-rmm worker could not
-start, cudaErrorDevicesUnavailable, 2026-12-07.) A setup that fails to start counts as a failed
-round.
+start, cudaErrorDevicesUnavailable, 2026-12-07.) A setup whose worker does not come up (in 90
+s) and a merge not done in ``--round-timeout`` seconds count as a failed round.
 
     python bench/ooc_merge.py --rounds 5 --free-gib 4 [--json out.json]
     python bench/ooc_merge.py --host-memory --rounds 2     # a CPU check of the script
@@ -41,7 +41,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.admission_ballast import ballast, end_turn, one_worker_cluster  # noqa: E402
+from bench.admission_ballast import (  # noqa: E402
+    ballast,
+    dask_cuda_pool_size,
+    end_turn,
+    one_worker_cluster,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 ROW = 16  # bytes a row: int64 key + float64 payload
@@ -140,7 +145,22 @@ def join(lefts: list, rights: list, host: bool) -> tuple[int, float]:
     return int(hit.sum()), float(joined.sum())
 
 
-def arrays_merge(client, nparts: int, rows: int, keys: int, skew: float, host: bool, tag: str):
+def computed(client, collections: list, timeout: float) -> list:
+    """``collections`` computed on the cluster, or TimeoutError after ``timeout`` seconds (a
+    round whose tasks wait for a worker that never comes, or for memory, fails; not the bench)."""
+    from distributed import wait
+
+    futures = client.compute(collections)
+    try:
+        wait(futures, timeout=timeout)
+    except TimeoutError:
+        client.cancel(futures)
+        raise TimeoutError(f"not done in {timeout:g} s (--round-timeout)") from None
+    return client.gather(futures)
+
+
+def arrays_merge(client, nparts: int, rows: int, keys: int, skew: float, host: bool, tag: str,
+                 timeout: float):  # fmt: skip
     from dask import delayed
 
     def table(side: str) -> list:
@@ -171,7 +191,7 @@ def arrays_merge(client, nparts: int, rows: int, keys: int, skew: float, host: b
         )
         for j in range(nparts)
     ]
-    results = client.compute(joins, sync=True)
+    results = computed(client, joins, timeout)
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
@@ -193,7 +213,7 @@ def expected_arrays(nparts: int, rows: int, keys: int, skew: float) -> int:
 # -- the cuDF version -----------------------------------------------------------------------------
 
 
-def cudf_merge(client, nparts: int, rows: int, keys: int, skew: float, tag: str):
+def cudf_merge(client, nparts: int, rows: int, keys: int, skew: float, tag: str, timeout: float):
     import cudf
     import dask.dataframe as dd
     from dask import delayed
@@ -219,8 +239,8 @@ def cudf_merge(client, nparts: int, rows: int, keys: int, skew: float, tag: str)
         meta=meta("right"),
     )
     merged = left.merge(right, on="key", how="inner", shuffle_method="tasks")
-    rows_out, total = client.compute(
-        [merged.shape[0], (merged.v_left * merged.v_right).sum()], sync=True
+    rows_out, total = computed(
+        client, [merged.shape[0], (merged.v_left * merged.v_right).sum()], timeout
     )
     return int(rows_out), float(total)
 
@@ -257,7 +277,8 @@ def setups(args, free: int, use_cudf: bool) -> list[Setup]:
                 },
             ),
         ]
-    pool = int(free * 0.9) // (256 * MiB) * (256 * MiB)
+    pool = dask_cuda_pool_size(free)
+    limit = int(pool * 0.8)  # below dask-cuda's pool (room for a merge's temporaries); one for all
     rmm_libs = ["rmm", "cupy"] if use_cudf else ["cupy"]
     out = [
         Setup(
@@ -299,7 +320,8 @@ def main() -> None:
     p.add_argument("--arrays", action="store_true", help="the CuPy version even with cuDF")
     p.add_argument("--host-memory", action="store_true", help="host memory, tiny sizes (CPU)")
     p.add_argument("--dry-run", action="store_true", help="print the setups and exit")
-    p.add_argument("--json", help="write the rounds here (after every round)")
+    p.add_argument("--round-timeout", type=float, default=150.0, help="seconds; then failed")
+    p.add_argument("--json", help="write the rounds here (after every configuration's turn)")
     args = p.parse_args()
     host = args.host_memory
     use_cudf = (
@@ -325,11 +347,13 @@ def main() -> None:
         return
     want = expected_arrays(args.parts, rows, keys, args.skew)
 
+    timeout = args.round_timeout
+
     def merge(c: Setup, tag: str, parts: int) -> tuple[int, float]:
         # The same rows a partition (and so the same task sizes) whatever the partition count.
         if use_cudf:
-            return cudf_merge(c.client, parts, rows, rows * parts, args.skew, tag)
-        return arrays_merge(c.client, parts, rows, rows * parts, args.skew, host, tag)
+            return cudf_merge(c.client, parts, rows, rows * parts, args.skew, tag, timeout)
+        return arrays_merge(c.client, parts, rows, rows * parts, args.skew, host, tag, timeout)
 
     def turn(c: Setup, r: int) -> None:
         """One configuration's turn: its own cluster, an untimed warm-up, the timed merge."""
@@ -357,22 +381,15 @@ def main() -> None:
             took = time.perf_counter() - start
             c.spilled += c.spilled_bytes() - before
         end_turn(c, r, ok, took)
+        if args.json:  # after every turn: a run cut short still says what it saw
+            keys_ = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
+            setups_ = [{k: getattr(c, k) for k in keys_} for c in configs]
+            Path(args.json).write_text(json.dumps({"ran": what, "setups": setups_}, indent=1))
 
     with ballast(None if host else args.free_gib):
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 turn(c, r)
-            if args.json:
-                keys_ = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
-                Path(args.json).write_text(
-                    json.dumps(
-                        {
-                            "ran": what,
-                            "setups": [{k: getattr(c, k) for k in keys_} for c in configs],
-                        },
-                        indent=1,
-                    )
-                )
     print(
         f"{'setup':26} {'completed':>9} {'median s':>9} {'range':>15} {'OOM rounds':>10} {'spilled':>9}"
     )
