@@ -1,0 +1,56 @@
+"""bench/ooc_merge.py's and bench/admission_ballast.py's turns end: a worker that never comes up
+fails the turn (on an H100 a LocalCUDACluster whose pool did not fit came up with no worker, and
+the merge waited for ever), a merge not done in ``--round-timeout`` fails its round, and
+dask-cuda's pool leaves room for a worker's CUDA context."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dask import delayed
+from distributed import Client, LocalCluster
+
+_spec = importlib.util.spec_from_file_location(
+    "ooc_merge_bench", Path(__file__).resolve().parents[1] / "bench" / "ooc_merge.py"
+)
+assert _spec is not None and _spec.loader is not None
+ooc_merge = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # for @dataclass
+_spec.loader.exec_module(ooc_merge)  # puts the repository on sys.path: bench.* imports
+
+from bench import admission_ballast  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def test_a_cluster_whose_worker_never_comes_fails_the_turn_and_is_closed(monkeypatch):
+    monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 1)
+    cluster = LocalCluster(n_workers=0, processes=False, dashboard_address=":0")
+    client = Client(cluster)
+    with pytest.raises(RuntimeError, match="the worker did not start in 1 s"):
+        admission_ballast._worker_up(cluster, client)
+    assert client.status == "closed" and cluster.status.name == "closed"
+
+
+def test_a_merge_not_done_in_time_fails_with_the_timeout_named():
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert admission_ballast._worker_up(cluster, client) is client  # a worker: no wait
+        with pytest.raises(TimeoutError, match=r"not done in 0\.3 s \(--round-timeout\)"):
+            ooc_merge.computed(client, [delayed(time.sleep)(3)], 0.3)
+        assert ooc_merge.computed(client, [delayed(sum)([1, 2])], 30) == [3]
+
+
+@pytest.mark.parametrize(("free", "pool"), [(4 * GiB, 3 * GiB), (8 * GiB, 6912 * MiB)])
+def test_dask_cudas_pool_leaves_room_for_a_workers_context(free, pool):
+    got = admission_ballast.dask_cuda_pool_size(free)
+    assert got == pool and got % (256 * MiB) == 0
+    # H100, 4 GiB left by the ballast: 3.49 GiB after a second process's context (3.5 GiB failed).
+    assert got <= free - admission_ballast.CONTEXT_BYTES
