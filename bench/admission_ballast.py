@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -143,6 +145,28 @@ def _worker_up(cluster: Any, client: Any) -> Any:
             f"the worker did not start in {WORKER_START_TIMEOUT} s ({type(e).__name__}: {e})"
         ) from e
     return client
+
+
+def computed(client: Any, collections: list, timeout: float) -> list:
+    """``collections`` computed on the cluster, or TimeoutError after ``timeout`` seconds (the
+    futures cancelled): a round whose tasks wait for a worker that never comes, or for memory,
+    fails; the bench goes on."""
+    from distributed import wait
+
+    futures = client.compute(collections)
+    try:
+        wait(futures, timeout=timeout)
+    except TimeoutError:
+        client.cancel(futures)
+        raise TimeoutError(f"not done in {timeout:g} s (--round-timeout)") from None
+    return client.gather(futures)
+
+
+def save_rounds(path: str | None, ran: str, setups: Sequence[Any], fields: Sequence[str]) -> None:
+    """The setups' ``fields`` so far, and what ``ran``, as JSON in ``path`` (None: nothing)."""
+    if path:
+        rows = [{k: getattr(s, k) for k in fields} for s in setups]
+        Path(path).write_text(json.dumps({"ran": ran, "setups": rows}, indent=1))
 
 
 def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -43,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    computed,
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    save_rounds,
 )
 
 GiB = 1 << 30
@@ -155,16 +156,13 @@ def model_step(features, hidden: int) -> int:
 
 def run_round(client, args, rows: int, groups: int, use_cudf: bool, tag: str, parts: int) -> int:
     from dask import delayed
-    from distributed import wait
 
     steps = []
     for i in range(parts):
         table = delayed(make_table)(i, rows, groups, use_cudf, dask_key_name=f"table-{tag}-{i}")
         feats = delayed(group)(table, groups, use_cudf, dask_key_name=f"group-{tag}-{i}")
         steps.append(delayed(model_step)(feats, args.hidden, dask_key_name=f"step-{tag}-{i}"))
-    futures = client.compute(steps)
-    wait(futures, timeout=args.round_timeout)
-    return sum(client.gather(futures))
+    return sum(computed(client, steps, args.round_timeout))
 
 
 def setups(free: int, use_cudf: bool) -> list[Setup]:
@@ -247,17 +245,8 @@ def main() -> None:
                     c.spilled.append(spilled - warm[0])
                     c.reruns += reruns - warm[1]
                 end_turn(c, r, ok, took)
-            if args.json:
-                keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
-                Path(args.json).write_text(
-                    json.dumps(
-                        {
-                            "ran": what,
-                            "setups": [{k: getattr(c, k) for k in keys} for c in configs],
-                        },
-                        indent=1,
-                    )
-                )
+            keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
+            save_rounds(args.json, what, configs, keys)
     print(
         f"{'setup':28} {'completed':>9} {'median s':>9} {'range':>13} "
         f"{'spilled/round':>13} {'re-runs':>7}"

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -43,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    computed,
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    save_rounds,
 )
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -143,20 +144,6 @@ def join(lefts: list, rights: list, host: bool) -> tuple[int, float]:
     hit = rk[pos] == left[0] if len(rk) else xp.zeros(left.shape[1], dtype=bool)
     joined = left[1][hit] * rv[pos[hit]]  # the join's output, materialised
     return int(hit.sum()), float(joined.sum())
-
-
-def computed(client, collections: list, timeout: float) -> list:
-    """``collections`` computed on the cluster, or TimeoutError after ``timeout`` seconds (a
-    round whose tasks wait for a worker that never comes, or for memory, fails; not the bench)."""
-    from distributed import wait
-
-    futures = client.compute(collections)
-    try:
-        wait(futures, timeout=timeout)
-    except TimeoutError:
-        client.cancel(futures)
-        raise TimeoutError(f"not done in {timeout:g} s (--round-timeout)") from None
-    return client.gather(futures)
 
 
 def arrays_merge(client, nparts: int, rows: int, keys: int, skew: float, host: bool, tag: str,
@@ -381,10 +368,10 @@ def main() -> None:
             took = time.perf_counter() - start
             c.spilled += c.spilled_bytes() - before
         end_turn(c, r, ok, took)
-        if args.json:  # after every turn: a run cut short still says what it saw
-            keys_ = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
-            setups_ = [{k: getattr(c, k) for k in keys_} for c in configs]
-            Path(args.json).write_text(json.dumps({"ran": what, "setups": setups_}, indent=1))
+        # After every turn: a run cut short still says what it saw.
+        save_rounds(
+            args.json, what, configs, ("name", "times", "failed_rounds", "ooms", "spilled", "error")
+        )
 
     with ballast(None if host else args.free_gib):
         for r in range(args.rounds):

@@ -1,12 +1,12 @@
-"""bench/ooc_merge.py's and bench/admission_ballast.py's turns end: a worker that never comes up
-fails the turn (on an H100 a LocalCUDACluster whose pool did not fit came up with no worker, and
-the merge waited for ever), a merge not done in ``--round-timeout`` fails its round, and
-dask-cuda's pool leaves room for a worker's CUDA context."""
+"""The GPU benches' turns end (bench/admission_ballast.py, shared by ooc_merge.py and
+one_budget.py): a worker that never comes up fails the turn (on an H100 a LocalCUDACluster whose
+pool did not fit came up with no worker, and the merge waited for ever), a merge not done in
+``--round-timeout`` fails its round, and dask-cuda's pool leaves room for a worker's CUDA
+context."""
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from pathlib import Path
 
@@ -15,13 +15,12 @@ from dask import delayed
 from distributed import Client, LocalCluster
 
 _spec = importlib.util.spec_from_file_location(
-    "ooc_merge_bench", Path(__file__).resolve().parents[1] / "bench" / "ooc_merge.py"
+    "admission_ballast_bench",
+    Path(__file__).resolve().parents[1] / "bench" / "admission_ballast.py",
 )
 assert _spec is not None and _spec.loader is not None
-ooc_merge = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # for @dataclass
-_spec.loader.exec_module(ooc_merge)  # puts the repository on sys.path: bench.* imports
-
-from bench import admission_ballast  # noqa: E402
+admission_ballast = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(admission_ballast)
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -44,8 +43,8 @@ def test_a_merge_not_done_in_time_fails_with_the_timeout_named():
     ):
         assert admission_ballast._worker_up(cluster, client) is client  # a worker: no wait
         with pytest.raises(TimeoutError, match=r"not done in 0\.3 s \(--round-timeout\)"):
-            ooc_merge.computed(client, [delayed(time.sleep)(3)], 0.3)
-        assert ooc_merge.computed(client, [delayed(sum)([1, 2])], 30) == [3]
+            admission_ballast.computed(client, [delayed(time.sleep)(3)], 0.3)
+        assert admission_ballast.computed(client, [delayed(sum)([1, 2])], 30) == [3]
 
 
 @pytest.mark.parametrize(("free", "pool"), [(4 * GiB, 3 * GiB), (8 * GiB, 6912 * MiB)])
