@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -33,9 +34,12 @@ WORKER_START_TIMEOUT = 90
 
 def dask_cuda_pool_size(free: int) -> int:
     """The ``rmm_pool_size`` a dask-cuda user would give a worker with ``free`` device bytes:
-    90 % of what its CUDA context leaves, in 256 MiB steps (a pool of all of it does not start:
-    ``Maximum pool size exceeded`` at worker start, H100, 2026-12-07)."""
-    return int((free - CONTEXT_BYTES) * 0.9) // (256 * MiB) * (256 * MiB)
+    75 % of what its CUDA context leaves, in 256 MiB steps. A pool of all of it does not start
+    (``Maximum pool size exceeded`` at worker start, H100, 2026-12-07); one of 90 % started but
+    left too little for cuDF's kernels, loaded as they are first used (``Failed to initialize
+    CUDA context``, ``invalid device ordinal`` in the first merge, H100, 2026-12-07, tenth
+    session)."""
+    return int((free - CONTEXT_BYTES) * 0.75) // (256 * MiB) * (256 * MiB)
 
 
 def hold(free_gib: float) -> None:
@@ -131,7 +135,41 @@ def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None 
         n_workers=1, threads_per_worker=threads, host="127.0.0.1", dashboard_address=":0",
         **options,
     )  # fmt: skip
+    if options.get("enable_cudf_spill"):
+        # LocalCUDACluster turns cuDF's spilling on in this (the client's) process too; a
+        # client that spills sends spillable buffers (dask_cudf's meta) that a later setup's
+        # worker without spilling cannot take ("cannot create SpillableBufferOwner without a
+        # global spill manager": the worker died, H100, 2026-12-07).
+        import cudf
+
+        cudf.set_option("spill", False)
     return cluster, _worker_up(cluster, Client(cluster))
+
+
+#: Seconds a bench waits for a cluster to close, or for a figure read from its worker.
+CLOSE_TIMEOUT = 30
+
+
+def close_cluster(cluster: Any, client: Any) -> None:
+    """Close ``client`` and ``cluster``, each within :data:`CLOSE_TIMEOUT` seconds: a wedged
+    worker must not stall the bench (one did for 7 minutes after a failed warm-up, H100,
+    2026-12-07)."""
+    try:
+        client.close(timeout=CLOSE_TIMEOUT)
+    finally:
+        cluster.close(timeout=CLOSE_TIMEOUT)
+
+
+def run_on_worker(client: Any, function: Any) -> dict:
+    """``client.run(function)``, or TimeoutError after :data:`CLOSE_TIMEOUT` seconds (a thread
+    that waits: ``Client.run`` takes no timeout)."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(client.run, function).result(CLOSE_TIMEOUT)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _worker_up(cluster: Any, client: Any) -> Any:
@@ -139,8 +177,7 @@ def _worker_up(cluster: Any, client: Any) -> Any:
     try:
         client.wait_for_workers(1, timeout=WORKER_START_TIMEOUT)
     except Exception as e:
-        client.close()
-        cluster.close()
+        close_cluster(cluster, client)
         raise RuntimeError(
             f"the worker did not start in {WORKER_START_TIMEOUT} s ({type(e).__name__}: {e})"
         ) from e
@@ -169,11 +206,20 @@ def save_rounds(path: str | None, ran: str, setups: Sequence[Any], fields: Seque
         Path(path).write_text(json.dumps({"ran": ran, "setups": rows}, indent=1))
 
 
+def watch_turn(round_timeout: float) -> None:
+    """Print every thread's stack to stderr if this turn is still going after it should have
+    ended (worker start, warm-up and round, closing): where a stuck bench waits. Cancelled by
+    :func:`end_turn`."""
+    limit = WORKER_START_TIMEOUT + 2 * round_timeout + 3 * CLOSE_TIMEOUT
+    faulthandler.dump_traceback_later(limit, exit=False)
+
+
 def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:
     """The end of ``setup``'s turn in round ``r``: its cluster closed (a failure to close is
     printed; the next turn starts a fresh one), the round counted (its time if ``ok``, else a
     failed round, ``setup.error`` saying why) and printed. ``setup`` has ``name``, ``times``,
     ``failed_rounds``, ``error`` and ``stop()``."""
+    faulthandler.cancel_dump_traceback_later()
     try:
         setup.stop()
     except Exception as e:

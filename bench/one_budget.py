@@ -42,11 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    close_cluster,
     computed,
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    run_on_worker,
     save_rounds,
+    watch_turn,
 )
 
 GiB = 1 << 30
@@ -73,14 +76,13 @@ class Setup:
 
     def stop(self) -> None:
         if self.client is not None:
-            self.client.close()
-            self.cluster.close()
+            close_cluster(self.cluster, self.client)
         self.client = self.cluster = None
 
     def figures(self) -> tuple[int, int]:
         """(bytes spilled, tasks re-run) on the worker so far."""
         try:
-            got = self.client.run(_worker_figures)
+            got = run_on_worker(self.client, _worker_figures)
         except Exception:
             return 0, 0
         return sum(g[0] for g in got.values()), sum(g[1] for g in got.values())
@@ -224,6 +226,7 @@ def main() -> None:
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 start, warm = time.perf_counter(), (0, 0)
+                watch_turn(args.round_timeout)
                 try:
                     c.start()
                     try:  # key_split drops "w0" as it does "r0": the same prefixes

@@ -42,11 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    close_cluster,
     computed,
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    run_on_worker,
     save_rounds,
+    watch_turn,
 )
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -71,8 +74,7 @@ class Setup:
 
     def stop(self) -> None:
         if self.client is not None:
-            self.client.close()
-            self.cluster.close()
+            close_cluster(self.cluster, self.client)
         self.client = self.cluster = None
 
     def spilled_bytes(self) -> int:
@@ -85,7 +87,7 @@ class Setup:
             return 0 if wp is None else sum(m.total_spilled_bytes for m in wp.metrics())
 
         try:
-            return sum(self.client.run(read).values())
+            return sum(run_on_worker(self.client, read).values())
         except Exception:
             return 0
 
@@ -345,6 +347,7 @@ def main() -> None:
     def turn(c: Setup, r: int) -> None:
         """One configuration's turn: its own cluster, an untimed warm-up, the timed merge."""
         ok, took = False, 0.0
+        watch_turn(args.round_timeout)
         try:
             c.start(args.threads, host)
         except Exception as e:

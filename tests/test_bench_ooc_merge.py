@@ -47,9 +47,29 @@ def test_a_merge_not_done_in_time_fails_with_the_timeout_named():
         assert admission_ballast.computed(client, [delayed(sum)([1, 2])], 30) == [3]
 
 
-@pytest.mark.parametrize(("free", "pool"), [(4 * GiB, 3 * GiB), (8 * GiB, 6912 * MiB)])
-def test_dask_cudas_pool_leaves_room_for_a_workers_context(free, pool):
+@pytest.mark.parametrize(("free", "pool"), [(4 * GiB, 2560 * MiB), (8 * GiB, 5632 * MiB)])
+def test_dask_cudas_pool_leaves_room_for_a_workers_context_and_kernels(free, pool):
     got = admission_ballast.dask_cuda_pool_size(free)
     assert got == pool and got % (256 * MiB) == 0
-    # H100, 4 GiB left by the ballast: 3.49 GiB after a second process's context (3.5 GiB failed).
-    assert got <= free - admission_ballast.CONTEXT_BYTES
+    # H100, 4 GiB left by the ballast: 3.49 GiB after a second process's context (3.5 GiB failed);
+    # a 3 GiB pool left cuDF's kernels too little ("Failed to initialize CUDA context").
+    assert got <= free - admission_ballast.CONTEXT_BYTES - 512 * MiB
+
+
+def test_a_figure_read_from_a_stuck_worker_times_out(monkeypatch):
+    # Client.run takes no timeout: a wedged worker stalled a GPU bench for 7 minutes.
+    monkeypatch.setattr(admission_ballast, "CLOSE_TIMEOUT", 0.5)
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert admission_ballast.run_on_worker(client, lambda: 7) == {
+            w: 7 for w in cluster.scheduler.workers
+        }
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            admission_ballast.run_on_worker(client, lambda: time.sleep(3))
+        assert time.monotonic() - start < 2.5
+        time.sleep(3)  # the sleeping run ends before the cluster closes

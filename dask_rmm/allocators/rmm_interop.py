@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import sys
 import threading
@@ -345,6 +346,8 @@ def set_rmm_callback_resource(
                     previous = old.rmm_previous
                 forwarder = RMMForwarder(device)
                 tier = RMMPoolCache(device, forwarder) if cache else None
+                if tier is not None:
+                    _leave_cudf_spilling_to_the_pool()
                 callback = (
                     tier.top
                     if tier is not None
@@ -369,6 +372,20 @@ def set_rmm_callback_resource(
             if old is not None:
                 _retire(old)
     return targets
+
+
+def _leave_cudf_spilling_to_the_pool() -> None:
+    """Turn cuDF's spill on demand off (its public ``spill_on_demand`` option; its environment
+    variable while cuDF is not imported): it pushes a failure-callback adaptor of its own onto
+    RMM's resource and raises ValueError at cuDF's first buffer when one is there already, as
+    :class:`RMMPoolCache`'s is. That one spills cuDF's buffers first
+    (:func:`~dask_rmm.allocators.arbitration.make_room`), so cuDF still spills on demand."""
+    cudf = sys.modules.get("cudf")
+    set_option = getattr(cudf, "set_option", None)
+    if set_option is not None:
+        set_option("spill_on_demand", False)
+    else:
+        os.environ["CUDF_SPILL_ON_DEMAND"] = "off"
 
 
 def _retire(installation: _Installation) -> None:

@@ -1016,3 +1016,24 @@ def test_gpu_plugin_on_a_worker_without_rmm_fails_and_changes_nothing(real_rmm):
             client.register_plugin(plugin)
         (after,) = client.run(_worker_memory_setup).values()
         assert after == before
+
+
+def test_installing_rmms_pool_turns_cudfs_spill_on_demand_off(monkeypatch):
+    # cuDF's spill on demand would refuse the pool's failure callback (ValueError at cuDF's first
+    # buffer); the callback spills cuDF's buffers itself. Real cuDF on the GPU:
+    # tests/pressure/test_cudf_spilling_gpu.py.
+    monkeypatch.delitem(sys.modules, "cudf", raising=False)
+    monkeypatch.setenv("CUDF_SPILL_ON_DEMAND", "on")
+    rmm_interop._leave_cudf_spilling_to_the_pool()
+    assert os.environ["CUDF_SPILL_ON_DEMAND"] == "off"  # read when cuDF is imported
+
+    class ImportedCudf:
+        options: dict = {}
+
+        @classmethod
+        def set_option(cls, key, value):
+            cls.options[key] = value
+
+    monkeypatch.setitem(sys.modules, "cudf", ImportedCudf)
+    rmm_interop._leave_cudf_spilling_to_the_pool()
+    assert ImportedCudf.options == {"spill_on_demand": False}
