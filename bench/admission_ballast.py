@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -173,9 +174,11 @@ def run_on_worker(client: Any, function: Any) -> dict:
 
 
 def _worker_up(cluster: Any, client: Any) -> Any:
-    """``client`` once the cluster's worker is up; else both closed and a RuntimeError."""
+    """``client`` once the cluster's worker is up (its stacks printed on SIGUSR1, see
+    :func:`watch_turn`); else both closed and a RuntimeError."""
     try:
         client.wait_for_workers(1, timeout=WORKER_START_TIMEOUT)
+        _worker_pids[:] = client.run(_stacks_on_signal).values()
     except Exception as e:
         close_cluster(cluster, client)
         raise RuntimeError(
@@ -206,12 +209,34 @@ def save_rounds(path: str | None, ran: str, setups: Sequence[Any], fields: Seque
         Path(path).write_text(json.dumps({"ran": ran, "setups": rows}, indent=1))
 
 
+#: The pids of the current bench cluster's workers, whose stacks a stuck turn prints.
+_worker_pids: list[int] = []
+_watch: threading.Timer | None = None
+
+
+def _stacks_on_signal() -> int:
+    """On a worker: print every thread's stack to stderr on SIGUSR1; the worker's pid."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return os.getpid()
+
+
+def _print_stacks() -> None:
+    print("turn still going: the stacks of the bench, then of its worker", file=sys.stderr)
+    faulthandler.dump_traceback(all_threads=True)
+    for pid in _worker_pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+
+
 def watch_turn(round_timeout: float) -> None:
-    """Print every thread's stack to stderr if this turn is still going after it should have
-    ended (worker start, warm-up and round, closing): where a stuck bench waits. Cancelled by
-    :func:`end_turn`."""
+    """Print every thread's stack, in the bench and in its worker, if this turn is still going
+    after it should have ended (worker start, warm-up and round, closing): where a stuck bench
+    waits (one waited 7 minutes, H100, 2026-12-07). Cancelled by :func:`end_turn`."""
+    global _watch
     limit = WORKER_START_TIMEOUT + 2 * round_timeout + 3 * CLOSE_TIMEOUT
-    faulthandler.dump_traceback_later(limit, exit=False)
+    _watch = threading.Timer(limit, _print_stacks)
+    _watch.daemon = True
+    _watch.start()
 
 
 def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:
@@ -219,7 +244,8 @@ def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:
     printed; the next turn starts a fresh one), the round counted (its time if ``ok``, else a
     failed round, ``setup.error`` saying why) and printed. ``setup`` has ``name``, ``times``,
     ``failed_rounds``, ``error`` and ``stop()``."""
-    faulthandler.cancel_dump_traceback_later()
+    if _watch is not None:
+        _watch.cancel()
     try:
         setup.stop()
     except Exception as e:

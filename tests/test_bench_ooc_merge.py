@@ -73,3 +73,41 @@ def test_a_figure_read_from_a_stuck_worker_times_out(monkeypatch):
             admission_ballast.run_on_worker(client, lambda: time.sleep(3))
         assert time.monotonic() - start < 2.5
         time.sleep(3)  # the sleeping run ends before the cluster closes
+
+
+def test_a_stuck_turn_prints_the_stacks_of_the_bench_and_of_its_worker(monkeypatch, capfd):
+    # A GPU bench waited 7 minutes after a failed warm-up with nothing said about where.
+    monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 30)
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        admission_ballast._worker_up(cluster, client)
+        assert admission_ballast._worker_pids == [
+            w.pid for w in cluster.scheduler.workers.values()
+        ]
+        monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 0)
+        monkeypatch.setattr(admission_ballast, "CLOSE_TIMEOUT", 0)
+        admission_ballast.watch_turn(0.1)  # fires after 0.2 s
+        time.sleep(3)
+        err = capfd.readouterr().err
+        assert "turn still going" in err
+        assert err.count("Current thread") == 2, err[-3000:]  # the bench's timer, the worker
+
+
+def test_a_turn_that_ends_in_time_prints_nothing(monkeypatch, capfd):
+    monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 0)
+    monkeypatch.setattr(admission_ballast, "CLOSE_TIMEOUT", 0)
+
+    class Turn:
+        name, times, failed_rounds, error = "t", [], 0, ""
+
+        def stop(self):
+            pass
+
+    admission_ballast.watch_turn(0.25)  # would fire after 0.5 s
+    admission_ballast.end_turn(Turn(), 0, True, 0.1)
+    time.sleep(1)
+    assert "turn still going" not in capfd.readouterr().err
