@@ -85,9 +85,7 @@ def test_a_stuck_turn_prints_the_stacks_of_the_bench_and_of_its_worker(monkeypat
         Client(cluster) as client,
     ):
         admission_ballast._worker_up(cluster, client)
-        assert admission_ballast._worker_pids == [
-            w.pid for w in cluster.scheduler.workers.values()
-        ]
+        assert admission_ballast._worker_pids == [w.pid for w in cluster.scheduler.workers.values()]
         monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 0)
         monkeypatch.setattr(admission_ballast, "CLOSE_TIMEOUT", 0)
         admission_ballast.watch_turn(0.1)  # fires after 0.2 s
