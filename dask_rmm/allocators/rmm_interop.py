@@ -238,6 +238,7 @@ class RMMPoolCache:
         except MemoryError:  # a small stack: start empty
             self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=0)
         self.failure = rmm.mr.FailureCallbackResourceAdaptor(self.pool, self._out_of_memory)
+        _leave_cudf_spilling_to_the_pool()
         self.top = rmm.mr.StatisticsResourceAdaptor(self.failure)
         #: Failed allocations that the callback freed memory for (then retried).
         self.retries = 0
@@ -346,8 +347,6 @@ def set_rmm_callback_resource(
                     previous = old.rmm_previous
                 forwarder = RMMForwarder(device)
                 tier = RMMPoolCache(device, forwarder) if cache else None
-                if tier is not None:
-                    _leave_cudf_spilling_to_the_pool()
                 callback = (
                     tier.top
                     if tier is not None
@@ -375,13 +374,10 @@ def set_rmm_callback_resource(
 
 
 def _leave_cudf_spilling_to_the_pool() -> None:
-    """Turn cuDF's spill on demand off (its public ``spill_on_demand`` option; its environment
-    variable while cuDF is not imported): it pushes a failure-callback adaptor of its own onto
-    RMM's resource and raises ValueError at cuDF's first buffer when one is there already, as
-    :class:`RMMPoolCache`'s is. That one spills cuDF's buffers first
-    (:func:`~dask_rmm.allocators.arbitration.make_room`), so cuDF still spills on demand."""
-    cudf = sys.modules.get("cudf")
-    set_option = getattr(cudf, "set_option", None)
+    """Turn cuDF's spill on demand off (its option; its environment variable before cuDF is
+    imported): cuDF refuses a second failure-callback adaptor on RMM's resource (ValueError at
+    its first buffer), and :class:`RMMPoolCache`'s spills cuDF's buffers first (``make_room``)."""
+    set_option = getattr(sys.modules.get("cudf"), "set_option", None)
     if set_option is not None:
         set_option("spill_on_demand", False)
     else:

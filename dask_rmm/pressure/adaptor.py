@@ -60,11 +60,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self._task_key = task_key or (lambda: None)
         self._events: deque = deque(maxlen=max(int(history), 1))
         self._quiet_until = 0.0
-        # Bytes allocated through here, lock-free (reset by each measurement): the limit is
-        # measured only when this says it may be crossed.
+        # Bytes allocated here, lock-free (reset by each measurement): measure near the limit.
         self._estimate = 0
-        #: Deallocations so far (lock-free, so approximate): a failed allocation waiting for
-        #: memory to change watches it.
+        #: Deallocations so far (lock-free, approximate): a failed allocation waits on it.
         self.deallocations = 0
         #: ``task key -> [current bytes, peak bytes]`` of the tasks memory admission watches:
         #: charged by their allocations, charged back by the frees (on any thread).
@@ -132,8 +130,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         if h.never_fits(nbytes):
             self._record_failure(error, nbytes, 0)
             raise error
-        # Free blocks of library caches go back to the stack, then cuDF spills its buffers:
-        # no outputs spilled while either made room.
+        # Caches give their free blocks back, then cuDF spills: no outputs while these help.
         for free in (h.release_cached, lambda: h.spill_libraries(nbytes)):
             if free() <= 0:
                 continue

@@ -101,6 +101,8 @@ class DeviceSpillStore(MutableMapping):
         #: How long :meth:`spill_until` waits for memory to change: retries, seconds.
         self.wait_retries = 100
         self.wait_limit = 5.0
+        #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
+        self.spill_lock_wait = 10.0
 
     # -- MutableMapping ----------------------------------------------------------------------
 
@@ -278,24 +280,32 @@ class DeviceSpillStore(MutableMapping):
                 if _getrefcount(stored[key]) <= _DICT_ONLY_REFS
             ]
 
-    def spill(
-        self,
-        need: int | Callable[[], int],
-        *,
-        device: int | None = None,
-    ) -> int:
+    def spill(self, need: int | Callable[[], int], *, device: int | None = None) -> int:
         """Move the least recently used spillable device values (of ``device``, or any) adding
         up to ``need`` bytes to host memory; the device bytes they held. ``need`` may be a
         function, called once this thread may spill: what is still needed then, measured."""
-        with self._spill_lock:
+        if not self._lock_for_spilling():
+            return 0
+        try:
+            need = need() if callable(need) else need
+            if need <= 0:
+                return 0
+            return self._spill_keys(lru_victims(self.candidates(device), need))
+        finally:
+            self._local.active = False
+            self._spill_lock.release()
+
+    def _lock_for_spilling(self) -> bool:
+        """Take the spill lock for this thread, or False (logged) after ``spill_lock_wait``."""
+        if self._spill_lock.acquire(timeout=self.spill_lock_wait):
             self._local.active = True
-            try:
-                need = need() if callable(need) else need
-                if need <= 0:
-                    return 0
-                return self._spill_keys(lru_victims(self.candidates(device), need))
-            finally:
-                self._local.active = False
+            return True
+        logger.warning(
+            "dask-rmm: another thread has been spilling for %.0f s; not waiting for it longer "
+            "(it may wait for a lock this thread holds, such as a cuDF buffer's)",
+            self.spill_lock_wait,
+        )
+        return False
 
     def spill_until(
         self,
@@ -328,39 +338,43 @@ class DeviceSpillStore(MutableMapping):
         quiet = False  # nothing changed at the last poll: no victims to look for either
         while True:
             tried = False
-            with self._spill_lock:
-                self._local.active = True
+            if not self._lock_for_spilling():  # one more try, without spilling
                 try:
-                    fruitless = 0
-                    while True:
-                        try:
-                            result = attempt()
-                        except MemoryError as e:
-                            error = e
-                        else:
-                            # A kept error's frames would keep the caller's new object alive.
-                            error = None
-                            return result, None, spilled
-                        if quiet:
-                            break
-                        victims, growing = self._choose(request, device, layout, release)
-                        if not victims:
-                            break
-                        tried = True
-                        freed = self._spill_keys(victims)
-                        if freed:
-                            spilled += freed
-                            fruitless = 0
-                            if growing and release is not None:
-                                release()
-                            continue
-                        # Every victim was referenced by the time it was copied (a reader, a
-                        # profiler holding frames): choose again among the others.
-                        fruitless += 1
-                        if fruitless >= _FRUITLESS_ROUNDS:
-                            break
-                finally:
-                    self._local.active = False
+                    return attempt(), None, spilled
+                except MemoryError as e:
+                    return None, e, spilled
+            try:
+                fruitless = 0
+                while True:
+                    try:
+                        result = attempt()
+                    except MemoryError as e:
+                        error = e
+                    else:
+                        # A kept error's frames would keep the caller's new object alive.
+                        error = None
+                        return result, None, spilled
+                    if quiet:
+                        break
+                    victims, growing = self._choose(request, device, layout, release)
+                    if not victims:
+                        break
+                    tried = True
+                    freed = self._spill_keys(victims)
+                    if freed:
+                        spilled += freed
+                        fruitless = 0
+                        if growing and release is not None:
+                            release()
+                        continue
+                    # Every victim was referenced by the time it was copied (a reader, a
+                    # profiler holding frames): choose again among the others.
+                    fruitless += 1
+                    if fruitless >= _FRUITLESS_ROUNDS:
+                        break
+            finally:
+                self._local.active = False
+                self._spill_lock.release()
             # Nothing could be spilled: wait for frees, mutations or a referenced value let go
             # (all values scanned after a round or a mutation, else those referenced then).
             now = time.monotonic()

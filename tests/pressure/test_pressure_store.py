@@ -320,6 +320,64 @@ def test_an_allocation_waits_for_another_threads_temporary():
     assert buf.size == 2 * MiB and wp.oom_events() == []
 
 
+def test_an_allocation_holding_a_lock_its_spill_needs_fails_instead_of_stalling(caplog):
+    """cuDF unspills a buffer holding that buffer's lock while it allocates, and spilling an
+    output that holds the buffer takes the same lock. Thread A holds such a lock and runs out
+    of memory while thread B spills and waits for that lock: A stops waiting for B's spilling
+    after ``spill_lock_wait`` (its allocation fails), lets the lock go, and B's spill and
+    allocation complete. Before, both waited for ever (a worker stalled on an H100)."""
+    from dask_rmm.pressure import device_objects
+
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.spill_lock_wait = 0.5
+    store["x"] = patterned_buffer(2 * MiB, 1)
+    library_lock = threading.RLock()
+    a_holds, b_spilling = threading.Event(), threading.Event()
+    results: dict = {}
+    allocations, spill = device_objects._handlers(DeviceBuffer)
+    rebuild = device_objects._REBUILD["DeviceBuffer"]
+
+    def locked_spill(buf):  # a library's serializer: takes the buffer's lock
+        b_spilling.set()
+        with library_lock:
+            return spill(buf)
+
+    def a():
+        with library_lock:  # as cuDF's unspill holds it while allocating
+            a_holds.set()
+            b_spilling.wait(30)
+            try:
+                results["a"] = DeviceBuffer(size=3 * MiB)
+            except MemoryError as e:
+                results["a"] = e
+
+    def b():
+        results["b"] = DeviceBuffer(size=3 * MiB)
+
+    device_objects.register_device_type(
+        DeviceBuffer, allocations, locked_spill, "DeviceBuffer", rebuild
+    )
+    try:
+        with caplog.at_level("WARNING", logger="dask_rmm.pressure.store"):
+            threads = [threading.Thread(target=a, daemon=True)]
+            threads[0].start()
+            assert a_holds.wait(30)
+            threads.append(threading.Thread(target=b, daemon=True))
+            threads[1].start()
+            for th in threads:
+                th.join(30)
+            assert not any(th.is_alive() for th in threads), "both threads still waiting"
+    finally:
+        device_objects.register_device_type(
+            DeviceBuffer, allocations, spill, "DeviceBuffer", rebuild
+        )
+    assert isinstance(results["a"], MemoryError)
+    assert results.pop("b").size == 3 * MiB
+    assert "not waiting for it longer" in caplog.text
+    check_buffer(store["x"], 1)  # spilled by B, read back
+
+
 def test_a_demand_nothing_can_relieve_still_fails_after_a_short_wait():
     wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
     held = DeviceBuffer(size=3 * MiB)  # referenced here, not a stored value: never released
@@ -477,10 +535,10 @@ def test_threads_crossing_the_limit_together_spill_the_excess_once():
     with store._spill_lock:  # another thread is spilling
         th = threading.Thread(target=allocate)
         th.start()
-        # Until the thread waits for the lock (its innermost frame is DeviceSpillStore.spill).
+        # Until the thread waits for the lock (innermost frame: DeviceSpillStore's lock taking).
         for _ in range(10_000):
             frame = sys._current_frames().get(th.ident)
-            if frame is not None and frame.f_code.co_name == "spill":
+            if frame is not None and frame.f_code.co_name == "_lock_for_spilling":
                 break
             threading.Event().wait(0.001)
         else:
