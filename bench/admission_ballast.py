@@ -212,6 +212,7 @@ def save_rounds(path: str | None, ran: str, setups: Sequence[Any], fields: Seque
 #: The pids of the current bench cluster's workers, whose stacks a stuck turn prints.
 _worker_pids: list[int] = []
 _watch: threading.Timer | None = None
+_turn_started = 0.0  # time.monotonic() at the turn's watch_turn: a turn's whole cost
 
 
 def _stacks_on_signal() -> int:
@@ -232,7 +233,8 @@ def watch_turn(round_timeout: float) -> None:
     """Print every thread's stack, in the bench and in its worker, if this turn is still going
     after it should have ended (worker start, warm-up and round, closing): where a stuck bench
     waits (one waited 7 minutes, H100, 2026-12-07). Cancelled by :func:`end_turn`."""
-    global _watch
+    global _watch, _turn_started
+    _turn_started = time.monotonic()
     limit = WORKER_START_TIMEOUT + 2 * round_timeout + 3 * CLOSE_TIMEOUT
     _watch = threading.Timer(limit, _print_stacks)
     _watch.daemon = True
@@ -255,4 +257,5 @@ def end_turn(setup: Any, r: int, ok: bool, took: float) -> None:
     else:
         setup.failed_rounds += 1
     outcome = "ok" if ok else "FAILED " + setup.error
-    print(f"round {r} {setup.name}: {took:.2f} s {outcome}", file=sys.stderr)
+    whole = f" (turn {time.monotonic() - _turn_started:.0f} s)" if _turn_started else ""
+    print(f"round {r} {setup.name}: {took:.2f} s {outcome}{whole}", file=sys.stderr)
