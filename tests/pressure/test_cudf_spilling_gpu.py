@@ -64,12 +64,12 @@ _POOL_SCENARIO = textwrap.dedent(
     from dask_rmm.stack.build import build_stack
     from dask_rmm.stack.options import RMMOptions
     from dask_rmm.worker.stacks import install_stack
-    import cudf
 
     MiB = 1 << 20
     options = RMMOptions(allocators=["rmm"], pool_size=256 * MiB, maximum_pool_size=256 * MiB)
     install_stack(build_stack(options, 0))
     set_allocators(["rmm"])  # compiled RMM's pool, with dask-rmm's failure callback
+    import cudf  # "after": imported only now, its option read from the environment
     n = 48 * MiB // 8
     frames = [cudf.DataFrame({"a": range(i * n, (i + 1) * n)}) for i in range(6)]  # 288 MiB
     out = {
