@@ -114,6 +114,17 @@ if __name__ == "__main__":
     main()
 
 
+def client_context_first(use_cudf: bool) -> None:
+    """With cuDF: make this (the client's) process's CUDA context and a first cuDF buffer now,
+    before the ballast measures what is free. dask_cudf's meta is made in the client, and the
+    context that takes (about 0.5 GiB) must not come out of what the ballast leaves the
+    workers."""
+    if use_cudf:
+        import cudf
+
+        cudf.DataFrame({"a": [1]})
+
+
 def one_worker_cluster(kind: str, threads: int, options: dict, env: dict | None = None) -> Any:
     """(cluster, client) of one worker with ``threads`` threads: dask-cuda's LocalCUDACluster
     with ``options`` (kind "dask-cuda" or "cudf-spill"), or a LocalCluster with

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    client_context_first,
     close_cluster,
     computed,
     dask_cuda_pool_size,
@@ -222,6 +223,7 @@ def main() -> None:
         for c in configs:
             print(f"  {c.name}: {c.kind} {c.options}")
         return
+    client_context_first(use_cudf)
     with ballast(args.free_gib):
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:

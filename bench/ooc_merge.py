@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.admission_ballast import (  # noqa: E402
     ballast,
+    client_context_first,
     close_cluster,
     computed,
     dask_cuda_pool_size,
@@ -376,6 +377,7 @@ def main() -> None:
             args.json, what, configs, ("name", "times", "failed_rounds", "ooms", "spilled", "error")
         )
 
+    client_context_first(use_cudf)
     with ballast(None if host else args.free_gib):
         for r in range(args.rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
