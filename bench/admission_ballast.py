@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -213,11 +214,61 @@ def computed(client: Any, collections: list, timeout: float) -> list:
     return client.gather(futures)
 
 
+@functools.cache
+def device_name() -> str:
+    """Device 0's name as nvidia-smi says it (no CUDA context made), or "no GPU"."""
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "no GPU"
+
+
 def save_rounds(path: str | None, ran: str, setups: Sequence[Any], fields: Sequence[str]) -> None:
-    """The setups' ``fields`` so far, and what ``ran``, as JSON in ``path`` (None: nothing)."""
+    """The setups' ``fields`` so far, what ``ran`` and on which card, as JSON in ``path`` (None:
+    nothing)."""
     if path:
         rows = [{k: getattr(s, k) for k in fields} for s in setups]
-        Path(path).write_text(json.dumps({"ran": ran, "setups": rows}, indent=1))
+        saved = {"ran": ran, "device": device_name(), "setups": rows}
+        Path(path).write_text(json.dumps(saved, indent=1))
+
+
+def resume_rounds(path: str, ran: str, setups: Sequence[Any], fields: Sequence[str]) -> int:
+    """The rounds an earlier call saved in ``path`` (:func:`save_rounds`), put back into
+    ``setups``: the next round to run. A device call has a time limit, so a run of >= 5 rounds
+    may take two calls on one machine; a saved run of another workload, card or set of setups,
+    or one cut short inside a round, is refused (SystemExit), as its times would not compare."""
+    saved = json.loads(Path(path).read_text())
+    rows = saved.get("setups") or []
+    names, saved_names = [s.name for s in setups], [r.get("name") for r in rows]
+    done = {len(r.get("times", [])) + r.get("failed_rounds", 0) for r in rows}
+    problem = ""
+    if saved.get("ran") != ran:
+        problem = f"it ran {saved.get('ran')!r}, this run is {ran!r}"
+    elif saved.get("device") != device_name():
+        problem = f"its card was {saved.get('device')!r}, this one is {device_name()!r}"
+    elif saved_names != names:
+        problem = f"its setups were {saved_names}, these are {names}"
+    elif len(done) != 1:
+        problem = "it was cut short inside a round (its setups ran different numbers of rounds)"
+    if problem:
+        raise SystemExit(f"--resume {path}: {problem}; start a new run")
+    for setup, row in zip(setups, rows, strict=True):
+        for k in fields:
+            if k in row and k != "name":
+                setattr(setup, k, row[k])
+    (start,) = done
+    print(f"resumed {path}: {start} rounds of each setup done", file=sys.stderr)
+    return start
+
+
+def out_of_time(started: float, budget: float | None, round_seconds: list[float]) -> bool:
+    """Whether another round, as long as the longest so far, would end after ``budget``
+    seconds from ``started`` (time.monotonic()); never with no budget or no round yet."""
+    if budget is None or not round_seconds:
+        return False
+    return time.monotonic() - started + max(round_seconds) > budget
 
 
 #: The pids of the current bench cluster's workers, whose stacks a stuck turn prints.

@@ -48,6 +48,8 @@ from bench.admission_ballast import (  # noqa: E402
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    out_of_time,
+    resume_rounds,
     run_on_worker,
     save_rounds,
     watch_turn,
@@ -207,6 +209,10 @@ def main() -> None:
     p.add_argument("--arrays", action="store_true", help="CuPy for the first half even with cuDF")
     p.add_argument("--dry-run", action="store_true", help="print the setups and exit")
     p.add_argument("--json", help="write the rounds here (after every round)")
+    p.add_argument("--resume", help="go on from the rounds an earlier call wrote (its --json)")
+    p.add_argument(
+        "--time-budget", type=float, help="seconds: start no round that would end after them"
+    )
     args = p.parse_args()
     use_cudf = not args.arrays and importlib.util.find_spec("cudf") is not None
     free = int(args.free_gib * GiB)
@@ -223,9 +229,16 @@ def main() -> None:
         for c in configs:
             print(f"  {c.name}: {c.kind} {c.options}")
         return
+    keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
+    first = resume_rounds(args.resume, what, configs, keys) if args.resume else 0
     client_context_first(use_cudf)
+    started, rounds_took = time.monotonic(), []
     with ballast(args.free_gib):
-        for r in range(args.rounds):
+        for r in range(first, args.rounds):
+            if out_of_time(started, args.time_budget, rounds_took):
+                print(f"--time-budget: stopped before round {r}; --resume goes on", file=sys.stderr)
+                break
+            round_started = time.monotonic()
             for c in configs if r % 2 == 0 else configs[::-1]:
                 start, warm = time.perf_counter(), (0, 0)
                 watch_turn(args.round_timeout)
@@ -250,7 +263,7 @@ def main() -> None:
                     c.spilled.append(spilled - warm[0])
                     c.reruns += reruns - warm[1]
                 end_turn(c, r, ok, took)
-            keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
+            rounds_took.append(time.monotonic() - round_started)
             save_rounds(args.json, what, configs, keys)
     print(
         f"{'setup':28} {'completed':>9} {'median s':>9} {'range':>13} "

@@ -48,6 +48,8 @@ from bench.admission_ballast import (  # noqa: E402
     dask_cuda_pool_size,
     end_turn,
     one_worker_cluster,
+    out_of_time,
+    resume_rounds,
     run_on_worker,
     save_rounds,
     watch_turn,
@@ -312,6 +314,10 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="print the setups and exit")
     p.add_argument("--round-timeout", type=float, default=150.0, help="seconds; then failed")
     p.add_argument("--json", help="write the rounds here (after every configuration's turn)")
+    p.add_argument("--resume", help="go on from the rounds an earlier call wrote (its --json)")
+    p.add_argument(
+        "--time-budget", type=float, help="seconds: start no round that would end after them"
+    )
     args = p.parse_args()
     host = args.host_memory
     use_cudf = (
@@ -373,15 +379,21 @@ def main() -> None:
             c.spilled += c.spilled_bytes() - before
         end_turn(c, r, ok, took)
         # After every turn: a run cut short still says what it saw.
-        save_rounds(
-            args.json, what, configs, ("name", "times", "failed_rounds", "ooms", "spilled", "error")
-        )
+        save_rounds(args.json, what, configs, fields)
 
+    fields = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
+    first = resume_rounds(args.resume, what, configs, fields) if args.resume else 0
     client_context_first(use_cudf)
+    started, rounds_took = time.monotonic(), []
     with ballast(None if host else args.free_gib):
-        for r in range(args.rounds):
+        for r in range(first, args.rounds):
+            if out_of_time(started, args.time_budget, rounds_took):
+                print(f"--time-budget: stopped before round {r}; --resume goes on", file=sys.stderr)
+                break
+            round_started = time.monotonic()
             for c in configs if r % 2 == 0 else configs[::-1]:
                 turn(c, r)
+            rounds_took.append(time.monotonic() - round_started)
     print(
         f"{'setup':26} {'completed':>9} {'median s':>9} {'range':>15} {'OOM rounds':>10} {'spilled':>9}"
     )

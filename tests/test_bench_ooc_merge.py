@@ -109,3 +109,48 @@ def test_a_turn_that_ends_in_time_prints_nothing(monkeypatch, capfd):
     admission_ballast.end_turn(Turn(), 0, True, 0.1)
     time.sleep(1)
     assert "turn still going" not in capfd.readouterr().err
+
+
+class _Setup:
+    def __init__(self, name):
+        self.name, self.times, self.failed_rounds, self.error = name, [], 0, ""
+
+
+def test_a_run_of_two_device_calls_goes_on_from_the_rounds_the_first_saved(tmp_path):
+    # A device call has a time limit: >= 5 interleaved rounds may need two calls on one machine.
+    path = str(tmp_path / "rounds.json")
+    fields = ("name", "times", "failed_rounds", "error")
+    first = [_Setup("a"), _Setup("b")]
+    first[0].times, first[1].times, first[1].failed_rounds = [1.0, 2.0], [3.0], 1
+    admission_ballast.save_rounds(path, "merge", first, fields)
+    again = [_Setup("a"), _Setup("b")]
+    assert admission_ballast.resume_rounds(path, "merge", again, fields) == 2
+    assert again[0].times == [1.0, 2.0] and (again[1].times, again[1].failed_rounds) == ([3.0], 1)
+
+    for ran, setups, why in [
+        ("another", [_Setup("a"), _Setup("b")], "it ran 'merge'"),
+        ("merge", [_Setup("a")], "its setups were"),
+    ]:
+        with pytest.raises(SystemExit, match=why):
+            admission_ballast.resume_rounds(path, ran, setups, fields)
+    first[1].times = []  # cut short inside a round: b has a round fewer than a
+    admission_ballast.save_rounds(path, "merge", first, fields)
+    with pytest.raises(SystemExit, match="cut short inside a round"):
+        admission_ballast.resume_rounds(path, "merge", [_Setup("a"), _Setup("b")], fields)
+
+
+def test_rounds_saved_on_another_card_are_not_resumed(tmp_path, monkeypatch):
+    path = str(tmp_path / "rounds.json")
+    monkeypatch.setattr(admission_ballast, "device_name", lambda: "NVIDIA H200")
+    admission_ballast.save_rounds(path, "merge", [_Setup("a")], ("name", "times"))
+    monkeypatch.setattr(admission_ballast, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit, match="its card was 'NVIDIA H200'"):
+        admission_ballast.resume_rounds(path, "merge", [_Setup("a")], ("name", "times"))
+
+
+def test_no_round_is_started_that_would_end_after_the_time_budget():
+    started = time.monotonic() - 100
+    assert not admission_ballast.out_of_time(started, None, [50.0])
+    assert not admission_ballast.out_of_time(started, 120, [])
+    assert not admission_ballast.out_of_time(started, 160, [50.0])
+    assert admission_ballast.out_of_time(started, 140, [30.0, 50.0])
