@@ -271,6 +271,22 @@ def out_of_time(started: float, budget: float | None, round_seconds: list[float]
     return time.monotonic() - started + max(round_seconds) > budget
 
 
+def interleaved_rounds(
+    setups: Sequence[Any], first: int, count: int, budget: float | None
+) -> Iterator[tuple[int, Sequence[Any]]]:
+    """``(round, setups in this round's order)`` for rounds ``first`` to ``count - 1``, the
+    order reversed every other round; the caller runs the round before asking for the next. No
+    round starts that would end after ``budget`` seconds (:func:`out_of_time`; printed)."""
+    started, took = time.monotonic(), []
+    for r in range(first, count):
+        if out_of_time(started, budget, took):
+            print(f"--time-budget: stopped before round {r}; --resume goes on", file=sys.stderr)
+            return
+        round_started = time.monotonic()
+        yield r, setups if r % 2 == 0 else setups[::-1]
+        took.append(time.monotonic() - round_started)
+
+
 #: The pids of the current bench cluster's workers, whose stacks a stuck turn prints.
 _worker_pids: list[int] = []
 _watch: threading.Timer | None = None

@@ -47,8 +47,8 @@ from bench.admission_ballast import (  # noqa: E402
     computed,
     dask_cuda_pool_size,
     end_turn,
+    interleaved_rounds,
     one_worker_cluster,
-    out_of_time,
     resume_rounds,
     run_on_worker,
     save_rounds,
@@ -232,14 +232,9 @@ def main() -> None:
     keys = ("name", "times", "failed_rounds", "spilled", "reruns", "error")
     first = resume_rounds(args.resume, what, configs, keys) if args.resume else 0
     client_context_first(use_cudf)
-    started, rounds_took = time.monotonic(), []
     with ballast(args.free_gib):
-        for r in range(first, args.rounds):
-            if out_of_time(started, args.time_budget, rounds_took):
-                print(f"--time-budget: stopped before round {r}; --resume goes on", file=sys.stderr)
-                break
-            round_started = time.monotonic()
-            for c in configs if r % 2 == 0 else configs[::-1]:
+        for r, order in interleaved_rounds(configs, first, args.rounds, args.time_budget):
+            for c in order:
                 start, warm = time.perf_counter(), (0, 0)
                 watch_turn(args.round_timeout)
                 try:
@@ -263,7 +258,6 @@ def main() -> None:
                     c.spilled.append(spilled - warm[0])
                     c.reruns += reruns - warm[1]
                 end_turn(c, r, ok, took)
-            rounds_took.append(time.monotonic() - round_started)
             save_rounds(args.json, what, configs, keys)
     print(
         f"{'setup':28} {'completed':>9} {'median s':>9} {'range':>13} "

@@ -47,8 +47,8 @@ from bench.admission_ballast import (  # noqa: E402
     computed,
     dask_cuda_pool_size,
     end_turn,
+    interleaved_rounds,
     one_worker_cluster,
-    out_of_time,
     resume_rounds,
     run_on_worker,
     save_rounds,
@@ -384,16 +384,10 @@ def main() -> None:
     fields = ("name", "times", "failed_rounds", "ooms", "spilled", "error")
     first = resume_rounds(args.resume, what, configs, fields) if args.resume else 0
     client_context_first(use_cudf)
-    started, rounds_took = time.monotonic(), []
     with ballast(None if host else args.free_gib):
-        for r in range(first, args.rounds):
-            if out_of_time(started, args.time_budget, rounds_took):
-                print(f"--time-budget: stopped before round {r}; --resume goes on", file=sys.stderr)
-                break
-            round_started = time.monotonic()
-            for c in configs if r % 2 == 0 else configs[::-1]:
+        for r, order in interleaved_rounds(configs, first, args.rounds, args.time_budget):
+            for c in order:
                 turn(c, r)
-            rounds_took.append(time.monotonic() - round_started)
     print(
         f"{'setup':26} {'completed':>9} {'median s':>9} {'range':>15} {'OOM rounds':>10} {'spilled':>9}"
     )

@@ -6,6 +6,7 @@ context."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from pathlib import Path
@@ -25,6 +26,18 @@ _spec.loader.exec_module(admission_ballast)
 GiB, MiB = 1 << 30, 1 << 20
 
 
+@contextlib.contextmanager
+def _one_worker(threads: int = 1, processes: bool = False):
+    """(cluster, client) of a LocalCluster of one worker."""
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=threads, processes=processes, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield cluster, client
+
+
 def test_a_cluster_whose_worker_never_comes_fails_the_turn_and_is_closed(monkeypatch):
     monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 1)
     cluster = LocalCluster(n_workers=0, processes=False, dashboard_address=":0")
@@ -35,12 +48,7 @@ def test_a_cluster_whose_worker_never_comes_fails_the_turn_and_is_closed(monkeyp
 
 
 def test_a_merge_not_done_in_time_fails_with_the_timeout_named():
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _one_worker(threads=2) as (cluster, client):
         assert admission_ballast._worker_up(cluster, client) is client  # a worker: no wait
         with pytest.raises(TimeoutError, match=r"not done in 0\.3 s \(--round-timeout\)"):
             admission_ballast.computed(client, [delayed(time.sleep)(3)], 0.3)
@@ -59,12 +67,7 @@ def test_dask_cudas_pool_leaves_room_for_a_workers_context_and_kernels(free, poo
 def test_a_figure_read_from_a_stuck_worker_times_out(monkeypatch):
     # Client.run takes no timeout: a wedged worker stalled a GPU bench for 7 minutes.
     monkeypatch.setattr(admission_ballast, "CLOSE_TIMEOUT", 0.5)
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _one_worker() as (cluster, client):
         assert admission_ballast.run_on_worker(client, lambda: 7) == {
             w: 7 for w in cluster.scheduler.workers
         }
@@ -78,12 +81,7 @@ def test_a_figure_read_from_a_stuck_worker_times_out(monkeypatch):
 def test_a_stuck_turn_prints_the_stacks_of_the_bench_and_of_its_worker(monkeypatch, capfd):
     # A GPU bench waited 7 minutes after a failed warm-up with nothing said about where.
     monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 30)
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _one_worker(processes=True) as (cluster, client):
         admission_ballast._worker_up(cluster, client)
         assert admission_ballast._worker_pids == [w.pid for w in cluster.scheduler.workers.values()]
         monkeypatch.setattr(admission_ballast, "WORKER_START_TIMEOUT", 0)
@@ -146,6 +144,16 @@ def test_rounds_saved_on_another_card_are_not_resumed(tmp_path, monkeypatch):
     monkeypatch.setattr(admission_ballast, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     with pytest.raises(SystemExit, match="its card was 'NVIDIA H200'"):
         admission_ballast.resume_rounds(path, "merge", [_Setup("a")], ("name", "times"))
+
+
+def test_rounds_alternate_their_order_and_stop_before_the_budget_runs_out(capsys):
+    got = [(r, list(order)) for r, order in admission_ballast.interleaved_rounds("ab", 1, 4, None)]
+    assert got == [(1, ["b", "a"]), (2, ["a", "b"]), (3, ["b", "a"])]
+    ran = []
+    for r, _order in admission_ballast.interleaved_rounds("ab", 0, 5, 0.55):
+        ran.append(r)
+        time.sleep(0.2)  # rounds of 0.2 s: the second ends at 0.4 s, a third would at 0.6 s
+    assert ran == [0, 1] and "stopped before round 2" in capsys.readouterr().err
 
 
 def test_no_round_is_started_that_would_end_after_the_time_budget():
