@@ -271,7 +271,10 @@ def setups(args, free: int, use_cudf: bool) -> list[Setup]:
         ]
     pool = dask_cuda_pool_size(free)
     limit = int(pool * 0.8)  # below dask-cuda's pool (room for a merge's temporaries); one for all
-    rmm_libs = ["rmm", "cupy"] if use_cudf else ["cupy"]
+    # cuDF through compiled RMM without its pool (exact_allocators): every free reaches the
+    # worker's stack, so an allocation that fails waits for the frees of the tasks beside it,
+    # and admission counts each task's bytes (compiled RMM's pool keeps what it frees).
+    rmm_libs = {"allocators": ["cupy"], "exact_allocators": ["rmm"] if use_cudf else None}
     out = [
         Setup(
             "dask-cuda pool + limit",
@@ -281,13 +284,13 @@ def setups(args, free: int, use_cudf: bool) -> list[Setup]:
         Setup(
             "dask-rmm",
             "dask-rmm",
-            {"allocators": rmm_libs, "device_memory_limit": limit, "spill_on_oom": True},
+            {**rmm_libs, "device_memory_limit": limit, "spill_on_oom": True},
         ),
         Setup(
             "dask-rmm + admission",
             "dask-rmm",
             {
-                "allocators": rmm_libs,
+                **rmm_libs,
                 "device_memory_limit": limit,
                 "spill_on_oom": True,
                 "memory_admission": True,
