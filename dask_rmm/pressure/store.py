@@ -101,6 +101,10 @@ class DeviceSpillStore(MutableMapping):
         #: How long :meth:`spill_until` waits for memory to change: retries, seconds.
         self.wait_retries = 100
         self.wait_limit = 5.0
+        #: How many tasks run on the worker (set by ``WorkerPressure.attach``): while more run
+        #: than wait in :meth:`spill_until`, a wait goes on without frees (their frees may come).
+        self.running_tasks: Callable[[], int] | None = None
+        self._waiters: set[int] = set()  # threads waiting in spill_until
         #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
         self.spill_lock_wait = 10.0
 
@@ -326,73 +330,81 @@ class DeviceSpillStore(MutableMapping):
         given (a pool that may grow), the least recently used, then ``release()``. While nothing
         can be spilled, the allocation is retried every few ms as long as memory changes
         (``activity()``, a count of frees), up to :attr:`wait_retries` polls in a row without a
-        change or :attr:`wait_limit` seconds.
+        change (not counted while a task that is not waiting here runs: :attr:`running_tasks`)
+        or :attr:`wait_limit` seconds.
         """
-        spilled = 0
-        error: MemoryError | None = None
-        started = None
-        seen = None
-        unchanged = 0
-        held: tuple[Hashable, ...] | None = None  # referenced values at the last full scan
-        held_at = -1
-        quiet = False  # nothing changed at the last poll: no victims to look for either
-        while True:
-            tried = False
-            if not self._lock_for_spilling():  # one more try, without spilling
-                try:
-                    return attempt(), None, spilled
-                except MemoryError as e:
-                    return None, e, spilled
-            try:
-                fruitless = 0
-                while True:
+        me = threading.get_ident()
+        try:
+            spilled = 0
+            error: MemoryError | None = None
+            started = None
+            seen = None
+            unchanged = 0
+            held: tuple[Hashable, ...] | None = None  # referenced values at the last full scan
+            held_at = -1
+            quiet = False  # nothing changed at the last poll: no victims to look for either
+            while True:
+                tried = False
+                if not self._lock_for_spilling():  # one more try, without spilling
                     try:
-                        result = attempt()
+                        return attempt(), None, spilled
                     except MemoryError as e:
-                        error = e
-                    else:
-                        # A kept error's frames would keep the caller's new object alive.
-                        error = None
-                        return result, None, spilled
-                    if quiet:
-                        break
-                    victims, growing = self._choose(request, device, layout, release)
-                    if not victims:
-                        break
-                    tried = True
-                    freed = self._spill_keys(victims)
-                    if freed:
-                        spilled += freed
-                        fruitless = 0
-                        if growing and release is not None:
-                            release()
-                        continue
-                    # Every victim was referenced by the time it was copied (a reader, a
-                    # profiler holding frames): choose again among the others.
-                    fruitless += 1
-                    if fruitless >= _FRUITLESS_ROUNDS:
-                        break
-            finally:
-                self._local.active = False
-                self._spill_lock.release()
-            # Nothing could be spilled: wait for frees, mutations or a referenced value let go
-            # (all values scanned after a round or a mutation, else those referenced then).
-            now = time.monotonic()
-            mutations = self._mutations
-            if held is None or tried or mutations != held_at:
-                held, held_at = self._referenced(device), mutations
-            else:
-                held = self._referenced(device, held)
-            state = (activity() if activity is not None else None, mutations, held)
-            if started is None:
-                started = now
-            # A round that found victims saw a change, even if the polled state looks the same.
-            quiet = state == seen and not tried
-            unchanged = unchanged + 1 if quiet else 0
-            seen = state
-            if unchanged >= self.wait_retries or now - started >= self.wait_limit:
-                return None, error, spilled
-            time.sleep(_WAIT_POLL)
+                        return None, e, spilled
+                try:
+                    fruitless = 0
+                    while True:
+                        try:
+                            result = attempt()
+                        except MemoryError as e:
+                            error = e
+                        else:
+                            # A kept error's frames would keep the caller's new object alive.
+                            error = None
+                            return result, None, spilled
+                        if quiet:
+                            break
+                        victims, growing = self._choose(request, device, layout, release)
+                        if not victims:
+                            break
+                        tried = True
+                        freed = self._spill_keys(victims)
+                        if freed:
+                            spilled += freed
+                            fruitless = 0
+                            if growing and release is not None:
+                                release()
+                            continue
+                        # Every victim was referenced by the time it was copied (a reader, a
+                        # profiler holding frames): choose again among the others.
+                        fruitless += 1
+                        if fruitless >= _FRUITLESS_ROUNDS:
+                            break
+                finally:
+                    self._local.active = False
+                    self._spill_lock.release()
+                # Nothing could be spilled: wait for frees, mutations or a referenced value let go
+                # (all values scanned after a round or a mutation, else those referenced then).
+                now = time.monotonic()
+                mutations = self._mutations
+                if held is None or tried or mutations != held_at:
+                    held, held_at = self._referenced(device), mutations
+                else:
+                    held = self._referenced(device, held)
+                state = (activity() if activity is not None else None, mutations, held)
+                if started is None:
+                    started = now
+                # A round that found victims saw a change, even if the polled state looks the same.
+                quiet = state == seen and not tried
+                self._waiters.add(me)
+                running = self.running_tasks() if self.running_tasks is not None else 0
+                # A task beside this one that is not waiting too may still free what this needs.
+                unchanged = unchanged + 1 if quiet and running <= len(self._waiters) else 0
+                seen = state
+                if unchanged >= self.wait_retries or now - started >= self.wait_limit:
+                    return None, error, spilled
+                time.sleep(_WAIT_POLL)
+        finally:
+            self._waiters.discard(me)
 
     def _referenced(self, device: int | None, keys: tuple | None = None) -> tuple[Hashable, ...]:
         """Keys of stored device values (of ``device``, or those of ``keys`` still stored) that

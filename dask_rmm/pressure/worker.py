@@ -120,6 +120,7 @@ class WorkerPressure:
         worker.memory_manager.data = self.store
         worker.state.data = self.store
         self._worker = worker
+        self.store.running_tasks = lambda: len(worker.state.executing)
         if self.spill_on_oom:
             for device, dp in self.devices.items():  # library caches out of memory spill too
                 caches.set_oom_handler(device, dp.spill_for_cache)
@@ -145,7 +146,7 @@ class WorkerPressure:
             if worker.periodic_callbacks.get(MONITOR_KEY) is monitor:
                 del worker.periodic_callbacks[MONITOR_KEY]
         self._resume(worker)
-        self._worker = None
+        self._worker = self.store.running_tasks = None
         for device, dp in self.devices.items():  # bringing values back must not spill others
             if caches.oom_handler(device) == dp.spill_for_cache:
                 caches.set_oom_handler(device, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from distributed.spill import SpillBuffer
@@ -318,6 +319,73 @@ def test_an_allocation_waits_for_another_threads_temporary():
     buf = DeviceBuffer(size=2 * MiB)
     th.join(30)
     assert buf.size == 2 * MiB and wp.oom_events() == []
+
+
+def test_an_allocation_waits_for_a_running_task_that_frees_nothing_for_a_while():
+    """Nothing to spill and no free for longer than ``wait_retries`` polls, but another task
+    runs (the first wave of a graph: every task making its input, none done): the failed
+    allocation keeps waiting while a task not waiting itself runs, and gets the memory when that
+    task ends. Before, it gave up after ``wait_retries`` quiet polls (an H100 merge failed so)."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries, store.wait_limit = 5, 60.0  # 10 ms of quiet, a minute at most
+    running = {"waiting task"}
+    store.running_tasks = lambda: len(running)
+    holding, done = threading.Event(), threading.Event()
+
+    def task():
+        running.add("holding task")
+        tmp = DeviceBuffer(size=3 * MiB)
+        holding.set()
+        done.wait(30)  # works without allocating, far longer than 5 quiet polls
+        del tmp
+        running.discard("holding task")
+
+    th = threading.Thread(target=task)
+    th.start()
+    holding.wait(30)
+    threading.Timer(0.5, done.set).start()
+    t0 = time.monotonic()
+    buf = DeviceBuffer(size=2 * MiB)
+    waited = time.monotonic() - t0
+    th.join(30)
+    assert buf.size == 2 * MiB and wp.oom_events() == []
+    assert waited >= 0.4  # it did wait for the task's end
+    assert store._waiters == set()
+
+
+def test_allocations_that_wait_for_each_other_give_up():
+    """Two running tasks, both waiting for memory the other holds: neither may wait for the
+    other's end (each counts as waiting), so both give up after ``wait_retries`` quiet polls
+    instead of waiting until ``wait_limit``."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries, store.wait_limit = 5, 60.0
+    running = {0, 1}  # a task ends when its allocation fails (a worker's executing tasks)
+    store.running_tasks = lambda: len(running)
+    held = [DeviceBuffer(size=MiB + MiB // 2) for _ in range(2)]
+    both = threading.Barrier(2)
+    results: dict = {}
+
+    def task(i: int) -> None:
+        both.wait(30)
+        t0 = time.monotonic()
+        try:
+            DeviceBuffer(size=2 * MiB)
+        except MemoryError as e:
+            results[i] = (e, time.monotonic() - t0)
+        finally:
+            running.discard(i)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert sorted(results) == [0, 1]
+    assert all(took < 30 for _, took in results.values())  # not the minute of wait_limit
+    del held
+    assert store._waiters == set()
 
 
 def test_an_allocation_holding_a_lock_its_spill_needs_fails_instead_of_stalling(caplog):
