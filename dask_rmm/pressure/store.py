@@ -101,8 +101,7 @@ class DeviceSpillStore(MutableMapping):
         #: How long :meth:`spill_until` waits for memory to change: retries, seconds.
         self.wait_retries = 100
         self.wait_limit = 5.0
-        #: How many tasks run on the worker (set by ``WorkerPressure.attach``): while more run
-        #: than wait in :meth:`spill_until`, a wait goes on without frees (their frees may come).
+        #: Tasks running on the worker (``WorkerPressure.attach``): their frees may still come.
         self.running_tasks: Callable[[], int] | None = None
         self._waiters: set[int] = set()  # threads waiting in spill_until
         #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
@@ -321,18 +320,12 @@ class DeviceSpillStore(MutableMapping):
         release: Callable[[], Any] | None = None,
         activity: Callable[[], int] | None = None,
     ) -> tuple[Any, MemoryError | None, int]:
-        """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry
-        until it succeeds, or until nothing can be spilled and nothing changes (docs/memory-
-        pressure.md): ``(result, None, bytes spilled)`` or ``(None, last MemoryError, spilled)``.
-
-        With ``layout`` (a pool's ``memory_layout``) the victims are the cheapest set whose
-        blocks merge into a free block of ``request`` bytes; if none exists and ``release`` is
-        given (a pool that may grow), the least recently used, then ``release()``. While nothing
-        can be spilled, the allocation is retried every few ms as long as memory changes
-        (``activity()``, a count of frees), up to :attr:`wait_retries` polls in a row without a
-        change (not counted while a task that is not waiting here runs: :attr:`running_tasks`)
-        or :attr:`wait_limit` seconds.
-        """
+        """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry,
+        until it succeeds or nothing can be spilled and nothing changes (docs/memory-pressure.md):
+        ``(result, None, bytes spilled)`` or ``(None, last MemoryError, spilled)``. ``layout``
+        (a pool's): victims whose blocks merge into one of ``request`` bytes, else (``release``:
+        the pool may grow) the least recently used, then ``release()``. Then it polls while
+        memory (``activity()``: frees) changes or :attr:`running_tasks` run, as the docs say."""
         me = threading.get_ident()
         try:
             spilled = 0

@@ -46,13 +46,8 @@ class WorkerPressure:
     task_key : callable, optional
         The running task's key.
 
-    Examples
-    --------
-    How a worker's setup wires it (inside the worker process, with its device stacks)::
-
-        wp = WorkerPressure(spill_on_oom=True)
-        wp.wrap(stack, capacity=pool_max, limit=limit)  # stack.top is the adaptor now
-        wp.attach(worker)  # and wp.detach() at teardown
+    A worker's setup calls ``wp.wrap(stack, capacity=..., limit=...)`` per device (``stack.top``
+    is then the adaptor), ``wp.attach(worker)``, and ``wp.detach()`` at teardown.
     """
 
     spill_on_oom: bool = False
