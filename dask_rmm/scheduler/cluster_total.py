@@ -112,13 +112,13 @@ class ClusterTotal:
     def add(self, rows: list[int], blobs: list[bytes], newest: list[float]) -> None:
         """Packed samples of each of ``rows`` (oldest first, all newer than the row's previous
         ones), the newest at time ``newest``: the work is done a batch at a time."""
-        if not self._pending.isdisjoint(rows) or len(set(rows)) < len(rows):
+        if len(set(rows)) < len(rows):
             # A row's samples change the sum from its previous ones: once a row a batch.
             for row, blob, t in zip(rows, blobs, newest, strict=True):
-                if row in self._pending:
-                    self._take_chunks()
                 self.add([row], [blob], [t])
             return
+        if not self._pending.isdisjoint(rows):
+            self._take_chunks()
         self._pending.update(rows)
         self._rows += rows
         self._blobs += blobs

@@ -196,30 +196,27 @@ def downsample(points: np.ndarray, width: int) -> np.ndarray:
 
 def compact_all(timelines: list[Timeline]) -> None:
     """:meth:`Timeline.compact` for many timelines of the same ``factor`` (the scheduler's
-    devices), their newest levels merged in one numpy pass: a few calls for all of them, not
-    a few per device."""
-    full = []
-    for tl in dict.fromkeys(timelines):  # once each, in order
-        if len(tl.levels) == 1:
-            tl.compact()
-        elif tl.overflowing:
-            full.append(tl)
-    if not full:
-        return
-    factor = full[0].factor
-    if any(tl.factor != factor for tl in full):
+    devices), each level but the last merged in one numpy pass for all of them: a few calls a
+    level, not a few per device."""
+    timelines = list(dict.fromkeys(timelines))  # once each, in order
+    if any(tl.factor != timelines[0].factor for tl in timelines):
         raise ValueError("compact_all needs timelines of one factor")
-    counts = [tl._passed(0) for tl in full]
-    # Each timeline passes a multiple of factor points: no merged point mixes two devices.
-    merged = merge_points(
-        b"".join(tl.levels[0][: n * _RECORD] for tl, n in zip(full, counts, strict=True)),
-        sum(counts),
-        factor,
-    )
-    at = 0
-    for tl, n in zip(full, counts, strict=True):
-        size = n // factor * _RECORD
-        tl.levels[1] += merged[at : at + size]
-        tl.levels[0] = tl.levels[0][n * _RECORD :]
-        at += size
-        tl.compact(1)
+    for i in range(max((len(tl.levels) for tl in timelines), default=1) - 1):
+        full = [tl for tl in timelines if i < len(tl.levels) - 1 and tl._passed(i)]
+        if not full:
+            break
+        counts, factor = [tl._passed(i) for tl in full], full[0].factor  # lists: few objects
+        # Each timeline passes a multiple of factor points: no merged point mixes two devices.
+        merged = merge_points(
+            b"".join(tl.levels[i][: n * _RECORD] for tl, n in zip(full, counts, strict=True)),
+            sum(counts),
+            factor,
+        )
+        at = 0
+        for tl, n in zip(full, counts, strict=True):
+            size = n // factor * _RECORD
+            tl.levels[i + 1] += merged[at : at + size]
+            tl.levels[i] = tl.levels[i][n * _RECORD :]
+            at += size
+    for tl in timelines:
+        tl.compact(len(tl.levels) - 1)  # the last level merges pairwise

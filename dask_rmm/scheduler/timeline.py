@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import dask.config
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.scheduler import heartbeat_interval
 from tornado.ioloop import PeriodicCallback
 
 from dask_rmm.scheduler.cluster_total import ClusterTotal
@@ -44,8 +45,10 @@ DEFAULT_TIMELINE_LENGTH = 512
 DEFAULT_TIMELINE_LEVELS = 3
 #: How many departed workers stay in reports (marked "gone") before the oldest is forgotten.
 DEFAULT_KEEP_GONE = 32
-#: Seconds between two passes that add what every device has sent to the cluster's total.
-TOTAL_INTERVAL = 0.5
+#: Seconds between two passes that take the samples read into the timelines and the cluster's
+#: total, below ``SHARE_ABOVE`` workers and from it (a pass costs about a millisecond however
+#: few its samples: bench/README.md, issue 45 item 3); sooner once ``FOLD_BYTES`` of them wait.
+TOTAL_INTERVAL, LARGE_TOTAL_INTERVAL, FOLD_BYTES = 0.5, 2.0, 1 << 20
 #: Worker records a report's snapshot takes (and reads unread heartbeats of) between two
 #: returns to the event loop: at 8 devices a worker, 500 held the loop 40 ms and more
 #: (bench/README.md, "Scrapes and pages").
@@ -86,9 +89,8 @@ class _WorkerRecord:
     #: Devices the worker stopped reporting (out of the cluster total since), by id.
     vanished: set[str] = field(default_factory=set)
     #: Per device: the newest sample time the cluster total counted for this address before
-    #: dask-rmm left the worker and came back (a re-registration); the worker sends those samples
-    #: again, and the total must not count them twice (the device's peak so far goes into
-    #: ``earlier_peaks``).
+    #: dask-rmm left the worker and came back (a re-registration): the worker sends those again,
+    #: the total counts them once (the device's peak so far goes into ``earlier_peaks``).
     counted: dict[str, float] = field(default_factory=dict)
 
 
@@ -156,6 +158,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self._total = ClusterTotal(Timeline(DEFAULT_TIMELINE_LENGTH))
         self._total_due = 0.0
         self._full: list[Timeline] = []  # timelines whose newest level is full
+        self._arrived: list = []  # (record, samples) a heartbeat read, not yet taken (_fold)
+        self._arriving = 0  # their bytes
         self._order: list[str] | None = None  # the workers' addresses the poller reads in turn
         self._cursor = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -276,14 +280,18 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             return
         rec.status = "gone"
         self._changes += 1
-        for row in rec.rows.values():
-            self._total.stop(row)
+        self._stop_rows(rec)
         self._records[worker] = self._records.pop(worker)  # the newest gone comes last
         self._gone[worker] = rec
         while len(self._gone) > (self.keep_gone or 0):
             address = next(iter(self._gone))
             del self._gone[address]
             self._forget(self._records.pop(address))
+
+    def _stop_rows(self, rec: _WorkerRecord) -> None:
+        self._fold()  # the samples read count before the rows stop
+        for row in rec.rows.values():
+            self._total.stop(row)
 
     def _forget(self, rec: _WorkerRecord) -> None:
         self._changes += 1
@@ -300,21 +308,20 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if not self.active:
             self._stop()
             return False
-        if every:
-            self._ingest_all()
-        else:
-            self._ingest_share()
+        self._ingest_all() if every else self._ingest_share()
         self._advance_total_if_due()
         return True
 
     def _advance_total_if_due(self) -> None:
         now = time()
-        if now >= self._total_due:  # half a second of samples at a time: no long block
-            self._total_due = now + TOTAL_INTERVAL
-            self._compact()
+        if now >= self._total_due or self._arriving > FOLD_BYTES:  # no long block
+            self._total_due = now + (LARGE_TOTAL_INTERVAL if self.large else TOTAL_INTERVAL)
+            self._compact(now)
             self._total.advance(now)
 
-    def _compact(self) -> None:
+    def _compact(self, now: float | None = None) -> None:
+        """Take the samples read (:meth:`_fold`), then merge the full timelines."""
+        self._fold(now)
         full, self._full = self._full, []
         compact_all(full)
 
@@ -322,9 +329,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         self.poll(every=False)
 
     def _ingest_share(self) -> None:
-        """Read the next share of the workers, in turn: each at least twice per heartbeat
-        interval (a heartbeat repeats the previous one's samples, so none is lost), so that a
-        tick costs as many reads as heartbeats arrive, not one per worker."""
+        """Read the next share of the workers, in turn, each twice a heartbeat interval (a
+        heartbeat repeats the previous one's samples: none is lost): a read a heartbeat."""
         s = self.scheduler
         if s is None:
             return
@@ -335,10 +341,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         n = len(order)
         if not n:
             return
-        from distributed.scheduler import heartbeat_interval
-
-        # A tick every tenth of a heartbeat interval, from poll_interval up to TOTAL_INTERVAL:
-        # a tick's fixed cost (a few numpy passes) is then shared by more heartbeats.
+        # A tick every tenth of a heartbeat interval, from poll_interval up to TOTAL_INTERVAL.
         interval = heartbeat_interval(n)
         period = max(self.poll_interval, min(interval / 10, TOTAL_INTERVAL))
         if self._poller is not None and self._poller.callback_time != period * 1000:
@@ -349,30 +352,29 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if len(chosen) < share:
             chosen += order[: share - len(chosen)]
         self._cursor = start + share
-        self._ingest(*filter(None, map(workers.get, chosen)))
+        self._ingest(*filter(None, map(workers.get, chosen)), fold=False)
 
     def _ingest_all(self) -> None:
         if self.scheduler is not None:
             self._ingest(*self.scheduler.workers.values())
 
-    def _ingest(self, *workers: WorkerState) -> None:
-        """Read these workers' heartbeats, their samples checked in one batch."""
+    def _ingest(self, *workers: WorkerState, fold: bool = True) -> None:
+        """Read these workers' heartbeats, and with ``fold`` take every sample read so far."""
         now = time()
-        pending: list = []
         for ws in workers:
-            self._read(ws, now, pending)
-        self._take_samples(pending, now)
+            self._read(ws, now)
+        if fold:
+            self._fold(now)
 
-    def _read(self, ws: WorkerState, now: float, pending: list) -> None:
+    def _read(self, ws: WorkerState, now: float) -> None:
         """Take ``ws``'s latest heartbeat metrics if new: checked (``validate.py``), its
-        devices' samples queued in ``pending`` for one check of the whole batch."""
+        samples queued (``_arrived``) for one check of a batch, taken at once if rows change."""
         m = ws.metrics.get(METRICS_KEY)
         rec = self._records.get(ws.address)
         if m is None:
             # No dask-rmm on this worker (any more): its old numbers must not look current.
             if rec is not None and rec.status == "running":
-                for row in rec.rows.values():
-                    self._total.stop(row)
+                self._stop_rows(rec)
                 self._counted[ws.address] = {
                     d: (tl.newest, max(tl.peak(), rec.earlier_peaks.get(d, 0)))
                     for d, tl in rec.timelines.items()
@@ -391,17 +393,19 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if checked.metrics is None:
             # Nothing usable: the worker shows its error, and its old numbers stop counting.
             rec.metrics = None
-            for row in rec.rows.values():
-                self._total.stop(row)
+            self._stop_rows(rec)
         else:
             rec.metrics = checked.metrics
             rec.last_seen = checked.metrics["time"]
-            pending.append((rec, checked.samples))
             devices = checked.metrics["devices"]
             if rec.vanished or not rec.rows.keys() <= devices.keys():
+                self._fold(now)
                 self._vanish(rec, devices, checked.problems)
             if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
+                self._fold(now)
                 self._drop_devices(rec, devices)
+            self._arrived.append((rec, checked.samples))
+            self._arriving += sum(map(len, checked.samples.values()))
         if checked.problems:
             self._problem(rec, checked.problems, now)
 
@@ -417,17 +421,17 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
             ids = ", ".join(map(repr, sorted(rec.vanished)))
             problems.append(("devices", f"device {ids} no longer reported: not in the totals"))
 
-    def _take_samples(self, pending: list, now: float) -> None:
-        """Add the queued samples (``(record, {device: packed samples})`` a heartbeat) that are
-        valid and new (one check for all of them) to their devices' timelines and the cluster
-        total."""
-        recs, devs, blobs, tls = [], [], [], []
-        for rec, samples in pending:
-            for dev, blob in samples.items():
-                recs.append(rec)
-                devs.append(dev)
-                blobs.append(blob)
-                tls.append(rec.timelines.get(dev))
+    def _fold(self, now: float | None = None) -> None:
+        """Add the samples of every heartbeat read (``_arrived``) that are valid and new (one
+        check for all of them) to their devices' timelines and the cluster total."""
+        pending, self._arrived, self._arriving = self._arrived, [], 0
+        if not pending:
+            return
+        now = time() if now is None else now
+        recs = [rec for rec, samples in pending for _ in samples]
+        devs = [dev for _, samples in pending for dev in samples]
+        blobs = [blob for _, samples in pending for blob in samples.values()]
+        tls = list(map(dict.get, [rec.timelines for rec in recs], devs))
         old = [-math.inf if tl is None else tl.newest for tl in tls]
         checked, lasts_checked, problems = check_samples(blobs, now, old)
         rows, news, lasts = [], [], []
@@ -512,8 +516,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
 
     def snapshot(self, request: ReportRequest | None = None) -> Snapshot:
         """What a report needs, taken on the event loop in one pass over the workers (cheap:
-        references to data that is replaced, never changed in place); the report is built
-        from it with :meth:`Snapshot.build`, which may run in another thread."""
+        references to data replaced, never changed in place); built (:meth:`Snapshot.build`)
+        in any thread."""
         if self.scheduler is not None and self.active:
             self.poll()  # heartbeats that arrived since the last tick
         self._compact()
@@ -535,8 +539,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     async def _catch_up(self) -> None:
         """Read every heartbeat not read yet and compact the timelines they filled, as
         :meth:`poll` does, :data:`SNAPSHOT_CHUNK` workers at a time with the event loop free in
-        between: at 10,000 workers a quarter of them may hold an unread heartbeat, and reading
-        and compacting those at once blocked the loop for half a second."""
+        between (all at once blocked the loop half a second at 10,000 workers)."""
         s = self.scheduler
         if s is None or not self.active:
             return
@@ -556,7 +559,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         """:meth:`snapshot` for ``request``, from the snapshot every route shares
         (:meth:`_shared_snapshot`)."""
         shared = await self._shared_snapshot()
-        return Snapshot(request, shared.records, shared.total, shared.meta)
+        return Snapshot(request, *shared[2:])
 
     async def _shared_snapshot(self) -> _Shared:
         """The snapshot all routes and scrapes share: the last one while no heartbeat came
@@ -603,9 +606,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         shared = await self._shared_snapshot()
         kept = self._exports.get(what)
         if kept is None or kept[0] is not shared:
-            snap = Snapshot(
-                ReportRequest(timeline=False), shared.records, shared.total, shared.meta
-            )
+            snap = Snapshot(ReportRequest(timeline=False), *shared[2:])  # records, total, meta
             made = asyncio.ensure_future(self._in_thread(snap.export, build))
             kept = self._exports[what] = (shared, made)
         value = self._made[what] = await asyncio.shield(kept[1])

@@ -80,7 +80,7 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     samples = {}  # a dict, not a tuple a device: fewer objects for the collector
     if len(raw) > MAX_DEVICES:
         problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
-    for dev, d in islice(raw.items(), MAX_DEVICES):
+    for dev, d in raw.items() if len(raw) <= MAX_DEVICES else islice(raw.items(), MAX_DEVICES):
         if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
             problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
             continue

@@ -491,7 +491,7 @@ def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbe
     _fake_scheduler(plugin, workers)
     read: list[str] = []
     original = plugin._read
-    plugin._read = lambda ws, now, pending: (read.append(ws.address), original(ws, now, pending))
+    plugin._read = lambda ws, now: (read.append(ws.address), original(ws, now))
     # A tick a tenth of a heartbeat interval, at most TOTAL_INTERVAL: fewer, larger batches.
     plugin._poller = PeriodicCallback(lambda: None, plugin.poll_interval * 1000)  # not started
     period = min(heartbeat_interval(1000) / 10, timeline_module.TOTAL_INTERVAL)
@@ -503,6 +503,73 @@ def test_the_poller_reads_a_share_of_the_workers_a_tick_and_each_twice_a_heartbe
     read.clear()
     plugin._tick()
     assert 0 < len(read) <= 1000 / ticks + 1
+
+
+def test_the_poller_takes_samples_a_pass_at_a_time_and_every_reader_sees_them(monkeypatch):
+    """The poller's reads queue each heartbeat's samples; they reach the timelines and the
+    cluster total in one batch a pass (every LARGE_TOTAL_INTERVAL from SHARE_ABOVE workers,
+    sooner once FOLD_BYTES wait), and a snapshot sees every sample read."""
+    clock = _Clock(1.7e9)
+    monkeypatch.setattr(timeline_module, "time", clock)
+    plugin = SchedulerTimelinePlugin(timeline_length=64)
+    plugin._configure()
+    workers = [_worker(i, {}) for i in range(timeline_module.SHARE_ABOVE)]
+    _fake_scheduler(plugin, workers)
+
+    def beat(rows: int = 2) -> None:
+        clock.now += 0.25
+        t = clock.now
+        for ws in workers:
+            ws.metrics = {"dask-rmm": _beat({"0": _device(t, samples=pack_samples(
+                [[t - 0.01 * k, MiB, MiB] for k in range(rows - 1, -1, -1)]))})}  # fmt: skip
+
+    beat()
+    plugin.poll()  # the first pass
+    rec = plugin._records[workers[0].address]
+    assert plugin._arrived == [] and rec.timelines["0"].newest == clock.now
+    beat()
+    plugin.poll(every=False)  # a tick: read, not taken
+    assert plugin.poll_interval < timeline_module.LARGE_TOTAL_INTERVAL
+    assert len(plugin._arrived) > 0 and rec.timelines["0"].newest < clock.now
+    report = plugin.snapshot(ReportRequest()).build()  # a reader takes what was read
+    assert report.device(workers[0].address, "0").timeline[-1][0] == clock.now
+    assert plugin._arrived == [] and report.totals.current_bytes == len(workers) * MiB
+    beat(rows=(timeline_module.FOLD_BYTES // len(workers)) // 24 + 2)
+    plugin.poll()  # more than FOLD_BYTES wait: a pass now, not LARGE_TOTAL_INTERVAL later
+    assert plugin._arrived == [] and plugin._arriving == 0
+    beat()
+    plugin.poll(every=False)
+    assert plugin._arrived
+    clock.now += timeline_module.LARGE_TOTAL_INTERVAL
+    plugin.poll(every=False)
+    assert plugin._arrived == []
+
+
+def test_samples_read_before_a_worker_leaves_count_before_its_rows_stop():
+    """Samples queued by the poller when the worker leaves (or stops sending dask-rmm) reach
+    its timeline, and the cluster total then counts the device 0 (no row counted again)."""
+    plugin = SchedulerTimelinePlugin(timeline_length=64)
+    plugin._configure()
+    a, b = _worker(0, {}), _worker(1, {})
+    _fake_scheduler(plugin, [a, b])
+    for ws in (a, b):
+        ws.metrics = {"dask-rmm": _one()}
+    plugin.poll()
+    later = pack_samples([[time.time() + 1, 3 * MiB, 3 * MiB]])
+    for ws in (a, b):
+        ws.metrics = {"dask-rmm": _one(samples=later)}
+    plugin._ingest(a, b, fold=False)  # as a tick reads them
+    assert len(plugin._arrived) == 2
+    plugin.remove_worker(plugin.scheduler, a.address)
+    b.metrics = {}
+    plugin.poll()
+    assert plugin._arrived == []
+    assert b.address not in plugin._records
+    assert plugin._records[a.address].timelines["0"].points()["c"][-1] == 3 * MiB
+    plugin._total.advance(time.time() + 100)
+    peak, points = plugin._total.snapshot().points()
+    assert peak == 6 * MiB and points["c"][-1] == 0
+    assert not plugin._total._running[: plugin._total._n].any()
 
 
 @pytest.mark.parametrize("as_lists", [True, False])
