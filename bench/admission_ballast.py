@@ -307,11 +307,17 @@ def _print_stacks() -> None:
             os.kill(pid, signal.SIGUSR1)
 
 
-def watch_turn(round_timeout: float) -> None:
+def watch_turn(round_timeout: float, show_free: bool = False) -> None:
     """Print every thread's stack, in the bench and in its worker, if this turn is still going
     after it should have ended (worker start, warm-up and round, closing): where a stuck bench
-    waits (one waited 7 minutes, H100, 2026-12-07). Cancelled by :func:`end_turn`."""
+    waits (one waited 7 minutes, H100, 2026-12-07). Cancelled by :func:`end_turn`. With
+    ``show_free`` (this process has a CUDA context already), print the device's free memory
+    first: what the turn before left (rounds failed only from the third on, H100, 2026-12-07)."""
     global _watch, _turn_started
+    if show_free:
+        from dask_rmm import _cuda
+
+        print(f"  device free at the turn's start: {_cuda.mem_get_info()[0] / GiB:.2f} GiB")
     _turn_started = time.monotonic()
     limit = WORKER_START_TIMEOUT + 2 * round_timeout + 3 * CLOSE_TIMEOUT
     _watch = threading.Timer(limit, _print_stacks)

@@ -240,7 +240,7 @@ def main() -> None:
         for r, order in interleaved_rounds(configs, first, args.rounds, args.time_budget):
             for c in order:
                 start, warm = time.perf_counter(), (0, 0)
-                watch_turn(args.round_timeout)
+                watch_turn(args.round_timeout, show_free=use_cudf)
                 try:
                     c.start()
                     try:  # key_split drops "w0" as it does "r0": the same prefixes

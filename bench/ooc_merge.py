@@ -357,7 +357,7 @@ def main() -> None:
     def turn(c: Setup, r: int) -> None:
         """One configuration's turn: its own cluster, an untimed warm-up, the timed merge."""
         ok, took = False, 0.0
-        watch_turn(args.round_timeout)
+        watch_turn(args.round_timeout, show_free=use_cudf)
         try:
             c.start(args.threads, host)
         except Exception as e:
