@@ -9,7 +9,7 @@ backward, SGD) runs on each grouped output. Under:
 1. dask-cuda: ``LocalCUDACluster(rmm_pool_size=..., rmm_allocator_external_lib_list=["cupy",
    "torch"])`` (RMM's PyTorch allocator, as RMM documents);
 2. cuDF spilling alone: ``LocalCUDACluster(enable_cudf_spill=True)`` (cuDF runs only);
-3. dask-rmm: ``LocalCluster`` + ``RMMPlugin(allocators=["cupy", "torch"],
+3. dask-rmm: ``LocalCluster`` + ``RMMPlugin(allocators=["rmm", "cupy", "torch"],
    exact_allocators=["rmm"], device_memory_limit=..., spill_on_oom=True,
    memory_admission=True)`` (cuDF's spilling on too, when cuDF runs; compiled RMM without its
    pool, whose free blocks no other library can use).
@@ -186,7 +186,7 @@ def setups(free: int, use_cudf: bool) -> list[Setup]:
             {
                 # compiled RMM without its pool: what cuDF frees is the stack's, for PyTorch too
                 # (compiled RMM's pool keeps it: docs/memory-pressure.md)
-                "allocators": ["cupy", "torch"],
+                "allocators": ["rmm", "cupy", "torch"] if use_cudf else ["cupy", "torch"],
                 "exact_allocators": ["rmm"] if use_cudf else None,
                 "device_memory_limit": limit,
                 "spill_on_oom": True,

@@ -274,7 +274,10 @@ def setups(args, free: int, use_cudf: bool) -> list[Setup]:
     # cuDF through compiled RMM without its pool (exact_allocators): every free reaches the
     # worker's stack, so an allocation that fails waits for the frees of the tasks beside it,
     # and admission counts each task's bytes (compiled RMM's pool keeps what it frees).
-    rmm_libs = {"allocators": ["cupy"], "exact_allocators": ["rmm"] if use_cudf else None}
+    rmm_libs = {
+        "allocators": ["rmm", "cupy"] if use_cudf else ["cupy"],
+        "exact_allocators": ["rmm"] if use_cudf else None,
+    }
     out = [
         Setup(
             "dask-cuda pool + limit",

@@ -159,10 +159,11 @@ class RMMOptions:
         for name, value in parsed.items():
             object.__setattr__(self, name, value)
         # options that do not go together
-        if self.exact_allocators and not self.allocators:
+        unrouted = [name for name in self.exact_allocators if name not in self.allocators]
+        if unrouted and (exact is not CACHED_ALLOCATORS or not self.allocators):  # else ignored
             raise OptionError(
-                f"`exact_allocators` {list(self.exact_allocators)} need `allocators` naming "
-                "the libraries to route (an exact path is a way of routing one)"
+                f"`exact_allocators` {unrouted} need `allocators` naming them too (an exact "
+                f"path is a way of routing one; `allocators` is {list(self.allocators)})"
             )
         pool = self.pool_allocator or self.base_resource == "async"
         if self.release_threshold is not None and not pool:

@@ -178,6 +178,9 @@ def test_exact_allocators_name_libraries_or_all_of_the_cached_ones():
     assert "exact_allocators=['cupy']" in repr(
         RMMPlugin(allocators="cupy", exact_allocators=["cupy"])
     )
+    # A library named exact but not routed was left on its own allocator, silently (H100).
+    with pytest.raises(ValueError, match=r"`exact_allocators` \['rmm'\] need `allocators`"):
+        RMMPlugin(allocators=["cupy", "torch"], exact_allocators=["rmm"])
     for alone in (["cupy"], True, "all"):  # installed nothing, silently
         with pytest.raises(ValueError, match=r"`exact_allocators` \[.*\] need `allocators`"):
             RMMPlugin(exact_allocators=alone)
