@@ -1,0 +1,49 @@
+"""The first wave of a graph on host memory: one worker process with 8 threads and a 16 MiB pool
+runs 8 tasks that each hold a 4 MiB temporary for a while before returning a small output, the
+way the first tasks of a merge each make their input. 3 fit at once (the pool's own blocks take
+the rest), nothing is stored yet, so there is nothing to spill: an allocation that fails can only
+wait for a task beside it to end. It used to give up after 0.2 s without a free (an H100 merge
+failed so, 2026-12-07); it now waits while more tasks run than wait for memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from dask_rmm import RMMPlugin
+from tests.conftest import local_process_cluster
+from tests.pressure_helpers import MiB
+
+pytestmark = pytest.mark.slow
+
+HOLD = 1.0  # seconds a task holds its temporary: five times the old give-up
+
+
+def hold_a_temporary(nbytes: int, seconds: float) -> int:
+    import time
+
+    from dask_rmm import DeviceBuffer
+
+    tmp = DeviceBuffer(size=nbytes)
+    time.sleep(seconds)  # works on it without allocating or freeing
+    return tmp.size
+
+
+def test_tasks_that_do_not_fit_together_wait_for_each_other_instead_of_failing():
+    with local_process_cluster(n_workers=1, threads_per_worker=8) as (cluster, client):
+        client.register_plugin(
+            RMMPlugin(
+                base_resource="system",
+                pool_size="16MiB",
+                maximum_pool_size="16MiB",
+                spill_on_oom=True,
+            )
+        )
+        futures = client.map(hold_a_temporary, [4 * MiB] * 8, [HOLD] * 8, pure=False)
+        assert client.gather(futures) == [4 * MiB] * 8
+
+        def oom_events(dask_worker):
+            wp = dask_worker.plugins["dask-rmm"].worker_pressure
+            return len(wp.oom_events()), sum(m.ooms_avoided for m in wp.metrics())
+
+        [(failed, avoided)] = client.run(oom_events).values()
+        assert failed == 0 and avoided >= 1  # some did wait, none failed
