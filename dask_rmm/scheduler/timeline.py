@@ -559,7 +559,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         """:meth:`snapshot` for ``request``, from the snapshot every route shares
         (:meth:`_shared_snapshot`)."""
         shared = await self._shared_snapshot()
-        return Snapshot(request, *shared[2:])
+        return Snapshot(request, shared.records, shared.total, shared.meta)
 
     async def _shared_snapshot(self) -> _Shared:
         """The snapshot all routes and scrapes share: the last one while no heartbeat came
@@ -606,7 +606,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         shared = await self._shared_snapshot()
         kept = self._exports.get(what)
         if kept is None or kept[0] is not shared:
-            snap = Snapshot(ReportRequest(timeline=False), *shared[2:])  # records, total, meta
+            request = ReportRequest(timeline=False)
+            snap = Snapshot(request, shared.records, shared.total, shared.meta)
             made = asyncio.ensure_future(self._in_thread(snap.export, build))
             kept = self._exports[what] = (shared, made)
         value = self._made[what] = await asyncio.shield(kept[1])
