@@ -239,11 +239,8 @@ class WorkerMetrics:
                 first.update(admission.metrics(self._top_n))
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 first["error"] = f"admission: {type(e).__name__}: {e}"
-        return wire.heartbeat(
-            name if isinstance(name, (str, int)) else str(name),
-            time.time(),
-            {dev: wire.compact(d) for dev, d in devices.items()},
-        )
+        name = name if isinstance(name, (str, int)) else str(name)
+        return wire.heartbeat(name, time.time(), devices)
 
     @staticmethod
     def _device_metrics(
