@@ -43,15 +43,14 @@ _BLOB = MAX_SAMPLES * _RECORD
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
 _NUMBERS = {int, float, bool, type(None)}
 _SEQUENCES = {list, tuple}
-#: The columns every heartbeat has; what a worker sends at the top (rows and other fields too).
-_COLUMNS = ("devices", "numbers", "text", "samples")
-_TOP = frozenset({"version", "time", "worker", *_COLUMNS, "other", *ROW_FIELDS})
+#: What a worker sends at the top of a heartbeat.
+_TOP = frozenset({"version", "time", "worker", "devices", "numbers", "text", "samples", "other",
+                  *ROW_FIELDS})  # fmt: skip
 
 
 class Checked(NamedTuple):
-    """One heartbeat as bounded: ``metrics`` (None: nothing usable), ``samples`` each device's
-    packed samples still to check (:func:`check_samples`) by device id, ``problems`` as
-    ``(kind, text)``."""
+    """One heartbeat as bounded: ``metrics`` (None: nothing usable), each device's ``samples``
+    to check (:func:`check_samples`) by id, ``problems`` as ``(kind, text)``."""
 
     metrics: dict | None
     samples: dict[str, bytes]
@@ -76,7 +75,7 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
     ids, text, blobs = cast(Any, (m.get("devices"), m.get("text"), m.get("samples")))
     if why := _columns_wrong(ids, m.get("numbers"), text, blobs):
         return Checked(None, {}, [*problems, ("format", why)])
-    kept = {k: m[k] for k in _COLUMNS}
+    kept = {"devices": ids, "numbers": m["numbers"], "text": text, "samples": blobs}
     if sum(map(len, text)) > MAX_TEXT and max(map(len, text)) > MAX_TEXT:
         kept["text"] = [x if len(x) <= MAX_TEXT else x[:MAX_TEXT] + "..." for x in text]
         cut = sum(len(x) > MAX_TEXT for x in text)
@@ -94,16 +93,12 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
                              f"most {MAX_ENTRIES} a device of names of {MAX_TEXT} characters"))  # fmt: skip
         elif k in m:
             kept[k] = m[k]
-    other = m.get("other", {})
-    if type(other) is not dict:  # as fields of no device: dropped and named
-        other = {None: other}
-    kept["other"] = {
-        dev: _bound(f"device {dev!r}", d, now, problems)
-        for dev, d in islice(other.items(), MAX_DEVICES)
-        if dev in ids and type(d) is dict
-    }
-    if len(kept["other"]) < min(len(other), MAX_DEVICES):
-        problems.append(("format", f"other fields {_short(other)}: not of its devices; dropped"))
+    if "other" in m:  # those of no device sent, or no map: dropped and named
+        other = m["other"] if type(m["other"]) is dict else {None: m["other"]}
+        kept["other"] = {dev: _bound(f"device {dev!r}", d, now, problems)
+            for dev, d in islice(other.items(), MAX_DEVICES) if dev in ids and type(d) is dict}  # fmt: skip
+        if len(kept["other"]) < min(len(other), MAX_DEVICES):
+            problems.append(("format", f"other fields {_short(other)}: not of its devices"))
     worker = m.get("worker")
     if m.keys() <= _TOP and (type(worker) is not str or len(worker) <= MAX_TEXT):
         kept.update(version=version, worker=worker, time=t)
@@ -133,13 +128,12 @@ def _columns_wrong(ids: Any, numbers: Any, text: Any, blobs: Any) -> str | None:
 
 
 def _rows_wrong(k: str, width: int, v: Any, n: int) -> bool:
-    """Whether :data:`~dask_rmm.wire.ROW_FIELDS` field ``k`` (``[rows a device, names, int64
-    numbers]``) is out of shape or beyond the bounds (too many rows, a long name)."""
+    """Whether row field ``k`` (``[rows a device, names, int64 numbers]``) is out of bounds."""
     try:
         counts, names, blob = v
         total = sum(counts)
         return not (
-            type(counts) in _SEQUENCES and len(counts) == n and {*map(type, counts)} <= {int}
+            type(counts) in _SEQUENCES and len(counts) == n and type(total) is int  # all ints
             and 0 <= min(counts, default=0) and max(counts, default=0) <= MAX_ENTRIES
             and type(names) in _SEQUENCES and len(names) == total and type(blob) is bytes
             and len(blob) == 8 * total * (width - 1)
