@@ -150,7 +150,7 @@ class Snapshot:
             r.restarts,
             r.metrics,
             dict(r.earlier_peaks),
-            {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+            {dev: tl.parts() for dev, tl in r.timelines.items()},
             dict(r.rows),
         )
 

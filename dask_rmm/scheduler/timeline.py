@@ -447,8 +447,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 if tl is None:
                     tl = rec.timelines[dev] = self._new_timeline()
             if tl.newest == old[i]:  # as checked: appended as it is (merged by the poller)
-                tl.levels[0] += new
-                tl.newest = lasts_checked[i]
+                tl.push(new, lasts_checked[i])
             elif not (new := tl.extend_packed(new)):  # the same device twice in the batch
                 continue
             if tl.overflowing:
