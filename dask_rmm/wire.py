@@ -9,6 +9,7 @@ import dataclasses
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -421,14 +422,14 @@ def device_entries(m: Any) -> dict[str, dict[str, Any]]:
     numbers = NUMBERS_STRUCT.iter_unpack(m["numbers"])
     for i, (dev, values, blob) in enumerate(zip(ids, numbers, m["samples"], strict=True)):
         values += (*text[i * w : i * w + w], blob)
-        out[dev] = {k: v for k, v in zip(_NAMED, values, strict=True) if v}
+        out[dev] = dict(compress(zip(_NAMED, values, strict=True), values))
     for k, width in ROW_FIELDS.items():
-        if k in m:
+        if k in m:  # rows as tuples, made by zip (a few C calls, not a few a row)
             counts, names, blob = m[k]
-            numbers = struct.iter_unpack(f"<{width - 1}q", blob)
-            rows = ([n, *v] for n, v in zip(names, numbers, strict=True))
+            flat = struct.unpack(f"<{len(blob) // 8}q", blob)
+            rows = list(zip(names, *(flat[i :: width - 1] for i in range(width - 1)), strict=True))
             for d, n in zip(out.values(), counts, strict=True):
-                d[k] = [next(rows) for _ in range(n)]
+                d[k], rows = rows[:n], rows[n:]
     for dev, d in (m.get("other") or {}).items():
         out[dev].update(d)  # the scheduler keeps only those of its devices
     return out
@@ -472,9 +473,8 @@ def unpack_samples(blob: bytes) -> list[list[float | int]]:
 def _read_rows(d: Mapping[str, Any], key: str, make: Any) -> tuple:
     """The rows (lists) of :data:`ROW_FIELDS` field ``key``, each ``make(str, int, ...)``: a row
     no list or too short skipped, a number that is none read as 0."""
-    width = ROW_FIELDS[key]
-    rows = [r for r in _sequence(d.get(key)) if _row(r, width)]
-    return tuple(make(str(r[0]), *map(to_int, r[1:width])) for r in rows)
+    rows = [r for r in _sequence(d.get(key)) if _row(r, ROW_FIELDS[key])]
+    return tuple(make(str(r[0]), *map(to_int, r[1 : ROW_FIELDS[key]])) for r in rows)
 
 
 def _sequence(value: Any) -> Any:
