@@ -62,7 +62,7 @@ def device_fields(device: int) -> dict:
         gpu_uuid=f"GPU-{device:08d}-0000-0000-0000-000000000000",
         pci_bus_id="0000:01:00.0",
         task_groups=tuple(TaskGroup(f"group-{i}", i << 20, i << 21) for i in range(10)),
-    ).to_dict(defaults=False)  # as the worker sends it: fields at their default left out
+    ).to_dict()  # as the worker sends it: fields at their default left out
 
 
 class Simulated:

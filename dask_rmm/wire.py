@@ -9,11 +9,15 @@ import dataclasses
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, NamedTuple
 
 __all__ = [
     "METRICS_KEY",
     "METRICS_VERSION",
+    "NUMBERS",
+    "NUMBERS_STRUCT",
+    "TEXTS",
     "PLUGIN_NAME",
     "METRICS_HANDLER",
     "REPORT_HANDLER",
@@ -26,7 +30,7 @@ __all__ = [
     "DeviceSample",
     "LibraryShare",
     "TaskGroup",
-    "compact",
+    "device_entries",
     "fragmentation",
     "heartbeat",
     "pack_samples",
@@ -61,8 +65,8 @@ def fragmentation(reserved_bytes: int, free_bytes: int, largest_free_block: int)
 #: Key of the heartbeat metrics in ``worker.metrics`` (and so in ``WorkerState.metrics``).
 METRICS_KEY = "dask-rmm"
 #: Version of the heartbeat dict: the scheduler reads this one only (another is one clear line
-#: in the report and the log); readers ignore the fields they do not know.
-METRICS_VERSION = 3
+#: in the report and the log); readers ignore the fields they do not know. 4: columns.
+METRICS_VERSION = 4
 #: Version of the report document (``ClusterMemoryReport.to_dict``, report.json, ``--json``).
 REPORT_VERSION = 2
 #: Name of the scheduler plugin that keeps the timelines (its key in ``Scheduler.plugins``).
@@ -295,10 +299,9 @@ class DeviceSample:
         sizes = (self.reserved_bytes, self.pool_free_bytes, self.largest_free_block)
         return fragmentation(*(n or 0 for n in sizes))  # None (not measured) as 0: None
 
-    def to_dict(self, defaults: bool = True) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Plain data: every field, with ``fragmentation`` for readers without this class (the
-        report document); with ``defaults=False``, the heartbeat's form: only the fields not at
-        their default (:func:`compact`)."""
+        report document)."""
         out = {f.name: getattr(self, f.name) for f in _FIELDS if f.name != "error"}
         out["task_groups"] = [list(g) for g in self.task_groups or ()]
         out["libraries"] = [
@@ -309,8 +312,6 @@ class DeviceSample:
         out["admission_expected_peaks"] = [list(p) for p in self.admission_expected_peaks]
         if self.error:
             out["error"] = self.error
-        if not defaults:
-            return compact(out)
         out["fragmentation"] = self.fragmentation
         return out
 
@@ -342,30 +343,12 @@ _READERS = {
     for f in _FIELDS
     if f.type in ("int", "float", "str")
 }
-#: Each heartbeat field's default: a worker leaves out the fields at theirs (most are 0 most of
-#: the time), and readers take the default back (fewer bytes to send, decode and bound).
-_DEFAULTS = {f.name: f.default for f in _FIELDS} | {"samples": b""}
+_DEFAULTS = {f.name: f.default for f in _FIELDS}
 
 
-#: The fields that are lists of rows, and each row's width (a str, then numbers). A heartbeat
-#: sends their rows one after another in one flat list (``task_groups: ["a", 1, 2, "b", 3,
-#: 4]``): one object to decode and bound instead of one a row.
+#: The fields that are lists of rows, and each row's width (a str, then numbers); a heartbeat
+#: sends each as columns (:func:`heartbeat`).
 ROW_FIELDS = {"task_groups": 3, "libraries": 4, "admission_expected_peaks": 3}
-
-
-def compact(d: Mapping[str, Any]) -> dict[str, Any]:
-    """A heartbeat device entry without the fields at their default (an empty list as well as
-    an empty tuple), without ``fragmentation``, which readers compute, and with the
-    :data:`ROW_FIELDS` flat."""
-    out = {}
-    for k, v in d.items():
-        if k in _DEFAULTS and (v == _DEFAULTS[k] or type(v) in (list, tuple) and not v):
-            continue
-        if k in ROW_FIELDS and type(v) in (list, tuple):
-            v = [x for row in v for x in row]
-        if k != "fragmentation":
-            out[k] = v
-    return out
 
 
 #: Fields exported to Prometheus: ``(field name, metric name, help, "gauge" or "counter")``.
@@ -399,13 +382,70 @@ def unmeasured_fields(measured: Any) -> tuple[str, ...]:
 
 #: The integer fields, in order (table, DataFrame and totals columns).
 COUNTERS = tuple(f.name for f in _FIELDS if f.type == "int")
+#: A heartbeat's columns of numbers (a record a device, int64 and float64) and of text.
+NUMBERS = tuple(f.name for f in _FIELDS if f.type in ("int", "float"))
+_KINDS = [float if f.type == "float" else int for f in _FIELDS if f.type in ("int", "float")]
+NUMBERS_STRUCT = struct.Struct("<" + "".join("d" if k is float else "q" for k in _KINDS))
+TEXTS = tuple(f.name for f in _FIELDS if f.type == "str")
+_NAMED = (*NUMBERS, *TEXTS, "samples")
+_COLUMNS = frozenset({*NUMBERS, *TEXTS, *ROW_FIELDS, "samples", "fragmentation"})
 
 
-def heartbeat(worker: str | int, time: float, devices: Mapping[str, dict[str, Any]]) -> dict:
-    """The heartbeat dict: ``devices`` maps a device id to ``DeviceSample.to_dict(False)``
-    (the fields not at their default) plus ``samples`` (the ``SAMPLE_FIELDS`` rows of the
-    previous and this heartbeat, packed by :func:`pack_samples`)."""
-    return {"version": METRICS_VERSION, "time": time, "worker": worker, "devices": dict(devices)}
+def heartbeat(worker: str | int, time: float, devices: Mapping[str, Mapping[str, Any]]) -> dict:
+    """The heartbeat of ``devices`` (an id to ``DeviceSample.to_dict()`` and ``samples``, the
+    previous and this heartbeat's rows by :func:`pack_samples`), a field a column (the scheduler
+    checks a column at once): ids, a :data:`NUMBERS` record and :data:`TEXTS` a device, samples,
+    each :data:`ROW_FIELDS` field ``[rows a device, names, int64 numbers]``, ``other`` by id."""
+    entries = list(devices.values())
+    out: dict[str, Any] = {"version": METRICS_VERSION, "time": time, "worker": worker,
+        "devices": list(devices), "numbers": b"".join(map(_packed, entries)),
+        "text": [str(d.get(k) or _DEFAULTS[k]) for d in entries for k in TEXTS],
+        "samples": [d.get("samples") or b"" for d in entries]}  # fmt: skip
+    for k, width in ROW_FIELDS.items():
+        rows = [[r for r in _sequence(d.get(k)) if _row(r, width)] for d in entries]
+        if any(rows):
+            flat = [_int64(to_int(x)) for rs in rows for r in rs for x in r[1:width]]
+            names = [str(r[0]) for rs in rows for r in rs]
+            out[k] = [list(map(len, rows)), names, struct.pack(f"<{len(flat)}q", *flat)]
+    other = {i: {k: v for k, v in d.items() if k not in _COLUMNS and v} for i, d in devices.items()}
+    if any(other.values()):
+        out["other"] = {dev: d for dev, d in other.items() if d}
+    return out
+
+
+def device_entries(m: Any) -> dict[str, dict[str, Any]]:
+    """The devices of a :func:`heartbeat` (or of one the scheduler kept) a dict each, fields at
+    0 or empty left out, as :meth:`DeviceSample.from_dict` reads it; ``{}`` for none."""
+    if not isinstance(m, Mapping) or type(m.get("devices")) not in (list, tuple):
+        return {}
+    ids, w, text, out = m["devices"], len(TEXTS), m["text"], {}
+    numbers = NUMBERS_STRUCT.iter_unpack(m["numbers"])
+    for i, (dev, values, blob) in enumerate(zip(ids, numbers, m["samples"], strict=True)):
+        values += (*text[i * w : i * w + w], blob)
+        out[dev] = dict(compress(zip(_NAMED, values, strict=True), values))
+    for k, width in ROW_FIELDS.items():
+        if k in m:  # rows as tuples, made by zip (a few C calls, not a few a row)
+            counts, names, blob = m[k]
+            flat = struct.unpack(f"<{len(blob) // 8}q", blob)
+            rows = list(zip(names, *(flat[i :: width - 1] for i in range(width - 1)), strict=True))
+            for d, n in zip(out.values(), counts, strict=True):
+                d[k], rows = rows[:n], rows[n:]
+    for dev, d in (m.get("other") or {}).items():
+        out[dev].update(d)  # the scheduler keeps only those of its devices
+    return out
+
+
+def _packed(d: Mapping[str, Any]) -> bytes:
+    values = map(to_int, [d.get(k, 0) for k in NUMBERS], _KINDS)
+    return NUMBERS_STRUCT.pack(*map(_int64, values))
+
+
+def _row(r: Any, width: int) -> bool:
+    return type(r) in (list, tuple) and len(r) >= width
+
+
+def _int64(v: Any) -> Any:
+    return v if type(v) is float else max(-(1 << 63), min(v, (1 << 63) - 1))
 
 
 def pack_samples(rows: Sequence[Sequence[float]]) -> bytes:
@@ -430,23 +470,11 @@ def unpack_samples(blob: bytes) -> list[list[float | int]]:
     return [list(r) for r in SAMPLE_STRUCT.iter_unpack(blob)]
 
 
-def _rows(value: Any, width: int) -> Any:
-    """The rows of a :data:`ROW_FIELDS` field: as a heartbeat sends them (flat, ``width`` values
-    a row) or as the report document has them (a list a row); ``()`` for anything else."""
-    value = _sequence(value)
-    if not value or type(value[0]) in (list, tuple):
-        return value
-    return [value[i : i + width] for i in range(0, len(value) - width + 1, width)]
-
-
 def _read_rows(d: Mapping[str, Any], key: str, make: Any) -> tuple:
-    """The rows of the :data:`ROW_FIELDS` field ``key``, each ``make(str, int, ...)``: a row
-    that is no list or is too short is skipped, a number that is none reads 0 (never raises)."""
-    width, out = ROW_FIELDS[key], []
-    for row in _rows(d.get(key), width):
-        if type(row) in (list, tuple) and len(row) >= width:
-            out.append(make(str(row[0]), *map(to_int, row[1:width])))
-    return tuple(out)
+    """The rows (lists) of :data:`ROW_FIELDS` field ``key``, each ``make(str, int, ...)``: a row
+    no list or too short skipped, a number that is none read as 0."""
+    rows = [r for r in _sequence(d.get(key)) if _row(r, ROW_FIELDS[key])]
+    return tuple(make(str(r[0]), *map(to_int, r[1 : ROW_FIELDS[key]])) for r in rows)
 
 
 def _sequence(value: Any) -> Any:

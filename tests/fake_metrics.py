@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from dask_rmm.wire import METRICS_VERSION, pack_samples
+from dask_rmm.wire import heartbeat, pack_samples
 
 
 class FakeDevice:
@@ -85,12 +85,8 @@ class FakeRMMMetrics:
 
     def __call__(self, worker) -> dict:
         self.calls += 1
-        return {
-            "version": METRICS_VERSION,
-            "time": time.time(),
-            "worker": str(worker.name),
-            "devices": {d: dev.snapshot() for d, dev in self.devices.items()},
-        }
+        devices = {d: dev.snapshot() for d, dev in self.devices.items()}
+        return heartbeat(str(worker.name), time.time(), devices)
 
 
 class SimulatedCluster:
@@ -118,8 +114,6 @@ class SimulatedCluster:
 
     def beat(self, plugin, samples: int) -> None:
         """Every worker sends a heartbeat with ``samples`` new samples a device."""
-        from dask_rmm.wire import heartbeat
-
         for ws in self.workers:
             devices = {}
             for d in self.devices:

@@ -48,17 +48,26 @@ def test_heartbeat_envelope():
     assert hb["version"] == wire.METRICS_VERSION and hb["worker"] == "w0" and "0" in hb["devices"]
 
 
-def test_the_heartbeat_leaves_out_the_fields_at_their_default():
+def test_the_heartbeat_sends_the_devices_as_columns_and_reads_them_back():
+    """A column a field, whatever the devices (numbers packed, text, rows, samples), through
+    msgpack as distributed's comm sends it; what is no column goes in ``other``."""
+    import struct
+
+    import msgpack
+
     groups = (TaskGroup("inc", 1, 2), TaskGroup("sum", 3, 4))
-    d = DeviceSample(current_bytes=5, measured="pool", task_groups=groups)
-    sent = d.to_dict(defaults=False)
-    # rows flat: one list to decode and bound, not one a row
-    assert sent == {
-        "measured": "pool",
-        "current_bytes": 5,
-        "task_groups": ["inc", 1, 2, "sum", 3, 4],
-    }
-    assert DeviceSample.from_dict(sent) == d
-    assert d.to_dict()["task_groups"] == [["inc", 1, 2], ["sum", 3, 4]]  # the report's rows
-    # Empty lists as well as tuples, False as 0; fields it does not know are kept.
-    assert wire.compact({"libraries": (), "paused": False, "samples": b"", "x": 0}) == {"x": 0}
+    a = DeviceSample(current_bytes=5, spill_seconds=0.5, gpu_name="H200", task_groups=groups)
+    b = DeviceSample(measured="pool", reserved_bytes=2**62, oom_events=({"time": 1.0},))
+    devices = {"0": a.to_dict() | {"samples": b"x" * 24}, "1": b.to_dict()}
+    hb = wire.heartbeat("w0", 1.5, devices)
+    assert hb["devices"] == ["0", "1"] and len(hb["numbers"]) == 2 * wire.NUMBERS_STRUCT.size
+    assert hb["task_groups"] == [[2, 0], ["inc", "sum"], struct.pack("<4q", 1, 2, 3, 4)]
+    assert "libraries" not in hb and hb["other"] == {"1": {"oom_events": [{"time": 1.0}]}}
+    back = wire.device_entries(msgpack.unpackb(msgpack.packb(hb), use_list=False))
+    assert [DeviceSample.from_dict(d) for d in back.values()] == [a, b]
+    assert back["0"]["samples"] == b"x" * 24 and "pool_free_bytes" not in back["0"]
+    # A worker's heartbeat never raises: what is no number, or beyond int64, sends 0 or the limit.
+    junk = {"current_bytes": "x", "peak_bytes": 2**70, "spill_seconds": None, "task_groups": 7}
+    (back,) = wire.device_entries(wire.heartbeat("w", 1.0, {"0": junk})).values()
+    assert back["peak_bytes"] == 2**63 - 1 and "current_bytes" not in back
+    assert wire.device_entries(None) == {} == wire.device_entries({"devices": {}})

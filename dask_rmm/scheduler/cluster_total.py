@@ -216,7 +216,7 @@ class ClusterTotal:
             self._sum.copy(),
             self._final_time,
             self.peak,
-            tuple(self.timeline.levels),
+            self.timeline.parts(),
             self._row_peak.copy(),
         )
 

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from dask_rmm.report import ClusterTotals
 from dask_rmm.scheduler.report_build import ReportRequest, Snapshot
-from dask_rmm.wire import GAUGES, DeviceSample
+from dask_rmm.wire import GAUGES, DeviceSample, device_entries
 
 if TYPE_CHECKING:
     from dask_rmm.scheduler.timeline import SchedulerTimelinePlugin
@@ -74,7 +74,12 @@ def _kept_totals(plugin: Any) -> ClusterTotals:
     """The cluster totals from the kept device entries, with no snapshot."""
     records = list(plugin._records.values())
     return ClusterTotals.over(
-        ((r.address, r.status == "running", d, 0) for r in records for d in _devices(r)), None
+        (
+            (r.address, r.status == "running", d, 0)
+            for r in records
+            for d in device_entries(r.metrics).values()
+        ),
+        None,
     )
 
 
@@ -200,11 +205,6 @@ class _Made(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self.family
-
-
-def _devices(rec: Any) -> Any:
-    raw = (rec.metrics or {}).get("devices")
-    return raw.values() if isinstance(raw, dict) else ()
 
 
 def _host(address: str) -> str:

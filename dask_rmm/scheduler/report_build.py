@@ -23,7 +23,7 @@ from dask_rmm.report.memory_report import (
     strict_json,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE, downsample
-from dask_rmm.wire import fragmentation
+from dask_rmm.wire import device_entries, fragmentation
 
 __all__ = ["SORT_KEYS", "ReportRequest", "Snapshot"]
 
@@ -150,7 +150,7 @@ class Snapshot:
             r.restarts,
             r.metrics,
             dict(r.earlier_peaks),
-            {dev: tuple(tl.levels) for dev, tl in r.timelines.items()},
+            {dev: tl.parts() for dev, tl in r.timelines.items()},
             dict(r.rows),
         )
 
@@ -161,14 +161,10 @@ class Snapshot:
         out = []
         peaks = self.total.row_peaks if self.total is not None else ()
         for rec in self.records:
-            raw = (rec.metrics or {}).get("devices")
-            rows = rec.rows
-            for dev, d in raw.items() if isinstance(raw, dict) else ():
-                if isinstance(d, dict):
-                    dev = str(dev)
-                    row = rows.get(dev)
-                    peak = int(peaks[row]) if row is not None and row < len(peaks) else 0
-                    out.append(_Device(rec, dev, d, rec.levels.get(dev), peak))
+            for dev, d in device_entries(rec.metrics).items():
+                row = rec.rows.get(dev)
+                peak = int(peaks[row]) if row is not None and row < len(peaks) else 0
+                out.append(_Device(rec, dev, d, rec.levels.get(dev), peak))
         return out
 
     def totals(self, devices: list[_Device], peak: int | None) -> ClusterTotals:

@@ -42,9 +42,9 @@ class Timeline:
 
     A full level passes its oldest points to the next, ``factor`` merged into one; the last
     level, when full, merges its points pairwise, so it always starts at the first sample ever
-    added. Points are packed bytes (24 a point,
-    :data:`dask_rmm.wire.SAMPLE_STRUCT`), replaced rather than changed in place, so a copy of
-    :attr:`levels` taken on the event loop can be read in another thread.
+    added. Points are packed bytes (24 a point, :data:`dask_rmm.wire.SAMPLE_STRUCT`), replaced
+    rather than changed in place, so :meth:`parts` taken on the event loop can be read in
+    another thread; the newest come as chunks (:meth:`push`), joined when read or merged.
 
     Parameters
     ----------
@@ -56,7 +56,7 @@ class Timeline:
         Points of one level merged into one point of the next.
     """
 
-    __slots__ = ("capacity", "factor", "levels", "newest", "_limits", "_batches")
+    __slots__ = ("capacity", "factor", "levels", "newest", "_limits", "_batches", "_new")
 
     def __init__(self, capacity: int, levels: int = 3, factor: int = 8):
         bounds = {"capacity": (capacity, 2), "levels": (levels, 1), "factor": (factor, 2)}
@@ -65,9 +65,8 @@ class Timeline:
                 raise ValueError(f"Timeline {name} must be an int >= {least}, got {value!r}")
         self.capacity = capacity
         self.factor = factor
-        # Level 0 takes half the points; a level above the last passes on half of its points
-        # at a time (a multiple of factor), so merging costs a few numpy calls per batch of
-        # points, not per point.
+        # Level 0 takes half the points; a level above the last passes on half of its points at
+        # a time (a multiple of factor): merging costs a few numpy calls a batch, not a point.
         levels = max(1, min(levels, capacity // (4 * factor) + 1))
         if levels == 1:
             self._limits = [capacity]
@@ -76,27 +75,38 @@ class Timeline:
             self._limits = [capacity // 2] + [rest] * (levels - 1)
         self._batches = [max(factor, n // 2 // factor * factor) for n in self._limits]
         self.levels: list[bytes] = [b""] * levels
+        self._new: list[bytes] = []  # chunks newer than level 0
         #: Time of the newest point (-inf when empty).
         self.newest = float("-inf")
 
     def __len__(self) -> int:
-        return sum(len(level) for level in self.levels) // _RECORD
+        return sum(len(level) for level in self._settled()) // _RECORD
+
+    def push(self, blob: bytes, newest: float) -> None:
+        """Add packed points newer than :attr:`newest` (the last at ``newest``) as a chunk."""
+        self._new.append(blob)
+        self.newest = newest
+
+    def _settled(self) -> list[bytes]:
+        if self._new:
+            self.levels[0] = b"".join([self.levels[0], *self._new])
+            self._new = []
+        return self.levels
+
+    def parts(self) -> tuple[bytes, ...]:
+        """The packed points, newest first (``b"".join(reversed(parts))`` is every point)."""
+        return (*reversed(self._new), *self.levels)
 
     def extend(self, samples: Sequence[Sequence[float]] | bytes) -> int:
         """Add the samples (packed bytes, or ``[time, current, max]`` rows; oldest first) newer
-        than the newest kept (heartbeats overlap). Returns the index of the first sample
-        added (``len(samples)`` when none was new). Malformed samples raise (ValueError,
-        TypeError, IndexError, struct.error) before anything changes."""
-        if isinstance(samples, (bytes, bytearray, memoryview)):
-            blob = bytes(samples)
-        else:
-            blob = pack_samples(samples)
+        than the newest kept (heartbeats overlap); the index of the first added (``len(samples)``
+        when none was new). Malformed samples raise before anything changes."""
+        packed = isinstance(samples, (bytes, bytearray, memoryview))
+        blob = bytes(samples) if packed else pack_samples(samples)  # type: ignore[arg-type]
         if len(blob) % _RECORD:
             raise ValueError(f"packed samples are {len(blob)} bytes, not a multiple of {_RECORD}")
-        n = len(blob) // _RECORD
-        first = self._first_newer(blob, n)
-        if first < n:
-            self.append_packed(blob[first * _RECORD :] if first else blob)
+        first = (len(blob) - len(self.extend_packed(blob))) // _RECORD
+        self.compact()
         return first
 
     def extend_packed(self, blob: bytes) -> bytes:
@@ -107,18 +117,17 @@ class Timeline:
         first = self._first_newer(blob, len(blob) // _RECORD)
         new = blob[first * _RECORD :] if first else blob
         if new:
-            self.levels[0] += new
-            self.newest = _TIME.unpack_from(new, len(new) - _RECORD)[0]
+            self.push(new, _TIME.unpack_from(new, len(new) - _RECORD)[0])
         return new
 
     @property
     def overflowing(self) -> bool:
         """The newest level is full: :meth:`compact` has points to merge."""
-        return len(self.levels[0]) >= self._limits[0] * _RECORD
+        return len(self.levels[0]) + sum(map(len, self._new)) >= self._limits[0] * _RECORD
 
     def compact(self, start: int = 0) -> None:
         """Merge each full level into the next, from level ``start`` on."""
-        levels = self.levels
+        levels = self._settled()
         for i in range(start, len(levels)):
             if len(levels[i]) < self._limits[i] * _RECORD:
                 break
@@ -130,10 +139,8 @@ class Timeline:
 
     def append_packed(self, blob: bytes) -> None:
         """Append packed points (oldest first, none older than :attr:`newest`) as they are."""
-        if not blob:
-            return
-        self.levels[0] += blob
-        self.newest = _TIME.unpack_from(blob, len(blob) - _RECORD)[0]
+        if blob:
+            self.push(blob, _TIME.unpack_from(blob, len(blob) - _RECORD)[0])
         if self.overflowing:
             self.compact()
 
@@ -161,7 +168,7 @@ class Timeline:
     def points(self, last: int | None = None) -> np.ndarray:
         """The points oldest first as a numpy array of :data:`SAMPLE_DTYPE` (fields ``t``,
         ``c``, ``m``); only the newest ``last`` if given."""
-        a = np.frombuffer(b"".join(reversed(self.levels)), SAMPLE_DTYPE)
+        a = np.frombuffer(b"".join(reversed(self._settled())), SAMPLE_DTYPE)
         return a if last is None else a[len(a) - min(max(last, 0), len(a)) :]
 
     def to_list(self, last: int | None = None) -> list[list[float | int]]:
@@ -199,6 +206,8 @@ def compact_all(timelines: list[Timeline]) -> None:
     devices), each level but the last merged in one numpy pass for all of them: a few calls a
     level, not a few per device."""
     timelines = list(dict.fromkeys(timelines))  # once each, in order
+    for tl in timelines:
+        tl._settled()
     if any(tl.factor != timelines[0].factor for tl in timelines):
         raise ValueError("compact_all needs timelines of one factor")
     for i in range(max((len(tl.levels) for tl in timelines), default=1) - 1):

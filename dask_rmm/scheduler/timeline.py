@@ -27,6 +27,7 @@ from dask_rmm.wire import (
     METRICS_KEY,
     PLUGIN_NAME,
     REPORT_HANDLER,
+    device_entries,
     to_int,
 )
 
@@ -397,8 +398,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         else:
             rec.metrics = checked.metrics
             rec.last_seen = checked.metrics["time"]
-            devices = checked.metrics["devices"]
-            if rec.vanished or not rec.rows.keys() <= devices.keys():
+            devices = set(checked.metrics["devices"])
+            if rec.vanished or not rec.rows.keys() <= devices:
                 self._fold(now)
                 self._vanish(rec, devices, checked.problems)
             if len(rec.timelines) > MAX_DEVICES:  # device ids that change every heartbeat
@@ -409,10 +410,10 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         if checked.problems:
             self._problem(rec, checked.problems, now)
 
-    def _vanish(self, rec: _WorkerRecord, devices: dict, problems: list) -> None:
+    def _vanish(self, rec: _WorkerRecord, devices: set, problems: list) -> None:
         """Devices the worker no longer reports leave the cluster total at once (their rows
         stop; a device back later counts again), and the report says so."""
-        rec.vanished &= rec.rows.keys() - devices.keys()
+        rec.vanished &= rec.rows.keys() - devices
         for dev, row in rec.rows.items():
             if dev not in devices and dev not in rec.vanished:
                 self._total.stop(row)
@@ -446,8 +447,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 if tl is None:
                     tl = rec.timelines[dev] = self._new_timeline()
             if tl.newest == old[i]:  # as checked: appended as it is (merged by the poller)
-                tl.levels[0] += new
-                tl.newest = lasts_checked[i]
+                tl.push(new, lasts_checked[i])
             elif not (new := tl.extend_packed(new)):  # the same device twice in the batch
                 continue
             if tl.overflowing:
@@ -480,7 +480,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
                 lines = "; ".join(t for k, t in problems if k == kind)
                 logger.warning("dask-rmm: worker %s: %s", rec.address, lines[:2000])
 
-    def _drop_devices(self, rec: _WorkerRecord, keep: dict) -> None:
+    def _drop_devices(self, rec: _WorkerRecord, keep: set) -> None:
         for dev in [d for d in rec.timelines if d not in keep]:
             del rec.timelines[dev]
             rec.vanished.discard(dev)
@@ -496,7 +496,8 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         for address, old in list(self._gone.items()):
             if old.name == name or address == ws.address:
                 del self._records[address], self._gone[address]
-                for dev, peak in _device_peaks(old.metrics).items():
+                for dev, d in device_entries(old.metrics).items():
+                    peak = to_int(d.get("peak_bytes"))
                     old.earlier_peaks[dev] = max(old.earlier_peaks.get(dev, 0), peak)
                 old.address, old.name, old.status = ws.address, name, "running"
                 old.restarts += 1
@@ -649,16 +650,6 @@ class _Shared(NamedTuple):
     records: list
     total: Any
     meta: dict
-
-
-def _device_peaks(metrics: dict | None) -> dict[str, int]:
-    """``peak_bytes`` per device of one heartbeat's metrics (0 where malformed)."""
-    devices = (metrics or {}).get("devices")
-    if not isinstance(devices, dict):
-        return {}
-    return {
-        str(dev): to_int(d.get("peak_bytes")) for dev, d in devices.items() if isinstance(d, dict)
-    }
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -5,15 +5,14 @@ lengths, nesting, times): what is beyond one is left out, counted and named as t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
-from itertools import islice, repeat
+from itertools import islice
 from reprlib import repr as _short
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE
-from dask_rmm.wire import METRICS_VERSION, ROW_FIELDS, SAMPLE_STRUCT, DeviceSample
+from dask_rmm.wire import METRICS_VERSION, NUMBERS_STRUCT, ROW_FIELDS, SAMPLE_STRUCT, TEXTS
 
 __all__ = ["MAX_AHEAD", "MAX_DEVICES", "MAX_ENTRIES", "MAX_SAMPLES", "Checked", "check_metrics"]
 
@@ -44,15 +43,14 @@ _BLOB = MAX_SAMPLES * _RECORD
 _OOM_NUMBERS = ("time", "requested", "free_bytes", "largest_free_block", "spilled_trying")
 _NUMBERS = {int, float, bool, type(None)}
 _SEQUENCES = {list, tuple}
-#: The field names of a device entry on the wire: an entry of only these has short str names.
-_WIRE = frozenset({f.name for f in fields(DeviceSample)} | {"samples", "fragmentation"})
-_TOP = frozenset({"version", "time", "worker", "devices"})
+#: What a worker sends at the top of a heartbeat.
+_TOP = frozenset({"version", "time", "worker", "devices", "numbers", "text", "samples", "other",
+                  *ROW_FIELDS})  # fmt: skip
 
 
 class Checked(NamedTuple):
-    """One heartbeat as bounded: ``metrics`` (None: nothing usable), ``samples`` each device's
-    packed samples still to check (:func:`check_samples`) by device id, ``problems`` as
-    ``(kind, text)``."""
+    """One heartbeat as bounded: ``metrics`` (None: nothing usable), each device's ``samples``
+    to check (:func:`check_samples`) by id, ``problems`` as ``(kind, text)``."""
 
     metrics: dict | None
     samples: dict[str, bytes]
@@ -60,8 +58,9 @@ class Checked(NamedTuple):
 
 
 def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
-    """``m`` (a worker's ``metrics["dask-rmm"]``) within the bounds; ``now`` is the scheduler's
-    clock, ``arrived`` when the heartbeat came (``WorkerState.last_seen``). Never raises."""
+    """``m`` (a worker's ``metrics["dask-rmm"]``: :func:`dask_rmm.wire.heartbeat`) within the
+    bounds, a few checks a column; ``now`` is the scheduler's clock, ``arrived`` when the
+    heartbeat came (``WorkerState.last_seen``). Never raises."""
     if type(m) is not dict and not isinstance(m, Mapping):
         return Checked(None, {}, [("format", f"metrics are {_kind(m)}, not a mapping")])
     version = m.get("version")
@@ -71,75 +70,77 @@ def check_metrics(m: Any, now: float, arrived: float | None = None) -> Checked:
             f"{METRICS_VERSION} only: run the same dask-rmm on the workers and the scheduler"
         )
         return Checked(None, {}, [("format", line)])
-    raw = m.get("devices")
-    if type(raw) is not dict and not isinstance(raw, Mapping):
-        return Checked(None, {}, [("format", f"devices are {_kind(raw)}, not a mapping")])
     problems: list[tuple[str, str]] = []
     t = _heartbeat_time(m.get("time"), now, now if arrived is None else arrived, problems)
-    devices: dict[str, Mapping] = {}
+    ids, text, blobs = cast(Any, (m.get("devices"), m.get("text"), m.get("samples")))
+    if why := _columns_wrong(ids, m.get("numbers"), text, blobs):
+        return Checked(None, {}, [*problems, ("format", why)])
+    kept = {"devices": ids, "numbers": m["numbers"], "text": text, "samples": blobs}
+    if sum(map(len, text)) > MAX_TEXT and max(map(len, text)) > MAX_TEXT:
+        kept["text"] = [x if len(x) <= MAX_TEXT else x[:MAX_TEXT] + "..." for x in text]
+        cut = sum(len(x) > MAX_TEXT for x in text)
+        problems.append(("bounds", f"{cut} text fields cut to {MAX_TEXT} characters"))
     samples = {}  # a dict, not a tuple a device: fewer objects for the collector
-    if len(raw) > MAX_DEVICES:
-        problems.append(("bounds", f"{len(raw)} devices: the first {MAX_DEVICES} kept"))
-    for dev, d in raw.items() if len(raw) <= MAX_DEVICES else islice(raw.items(), MAX_DEVICES):
-        if type(dev) is not str or not 0 < len(dev) <= MAX_KEY:
-            problems.append(("bounds", f"device id {_short(dev)} dropped (no short str)"))
-            continue
-        if type(d) is dict and d.keys() <= _WIRE and _plain(d, now):
-            devices[dev] = d  # what a worker sends: kept as it came
-        elif not isinstance(d, Mapping):
-            problems.append(("format", f"device {dev!r} is {_kind(d)}; dropped"))
-            continue
-        else:
-            d = devices[dev] = _bound(f"device {dev!r}", d, now, problems)
-        blob = d.get("samples")
-        if blob and type(blob) is bytes and not len(blob) % _RECORD:
-            samples[dev] = blob
-        elif blob:
+    for dev, blob in zip(ids, blobs, strict=True):
+        if type(blob) is not bytes or len(blob) % _RECORD or len(blob) > _BLOB:
             what = f"{len(blob)} bytes" if type(blob) is bytes else _kind(blob)
             problems.append(("format", f"device {dev!r}: samples are {what}, not packed"))
+        elif blob:
+            samples[dev] = blob
+    for k, width in ROW_FIELDS.items():
+        if k in m and _rows_wrong(k, width, m[k], len(ids)):
+            problems.append(("bounds", f"{k} {_short(m[k])}: not {len(ids)} devices' rows, at "
+                             f"most {MAX_ENTRIES} a device of names of {MAX_TEXT} characters"))  # fmt: skip
+        elif k in m:
+            kept[k] = m[k]
+    if "other" in m:  # those of no device sent, or no map: dropped and named
+        other = m["other"] if type(m["other"]) is dict else {None: m["other"]}
+        kept["other"] = {dev: _bound(f"device {dev!r}", d, now, problems)
+            for dev, d in islice(other.items(), MAX_DEVICES) if dev in ids and type(d) is dict}  # fmt: skip
+        if len(kept["other"]) < min(len(other), MAX_DEVICES):
+            problems.append(("format", f"other fields {_short(other)}: not of its devices"))
     worker = m.get("worker")
     if m.keys() <= _TOP and (type(worker) is not str or len(worker) <= MAX_TEXT):
-        kept = {"version": version, "worker": worker, "time": t, "devices": devices}
+        kept.update(version=version, worker=worker, time=t)
     else:
-        top = _bound("the heartbeat", {k: v for k, v in m.items() if k != "devices"}, now, problems)
-        kept = {**top, "time": t, "devices": devices}
+        rest = {k: v for k, v in m.items() if k not in _TOP or k in ("version", "worker")}
+        kept.update(_bound("the heartbeat", rest, now, problems), time=t)
     return Checked(kept, samples, problems)
 
 
-def _plain(d: dict, now: float) -> bool:
-    """Every value of a device entry within the bounds as it is (what :func:`_bound` would keep
-    unchanged): numbers, strings and bytes of at most :data:`MAX_TEXT` (packed ``samples`` of
-    at most :data:`MAX_SAMPLES`), the :data:`~dask_rmm.wire.ROW_FIELDS` as a worker sends them
-    (flat, at most :data:`MAX_ENTRIES` rows of a short str and numbers), OOM events kept whole.
-    False: the entry goes through :func:`_bound`."""
-    for k, v in d.items():
-        t = type(v)
-        if t is int or t in _NUMBERS:
-            continue
-        if t is str or t is bytes:
-            if len(v) <= MAX_TEXT or (k == "samples" and t is bytes and len(v) <= _BLOB):
-                continue
-            return False
-        if t not in _SEQUENCES:
-            return False
-        width = ROW_FIELDS.get(k)
-        if width is None:
-            if k == "oom_events" and len(v) <= MAX_OOM_EVENTS and all(map(_event, v, repeat(now))):
-                continue
-            return False
-        n = len(v)
-        if n % width or n > width * MAX_ENTRIES:
-            return False
-        names = v[::width]
-        try:  # TypeError unless strings, and numbers
-            text = "".join(names)
-            for column in range(1, width):
-                sum(v[column::width])
-        except TypeError:
-            return False
-        if len(text) > MAX_TEXT and max(map(len, names)) > MAX_TEXT:
-            return False
-    return True
+def _columns_wrong(ids: Any, numbers: Any, text: Any, blobs: Any) -> str | None:
+    """What is wrong with the columns every heartbeat has (None: nothing)."""
+    if type(ids) not in _SEQUENCES or type(text) not in _SEQUENCES:
+        return f"devices are {_kind(ids)} and text {_kind(text)}, not lists"
+    if (n := len(ids)) > MAX_DEVICES:
+        return f"{n} devices, more than a worker has ({MAX_DEVICES}): none kept"
+    try:
+        "".join(ids), "".join(text)  # TypeError unless every one is a str
+    except TypeError:
+        return f"device ids {_short(ids)} or their text fields are not all str"
+    if n and not 0 < min(map(len, ids)) <= max(map(len, ids)) <= MAX_KEY or len(set(ids)) < n:
+        return f"device ids {_short(ids)}: not distinct str of 1 to {MAX_KEY} characters"
+    if (type(numbers) is not bytes or len(numbers) != n * NUMBERS_STRUCT.size
+            or len(text) != n * len(TEXTS) or type(blobs) not in _SEQUENCES or len(blobs) != n):  # fmt: skip
+        return (f"numbers {_short(numbers)}, {len(text)} text fields or samples "
+                f"{_short(blobs)}: not the columns of {n} devices")  # fmt: skip
+    return None
+
+
+def _rows_wrong(k: str, width: int, v: Any, n: int) -> bool:
+    """Whether row field ``k`` (``[rows a device, names, int64 numbers]``) is out of bounds."""
+    try:
+        counts, names, blob = v
+        total = sum(counts)
+        return not (
+            type(counts) in _SEQUENCES and len(counts) == n and type(total) is int  # all ints
+            and 0 <= min(counts, default=0) and max(counts, default=0) <= MAX_ENTRIES
+            and type(names) in _SEQUENCES and len(names) == total and type(blob) is bytes
+            and len(blob) == 8 * total * (width - 1)
+            and (len("".join(names)) <= MAX_TEXT or max(map(len, names)) <= MAX_TEXT)
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        return True
 
 
 def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> float:
@@ -158,7 +159,7 @@ def _heartbeat_time(sent: Any, now: float, arrived: float, problems: list) -> fl
 
 def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
     """A device entry (or the heartbeat's own fields) within the bounds, the same mapping when
-    it already is: at most :data:`MAX_FIELDS` fields of short names; packed ``samples``;
+    it already is: at most :data:`MAX_FIELDS` fields of short names;
     ``oom_events`` (:func:`_oom_events`); numbers, strings cut to :data:`MAX_TEXT` characters,
     short bytes, and lists or maps cut to :data:`MAX_ENTRIES` entries of flat data
     (:func:`_within`); the rest dropped."""
@@ -170,17 +171,13 @@ def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
         t = type(v)
         if type(k) is not str or len(k) > MAX_KEY:
             names += 1
-        elif t in _NUMBERS or (t is str and len(v) <= MAX_TEXT):
-            out[k] = v
-        elif t is bytes and len(v) <= (_BLOB if k == "samples" else MAX_TEXT):
+        elif t in _NUMBERS or (t in (str, bytes) and len(v) <= MAX_TEXT):
             out[k] = v
         elif t is str:
             out[k] = v[:MAX_TEXT] + "..."
             problems.append(("bounds", f"{where}: {k} of {len(v)} characters cut"))
         elif k == "oom_events" and t in _SEQUENCES:
             out[k] = _oom_events(where, v, now, problems)
-        elif k in ROW_FIELDS and t in _SEQUENCES and v and type(v[0]) not in _SEQUENCES:
-            out[k] = _flat_rows(where, k, v, problems)
         elif t in _SEQUENCES or t is dict:
             n = len(v)
             if n > MAX_ENTRIES:
@@ -201,22 +198,6 @@ def _bound(where: str, d: Mapping, now: float, problems: list) -> Mapping:
     if names:
         problems.append(("bounds", f"{where}: {names} field names dropped"))
     return d if len(out) == len(d) and all(out[k] is v for k, v in d.items()) else out
-
-
-def _flat_rows(where: str, k: str, v: list | tuple, problems: list) -> Any:
-    """Field ``k`` of the :data:`~dask_rmm.wire.ROW_FIELDS` as a worker sends it (flat, a row's
-    values one after another): its first :data:`MAX_ENTRIES` rows of numbers and short strings
-    (:func:`_within`); the other rows, and a partial last row, dropped and counted."""
-    width = ROW_FIELDS[k]
-    n = -(-len(v) // width)
-    if n > MAX_ENTRIES:
-        problems.append(("bounds", f"{where}: {k} of {n} entries, {MAX_ENTRIES} kept"))
-    rows = [v[i : i + width] for i in range(0, min(n, MAX_ENTRIES) * width, width)]
-    kept = [r for r in rows if len(r) == width and all(_within(x, 0) for x in r)]
-    if dropped := len(rows) - len(kept):
-        text = f"{where}: {dropped} {k} entries nested, long or partial; dropped"
-        problems.append(("bounds", text))
-    return v if len(kept) * width == len(v) else [x for row in kept for x in row]
 
 
 def _within(v: Any, depth: int) -> bool:

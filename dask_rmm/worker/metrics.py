@@ -224,7 +224,7 @@ class WorkerMetrics:
 
     def heartbeat_metrics(self, worker: Worker) -> dict[str, Any]:
         """``worker.metrics["dask-rmm"]``: :func:`dask_rmm.wire.heartbeat`. Never raises."""
-        name = worker.name
+        name = worker.name if isinstance(worker.name, (str, int)) else str(worker.name)
         devices = {}
         retired = self._retired()  # never raises: live_bytes and close_log catch
         for d in self._devices:
@@ -239,11 +239,7 @@ class WorkerMetrics:
                 first.update(admission.metrics(self._top_n))
             except Exception as e:  # pragma: no cover - defensive: the heartbeat must go on
                 first["error"] = f"admission: {type(e).__name__}: {e}"
-        return wire.heartbeat(
-            name if isinstance(name, (str, int)) else str(name),
-            time.time(),
-            {dev: wire.compact(d) for dev, d in devices.items()},
-        )
+        return wire.heartbeat(name, time.time(), devices)
 
     @staticmethod
     def _device_metrics(

@@ -194,7 +194,7 @@ def _worker_view(dask_worker=None) -> dict:
     y = (x * 2).sum()
     del x
     pool = get_cupy_cache().pool
-    d = dask_worker.metrics[wire.METRICS_KEY](dask_worker)["devices"]["0"]
+    d = wire.device_entries(dask_worker.metrics[wire.METRICS_KEY](dask_worker))["0"]
     return {
         "allocator is the cache": cupy.cuda.get_allocator() == pool.malloc,
         "free": pool.free_bytes(),

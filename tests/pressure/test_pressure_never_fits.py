@@ -71,6 +71,7 @@ def test_a_request_alone_above_the_limit_spills_nothing_for_the_limit(spill_on_o
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_oom_events_and_totals_stay_after_a_re_registration_as_the_peaks_do(c, s, a):
     """A re-registration made the OOM events (and the counters) vanish while the peaks stayed."""
+    from dask_rmm.wire import device_entries
     from dask_rmm.worker.metrics import METRICS_KEY
 
     options = dict(base_resource="system", pool_size="8MiB", maximum_pool_size="8MiB",
@@ -83,7 +84,7 @@ async def test_oom_events_and_totals_stay_after_a_re_registration_as_the_peaks_d
         state = worker_pressure_state(a)
         assert [e["requested"] for e in state["oom_events"]] == [16 * MiB]
         assert state["metrics"][0]["oom_count"] == 1
-        device = a.metrics[METRICS_KEY](a)["devices"]["0"]
+        device = device_entries(a.metrics[METRICS_KEY](a))["0"]
         assert device["oom_count"] == 1 and len(device["oom_events"]) == 1
 
 

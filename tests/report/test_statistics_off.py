@@ -17,7 +17,7 @@ from dask_rmm.client.advice import advise_from_report
 from dask_rmm.client.fetch import cluster_report
 from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler import install_scheduler_plugin
-from dask_rmm.wire import NOT_MEASURED_WITHOUT_A_POOL, STATISTICS_ONLY
+from dask_rmm.wire import NOT_MEASURED_WITHOUT_A_POOL, STATISTICS_ONLY, device_entries
 from dask_rmm.worker.metrics import METRICS_KEY
 
 MiB = 1 << 20
@@ -35,7 +35,7 @@ def test_statistics_off_says_what_is_not_measured_everywhere(measured):
         await wait(held)
         await install_scheduler_plugin(c)
         await a.heartbeat()
-        device = a.metrics[METRICS_KEY](a)["devices"]["0"]
+        device = device_entries(a.metrics[METRICS_KEY](a))["0"]
         assert device["measured"] == measured
         if measured == "pool":  # derived honestly: reserved minus pool free
             assert device["current_bytes"] == 100 * MiB

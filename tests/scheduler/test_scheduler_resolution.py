@@ -279,3 +279,17 @@ def test_above_exact_rows_the_sum_takes_a_bucket_a_device_and_never_lowers_the_p
     assert pts_c["c"][-1] == pts_e["c"][-1] == sum(r[-1][1] for r in raw)
     assert len(pts_c) <= len(pts_e) // 5
     assert list(coarse.snapshot().row_peaks[:4]) == [max(s[2] for s in r) for r in raw]
+
+
+def test_pushed_points_stay_chunks_until_read_and_parts_taken_before_do_not_change():
+    """The scheduler's newest points go in as chunks (no copy of level 0 a heartbeat), joined
+    when the timeline is read or merged; parts taken for a snapshot keep what they had."""
+    tl = Timeline(64)
+    tl.extend(pack_samples([[0.0, 1, 1]]))
+    level0 = tl.levels[0]
+    tl.push(pack_samples([[1.0, 2, 2]]), 1.0)
+    assert tl.levels[0] is level0 and tl.newest == 1.0
+    before = tl.parts()
+    tl.push(pack_samples([[2.0, 3, 3]]), 2.0)
+    assert unpack_samples(b"".join(reversed(before))) == [[0.0, 1, 1], [1.0, 2, 2]]
+    assert tl.to_list() == [[0.0, 1, 1], [1.0, 2, 2], [2.0, 3, 3]] and len(tl) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import dask
 import pytest
@@ -13,7 +14,7 @@ from fake_metrics import FakeRMMMetrics
 from dask_rmm.client.fetch import cluster_report
 from dask_rmm.report.memory_report import ClusterMemoryReport
 from dask_rmm.scheduler import SchedulerTimelinePlugin, install_scheduler_plugin
-from dask_rmm.wire import PLUGIN_NAME
+from dask_rmm.wire import PLUGIN_NAME, heartbeat
 
 
 def _attach(*workers, devices=("0",)) -> list[FakeRMMMetrics]:
@@ -158,7 +159,7 @@ class _Arrival:
     """What the plugin reads of a WorkerState: address, name, metrics."""
 
     def __init__(self, address: str, name: str, t: float):
-        from dask_rmm.wire import heartbeat, pack_samples
+        from dask_rmm.wire import pack_samples
 
         self.address, self.name = address, name
         blob = pack_samples([[t, 1 << 20, 1 << 20]])
@@ -244,7 +245,7 @@ async def test_no_dask_rmm_workers(c, s, a, b):
 
 @gen_cluster(client=True)
 async def test_malformed_metrics_never_break_heartbeats(c, s, a, b):
-    a.metrics["dask-rmm"] = lambda w: {"version": 3, "devices": {"0": {"samples": [[1.0]]}}}
+    a.metrics["dask-rmm"] = lambda w: heartbeat("w", time.time(), {"0": {"samples": [[1.0]]}})
     await install_scheduler_plugin(c)
     await a.heartbeat()
     await a.heartbeat()

@@ -28,7 +28,7 @@ from dask_rmm.scheduler.cluster_total import MAX_WAITING_ARRAYS, ClusterTotal
 from dask_rmm.scheduler.report_build import ReportRequest
 from dask_rmm.scheduler.resolution import Timeline
 from dask_rmm.scheduler.validate import MAX_AHEAD, MAX_DEVICES, MAX_SAMPLES
-from dask_rmm.wire import METRICS_VERSION, PLUGIN_NAME, pack_samples
+from dask_rmm.wire import METRICS_VERSION, PLUGIN_NAME, device_entries, heartbeat, pack_samples
 
 MiB = 1 << 20
 
@@ -54,8 +54,17 @@ def _device(now: float, **fields: object) -> dict:
 
 
 def _beat(devices: object, **top: object) -> dict:
+    """A heartbeat of ``devices``: as a worker packs them when they are a map of maps, else
+    ``devices`` as it is beside no other column."""
+    if isinstance(devices, dict) and all(isinstance(d, dict) for d in devices.values()):
+        return heartbeat("w", time.time(), devices) | top
     return {"version": METRICS_VERSION, "time": time.time(), "worker": "w", "devices": devices,
             **top}  # fmt: skip
+
+
+def _columns(**columns: object) -> dict:
+    """A heartbeat of devices "0" and "1" with ``columns`` replaced."""
+    return _beat({"0": _device(time.time()), "1": _device(time.time())}) | columns
 
 
 def _one(**fields: object) -> dict:
@@ -131,6 +140,24 @@ MALFORMED = {
     "a device id of a kilobyte": lambda: _beat({"d" * 1024: _device(NOW)}),
     "a heartbeat time of NaN": lambda: _one() | {"time": math.nan},
     "a heartbeat time a str": lambda: _one() | {"time": "now"},
+    "numbers of 7 bytes": lambda: _columns(numbers=b"x" * 7),
+    "numbers a list": lambda: _columns(numbers=[1, 2]),
+    "text a str": lambda: _columns(text="text"),
+    "text one field short": lambda: _columns(text=["x"] * 11),
+    "text of ints": lambda: _columns(text=[1] * 12),
+    "samples one device short": lambda: _columns(samples=[b""]),
+    "samples a dict": lambda: _columns(samples={"0": b""}),
+    "device ids not distinct": lambda: _columns(devices=["0", "0"]),
+    "device ids empty": lambda: _columns(devices=["", "1"]),
+    "task group counts for one device": lambda: _columns(task_groups=[[1], ["g"], b"x" * 16]),
+    "task group counts negative": lambda: _columns(task_groups=[[-1, 2], ["g"], b"x" * 16]),
+    "task group counts floats": lambda: _columns(task_groups=[[0.5, 0.5], ["g"], b"x" * 16]),
+    "task group numbers short": lambda: _columns(task_groups=[[1, 0], ["g"], b"x" * 15]),
+    "task group names of ints": lambda: _columns(task_groups=[[1, 0], [7], b"x" * 16]),
+    "task group column a str": lambda: _columns(task_groups="inc"),
+    "other fields a list": lambda: _columns(other=[1]),
+    "other fields of an unknown device": lambda: _columns(other={"9": {"error": "x"}}),
+    "other fields a str": lambda: _columns(other={"0": "x"}),
 }
 
 
@@ -229,24 +256,27 @@ async def test_unknown_fields_within_the_bounds_are_read_without_error(c, s, a, 
     assert (d.current_bytes, d.peak_bytes, len(d.timeline)) == (MiB, 2 * MiB, 2)
     # The scheduler's record keeps them for whoever reads them.
     kept = s.plugins[PLUGIN_NAME]._records[a.address].metrics
-    assert kept["admission_policy"] == "fifo" and kept["devices"]["0"]["admission"] == {"queued": 3}
+    assert kept["admission_policy"] == "fifo"
+    assert device_entries(kept)["0"]["admission"] == {"queued": 3}
 
 
 @gen_cluster(client=True)
-async def test_valid_devices_are_kept_beside_a_malformed_one(c, s, a, b):
+async def test_valid_devices_are_kept_beside_malformed_samples_and_fields(c, s, a, b):
     now = time.time()
-    beat = _beat({"0": _device(now), "1": "garbage", "2": _device(now, current_bytes="x")})
+    beat = _beat({"0": _device(now), "1": _device(now, samples="garbage"),
+                  "2": _device(now, current_bytes="x", oom_events="x" * 100_000)})  # fmt: skip
     a.metrics["dask-rmm"] = lambda worker: beat
     await install_scheduler_plugin(c)
     await a.heartbeat()
     report = await cluster_report(c)
     assert report.device(a.address, 0).current_bytes == MiB
+    assert report.device(a.address, 1).current_bytes == MiB  # its samples dropped, not its fields
+    assert len(report.device(a.address, 1).timeline) == 0
     assert report.device(a.address, 2).current_bytes == 0  # read as 0, the rest kept
     assert report.device(a.address, 2).reserved_bytes == 4 * MiB
-    with pytest.raises(KeyError):
-        report.device(a.address, 1)
     (error,) = report.errors
-    assert "device '1' is a str" in error
+    assert "device '1': samples are a str, not packed" in error
+    assert "device '2': oom_events of 100000 characters cut" in error
 
 
 # -- text that cannot be spoofed ----------------------------------------------------------------
@@ -381,15 +411,21 @@ def test_random_structures_break_no_reader():
         rows,
         st.dictionaries(field_names, anything, max_size=3),
     )
-    heartbeat = anything | st.builds(
+    devices = st.dictionaries(st.text(max_size=3) | st.integers(0, 3), device, max_size=3)
+    columns = st.sampled_from(["devices", "numbers", "text", "samples", "task_groups", "other"])
+    beat = anything | st.builds(
         lambda v, t, devs: {"version": v, "time": t, "devices": devs},
         st.sampled_from([1, 2, 3, 4, 999, "3", None]),
         st.floats(allow_nan=True) | st.just(time.time()),
-        st.dictionaries(st.text(max_size=3) | st.integers(0, 3), device, max_size=3) | anything,
+        devices | anything,
+    )
+    beat |= st.builds(heartbeat, st.text(max_size=3), st.just(time.time()), devices)
+    beat |= st.builds(
+        lambda devs, k, v: heartbeat("w", time.time(), devs) | {k: v}, devices, columns, anything
     )
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(heartbeat, min_size=1, max_size=3))
+    @given(st.lists(beat, min_size=1, max_size=3))
     def check(beats: list) -> None:
         plugin = SchedulerTimelinePlugin(timeline_length=16)
         plugin._configure()
@@ -575,11 +611,11 @@ def test_samples_read_before_a_worker_leaves_count_before_its_rows_stop():
 @pytest.mark.parametrize("as_lists", [True, False])
 def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     """A heartbeat of this version, as distributed's comm delivers it (msgpack: sequences as
-    tuples) or as lists, passes the checks whole: its device entries are kept, not rebuilt."""
+    tuples) or as lists, passes the checks whole: its columns are kept, not rebuilt."""
     import msgpack
 
     from dask_rmm.scheduler.validate import check_metrics
-    from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup, heartbeat
+    from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup
 
     now = time.time()
     device = DeviceSample(
@@ -593,45 +629,43 @@ def test_a_well_formed_heartbeat_is_kept_as_it_came_also_with_tuples(as_lists):
     beat = msgpack.unpackb(msgpack.packb(sent, use_bin_type=True), use_list=as_lists)
     checked = check_metrics(beat, now)
     assert checked.problems == []
-    assert all(checked.metrics["devices"][d] is beat["devices"][d] for d in ("0", "1"))
+    columns = ("devices", "numbers", "text", "samples", "task_groups", "libraries")
+    assert all(checked.metrics[k] is beat[k] for k in columns)
     assert checked.samples == {d: device["samples"] for d in ("0", "1")}
+    entry = DeviceSample.from_dict(device_entries(checked.metrics)["1"])
+    assert entry.task_groups == (TaskGroup("work", MiB, 2 * MiB), TaskGroup("load", 0, MiB))
+    assert (entry.current_bytes, entry.libraries) == (MiB, (LibraryShare("cupy", MiB, 0),))
 
 
 @pytest.mark.parametrize(
-    "field, value",
+    "column, value, problem",
     [
-        ("current_bytes", "x" * 100_000),
-        ("gpu_name", list(range(100_000))),
-        ("task_groups", [["g", 1, 2]] * 100_000),
-        ("task_groups", [["g" * 100_000, 1, 2]]),
-        ("libraries", [[["nested"], 1, 0, 0]]),
-        ("task_groups", [["g", list(range(100_000)), 2]]),
-        ("task_groups", [["g", 1, 2, "x" * 100_000]]),
-        ("task_groups", [{0: "g", 1: 1, 2: list(range(100_000))}]),
-        ("task_groups", [{"g": list(range(100_000)), 1: 1, 2: 2}]),  # columns of its keys
-        ("paused", {f"k{i}": i for i in range(100_000)}),
-        ("samples", "0" * 48),
+        ("text", ["x" * 100_000] * 12, "12 text fields cut to 1024 characters"),
+        ("task_groups", [[1, 0], ["g" * 100_000], b"x" * 16], "not 2 devices' rows, at most 64"),
+        ("task_groups", [[100_000, 0], ["g"] * 100_000, b"x" * 1_600_000], "task_groups [[100000"),
+        ("libraries", [[1, 0], [["nested"]], b"x" * 24], "libraries [[1, 0], [['nested']]"),
+        ("task_groups", [[1, 0], ["g"], b"x" * 16, "more"], "not 2 devices' rows"),
+        ("samples", ["0" * 48, b""], "device '0': samples are a str"),
+        ("samples", [b"0" * 47, b""], "device '0': samples are 47 bytes"),
+        ("other", {"0": {f"k{i}": i for i in range(100_000)}}, "100000 fields, the first 128"),
+        ("other", {"1": {"paused": list(range(100_000))}}, "paused of 100000 entries, 64 kept"),
     ],
 )
-def test_a_heartbeat_of_known_field_names_is_still_bounded_value_by_value(field, value):
-    """Heartbeats of the wire's field names are checked a few C calls at a time: a value of
-    another kind or size under those names is still bounded."""
+def test_a_column_beyond_the_bounds_is_cut_or_dropped_and_named(column, value, problem):
+    """Each column is checked a few C calls at a time: text cut, rows beyond the bounds dropped,
+    a device's samples or other fields dropped or cut, each named; the rest kept."""
     from dask_rmm.scheduler.validate import check_metrics
-    from dask_rmm.wire import DeviceSample, LibraryShare, TaskGroup
 
     now = time.time()
-    device = DeviceSample(
-        current_bytes=MiB, task_groups=(TaskGroup("a", 1, 2),), libraries=(LibraryShare("b", 1, 0),)
-    ).to_dict() | {"error": None, "x": None}
-    device["samples"] = pack_samples([[now, MiB, MiB]])
-    for _ in range(2):  # the second time, by the getters cached for these names
-        checked = check_metrics(_beat({"0": dict(device), "1": dict(device)}), now)
-        assert checked.problems == [] and len(checked.samples) == 2
-    bad = _beat({"0": dict(device), "1": device | {field: value}})
-    checked = check_metrics(bad, now)
-    assert any("device '1'" in text for _, text in checked.problems), checked.problems
-    kept = checked.metrics["devices"]["1"].get(field)
-    assert kept is None or len(kept) <= 1024 + 3, (field, len(kept))
+    checked = check_metrics(_columns(), now)
+    assert checked.problems == [] and len(checked.samples) == 2
+    checked = check_metrics(_columns(**{column: value}), now)
+    assert any(problem in text for _, text in checked.problems), checked.problems
+    entries = device_entries(checked.metrics)
+    assert entries["1"]["current_bytes"] == MiB
+    assert all(len(x) <= 1024 + 3 for x in checked.metrics["text"])
+    for d in entries.values():
+        assert all(len(v) <= 64 for v in d.values() if isinstance(v, (list, tuple, dict)))
 
 
 # -- every field bounded at the door --------------------------------------------------------------
@@ -640,9 +674,9 @@ HUGE = 100_000
 
 
 def _huge(now: float) -> dict:
-    """A heartbeat with 100,000 entries in each list and map: devices, fields of a device, task
-    groups, libraries, expected peaks, OOM events, a map no reader knows, the heartbeat's own
-    fields; and a string of 100,000 characters, lists nested 4 deep."""
+    """A heartbeat of MAX_DEVICES devices with 100,000 entries in each list and map: fields of a
+    device, task groups, libraries, expected peaks, OOM events, a map no reader knows, the
+    heartbeat's own fields; and a string of 100,000 characters, lists nested 4 deep."""
     device = _device(
         now,
         task_groups=[[f"g{i}", i, i] for i in range(HUGE)],
@@ -654,7 +688,7 @@ def _huge(now: float) -> dict:
         nested=[[[[i]]] for i in range(10)],
     )
     crowded = _device(now, **{f"extra_{i}": i for i in range(HUGE)})
-    devices = {"0": device, "1": crowded} | {f"d{i}": _device(now) for i in range(HUGE)}
+    devices = {"0": device, "1": crowded} | {f"d{i}": _device(now) for i in range(MAX_DEVICES - 2)}
     return _beat(devices, extra={f"k{i}": i for i in range(HUGE)})
 
 
@@ -673,26 +707,31 @@ async def test_100000_entries_in_every_list_and_map_are_cut_counted_and_every_ro
     await asyncio.gather(a.heartbeat(), b.heartbeat())
     report, _ = await _readers(c, s, b)
     kept = s.plugins[PLUGIN_NAME]._records[a.address].metrics
-    assert len(kept["devices"]) == MAX_DEVICES and len(kept) <= 5
-    d0, d1 = kept["devices"]["0"], kept["devices"]["1"]
-    for name in ("task_groups", "libraries", "admission_expected_peaks", "future_map"):
-        assert len(d0[name]) == MAX_ENTRIES, name
+    assert len(kept["devices"]) == MAX_DEVICES and len(kept["other"]) == 2
+    d0, d1 = device_entries(kept)["0"], kept["other"]["1"]
+    assert {"task_groups", "libraries", "admission_expected_peaks"}.isdisjoint(d0)
+    assert len(d0["future_map"]) == MAX_ENTRIES
     assert len(d0["oom_events"]) == MAX_OOM_EVENTS and d0["nested"] == []
     assert len(d0["gpu_name"]) <= MAX_TEXT + 3 and len(d1) == MAX_FIELDS
     (error,) = [e for e in report.errors if e.startswith(a.address)]
     for named in (
-        f"{HUGE + 2} devices: the first {MAX_DEVICES} kept",
-        f"libraries of {HUGE} entries, {MAX_ENTRIES} kept",
-        f"admission_expected_peaks of {HUGE} entries",
-        f"task_groups of {HUGE} entries",
+        *(f"{k} (({HUGE}, 0, 0, 0, 0, 0, ...), " for k in ("libraries", "task_groups")),
+        f"admission_expected_peaks (({HUGE}, 0, 0",
+        f"not {MAX_DEVICES} devices' rows, at most {MAX_ENTRIES} a device",
         f"future_map of {HUGE} entries",
         f"{HUGE} OOM events dropped",
-        f"gpu_name of {HUGE} characters cut",
-        f"device '1': {HUGE + 4} fields, the first {MAX_FIELDS} kept",
+        "1 text fields cut to 1024 characters",
+        f"device '1': {HUGE - 1} fields, the first {MAX_FIELDS} kept",  # extra_0 is 0: not sent
         f"the heartbeat: extra of {HUGE} entries",
     ):
         assert named in error, (named, error[:3000])
     assert report.device(a.address, 0).current_bytes == MiB  # what is within bounds is kept
+    # 100,000 devices: none kept, and said so.
+    beat = _beat({str(i): _device(time.time()) for i in range(HUGE)})
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    report, _ = await _readers(c, s, b)
+    (error,) = [e for e in report.errors if e.startswith(a.address)]
+    assert f"{HUGE} devices, more than a worker has ({MAX_DEVICES}): none kept" in error
 
 
 # -- clocks and times -------------------------------------------------------------------------------
@@ -806,45 +845,21 @@ async def test_another_heartbeat_version_is_one_clear_line(c, s, a, b):
     assert [e.split(": ", 1)[0] for e in report.errors] == [a.address]
 
 
-def test_devices_of_different_field_names_are_checked_at_once_and_kept_as_they_came():
-    """A heartbeat leaves out the fields at their default, so a worker's devices may have
-    different names (memory admission's figures go with the first device only)."""
-    from dask_rmm.scheduler.validate import _plain, check_metrics
-    from dask_rmm.wire import DeviceSample, heartbeat
+def test_devices_of_different_field_names_are_packed_into_the_same_columns():
+    """A worker's devices may have different fields (memory admission's figures go with the
+    first device only): each reads back its own, the others at their default."""
+    from dask_rmm.scheduler.validate import check_metrics
+    from dask_rmm.wire import DeviceSample
 
     now = time.time()
     first = DeviceSample(
         current_bytes=MiB, admission_held_tasks=2, admission_expected_peaks=(("inc", MiB, 1),)
-    ).to_dict(defaults=False)
-    other = DeviceSample(reserved_bytes=MiB, gpu_name="H200").to_dict(defaults=False)
-    beat = heartbeat("w", now, {"0": first, "1": other})
-    assert _plain(first, now) and _plain(other, now)
-    checked = check_metrics(beat, now)
+    ).to_dict()
+    other = DeviceSample(reserved_bytes=MiB, gpu_name="H200").to_dict()
+    checked = check_metrics(heartbeat("w", now, {"0": first, "1": other}), now)
     assert checked.problems == []
-    assert checked.metrics["devices"]["0"] is first and checked.metrics["devices"]["1"] is other
-    assert not _plain(other | {"gpu_name": ["H200"]}, now)  # a list for a str
-
-
-@pytest.mark.parametrize(
-    "value, kept, problem",
-    [
-        (["g", 1, 2] * 100_000, ["g", 1, 2] * 64, "task_groups of 100000 entries, 64 kept"),
-        (["g" * 100_000, 1, 2, "h", 3, 4], ["h", 3, 4], "1 task_groups entries nested, long"),
-        (["h", 3, 4, "g", [1] * 100_000, 2], ["h", 3, 4], "1 task_groups entries nested, long"),
-        (["g", 1, 2, "h"], ["g", 1, 2], "1 task_groups entries nested, long or partial"),
-    ],
-)
-def test_rows_as_a_worker_sends_them_flat_are_bounded_row_by_row(value, kept, problem):
-    """The ROW_FIELDS travel flat (three values a task group): a flat list beyond the bounds
-    is cut to MAX_ENTRIES rows, a row with a value too long or nested is dropped and named,
-    and what is kept is whole rows."""
-    from dask_rmm.scheduler.validate import check_metrics
-    from dask_rmm.wire import DeviceSample, TaskGroup
-
-    now = time.time()
-    checked = check_metrics(_beat({"0": {"task_groups": value}}), now)
-    got = checked.metrics["devices"]["0"]["task_groups"]
-    assert list(got) == kept
-    assert any(problem in text for _, text in checked.problems), checked.problems
-    assert DeviceSample.from_dict({"task_groups": got}).task_groups[-1] == TaskGroup(*kept[-3:])
-    assert check_metrics(_beat({"0": {"task_groups": kept}}), now).problems == []
+    entries = {k: DeviceSample.from_dict(d) for k, d in device_entries(checked.metrics).items()}
+    assert entries["0"] == DeviceSample.from_dict(first)
+    assert entries["1"] == DeviceSample.from_dict(other)
+    assert entries["0"].admission_expected_peaks == (("inc", MiB, 1),)
+    assert entries["1"].admission_expected_peaks == () and entries["0"].gpu_name == ""

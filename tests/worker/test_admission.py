@@ -24,7 +24,7 @@ from distributed.worker import thread_state
 
 from dask_rmm import RMMPlugin
 from dask_rmm.pressure.admission import RESOURCE
-from dask_rmm.wire import DeviceSample
+from dask_rmm.wire import DeviceSample, device_entries
 from dask_rmm.worker import admission as worker_admission
 from dask_rmm.worker.admission import admission_of
 from tests.worker.test_preload import scheduler, scheduler_process  # noqa: F401 (fixtures)
@@ -495,7 +495,7 @@ async def test_held_back_figures_reach_the_heartbeat_and_the_report(c, s, a):
     await _learn(c)
     futures = c.map(hold, [3 * MiB] * 4, range(4), key=[f"hold-{i}" for i in range(4)])
     await until(lambda: _states(a)["constrained"] == 2, "2 constrained")
-    d = a.metrics["dask-rmm"](a)["devices"]["0"]
+    d = device_entries(a.metrics["dask-rmm"](a))["0"]
     # a task that passed "constrained" on its way to a free thread on a loaded host counts
     # as held back too (it waited more than the threshold): at least the 2 waiting now
     assert d["admission_held_tasks"] == 2 and d["admission_total_held"] >= 2

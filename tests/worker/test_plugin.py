@@ -19,7 +19,7 @@ from dask_rmm import mr
 from dask_rmm.mr.registry import get_per_device_resource, set_per_device_resource
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
 from dask_rmm.stack.build import log_file_path
-from dask_rmm.wire import DeviceSample, unpack_samples
+from dask_rmm.wire import DeviceSample, device_entries, unpack_samples
 from dask_rmm.worker.metrics import METRICS_KEY
 from dask_rmm.worker.stacks import worker_stack
 
@@ -277,7 +277,7 @@ def test_settings_reach_the_workers_stack(base):
 async def test_statistics_off_leaves_only_the_memory_layers(c, s, a):
     await c.register_plugin(RMMPlugin(base_resource="system", statistics=False))
     assert await c.run(_stack_names) == {a.address: ["SystemMemoryResource"]}
-    m = a.metrics[METRICS_KEY](a)["devices"]["0"]
+    m = device_entries(a.metrics[METRICS_KEY](a))["0"]
     # at their default (0, none, no samples): left out of the heartbeat
     assert m.keys().isdisjoint({"current_bytes", "task_groups", "samples"}), m
 
@@ -347,13 +347,13 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
 
     def device_metrics():
         m = s.workers[a.address].metrics.get(METRICS_KEY)
-        if m and m["devices"]["0"].get("current_bytes") == 6 * MiB:
+        if m and device_entries(m)["0"].get("current_bytes") == 6 * MiB:
             return m
         return None
 
     m = await _poll(device_metrics, what="6 MiB current on the scheduler")
-    assert m["version"] == 3 and m["worker"] == a.name and m["time"] > 0
-    d = m["devices"]["0"]
+    assert m["version"] == 4 and m["worker"] == a.name and m["time"] > 0
+    d = device_entries(m)["0"]
     assert d["current_count"] == 3 and d["peak_bytes"] == 6 * MiB and d["total_count"] == 3
     assert d["reserved_bytes"] == 16 * MiB
     assert d["pool_free_bytes"] == 10 * MiB and d["largest_free_block"] == 10 * MiB
@@ -378,7 +378,7 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
     while len(seen) < 3:
         m = await _poll(new_heartbeat, what="a new heartbeat")
         seen.add(m["time"])
-        samples += unpack_samples(m["devices"]["0"]["samples"])
+        samples += unpack_samples(device_entries(m)["0"]["samples"])
     times = [t for t, _, _ in dict.fromkeys(map(tuple, samples))]
     assert samples and times == sorted(times) and len(set(times)) == len(times)
     assert all(cur <= mx for _, cur, mx in samples)
@@ -387,10 +387,12 @@ async def test_metrics_reach_the_scheduler_with_the_right_numbers(c, s, a):
 
     del held, other
     await _poll(
-        lambda: "current_bytes" not in s.workers[a.address].metrics[METRICS_KEY]["devices"]["0"],
+        lambda: (
+            "current_bytes" not in device_entries(s.workers[a.address].metrics[METRICS_KEY])["0"]
+        ),
         what="frees to reach the scheduler",
     )
-    d = s.workers[a.address].metrics[METRICS_KEY]["devices"]["0"]
+    d = device_entries(s.workers[a.address].metrics[METRICS_KEY])["0"]
     groups = {g[0]: g[1:] for g in DeviceSample.from_dict(d).task_groups}
     assert groups["hold"] == (0, 3 * MiB)
 
@@ -411,7 +413,7 @@ async def test_metrics_never_raise(c, s, a):
     worker_stack(a).active[0].statistics = Broken()
     plugin.worker_metrics.sample()  # logged, not raised
     m = a.metrics[METRICS_KEY](a)
-    assert "counter exploded" in m["devices"]["0"]["error"]
+    assert "counter exploded" in device_entries(m)["0"]["error"]
     assert a.metrics["rmm"](a) == {"rmm-used": 0, "rmm-total": 0}
 
 
@@ -425,7 +427,7 @@ async def test_heartbeat_carries_the_top_task_prefixes(c, s, a):
         for name, size in [("small", 256), ("large", 8192), ("medium", 2048)]
     ]
     await wait(futures)
-    groups = DeviceSample.from_dict(a.metrics[METRICS_KEY](a)["devices"]["0"]).task_groups
+    groups = DeviceSample.from_dict(device_entries(a.metrics[METRICS_KEY](a))["0"]).task_groups
     assert [g[0] for g in groups] == ["large", "medium"]
 
 
@@ -446,7 +448,7 @@ async def test_registering_again_replaces_and_unregistering_restores(c, s, a):
     names = _chain(second)
     assert names.count("AttributionResourceAdaptor") == 1 and names.count("PoolMemoryResource") == 1
     assert names[-1] == "SystemMemoryResource" and len(names) == 4
-    assert a.metrics[METRICS_KEY](a)["devices"]["0"]["reserved_bytes"] == 16 * MiB
+    assert device_entries(a.metrics[METRICS_KEY](a))["0"]["reserved_bytes"] == 16 * MiB
     assert list(a.periodic_callbacks).count("dask-rmm-sampler") == 1
 
     await c.unregister_worker_plugin("dask-rmm")
@@ -469,7 +471,7 @@ async def test_teardown_is_idempotent_and_stops_the_sampler(c, s, a):
     await _poll(lambda: get_per_device_resource(0) is before, what="the stack removed")
     # A tick or a metrics call that was already on its way when teardown ran does nothing.
     plugin.worker_metrics.sample()
-    assert plugin.worker_metrics.heartbeat_metrics(a)["devices"] == {}
+    assert device_entries(plugin.worker_metrics.heartbeat_metrics(a)) == {}
     assert plugin.worker_metrics.rmm_metrics(a) == {"rmm-used": 0, "rmm-total": 0}
 
 
@@ -536,7 +538,7 @@ async def test_scheduler_plugin_is_installed_once(c, s, a):
 
 def _held_bytes(dask_worker):
     m = dask_worker.metrics[METRICS_KEY](dask_worker)
-    return {d: v.get("current_bytes", 0) for d, v in m["devices"].items()}
+    return {d: v.get("current_bytes", 0) for d, v in device_entries(m).items()}
 
 
 @pytest.mark.slow
@@ -557,13 +559,13 @@ def test_local_cluster_end_to_end(tmp_path, base):
                     ws.metrics.get(METRICS_KEY) for ws in dask_scheduler.workers.values()
                 ]
             )
-            held = sum(m["devices"]["0"].get("current_bytes", 0) for m in metrics if m)
+            held = sum(device_entries(m)["0"].get("current_bytes", 0) for m in metrics if m)
             if all(metrics) and held == 4 * MiB:
                 break
             assert time.monotonic() < deadline, metrics
             time.sleep(0.1)
         for m in metrics:
-            d = m["devices"]["0"]
+            d = device_entries(m)["0"]
             if d.get("current_bytes"):
                 assert [g[0] for g in DeviceSample.from_dict(d).task_groups] == ["hold"]
         names = client.run(lambda dask_worker: dask_worker.name)

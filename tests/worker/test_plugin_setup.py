@@ -22,6 +22,7 @@ from distributed.utils_test import captured_logger, gen_cluster
 from dask_rmm.mr.registry import get_per_device_resource
 from dask_rmm.plugin import RMMPlugin, RMMSetupError
 from dask_rmm.stack.build import log_file_path
+from dask_rmm.wire import device_entries
 from dask_rmm.worker.stacks import worker_stack
 
 MiB = 1 << 20
@@ -80,7 +81,7 @@ async def test_memory_held_from_a_replaced_stack_stays_counted(c, s, a):
     await c.register_plugin(RMMPlugin(base_resource="system", pool_size="16MiB"))
     assert worker_stack(a).retired == [old] and old.live_bytes == 3 * MiB
     # the heartbeat still counts them, beside the new stack's own bytes
-    device = a.metrics["dask-rmm"](a)["devices"]["0"]
+    device = device_entries(a.metrics["dask-rmm"](a))["0"]
     assert device["retired_bytes"] == 3 * MiB and "current_bytes" not in device  # 0: left out
     del held
     deadline = time.monotonic() + 10

@@ -18,6 +18,7 @@ from conftest import HAS_GPU, wait_until
 
 from dask_rmm.preload import dask_setup, plugin_from_flags
 from dask_rmm.stack.build import log_file_path
+from dask_rmm.wire import device_entries
 from dask_rmm.worker.metrics import METRICS_KEY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,7 +140,7 @@ def test_flags_reach_a_real_worker(scheduler, tmp_path):
                 "dask-rmm metrics on the scheduler",
                 interval=0.1,
             )
-            d = metrics["devices"]["0"]
+            d = device_entries(metrics)["0"]
             assert d["reserved_bytes"] == 24 << 20
             assert "TrackingResourceAdaptor>PoolMemoryResource" in d["resource"]
             assert not os.path.exists(log_file_path(logs, "flags-1", 0))  # made at the 1st row
