@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dask_rmm.wire import device_entries  # noqa: E402
+
 
 def _workload(n: int, chunk: int):
     import cupy
@@ -141,7 +143,7 @@ def main() -> None:
             extra = ""
             if label.startswith("dask-rmm"):
                 m = client.run(lambda dask_worker: dask_worker.metrics["dask-rmm"](dask_worker))
-                d = next(iter(m.values()))["devices"]["0"]
+                d = device_entries(next(iter(m.values())))["0"]
                 extra = f"peak {d['peak_bytes'] / 2**30:.2f} GiB, {d['total_count']} allocations"
             rows.append(
                 {

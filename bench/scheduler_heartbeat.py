@@ -212,7 +212,8 @@ def main() -> None:
         from dask_rmm.scheduler import timeline, validate
 
         def unchecked(m, now, arrived=None):
-            samples = {d: e["samples"] for d, e in m["devices"].items() if e.get("samples")}
+            blobs = zip(m["devices"], m["samples"], strict=True)
+            samples = {d: blob for d, blob in blobs if blob}
             return validate.Checked({**m, "time": m.get("time") or now}, samples, [])
 
         timeline.check_metrics = unchecked

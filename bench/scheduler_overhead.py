@@ -255,12 +255,12 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
                 f"points = {points * 24 / measured / 1024:.1f} KiB of samples",
             ),
         ]
-        d0 = sim.ws[0].metrics[METRICS_KEY]["devices"]["0"]
+        m0 = sim.ws[0].metrics[METRICS_KEY]
         rows.append(
             (
                 "heartbeat payload per device",
-                f"{len(msgpack.packb(d0, use_bin_type=True)):,} B (msgpack; "
-                f"samples {len(d0['samples']):,} B)",
+                f"{len(msgpack.packb(m0, use_bin_type=True)) // len(m0['devices']):,} B (msgpack, "
+                f"the whole heartbeat over its devices; samples {len(m0['samples'][0]):,} B)",
             )
         )
         gc.collect()

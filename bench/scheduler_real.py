@@ -48,7 +48,7 @@ from bench.scheduler_overhead import (  # noqa: E402
     print_sizes,
 )
 from dask_rmm.scheduler.resolution import SAMPLE_DTYPE  # noqa: E402
-from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, heartbeat  # noqa: E402
+from dask_rmm.wire import METRICS_KEY, PLUGIN_NAME, ROW_FIELDS, heartbeat  # noqa: E402
 
 
 class IdleComm:
@@ -169,7 +169,7 @@ class Cluster:
             msgpack.packb(heartbeat(f"w{i}", now, devices), use_bin_type=True), use_list=False
         )
         if i == 0 and self.hostile:  # made once, as msgpack delivers it: the bench's own
-            metrics[METRICS_KEY]["devices"]["0"].update(self.hostile_fields())  # time stays out
+            metrics[METRICS_KEY] = {**metrics[METRICS_KEY], **self.hostile_columns()}
         self.s.handlers["heartbeat_worker"](address=self.addresses[i], metrics=metrics)
         self.sent += 1
 
@@ -185,6 +185,16 @@ class Cluster:
                 "future_map": {f"k{k}": k for k in range(n)},
             }
         return self._hostile
+
+    def hostile_columns(self) -> dict:
+        """The heartbeat columns of :meth:`hostile_fields` on device "0" (rows and ``other``),
+        packed as a worker packs them, once."""
+        if not hasattr(self, "_hostile_columns"):
+            on = {d: self.hostile_fields() if d == "0" else {} for d in self.devices}
+            packed = msgpack.packb(heartbeat("w0", 0.0, on), use_bin_type=True)
+            columns = msgpack.unpackb(packed, use_list=False)
+            self._hostile_columns = {k: columns[k] for k in (*ROW_FIELDS, "other") if k in columns}
+        return self._hostile_columns
 
     async def drive(self, stop: asyncio.Event) -> None:
         """Heartbeats at distributed's rate (every worker once per interval), in 10 ms steps."""

@@ -165,7 +165,9 @@ def _worker_numbers(dask_worker=None) -> dict:
     metric = dask_worker.metrics.get("dask-rmm")
     if metric is None:
         return {}
-    d = metric(dask_worker)["devices"].get("0", {})
+    from dask_rmm.wire import device_entries
+
+    d = device_entries(metric(dask_worker)).get("0", {})
     keep = ("current_bytes", "peak_bytes", "total_count", "library_cached_bytes", "resource")
     return {k: d.get(k) for k in keep}
 

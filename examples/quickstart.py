@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distributed import Client, LocalCluster, wait  # noqa: E402
 
 from dask_rmm import RMMPlugin, _cuda  # noqa: E402
+from dask_rmm.client.fetch import cluster_report  # noqa: E402
 from dask_rmm.sizes import format_bytes  # noqa: E402
-from dask_rmm.wire import DeviceSample  # noqa: E402
 
 MiB = 1 << 20
 
@@ -71,27 +71,19 @@ def main() -> None:
         wait(held + temps)
 
         # Heartbeats carry the statistics to the scheduler; wait for the ones after the work.
+        # cluster_report reads them back as one DeviceMemory a worker device (the public API:
+        # the heartbeat's own format is packed for the scheduler, docs/reports.md).
         deadline = time.monotonic() + 20
         while True:
-            metrics = client.run_on_scheduler(
-                lambda dask_scheduler: {
-                    ws.name: ws.metrics.get("dask-rmm") for ws in dask_scheduler.workers.values()
-                }
-            )
+            report = cluster_report(client)
             # In arrays: what was allocated less what a library cache (CuPy's pool) keeps free.
-            # DeviceSample reads a heartbeat's device entry (fields at their default left out).
-            total = sum(
-                DeviceSample.from_dict(m["devices"]["0"]).in_array_bytes
-                for m in metrics.values()
-                if m
-            )
+            total = sum(d.in_array_bytes for d in report.running)
             if total == 80 * MiB or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
 
-        for name, m in sorted(metrics.items(), key=lambda kv: str(kv[0])):
-            d = DeviceSample.from_dict(m["devices"]["0"])
-            print(f"\nworker {name}: {d.resource}")
+        for d in sorted(report.running, key=lambda d: str(d.name)):
+            print(f"\nworker {d.name}: {d.resource}")
             cached, names = d.library_cached_bytes, d.library_caches
             in_arrays = (
                 f" ({format_bytes(d.in_array_bytes)} in arrays, "
@@ -105,17 +97,13 @@ def main() -> None:
                 f"pool {format_bytes(d.reserved_bytes)} "
                 f"({format_bytes(d.pool_free_bytes)} free)"
             )
-            for prefix, current, peak in d.task_groups:
+            for prefix, current, peak in d.task_groups or ():
                 print(
                     f"  {prefix:<12} now {format_bytes(current):>10}   peak {format_bytes(peak):>10}"
                 )
 
-        try:
-            from dask_rmm.client.fetch import cluster_report
-        except ImportError:
-            return
         print()
-        print(cluster_report(client))
+        print(report)
 
 
 if __name__ == "__main__":
