@@ -134,8 +134,8 @@ async def run_size(workers: int, devices: int, args) -> None:
 
     base = await base_metrics()
     async with (
-        Scheduler(dashboard_address=":0", port=0) as with_s,
-        Scheduler(dashboard_address=":0", port=0) as without_s,
+        Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as with_s,
+        Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as without_s,
     ):
         await with_s.register_scheduler_plugin(SchedulerTimelinePlugin(), idempotent=True)
         sides = []

@@ -229,7 +229,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
     interval = heartbeat_interval(workers)
     per_beat = max(1, round(interval / SAMPLE_INTERVAL))
     rows: list[tuple[str, str]] = []
-    async with Scheduler(dashboard_address=":0", port=0) as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as s:
         await s.register_scheduler_plugin(SchedulerTimelinePlugin(), idempotent=True)
         plugin = s.plugins[PLUGIN_NAME]
         plugin._poller.stop()  # polled below, as the 0.1 s poller would

@@ -235,7 +235,7 @@ async def base_metrics() -> dict:
     """A real worker's heartbeat metrics (distributed's part), dask-rmm's added per beat."""
     from distributed import Scheduler, Worker
 
-    async with Scheduler(dashboard_address=":0", port=0) as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as s:
         async with Worker(s.address, nthreads=1) as w:
             metrics = await w.get_metrics()
     metrics.pop(METRICS_KEY, None)
@@ -256,7 +256,7 @@ async def run_size(workers: int, devices: int, args) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     gc.collect()
     start_rss = rss()
-    async with Scheduler(dashboard_address=":0", port=0) as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as s:
         await s.register_scheduler_plugin(
             SchedulerTimelinePlugin(timeline_length=args.length), idempotent=True
         )

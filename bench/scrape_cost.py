@@ -95,7 +95,7 @@ async def run_size(workers: int, devices: int, args) -> dict:
 
     base = await base_metrics()
     out: dict = {"size": f"{workers}x{devices}", "routes": {r: [] for r in ROUTES}}
-    async with Scheduler(dashboard_address=":0", port=0) as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0", port=0) as s:
         await s.register_scheduler_plugin(
             SchedulerTimelinePlugin(timeline_length=args.length), idempotent=True
         )

@@ -158,7 +158,7 @@ async def test_a_worker_with_dask_cudas_rmm_setup_runs_dask_rmm_with_those_setti
         log_directory=str(tmp_path),
         track_allocations=True,
     )
-    async with Scheduler(dashboard_address=":0") as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0") as s:
         w = await _worker_as_dask_cuda_starts_it(s, setup, ["--rmm-base-resource", BASE])
         with captured_logger("distributed.preloading") as preloading:
             await w
@@ -185,7 +185,7 @@ async def test_a_worker_with_dask_cudas_rmm_setup_runs_dask_rmm_with_those_setti
 @pytest.mark.slow
 @gen_test(timeout=60)
 async def test_a_setting_given_to_dask_cuda_and_to_the_preload_differently_stops_the_worker():
-    async with Scheduler(dashboard_address=":0") as s:
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0") as s:
         w = await _worker_as_dask_cuda_starts_it(
             s,
             _rmm_setup(initial_pool_size="32MiB"),
