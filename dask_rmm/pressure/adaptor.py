@@ -149,6 +149,9 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 h.avoided_oom()
                 return ptr
             error = last
+            key = self._task_key()
+            account = self.task_accounts.get(key) if key is not None else None
+            h.store.gave_way_here(key, nbytes + (account[0] if account else 0))
         self._record_failure(error, nbytes, spilled)
         raise error
 

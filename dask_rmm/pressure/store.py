@@ -38,6 +38,8 @@ del _probe
 _FRUITLESS_ROUNDS = 3
 #: Seconds between retries while waiting for memory to change.
 _WAIT_POLL = 0.002
+#: Seconds the other waiters keep waiting after one of them gave way (its task's frees to come).
+_GIVE_WAY_SECONDS = 1.0
 
 
 class _Entry(NamedTuple):
@@ -104,6 +106,12 @@ class DeviceSpillStore(MutableMapping):
         #: Tasks running on the worker (``WorkerPressure.attach``): their frees may still come.
         self.running_tasks: Callable[[], int] | None = None
         self._waiters: set[int] = set()  # threads waiting in spill_until
+        self._give_way_until = 0.0
+        #: Task key -> bytes it held and asked for, of tasks whose allocation gave way while
+        #: every running task waited for memory (their failure frees what the others wait for;
+        #: memory admission runs them once more), and whether this thread's task may give way.
+        self.gave_way: OrderedDict[Hashable, int] = OrderedDict()
+        self.may_give_way: Callable[[], bool] | None = None
         #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
         self.spill_lock_wait = 10.0
 
@@ -325,8 +333,10 @@ class DeviceSpillStore(MutableMapping):
         ``(result, None, bytes spilled)`` or ``(None, last MemoryError, spilled)``. ``layout``
         (a pool's): victims whose blocks merge into one of ``request`` bytes, else (``release``:
         the pool may grow) the least recently used, then ``release()``. Then it polls while
-        memory (``activity()``: frees) changes or :attr:`running_tasks` run, as the docs say."""
+        memory (``activity()``: frees) changes or :attr:`running_tasks` run, as the docs say;
+        of threads all waiting, one gives up at a time (:meth:`_gives_way`)."""
         me = threading.get_ident()
+        self._local.gave_way = False
         try:
             spilled = 0
             error: MemoryError | None = None
@@ -393,11 +403,37 @@ class DeviceSpillStore(MutableMapping):
                 # A task beside this one that is not waiting too may still free what this needs.
                 unchanged = unchanged + 1 if quiet and running <= len(self._waiters) else 0
                 seen = state
-                if unchanged >= self.wait_retries or now - started >= self.wait_limit:
+                if unchanged >= self.wait_retries and not self._gives_way(now):
+                    unchanged = 0  # another waiter gave way a moment ago: its frees may come
+                elif unchanged >= self.wait_retries or now - started >= self.wait_limit:
                     return None, error, spilled
                 time.sleep(_WAIT_POLL)
         finally:
             self._waiters.discard(me)
+
+    def _gives_way(self, now: float) -> bool:
+        """Whether this waiter gives up now: one at a time while others wait with it (the
+        others wait on for its frees; tasks that wait for each other's memory must not all
+        fail); marked for :meth:`gave_way_here` when others were waiting."""
+        others = len(self._waiters) > 1
+        if others and self.may_give_way is not None and not self.may_give_way():
+            return False
+        with self._lock:
+            if now < self._give_way_until:
+                return False
+            self._give_way_until = now + _GIVE_WAY_SECONDS
+            self._local.gave_way = others
+            return True
+
+    def gave_way_here(self, key: Hashable, nbytes: int) -> None:
+        """Note task ``key`` (it held and asked for ``nbytes``) if this thread's last
+        :meth:`spill_until` gave way to others."""
+        if getattr(self._local, "gave_way", False) and key is not None:
+            self._local.gave_way = False
+            with self._lock:
+                self.gave_way[key] = nbytes
+                if len(self.gave_way) > 1024:  # run again elsewhere: never asked for here
+                    self.gave_way.popitem(last=False)
 
     def _referenced(self, device: int | None, keys: tuple | None = None) -> tuple[Hashable, ...]:
         """Keys of stored device values (of ``device``, or those of ``keys`` still stored) that

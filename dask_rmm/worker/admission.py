@@ -4,8 +4,9 @@ gives each GPU task its expected peak as a restriction (:mod:`dask_rmm.scheduler
 and the state machine keeps a task ``constrained`` until it fits (docs/memory-pressure.md).
 Here: peaks learned as tasks finish (sampled every :data:`TICK` and after CuPy's allocations)
 and sent to the scheduler; a seceding task's budget given back; a stalled wait ended after
-:data:`STALL_SECONDS`; a task failed by PyTorch's own allocator run once more after room is
-made (unless ``oom_retry`` is off or the task is annotated ``gpu_retry=False``).
+:data:`STALL_SECONDS`; a task failed by PyTorch's own allocator (or that gave way to the tasks
+beside it) run once more after room is made (unless ``oom_retry`` is off or the task is
+annotated ``gpu_retry=False``).
 """
 
 from __future__ import annotations
@@ -155,14 +156,16 @@ class WorkerAdmission:
 
     def _after_error(self, key: Hashable, account: list[int] | None) -> None:
         """PyTorch's own device out-of-memory error (not a host one, nor one of an allocation
-        through the stack, which made room and retried in place): room is made and the task
+        through the stack, which made room and retried in place), or an allocation that gave
+        way to the tasks beside it (``DeviceSpillStore.gave_way``): room is made and the task
         runs once more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the
         error reaches it)."""
         ts = self.worker.state.tasks.get(key)  # type: ignore[call-overload]
         if ts is None or not self.retry or (ts.annotations or {}).get("gpu_retry", True) is False:
             return
         requested = _device_out_of_memory(ts)
-        if requested is None:
+        gave_way = self.pressure.store.gave_way.pop(key, None)
+        if requested is None and gave_way is None:
             return
         if key in self._retried:
             self._retried.discard(key)
@@ -170,13 +173,19 @@ class WorkerAdmission:
         if len(self._retried) > 1024:  # retried elsewhere: never seen again here
             self._retried.clear()
         self._retried.add(key)
-        need = max(requested, account[1] if account else 0)
+        need = max(requested or 0, account[1] if account else 0)
+        if gave_way is not None:  # it needs what it held and asked for: it runs when that fits
+            prefix = task_prefix(key)
+            self.worker.log_event(TOPIC, {"peaks": {prefix: self.peaks.observe(prefix, gave_way)}})
         self.worker.log_event(TOPIC, {"retry": key})
         self._count("task_retries")
         logger.warning(
-            "dask-rmm: task %r ran out of device memory in PyTorch's allocator: making room and "
-            "running it once more (dask.annotate(gpu_retry=False) or oom_retry=False: not)",
+            "dask-rmm: task %r %s: making room and running it once more "
+            "(dask.annotate(gpu_retry=False) or oom_retry=False: not)",
             key,
+            "gave way to the tasks beside it, all waiting for device memory"
+            if gave_way is not None
+            else "ran out of device memory in PyTorch's allocator",
         )
         loop = asyncio.get_running_loop()
         for device in list(self.pressure.devices):  # spilling, empty_cache: not on the loop
@@ -319,6 +328,7 @@ async def install_admission(
     as a resource, the scheduler gets the plugin that sets tasks' amounts; ``retry``: a task
     PyTorch's own allocator failed runs once more (``oom_retry``)."""
     from distributed.protocol.pickle import dumps
+    from distributed.worker import thread_state
 
     from dask_rmm.scheduler.admission import AdmissionScheduler
 
@@ -327,6 +337,9 @@ async def install_admission(
     admission = installed[worker] = WorkerAdmission(worker, pressure, retry)
     if old is not None:  # a re-registration keeps what was learned
         admission.peaks = old.peaks
+    # Of tasks all waiting for memory, one that has not run again yet gives way (plugin.py's key).
+    retried = admission._retried
+    pressure.store.may_give_way = lambda: getattr(thread_state, "key", None) not in retried
     try:
         await worker.scheduler.register_scheduler_plugin(
             plugin=dumps(AdmissionScheduler()), name=AdmissionScheduler.name, idempotent=True
@@ -356,6 +369,7 @@ def remove_admission(worker: Worker, *, tell: bool = True) -> None:
         return
     remove_periodic(worker, TICK_KEY)
     admission.unwatch()
+    admission.pressure.store.may_give_way = None
     state = worker.state
     if RESOURCE in state.total_resources:  # at once, as Worker.set_resources does
         state.available_resources[RESOURCE] += UNLIMITED - state.total_resources[RESOURCE]

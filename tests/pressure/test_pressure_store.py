@@ -388,6 +388,44 @@ def test_allocations_that_wait_for_each_other_give_up():
     assert store._waiters == set()
 
 
+def test_of_tasks_waiting_for_each_others_memory_one_gives_way_and_the_others_go_on():
+    """Three running tasks, each holding 1 MiB of a 4 MiB pool and needing 2 MiB more: all wait
+    for each other. One gives up (and is noted as having given way, for a run again); the others
+    wait on for its frees (which come 0.1 s after its error, as a task's exception unwinds) and
+    then complete. Before, all three gave up after ``wait_retries`` quiet polls (the first wave
+    of an H100 merge failed so, 2026-12-07)."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    store.wait_retries, store.wait_limit = 5, 30.0
+    running = {0, 1, 2}
+    store.running_tasks = lambda: len(running)
+    all_three = threading.Barrier(3)
+    failed: list = []
+
+    def task(i: int) -> None:
+        mine = DeviceBuffer(size=MiB)
+        all_three.wait(30)
+        try:
+            more = DeviceBuffer(size=2 * MiB)
+            del more
+        except MemoryError:
+            failed.append(i)
+            store.gave_way_here(f"task-{i}", 3 * MiB)
+            time.sleep(0.1)  # the error unwinds before the task's buffers are freed
+        finally:
+            del mine
+            running.discard(i)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(failed) == 1, failed
+    assert list(store.gave_way) == [f"task-{failed[0]}"]
+    assert store._waiters == set()
+
+
 def test_an_allocation_holding_a_lock_its_spill_needs_fails_instead_of_stalling(caplog):
     """cuDF unspills a buffer holding that buffer's lock while it allocates, and spilling an
     output that holds the buffer takes the same lock. Thread A holds such a lock and runs out

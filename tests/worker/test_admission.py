@@ -307,6 +307,36 @@ def test_only_pytorchs_own_device_out_of_memory_error_runs_the_task_again(
         run()
 
 
+def two_steps(nbytes: int, i: int) -> int:
+    """Allocate ``nbytes``, work a while, then ``nbytes`` more (a merge's task making its input)."""
+    from dask_rmm import DeviceBuffer
+
+    with _lock:
+        RUNS[thread_state.key] += 1
+    first = DeviceBuffer(size=nbytes)
+    time.sleep(0.3)
+    second = DeviceBuffer(size=nbytes)
+    del first, second
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config=CONFIG)
+async def test_tasks_that_wait_for_each_others_memory_complete_one_giving_way_and_running_again(
+    c, s, a
+):
+    """Two tasks of 3 MiB then 3 MiB more on an 8 MiB pool, at once, nothing learned yet: both
+    wait for memory the other holds. One gives way (its allocation fails, freeing its first
+    3 MiB), the other completes, and the one that gave way runs once more (counted, logged).
+    Before, both gave up and both tasks failed."""
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True, spill_on_oom=True))
+    futures = c.map(two_steps, [3 * MiB] * 2, range(2), key=["steps-0", "steps-1"])
+    assert await c.gather(futures) == [0, 1]
+    assert sorted(RUNS.values()) == [1, 2]
+    m = admission_of(a).pressure.metrics()[0]
+    assert (m.task_retries, m.task_retries_succeeded) == (1, 1)
+    assert not admission_of(a).pressure.store.gave_way  # taken by the run again
+
+
 def test_the_oom_retry_option_means_the_same_everywhere():
     from dask_rmm.preload import PROG, dask_setup, plugin_from_flags
     from dask_rmm.stack.options import RMMOptions
