@@ -123,13 +123,24 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
         self.resync()
 
     def _allocate_after_oom(self, nbytes: int, stream: Stream, error: MemoryError) -> int:
+        got = self._room_or_error(nbytes, stream, error)
+        if not isinstance(got, MemoryError):
+            return got
+        # Raised without the frames it passed, and not held by this frame (in its traceback from
+        # here on): such a cycle would keep the task's buffers until the collector runs.
+        try:
+            raise got.with_traceback(None)
+        finally:
+            got = error = None  # type: ignore[assignment]
+
+    def _room_or_error(self, nbytes: int, stream: Stream, error: MemoryError) -> int | MemoryError:
         h = self.handler
         if h.busy():
-            raise error
+            return error
         h.start_arbitration()  # first: a failure recorded below says what was freed for it
         if h.never_fits(nbytes):
             self._record_failure(error, nbytes, 0)
-            raise error
+            return error
         # Caches give their free blocks back, then cuDF spills: no outputs while these help.
         for free in (h.release_cached, lambda: h.spill_libraries(nbytes)):
             if free() <= 0:
@@ -153,7 +164,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
             account = self.task_accounts.get(key) if key is not None else None
             h.store.gave_way_here(key, nbytes + (account[0] if account else 0))
         self._record_failure(error, nbytes, spilled)
-        raise error
+        return error
 
     def _retry(self, nbytes: int, stream: Stream) -> int:
         """The upstream allocation again; its failure is not counted again (one request, one

@@ -8,6 +8,7 @@ deciding *when* to spill (``device.py``).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import sys
@@ -106,7 +107,7 @@ class DeviceSpillStore(MutableMapping):
         #: Tasks running on the worker (``WorkerPressure.attach``): their frees may still come.
         self.running_tasks: Callable[[], int] | None = None
         self._waiters: set[int] = set()  # threads waiting in spill_until
-        self._give_way_until = 0.0
+        self._give_way_until = self._collected_for = 0.0
         #: Task key -> bytes it held and asked for, of tasks whose allocation gave way while
         #: every running task waited for memory (their failure frees what the others wait for;
         #: memory admission runs them once more), and whether this thread's task may give way.
@@ -405,6 +406,11 @@ class DeviceSpillStore(MutableMapping):
                 seen = state
                 if unchanged >= self.wait_retries and not self._gives_way(now):
                     unchanged = 0  # another waiter gave way a moment ago: its frees may come
+                    if self._collected_for != self._give_way_until:
+                        # distributed keeps a failed task's error in a cycle with its frames
+                        # (``_run_task_simple``), and its buffers with them: collect them once
+                        self._collected_for = self._give_way_until
+                        gc.collect()
                 elif unchanged >= self.wait_retries or now - started >= self.wait_limit:
                     return None, error, spilled
                 time.sleep(_WAIT_POLL)

@@ -177,6 +177,7 @@ class WorkerAdmission:
         if gave_way is not None:  # it needs what it held and asked for: it runs when that fits
             prefix = task_prefix(key)
             self.worker.log_event(TOPIC, {"peaks": {prefix: self.peaks.observe(prefix, gave_way)}})
+            self._charge_running()
         self.worker.log_event(TOPIC, {"retry": key})
         self._count("task_retries")
         logger.warning(
@@ -187,9 +188,25 @@ class WorkerAdmission:
             if gave_way is not None
             else "ran out of device memory in PyTorch's allocator",
         )
+        library = "torch" if gave_way is None else "the stack"
         loop = asyncio.get_running_loop()
         for device in list(self.pressure.devices):  # spilling, empty_cache: not on the loop
-            loop.run_in_executor(None, functools.partial(make_room, device, need, library="torch"))
+            loop.run_in_executor(None, functools.partial(make_room, device, need, library=library))
+
+    def _charge_running(self) -> None:
+        """A task gave way: the tasks running without an amount take their expected peak (else
+        the most they used so far) from what is left of the budget, so that its run again waits
+        ``constrained`` until they end (their amounts come back as any task's do)."""
+        state = self.worker.state
+        for ts in list(state.executing):
+            left = state.available_resources.get(RESOURCE, 0)
+            if RESOURCE in (ts.resource_restrictions or {}) or left <= 0:
+                continue
+            account = self.pressure.task_accounts.get(ts.key)
+            used = max(self.peaks.expected(task_prefix(ts.key)) or 0, account[1] if account else 0)
+            if (amount := min(used, left)) > NO_MEMORY:
+                ts.resource_restrictions = {**(ts.resource_restrictions or {}), RESOURCE: amount}
+                state.available_resources[RESOURCE] = left - amount
 
     # -- every TICK -----------------------------------------------------------------------------
 
