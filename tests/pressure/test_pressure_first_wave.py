@@ -47,3 +47,43 @@ def test_tasks_that_do_not_fit_together_wait_for_each_other_instead_of_failing()
 
         [(failed, avoided)] = client.run(oom_events).values()
         assert failed == 0 and avoided >= 1  # some did wait, none failed
+
+
+def make_input(nbytes: int, steps: int, i: int) -> int:
+    """A merge's first task: its input made in ``steps`` allocations of ``nbytes``, held."""
+    import time
+
+    from dask_rmm import DeviceBuffer
+
+    held = []
+    for _ in range(steps):
+        held.append(DeviceBuffer(size=nbytes))
+        time.sleep(0.05)
+    return i
+
+
+def test_a_first_wave_that_does_not_fit_completes_under_admission_its_tasks_giving_way():
+    """8 tasks at once on 8 threads, each making its input in three steps of 1.5 MiB on a 16 MiB
+    pool, nothing learned yet: about three fit, the rest hold part of what they need and wait for
+    each other. Under memory admission each such deadlock ends with one task giving way; it runs
+    again once the tasks charged for it end. Every task completes, some of them run twice (an H100
+    merge's first wave failed whole, 2026-12-07)."""
+    with local_process_cluster(n_workers=1, threads_per_worker=8) as (cluster, client):
+        client.register_plugin(
+            RMMPlugin(
+                base_resource="system",
+                pool_size="16MiB",
+                maximum_pool_size="16MiB",
+                spill_on_oom=True,
+                memory_admission=True,
+            )
+        )
+        futures = client.map(make_input, [MiB + MiB // 2] * 8, [3] * 8, range(8), pure=False)
+        assert client.gather(futures) == list(range(8))
+
+        def retries(dask_worker):
+            wp = dask_worker.plugins["dask-rmm"].worker_pressure
+            return sum(m.task_retries for m in wp.metrics())
+
+        [gave_way] = client.run(retries).values()
+        assert gave_way >= 1  # the wave did not fit: some task gave way and ran again
