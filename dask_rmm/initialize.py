@@ -147,15 +147,11 @@ def reinitialize(
 
 
 def register_reinitialize_hook(func: Callable, *args: Any, **kwargs: Any) -> Callable:
-    """Call ``func(*args, **kwargs)`` at the start of every :func:`reinitialize`.
+    """Call ``func(*args, **kwargs)`` at the start of every :func:`reinitialize`; returns
+    ``func``, so this can be used as a decorator.
 
     Hooks run in the reverse order of registration, so a library can release what it caches
     (device memory from the old resource) before the stack is replaced.
-
-    Returns
-    -------
-    callable
-        ``func``, so this can be used as a decorator.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, got {func!r}")

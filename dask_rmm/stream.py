@@ -108,16 +108,6 @@ def own_per_thread_key() -> tuple[str, int] | None:
     return getattr(_this_thread, "ptds_key", None)
 
 
-def _per_thread_key() -> tuple[str, int]:
-    """``("ptds", n)``, ``n`` a number no other thread of this process has had (thread ids are
-    reused while an exited thread's work may still run); arms :class:`_DrainAtThreadExit`."""
-    key = getattr(_this_thread, "ptds_key", None)
-    if key is None:
-        _this_thread.drain_at_exit = _DrainAtThreadExit()
-        key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
-    return key
-
-
 class Stream:
     """A CUDA stream: ``Stream()`` creates and owns one (``flags`` default ``SYNC_DEFAULT``, as
     RMM's); ``Stream(obj)`` wraps an int handle, a CuPy, Numba or cuda-python stream or anything
@@ -162,10 +152,16 @@ class Stream:
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, or for the per-thread
-        default stream the thread's own ``("ptds", n)``."""
-        if self.handle == PER_THREAD_HANDLE:
-            return _per_thread_key()
-        return self.handle
+        default stream the thread's own ``("ptds", n)``, ``n`` a number no other thread of this
+        process has had (thread ids are reused while an exited thread's work may still run);
+        making it arms :class:`_DrainAtThreadExit`."""
+        if self.handle != PER_THREAD_HANDLE:
+            return self.handle
+        key = own_per_thread_key()
+        if key is None:
+            _this_thread.drain_at_exit = _DrainAtThreadExit()
+            key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
+        return key
 
     def synchronize(self) -> None:
         """Wait for all work on this stream (a default stream without CUDA: nothing to wait for)."""
