@@ -106,11 +106,8 @@ def reinitialize(
         ``managed_memory=True``). ``"system"`` is host memory and works without a GPU; the
         others need one and raise ``CUDAUnavailableError`` otherwise.
 
-    Raises
-    ------
-    dask_rmm.stack.OptionError
-        A ValueError and a RuntimeError (as RMM raises), for options that do not go together,
-        such as ``initial_pool_size > maximum_pool_size``.
+    Options that do not go together (``initial_pool_size > maximum_pool_size``...) raise
+    :class:`dask_rmm.stack.OptionError`, a ValueError and a RuntimeError (as RMM raises).
 
     Examples
     --------

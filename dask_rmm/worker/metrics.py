@@ -28,13 +28,7 @@ from dask_rmm.worker.stacks import replaced_resource_note, worker_stack
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = [
-    "MAX_SAMPLES",
-    "METRICS_KEY",
-    "SAMPLER_KEY",
-    "WorkerMetrics",
-    "send_metrics",
-]
+__all__ = ["MAX_SAMPLES", "METRICS_KEY", "SAMPLER_KEY", "WorkerMetrics", "send_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +195,9 @@ class WorkerMetrics:
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]
         if metrics.get("rmm") == self.rmm_metrics:
-            previous = self._previous_rmm_metric
-            if previous is None:
+            metrics["rmm"] = self._previous_rmm_metric
+            if metrics["rmm"] is None:
                 del metrics["rmm"]
-            else:
-                metrics["rmm"] = previous
         worker.metrics = metrics
         WorkerMetrics.__init__(self)  # nothing installed, as before install
 

@@ -72,12 +72,9 @@ def release_unused(
     library_caches : bool
         Have the library caches give their free blocks back first.
 
-    Returns
-    -------
-    dict
-        ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
-        reserved bytes before and after (an awaitable of it with an asynchronous client).
-        Workers without dask-rmm map to ``[]``. Examples: docs/gpu-memory-tools.md.
+    Returns ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
+    reserved bytes before and after (an awaitable of it with an asynchronous client). Workers
+    without dask-rmm map to ``[]``. Examples: docs/gpu-memory-tools.md.
     """
     size, workers = _check_release_arguments(size, workers, library_caches)
     if client is None:
