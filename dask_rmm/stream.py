@@ -58,8 +58,7 @@ def _handle_of(obj: Any) -> int:
         if obj < 0:
             raise ValueError(f"stream handle must be >= 0, got {obj}")
         return obj
-    proto = getattr(obj, "__cuda_stream__", None)
-    if proto is not None:
+    if (proto := getattr(obj, "__cuda_stream__", None)) is not None:
         version, handle = proto() if callable(proto) else proto
         if version != 0:
             raise NotImplementedError(
@@ -72,8 +71,7 @@ def _handle_of(obj: Any) -> int:
     ptr = getattr(obj, "ptr", None)
     if isinstance(ptr, int):
         return ptr
-    handle = getattr(obj, "handle", None)
-    if handle is not None:
+    if (handle := getattr(obj, "handle", None)) is not None:
         value = getattr(handle, "value", handle)
         return int(value or 0)
     try:

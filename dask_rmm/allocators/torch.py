@@ -461,8 +461,7 @@ def set_torch_allocator(cache: bool = True) -> None:
             _cache = TorchCache()
         caches.register_cache(_cache)
         for device in registered_devices():
-            resource = lookup_per_device_resource(device)
-            if resource is not None:
+            if (resource := lookup_per_device_resource(device)) is not None:
                 share_torch_budget(device, resource)
         return
     if _installed:

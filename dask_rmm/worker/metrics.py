@@ -274,8 +274,7 @@ class WorkerMetrics:
                 [name, v.in_use_bytes, v.cached_bytes, int(v.outside_stack)]
                 for name, v in sorted(shares.items())
             ]
-            cudf = caches.spilled_by_libraries().get("cudf")
-            if cudf is not None:
+            if (cudf := caches.spilled_by_libraries().get("cudf")) is not None:
                 d["cudf_spilled_bytes"], d["cudf_spillable_bytes"] = cudf
 
         def device_memory() -> None:
@@ -287,8 +286,7 @@ class WorkerMetrics:
                 d["process_used_bytes"] = process_used_bytes(d["pci_bus_id"])
 
         def current_resource() -> None:
-            note = replaced_resource_note(stack.device)
-            if note is not None:
+            if (note := replaced_resource_note(stack.device)) is not None:
                 errors.append(note)
 
         def task_groups() -> None:
