@@ -470,8 +470,7 @@ def advise(
     if logs:
         if not targets or scheduler_file:
             raise click.UsageError("--logs needs log files (and no --scheduler-file)")
-        missing = [t for t in targets if not os.path.isfile(t)]
-        if missing:
+        if missing := [t for t in targets if not os.path.isfile(t)]:
             raise click.BadParameter(f"no such log file: {', '.join(missing)}")
         with _user_errors():
             advices = advice_mod.advise_from_logs(

@@ -106,11 +106,8 @@ def reinitialize(
         ``managed_memory=True``). ``"system"`` is host memory and works without a GPU; the
         others need one and raise ``CUDAUnavailableError`` otherwise.
 
-    Raises
-    ------
-    dask_rmm.stack.OptionError
-        A ValueError and a RuntimeError (as RMM raises), for options that do not go together,
-        such as ``initial_pool_size > maximum_pool_size``.
+    Options that do not go together (``initial_pool_size > maximum_pool_size``...) raise
+    :class:`dask_rmm.stack.OptionError`, a ValueError and a RuntimeError (as RMM raises).
 
     Examples
     --------
@@ -147,15 +144,11 @@ def reinitialize(
 
 
 def register_reinitialize_hook(func: Callable, *args: Any, **kwargs: Any) -> Callable:
-    """Call ``func(*args, **kwargs)`` at the start of every :func:`reinitialize`.
+    """Call ``func(*args, **kwargs)`` at the start of every :func:`reinitialize`; returns
+    ``func``, so this can be used as a decorator.
 
     Hooks run in the reverse order of registration, so a library can release what it caches
     (device memory from the old resource) before the stack is replaced.
-
-    Returns
-    -------
-    callable
-        ``func``, so this can be used as a decorator.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, got {func!r}")

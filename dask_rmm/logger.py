@@ -83,8 +83,7 @@ class _FlushLevelHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         # Handler.handle holds self.lock around emit.
         try:
-            msg = self.format(record)
-            self.stream.write(msg + self.terminator)
+            self.stream.write(self.format(record) + self.terminator)
             if record.levelno >= _TO_PY[_flush_level]:
                 self.stream.flush()
         except Exception:  # pragma: no cover - logging must not raise
@@ -169,9 +168,7 @@ def get_flush_level() -> level_enum:
 def should_log(level: level_enum | str) -> bool:
     """True when a message at ``level`` would be written."""
     level = _as_level(level)
-    if level is level_enum.off:
-        return False
-    return get_logger().isEnabledFor(_TO_PY[level])
+    return level is not level_enum.off and get_logger().isEnabledFor(_TO_PY[level])
 
 
 def flush_logger() -> None:

@@ -248,8 +248,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         ws.set_pressure(worker, pressure)
         for stack in stacks:
             WORKER_LOGGER.info("dask-rmm: worker %s installed %s", worker.name, stack.describe())
-        note = cupy_allocator_note()
-        if note is not None:
+        if (note := cupy_allocator_note()) is not None:
             WORKER_LOGGER.info("dask-rmm: worker %s: %s", worker.name, note)
         self._publish(worker, ws)
         if self.options.memory_admission and pressure is not None:
@@ -347,8 +346,7 @@ class RMMPlugin(SchedulerPlugin, WorkerPlugin):
         )
         if any(s.logging is not None for s in [*ws.active, *ws.retired]):
             add_periodic(worker, _FLUSHER_KEY, ws.flush_logs, LOG_FLUSH_INTERVAL)
-        trimmer = PoolTrimmer(ws.active)
-        if trimmer:  # release_threshold with a PoolMemoryResource
+        if trimmer := PoolTrimmer(ws.active):  # release_threshold with a PoolMemoryResource
             add_periodic(worker, TRIMMER_KEY, trimmer, TRIM_INTERVAL)
         else:
             remove_periodic(worker, TRIMMER_KEY)

@@ -236,8 +236,7 @@ starting anything.
 async def dask_setup(worker: Any, **flags: Any) -> None:
     """Set the worker's memory resources up from the ``--rmm-*`` flags (or stop it)."""
     _hide_own_flags_from_other_preloads(worker)
-    flags_error = flags.pop("flags_error", None)
-    if flags_error is not None:
+    if (flags_error := flags.pop("flags_error", None)) is not None:
         await fatal.stop_worker(worker, flags_error)
         raise WorkerSetupFailed(flags_error)
     try:
@@ -346,8 +345,7 @@ def plugin_from_flags(**flags: Any):
     >>> plugin_from_flags(rmm_pool_size="1GiB", rmm_base_resource="system").options.pool_size
     1073741824
     """
-    unknown = set(flags) - set(_FLAG_TO_OPTION)
-    if unknown:
+    if unknown := set(flags) - set(_FLAG_TO_OPTION):
         raise TypeError(f"unknown flags: {sorted(unknown)}")
     options = {_FLAG_TO_OPTION[k]: v for k, v in flags.items() if v is not None}
     try:

@@ -60,8 +60,7 @@ def enable_statistics() -> None:
 def disable_statistics() -> None:
     """Make the upstream of the current :class:`StatisticsResourceAdaptor`, if it is one, the
     current resource (buffers allocated through the adaptor still free through it)."""
-    mr = _current_stats_mr()
-    if mr is not None:
+    if (mr := _current_stats_mr()) is not None:
         registry.set_current_device_resource(mr.get_upstream())
 
 
@@ -238,8 +237,7 @@ class ProfilerContext:
         return self
 
     def __exit__(self, *exc) -> Literal[False]:
-        mr = self._pushed.pop()
-        if mr is not None:
+        if (mr := self._pushed.pop()) is not None:
             self.records.add(self.name, mr.pop_counters())
         return False
 

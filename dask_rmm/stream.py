@@ -58,8 +58,7 @@ def _handle_of(obj: Any) -> int:
         if obj < 0:
             raise ValueError(f"stream handle must be >= 0, got {obj}")
         return obj
-    proto = getattr(obj, "__cuda_stream__", None)
-    if proto is not None:
+    if (proto := getattr(obj, "__cuda_stream__", None)) is not None:
         version, handle = proto() if callable(proto) else proto
         if version != 0:
             raise NotImplementedError(
@@ -72,8 +71,7 @@ def _handle_of(obj: Any) -> int:
     ptr = getattr(obj, "ptr", None)
     if isinstance(ptr, int):
         return ptr
-    handle = getattr(obj, "handle", None)
-    if handle is not None:
+    if (handle := getattr(obj, "handle", None)) is not None:
         value = getattr(handle, "value", handle)
         return int(value or 0)
     try:
@@ -106,16 +104,6 @@ class _DrainAtThreadExit:
 def own_per_thread_key() -> tuple[str, int] | None:
     """This thread's per-thread stream key if it has one yet, else None; makes none."""
     return getattr(_this_thread, "ptds_key", None)
-
-
-def _per_thread_key() -> tuple[str, int]:
-    """``("ptds", n)``, ``n`` a number no other thread of this process has had (thread ids are
-    reused while an exited thread's work may still run); arms :class:`_DrainAtThreadExit`."""
-    key = getattr(_this_thread, "ptds_key", None)
-    if key is None:
-        _this_thread.drain_at_exit = _DrainAtThreadExit()
-        key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
-    return key
 
 
 class Stream:
@@ -162,10 +150,16 @@ class Stream:
 
     def order_key(self) -> int | tuple[str, int]:
         """What stream-ordered allocators key free lists on: the handle, or for the per-thread
-        default stream the thread's own ``("ptds", n)``."""
-        if self.handle == PER_THREAD_HANDLE:
-            return _per_thread_key()
-        return self.handle
+        default stream the thread's own ``("ptds", n)``, ``n`` a number no other thread of this
+        process has had (thread ids are reused while an exited thread's work may still run);
+        making it arms :class:`_DrainAtThreadExit`."""
+        if self.handle != PER_THREAD_HANDLE:
+            return self.handle
+        key = own_per_thread_key()
+        if key is None:
+            _this_thread.drain_at_exit = _DrainAtThreadExit()
+            key = _this_thread.ptds_key = ("ptds", next(_ptds_serials))
+        return key
 
     def synchronize(self) -> None:
         """Wait for all work on this stream (a default stream without CUDA: nothing to wait for)."""

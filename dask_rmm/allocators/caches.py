@@ -114,8 +114,7 @@ def library_bytes(device: int) -> dict[str, LibraryBytes]:
         except Exception:
             logger.debug("dask-rmm: %s cache could not tell its bytes", cache.name, exc_info=True)
             continue
-        prev = out.get(cache.name)
-        if prev is not None:
+        if (prev := out.get(cache.name)) is not None:
             in_use, cached = in_use + prev.in_use_bytes, cached + prev.cached_bytes
         out[cache.name] = LibraryBytes(max(0, in_use), max(0, cached), _is_outside(cache))
     return out

@@ -18,11 +18,7 @@ from dask_rmm import _cuda
 from dask_rmm.mr.registry import get_per_device_resource
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
 
-__all__ = [
-    "RMMNumbaManager",
-    "reset_numba_allocator",
-    "set_numba_allocator",
-]
+__all__ = ["RMMNumbaManager", "reset_numba_allocator", "set_numba_allocator"]
 
 
 def _numba_default_stream() -> Stream:

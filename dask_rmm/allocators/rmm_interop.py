@@ -300,8 +300,7 @@ def _target_devices(devices: Iterable[int] | None) -> list[int]:
     """The devices to install on; their dask-rmm resources exist afterwards (a device that does
     not exist raises ValueError here, before anything changes)."""
     if devices is None:
-        found = registry.registered_devices()
-        if found:
+        if found := registry.registered_devices():
             return found
         registry.get_current_device_resource()  # makes the current device's default resource
         return registry.registered_devices()
@@ -377,8 +376,7 @@ def _leave_cudf_spilling_to_the_pool() -> None:
     """Turn cuDF's spill on demand off (its option; its environment variable before cuDF is
     imported): cuDF refuses a second failure-callback adaptor on RMM's resource (ValueError at
     its first buffer), and :class:`RMMPoolCache`'s spills cuDF's buffers first (``make_room``)."""
-    set_option = getattr(sys.modules.get("cudf"), "set_option", None)
-    if set_option is not None:
+    if (set_option := getattr(sys.modules.get("cudf"), "set_option", None)) is not None:
         set_option("spill_on_demand", False)
     else:
         os.environ["CUDF_SPILL_ON_DEMAND"] = "off"

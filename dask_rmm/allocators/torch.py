@@ -445,13 +445,9 @@ def set_torch_allocator(cache: bool = True) -> None:
         after replacing the resources. False: every tensor through ``rmm_torch_allocator``,
         possible once per process, before PyTorch's first CUDA allocation (then a no-op).
 
-    Raises
-    ------
-    ImportError
-        Without a CUDA-enabled torch.
-    RuntimeError
-        When the other path was set earlier in this process (PyTorch cannot switch back), or,
-        for the exact path, when PyTorch already allocated CUDA memory with its own allocator.
+    ImportError without a CUDA-enabled torch; RuntimeError when the other path was set earlier
+    in this process (PyTorch cannot switch back), or, for the exact path, when PyTorch already
+    allocated CUDA memory with its own allocator.
     """
     global _installed, _cache, _warned_exact_fallback
     if cache:
@@ -465,8 +461,7 @@ def set_torch_allocator(cache: bool = True) -> None:
             _cache = TorchCache()
         caches.register_cache(_cache)
         for device in registered_devices():
-            resource = lookup_per_device_resource(device)
-            if resource is not None:
+            if (resource := lookup_per_device_resource(device)) is not None:
                 share_torch_budget(device, resource)
         return
     if _installed:

@@ -207,8 +207,7 @@ class LogReader:
         else:
             raise LogFormatError(path, max(lineno, 1), "empty log: no header line")
         names = [n.strip() for n in line.rstrip("\r\n").split(",")]
-        missing = [n for n in HEADER if n not in names]
-        if missing:
+        if missing := [n for n in HEADER if n not in names]:
             raise LogFormatError(
                 path,
                 lineno,

@@ -122,8 +122,7 @@ def timelines_figure(timelines: Sequence[Timeline], *, title: str | None = None)
                 bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.8, "lw": 0},
                 zorder=4,  # over the other workers' lines
             )
-    fails = [(t - t0, b) for tl in timelines for t, b in tl.failures]
-    if fails:
+    if fails := [(t - t0, b) for tl in timelines for t, b in tl.failures]:
         label = f"allocate failure ({len(fails)})"
         ax.scatter(*zip(*fails, strict=True), marker="x", color="red", zorder=3, label=label)
     ax.set_xlabel(f"seconds since {format_time(t0)}")

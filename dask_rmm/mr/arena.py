@@ -151,13 +151,15 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             return ptr
         # Out of room: every cached block and empty superblock back to the global arena, again.
         with gc_paused_lock(self._lock):
-            stolen = self._steal_caches()
+            stolen = [block for caches in self._caches.values() for block in drain_cache(caches)]
         if self._ordered:
             _cuda.device_synchronize()
         with gc_paused_lock(self._lock):
             for ptr, csize in stolen:
                 self._give_back(ptr, csize)
-            self._defragment()
+            for arena in self._arenas.values():
+                for sb in [sb for sb, used in arena.used.items() if used == 0]:
+                    self._return_superblock(arena, sb)
             ptr = self._try_allocate(size, key, tag)
             if not ptr and size != (nbytes + 255) & -256:
                 # the rounded size does not fit: the exact one may
@@ -259,7 +261,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
             arena.used[sb] = 0
             arena.free.insert(sb, SUPERBLOCK_SIZE)
             ptr = arena.free.take_fit(size)
-        sb = self._superblock_of(arena, ptr)
+        sb = arena.order[bisect.bisect_right(arena.order, ptr) - 1]
         arena.used[sb] += size
         self._home[ptr] = (arena, sb, size)
         self._live[ptr] = tag
@@ -277,10 +279,6 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
         if used == 0 and len(arena.used) > 1:
             self._return_superblock(arena, sb)
 
-    def _steal_caches(self) -> list[tuple[int, int]]:
-        """Take every cached block out of the caches: ``(ptr, size)`` pairs (lock held)."""
-        return [block for caches in self._caches.values() for block in drain_cache(caches)]
-
     def _free_and_largest(self) -> tuple[int, int]:
         """Free bytes and the largest free block, of the global arena, the arenas and the caches
         (lock held)."""
@@ -291,20 +289,11 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
                 pairs.append((size * len(caches[c]), size))
         return sum(f for f, _ in pairs), max(largest for _, largest in pairs)
 
-    @staticmethod
-    def _superblock_of(arena: _Arena, ptr: int) -> int:
-        return arena.order[bisect.bisect_right(arena.order, ptr) - 1]
-
     def _return_superblock(self, arena: _Arena, sb: int) -> None:
         arena.order.remove(sb)
         del arena.used[sb]
         arena.free.remove(sb, SUPERBLOCK_SIZE)
         self._global.insert(sb, SUPERBLOCK_SIZE)
-
-    def _defragment(self) -> None:
-        for arena in self._arenas.values():
-            for sb in [sb for sb, used in arena.used.items() if used == 0]:
-                self._return_superblock(arena, sb)
 
     def _dump_memory_log(self, size: int) -> None:
         free, largest = self._global.free_bytes()

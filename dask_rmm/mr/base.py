@@ -149,12 +149,6 @@ class DeviceMemoryResource:
     the size they were allocated with. Subclass it in plain Python and override
     :meth:`allocate` and :meth:`deallocate` to make a custom resource.
 
-    Attributes
-    ----------
-    device_id : int
-        The CUDA device that was current when the resource was made (0 for host memory on a
-        host without a GPU).
-
     Examples
     --------
     >>> class Counting(DeviceMemoryResource):
@@ -168,6 +162,8 @@ class DeviceMemoryResource:
     ...         self.upstream.deallocate(ptr, nbytes, stream)
     """
 
+    #: The CUDA device that was current when the resource was made (0 for host memory on a
+    #: host without a GPU).
     device_id: int = 0
 
     def __init__(self, device_id: int | None = None):

@@ -43,7 +43,8 @@ def _handle(stream: Any) -> int:
 class _BaseResource(DeviceMemoryResource):
     """Shared machinery of the base resources: ownership (pointer -> size; atomic dict pops and
     stores, no lock), CUDA error mapping, and, with several devices, switching to the resource's
-    device for a call. A subclass implements ``_alloc`` and ``_free``."""
+    device for a call. A subclass implements ``_alloc``, and ``_free`` unless ``cudaFree`` frees
+    its memory."""
 
     def __init__(self):
         _cuda.require_cuda(type(self).__name__)
@@ -52,7 +53,9 @@ class _BaseResource(DeviceMemoryResource):
         self._owned: dict[int, int] = {}
 
     _alloc: Callable[[int, int], int]  # (nbytes, stream_handle) -> ptr
-    _free: Callable[[int, int, int], None]  # (ptr, nbytes, stream_handle)
+
+    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
+        _cuda.free(ptr)
 
     def allocate(self, nbytes: int, stream: Stream = DEFAULT_STREAM) -> int:
         """Allocate ``nbytes`` (256-byte aligned) and return the pointer as an int."""
@@ -148,18 +151,12 @@ class CudaMemoryResource(_BaseResource):
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc(nbytes)
 
-    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
-        _cuda.free(ptr)
-
 
 class ManagedMemoryResource(_BaseResource):
     """Unified (managed) memory from ``cudaMallocManaged``, which may exceed device memory."""
 
     def _alloc(self, nbytes: int, stream_handle: int) -> int:
         return _cuda.malloc_managed(nbytes)
-
-    def _free(self, ptr: int, nbytes: int, stream_handle: int) -> None:
-        _cuda.free(ptr)
 
 
 class PinnedHostMemoryResource(_BaseResource):

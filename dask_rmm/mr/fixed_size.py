@@ -19,22 +19,12 @@ from dask_rmm.mr.base import (
     deallocate_refused,
 )
 from dask_rmm.mr.locks import gc_paused_lock
+from dask_rmm.mr.size_classes import pop_all
 from dask_rmm.mr.stream_order import FRESH_KEY, order_after, stream_ordered
 from dask_rmm.sizes import align_up, format_bytes
 from dask_rmm.stream import DEFAULT_STREAM, PER_THREAD_HANDLE, Stream, as_stream
 
 __all__ = ["FixedSizeMemoryResource"]
-
-
-def _pop_all(blocks: list[int]) -> list[int]:
-    """Every block of ``blocks``, one ``pop`` at a time (lock-free callers may pop too)."""
-    taken = []
-    while blocks:
-        try:
-            taken.append(blocks.pop())
-        except IndexError:
-            break
-    return taken
 
 
 class FixedSizeMemoryResource(UpstreamResourceAdaptor):
@@ -158,7 +148,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
 
             # Taken out first (lock-free callers may pop or append meanwhile), those of the
             # chunks that stay put back.
-            taken = {key: _pop_all(blocks) for key, blocks in self._free.items()}
+            taken = {key: list(pop_all(blocks)) for key, blocks in self._free.items()}
             free = Counter(chunk(p) for ps in taken.values() for p in ps)
             gone = {c for c in starts if free[c] == self._per_chunk}
             keys = set()

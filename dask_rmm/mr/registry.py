@@ -33,9 +33,7 @@ def _current_device() -> int:
     global _single_device
     if _single_device is None:
         _single_device = _cuda.get_device_count() <= 1
-    if _single_device:
-        return 0
-    return _cuda.get_device()
+    return 0 if _single_device else _cuda.get_device()
 
 
 _check_device = functools.partial(_cuda.check_device, host_memory=True)
@@ -77,11 +75,7 @@ def get_current_device_resource() -> DeviceMemoryResource:
         mr = _resources.get(0)
         if mr is not None:
             return mr
-    device = _current_device()
-    mr = _resources.get(device)
-    if mr is not None:
-        return mr
-    return get_per_device_resource(device)
+    return get_per_device_resource(_current_device())
 
 
 def set_per_device_resource(

@@ -22,6 +22,7 @@ __all__ = [
     "class_floor",
     "drain_cache",
     "insert_class",
+    "pop_all",
     "search_class",
 ]
 
@@ -67,18 +68,22 @@ def class_floor(c: int) -> int:
     return ((c & ((1 << SUBCLASS_BITS) - 1)) + (1 << SUBCLASS_BITS)) << ((c >> SUBCLASS_BITS) - 1)
 
 
+def pop_all(blocks: list[int]) -> Iterator[int]:
+    """Every block of ``blocks``, one ``pop`` at a time (lock-free callers may pop or append
+    meanwhile)."""
+    while blocks:
+        try:
+            yield blocks.pop()
+        except IndexError:
+            break
+
+
 def drain_cache(cache: list[list[int]]) -> Iterator[tuple[int, int]]:
-    """Take every block out of a per-class cache: ``(ptr, its class floor in bytes)``, one
-    ``pop`` at a time (lock-free callers may pop or append meanwhile)."""
+    """Take every block out of a per-class cache (:func:`pop_all`): ``(ptr, its class floor in
+    bytes)``."""
     for c in compress(CLASS_INDEXES, cache):  # the non-empty classes, found in C
         size = class_floor(c) << UNIT_SHIFT
-        cached = cache[c]
-        while cached:
-            try:
-                ptr = cached.pop()
-            except IndexError:
-                break
-            yield ptr, size
+        yield from ((ptr, size) for ptr in pop_all(cache[c]))
 
 
 def _class_tables() -> tuple[list[int], list[int], list[int]]:

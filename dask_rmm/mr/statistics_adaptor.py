@@ -24,29 +24,14 @@ class Statistics(Mapping):
 
     Bytes are the sizes callers asked for (not rounded up). A read-only mapping too
     (``stats["peak_bytes"]``, ``keys()``, ``get()``), like the dict older RMM versions returned.
-
-    Attributes
-    ----------
-    current_bytes : int
-        Bytes allocated and not yet freed.
-    current_count : int
-        Allocations not yet freed.
-    peak_bytes : int
-        Largest ``current_bytes`` seen.
-    peak_count : int
-        Largest ``current_count`` seen.
-    total_bytes : int
-        Bytes allocated in all (freed or not).
-    total_count : int
-        Number of allocations in all.
     """
 
-    current_bytes: int
-    current_count: int
-    peak_bytes: int
-    peak_count: int
-    total_bytes: int
-    total_count: int
+    current_bytes: int  #: Bytes allocated and not yet freed.
+    current_count: int  #: Allocations not yet freed.
+    peak_bytes: int  #: Largest ``current_bytes`` seen.
+    peak_count: int  #: Largest ``current_count`` seen.
+    total_bytes: int  #: Bytes allocated in all (freed or not).
+    total_count: int  #: Number of allocations in all.
 
     def __getitem__(self, key: str) -> int:
         return self.to_dict()[key]
@@ -191,12 +176,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     def pop_counters(self) -> Statistics:
         """End the top counter frame and fold it into the one below (whose peaks become at least
         its current bytes at push time plus the popped frame's peaks); returns the popped frame.
-
-        Raises
-        ------
-        IndexError
-            When only the bottom frame is left (nothing was pushed).
-        """
+        IndexError when only the bottom frame is left (nothing was pushed)."""
         with self._lock:
             if not self._frames:
                 raise IndexError(

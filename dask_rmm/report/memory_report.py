@@ -266,8 +266,7 @@ class ClusterMemoryReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterMemoryReport:
         """Build a report from the scheduler's report data (the ``to_dict()`` format)."""
-        version = data.get("version", REPORT_VERSION)
-        if version != REPORT_VERSION:
+        if (version := data.get("version", REPORT_VERSION)) != REPORT_VERSION:
             raise ValueError(
                 f"cluster report format version {version!r} is not supported "
                 f"(this dask-rmm reads version {REPORT_VERSION}); "

@@ -48,8 +48,7 @@ class _ReportHandler(RequestHandler):
     def _request(self, page: bool) -> ReportRequest:
         """The query arguments, each checked: a wrong one is a 400 that says what was wrong."""
         known = {"timeline", "last", "top", "sort", "worker"} | ({"refresh"} if page else set())
-        unknown = sorted(set(self.request.query_arguments) - known)
-        if unknown:
+        if unknown := sorted(set(self.request.query_arguments) - known):
             raise web.HTTPError(
                 400,
                 f"unknown query argument(s) {', '.join(unknown)}; "

@@ -184,8 +184,7 @@ def device_families(snap: Snapshot, devices: list | None = None) -> list:
             where = [share.library, "1" if share.outside_stack else "0"]
             in_use.add_metric(labels + where, share.in_use_bytes)
             held_free.add_metric(labels + where, share.cached_bytes)
-        outside_bytes = sample.outside_dask_rmm_bytes
-        if outside_bytes is not None:
+        if (outside_bytes := sample.outside_dask_rmm_bytes) is not None:
             outside.add_metric(labels, outside_bytes)
     return [family for _, family in gauges] + [frag, in_use, held_free, outside]
 

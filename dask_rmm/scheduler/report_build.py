@@ -79,8 +79,7 @@ class ReportRequest:
     def from_query(cls, query: Mapping[str, Any]) -> ReportRequest:
         """From the ``dask_rmm_report`` handler's keyword arguments (unknown ones raise)."""
         fields = cls.__dataclass_fields__
-        unknown = sorted(set(query) - set(fields))
-        if unknown:
+        if unknown := sorted(set(query) - set(fields)):
             raise TypeError(f"unknown dask_rmm_report arguments {unknown}; known: {list(fields)}")
         return cls(**{k: v for k, v in query.items() if v is not None})
 
@@ -332,8 +331,7 @@ def json_pieces(doc: dict[str, Any], timelines: Mapping | None = None) -> list[s
     def worker(w: dict) -> str:
         found = {}
         for dev, d in w["devices"].items():
-            pts = timelines.get((w["address"], dev))
-            if pts is not None:
+            if (pts := timelines.get((w["address"], dev))) is not None:
                 d["timeline"] = marker = f"@timeline:{dev}@"
                 found[strict_json(marker)] = pts
         text = strict_json(w)

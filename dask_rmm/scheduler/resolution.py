@@ -114,7 +114,8 @@ class Timeline:
         without merging: returns the samples that were new. When :attr:`overflowing`, the
         caller merges with :meth:`compact` or :func:`compact_all` (the timeline then holds up
         to one heartbeat's samples more than ``capacity`` until it does)."""
-        first = self._first_newer(blob, len(blob) // _RECORD)
+        times = np.frombuffer(blob, SAMPLE_DTYPE, count=len(blob) // _RECORD)["t"]
+        first = int(np.searchsorted(times, self.newest, side="right"))
         new = blob[first * _RECORD :] if first else blob
         if new:
             self.push(new, _TIME.unpack_from(new, len(new) - _RECORD)[0])
@@ -132,10 +133,6 @@ class Timeline:
             if len(levels[i]) < self._limits[i] * _RECORD:
                 break
             self._pass_on(i)
-
-    def _first_newer(self, blob: bytes, n: int) -> int:
-        times = np.frombuffer(blob, SAMPLE_DTYPE, count=n)["t"]
-        return int(np.searchsorted(times, self.newest, side="right"))
 
     def append_packed(self, blob: bytes) -> None:
         """Append packed points (oldest first, none older than :attr:`newest`) as they are."""

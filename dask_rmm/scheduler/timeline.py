@@ -269,8 +269,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._order = None
         self._changes += 1
-        ws = scheduler.workers.get(worker)
-        if ws is not None:
+        if (ws := scheduler.workers.get(worker)) is not None:
             self._ingest(ws)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
@@ -484,8 +483,7 @@ class SchedulerTimelinePlugin(SchedulerPlugin):
         for dev in [d for d in rec.timelines if d not in keep]:
             del rec.timelines[dev]
             rec.vanished.discard(dev)
-            row = rec.rows.pop(dev, None)
-            if row is not None:
+            if (row := rec.rows.pop(dev, None)) is not None:
                 self._total.release(row)
 
     def _running_record(self, ws: WorkerState) -> _WorkerRecord:

@@ -243,14 +243,8 @@ class RMMOptions:
 
 #: Sizes: bytes or a fraction of each device's memory.
 _SIZES = ("pool_size", "maximum_pool_size", "release_threshold", "device_memory_limit")
-_SWITCHES = (
-    "pool_allocator",
-    "track_allocations",
-    "statistics",
-    "spill_on_oom",
-    "memory_admission",
-    "oom_retry",
-)
+#: Switches: every bool field.
+_SWITCHES = tuple(f.name for f in dataclasses.fields(RMMOptions) if f.type == "bool")
 #: Options with a ``dask-rmm.<name>`` config key (``_`` written ``-``).
 CONFIG_FIELDS = [
     f for f in dataclasses.fields(RMMOptions) if f.name not in ("pool_allocator", "log_file_name")

@@ -102,13 +102,12 @@ async def stop_worker(worker: Any, reason: str, *, close_later: bool = False) ->
         return
     _record(f"{worker.name}: {reason}")
     if worker.nanny:
-        try:
+        # On failure the exit below still stops the worker; a restart fails the same way.
+        with contextlib.suppress(Exception):
             async with worker.rpc(worker.nanny) as nanny:
                 await asyncio.wait_for(
                     nanny.close_gracefully(reason="dask-rmm setup failed"), timeout=2
                 )
-        except Exception:  # the exit below still stops the worker; a restart fails the same way
-            pass
     for handler in logging.getLogger().handlers + logging.getLogger("distributed").handlers:
         with contextlib.suppress(Exception):
             handler.flush()

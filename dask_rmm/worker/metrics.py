@@ -28,13 +28,7 @@ from dask_rmm.worker.stacks import replaced_resource_note, worker_stack
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = [
-    "MAX_SAMPLES",
-    "METRICS_KEY",
-    "SAMPLER_KEY",
-    "WorkerMetrics",
-    "send_metrics",
-]
+__all__ = ["MAX_SAMPLES", "METRICS_KEY", "SAMPLER_KEY", "WorkerMetrics", "send_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +195,9 @@ class WorkerMetrics:
         if metrics.get(METRICS_KEY) == self.heartbeat_metrics:
             del metrics[METRICS_KEY]
         if metrics.get("rmm") == self.rmm_metrics:
-            previous = self._previous_rmm_metric
-            if previous is None:
+            metrics["rmm"] = self._previous_rmm_metric
+            if metrics["rmm"] is None:
                 del metrics["rmm"]
-            else:
-                metrics["rmm"] = previous
         worker.metrics = metrics
         WorkerMetrics.__init__(self)  # nothing installed, as before install
 
@@ -282,8 +274,7 @@ class WorkerMetrics:
                 [name, v.in_use_bytes, v.cached_bytes, int(v.outside_stack)]
                 for name, v in sorted(shares.items())
             ]
-            cudf = caches.spilled_by_libraries().get("cudf")
-            if cudf is not None:
+            if (cudf := caches.spilled_by_libraries().get("cudf")) is not None:
                 d["cudf_spilled_bytes"], d["cudf_spillable_bytes"] = cudf
 
         def device_memory() -> None:
@@ -295,8 +286,7 @@ class WorkerMetrics:
                 d["process_used_bytes"] = process_used_bytes(d["pci_bus_id"])
 
         def current_resource() -> None:
-            note = replaced_resource_note(stack.device)
-            if note is not None:
+            if (note := replaced_resource_note(stack.device)) is not None:
                 errors.append(note)
 
         def task_groups() -> None:

@@ -19,8 +19,7 @@ def open_peak_windows(dask_worker: Any, window: str) -> int:
     attributes memory to task groups; the number of devices it covers."""
     entries = []
     for stack in worker_stack(dask_worker).active:
-        attribution = stack.attribution
-        if attribution is not None:
+        if (attribution := stack.attribution) is not None:
             entries.append((weakref.ref(attribution), stack.device, attribution.open_window()))
     _open.setdefault(dask_worker, {})[window] = entries
     return len(entries)

@@ -72,12 +72,9 @@ def release_unused(
     library_caches : bool
         Have the library caches give their free blocks back first.
 
-    Returns
-    -------
-    dict
-        ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
-        reserved bytes before and after (an awaitable of it with an asynchronous client).
-        Workers without dask-rmm map to ``[]``. Examples: docs/gpu-memory-tools.md.
+    Returns ``{worker address: [TrimResult per pool]}``, with ``released_bytes`` and the pool's
+    reserved bytes before and after (an awaitable of it with an asynchronous client). Workers
+    without dask-rmm map to ``[]``. Examples: docs/gpu-memory-tools.md.
     """
     size, workers = _check_release_arguments(size, workers, library_caches)
     if client is None:
@@ -90,8 +87,7 @@ def release_unused(
             scheduler: Any = client.scheduler
             info = (await scheduler.identity())["workers"]
             known = {*info, *(str(w.get("name")) for w in info.values())}
-            unknown = [w for w in workers if w not in known and f"tcp://{w}" not in known]
-            if unknown:
+            if unknown := [w for w in workers if w not in known and f"tcp://{w}" not in known]:
                 raise ValueError(
                     f"release_unused: {', '.join(unknown)} is not a worker of the scheduler at "
                     f"{scheduler.address} (workers: {', '.join(sorted(info)) or 'none'})"
@@ -118,8 +114,7 @@ def _check_release_arguments(
             raise TypeError(
                 f"`workers` must be a worker address or a list of them, got {workers!r}"
             ) from None
-        bad = [w for w in workers if not isinstance(w, str)]
-        if bad:
+        if bad := [w for w in workers if not isinstance(w, str)]:
             raise TypeError(f"`workers` must be worker addresses (strings), got {bad[0]!r}")
     if not isinstance(library_caches, bool):
         raise TypeError(f"`library_caches` must be True or False, got {library_caches!r}")
