@@ -473,8 +473,9 @@ def unpack_samples(blob: bytes) -> list[list[float | int]]:
 def _read_rows(d: Mapping[str, Any], key: str, make: Any) -> tuple:
     """The rows (lists) of :data:`ROW_FIELDS` field ``key``, each ``make(str, int, ...)``: a row
     no list or too short skipped, a number that is none read as 0."""
-    rows = [r for r in _sequence(d.get(key)) if _row(r, ROW_FIELDS[key])]
-    return tuple(make(str(r[0]), *map(to_int, r[1 : ROW_FIELDS[key]])) for r in rows)
+    width = ROW_FIELDS[key]
+    rows = [r for r in _sequence(d.get(key)) if _row(r, width)]
+    return tuple(make(str(r[0]), *map(to_int, r[1:width])) for r in rows)
 
 
 def _sequence(value: Any) -> Any:

@@ -161,7 +161,7 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 return ptr
             error = last
             key = self._task_key()
-            account = self.task_accounts.get(key) if key is not None else None
+            account = self.task_accounts.get(key)
             h.store.gave_way_here(key, nbytes + (account[0] if account else 0))
         self._record_failure(error, nbytes, spilled)
         return error

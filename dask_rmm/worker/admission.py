@@ -160,11 +160,11 @@ class WorkerAdmission:
         way to the tasks beside it (``DeviceSpillStore.gave_way``): room is made and the task
         runs once more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the
         error reaches it)."""
+        gave_way = self.pressure.store.gave_way.pop(key, None)  # taken whatever happens next
         ts = self.worker.state.tasks.get(key)  # type: ignore[call-overload]
         if ts is None or not self.retry or (ts.annotations or {}).get("gpu_retry", True) is False:
             return
         requested = _device_out_of_memory(ts)
-        gave_way = self.pressure.store.gave_way.pop(key, None)
         if requested is None and gave_way is None:
             return
         if key in self._retried:
@@ -345,7 +345,6 @@ async def install_admission(
     as a resource, the scheduler gets the plugin that sets tasks' amounts; ``retry``: a task
     PyTorch's own allocator failed runs once more (``oom_retry``)."""
     from distributed.protocol.pickle import dumps
-    from distributed.worker import thread_state
 
     from dask_rmm.scheduler.admission import AdmissionScheduler
 
@@ -354,9 +353,10 @@ async def install_admission(
     admission = installed[worker] = WorkerAdmission(worker, pressure, retry)
     if old is not None:  # a re-registration keeps what was learned
         admission.peaks = old.peaks
-    # Of tasks all waiting for memory, one that has not run again yet gives way (plugin.py's key).
-    retried = admission._retried
-    pressure.store.may_give_way = lambda: getattr(thread_state, "key", None) not in retried
+    # Of tasks all waiting for memory, one that has not run again yet gives way (the key the
+    # adaptors charge and record, ``WorkerPressure.task_key``).
+    retried, key_of = admission._retried, pressure.task_key or (lambda: None)
+    pressure.store.may_give_way = lambda: key_of() not in retried
     try:
         await worker.scheduler.register_scheduler_plugin(
             plugin=dumps(AdmissionScheduler()), name=AdmissionScheduler.name, idempotent=True

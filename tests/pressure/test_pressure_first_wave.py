@@ -16,6 +16,10 @@ from tests.pressure_helpers import MiB
 pytestmark = pytest.mark.slow
 
 HOLD = 1.0  # seconds a task holds its temporary: five times the old give-up
+#: A 16 MiB pool of host memory that spills on out-of-memory: 8 threads' tasks do not fit.
+SHORT_POOL = dict(
+    base_resource="system", pool_size="16MiB", maximum_pool_size="16MiB", spill_on_oom=True
+)
 
 
 def hold_a_temporary(nbytes: int, seconds: float) -> int:
@@ -30,14 +34,7 @@ def hold_a_temporary(nbytes: int, seconds: float) -> int:
 
 def test_tasks_that_do_not_fit_together_wait_for_each_other_instead_of_failing():
     with local_process_cluster(n_workers=1, threads_per_worker=8) as (cluster, client):
-        client.register_plugin(
-            RMMPlugin(
-                base_resource="system",
-                pool_size="16MiB",
-                maximum_pool_size="16MiB",
-                spill_on_oom=True,
-            )
-        )
+        client.register_plugin(RMMPlugin(**SHORT_POOL))
         futures = client.map(hold_a_temporary, [4 * MiB] * 8, [HOLD] * 8, pure=False)
         assert client.gather(futures) == [4 * MiB] * 8
 
@@ -69,15 +66,7 @@ def test_a_first_wave_that_does_not_fit_completes_under_admission_its_tasks_givi
     again once the tasks charged for it end. Every task completes, some of them run twice (an H100
     merge's first wave failed whole, 2026-12-07)."""
     with local_process_cluster(n_workers=1, threads_per_worker=8) as (cluster, client):
-        client.register_plugin(
-            RMMPlugin(
-                base_resource="system",
-                pool_size="16MiB",
-                maximum_pool_size="16MiB",
-                spill_on_oom=True,
-                memory_admission=True,
-            )
-        )
+        client.register_plugin(RMMPlugin(**SHORT_POOL, memory_admission=True))
         futures = client.map(make_input, [MiB + MiB // 2] * 8, [3] * 8, range(8), pure=False)
         assert client.gather(futures) == list(range(8))
 
