@@ -41,6 +41,8 @@ _FRUITLESS_ROUNDS = 3
 _WAIT_POLL = 0.002
 #: Seconds the other waiters keep waiting after one of them gave way (its task's frees to come).
 _GIVE_WAY_SECONDS = 1.0
+#: Seconds between two garbage collections by the waiters in that time (one of them collects).
+_COLLECT_SECONDS = 0.2
 
 
 class _Entry(NamedTuple):
@@ -107,7 +109,7 @@ class DeviceSpillStore(MutableMapping):
         #: Tasks running on the worker (``WorkerPressure.attach``): their frees may still come.
         self.running_tasks: Callable[[], int] | None = None
         self._waiters: set[int] = set()  # threads waiting in spill_until
-        self._give_way_until = self._collected_for = 0.0
+        self._give_way_until = self._next_collection = 0.0
         #: Task key -> bytes it held and asked for, of tasks whose allocation gave way while
         #: every running task waited for memory (their failure frees what the others wait for;
         #: memory admission runs them once more), and whether this thread's task may give way.
@@ -406,10 +408,10 @@ class DeviceSpillStore(MutableMapping):
                 seen = state
                 if unchanged >= self.wait_retries and not self._gives_way(now):
                     unchanged = 0  # another waiter gave way a moment ago: its frees may come
-                    if self._collected_for != self._give_way_until:
+                    if now >= self._next_collection:
                         # distributed keeps a failed task's error in a cycle with its frames
-                        # (``_run_task_simple``), and its buffers with them: collect them once
-                        self._collected_for = self._give_way_until
+                        # (``_run_task_simple``), and its buffers with them, until collected
+                        self._next_collection = now + _COLLECT_SECONDS
                         gc.collect()
                 elif unchanged >= self.wait_retries or now - started >= self.wait_limit:
                     return None, error, spilled
