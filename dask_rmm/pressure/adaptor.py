@@ -153,14 +153,16 @@ class SpillOnDemandResourceAdaptor(UpstreamResourceAdaptor):
                 error = e
         spilled = 0
         if h.spill_on_oom:
-            ptr, last, spilled = h.spill_until(lambda: self._retry(nbytes, stream), nbytes)
+            key = self._task_key()
+            ptr, last, spilled = h.spill_until(
+                lambda: self._retry(nbytes, stream), nbytes, in_task=key is not None
+            )
             if last is None:
                 # spill_until returns a pointer exactly when it returns no error
                 assert ptr is not None
                 h.avoided_oom()
                 return ptr
             error = last
-            key = self._task_key()
             account = self.task_accounts.get(key)
             h.store.gave_way_here(key, nbytes + (account[0] if account else 0))
         self._record_failure(error, nbytes, spilled)

@@ -153,7 +153,7 @@ class DevicePressure:
         return freed
 
     def spill_until(
-        self, attempt: Callable[[], int], request: int
+        self, attempt: Callable[[], int], request: int, in_task: bool = False
     ) -> tuple[int | None, MemoryError | None, int]:
         """:meth:`DeviceSpillStore.spill_until` for this device, with the pool's layout; a
         request larger than the pool's maximum spills nothing and fails at once."""
@@ -183,6 +183,7 @@ class DevicePressure:
             layout=layout,
             release=release,
             activity=None if adaptor is None else lambda: adaptor.deallocations,
+            in_task=in_task,
         )
 
     def avoided_oom(self) -> None:

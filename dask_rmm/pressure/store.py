@@ -330,6 +330,7 @@ class DeviceSpillStore(MutableMapping):
         layout: Callable[[], tuple[list, list, list]] | None = None,
         release: Callable[[], Any] | None = None,
         activity: Callable[[], int] | None = None,
+        in_task: bool = False,
     ) -> tuple[Any, MemoryError | None, int]:
         """Call ``attempt()`` (an allocation of ``request`` bytes), spilling before each retry,
         until it succeeds or nothing can be spilled and nothing changes (docs/memory-pressure.md):
@@ -337,7 +338,9 @@ class DeviceSpillStore(MutableMapping):
         (a pool's): victims whose blocks merge into one of ``request`` bytes, else (``release``:
         the pool may grow) the least recently used, then ``release()``. Then it polls while
         memory (``activity()``: frees) changes or :attr:`running_tasks` run, as the docs say;
-        of threads all waiting, one gives up at a time (:meth:`_gives_way`)."""
+        of threads all waiting, one gives up at a time (:meth:`_gives_way`). ``wait_limit`` counts
+        from the first wait, or (``in_task``: a task's thread, not the event loop) from the last
+        change: a task waits on while the tasks beside it free, store or give way."""
         me = threading.get_ident()
         self._local.gave_way = False
         try:
@@ -397,10 +400,10 @@ class DeviceSpillStore(MutableMapping):
                 else:
                     held = self._referenced(device, held)
                 state = (activity() if activity is not None else None, mutations, held)
-                if started is None:
-                    started = now
                 # A round that found victims saw a change, even if the polled state looks the same.
                 quiet = state == seen and not tried
+                if started is None or (in_task and not quiet):
+                    started = now
                 self._waiters.add(me)
                 running = self.running_tasks() if self.running_tasks is not None else 0
                 # A task beside this one that is not waiting too may still free what this needs.

@@ -64,6 +64,7 @@ class WorkerPressure:
         self._worker: Any = None
         self._monitor: Any = None
         self._paused_by_us = False
+        self._host_pause: Any = None  # distributed's pause fraction, put back on resume
 
     # -- building -------------------------------------------------------------------------------
 
@@ -197,9 +198,14 @@ class WorkerPressure:
                 )
                 for dp in self.devices.values():
                     self.counters.set_paused(dp.device, dp.should_pause())
-            # Also when distributed's host-memory monitor resumed a worker paused here.
             worker.status = Status.paused
             self._paused_by_us = True
+            # distributed's host-memory monitor resumes any paused worker whose host memory is
+            # low (every 100 ms, logging each time): it leaves a device pause alone until ours
+            # ends (distributed has no pause of its own for other reasons).
+            mm = worker.memory_manager
+            if mm.memory_pause_fraction is not False:
+                self._host_pause, mm.memory_pause_fraction = mm.memory_pause_fraction, False
 
     def _resume(self, worker: Worker) -> None:
         from distributed.core import Status
@@ -207,6 +213,8 @@ class WorkerPressure:
         if not self._paused_by_us:
             return
         self._paused_by_us = False
+        if self._host_pause is not None:
+            worker.memory_manager.memory_pause_fraction, self._host_pause = self._host_pause, None
         for dp in self.devices.values():
             self.counters.set_paused(dp.device, False)
         if worker.status == Status.paused:

@@ -354,6 +354,48 @@ def test_an_allocation_waits_for_a_running_task_that_frees_nothing_for_a_while()
     assert store._waiters == set()
 
 
+@pytest.mark.parametrize("in_task", [True, False])
+def test_a_tasks_allocation_waits_while_memory_keeps_changing_past_the_wait_limit(in_task):
+    """Another task frees a piece every 0.1 s for about a second, and only then what this one
+    needs: a task's allocation waits on while memory changes (``wait_limit`` counts from the last
+    change), where the event loop's (no task) gives up after ``wait_limit`` (its waits stall the
+    heartbeat). Before, a task gave up after ``wait_limit`` from its first wait, with frees still
+    coming: an 8-thread merge's long waiters all failed together after 5 s of tasks giving way."""
+    wp, top = pressure_stack(
+        4 * MiB, spill_on_oom=True, task_key=(lambda: "join-1") if in_task else None
+    )
+    store = wp.store
+    store.wait_limit = 0.3
+    store.running_tasks = lambda: 2  # the freeing task runs beside the waiting one
+    holding = threading.Event()
+
+    def task():
+        pieces = [DeviceBuffer(size=MiB // 8) for _ in range(10)]
+        tmp = DeviceBuffer(size=2 * MiB)
+        holding.set()
+        while pieces:  # 10 frees 0.1 s apart, each too small for the 2 MiB asked
+            threading.Event().wait(0.1)
+            del pieces[-1]
+        del tmp
+
+    th = threading.Thread(target=task)
+    th.start()
+    holding.wait(30)
+    t0 = time.monotonic()
+    try:
+        buf = DeviceBuffer(size=2 * MiB)
+    except MemoryError:
+        buf = None
+    waited = time.monotonic() - t0
+    th.join(30)
+    if in_task:
+        assert buf is not None and buf.size == 2 * MiB and wp.oom_events() == []
+        assert waited >= 0.8  # past three wait_limits, while the frees came
+    else:
+        assert buf is None and waited < 0.8 and len(wp.oom_events()) == 1
+    assert store._waiters == set()
+
+
 def test_allocations_that_wait_for_each_other_give_up():
     """Two running tasks, both waiting for memory the other holds: neither may wait for the
     other's end (each counts as waiting), so both give up after ``wait_retries`` quiet polls

@@ -96,6 +96,38 @@ async def test_pause_while_over_the_fraction_and_resume(c, s, a: Worker):
         wp.detach(a)
 
 
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)],
+    worker_kwargs={"memory_limit": "64GiB"},  # host memory far below distributed's pause
+    config={"distributed.worker.memory.monitor-interval": "10ms"},
+)
+async def test_distributeds_host_memory_monitor_leaves_a_device_pause_alone(c, s, a: Worker):
+    """distributed's monitor resumes any paused worker whose host memory is low, logging a
+    warning each time (every 100 ms: a worker paused for device memory flapped and logged
+    without end); while dask-rmm holds its pause it is left alone, and afterwards works again."""
+    from distributed.utils_test import captured_logger
+
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=False, pause_fraction=0.5, limit=None)
+    wp.monitor_interval = 0  # checks are driven by the test: nothing re-pauses behind it
+    wp.attach(a)
+    try:
+        with captured_logger("distributed.worker.memory") as log:
+            held = [patterned_buffer(MiB, i) for i in range(3)]
+            wp.check()
+            await asyncio.sleep(0.3)  # 30 host-memory checks
+            assert a.status == Status.paused
+            del held[:]
+            wp.check()
+            assert a.status == Status.running
+        assert "Resuming worker" not in log.getvalue()
+        a.status = Status.paused  # as if paused for host memory: distributed resumes it again
+        while a.status != Status.running:
+            await asyncio.sleep(0.01)
+    finally:
+        wp.detach(a)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_pause_spills_unreferenced_outputs_first(c, s, a: Worker):
     wp, top = pressure_stack(4 * MiB, spill_on_oom=False, pause_fraction=0.5)
