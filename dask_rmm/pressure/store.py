@@ -404,12 +404,13 @@ class DeviceSpillStore(MutableMapping):
                 quiet = state == seen and not tried
                 if started is None or (in_task and not quiet):
                     started = now
-                self._waiters.add(me)
+                if in_task:  # the tasks waiting (the event loop's read-back is none of them)
+                    self._waiters.add(me)
                 running = self.running_tasks() if self.running_tasks is not None else 0
                 # A task beside this one that is not waiting too may still free what this needs.
                 unchanged = unchanged + 1 if quiet and running <= len(self._waiters) else 0
                 seen = state
-                if unchanged >= self.wait_retries and not self._gives_way(now):
+                if unchanged >= self.wait_retries and not self._gives_way(now, in_task):
                     unchanged = 0  # another waiter gave way a moment ago: its frees may come
                     if now >= self._next_collection:
                         # distributed keeps a failed task's error in a cycle with its frames
@@ -422,10 +423,13 @@ class DeviceSpillStore(MutableMapping):
         finally:
             self._waiters.discard(me)
 
-    def _gives_way(self, now: float) -> bool:
-        """Whether this waiter gives up now: one at a time while others wait with it (the
-        others wait on for its frees; tasks that wait for each other's memory must not all
-        fail); marked for :meth:`gave_way_here` when others were waiting."""
+    def _gives_way(self, now: float, in_task: bool) -> bool:
+        """Whether this waiter gives up now: none while a task gave way a moment ago (its frees
+        may come); of tasks, one at a time while others wait with it (tasks that wait for each
+        other's memory must not all fail), marked for :meth:`gave_way_here` when others were
+        waiting; the event loop's wait takes no turn (its failure frees nothing)."""
+        if not in_task:
+            return now >= self._give_way_until
         others = len(self._waiters) > 1
         if others and self.may_give_way is not None and not self.may_give_way():
             return False

@@ -298,6 +298,13 @@ def test_spill_on_oom_keeps_waiting_while_its_victims_are_let_go_and_taken_again
         check_buffer(store[f"x-{i}"], i)
 
 
+def _thread_task() -> str | None:
+    """Each thread but the main one a task (its name the key): a worker's task threads; the
+    main thread plays the event loop (no task)."""
+    thread = threading.current_thread()
+    return None if thread is threading.main_thread() else thread.name
+
+
 def test_an_allocation_waits_for_another_threads_temporary():
     """Nothing to spill, but another thread is about to free its temporary: the failed
     allocation retries while memory changes instead of giving up at once."""
@@ -396,11 +403,41 @@ def test_a_tasks_allocation_waits_while_memory_keeps_changing_past_the_wait_limi
     assert store._waiters == set()
 
 
+def test_the_event_loops_wait_waits_for_a_running_task_and_takes_no_turn_to_give_way():
+    """The event loop bringing an input back (no task on its thread) while one task runs and
+    holds the memory: the loop's wait is not a task waiting, so the running task may still free
+    (it waits for it), and when it does give up it takes no give-way turn from the tasks (its
+    failure frees nothing). Before, the loop counted as a waiting task: with every running task
+    \"waiting\" it gave up after ``wait_retries`` quiet polls, and took the turn."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True, task_key=_thread_task)
+    store = wp.store
+    store.wait_retries, store.wait_limit = 5, 30.0
+    running = set()
+    store.running_tasks = lambda: len(running)
+    holding = threading.Event()
+
+    def task():
+        running.add("holder")
+        tmp = DeviceBuffer(size=3 * MiB)
+        holding.set()
+        time.sleep(0.5)  # works without allocating
+        del tmp
+        running.discard("holder")
+
+    th = threading.Thread(target=task, name="holder")
+    th.start()
+    holding.wait(30)
+    buf = DeviceBuffer(size=2 * MiB)  # on the main thread: the event loop's read-back
+    th.join(30)
+    assert buf.size == 2 * MiB and wp.oom_events() == []
+    assert store._give_way_until == 0.0 and store._waiters == set()
+
+
 def test_allocations_that_wait_for_each_other_give_up():
     """Two running tasks, both waiting for memory the other holds: neither may wait for the
     other's end (each counts as waiting), so both give up after ``wait_retries`` quiet polls
     instead of waiting until ``wait_limit``."""
-    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True, task_key=_thread_task)
     store = wp.store
     store.wait_retries, store.wait_limit = 5, 60.0
     running = {0, 1}  # a task ends when its allocation fails (a worker's executing tasks)
@@ -465,7 +502,7 @@ def test_of_tasks_waiting_for_each_others_memory_one_gives_way_and_the_others_go
     come 0.1 s after its error, as a task's exception unwinds) and then completes. Before, both
     gave up after ``wait_retries`` quiet polls (the first wave of an H100 merge failed so,
     2026-12-07)."""
-    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True, task_key=_thread_task)
     store = wp.store
     store.wait_retries, store.wait_limit = 5, 30.0
     running = {0, 1}
@@ -479,15 +516,14 @@ def test_of_tasks_waiting_for_each_others_memory_one_gives_way_and_the_others_go
         try:
             more = DeviceBuffer(size=MiB + MiB // 4)
             del more
-        except MemoryError:
+        except MemoryError:  # the adaptor noted the task (its thread's name) as giving way
             failed.append(i)
-            store.gave_way_here(f"task-{i}", 2 * MiB)
             time.sleep(0.1)  # the error unwinds before the task's buffers are freed
         finally:
             del mine
             running.discard(i)
 
-    threads = [threading.Thread(target=task, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=task, args=(i,), name=f"task-{i}") for i in range(2)]
     for th in threads:
         th.start()
     for th in threads:
