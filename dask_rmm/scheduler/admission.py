@@ -126,7 +126,8 @@ class AdmissionScheduler(SchedulerPlugin):
         return given if given is not None else self.peaks.expected(task_prefix(ts.key))
 
     def _set_amount(self, ts: TaskState) -> None:
-        """Give ``ts`` its expected peak as an amount of the resource (none when it needs no
+        """Give ``ts`` its expected peak, plus its inputs' bytes (on the device beside it while
+        it runs, brought back if spilled), as an amount of the resource (none when it needs no
         memory, nothing is known, or no worker has admission); at most the largest budget, so
         that a task needing more than any runs alone rather than never."""
         limits = self.limits
@@ -135,6 +136,7 @@ class AdmissionScheduler(SchedulerPlugin):
         if need is None or need <= NO_MEMORY:
             restrictions.pop(RESOURCE, None)
         else:
+            need += sum(max(dts.nbytes, 0) for dts in ts.dependencies)  # -1: not in memory yet
             restrictions[RESOURCE] = min(need, max(limits.values()))
         ts.resource_restrictions = restrictions or None
 

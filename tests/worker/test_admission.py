@@ -110,6 +110,33 @@ async def test_tasks_wait_constrained_until_their_learned_peak_fits(c, s, a):
     assert admission_of(a).pressure.metrics()[0].oom_count == 0
 
 
+def hold_with(data, nbytes: int, i: int, wait: bool = True) -> int:
+    """:func:`hold`, of a task that has an input (``data``: on the device beside it)."""
+    return hold(nbytes, i, wait)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
+async def test_a_tasks_amount_counts_its_inputs_beside_its_learned_peak(c, s, a):
+    """Tasks that grow by 2 MiB each and read a 1 MiB input: 3 of them need 9 MiB of the 8 MiB
+    pool. Their amounts are the learned 2 MiB plus the input's bytes, so two run and one waits
+    (before, amounts of 2 MiB let all three start, and the third ran out of memory)."""
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True))
+    small = c.submit(make, 64, key="input-100")
+    assert await c.submit(hold_with, small, 2 * MiB, -1, False, key="holdin-100") == -1
+    learned = admission_of(a).peaks.expected("holdin")
+    assert 2 * MiB <= learned < 3 * MiB
+    inputs = c.map(make, [MiB] * 3, key=[f"input-{i}" for i in range(3)])
+    await wait(inputs)
+    futures = [c.submit(hold_with, inputs[i], 2 * MiB, i, key=f"holdin-{i}") for i in range(3)]
+    await until(lambda: _states(a)["constrained"] == 1 and sum(RUNS.values()) == 3, "2 running")
+    assert _states(a)["executing"] == 2
+    amount = s.tasks["holdin-2"].resource_restrictions[RESOURCE]
+    assert amount == learned + s.tasks["input-2"].nbytes and s.tasks["input-2"].nbytes >= MiB
+    HOLD.set()
+    assert await c.gather(futures) == [0, 1, 2]
+    assert admission_of(a).pressure.metrics()[0].oom_count == 0
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], config=CONFIG)
 async def test_without_admission_the_same_tasks_run_out_of_memory(c, s, a):
     await c.register_plugin(RMMPlugin(**POOL))
