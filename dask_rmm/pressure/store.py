@@ -106,15 +106,17 @@ class DeviceSpillStore(MutableMapping):
         #: How long :meth:`spill_until` waits for memory to change: retries, seconds.
         self.wait_retries = 100
         self.wait_limit = 5.0
-        #: Tasks running on the worker (``WorkerPressure.attach``): their frees may still come.
+        #: Tasks in the worker's threads (``WorkerPressure.attach``): their frees may still come.
         self.running_tasks: Callable[[], int] | None = None
-        self._waiters: set[int] = set()  # threads waiting in spill_until
+        self._waiters: dict[int, bool] = {}  # thread waiting in spill_until -> a task's?
         self._give_way_until = self._next_collection = 0.0
         #: Task key -> bytes it held and asked for, of tasks whose allocation gave way while
         #: every running task waited for memory (their failure frees what the others wait for;
         #: memory admission runs them once more), and whether this thread's task may give way.
         self.gave_way: OrderedDict[Hashable, int] = OrderedDict()
         self.may_give_way: Callable[[], bool] | None = None
+        #: Key -> bytes of spilled outputs whose read-back failed (admission runs the reader again).
+        self.unread: OrderedDict[Hashable, int] = OrderedDict()
         #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
         self.spill_lock_wait = 10.0
 
@@ -209,6 +211,9 @@ class DeviceSpillStore(MutableMapping):
         self._local.reading = key
         try:
             value = copy.to_device()
+        except MemoryError:
+            self._note(self.unread, key, nbytes)
+            raise
         finally:
             self._local.reading = None
         with self._lock:
@@ -404,11 +409,10 @@ class DeviceSpillStore(MutableMapping):
                 quiet = state == seen and not tried
                 if started is None or (in_task and not quiet):
                     started = now
-                if in_task:  # the tasks waiting (the event loop's read-back is none of them)
-                    self._waiters.add(me)
+                self._waiters[me] = in_task  # the event loop too: its read-back is for a task
                 running = self.running_tasks() if self.running_tasks is not None else 0
                 # A task beside this one that is not waiting too may still free what this needs.
-                unchanged = unchanged + 1 if quiet and running <= len(self._waiters) else 0
+                unchanged = unchanged + 1 if quiet and running <= sum(self._waiters.values()) else 0
                 seen = state
                 if unchanged >= self.wait_retries and not self._gives_way(now, in_task):
                     unchanged = 0  # another waiter gave way a moment ago: its frees may come
@@ -421,15 +425,14 @@ class DeviceSpillStore(MutableMapping):
                     return None, error, spilled
                 time.sleep(_WAIT_POLL)
         finally:
-            self._waiters.discard(me)
+            self._waiters.pop(me, None)
 
     def _gives_way(self, now: float, in_task: bool) -> bool:
         """Whether this waiter gives up now: none while a task gave way a moment ago (its frees
-        may come); of tasks, one at a time while others wait with it (tasks that wait for each
-        other's memory must not all fail), marked for :meth:`gave_way_here` when others were
-        waiting; the event loop's wait takes no turn (its failure frees nothing)."""
+        may come); of tasks, one at a time while others wait (each then noted for
+        :meth:`gave_way_here`); the event loop takes no turn (its failure frees nothing)."""
         if not in_task:
-            return now >= self._give_way_until
+            return now >= self._give_way_until and not any(self._waiters.values())
         others = len(self._waiters) > 1
         if others and self.may_give_way is not None and not self.may_give_way():
             return False
@@ -445,10 +448,14 @@ class DeviceSpillStore(MutableMapping):
         :meth:`spill_until` gave way to others."""
         if getattr(self._local, "gave_way", False) and key is not None:
             self._local.gave_way = False
-            with self._lock:
-                self.gave_way[key] = nbytes
-                if len(self.gave_way) > 1024:  # run again elsewhere: never asked for here
-                    self.gave_way.popitem(last=False)
+            self._note(self.gave_way, key, nbytes)
+
+    def _note(self, keys: OrderedDict, key: Hashable, nbytes: int) -> None:
+        """``keys[key] = nbytes``, the oldest of 1024 out (its task runs elsewhere now)."""
+        with self._lock:
+            keys[key] = nbytes
+            if len(keys) > 1024:
+                keys.popitem(last=False)
 
     def _referenced(self, device: int | None, keys: tuple | None = None) -> tuple[Hashable, ...]:
         """Keys of stored device values (of ``device``, or those of ``keys`` still stored) that

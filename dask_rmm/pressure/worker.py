@@ -116,7 +116,7 @@ class WorkerPressure:
         worker.memory_manager.data = self.store
         worker.state.data = self.store
         self._worker = worker
-        self.store.running_tasks = lambda: len(worker.state.executing)
+        self.store.running_tasks = lambda: len(worker.active_threads)
         if self.spill_on_oom:
             for device, dp in self.devices.items():  # library caches out of memory spill too
                 caches.set_oom_handler(device, dp.spill_for_cache)
@@ -200,9 +200,7 @@ class WorkerPressure:
                     self.counters.set_paused(dp.device, dp.should_pause())
             worker.status = Status.paused
             self._paused_by_us = True
-            # distributed's host-memory monitor resumes any paused worker whose host memory is
-            # low (every 100 ms, logging each time): it leaves a device pause alone until ours
-            # ends (distributed has no pause of its own for other reasons).
+            # distributed's host-memory monitor would resume it: off until ours ends (no door)
             mm = worker.memory_manager
             if mm.memory_pause_fraction is not False:
                 self._host_pause, mm.memory_pause_fraction = mm.memory_pause_fraction, False

@@ -155,17 +155,17 @@ class WorkerAdmission:
             return
 
     def _after_error(self, key: Hashable, account: list[int] | None) -> None:
-        """PyTorch's own device out-of-memory error (not a host one, nor one of an allocation
-        through the stack, which made room and retried in place), or an allocation that gave
-        way to the tasks beside it (``DeviceSpillStore.gave_way``): room is made and the task
-        runs once more (the scheduler's ``retries``, asked for on :data:`TOPIC` before the
-        error reaches it)."""
+        """PyTorch's own device out-of-memory error (not a host one, nor the stack's: retried in
+        place), a give-way (``DeviceSpillStore.gave_way``), or an input with no room to come back
+        (``.unread``: the task did not start): room is made, the task runs once more (the
+        scheduler's ``retries``, asked for on :data:`TOPIC` before the error reaches it)."""
         gave_way = self.pressure.store.gave_way.pop(key, None)  # taken whatever happens next
-        ts = self.worker.state.tasks.get(key)  # type: ignore[call-overload]
+        ts, pending = self.worker.state.tasks.get(key), self.pressure.store.unread  # type: ignore
+        unread = [pending.pop(d.key) for d in getattr(ts, "dependencies", ()) if d.key in pending]
         if ts is None or not self.retry or (ts.annotations or {}).get("gpu_retry", True) is False:
             return
         requested = _device_out_of_memory(ts)
-        if requested is None and gave_way is None:
+        if requested is None and gave_way is None and not unread:
             return
         if key in self._retried:
             self._retried.discard(key)
@@ -173,10 +173,11 @@ class WorkerAdmission:
         if len(self._retried) > 1024:  # retried elsewhere: never seen again here
             self._retried.clear()
         self._retried.add(key)
-        need = max(requested or 0, account[1] if account else 0)
+        need = max(requested or 0, account[1] if account else 0, sum(unread))
         if gave_way is not None:  # it needs what it held and asked for: it runs when that fits
             prefix = task_prefix(key)
             self.worker.log_event(TOPIC, {"peaks": {prefix: self.peaks.observe(prefix, gave_way)}})
+        if gave_way is not None or unread:
             self._charge_running()
         self.worker.log_event(TOPIC, {"retry": key})
         self._count("task_retries")
@@ -186,9 +187,11 @@ class WorkerAdmission:
             key,
             "gave way to the tasks beside it, all waiting for device memory"
             if gave_way is not None
+            else "found no device memory to bring its inputs back to (it had not started)"
+            if unread
             else "ran out of device memory in PyTorch's allocator",
         )
-        library = "torch" if gave_way is None else "the stack"
+        library = "torch" if gave_way is None and not unread else "the stack"
         loop = asyncio.get_running_loop()
         for device in list(self.pressure.devices):  # spilling, empty_cache: not on the loop
             loop.run_in_executor(None, functools.partial(make_room, device, need, library=library))
@@ -294,9 +297,8 @@ class WorkerAdmission:
         from distributed.worker_state_machine import UnpauseEvent
 
         if self.worker.status == Status.running:
-            self.worker.handle_stimulus(
-                UnpauseEvent(stimulus_id=f"dask-rmm-admission-{time.time()}")
-            )
+            event = UnpauseEvent(stimulus_id=f"dask-rmm-admission-{time.time()}")
+            self.worker.handle_stimulus(event)
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -358,7 +358,7 @@ def test_an_allocation_waits_for_a_running_task_that_frees_nothing_for_a_while()
     th.join(30)
     assert buf.size == 2 * MiB and wp.oom_events() == []
     assert waited >= 0.4  # it did wait for the task's end
-    assert store._waiters == set()
+    assert store._waiters == {}
 
 
 @pytest.mark.parametrize("in_task", [True, False])
@@ -400,19 +400,17 @@ def test_a_tasks_allocation_waits_while_memory_keeps_changing_past_the_wait_limi
         assert waited >= 0.8  # past three wait_limits, while the frees came
     else:
         assert buf is None and waited < 0.8 and len(wp.oom_events()) == 1
-    assert store._waiters == set()
+    assert store._waiters == {}
 
 
 def test_the_event_loops_wait_waits_for_a_running_task_and_takes_no_turn_to_give_way():
-    """The event loop bringing an input back (no task on its thread) while one task runs and
-    holds the memory: the loop's wait is not a task waiting, so the running task may still free
-    (it waits for it), and when it does give up it takes no give-way turn from the tasks (its
-    failure frees nothing). Before, the loop counted as a waiting task: with every running task
-    \"waiting\" it gave up after ``wait_retries`` quiet polls, and took the turn."""
+    """The event loop bringing an input back (no task on its thread: the reading task executes
+    meanwhile) while another task holds the memory and runs: the loop waits for it. Its wait
+    takes no give-way turn (its failure frees nothing)."""
     wp, top = pressure_stack(4 * MiB, spill_on_oom=True, task_key=_thread_task)
     store = wp.store
     store.wait_retries, store.wait_limit = 5, 30.0
-    running = set()
+    running = set()  # the task whose input the loop brings back has no thread yet
     store.running_tasks = lambda: len(running)
     holding = threading.Event()
 
@@ -430,7 +428,40 @@ def test_the_event_loops_wait_waits_for_a_running_task_and_takes_no_turn_to_give
     buf = DeviceBuffer(size=2 * MiB)  # on the main thread: the event loop's read-back
     th.join(30)
     assert buf.size == 2 * MiB and wp.oom_events() == []
-    assert store._give_way_until == 0.0 and store._waiters == set()
+    assert store._give_way_until == 0.0 and store._waiters == {}
+
+
+def test_of_a_task_and_the_event_loop_waiting_for_each_other_the_task_gives_way():
+    """A task holding 3 MiB of a 4 MiB pool and needing 1.5 MiB more, and the event loop bringing
+    back another task's 2 MiB input: each waits for what the other would free. The task gives
+    way (noted for a run again) and the loop's read-back then gets its memory. Before, the loop
+    could take the give-way turn itself, failing its task and freeing nothing."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True, task_key=_thread_task)
+    store = wp.store
+    store.wait_retries, store.wait_limit = 5, 30.0
+    running = {"holder"}  # the reading task has no thread yet
+    store.running_tasks = lambda: len(running)
+    holding, failed = threading.Event(), []
+
+    def task():
+        tmp = DeviceBuffer(size=3 * MiB)
+        holding.set()
+        time.sleep(0.05)  # the loop waits first
+        try:
+            DeviceBuffer(size=MiB + MiB // 2)
+        except MemoryError:
+            failed.append(True)
+        finally:
+            del tmp
+            running.discard("holder")
+
+    th = threading.Thread(target=task, name="holder")
+    th.start()
+    holding.wait(30)
+    buf = DeviceBuffer(size=2 * MiB)  # the event loop's read-back
+    th.join(30)
+    assert buf.size == 2 * MiB and failed == [True]
+    assert list(store.gave_way) == ["holder"] and store._waiters == {}
 
 
 def test_allocations_that_wait_for_each_other_give_up():
@@ -464,7 +495,7 @@ def test_allocations_that_wait_for_each_other_give_up():
     assert sorted(results) == [0, 1]
     assert all(took < 30 for _, took in results.values())  # not the minute of wait_limit
     del held
-    assert store._waiters == set()
+    assert store._waiters == {}
 
 
 @pytest.mark.parametrize("spill_on_oom", [True, False])
@@ -530,7 +561,7 @@ def test_of_tasks_waiting_for_each_others_memory_one_gives_way_and_the_others_go
         th.join(60)
     assert len(failed) == 1, failed
     assert list(store.gave_way) == [f"task-{failed[0]}"]
-    assert store._waiters == set()
+    assert store._waiters == {}
 
 
 def test_an_allocation_holding_a_lock_its_spill_needs_fails_instead_of_stalling(caplog):

@@ -364,6 +364,31 @@ async def test_tasks_that_wait_for_each_others_memory_complete_one_giving_way_an
     assert not admission_of(a).pressure.store.gave_way  # taken by the run again
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config=CONFIG)
+async def test_a_task_whose_spilled_input_finds_no_room_to_come_back_runs_again(c, s, a):
+    """A task of a learned 2 MiB reads a spilled 2 MiB input while a task of an unknown prefix
+    holds 6 of the 8 MiB (no amount: its budget looks free): the input cannot come back, so the
+    task fails before it starts. It runs once more (nothing of it ran), waiting until the holder
+    ends, and then reads its input back. Before, the task failed for good."""
+    await c.register_plugin(RMMPlugin(**POOL, memory_admission=True, spill_on_oom=True))
+    store = admission_of(a).pressure.store
+    small = c.submit(make, 64, key="input-100")
+    assert await c.submit(hold_with, small, 2 * MiB, -1, False, key="holdin-100") == -1
+    x = c.submit(make, 2 * MiB, key="input-0")
+    await wait(x)
+    holder = c.submit(hold, 6 * MiB, 0, key="unknown-0")  # spills input-0 to make room
+    await until(lambda: RUNS["unknown-0"] == 1 and "input-0" in store.spilled_keys(), "spilled")
+    store.wait_limit = 0.3  # the read-back's wait, on the event loop
+    future = c.submit(hold_with, x, 2 * MiB, 1, False, key="holdin-1")
+    await until(lambda: admission_of(a).pressure.metrics()[0].task_retries == 1, "a retry")
+    assert future.status == "pending" and not store.unread
+    HOLD.set()
+    assert await future == 1 and await holder == 0
+    assert RUNS["holdin-1"] == 1  # its first try never started
+    m = admission_of(a).pressure.metrics()[0]
+    assert (m.task_retries, m.task_retries_succeeded) == (1, 1)
+
+
 def test_the_oom_retry_option_means_the_same_everywhere():
     from dask_rmm.preload import PROG, dask_setup, plugin_from_flags
     from dask_rmm.stack.options import RMMOptions
