@@ -122,17 +122,18 @@ def merge_graph(tag: str, parts: int, buckets: int = 4) -> list:
     ]
 
 
-#: Outputs of the merge below: 32 MiB, 1.8x the limit (and 1.3x the pool): spilled to complete.
-MERGE_POOL = dict(SHORT_POOL, pool_size="24MiB", maximum_pool_size="24MiB")
-MERGE_POOL["device_memory_limit"] = "18MiB"
+#: The merge below: 32 MiB of outputs, twice the pool, spilled to complete.
+MERGE_POOL = dict(SHORT_POOL, device_memory_limit="12MiB")
 
 
 def test_an_out_of_core_merge_completes_under_admission_after_a_warm_up():
     """The shape of bench/ooc_merge.py on host memory: 16 parts of 2 MiB (6 MiB at a part's
-    peak) split into 4 buckets and joined, 8 threads, a 24 MiB pool with an 18 MiB limit. A warm-up of 2 parts teaches the peaks; the merge then completes.
-    Before, admission counted a split's growth but not its 2 MiB input, ran six at once, and
-    their inputs' read-backs failed (every round, in about 6 s). (Under a CPU load a read-back
-    can still meet the pool's blocks in pieces: that task runs again, it had not started.)"""
+    peak) split into 4 buckets and joined, 8 threads, a 16 MiB pool with a 12 MiB limit. A
+    warm-up of 2 parts teaches the peaks; the merge then completes. It failed every run on the
+    code of 2026-12-07 (admission counted a split's growth but not its 2 MiB input and ran six
+    at once; their inputs' read-backs failed, and a read-back's task did not run again). Under
+    a heavy CPU load a read-back can still meet the pool's blocks in pieces: that task runs
+    again (it had not started)."""
     with local_process_cluster(n_workers=1, threads_per_worker=8) as (cluster, client):
         client.register_plugin(RMMPlugin(**MERGE_POOL, memory_admission=True))
         assert client.compute(merge_graph("w0", 2), sync=True) == [2 * MiB // 4] * 4
