@@ -1,11 +1,11 @@
 """Memory admission on a Dask worker, through distributed's worker resources: the worker supplies
 its device budget as the resource :data:`~dask_rmm.pressure.admission.RESOURCE`, the scheduler
-gives each GPU task its expected peak as a restriction (:mod:`dask_rmm.scheduler.admission`),
-and the state machine keeps a task ``constrained`` until it fits (docs/memory-pressure.md).
+(:mod:`dask_rmm.scheduler.admission`) gives each GPU task its expected peak plus its inputs'
+bytes as a restriction, and the state machine keeps a task ``constrained`` until it fits.
 Here: peaks learned as tasks finish (sampled every :data:`TICK` and after CuPy's allocations)
 and sent to the scheduler; a seceding task's budget given back; a stalled wait ended after
 :data:`STALL_SECONDS`; a task failed by PyTorch's own allocator (or that gave way to the tasks
-beside it) run once more after room is made (unless ``oom_retry`` is off or the task is
+beside it, or whose input found no room to come back) run once more after room is made (unless ``oom_retry`` is off or the task is
 annotated ``gpu_retry=False``).
 """
 
