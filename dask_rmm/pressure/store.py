@@ -115,7 +115,7 @@ class DeviceSpillStore(MutableMapping):
         #: memory admission runs them once more), and whether this thread's task may give way.
         self.gave_way: OrderedDict[Hashable, int] = OrderedDict()
         self.may_give_way: Callable[[], bool] | None = None
-        #: Key -> bytes of spilled outputs whose read-back failed (admission runs the reader again).
+        #: Key -> bytes of spilled outputs whose last read-back failed (their readers run again).
         self.unread: OrderedDict[Hashable, int] = OrderedDict()
         #: Seconds to wait for another thread's spilling (it may wait for a lock this one holds).
         self.spill_lock_wait = 10.0
@@ -217,6 +217,7 @@ class DeviceSpillStore(MutableMapping):
         finally:
             self._local.reading = None
         with self._lock:
+            self.unread.pop(key, None)
             if self._spilled.get(key) == spilled:
                 self._device[key] = value
                 self._lru[key] = _entry(device_allocations(value), device, nbytes)

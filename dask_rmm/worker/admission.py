@@ -161,7 +161,7 @@ class WorkerAdmission:
         scheduler's ``retries``, asked for on :data:`TOPIC` before the error reaches it)."""
         gave_way = self.pressure.store.gave_way.pop(key, None)  # taken whatever happens next
         ts, pending = self.worker.state.tasks.get(key), self.pressure.store.unread  # type: ignore
-        unread = [pending.pop(d.key) for d in getattr(ts, "dependencies", ()) if d.key in pending]
+        unread = [pending[d.key] for d in getattr(ts, "dependencies", ()) if d.key in pending]
         if ts is None or not self.retry or (ts.annotations or {}).get("gpu_retry", True) is False:
             return
         requested = _device_out_of_memory(ts)

@@ -381,9 +381,10 @@ async def test_a_task_whose_spilled_input_finds_no_room_to_come_back_runs_again(
     store.wait_limit = 0.3  # the read-back's wait, on the event loop
     future = c.submit(hold_with, x, 2 * MiB, 1, False, key="holdin-1")
     await until(lambda: admission_of(a).pressure.metrics()[0].task_retries == 1, "a retry")
-    assert future.status == "pending" and not store.unread
+    assert future.status == "pending" and list(store.unread) == ["input-0"]
     HOLD.set()
     assert await future == 1 and await holder == 0
+    assert not store.unread  # read back at last
     assert RUNS["holdin-1"] == 1  # its first try never started
     m = admission_of(a).pressure.metrics()[0]
     assert (m.task_retries, m.task_retries_succeeded) == (1, 1)
