@@ -4,9 +4,9 @@ its device budget as the resource :data:`~dask_rmm.pressure.admission.RESOURCE`,
 bytes as a restriction, and the state machine keeps a task ``constrained`` until it fits.
 Here: peaks learned as tasks finish (sampled every :data:`TICK` and after CuPy's allocations)
 and sent to the scheduler; a seceding task's budget given back; a stalled wait ended after
-:data:`STALL_SECONDS`; a task failed by PyTorch's own allocator (or that gave way to the tasks
-beside it, or whose input found no room to come back) run once more after room is made (unless ``oom_retry`` is off or the task is
-annotated ``gpu_retry=False``).
+:data:`STALL_SECONDS`; a task failed by PyTorch's own allocator, that gave way to the tasks
+beside it, or whose input found no room to come back, run once more after room is made
+(unless ``oom_retry`` is off or the task is annotated ``gpu_retry=False``).
 """
 
 from __future__ import annotations
