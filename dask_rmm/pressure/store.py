@@ -192,6 +192,7 @@ class DeviceSpillStore(MutableMapping):
 
     def _forget(self, key: Hashable) -> None:
         """Drop ``key`` wherever it is (lock held)."""
+        self.unread.pop(key, None)  # a later task of that key's readers is not a read-back's
         if key in self._device:
             del self._device[key]
             del self._lru[key]

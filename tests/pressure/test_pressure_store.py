@@ -659,6 +659,28 @@ def test_oom_while_reading_back_names_the_key():
     check_buffer(store["old"], 1)
 
 
+def test_a_failed_read_back_is_noted_until_the_output_comes_back_or_goes():
+    """``unread`` (its readers run again under admission) holds a key whose read-back failed
+    until the output comes back, and forgets it when the output is deleted or replaced, so
+    that a later reader of that key failing for its own reasons is not taken for one."""
+    wp, top = pressure_stack(4 * MiB, spill_on_oom=True)
+    store = wp.store
+    for gone in (False, True):
+        store["old"] = patterned_buffer(MiB, 1)
+        store["new"] = patterned_buffer(3 * MiB + MiB // 2, 2)  # spills "old"
+        held = store["new"]
+        with pytest.raises(OutOfMemoryError):
+            store["old"]
+        assert dict(store.unread) == {"old": MiB}
+        del held
+        if gone:
+            del store["old"]
+        else:
+            check_buffer(store["old"], 1)
+        assert not store.unread
+        del store["new"]
+
+
 def test_a_growing_pool_whose_upstream_is_full_gets_chunks_back():
     from dask_rmm import mr
     from dask_rmm.pressure.worker import WorkerPressure
